@@ -1,0 +1,186 @@
+"""The braid pattern: how compute ops decompose into units and how two ops interleave.
+
+Defined once here; the simulator and the executor both walk the step lists this module
+returns, so a prediction and a measurement follow the same unit order.
+
+Units of one transformer layer (paper Sec. 3, Fig. 2-3):
+
+=========  =====================================  ===========================================
+unit       forward (F)                            activation backward (B)
+=========  =====================================  ===========================================
+pre_attn   RMSNorm, QKV projection (column-par.)  QKV input-grad -> **AR** (operator f)
+attn       attention, out-proj (row-par.) +       attention / out-proj input-grads (no AR);
+           residual/t -> **AR** (operator g)      starts by finishing the norm's backward
+pre_mlp    RMSNorm, gate/up projection (col.)     gate/up input-grad -> **AR** (operator f)
+mlp        SwiGLU, down-proj (row-par.) +         SwiGLU / down-proj input-grads (no AR)
+           residual/t -> **AR** (operator g)
+=========  =====================================  ===========================================
+
+The first virtual stage also has an ``embed`` unit (vocab-parallel embedding, AR in
+forward), the last a ``head`` unit (final norm, vocab-parallel LM head and loss; AR of the
+input gradient in backward). A ``W`` op has the same units, weight gradients only, no AR.
+
+**The rule both interpreters follow.** A task with ``ar=True`` starts a TP all-reduce of
+its output on the communication stream as it ends. The next F or B task *of the same op*
+waits for that all-reduce before it starts (W tasks never wait: they read stashed
+tensors, not the reduced result). Every all-reduce of an instruction is complete when the
+instruction ends. With ``tp == 1`` there are no all-reduces.
+
+**Segments and braiding.** An op's task list is cut into *segments*: after every task that
+starts an all-reduce, and for W every two units (half a layer, matching the forward's
+all-reduce spacing). A braided block alternates segments -- ``a0 b0 a1 b1 ...`` -- then
+runs what is left of the longer op. So each all-reduce of one op is in flight while the
+other op's next segment computes. A full backward (``BW``) runs each unit's weight
+gradient right after its activation gradient, so its own all-reduces hide behind W work.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from braid.ir import Braided, Compute, Instruction, OpKind
+
+
+class Unit(str, enum.Enum):
+    EMBED = "embed"
+    PRE_ATTN = "pre_attn"
+    ATTN = "attn"
+    PRE_MLP = "pre_mlp"
+    MLP = "mlp"
+    HEAD = "head"
+
+
+LAYER_UNITS: tuple[Unit, ...] = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)
+# Units that end with a TP all-reduce, per phase.
+_AR_FORWARD = frozenset({Unit.EMBED, Unit.ATTN, Unit.MLP})
+_AR_BACKWARD = frozenset({Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD})
+
+
+class Phase(str, enum.Enum):
+    F = "F"  # forward
+    B = "B"  # activation gradient
+    W = "W"  # weight gradient
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSpec:
+    """What one model chunk (virtual stage) contains, as far as scheduling cares.
+
+    ``layers``: transformer layers in the chunk (0 allowed for a chunk that holds only the
+    embedding or only the head); ``embed``/``head``: whether it is the first/last stage.
+    """
+
+    layers: int
+    embed: bool = False
+    head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layers < 0:
+            raise ValueError(f"ChunkSpec.layers must be >= 0, got {self.layers}")
+        if self.layers == 0 and not (self.embed or self.head):
+            raise ValueError("a chunk needs at least one layer, the embedding or the head")
+
+
+@dataclass(frozen=True, slots=True)
+class UnitTask:
+    """One unit of work. ``layer`` is the chunk-local layer index (-1 for embed/head)."""
+
+    phase: Phase
+    unit: Unit
+    layer: int
+    ar: bool  # starts a TP all-reduce of its output when it ends
+
+    @property
+    def waits_ar(self) -> bool:
+        """Whether it waits for its op's pending all-reduce before it starts."""
+        return self.phase is not Phase.W
+
+    @property
+    def label(self) -> str:
+        where = f"L{self.layer}." if self.layer >= 0 else ""
+        return f"{self.phase.value}:{where}{self.unit.value}"
+
+
+def _forward_tasks(spec: ChunkSpec) -> list[UnitTask]:
+    out = []
+    if spec.embed:
+        out.append(UnitTask(Phase.F, Unit.EMBED, -1, True))
+    for layer in range(spec.layers):
+        out += [UnitTask(Phase.F, u, layer, u in _AR_FORWARD) for u in LAYER_UNITS]
+    if spec.head:
+        out.append(UnitTask(Phase.F, Unit.HEAD, -1, False))
+    return out
+
+
+def _backward_units(spec: ChunkSpec) -> list[tuple[Unit, int]]:
+    out: list[tuple[Unit, int]] = []
+    if spec.head:
+        out.append((Unit.HEAD, -1))
+    for layer in reversed(range(spec.layers)):
+        out += [(u, layer) for u in reversed(LAYER_UNITS)]
+    if spec.embed:
+        out.append((Unit.EMBED, -1))
+    return out
+
+
+def unit_tasks(kind: OpKind, spec: ChunkSpec) -> list[UnitTask]:
+    """The ordered unit tasks of one compute op on a chunk."""
+    if kind is OpKind.F:
+        return _forward_tasks(spec)
+    units = _backward_units(spec)
+    if kind is OpKind.B:
+        return [UnitTask(Phase.B, u, l, u in _AR_BACKWARD) for u, l in units]
+    if kind is OpKind.W:
+        return [UnitTask(Phase.W, u, l, False) for u, l in units]
+    # BW: each unit's weight gradient right after its activation gradient.
+    out = []
+    for u, l in units:
+        out.append(UnitTask(Phase.B, u, l, u in _AR_BACKWARD))
+        out.append(UnitTask(Phase.W, u, l, False))
+    return out
+
+
+def segments(tasks: Sequence[UnitTask]) -> list[list[UnitTask]]:
+    """Cut a task list after every all-reduce, and W-only runs every two units."""
+    segs: list[list[UnitTask]] = []
+    cur: list[UnitTask] = []
+    for t in tasks:
+        cur.append(t)
+        w_run = all(x.phase is Phase.W for x in cur)
+        if t.ar or (w_run and len(cur) == 2):
+            segs.append(cur)
+            cur = []
+    if cur:
+        segs.append(cur)
+    return segs
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One unit task of one member of an instruction (``member`` 0 or 1 of a braided block)."""
+
+    member: int
+    op: Compute
+    task: UnitTask
+
+
+def steps(instr: Instruction, spec_of) -> list[Step]:
+    """The unit-level steps of a compute instruction, in execution order.
+
+    ``spec_of(chunk) -> ChunkSpec`` describes the rank's local chunks. A plain op yields its
+    tasks in order; a braided block alternates the segments of its two ops.
+    """
+    if isinstance(instr, Compute):
+        return [Step(0, instr, t) for t in unit_tasks(instr.kind, spec_of(instr.chunk))]
+    if not isinstance(instr, Braided):
+        raise TypeError(f"{instr} is not a compute instruction")
+    segs = [segments(unit_tasks(op.kind, spec_of(op.chunk))) for op in instr.ops]
+    out: list[Step] = []
+    for i in range(max(len(segs[0]), len(segs[1]))):
+        for member in (0, 1):
+            if i < len(segs[member]):
+                op = instr.ops[member]
+                out += [Step(member, op, t) for t in segs[member][i]]
+    return out

@@ -1,0 +1,131 @@
+"""One trace format for simulated and measured runs.
+
+A trace is a list of timed events, each on one *lane* of one rank, plus a per-rank memory
+series. The simulator writes it from predictions, the executor from measurements (CUDA
+events on GPU, wall clock on CPU), and the viewer reads either. Times are seconds from the
+start of the step; memory is bytes of activation (simulated) or allocated (measured).
+
+File layout (JSON)::
+
+    {"format": "braid-trace/1",
+     "traces": [
+       {"meta": {"schedule": "braided_v", "source": "simulated" | "measured", ...,
+                 "summary": {...optional report...}},
+        "events": [{"rank": 0, "lane": "compute", "name": "F3c0", "kind": "F",
+                    "mb": 3, "chunk": 0, "start": 0.0, "dur": 0.001,
+                    "unit": "L0.attn" | null, "block": "F3c0&B1c0" | null,
+                    "op_index": 7, "peer": null}, ...],
+        "memory": {"0": [[t, bytes], ...], ...}}]}
+
+``kind`` is one of F, B, W (compute units; a unit of a full backward is B or W), AR (TP
+all-reduce), SEND, RECV (P2P), OFFLOAD, RELOAD (host copies). ``block`` is the text of the
+braided instruction an event belongs to, so both halves of a block can be paired.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+FORMAT = "braid-trace/1"
+LANES: tuple[str, ...] = ("compute", "tp-comm", "p2p", "copy")
+KINDS: tuple[str, ...] = ("F", "B", "W", "AR", "SEND", "RECV", "OFFLOAD", "RELOAD")
+
+
+class TraceError(ValueError):
+    """A trace file that is missing, not JSON, or not of the braid trace schema."""
+
+
+@dataclass(slots=True)
+class Event:
+    rank: int
+    lane: str
+    name: str
+    kind: str
+    start: float
+    dur: float
+    mb: int | None = None
+    chunk: int | None = None
+    unit: str | None = None
+    block: str | None = None
+    op_index: int | None = None
+    peer: int | None = None
+
+    @property
+    def end(self) -> float:
+        return self.start + self.dur
+
+
+@dataclass(slots=True)
+class Trace:
+    meta: dict[str, Any]
+    events: list[Event]
+    memory: dict[int, list[tuple[float, int]]] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events} | set(self.memory))
+
+    @property
+    def step_time(self) -> float:
+        return max((e.end for e in self.events), default=0.0)
+
+    def peak_memory(self, rank: int) -> int:
+        return max((b for _, b in self.memory.get(rank, [])), default=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "meta": self.meta,
+            "events": [asdict(e) for e in self.events],
+            "memory": {str(r): [[t, b] for t, b in s] for r, s in sorted(self.memory.items())},
+        }
+
+    @staticmethod
+    def from_dict(d: Any, where: str = "trace") -> "Trace":
+        if not isinstance(d, dict) or "events" not in d or not isinstance(d["events"], list):
+            raise TraceError(f"{where}: expected an object with an 'events' list")
+        events = []
+        for i, e in enumerate(d["events"]):
+            try:
+                ev = Event(**e)
+            except TypeError as err:
+                raise TraceError(f"{where}: event {i} does not match the schema ({err})") from None
+            if ev.lane not in LANES:
+                raise TraceError(f"{where}: event {i} has lane {ev.lane!r}; valid lanes: {', '.join(LANES)}")
+            if ev.kind not in KINDS:
+                raise TraceError(f"{where}: event {i} has kind {ev.kind!r}; valid kinds: {', '.join(KINDS)}")
+            if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (ev.start, ev.dur)) or ev.dur < 0:
+                raise TraceError(f"{where}: event {i} needs finite numeric start and non-negative dur")
+            events.append(ev)
+        memory: dict[int, list[tuple[float, int]]] = {}
+        for r, series in (d.get("memory") or {}).items():
+            try:
+                memory[int(r)] = [(float(t), int(b)) for t, b in series]
+            except (TypeError, ValueError):
+                raise TraceError(f"{where}: memory series of rank {r!r} must be [[time, bytes], ...]") from None
+        return Trace(dict(d.get("meta") or {}), events, memory)
+
+
+def dump_traces(traces: Iterable[Trace], path: str | Path) -> None:
+    """Write one or more traces to a JSON file."""
+    Path(path).write_text(json.dumps({"format": FORMAT, "traces": [t.to_dict() for t in traces]}))
+
+
+def load_traces(path: str | Path) -> list[Trace]:
+    """Read a trace file; any problem becomes one :class:`TraceError` naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise TraceError(f"{p}: no such trace file")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise TraceError(f"{p}: not valid JSON ({err})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        got = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise TraceError(f"{p}: not a braid trace (format={got!r}, expected {FORMAT!r})")
+    if not isinstance(d.get("traces"), list) or not d["traces"]:
+        raise TraceError(f"{p}: 'traces' must be a non-empty list")
+    return [Trace.from_dict(t, where=f"{p}: trace {i}") for i, t in enumerate(d["traces"])]

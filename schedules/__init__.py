@@ -1,0 +1,7 @@
+"""Schedule generators: pure, torch-free functions from a config to a :class:`braid.ir.Plan`.
+
+Use :func:`build` (``build("braided_v", p=4, m=12)``) or :func:`get_schedule`; the names
+are listed by :func:`names`.
+"""
+
+from schedules.registry import ScheduleSpec, build, get_schedule, names, register  # noqa: F401
