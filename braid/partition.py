@@ -36,11 +36,17 @@ def split_layers(num_layers: int, num_stages: int, last_stage_lighter: int = 0, 
         return tuple(counts)
     if last_stage_lighter < 0:
         raise ValueError(f"last_stage_lighter must be >= 0, got {last_stage_lighter}")
-    # Even share s with the last stage holding s - lighter: (rest - 1) * s + s - lighter = remaining.
-    total = remaining + last_stage_lighter
-    base, extra = divmod(total, rest_stages)
-    shares = [base + (1 if i < extra else 0) for i in range(rest_stages)]
-    shares[-1] -= last_stage_lighter
+    # Even share s over all stages, the last one holding s - lighter (s rounded up, so the
+    # lightened stage is not lighter than asked), the rest spread with extras first.
+    last = -(-(remaining + last_stage_lighter) // rest_stages) - last_stage_lighter if last_stage_lighter else None
+    if last is None:
+        base, extra = divmod(remaining, rest_stages)
+        shares = [base + (1 if i < extra else 0) for i in range(rest_stages)]
+    elif rest_stages == 1:
+        shares = [remaining]
+    else:
+        base, extra = divmod(remaining - last, rest_stages - 1)
+        shares = [base + (1 if i < extra else 0) for i in range(rest_stages - 1)] + [last]
     if min(shares) < 1 and not (rest_stages == 1 and shares[0] >= 0):
         raise ValueError(
             f"cannot split {num_layers} layers over {num_stages} stages"
