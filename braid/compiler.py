@@ -1,0 +1,453 @@
+"""Compile a :class:`~braid.ir.Plan` into per-rank :class:`~braid.ir.Program`s, and validate them.
+
+Lowering inserts the point-to-point communication a plan implies: for every dependency
+that crosses ranks (F(mb, s) needs F(mb, s-1); B(mb, s) needs B(mb, s+1)) a ``Send`` after
+the producer on one rank and a matching ``Recv`` before the consumer on the other. A
+hand-off between two chunks of the same rank needs none.
+
+**Why the order cannot deadlock.** The compiler list-schedules the plan once with unit
+op times (F=B=W=1, BW=2, a braided block the sum of its members), which gives every
+compute op a start time. Each send/recv pair becomes one *rendezvous event* whose key is
+``(end of the producer, 0, sender, ...)``; each compute op has the key
+``(start, 1, rank, index)``. Every rank's program is its events sorted by key. So all
+programs are projections of one global total order in which a producer precedes its
+send (its end is after its start) and a receive precedes its consumer (the consumer
+starts after the producer ends). Under blocking (rendezvous) semantics, and under the
+executor's semantics where a run of consecutive comm instructions is one batch, the
+globally earliest unfinished event always has both sides waiting on it, so it completes:
+no deadlock. The validator checks the result independently: it builds the cross-rank
+dependency graph with matched send/recv pairs contracted to one node and proves it is a
+DAG with networkx.
+
+**Activation accounting.** Counted in *chunk-activations* (M_a: the saved activations of
+one micro-batch on one chunk): an F holds one from its start; a B or BW releases it; a W
+does not change the count (the small residual W needs is accounted in bytes by the
+simulator's cost model). A braided block holds its forward's activation while its
+backward member still holds the other one, so it counts both. ``peak`` is the largest
+count while any op runs, i.e. the memory high-water mark an allocator would see.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import networkx as nx
+
+from braid.ir import (
+    Braided,
+    CommKind,
+    Compute,
+    Instruction,
+    Offload,
+    OpKind,
+    Plan,
+    Program,
+    Recv,
+    Reload,
+    Send,
+    compute_ops,
+)
+
+UNIT_TIME = {OpKind.F: 1, OpKind.B: 1, OpKind.W: 1, OpKind.BW: 2}
+
+
+class ScheduleError(ValueError):
+    """A plan or program that breaks a rule; names the rank, the op and the rule."""
+
+    def __init__(self, rule: str, message: str, rank: int | None = None, index: int | None = None,
+                 instr: str | None = None, grid: str | None = None) -> None:
+        self.rule, self.rank, self.index, self.instr, self.grid = rule, rank, index, instr, grid
+        where = ""
+        if rank is not None:
+            where = f"rank {rank}"
+            if index is not None:
+                where += f", op {index}"
+            if instr is not None:
+                where += f" ({instr})"
+            where += ": "
+        super().__init__(f"{where}{message} [rule: {rule}]")
+
+
+# --------------------------------------------------------------------------------------
+# Dependencies of compute ops
+# --------------------------------------------------------------------------------------
+OpId = tuple[OpKind, int, int]  # (kind, mb, stage) -- B and BW share the id (OpKind.B)
+
+
+def _op_id(op: Compute, plan: Plan, rank: int) -> OpId:
+    kind = OpKind.B if op.kind is OpKind.BW else op.kind
+    return (kind, op.mb, plan.stage_of(rank, op.chunk))
+
+
+def _deps(op: Compute, plan: Plan, rank: int) -> list[OpId]:
+    """Ops that must finish before ``op`` can start."""
+    s = plan.stage_of(rank, op.chunk)
+    last = plan.num_stages - 1
+    if op.kind is OpKind.F:
+        return [(OpKind.F, op.mb, s - 1)] if s > 0 else []
+    if op.kind is OpKind.W:
+        return [(OpKind.B, op.mb, s)]
+    deps = [(OpKind.F, op.mb, s)]
+    if s < last:
+        deps.append((OpKind.B, op.mb, s + 1))
+    return deps
+
+
+def _check_plan_ops(plan: Plan) -> None:
+    """Each (mb, chunk) on each rank: one F and either one BW or one B and one W."""
+    p, m, v = plan.p, plan.m, plan.v
+    for rank, ops in enumerate(plan.ranks):
+        seen: dict[tuple[OpKind, int, int], int] = {}
+        for idx, instr in enumerate(ops):
+            if not isinstance(instr, (Compute, Braided)):
+                raise ScheduleError("compute-only", "a plan holds compute instructions only; comm is inserted by the compiler",
+                                    rank, idx, str(instr))
+            for op in compute_ops(instr):
+                if not (0 <= op.mb < m):
+                    raise ScheduleError("mb-range", f"micro-batch {op.mb} outside 0..{m - 1}", rank, idx, str(instr))
+                if not (0 <= op.chunk < v):
+                    raise ScheduleError("chunk-range", f"chunk {op.chunk} outside 0..{v - 1}", rank, idx, str(instr))
+                key = (op.kind, op.mb, op.chunk)
+                if key in seen:
+                    raise ScheduleError("unique-op", f"{op} appears twice (first at op {seen[key]})", rank, idx, str(instr))
+                seen[key] = idx
+        for mb in range(m):
+            for chunk in range(v):
+                has = {k for k in OpKind if (k, mb, chunk) in seen}
+                if has not in ({OpKind.F, OpKind.BW}, {OpKind.F, OpKind.B, OpKind.W}):
+                    missing = "F" if OpKind.F not in has else ("BW, or B and W" if not has - {OpKind.F} else
+                                                              "a consistent backward (BW alone, or B with W)")
+                    raise ScheduleError("op-counts", f"(mb {mb}, chunk {chunk}) has {sorted(k.value for k in has)}; "
+                                        f"needs F and {missing}", rank)
+    if p < 1:
+        raise ScheduleError("ranks", "plan has no ranks")
+
+
+# --------------------------------------------------------------------------------------
+# Unit-time list scheduling (gives the global order P2P placement relies on)
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Timing:
+    start: list[list[int]]  # [rank][index]
+    end: list[list[int]]
+    op_end: dict[OpId, int]
+    op_rank: dict[OpId, tuple[int, int]]  # -> (rank, index)
+
+
+def _instr_time(instr: Instruction) -> int:
+    return sum(UNIT_TIME[op.kind] for op in compute_ops(instr))
+
+
+def list_schedule(plan: Plan) -> Timing:
+    """Start/end of every compute instruction with unit op times; raises on deadlock."""
+    p = plan.p
+    op_rank: dict[OpId, tuple[int, int]] = {}
+    deps: list[list[list[OpId]]] = []
+    for rank, ops in enumerate(plan.ranks):
+        rank_deps = []
+        for idx, instr in enumerate(ops):
+            d: list[OpId] = []
+            own = {_op_id(op, plan, rank) for op in compute_ops(instr)}
+            for op in compute_ops(instr):
+                op_rank[_op_id(op, plan, rank)] = (rank, idx)
+                d += [x for x in _deps(op, plan, rank) if x not in own]
+            rank_deps.append(d)
+        deps.append(rank_deps)
+    for rank, ops in enumerate(plan.ranks):
+        for idx, d in enumerate(deps[rank]):
+            for dep in d:
+                if dep not in op_rank:
+                    raise ScheduleError("dependency-exists", f"needs {_fmt_id(dep)}, which no rank runs", rank, idx, str(ops[idx]))
+                dr, di = op_rank[dep]
+                if dr == rank and di > idx:
+                    raise ScheduleError("dependency-order", f"needs {_fmt_id(dep)}, which comes later on this rank (op {di})",
+                                        rank, idx, str(ops[idx]), grid=format_grid(plan.ranks, (rank, idx)))
+    start = [[0] * len(ops) for ops in plan.ranks]
+    end = [[0] * len(ops) for ops in plan.ranks]
+    op_end: dict[OpId, int] = {}
+    ptr = [0] * p
+    free = [0] * p
+    remaining = sum(len(ops) for ops in plan.ranks)
+    while remaining:
+        progressed = False
+        for rank in range(p):
+            ops = plan.ranks[rank]
+            while ptr[rank] < len(ops):
+                idx = ptr[rank]
+                need = deps[rank][idx]
+                if any(d not in op_end for d in need):
+                    break
+                t0 = max([free[rank]] + [op_end[d] for d in need])
+                t1 = t0 + _instr_time(ops[idx])
+                start[rank][idx], end[rank][idx] = t0, t1
+                for op in compute_ops(ops[idx]):
+                    op_end[_op_id(op, plan, rank)] = t1
+                free[rank] = t1
+                ptr[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [(r, ptr[r], str(plan.ranks[r][ptr[r]])) for r in range(p) if ptr[r] < len(plan.ranks[r])]
+            desc = "; ".join(f"rank {r} op {i} ({t}) waits for "
+                             + ", ".join(_fmt_id(d) for d in deps[r][i] if d not in op_end) for r, i, t in stuck)
+            r0, i0, t0 = stuck[0]
+            raise ScheduleError("deadlock-free", f"the plan deadlocks: {desc}", r0, i0, t0,
+                                grid=format_grid(plan.ranks, (r0, i0)))
+    return Timing(start, end, op_end, op_rank)
+
+
+def _fmt_id(op: OpId) -> str:
+    kind, mb, stage = op
+    return f"{'B/BW' if kind is OpKind.B else kind.value}(mb {mb}, stage {stage})"
+
+
+# --------------------------------------------------------------------------------------
+# Lowering
+# --------------------------------------------------------------------------------------
+def compile_plan(plan: Plan, *, validate: bool = True) -> list[Program]:
+    """Lower a plan to one program per rank with P2P sends/receives; validate by default."""
+    _check_plan_ops(plan)
+    timing = list_schedule(plan)
+    # events[rank] = list of (key, instruction)
+    events: list[list[tuple[tuple, Instruction]]] = [[] for _ in range(plan.p)]
+    for rank, ops in enumerate(plan.ranks):
+        for idx, instr in enumerate(ops):
+            events[rank].append(((timing.start[rank][idx], 1, rank, idx), instr))
+            for op in compute_ops(instr):
+                for dep in _deps(op, plan, rank):
+                    src_rank, _ = timing.op_rank[dep]
+                    if src_rank == rank:
+                        continue  # same-rank hand-off, kept in memory
+                    kind, mb, src_stage = dep
+                    comm = CommKind.ACT if kind is OpKind.F else CommKind.GRAD
+                    _, src_chunk = plan.rank_chunk_of(src_stage)
+                    key = (timing.op_end[dep], 0, src_rank, rank, comm.value, mb, src_stage)
+                    events[src_rank].append((key, Send(comm, mb, src_chunk, rank)))
+                    events[rank].append((key, Recv(comm, mb, op.chunk, src_rank)))
+    programs = [Program(rank, tuple(i for _, i in sorted(ev, key=lambda e: e[0]))) for rank, ev in enumerate(events)]
+    if validate:
+        validate_programs(plan, programs)
+    return programs
+
+
+# --------------------------------------------------------------------------------------
+# Validation of compiled programs
+# --------------------------------------------------------------------------------------
+def _peer_stage(plan: Plan, rank: int, instr: Send | Recv) -> tuple[int, int]:
+    """(this side's stage, the peer side's stage) of a comm instruction."""
+    s = plan.stage_of(rank, instr.chunk)
+    forward = instr.comm is CommKind.ACT
+    if isinstance(instr, Send):
+        return s, s + 1 if forward else s - 1
+    return s, s - 1 if forward else s + 1
+
+
+def validate_programs(plan: Plan, programs: Sequence[Program]) -> None:
+    """Check compiled programs against every rule; raise :class:`ScheduleError` on the first break.
+
+    Rules: ``op-counts``/``unique-op`` (each (mb, chunk) one F and one BW or B+W);
+    ``dependency-order`` (an op after its same-rank dependencies and after the receive of
+    each remote one); ``send-after-producer``; ``send-recv-match`` (every send has exactly
+    one matching receive and vice versa, in the same order between each pair of ranks);
+    ``deadlock-free`` (the cross-rank graph with matched pairs contracted is acyclic);
+    ``offload-order`` (an offload after its F and before the backward frees it, a reload
+    after its offload and before the first op that needs it).
+    """
+    if len(programs) != plan.p:
+        raise ScheduleError("ranks", f"{len(programs)} programs for p={plan.p}")
+    grid_rows = [prog.instructions for prog in programs]
+    compute_plan = Plan(plan.name, plan.config, plan.placement,
+                        tuple(tuple(i for i in prog.instructions if isinstance(i, (Compute, Braided))) for prog in programs))
+    _check_plan_ops(compute_plan)
+    last = plan.num_stages - 1
+    sends: dict[tuple[int, int], list[tuple[int, Send]]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[tuple[int, Recv]]] = defaultdict(list)
+    for prog in programs:
+        rank = prog.rank
+        done: set[OpId] = set()
+        received: set[tuple[CommKind, int, int]] = set()  # (comm, mb, local chunk)
+        offloaded: dict[tuple[int, int], int] = {}
+        reloaded: set[tuple[int, int]] = set()
+        freed: set[tuple[int, int]] = set()
+
+        def fail(rule: str, msg: str, idx: int, instr: Instruction) -> ScheduleError:
+            return ScheduleError(rule, msg, rank, idx, str(instr), grid=format_grid(grid_rows, (rank, idx)))
+
+        for idx, instr in enumerate(prog.instructions):
+            if isinstance(instr, (Compute, Braided)):
+                own = {_op_id(op, plan, rank) for op in compute_ops(instr)}
+                for op in compute_ops(instr):
+                    for dep in _deps(op, plan, rank):
+                        if dep in own:
+                            continue
+                        kind, mb, dstage = dep
+                        drank, _ = plan.rank_chunk_of(dstage)
+                        if drank == rank:
+                            if dep not in done:
+                                raise fail("dependency-order", f"{op} runs before {_fmt_id(dep)} on the same rank", idx, instr)
+                        else:
+                            comm = CommKind.ACT if kind is OpKind.F else CommKind.GRAD
+                            if (comm, mb, op.chunk) not in received:
+                                what = "input activation" if comm is CommKind.ACT else "output gradient"
+                                raise fail("dependency-order", f"{op} runs before its {what} is received", idx, instr)
+                    key = (op.mb, op.chunk)
+                    if op.kind is not OpKind.F and key in offloaded and key not in reloaded:
+                        raise fail("offload-order", f"{op} needs activations offloaded at op {offloaded[key]} "
+                                   "but no RELOAD precedes it", idx, instr)
+                for op in compute_ops(instr):
+                    done.add(_op_id(op, plan, rank))
+                    if op.kind in (OpKind.B, OpKind.BW):
+                        freed.add(op.key)
+            elif isinstance(instr, Send):
+                s, peer_stage = _peer_stage(plan, rank, instr)
+                producer = (OpKind.F if instr.comm is CommKind.ACT else OpKind.B, instr.mb, s)
+                if producer not in done:
+                    raise fail("send-after-producer", f"sends before {_fmt_id(producer)} has run", idx, instr)
+                if not (0 <= peer_stage <= last) or plan.rank_chunk_of(peer_stage)[0] != instr.peer:
+                    raise fail("send-recv-match", f"stage {s} does not send {instr.comm.name} to rank {instr.peer}", idx, instr)
+                sends[(rank, instr.peer)].append((idx, instr))
+            elif isinstance(instr, Recv):
+                s, peer_stage = _peer_stage(plan, rank, instr)
+                if not (0 <= peer_stage <= last) or plan.rank_chunk_of(peer_stage)[0] != instr.peer:
+                    raise fail("send-recv-match", f"stage {s} does not receive {instr.comm.name} from rank {instr.peer}", idx, instr)
+                received.add((instr.comm, instr.mb, instr.chunk))
+                recvs[(instr.peer, rank)].append((idx, instr))
+            elif isinstance(instr, Offload):
+                key = (instr.mb, instr.chunk)
+                if (OpKind.F, instr.mb, plan.stage_of(rank, instr.chunk)) not in done:
+                    raise fail("offload-order", "offloads activations its F has not produced yet", idx, instr)
+                if key in freed:
+                    raise fail("offload-order", "offloads activations that a backward already freed", idx, instr)
+                if key in offloaded:
+                    raise fail("offload-order", "offloads the same activations twice", idx, instr)
+                offloaded[key] = idx
+            elif isinstance(instr, Reload):
+                key = (instr.mb, instr.chunk)
+                if key not in offloaded:
+                    raise fail("offload-order", "reloads activations that were never offloaded", idx, instr)
+                if key in reloaded:
+                    raise fail("offload-order", "reloads the same activations twice", idx, instr)
+                reloaded.add(key)
+        for key, at in offloaded.items():
+            if key not in reloaded:
+                raise ScheduleError("offload-order", f"activations of (mb {key[0]}, chunk {key[1]}) offloaded at op {at} "
+                                    "are never reloaded", rank, at, str(prog.instructions[at]))
+    _check_matching(plan, programs, sends, recvs)
+    _check_acyclic(plan, programs)
+
+
+def _check_matching(plan: Plan, programs: Sequence[Program], sends, recvs) -> None:
+    """Every send has exactly one receive with the same message identity, and the messages
+    between each pair of ranks are received in the order they are sent (P2P libraries pair
+    them in posting order)."""
+    rows = [p.instructions for p in programs]
+    for pair in sorted(set(sends) | set(recvs)):
+        src, dst = pair
+        by_msg_s = {}
+        for idx, snd in sends.get(pair, []):
+            s_stage, peer = _peer_stage(plan, src, snd)
+            by_msg_s[(snd.comm, snd.mb, s_stage, peer)] = (idx, snd)
+        matched = []
+        for ridx, rcv in recvs.get(pair, []):
+            r_stage, peer = _peer_stage(plan, dst, rcv)
+            hit = by_msg_s.pop((rcv.comm, rcv.mb, peer, r_stage), None)
+            if hit is None:
+                raise ScheduleError("send-recv-match", f"no send on rank {src} matches this receive", dst, ridx, str(rcv),
+                                    grid=format_grid(rows, (dst, ridx)))
+            matched.append((hit[0], ridx, rcv))
+        if by_msg_s:
+            idx, snd = min(by_msg_s.values(), key=lambda x: x[0])
+            raise ScheduleError("send-recv-match", f"no receive on rank {dst} matches this send", src, idx, str(snd),
+                                grid=format_grid(rows, (src, idx)))
+        matched.sort()
+        for (s1, r1, _), (s2, r2, rcv2) in zip(matched, matched[1:]):
+            if r2 < r1:
+                raise ScheduleError("send-recv-match", f"messages from rank {src} are received in another order than "
+                                    "they are sent", dst, r2, str(rcv2), grid=format_grid(rows, (dst, r2)))
+
+
+def _check_acyclic(plan: Plan, programs: Sequence[Program]) -> None:
+    """Program order + rendezvous pairs form a DAG, else some order of ranks can deadlock."""
+    g = nx.DiGraph()
+    node_of: dict[tuple[int, int], tuple[int, int]] = {}
+    pair_count: dict[tuple[int, int], int] = defaultdict(int)
+    send_nodes: dict[tuple[int, int, int], tuple[int, int]] = {}
+    for prog in programs:
+        for idx, instr in enumerate(prog.instructions):
+            if isinstance(instr, Send):
+                k = pair_count[(prog.rank, instr.peer)]
+                pair_count[(prog.rank, instr.peer)] += 1
+                send_nodes[(prog.rank, instr.peer, k)] = (prog.rank, idx)
+    recv_count: dict[tuple[int, int], int] = defaultdict(int)
+    for prog in programs:
+        for idx, instr in enumerate(prog.instructions):
+            node_of[(prog.rank, idx)] = (prog.rank, idx)
+            if isinstance(instr, Recv):
+                k = recv_count[(instr.peer, prog.rank)]
+                recv_count[(instr.peer, prog.rank)] += 1
+                node_of[(prog.rank, idx)] = send_nodes[(instr.peer, prog.rank, k)]  # contract the pair
+    for prog in programs:
+        prev = None
+        for idx in range(len(prog.instructions)):
+            node = node_of[(prog.rank, idx)]
+            g.add_node(node)
+            if prev is not None:
+                g.add_edge(prev, node)
+            prev = node
+    if not nx.is_directed_acyclic_graph(g):
+        cycle = nx.find_cycle(g)
+        (r, i), _ = cycle[0]
+        path = " -> ".join(f"r{a}:{programs[a].instructions[b]}" for (a, b), _ in cycle)
+        raise ScheduleError("deadlock-free", f"send/receive order can deadlock; cycle: {path}", r, i,
+                            str(programs[r].instructions[i]), grid=format_grid([p.instructions for p in programs], (r, i)))
+
+
+# --------------------------------------------------------------------------------------
+# Accounting and display
+# --------------------------------------------------------------------------------------
+def activation_counts(instructions: Iterable[Instruction]) -> list[int]:
+    """Chunk-activations held while each instruction runs (see the module docstring).
+
+    Offloaded activations still count: offloading moves bytes, not ownership; the
+    simulator's byte accounting shows what offload saves.
+    """
+    held = 0
+    out = []
+    for instr in instructions:
+        ops = compute_ops(instr)
+        during = held + sum(1 for op in ops if op.kind is OpKind.F)
+        out.append(during)
+        held = during - sum(1 for op in ops if op.kind in (OpKind.B, OpKind.BW))
+    return out
+
+
+def peak_activations(instructions: Iterable[Instruction]) -> int:
+    """High-water mark of :func:`activation_counts`."""
+    return max(activation_counts(instructions), default=0)
+
+
+def format_grid(rows: Sequence[Sequence[Instruction]], mark: tuple[int, int] | None = None, context: int = 6) -> str:
+    """A step x rank grid of instructions; ``mark=(rank, index)`` flags a cell ``<-- ERROR HERE``.
+
+    Only ``context`` steps around the mark are shown for long programs.
+    """
+    n = max((len(r) for r in rows), default=0)
+    lo, hi = 0, n
+    if mark is not None and n > 2 * context + 1:
+        lo, hi = max(0, mark[1] - context), min(n, mark[1] + context + 1)
+    width = max([len(str(i)) for r in rows for i in r[lo:hi]] + [6]) + 2
+    lines = ["step  " + "".join(f"rank {r}".ljust(width) for r in range(len(rows)))]
+    for step in range(lo, hi):
+        cells = []
+        flag = ""
+        for r, row in enumerate(rows):
+            text = str(row[step]) if step < len(row) else ""
+            if mark == (r, step):
+                text = f">{text}<"
+                flag = f"   <-- ERROR HERE (rank {r}, op {step})"
+            cells.append(text.ljust(width))
+        lines.append(f"{step:<6}" + "".join(cells) + flag)
+    return "\n".join(lines)

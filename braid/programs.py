@@ -1,0 +1,57 @@
+"""``python -m braid.programs``: print the compiled per-rank programs of a schedule.
+
+Example::
+
+    python -m braid.programs braided_v --pp 4 --mbs 12          # one program per rank
+    python -m braid.programs braided_v --pp 4 --mbs 12 --grid   # step x rank grid
+    python -m braid.programs zb_v --pp 4 --mbs 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from braid.compiler import ScheduleError, compile_plan, format_grid, peak_activations
+from braid.ir import programs_to_json
+
+
+def main(argv: list[str] | None = None) -> int:
+    import schedules
+
+    ap = argparse.ArgumentParser(prog="python -m braid.programs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("schedule", help=f"schedule name: {', '.join(schedules.names())}")
+    ap.add_argument("--pp", type=int, default=4, help="pipeline ranks p (default 4)")
+    ap.add_argument("--mbs", type=int, default=12, help="micro-batches per step m (default 12)")
+    ap.add_argument("--chunks", type=int, default=None, help="chunks per rank v (schedule default if omitted)")
+    ap.add_argument("--plan-only", action="store_true", help="print the compute plan without P2P instructions")
+    ap.add_argument("--grid", action="store_true", help="print a step x rank grid instead of one line per rank")
+    ap.add_argument("--json", metavar="FILE", help="also write the compiled programs as JSON")
+    args = ap.parse_args(argv)
+    try:
+        plan = schedules.build(args.schedule, args.pp, args.mbs, v=args.chunks)
+        programs = compile_plan(plan)
+    except ScheduleError as err:
+        print(f"error: {err}", file=sys.stderr)
+        if err.grid:
+            print(err.grid, file=sys.stderr)
+        return 1
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    rows = list(plan.ranks) if args.plan_only else [p.instructions for p in programs]
+    print(f"# {plan.name}: p={plan.p} m={plan.m} v={plan.v} placement={plan.placement}")
+    if args.grid:
+        print(format_grid(rows))
+    else:
+        for rank, row in enumerate(rows):
+            peak = peak_activations(row)
+            print(f"rank {rank} (peak {peak} chunk-activations): " + " ".join(str(i) for i in row))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(programs_to_json(plan, programs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
