@@ -1,0 +1,34 @@
+"""Compile + validate every registered schedule at p=8, m=64 and p=32, m=256; print the times.
+
+    python benchmarks/bench_compile.py
+
+Target (issue 2): the p=32, m=256 case under 5 s per schedule on a 2-core CPU machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import schedules
+from braid.compiler import compile_plan
+
+
+def main() -> None:
+    print(f"{'schedule':<18}{'p':>4}{'m':>5}{'instructions':>14}{'generate s':>12}{'compile+validate s':>20}")
+    for p, m in ((8, 64), (32, 256)):
+        for name in schedules.names():
+            t0 = time.perf_counter()
+            try:
+                plan = schedules.build(name, p, m)
+            except ValueError as err:
+                print(f"{name:<18}{p:>4}{m:>5}  skipped: {err}")
+                continue
+            t1 = time.perf_counter()
+            programs = compile_plan(plan)
+            t2 = time.perf_counter()
+            n = sum(len(prog) for prog in programs)
+            print(f"{name:<18}{p:>4}{m:>5}{n:>14}{t1 - t0:>12.3f}{t2 - t1:>20.3f}")
+
+
+if __name__ == "__main__":
+    main()
