@@ -36,6 +36,8 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
+from braid.offload import OffloadPolicy, insert_offload
+
 from braid.ir import (
     Braided,
     CommKind,
@@ -208,7 +210,11 @@ def _fmt_id(op: OpId) -> str:
 # Lowering
 # --------------------------------------------------------------------------------------
 def compile_plan(plan: Plan, *, validate: bool = True) -> list[Program]:
-    """Lower a plan to one program per rank with P2P sends/receives; validate by default."""
+    """Lower a plan to one program per rank with P2P sends/receives; validate by default.
+
+    A plan whose config has the option ``offload_alpha`` also gets OFFLOAD/RELOAD
+    instructions (:mod:`braid.offload`).
+    """
     _check_plan_ops(plan)
     timing = list_schedule(plan)
     # events[rank] = list of (key, instruction)
@@ -228,6 +234,9 @@ def compile_plan(plan: Plan, *, validate: bool = True) -> list[Program]:
                     events[src_rank].append((key, Send(comm, mb, src_chunk, rank)))
                     events[rank].append((key, Recv(comm, mb, op.chunk, src_rank)))
     programs = [Program(rank, tuple(i for _, i in sorted(ev, key=lambda e: e[0]))) for rank, ev in enumerate(events)]
+    policy = OffloadPolicy.from_plan(plan)
+    if policy is not None:
+        programs = insert_offload(programs, policy)
     if validate:
         validate_programs(plan, programs)
     return programs

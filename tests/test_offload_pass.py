@@ -1,0 +1,63 @@
+"""The offload lowering pass and the validator's offload rules."""
+
+import pytest
+
+from braid.compiler import ScheduleError, compile_plan, validate_programs
+from braid.ir import Compute, Offload, OpKind, Plan, Program, Reload, ScheduleConfig, compute_ops
+from braid.offload import OffloadPolicy, auto_alpha
+from handplans import one_f_one_b
+
+
+def _with_offload(plan: Plan, **opts) -> Plan:
+    cfg = ScheduleConfig(plan.p, plan.m, plan.v, tuple(sorted(opts.items())))
+    return Plan(plan.name, cfg, plan.placement, plan.ranks)
+
+
+def test_offload_and_reload_bracket_each_long_lived_activation():
+    plan = _with_offload(one_f_one_b(4, 8), offload_alpha=0.5, offload_alpha_warmup=0.25)
+    progs = compile_plan(plan)
+    for prog in progs:
+        ins = prog.instructions
+        for k, x in enumerate(ins):
+            if isinstance(x, Offload):
+                # right after its forward, reloaded before its backward
+                assert str(ins[k - 1]) == f"F{x.mb}c0" or isinstance(ins[k - 1], Offload)
+                r = next(j for j, y in enumerate(ins) if isinstance(y, Reload) and (y.mb, y.chunk) == (x.mb, x.chunk))
+                b = next(j for j, y in enumerate(ins) if any(o.kind is OpKind.BW and o.key == (x.mb, 0) for o in compute_ops(y)))
+                assert k < r < b
+    # warm-up fraction before the first backward, steady fraction after it
+    fracs = [x.frac for x in progs[0].instructions if isinstance(x, Offload)]
+    assert fracs[0] == 0.25 and fracs[-1] == 0.5
+    # the last rank's activations live for one op only: nothing to offload there
+    assert not any(isinstance(x, Offload) for x in progs[3].instructions)
+
+
+def test_validator_rejects_reload_after_its_use():
+    plan = _with_offload(one_f_one_b(2, 4), offload_alpha=1.0)
+    progs = compile_plan(plan)
+    ins = list(progs[0].instructions)
+    r = next(j for j, y in enumerate(ins) if isinstance(y, Reload))
+    reload = ins.pop(r)
+    b = next(j for j, y in enumerate(ins) if str(y) == f"BW{reload.mb}c0")
+    ins.insert(b + 1, reload)
+    with pytest.raises(ScheduleError, match=f"BW{reload.mb}c0 needs activations offloaded at op .* no RELOAD precedes it") as e:
+        validate_programs(plan, [Program(0, tuple(ins)), progs[1]])
+    assert e.value.rule == "offload-order"
+
+
+def test_validator_rejects_offload_of_freed_activation():
+    plan = one_f_one_b(2, 4)
+    progs = compile_plan(plan)
+    ins = list(progs[0].instructions)
+    b = next(j for j, y in enumerate(ins) if str(y) == "BW0c0")
+    ins[b + 1:b + 1] = [Offload(0, 0), Reload(0, 0)]
+    with pytest.raises(ScheduleError, match="offloads activations that a backward already freed"):
+        validate_programs(plan, [Program(0, tuple(ins)), progs[1]])
+
+
+def test_policy_validation_and_auto_alpha():
+    with pytest.raises(ValueError, match="alpha must be in"):
+        OffloadPolicy(1.5, 0.5)
+    steady, warm = auto_alpha(t_forward=1.0, t_copy_all=4.0, t_steady_window=4.0)
+    assert warm == 0.25 and steady == 0.5
+    assert auto_alpha(1.0, 0.5, 10.0) == (1.0, 1.0)
