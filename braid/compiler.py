@@ -29,7 +29,6 @@ count while any op runs, i.e. the memory high-water mark an allocator would see.
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
