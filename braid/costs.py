@@ -1,0 +1,397 @@
+"""The cost model: per-unit compute, TP all-reduce, P2P and memory costs of every chunk.
+
+The simulator reads a :class:`CostModel`: for each ``(rank, chunk)`` a :class:`ChunkCosts`
+with one :class:`UnitCost` per unit kind (every layer of a chunk is alike), the time to
+send the chunk's boundary tensor to a neighbour, and the host-copy bandwidth. It comes
+from one of two places:
+
+* :func:`analytic_costs` -- FLOPs and bytes of a :class:`~braid.models_catalog.ModelConfig`
+  on a :class:`~braid.hardware.Hardware` preset under a :class:`Layout` (tp, p, v,
+  placement). Forward FLOPs per unit: matmuls ``2*tokens*in*out/t``; attention core
+  ``4*tokens*seq*head_dim*heads/t``, halved when causal. Activation backward = forward
+  for matmuls, 2x for the attention core (flash attention recomputes); weight gradient =
+  forward for matmuls, none for the attention core. All-reduce: ring,
+  ``2(t-1)/t * tokens*hidden*dtype / busbw + latency``. Activation bytes per layer
+  (Korthikanti et al., flash attention): ``s*b*h*(10 + 24/t)`` for bf16, split over units
+  as pre_attn 4, attn 1 + 8/t, pre_mlp 4, mlp 1 + 16/t; the head keeps fp32 logits
+  ``s*b*vocab/t*4``. W residual (what a split B keeps for W): the inputs of the unit's
+  linear layers plus their output gradients.
+* a JSON cost file (:func:`read_costs` / :func:`write_costs`; schema in ``docs/costs.md``),
+  e.g. the uniform ``{"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0.25, "T_P2P": 0}`` used to
+  check the paper's Table 1, or per-chunk figures written by a profiler.
+
+``M_a`` (``CostModel.ma_bytes``) is the activation memory of one micro-batch on one chunk
+of average layer count: (LM layers / virtual stages) * the LM's per-layer activation bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from braid.braiding import ChunkSpec, Unit
+from braid.hardware import Hardware
+from braid.ir import Placement
+from braid.models_catalog import ModelConfig
+from braid.partition import chunk_specs, split_layers
+
+AR_SLOWDOWN = 1.075  # paper Appendix F: a GEMM overlapped with an all-reduce runs ~7.5% slower
+ATTN_BWD_FACTOR = 2.0
+FORMAT = "braid-costs/1"
+
+
+class CostFileError(ValueError):
+    """A cost file that is missing, not JSON, or does not follow ``docs/costs.md``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How the model is laid out: TP size, pipeline ranks, chunks per rank, placement."""
+
+    tp: int
+    p: int
+    v: int
+    placement: Placement = "loop"
+
+    def __post_init__(self) -> None:
+        bad = [f"{n}={getattr(self, n)}" for n in ("tp", "p", "v") if not (isinstance(getattr(self, n), int) and getattr(self, n) >= 1)]
+        if bad:
+            raise ValueError(f"layout needs positive integers, got {', '.join(bad)}")
+        if self.placement == "v" and self.v != 2:
+            raise ValueError(f"V placement needs v=2 chunks per rank, got v={self.v}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.p * self.v
+
+
+@dataclass(frozen=True, slots=True)
+class UnitCost:
+    """Costs of one instance of a unit (seconds, bytes).
+
+    ``f``/``b``/``w``: forward, activation-backward, weight-backward compute;
+    ``ar_f``/``ar_b``: the all-reduce that ends the unit's forward / backward (0 if none);
+    ``act``: bytes its forward keeps for the backward; ``w_res``: bytes kept after a split
+    B until W.
+    """
+
+    f: float
+    b: float
+    w: float
+    ar_f: float = 0.0
+    ar_b: float = 0.0
+    act: float = 0.0
+    w_res: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCosts:
+    """Costs of one model chunk: per-unit costs and the P2P time of its boundary tensor."""
+
+    spec: ChunkSpec
+    units: Mapping[Unit, UnitCost]
+    p2p: float = 0.0
+
+    def instances(self) -> list[Unit]:
+        """Every unit instance of the chunk (layer units repeated per layer)."""
+        out = [Unit.EMBED] if self.spec.embed else []
+        out += [u for _ in range(self.spec.layers) for u in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)]
+        return out + ([Unit.HEAD] if self.spec.head else [])
+
+    def total(self, attr: str) -> float:
+        """Sum of ``attr`` (``"f"``, ``"ar_f"``, ``"act"``, ...) over the chunk's unit instances."""
+        return sum(getattr(self.units[u], attr) for u in self.instances())
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Everything the simulator needs to time and size a compiled schedule.
+
+    ``model_flops_per_sample`` (forward + backward, no recompute) and ``peak_flops`` feed MFU;
+    both 0 when unknown (uniform cost files), and MFU is then reported as 0.
+    """
+
+    layout: Layout
+    chunks: Mapping[tuple[int, int], ChunkCosts]
+    ma_bytes: float
+    pcie_bytes_per_s: float = 25e9
+    p2p_over_pcie: bool = False
+    ar_slowdown: float = AR_SLOWDOWN
+    samples_per_microbatch: int = 1
+    tokens_per_sample: int = 1
+    model_flops_per_sample: float = 0.0
+    peak_flops: float = 0.0
+    source: str = "analytic"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        want = {(r, c) for r in range(self.layout.p) for c in range(self.layout.v)}
+        if set(self.chunks) != want:
+            missing = sorted(want - set(self.chunks))
+            raise ValueError(f"cost model must cover every (rank, chunk) of the layout; missing {missing[:6]}")
+        if self.ar_slowdown < 1.0:
+            raise ValueError(f"ar_slowdown must be >= 1 (a slowdown factor), got {self.ar_slowdown}")
+
+    def spec_of(self, rank: int):
+        """``chunk -> ChunkSpec`` for one rank, as :func:`braid.braiding.steps` wants it."""
+        return lambda chunk: self.chunks[(rank, chunk)].spec
+
+
+# ----------------------------------------------------------------------------------------
+# Analytic model
+# ----------------------------------------------------------------------------------------
+def _layer_units(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: int, gated: bool, causal: bool,
+                 t: int, dtype: int, hw: Hardware, ar: float) -> dict[Unit, UnitCost]:
+    """Per-unit costs of one transformer layer (LM: SwiGLU + causal; ViT: GELU + full)."""
+    hd = h // heads
+    qkv_out = h + 2 * kv_heads * hd
+    mm = lambda flops: flops / hw.matmul_flops  # noqa: E731
+    f_qkv = 2 * tokens * h * qkv_out / t
+    f_core = 4 * tokens * seq * hd * heads / t * (0.5 if causal else 1.0)
+    f_oproj = 2 * tokens * h * h / t
+    f_up = 2 * tokens * h * ffn * (2 if gated else 1) / t
+    f_down = 2 * tokens * ffn * h / t
+    sbh = tokens * h * dtype / 2  # Korthikanti's coefficients are bf16 bytes per s*b*h
+    return {
+        Unit.PRE_ATTN: UnitCost(mm(f_qkv), mm(f_qkv), mm(f_qkv), 0.0, ar, 4 * sbh, sbh * (2 + 2 * qkv_out / h / t)),
+        Unit.ATTN: UnitCost(f_core / hw.attn_flops + mm(f_oproj), ATTN_BWD_FACTOR * f_core / hw.attn_flops + mm(f_oproj),
+                            mm(f_oproj), ar, 0.0, sbh * (1 + 8 / t), sbh * (2 / t + 2)),
+        Unit.PRE_MLP: UnitCost(mm(f_up), mm(f_up), mm(f_up), 0.0, ar, 4 * sbh,
+                               sbh * (2 + 2 * ffn * (2 if gated else 1) / h / t)),
+        Unit.MLP: UnitCost(mm(f_down), mm(f_down), mm(f_down), ar, 0.0, sbh * (1 + 16 / t), sbh * (2 * ffn / h / t + 2)),
+    }
+
+
+def _allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
+    if t == 1:
+        return 0.0
+    return hw.ar_latency_s + 2 * (t - 1) / t * nbytes / hw.ar_bus_bytes_per_s
+
+
+def model_forward_flops(model: ModelConfig) -> float:
+    """Forward FLOPs of one micro-batch through the whole model (no TP split)."""
+    total = 0.0
+    lm = _layer_units(model.tokens, model.seq, model.hidden, model.heads, model.kv_heads, model.ffn, True, True, 1,
+                      model.dtype_bytes, _UNIT_RATE, 0.0)
+    total += model.layers * sum(u.f for u in lm.values())
+    total += 2 * model.tokens * model.hidden * model.vocab  # LM head
+    if model.vit is not None:
+        v = model.vit
+        tok = v.patches * model.micro_batch_size
+        vit = _layer_units(tok, v.patches, v.hidden, v.heads, v.heads, v.ffn, False, False, 1, model.dtype_bytes, _UNIT_RATE, 0.0)
+        total += v.layers * sum(u.f for u in vit.values()) + 2 * tok * v.patch_pixels * v.hidden
+    return total
+
+
+# A "hardware" at 1 FLOP/s turns the unit times above into FLOP counts.
+_UNIT_RATE = Hardware("flops", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0)
+
+
+def model_stage_layers(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
+    """Layers per virtual stage as the paper splits them (Sec. 5): last stage two lighter;
+    an MLLM's ViT alone on the first stage."""
+    n = layout.num_stages
+    lighter = 2 if n > 1 else 0
+    if model.vit is None:
+        return split_layers(model.layers, n, last_stage_lighter=lighter)
+    if n < 2:
+        raise ValueError(f"model {model.name!r} has a ViT, which needs its own virtual stage: use at least 2 stages")
+    return split_layers(model.vit.layers + model.layers, n, last_stage_lighter=lighter, first_stage_layers=model.vit.layers)
+
+
+def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown: float = AR_SLOWDOWN) -> CostModel:
+    """The analytic cost model of ``model`` on ``hw`` under ``layout`` (see module doc)."""
+    t, d = layout.tp, model.dtype_bytes
+    if model.heads % t or model.kv_heads % t and t % model.kv_heads:
+        raise ValueError(f"tp={t} must divide the {model.heads} attention heads of {model.name!r} (and match its {model.kv_heads} KV heads)")
+    per_stage = model_stage_layers(model, layout)
+    specs = chunk_specs(per_stage, layout.p, layout.placement)
+    tok, h = model.tokens, model.hidden
+    ar_lm = _allreduce_time(tok * h * d, t, hw)
+    lm = _layer_units(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, True, True, t, d, hw, ar_lm)
+    f_head = 2 * tok * h * model.vocab / t / hw.matmul_flops
+    sbh = tok * h * d / 2
+    head = UnitCost(f_head, f_head, f_head, 0.0, ar_lm, 4 * sbh + tok * model.vocab / t * 4,
+                    2 * sbh + tok * model.vocab / t * d)
+    embed = UnitCost(0.0, 0.0, 0.0, ar_lm, 0.0, tok * 8, tok * h * d)
+    vit_units = None
+    if model.vit is not None:
+        v = model.vit
+        vtok = v.patches * model.micro_batch_size
+        ar_v = _allreduce_time(vtok * v.hidden * d, t, hw)
+        vit_units = _layer_units(vtok, v.patches, v.hidden, v.heads, v.heads, v.ffn, False, False, t, d, hw, ar_v)
+        f_patch = 2 * vtok * v.patch_pixels * v.hidden / hw.matmul_flops
+        embed = UnitCost(f_patch, f_patch, f_patch, ar_lm, 0.0, vtok * v.patch_pixels * d, vtok * v.patch_pixels * d)
+    p2p = hw.p2p_latency_s + tok * h * d / hw.p2p_bytes_per_s
+    chunks = {}
+    for key, spec in specs.items():
+        units = dict(vit_units if (vit_units is not None and spec.embed) else lm)
+        units[Unit.EMBED], units[Unit.HEAD] = embed, head
+        chunks[key] = ChunkCosts(spec, units, p2p)
+    ma = model.layers / layout.num_stages * sum(u.act for u in lm.values())
+    return CostModel(layout, chunks, ma, hw.pcie_bytes_per_s, hw.p2p_over_pcie, ar_slowdown, model.micro_batch_size,
+                     model.seq, 3 * model_forward_flops(model) / model.micro_batch_size, hw.peak_flops,
+                     f"analytic:{model.name}@{hw.name}", {"model": model.name, "hardware": hw.name})
+
+
+def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **chunk: float) -> CostModel:
+    """Uniform per-chunk costs (``T_F``, ``T_B``, ``T_W``, ``T_AR``, ``T_P2P``, ...) spread evenly over units."""
+    return costs_from_dict(dict(chunk), layout, specs)
+
+
+# ----------------------------------------------------------------------------------------
+# Cost files
+# ----------------------------------------------------------------------------------------
+_CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P", "activation_bytes", "w_residual_bytes", "unit_split")
+_GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "pcie_bytes_per_s", "p2p_over_pcie",
+                "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
+# split key -> (UnitCost field, total key)
+_SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res"}
+_AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP)
+_AR_B_UNITS = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD)
+
+
+def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
+    if key not in d:
+        if default is None:
+            raise CostFileError(f"{where}: missing {key!r} (needed: T_F, T_B, T_W, T_AR; optional T_AR_B, T_P2P, ...)")
+        return default
+    val = d[key]
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or not val >= 0 or val == float("inf"):
+        raise CostFileError(f"{where}: {key!r} must be a finite number >= 0, got {val!r}")
+    return float(val)
+
+
+def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: float, w_frac: float) -> ChunkCosts:
+    unknown = sorted(set(d) - set(_CHUNK_KEYS))
+    if unknown:
+        raise CostFileError(f"{where}: unknown keys {unknown}; valid chunk keys: {', '.join(_CHUNK_KEYS)}")
+    t_ar = _num(d, "T_AR", where)
+    act = _num(d, "activation_bytes", where, ma)
+    totals = {"F": _num(d, "T_F", where), "B": _num(d, "T_B", where), "W": _num(d, "T_W", where), "AR": t_ar,
+              "AR_B": _num(d, "T_AR_B", where, t_ar), "act": act, "w_residual": _num(d, "w_residual_bytes", where, w_frac * act)}
+    split = d.get("unit_split") or {}
+    if not isinstance(split, dict) or set(split) - set(_SPLITS):
+        raise CostFileError(f"{where}: 'unit_split' must map some of {', '.join(_SPLITS)} to {{unit: weight}}")
+    probe = ChunkCosts(spec, {})
+    inst = probe.instances()
+    vals: dict[Unit, dict[str, float]] = {u: {} for u in set(inst)}
+    for key, attr in _SPLITS.items():
+        eligible = set(_AR_F_UNITS if key == "AR" else _AR_B_UNITS if key == "AR_B" else Unit)
+        weights = split.get(key)
+        if weights is None:
+            w = {u: 1.0 if u in eligible else 0.0 for u in vals}
+        else:
+            try:
+                w = {u: float(weights[u.value]) if u in eligible else 0.0 for u in vals}
+            except KeyError as err:
+                raise CostFileError(f"{where}: unit_split[{key!r}] lacks unit {err.args[0]!r} of this chunk") from None
+            except (TypeError, ValueError):
+                raise CostFileError(f"{where}: unit_split[{key!r}] weights must be numbers") from None
+            if any(x < 0 for x in w.values()):
+                raise CostFileError(f"{where}: unit_split[{key!r}] weights must be >= 0")
+        norm = sum(w[u] for u in inst)
+        for u in vals:
+            vals[u][attr] = totals[key] * w[u] / norm if norm > 0 else 0.0
+        if norm == 0 and totals[key] > 0:
+            raise CostFileError(f"{where}: {key} total is {totals[key]} but this chunk has no unit to carry it")
+    units = {u: UnitCost(**v) for u, v in vals.items()}
+    return ChunkCosts(spec, units, _num(d, "T_P2P", where, 0.0))
+
+
+def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec],
+                    base: CostModel | None = None, where: str = "costs") -> CostModel:
+    """Build a :class:`CostModel` from the cost-file schema (``docs/costs.md``).
+
+    Top-level chunk keys are defaults for every chunk; ``chunks`` overrides them per chunk,
+    keyed ``"rank,chunk"`` or by virtual stage (``"3"``). ``specs`` give each chunk's layers
+    (from the model partition); ``base`` supplies global figures the file leaves out.
+    """
+    if not isinstance(d, Mapping):
+        raise CostFileError(f"{where}: expected a JSON object")
+    if d.get("format", FORMAT) != FORMAT:
+        raise CostFileError(f"{where}: format {d.get('format')!r} is not {FORMAT!r}")
+    unknown = sorted(set(d) - set(_CHUNK_KEYS) - set(_GLOBAL_KEYS))
+    if unknown:
+        raise CostFileError(f"{where}: unknown keys {unknown}; valid: {', '.join(_CHUNK_KEYS + _GLOBAL_KEYS)}")
+    from braid.ir import rank_chunk_of
+
+    defaults = {k: v for k, v in d.items() if k in _CHUNK_KEYS}
+    per_chunk: dict[tuple[int, int], Mapping[str, Any]] = {}
+    for key, entry in (d.get("chunks") or {}).items():
+        try:
+            parts = [int(x) for x in str(key).split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) == 2:
+            rc = (parts[0], parts[1])
+        elif len(parts) == 1 and 0 <= parts[0] < layout.num_stages:
+            rc = rank_chunk_of(layout.placement, layout.p, parts[0])
+        else:
+            raise CostFileError(f"{where}: chunk key {key!r} must be 'rank,chunk' or a stage 0..{layout.num_stages - 1}")
+        if rc not in specs:
+            raise CostFileError(f"{where}: chunk {key!r} is not in the layout (p={layout.p}, v={layout.v})")
+        if not isinstance(entry, Mapping):
+            raise CostFileError(f"{where}: chunks[{key!r}] must be an object")
+        per_chunk[rc] = entry
+    ma = _num(d, "M_a_bytes", where, base.ma_bytes if base else float(1 << 30))
+    w_frac = _num(d, "W_residual", where, 0.5)
+    chunks = {rc: _chunk_from_dict({**defaults, **per_chunk.get(rc, {})}, spec, f"{where}: chunk {rc[0]},{rc[1]}", ma, w_frac)
+              for rc, spec in specs.items()}
+    b = base
+    try:
+        return CostModel(
+            layout, chunks, ma,
+            _num(d, "pcie_bytes_per_s", where, b.pcie_bytes_per_s if b else 25e9),
+            bool(d.get("p2p_over_pcie", b.p2p_over_pcie if b else False)),
+            _num(d, "ar_slowdown", where, b.ar_slowdown if b else AR_SLOWDOWN),
+            int(_num(d, "samples_per_microbatch", where, b.samples_per_microbatch if b else 1)),
+            int(_num(d, "tokens_per_sample", where, b.tokens_per_sample if b else 1)),
+            _num(d, "model_flops_per_sample", where, b.model_flops_per_sample if b else 0.0),
+            _num(d, "peak_flops", where, b.peak_flops if b else 0.0),
+            "file", dict(d.get("meta") or {}))
+    except ValueError as err:
+        if isinstance(err, CostFileError):
+            raise
+        raise CostFileError(f"{where}: {err}") from None
+
+
+def costs_to_dict(costs: CostModel) -> dict[str, Any]:
+    """The cost-file form of ``costs`` (per-chunk totals with a per-unit split)."""
+    chunks = {}
+    for (r, c), cc in sorted(costs.chunks.items()):
+        present = sorted(set(cc.instances()), key=list(Unit).index)
+        chunks[f"{r},{c}"] = {
+            "T_F": cc.total("f"), "T_B": cc.total("b"), "T_W": cc.total("w"), "T_AR": cc.total("ar_f"),
+            "T_AR_B": cc.total("ar_b"), "T_P2P": cc.p2p, "activation_bytes": cc.total("act"),
+            "w_residual_bytes": cc.total("w_res"),
+            "unit_split": {key: {u.value: getattr(cc.units[u], attr) for u in present} for key, attr in _SPLITS.items()},
+        }
+    return {
+        "format": FORMAT, "layout": {"tp": costs.layout.tp, "p": costs.layout.p, "v": costs.layout.v,
+                                     "placement": costs.layout.placement},
+        "M_a_bytes": costs.ma_bytes, "ar_slowdown": costs.ar_slowdown, "pcie_bytes_per_s": costs.pcie_bytes_per_s,
+        "p2p_over_pcie": costs.p2p_over_pcie, "samples_per_microbatch": costs.samples_per_microbatch,
+        "tokens_per_sample": costs.tokens_per_sample, "model_flops_per_sample": costs.model_flops_per_sample,
+        "peak_flops": costs.peak_flops, "meta": {**costs.meta, "source": costs.source}, "chunks": chunks,
+    }
+
+
+def write_costs(costs: CostModel, path: str | Path) -> None:
+    """Write ``costs`` as a cost file (the format a profiler writes and :func:`read_costs` reads)."""
+    Path(path).write_text(json.dumps(costs_to_dict(costs), indent=1))
+
+
+def read_costs(path: str | Path, layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec],
+               base: CostModel | None = None) -> CostModel:
+    """Read a cost file; any problem is one :class:`CostFileError` naming the file and the key."""
+    p = Path(path)
+    if not p.is_file():
+        raise CostFileError(f"{p}: no such cost file")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CostFileError(f"{p}: not valid JSON ({err})") from None
+    return costs_from_dict(d, layout, specs, base, where=str(p))

@@ -1,0 +1,75 @@
+"""Hardware presets for the analytic cost model.
+
+Each preset gives the *achievable* rates the cost model divides work by (not datasheet
+peaks, except ``peak_flops`` which is the MFU denominator). The H200 figures are
+calibrated to measurements on a 2x H200 NVLink machine: the TP=2 MLP forward of a
+Qwen2-7B-sized layer at 4096 tokens takes 1.34 ms (8.34e11 FLOPs -> ~622 TFLOP/s
+achievable), and the all-reduce of a 4096x3584 bf16 tensor takes 0.12 ms (29.4 MB at TP=2:
+10 us latency + bytes / 267 GB/s bus bandwidth). The other presets scale from public
+datasheets with the same achievable fractions; treat them as starting points and replace
+them with a profiled cost file (``--costs``) when accuracy matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """Achievable rates of one accelerator and its links.
+
+    ``matmul_flops``/``attn_flops``: achievable FLOP/s of dense matmuls / flash attention;
+    ``peak_flops``: datasheet dense bf16 peak (MFU denominator); ``ar_bus_bytes_per_s`` and
+    ``ar_latency_s``: ring all-reduce bus bandwidth and fixed latency inside a TP group;
+    ``p2p_bytes_per_s``/``p2p_latency_s``: one pipeline send/recv; ``pcie_bytes_per_s``:
+    host<->device copy bandwidth per direction; ``p2p_over_pcie``: pipeline traffic shares
+    the PCIe link with host copies (PCIe-only boxes); ``memory_bytes``: device memory.
+    """
+
+    name: str
+    matmul_flops: float
+    attn_flops: float
+    peak_flops: float
+    ar_bus_bytes_per_s: float
+    ar_latency_s: float
+    p2p_bytes_per_s: float
+    p2p_latency_s: float
+    pcie_bytes_per_s: float
+    memory_bytes: int
+    p2p_over_pcie: bool = False
+
+    def __post_init__(self) -> None:
+        rates = ("matmul_flops", "attn_flops", "peak_flops", "ar_bus_bytes_per_s", "p2p_bytes_per_s", "pcie_bytes_per_s")
+        bad = [n for n in rates if not getattr(self, n) > 0]
+        if bad:
+            raise ValueError(f"hardware {self.name!r}: rates must be positive, check {', '.join(bad)}")
+
+
+GB = 1e9
+GIB = 1 << 30
+
+HARDWARE: dict[str, Hardware] = {
+    "h200": Hardware("h200", matmul_flops=622e12, attn_flops=450e12, peak_flops=989e12,
+                     ar_bus_bytes_per_s=267 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
+                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=141 * GIB),
+    "h100": Hardware("h100", matmul_flops=600e12, attn_flops=420e12, peak_flops=989e12,
+                     ar_bus_bytes_per_s=260 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
+                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=80 * GIB),
+    # A800: A100 compute, NVLink capped at 400 GB/s -> TP comm is relatively expensive.
+    "a800": Hardware("a800", matmul_flops=230e12, attn_flops=170e12, peak_flops=312e12,
+                     ar_bus_bytes_per_s=150 * GB, ar_latency_s=12e-6, p2p_bytes_per_s=100 * GB,
+                     p2p_latency_s=20e-6, pcie_bytes_per_s=25 * GB, memory_bytes=80 * GIB),
+    # H20: low bf16 FLOPs, full NVLink -> TP comm is relatively cheap (paper Appendix, Table 8).
+    "h20": Hardware("h20", matmul_flops=120e12, attn_flops=100e12, peak_flops=148e12,
+                    ar_bus_bytes_per_s=267 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
+                    p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=96 * GIB),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    """The preset called ``name``; ``ValueError`` listing the valid names otherwise."""
+    try:
+        return HARDWARE[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware {name!r}; valid names: {', '.join(HARDWARE)}") from None

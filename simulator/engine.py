@@ -1,0 +1,340 @@
+"""Discrete-event simulation of compiled per-rank programs on a cost model.
+
+Each rank runs its program in order, like the executor's host thread. Resources per rank:
+a compute stream, a TP-communication stream, a P2P engine and two host-copy engines
+(device-to-host for ``OFFLOAD``, host-to-device for ``RELOAD``).
+
+* **Compute** instructions run unit by unit in the order of :func:`braid.braiding.steps`.
+  A task with ``ar`` (and tp > 1) starts an all-reduce on the TP stream when it ends
+  (queued behind earlier ones); the next task of the same op with ``waits_ar`` waits for
+  it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
+  done (the tail wait is exposed too). Compute that runs while an all-reduce is in flight
+  on the rank is slowed by ``CostModel.ar_slowdown``. A compute instruction involves no
+  other rank, so it is timed in one pass over a precomputed step table, without the heap.
+* **P2P**: a maximal run of consecutive ``SEND``/``RECV`` is one batch. Its transfers are
+  posted when the rank reaches it; a send and its receive transfer once both are posted
+  (rendezvous) and both ranks' P2P engines are free, taking the sending chunk's
+  ``T_P2P``; the rank continues when every transfer of its batch is done. Posting happens
+  in global time order through a ``heapq`` keyed on ``(time, seq)``, so runs are
+  deterministic. If the heap empties with unfinished ranks, :class:`SimulationError`
+  lists every rank's stuck instruction.
+* **Offload/Reload** are asynchronous copies of ``frac`` of the (mb, chunk)'s resident
+  activation bytes on the D2H / H2D engine at ``pcie_bytes_per_s``. Contention, kept
+  simple: a copy's time is multiplied by 1 + (other-direction copy in flight at its start)
+  + (a P2P transfer of the rank in flight at its start, only when ``p2p_over_pcie``). An
+  offload frees its bytes when it completes; a reload re-takes them when it starts and
+  starts no earlier than its offload's completion; B/W/BW of that (mb, chunk) wait for it.
+* **Memory**: an F unit allocates its ``act`` bytes when it completes; a split-B unit
+  keeps only ``w_res`` of them, W frees ``w_res``; a full backward (B then W per unit)
+  frees all.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from braid.braiding import Phase, steps
+from braid.costs import CostModel
+from braid.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
+                      rank_chunk_of, stage_of)
+from braid.trace import Event
+
+
+class SimulationError(ValueError):
+    """A program that cannot run: deadlock, unmatched or misrouted P2P, reload without offload."""
+
+
+# One row per unit task: (member, nominal compute s, all-reduce s (0: none), waits_ar, unit label, phase, bytes delta)
+_Row = tuple[int, float, float, bool, str, str, float]
+
+
+@dataclass(slots=True)
+class RankStats:
+    """What one rank did: busy compute, exposed TP waits, end time, memory deltas."""
+
+    compute_s: float = 0.0
+    nominal_compute_s: float = 0.0
+    tp_exposed_s: float = 0.0
+    end_s: float = 0.0
+    mem: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Rank:
+    rank: int
+    prog: tuple[Instruction, ...]
+    pc: int = 0
+    t: float = 0.0
+    posting: bool = False  # parked in the heap until its batch's post time
+    outstanding: int = 0  # unmatched / unfinished transfers of the current batch
+    batch_end: float = 0.0
+    batch: tuple[int, int] = (0, 0)
+    p2p_free: float = 0.0
+    p2p_busy: list[tuple[float, float]] = field(default_factory=list)
+    d2h_free: float = 0.0
+    h2d_free: float = 0.0
+    d2h_busy: list[tuple[float, float]] = field(default_factory=list)
+    h2d_busy: list[tuple[float, float]] = field(default_factory=list)
+    resident: dict[tuple[int, int], float] = field(default_factory=dict)
+    offloaded: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # key -> (bytes, d2h end)
+    reload_end: dict[tuple[int, int], float] = field(default_factory=dict)
+    stats: RankStats = field(default_factory=RankStats)
+
+
+def _in_flight(busy: list[tuple[float, float]], t: float) -> bool:
+    return any(s <= t < e for s, e in busy[-8:])
+
+
+class Engine:
+    """One simulation run: build with programs and costs, then :meth:`run`."""
+
+    def __init__(self, programs: list[Program], costs: CostModel, *, record: bool = True) -> None:
+        lay = costs.layout
+        if len(programs) != lay.p:
+            raise SimulationError(f"got {len(programs)} programs for a cost layout of p={lay.p}; build the costs for this schedule's layout")
+        self.costs = costs
+        self.record = record
+        self.events: list[Event] = []
+        self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
+        self._tables: dict[tuple[int, tuple], tuple[list[_Row], tuple[float, float]]] = {}
+        self._posted: dict[tuple, tuple[int, float, int, Instruction]] = {}
+        self._heap: list[tuple[float, int, int]] = []
+        self._seq = 0
+        self._tp = lay.tp > 1
+
+    # -- step tables ----------------------------------------------------------------
+    def _table(self, rank: int, instr: Compute | Braided) -> tuple[list[_Row], tuple[float, float]]:
+        """Unit rows of an instruction shape (its mb numbers do not matter), cached."""
+        shape_key = (rank, _shape(instr))
+        hit = self._tables.get(shape_key)
+        if hit is not None:
+            return hit
+        for op in ([instr] if isinstance(instr, Compute) else instr.ops):
+            if (rank, op.chunk) not in self.costs.chunks:
+                raise SimulationError(f"rank {rank}: {instr} uses chunk {op.chunk}, but the layout has v={self.costs.layout.v}")
+        spec_of = self.costs.spec_of(rank)
+        rows: list[_Row] = []
+        totals = [0.0, 0.0]
+        for st in steps(instr, spec_of):
+            u = self.costs.chunks[(rank, st.op.chunk)].units[st.task.unit]
+            ph = st.task.phase
+            if ph is Phase.F:
+                dur, ar, dmem = u.f, u.ar_f, u.act
+            elif ph is Phase.B:
+                dur, ar, dmem = u.b, u.ar_b, u.w_res - u.act
+            else:
+                dur, ar, dmem = u.w, 0.0, -u.w_res
+            ar = ar if (self._tp and st.task.ar) else 0.0
+            label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
+            rows.append((st.member, dur, ar, st.task.waits_ar, label, ph.value, dmem))
+            totals[st.member] += dmem
+        out = (rows, (totals[0], totals[1]))
+        self._tables[shape_key] = out
+        return out
+
+    # -- compute -------------------------------------------------------------------------
+    def _compute(self, rs: _Rank, instr: Compute | Braided, idx: int) -> None:
+        ops = (instr,) if isinstance(instr, Compute) else instr.ops
+        t0 = rs.t
+        for op in ops:
+            if op.kind is OpKind.F:
+                continue
+            if op.key in rs.offloaded:
+                raise SimulationError(f"rank {rs.rank}: op {idx} ({instr}) needs the activations of mb {op.mb} chunk {op.chunk}, "
+                                      f"offloaded with no RELOAD{op.mb}c{op.chunk} before it")
+            t0 = max(t0, rs.reload_end.get(op.key, 0.0))
+        rows, totals = self._table(rs.rank, instr)
+        f = self.costs.ar_slowdown
+        st = rs.stats
+        block = str(instr) if isinstance(instr, Braided) else None
+        names = [str(op) for op in ops]
+        rec = self.record
+        ev = self.events
+        t = tp_free = t0
+        pend = [0.0, 0.0]
+        busy = exposed = nominal = 0.0
+        for member, dur, ar, waits, label, phase, dmem in rows:
+            start = t
+            if waits and pend[member] > start:
+                exposed += pend[member] - start
+                start = pend[member]
+            if tp_free > start:
+                win = tp_free - start
+                d = dur * f if win >= dur * f else win + (dur - win / f)
+            else:
+                d = dur
+            end = start + d
+            busy += d
+            nominal += dur
+            op = ops[member]
+            if rec:
+                ev.append(Event(rs.rank, "compute", names[member], phase, start, d, op.mb, op.chunk, label, block, idx))
+            if dmem:
+                st.mem.append((end, dmem))
+            if ar > 0.0:
+                s = end if end > tp_free else tp_free
+                tp_free = s + ar
+                pend[member] = tp_free
+                if rec:
+                    ev.append(Event(rs.rank, "tp-comm", names[member], "AR", s, ar, op.mb, op.chunk, label, block, idx))
+            t = end
+        if tp_free > t:
+            exposed += tp_free - t
+            t = tp_free
+        for op, tot in zip(ops, totals):
+            rs.resident[op.key] = rs.resident.get(op.key, 0.0) + tot
+        st.compute_s += busy
+        st.nominal_compute_s += nominal
+        st.tp_exposed_s += exposed
+        rs.t = t
+
+    # -- host copies ---------------------------------------------------------------------
+    def _copy_time(self, rs: _Rank, nbytes: float, start: float, other: list[tuple[float, float]]) -> float:
+        k = 1 + _in_flight(other, start) + (self.costs.p2p_over_pcie and _in_flight(rs.p2p_busy, start))
+        return nbytes / self.costs.pcie_bytes_per_s * k
+
+    def _offload(self, rs: _Rank, ins: Offload, idx: int) -> None:
+        key = (ins.mb, ins.chunk)
+        nbytes = ins.frac * rs.resident.get(key, 0.0)
+        start = max(rs.t, rs.d2h_free)
+        end = start + self._copy_time(rs, nbytes, start, rs.h2d_busy)
+        rs.d2h_free = end
+        rs.d2h_busy.append((start, end))
+        rs.offloaded[key] = (nbytes, end)
+        rs.resident[key] = rs.resident.get(key, 0.0) - nbytes
+        rs.stats.mem.append((end, -nbytes))
+        if self.record:
+            self.events.append(Event(rs.rank, "copy", str(ins), "OFFLOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
+
+    def _reload(self, rs: _Rank, ins: Reload, idx: int) -> None:
+        key = (ins.mb, ins.chunk)
+        if key not in rs.offloaded:
+            raise SimulationError(f"rank {rs.rank}: op {idx} ({ins}) reloads mb {ins.mb} chunk {ins.chunk}, which no earlier OFFLOAD moved out")
+        nbytes, off_end = rs.offloaded.pop(key)
+        start = max(rs.t, rs.h2d_free, off_end)
+        end = start + self._copy_time(rs, nbytes, start, rs.d2h_busy)
+        rs.h2d_free = end
+        rs.h2d_busy.append((start, end))
+        rs.reload_end[key] = end
+        rs.resident[key] = rs.resident.get(key, 0.0) + nbytes
+        rs.stats.mem.append((start, nbytes))
+        if self.record:
+            self.events.append(Event(rs.rank, "copy", str(ins), "RELOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
+
+    # -- P2P -----------------------------------------------------------------------------
+    def _route(self, rank: int, ins: Send | Recv, idx: int) -> tuple:
+        """Rendezvous key (comm, mb, boundary stage) of a transfer, checking its peer."""
+        lay = self.costs.layout
+        if ins.chunk >= lay.v:
+            raise SimulationError(f"rank {rank}: op {idx} ({ins}) names chunk {ins.chunk}, but the layout has v={lay.v}")
+        s = stage_of(lay.placement, lay.p, rank, ins.chunk)
+        fwd = ins.comm is CommKind.ACT
+        if isinstance(ins, Send):
+            other = s + 1 if fwd else s - 1
+        else:
+            other = s - 1 if fwd else s + 1
+        if not 0 <= other < lay.num_stages:
+            raise SimulationError(f"rank {rank}: op {idx} ({ins}) crosses the pipeline's end (stage {s} has no stage {other})")
+        peer = rank_chunk_of(lay.placement, lay.p, other)[0]
+        if peer != ins.peer or peer == rank:
+            raise SimulationError(f"rank {rank}: op {idx} ({ins}) names peer {ins.peer}, but stage {other} is on rank {peer}")
+        boundary = min(s, other)
+        return (ins.comm, ins.mb, boundary), (isinstance(ins, Send))
+
+    def _post(self, rs: _Rank, idx: int, ins: Send | Recv) -> None:
+        key, is_send = self._route(rs.rank, ins, idx)
+        side_key = key + (is_send,)
+        if side_key in self._posted:
+            raise SimulationError(f"rank {rs.rank}: op {idx} ({ins}) is posted twice")
+        other = self._posted.pop(key + (not is_send,), None)
+        rs.outstanding += 1
+        if other is None:
+            self._posted[side_key] = (rs.rank, rs.t, idx, ins)
+            return
+        o_rank, o_t, o_idx, o_ins = other
+        ro = self.ranks[o_rank]
+        snd, s_idx, s_ins, rcv, r_idx, r_ins = (rs, idx, ins, ro, o_idx, o_ins) if is_send else (ro, o_idx, o_ins, rs, idx, ins)
+        dur = self.costs.chunks[(snd.rank, s_ins.chunk)].p2p
+        start = max(rs.t, o_t, snd.p2p_free, rcv.p2p_free)
+        end = start + dur
+        if dur > 0:
+            for r in (snd, rcv):
+                r.p2p_free = end
+                r.p2p_busy.append((start, end))
+        if self.record:
+            self.events.append(Event(snd.rank, "p2p", str(s_ins), "SEND", start, dur, s_ins.mb, s_ins.chunk, None, None, s_idx, rcv.rank))
+            self.events.append(Event(rcv.rank, "p2p", str(r_ins), "RECV", start, dur, r_ins.mb, r_ins.chunk, None, None, r_idx, snd.rank))
+        for r in (rs, ro):
+            r.batch_end = max(r.batch_end, end)
+            r.outstanding -= 1
+        if ro.outstanding == 0 and ro is not rs and not ro.posting:
+            self._wake(ro)
+
+    def _wake(self, rs: _Rank) -> None:
+        rs.t = max(rs.t, rs.batch_end)
+        self._push(rs)
+
+    def _push(self, rs: _Rank) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (rs.t, self._seq, rs.rank))
+
+    # -- main loop -----------------------------------------------------------------------
+    def _advance(self, rs: _Rank) -> None:
+        """Run a rank until it finishes or blocks on a P2P batch."""
+        prog, n = rs.prog, len(rs.prog)
+        while rs.pc < n:
+            ins = prog[rs.pc]
+            if isinstance(ins, (Compute, Braided)):
+                self._compute(rs, ins, rs.pc)
+            elif isinstance(ins, Offload):
+                self._offload(rs, ins, rs.pc)
+            elif isinstance(ins, Reload):
+                self._reload(rs, ins, rs.pc)
+            elif not rs.posting:
+                rs.posting = True  # park until the heap reaches this time, so posts happen in time order
+                self._push(rs)
+                return
+            else:
+                rs.posting = False
+                j = rs.pc
+                while j < n and isinstance(prog[j], (Send, Recv)):
+                    j += 1
+                rs.batch, rs.batch_end = (rs.pc, j), rs.t
+                for k in range(rs.pc, j):
+                    self._post(rs, k, prog[k])  # type: ignore[arg-type]
+                rs.pc = j
+                if rs.outstanding:
+                    return  # woken by the peer's matching post
+                rs.t = max(rs.t, rs.batch_end)
+                continue
+            rs.pc += 1
+        rs.stats.end_s = rs.t
+
+    def run(self) -> list[RankStats]:
+        """Simulate every rank to its end; :class:`SimulationError` on deadlock or bad programs."""
+        for rs in self.ranks:
+            self._push(rs)
+        while self._heap:
+            _, _, r = heapq.heappop(self._heap)
+            self._advance(self.ranks[r])
+        stuck = [rs for rs in self.ranks if rs.pc < len(rs.prog) or rs.outstanding]
+        if stuck:
+            raise SimulationError("deadlock: no rank can proceed\n" + "\n".join(self._stuck_line(rs) for rs in stuck))
+        for rs in self.ranks:
+            end_busy = max([e for _, e in rs.d2h_busy[-1:] + rs.h2d_busy[-1:]], default=0.0)
+            rs.stats.end_s = max(rs.stats.end_s, end_busy)
+        return [rs.stats for rs in self.ranks]
+
+    def _stuck_line(self, rs: _Rank) -> str:
+        waiting = [(idx, ins) for (rank, _, idx, ins) in self._posted.values() if rank == rs.rank]
+        if not waiting:
+            return f"  rank {rs.rank}: stuck at op {rs.pc} ({rs.prog[rs.pc] if rs.pc < len(rs.prog) else 'end'})"
+        return "\n".join(f"  rank {rs.rank}: stuck at op {idx} ({ins}): its peer rank {ins.peer} never posts the matching "
+                         f"{'RECV' if isinstance(ins, Send) else 'SEND'}" for idx, ins in sorted(waiting, key=lambda x: x[0]))
+
+
+def _shape(instr: Compute | Braided) -> tuple:
+    if isinstance(instr, Compute):
+        return (instr.kind, instr.chunk)
+    return (instr.first.kind, instr.first.chunk, instr.second.kind, instr.second.chunk)
