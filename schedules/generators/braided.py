@@ -1,0 +1,119 @@
+"""The braided V schedule of "Synergistic Tensor and Pipeline Parallelism" (Sec. 4.2, Fig. 5).
+
+V placement: rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1), so device 0 holds
+the first and the last stage. Braided blocks interleave the units of two ops so every TP
+all-reduce of one is in flight while the other computes (:mod:`braid.braiding`). Three kinds
+appear, in the order of the authors' published step structure:
+
+* F&F -- two chunk-0 forwards of consecutive micro-batches (warm-up),
+* F&W -- a chunk-0 forward with a deferred weight gradient (end of warm-up),
+* F&B -- forward and backward of the *same* chunk, forward micro-batch later than the
+  backward one; ``B`` (weight gradient split off) while gradients must move downstream
+  fast, ``BW`` (full backward) in the steady phase.
+
+Phases for rank r (closed-form counts; ``split`` = weight gradient deferred to a later W):
+
+1. ``2(p-r-1)`` forwards of chunk 0,
+2. ``r+1`` pairs F0, F1,
+3. ``a`` more chunk-0 forwards -- one single F when ``a`` is odd, then F&F blocks.
+   ``a = r+1`` fills rank r with the maximum number of in-flight micro-batches (Fig. 11c);
+   the memory-efficient warm-up (Appendix A/B, Fig. 11b, "Ours^") takes ``a = 1``: just the
+   one extra forward that lets the first F&B block pair a later forward with an earlier
+   backward,
+4. ``p-r-1`` times: F1&B1 (split), then F0&W (the memory-efficient variant runs the W alone),
+5. steady: F1&B1, F0&B0 alternate while chunk-0 forwards remain, closing with an F1&B1;
+   the last ``r`` of them split again,
+6. while chunk-1 forwards remain: a full backward of chunk 0, then F1&B1 (split) -- "when
+   micro-batches run out, a full B then a split F&B, W re-enabled",
+7. ``r+1`` pairs of full backwards B0, B1,
+8. the remaining chunk-0 full backwards, each gap filled with two deferred W,
+9. the remaining W.
+
+For m >= 3p-1 the counts are the authors' closed forms. Their generator asserts only
+m >= 2p, but for 2p <= m < 3p-1 rank 0 would run out of chunk-0 forwards in phase 4; we
+keep the structure and let phases 3-4 run only the forwards that exist (an F&W block
+whose forward is missing becomes a plain W), and phases 5-9 take their counts from what
+is left. m < 2p raises ``ValueError``.
+
+Activation count on device 0 (see tests): 3p for ``braided_v`` (Table 1), 2p+1 for the
+memory-efficient warm-up.
+"""
+
+from __future__ import annotations
+
+from braid.ir import Plan, ScheduleConfig
+from schedules.generators._common import RankBuilder, check_chunks, make_plan
+from schedules.registry import register
+
+
+@register("braided_v", v=2, placement="v", description="Braided TP/PP V schedule (paper Fig. 5): F&F, F&W and F&B blocks")
+def braided_v(cfg: ScheduleConfig) -> Plan:
+    """The paper's braided schedule for m >= 2p (throughput-efficient warm-up)."""
+    return _braided("braided_v", cfg, lowmem=False)
+
+
+@register(
+    "braided_v_lowmem",
+    v=2,
+    placement="v",
+    description="Braided V schedule with the memory-efficient warm-up (paper Appendix B, Ours^)",
+)
+def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
+    """Braided V schedule with one extra forward before the first braided block; lower peak memory."""
+    return _braided("braided_v_lowmem", cfg, lowmem=True)
+
+
+def _braided(name: str, cfg: ScheduleConfig, lowmem: bool) -> Plan:
+    check_chunks(name, cfg, 2)
+    p, m = cfg.p, cfg.m
+    if m < 2 * p:
+        raise ValueError(f"{name} needs m >= 2p (got p={p}, m={m})")
+    return make_plan(name, cfg, "v", [_rank_ops(p, m, r, lowmem) for r in range(p)])
+
+
+def _rank_ops(p: int, m: int, r: int, lowmem: bool) -> list:
+    rb = RankBuilder(m, 2)
+    # Phase 1: nF0.
+    for _ in range(2 * (p - r - 1)):
+        rb.f(0)
+    # Phase 2: nF0F1.
+    for _ in range(r + 1):
+        rb.f(0)
+        rb.f(1)
+    # Phase 3: extra chunk-0 forwards, a single one first if odd, then F&F blocks.
+    extra = min(1 if lowmem else r + 1, m - rb.fwd[0])
+    if extra % 2 == 1:
+        rb.f(0)
+    for _ in range(extra // 2):
+        rb.braid(rb.next_f(0), rb.next_f(0))
+    # Phase 4: n(F1&B1, F0&W) -- split backwards push gradients downstream fast.
+    for _ in range(p - r - 1):
+        rb.braid(rb.next_f(1), rb.next_b(1, split=True))
+        if rb.has_f(0) and not lowmem:
+            rb.braid(rb.next_f(0), rb.next_w())
+        else:
+            rb.w()
+    # Phase 5 (steady): n(F1&B1, F0&B0) + F1&B1, full backwards but the last r.
+    n0 = m - rb.fwd[0]
+    steady = 2 * n0 + 1
+    for i in range(steady):
+        chunk = 1 if i % 2 == 0 else 0
+        rb.braid(rb.next_f(chunk), rb.next_b(chunk, split=i >= steady - r))
+    # Phase 6: n(B0, F1&B1) while chunk-1 forwards remain; W split re-enabled.
+    while rb.has_f(1):
+        rb.b(0)
+        rb.braid(rb.next_f(1), rb.next_b(1, split=True))
+    # Phase 7: n(B0, B1).
+    while rb.has_b(1):
+        rb.b(0)
+        rb.b(1)
+    # Phase 8: n(B0, W, W) -- deferred weight gradients fill the waits between backwards.
+    while rb.has_b(0):
+        rb.b(0)
+        for _ in range(2 if rb.has_b(0) else 0):
+            if rb.pending_w:
+                rb.w()
+    # Phase 9: nW.
+    while rb.pending_w:
+        rb.w()
+    return rb.ops

@@ -1,0 +1,74 @@
+"""DeepSeek's DualPipeV (the "cut-in-half" DualPipe of DeepSeek-V3, V placement, v=2).
+
+Rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1). DualPipeV overlaps the forward
+of one chunk with the backward of the *other* chunk (different micro-batches, different
+chunks) to hide expert-parallel communication. Our braided blocks only pair the same chunk
+(the units must match one to one, :class:`braid.ir.Braided`), so each overlapped pair is
+emitted as two consecutive plain ops, forward first -- the order DualPipe's notation
+"F0B1F1B0" names them in. The phases and their closed-form counts follow DualPipe's
+``step()``; like DualPipe we require m >= 2p.
+"""
+
+from __future__ import annotations
+
+from braid.ir import Plan, ScheduleConfig
+from schedules.generators._common import RankBuilder, check_chunks, make_plan
+from schedules.registry import register
+
+
+@register("dualpipe_v", v=2, placement="v", description="DeepSeek DualPipeV: V placement, overlapped F/B pairs as consecutive ops")
+def dualpipe_v(cfg: ScheduleConfig) -> Plan:
+    """DualPipeV for m >= 2p."""
+    check_chunks("dualpipe_v", cfg, 2)
+    p, m = cfg.p, cfg.m
+    if m < 2 * p:
+        raise ValueError(f"dualpipe_v needs m >= 2p (got p={p}, m={m})")
+    return make_plan("dualpipe_v", cfg, "v", [_rank_ops(p, m, r) for r in range(p)])
+
+
+def _rank_ops(p: int, m: int, r: int) -> list:
+    rb = RankBuilder(m, 2)
+    # Step 1: nF0.
+    for _ in range((p - r - 1) * 2):
+        rb.f(0)
+    # Step 2: nF0F1.
+    for _ in range(r + 1):
+        rb.f(0)
+        rb.f(1)
+    # Step 3: nB1W1F1 -- split backward so the gradient leaves early; W fills the wait.
+    for _ in range(p - r - 1):
+        rb.b(1, split=True)
+        if rb.pending_w:
+            rb.w()
+        rb.f(1)
+    # Step 4 (main): nF0B1F1B0, each overlapped pair as two plain ops.
+    for _ in range(m - 2 * p + r + 1):
+        rb.f(0)
+        rb.b(1)
+        rb.f(1)
+        rb.b(0)
+    # Step 5: nB1F1B0.
+    for _ in range(p - r - 1):
+        rb.b(1)
+        rb.f(1)
+        rb.b(0)
+    # Step 6: nB1B0, weight-gradient split switched on half-way (rank parity decides
+    # whether before B1 or before B0).
+    split = False
+    half = (r + 1) // 2
+    for i in range(r + 1):
+        if i == half and r % 2 == 1:
+            split = True
+        rb.b(1, split=split)
+        if i == half and r % 2 == 0:
+            split = True
+        rb.b(0, split=split)
+    # Step 7: nWB0.
+    for _ in range(p - r - 1):
+        if rb.pending_w:
+            rb.w()
+        rb.b(0, split=split)
+    # Step 8: nW.
+    while rb.pending_w:
+        rb.w()
+    return rb.ops

@@ -1,0 +1,95 @@
+"""Zero-bubble schedules with the weight gradient split off (Qi et al., ICLR'24; NeurIPS'24).
+
+The backward is split into ``B`` (activation gradient, on the critical path) and ``W``
+(weight gradient, deferred to fill bubbles).
+
+* ``zb_h1`` (ZB-H1, one chunk per rank): 1F1B's warm-up and steady order, but rank r holds
+  back its first p-r-1 weight gradients and spends them in the cool-down, where 1F1B idles
+  between backwards. Peak activation equals 1F1B's (W does not free activations in the
+  counting convention; its small residual is accounted in bytes by the simulator).
+* ``zb_v`` (ZB-V, two chunks per rank, V placement): 2(p-r)-1 forwards of chunk 0, then
+  the chunk-1 forwards interleaved in, then F/B/W triplets per chunk; peak 2p chunk
+  activations on every rank (the paper's Table 1 row "ZB-V"). For m < 2p-1 the full-size
+  schedule is generated and the ops of absent micro-batches are dropped, as
+  ``torch.distributed.pipelining``'s ZBV does.
+"""
+
+from __future__ import annotations
+
+from braid.ir import Plan, ScheduleConfig, compute_ops
+from schedules.generators._common import RankBuilder, check_chunks, make_plan
+from schedules.registry import register
+
+
+@register("zb_h1", v=1, placement="loop", description="Zero-bubble H1: 1F1B with B/W split, W deferred into the cool-down")
+def zb_h1(cfg: ScheduleConfig) -> Plan:
+    """ZB-H1 for any p >= 1, m >= 1."""
+    check_chunks("zb_h1", cfg, 1)
+    p, m = cfg.p, cfg.m
+    ranks = []
+    for r in range(p):
+        rb = RankBuilder(m, 1)
+        held_back = p - r - 1  # weight gradients kept for the cool-down bubbles
+        # Warm-up: nF.
+        warmup = min(p - r - 1, m)
+        for _ in range(warmup):
+            rb.f(0)
+        # Steady: nFB(W) -- a W only once more than `held_back` are pending.
+        for _ in range(m - warmup):
+            rb.f(0)
+            rb.b(0, split=True)
+            if len(rb.pending_w) > held_back:
+                rb.w()
+        # Cool-down: nBW -- each W fills the wait for the next gradient.
+        for _ in range(warmup):
+            rb.b(0, split=True)
+            rb.w()
+        while rb.pending_w:
+            rb.w()
+        ranks.append(rb.ops)
+    return make_plan("zb_h1", cfg, "loop", ranks)
+
+
+@register("zb_v", v=2, placement="v", description="Zero-bubble V: V placement, B/W split, peak 2p chunk activations")
+def zb_v(cfg: ScheduleConfig) -> Plan:
+    """ZB-V for any p >= 1, m >= 1 (best with m >= 2p)."""
+    check_chunks("zb_v", cfg, 2)
+    p, m = cfg.p, cfg.m
+    n = max(2 * p - 1, m)  # build the full-size schedule, then drop micro-batches >= m
+    ranks = []
+    for r in range(p):
+        rb = RankBuilder(n, 2)
+        # Warm-up 1: nF0, enough to reach the V's turn at rank p-1.
+        for _ in range(2 * (p - r) - 1):
+            rb.f(0)
+        # Warm-up 2: nF1F0.
+        for _ in range(r):
+            rb.f(1)
+            rb.f(0)
+        # Warm-up 3: nF1B1W1 -- chunk-1 backwards start as soon as their forward is back.
+        for _ in range(p - r):
+            rb.f(1)
+            rb.b(1, split=True)
+            rb.w()
+        # Steady: F0 B0 W0 F1 B1 W1 until every forward has run.
+        while rb.fwd[1] < rb.fwd[0] or rb.has_f(0):
+            if rb.has_f(0):
+                rb.f(0)
+            rb.b(0, split=True)
+            rb.w()
+            rb.f(1)
+            rb.b(1, split=True)
+            rb.w()
+        # Cool-down 1: nB0B1, weight gradients deferred.
+        for _ in range(r):
+            rb.b(0, split=True)
+            rb.b(1, split=True)
+        # Cool-down 2: nB0W -- the deferred W fill the gradient waits.
+        for _ in range(p - r):
+            rb.b(0, split=True)
+            rb.w(0)
+        # Cool-down 3: the remaining W, chunk 1 first (they are the older ones).
+        rest = sorted(rb.pending_w, key=lambda w: (-w.chunk, w.mb))
+        rb.ops.extend(rest)
+        ranks.append([i for i in rb.ops if all(op.mb < m for op in compute_ops(i))])
+    return make_plan("zb_v", cfg, "v", ranks)
