@@ -1,0 +1,362 @@
+"""A model chunk (one virtual stage) run unit by unit: forward, activation-backward, weight-backward.
+
+The executor drives a chunk through the unit tasks of :mod:`braid.braiding`. Each unit's
+forward runs on detached inputs under autograd and keeps its *pieces* (inputs, outputs)
+until the unit's backward; TP all-reduces are not part of the graph -- a unit returns
+the tensor to reduce and the executor reduces it in place, asynchronously.
+
+Backward cuts (paper Sec. 3, Fig. 3): Pre-Attn / Pre-MLP / head end with the all-reduce
+of the column-parallel input gradient (operator f). The RMSNorm backward and the +1
+residual gradient then run at the *start* of the next backward unit (``_finish``), so
+the all-reduce is the last thing its unit does. Weight gradients of the TP linears are
+always split off (:func:`braid.tp.split_weight_grads`); a ``W`` task (or the W half of a
+``BW``) computes and accumulates them. RMSNorm weights get their gradient during B.
+
+Saved activations are captured with ``saved_tensors_hooks`` into one box per
+(micro-batch, unit), so they can be counted (the memory series of the trace) and moved
+to host memory by ``Offload``/``Reload`` instructions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
+from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, parallelize_layer
+from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, split_weight_grads
+
+
+class ChunkStateError(RuntimeError):
+    """A unit task whose inputs are missing (an executor invariant was broken)."""
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(slots=True)
+class _Piece:
+    """One autograd sub-graph of a unit: leaf inputs, outputs, and eager parameters (norm weights)."""
+
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    params: tuple[nn.Parameter, ...] = ()
+
+
+@dataclass(slots=True)
+class _Box:
+    """Saved activations of one (micro-batch, unit); tensors may live on the host after an offload."""
+
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    device: list[torch.device] = field(default_factory=list)
+    offloaded: int = 0  # how many of ``tensors`` (from the front) live on the host
+
+    def live_bytes(self) -> int:
+        return sum(_nbytes(t) for t in self.tensors[self.offloaded :])
+
+
+@dataclass(slots=True)
+class _Backward:
+    grads: tuple[torch.Tensor, ...] = ()
+    residual: torch.Tensor | None = None
+    pending: tuple[_Piece, torch.Tensor, torch.Tensor | None, tuple] | None = None
+
+
+class ModelChunk(nn.Module):
+    """Layers ``[first, first+len(layers))`` of a model, plus the embedding and/or head.
+
+    ``tp_group`` is used only inside the loss (vocab-parallel max/sum-exp); the unit
+    boundary all-reduces belong to the executor. ``num_microbatches`` scales each
+    micro-batch's loss by ``1/m`` so gradients equal a full-batch mean.
+    """
+
+    def __init__(
+        self,
+        spec: ChunkSpec,
+        layers: Sequence[Qwen2Layer],
+        embed: VocabParallelEmbedding | None,
+        norm: RMSNorm | None,
+        lm_head: ColumnParallelLinear | None,
+        *,
+        num_microbatches: int,
+        tp_group: dist.ProcessGroup | None = None,
+        vocab_start: int = 0,
+    ) -> None:
+        super().__init__()
+        if len(layers) != spec.layers or (embed is not None) != spec.embed or (lm_head is not None) != spec.head:
+            raise ValueError(f"chunk modules do not match {spec}")
+        self.spec = spec
+        self.layers = nn.ModuleList(layers)
+        self.embed, self.norm, self.lm_head = embed, norm, lm_head
+        self.m = num_microbatches
+        self.tp_group = tp_group
+        self.vocab_start = vocab_start
+        self.tokens: list[torch.Tensor] = []
+        self.labels: list[torch.Tensor] = []
+        self.losses: dict[int, torch.Tensor] = {}
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._fwd: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._grad_out: dict[int, torch.Tensor] = {}
+        self._grad_in: dict[int, torch.Tensor] = {}
+        self._bwd: dict[int, _Backward] = {}
+        self._saved: dict[tuple, list[_Piece]] = {}
+        self._boxes: dict[tuple, _Box] = {}
+        self._param_ptrs = {p.data_ptr() for p in self.parameters()}
+
+    # -- data in and out -----------------------------------------------------------------
+    def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
+        """Micro-batches of token ids (for the embedding) and labels (for the loss)."""
+        self.tokens, self.labels = list(tokens), list(labels)
+        self.losses.clear()
+
+    def set_input(self, mb: int, x: torch.Tensor) -> None:
+        self._inputs[mb] = x
+
+    def has_input(self, mb: int) -> bool:
+        return self.spec.embed or mb in self._inputs
+
+    def pop_output(self, mb: int) -> torch.Tensor:
+        if mb not in self._outputs:
+            raise ChunkStateError(f"no forward output of micro-batch {mb} (was its F run, or already sent?)")
+        return self._outputs.pop(mb)
+
+    def set_output_grad(self, mb: int, g: torch.Tensor) -> None:
+        self._grad_out[mb] = g
+
+    def has_output_grad(self, mb: int) -> bool:
+        return self.spec.head or mb in self._grad_out
+
+    def pop_input_grad(self, mb: int) -> torch.Tensor:
+        if mb not in self._grad_in:
+            raise ChunkStateError(f"no input gradient of micro-batch {mb} (was its B run, or already sent?)")
+        return self._grad_in.pop(mb)
+
+    def live_bytes(self) -> int:
+        """Bytes of saved activations on the device plus stashed weight-gradient inputs."""
+        return sum(b.live_bytes() for b in self._boxes.values()) + sum(m.stash_bytes() for m in self._deferred_all())
+
+    def pending_work(self) -> list[str]:
+        """What is still held (for end-of-step checks)."""
+        out = [f"saved {k}" for k in self._saved] + [f"output mb{k}" for k in self._outputs]
+        out += [f"stash {type(m).__name__}" for m in self._deferred_all() if m.stash_bytes()]
+        return out
+
+    # -- unit tasks ------------------------------------------------------------------------
+    def run(self, mb: int, task: UnitTask) -> torch.Tensor | None:
+        """Run one unit task; returns the tensor to all-reduce over TP when ``task.ar``."""
+        if task.phase is Phase.F:
+            return self._forward(mb, task.unit, task.layer)
+        if task.phase is Phase.B:
+            return self._backward(mb, task.unit, task.layer)
+        for mod in self._deferred(task.unit, task.layer):
+            mod.weight_backward(mb)
+        return None
+
+    def end_forward(self, mb: int) -> None:
+        """Called when all of F(mb)'s all-reduces are done: its output becomes available."""
+        state = self._fwd.pop(mb, None)
+        if not self.spec.head:
+            if state is None:
+                raise ChunkStateError(f"end of F{mb} without forward state")
+            self._outputs[mb] = state[0]
+
+    def end_backward(self, mb: int) -> None:
+        """Called when all of B(mb)'s all-reduces are done: finish the last norm backward -> input gradient."""
+        st = self._bwd.pop(mb, None)
+        if st is None:
+            raise ChunkStateError(f"end of B{mb} without backward state")
+        if st.pending is not None:
+            self._grad_in[mb] = self._finish(mb, st)
+        elif not self.spec.embed:
+            raise ChunkStateError(f"B{mb} ended without an input gradient")
+
+    # -- forward -------------------------------------------------------------------------
+    def _saving(self, mb: int, unit: Unit, layer: int):
+        box = self._boxes.setdefault((mb, unit, layer), _Box())
+        ptrs = self._param_ptrs
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.data_ptr() in ptrs:
+                return t
+            box.tensors.append(t)
+            box.device.append(t.device)
+            return (box, len(box.tensors) - 1)
+
+        def unpack(h: Any) -> torch.Tensor:
+            if isinstance(h, torch.Tensor):
+                return h
+            b, i = h
+            t = b.tensors[i]
+            return t if t.device == b.device[i] else t.to(b.device[i])
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
+        if unit is Unit.EMBED:
+            with self._saving(mb, unit, layer):
+                out = self.embed(self.tokens[mb])
+            self._saved[(mb, unit, layer)] = [_Piece((), (out,))]
+            self._fwd[mb] = (out.detach(),)
+            return self._fwd[mb][0]
+        if mb not in self._fwd:
+            if mb not in self._inputs:
+                raise ChunkStateError(f"F{mb}: input activation missing (not received)")
+            self._fwd[mb] = (self._inputs.pop(mb),)
+        state = self._fwd[mb]
+        key = (mb, unit, layer)
+        with self._saving(*key):
+            if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
+                x = _leaf(state[0])
+                norm = self.norm if unit is Unit.HEAD else self._norm_of(unit, layer)
+                h = norm(x)
+                hl = _leaf(h)
+                if unit is Unit.HEAD:
+                    logits = self.lm_head(hl)  # (b, s, V/t)
+                    loss = vocab_parallel_cross_entropy(logits, self.labels[mb], self.vocab_start, self.tp_group).mean() / self.m
+                    outs: tuple[torch.Tensor, ...] = (loss,)
+                    self.losses[mb] = loss.detach()
+                else:
+                    lay = self.layers[layer]
+                    outs = tuple(lay.qkv(hl) if unit is Unit.PRE_ATTN else lay.gate_up(hl))
+                self._saved[key] = [_Piece((x,), (h,), (norm.weight,)), _Piece((hl,), outs)]
+                self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
+                return None
+            *acts, residual = state
+            leaves = tuple(_leaf(a) for a in acts)
+            lay = self.layers[layer]
+            out = lay.attn(*leaves, residual) if unit is Unit.ATTN else lay.mlp(*leaves, residual)  # partial over TP
+        self._saved[key] = [_Piece(leaves, (out,))]
+        self._fwd[mb] = (out.detach(),)
+        return self._fwd[mb][0]
+
+    # -- backward ------------------------------------------------------------------------
+    def _finish(self, mb: int, st: _Backward) -> torch.Tensor:
+        """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual."""
+        piece, dh, residual, box_key = st.pending
+        st.pending = None
+        torch.autograd.backward(piece.outputs, (dh,), inputs=list(piece.inputs + piece.params))
+        dx = piece.inputs[0].grad
+        self._boxes.pop(box_key, None)
+        return dx if residual is None else dx + residual
+
+    def _take(self, mb: int, unit: Unit, layer: int) -> list[_Piece]:
+        try:
+            return self._saved.pop((mb, unit, layer))
+        except KeyError:
+            raise ChunkStateError(f"B{mb}: no saved activations of {unit.value} layer {layer} (forward not run?)") from None
+
+    def _backward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
+        if mb not in self._bwd:
+            if not self.spec.head and mb not in self._grad_out:
+                raise ChunkStateError(f"B{mb}: output gradient missing (not received)")
+            self._bwd[mb] = _Backward()
+        st = self._bwd[mb]
+        key = (mb, unit, layer)
+        pieces = self._take(mb, unit, layer)
+        with split_weight_grads(self._deferred(unit, layer), mb):
+            if unit is Unit.HEAD:
+                (hl,) = pieces[1].inputs
+                (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))
+                st.pending = (pieces[0], dh, None, key)
+                return dh  # partial over TP: all-reduced (operator f)
+            if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
+                (hl,) = pieces[1].inputs
+                (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,), st.grads)
+                st.pending = (pieces[0], dh, st.residual, key)
+                st.grads, st.residual = (), None
+                return dh
+            g = self._finish(mb, st) if st.pending is not None else self._grad_out.pop(mb)
+            if unit is Unit.EMBED:
+                torch.autograd.backward(pieces[0].outputs, (g,), inputs=[self.embed.weight])
+                self._boxes.pop(key, None)
+                return None
+            (out,) = pieces[0].outputs
+            st.grads = torch.autograd.grad(out, pieces[0].inputs, g)
+            st.residual = g  # d out / d x through the fused residual: the explicit +1
+            self._boxes.pop(key, None)
+            return None
+
+    # -- modules per unit ----------------------------------------------------------------
+    def _norm_of(self, unit: Unit, layer: int) -> RMSNorm:
+        lay = self.layers[layer]
+        return lay.input_layernorm if unit is Unit.PRE_ATTN else lay.post_attention_layernorm
+
+    def _deferred(self, unit: Unit, layer: int) -> list[DeferredWeightGrad]:
+        if unit is Unit.EMBED:
+            return [self.embed]
+        if unit is Unit.HEAD:
+            return [self.lm_head]
+        lay = self.layers[layer]
+        mods = {
+            Unit.PRE_ATTN: (lay.q_proj, lay.k_proj, lay.v_proj),
+            Unit.ATTN: (lay.o_proj,),
+            Unit.PRE_MLP: (lay.gate_proj, lay.up_proj),
+            Unit.MLP: (lay.down_proj,),
+        }[unit]
+        return list(mods)
+
+    def _deferred_all(self) -> list[DeferredWeightGrad]:
+        return [m for m in self.modules() if isinstance(m, DeferredWeightGrad)]
+
+    # -- offload -------------------------------------------------------------------------
+    def offload(self, mb: int, frac: float = 1.0) -> int:
+        """Move (a fraction of) the saved activations of ``mb`` to host memory; returns bytes moved."""
+        moved = 0
+        for (kmb, _, _), box in self._boxes.items():
+            if kmb != mb:
+                continue
+            n = max(box.offloaded, round(len(box.tensors) * frac))
+            for i in range(box.offloaded, n):
+                moved += _nbytes(box.tensors[i])
+                box.tensors[i] = box.tensors[i].to("cpu")
+            box.offloaded = n
+        return moved
+
+    def reload(self, mb: int) -> int:
+        """Bring the offloaded activations of ``mb`` back to their device; returns bytes moved."""
+        moved = 0
+        for (kmb, _, _), box in self._boxes.items():
+            if kmb != mb:
+                continue
+            for i in range(box.offloaded):
+                box.tensors[i] = box.tensors[i].to(box.device[i])
+                moved += _nbytes(box.tensors[i])
+            box.offloaded = 0
+        return moved
+
+
+def build_chunk(
+    model: Qwen2Model,
+    spec: ChunkSpec,
+    first_layer: int,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: dist.ProcessGroup | None = None,
+    num_microbatches: int = 1,
+) -> ModelChunk:
+    """The TP shard of layers ``[first_layer, first_layer + spec.layers)`` of a single-device model (copied)."""
+    cfg: Qwen2Config = model.cfg
+    layers = [parallelize_layer(model.layers[i], cfg, tp_rank, tp_size) for i in range(first_layer, first_layer + spec.layers)]
+    embed = VocabParallelEmbedding.from_full(model.embed_tokens, tp_rank, tp_size) if spec.embed else None
+    norm = lm_head = None
+    if spec.head:
+        norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        norm.weight.data.copy_(model.norm.weight.detach())
+        lm_head = ColumnParallelLinear.from_full(model.lm_head, tp_rank, tp_size)
+    vocab_start = tp_rank * (cfg.vocab_size // tp_size)
+    return ModelChunk(
+        spec, layers, embed, norm, lm_head,
+        num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start,
+    )

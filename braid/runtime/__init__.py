@@ -1,0 +1,1 @@
+"""The executor: runs compiled per-rank programs on torch.distributed."""

@@ -1,0 +1,188 @@
+"""Process-group setup, with timeouts and failure propagation between ranks.
+
+:class:`ProcessGroups` owns the pp, tp, dp, cp and dp x cp groups of a
+:class:`braid.topology.Topology` (no module-level state: the object travels to whoever
+needs a group). The backend follows the device: gloo on CPU, NCCL on CUDA.
+
+Failure propagation. A rank that raises sets an abort key in the job's TCPStore
+(:meth:`Abort.signal`). Every wait of the executor on a communication handle polls that
+key (:meth:`Abort.wait`), so the other ranks raise :class:`PeerFailure` within a poll
+interval instead of hanging in a receive or an all-reduce whose peer is gone. Ops that
+block inside a collective the executor does not poll (the loss's small all-reduces) are
+bounded by the process-group ``timeout``. On CUDA, waits are stream-ordered and the NCCL
+watchdog (same timeout) is the backstop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from braid.topology import RankCoords, Topology
+
+log = logging.getLogger(__name__)
+
+ABORT_KEY = "braid/abort"
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed; this rank stops instead of waiting forever."""
+
+
+def backend_for(device: torch.device) -> str:
+    """gloo on CPU, NCCL on CUDA."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(slots=True)
+class Abort:
+    """A job-wide abort flag in the TCPStore, checked while waiting on communication."""
+
+    store: dist.Store
+    rank: int
+    poll_s: float = 0.05
+    cuda: bool = False  # stream-ordered waits (NCCL)
+
+    def signal(self, reason: str) -> None:
+        """Tell every rank that this one failed (idempotent, never raises)."""
+        try:
+            self.store.set(ABORT_KEY, f"rank {self.rank}: {reason}"[:2000])
+        except Exception:  # the store itself may be gone; nothing more to do
+            log.exception("could not set the abort flag")
+
+    def check(self) -> None:
+        if self.store.check([ABORT_KEY]):
+            raise PeerFailure(f"rank {self.rank} stops: {self.store.get(ABORT_KEY).decode(errors='replace')}")
+
+    def wait(self, work: dist.Work, timeout_s: float | None = None) -> None:
+        """Wait for an async work handle, raising :class:`PeerFailure` as soon as any rank has failed."""
+        if work is None:
+            return
+        if self.cuda:
+            work.wait()  # stream-ordered; the NCCL watchdog bounds it
+            return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        next_check = time.monotonic() + self.poll_s
+        spin = 0
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_check:
+                self.check()
+                next_check = now + self.poll_s
+            if deadline is not None and now > deadline:
+                raise TimeoutError(f"rank {self.rank}: communication did not finish within {timeout_s} s")
+            spin += 1
+            if spin > 100:
+                time.sleep(0.0002)
+        work.wait()
+
+
+@dataclass(slots=True)
+class Dist:
+    """An initialised job: rank, world size, device, store, abort flag and timeout."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    store: dist.Store
+    abort: Abort
+    timeout_s: float
+
+    @staticmethod
+    def init(
+        rank: int,
+        world_size: int,
+        *,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 120.0,
+        poll_s: float = 0.05,
+    ) -> "Dist":
+        """Create the TCPStore and the default process group (backend from the device).
+
+        ``master_port``/``master_addr`` default to ``MASTER_PORT``/``MASTER_ADDR``; under
+        torchrun the agent's store is joined as a client.
+        """
+        device = torch.device(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        port = int(master_port if master_port is not None else os.environ.get("MASTER_PORT", "29500"))
+        addr = os.environ.get("MASTER_ADDR", master_addr) if master_port is None else master_addr
+        timeout = datetime.timedelta(seconds=timeout_s)
+        is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        store = dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout)
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout)
+        return Dist(rank, world_size, device, store, Abort(store, rank, poll_s, device.type == "cuda"), timeout_s)
+
+    @staticmethod
+    def from_env(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> "Dist":
+        """Initialise from torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables."""
+        return Dist.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device=device, timeout_s=timeout_s)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(slots=True)
+class ProcessGroups:
+    """The process groups of one rank under a topology (pp, tp, dp, cp and dp x cp).
+
+    ``pp_ranks``: global ranks of this rank's pipeline, indexed by pipeline rank (the
+    ``peer`` of Send/Recv instructions).
+    """
+
+    topo: Topology
+    rank: int
+    coords: RankCoords
+    pp: dist.ProcessGroup
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    cp: dist.ProcessGroup
+    dp_cp: dist.ProcessGroup
+    pp_ranks: list[int]
+    tp_ranks: list[int]
+    dp_cp_ranks: list[int]
+
+    @staticmethod
+    def create(topo: Topology, rank: int | None = None, timeout_s: float = 120.0) -> "ProcessGroups":
+        """Create every group of the layout (collective: all ranks call it, same order)."""
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessGroups.create needs an initialised default process group (Dist.init)")
+        world = dist.get_world_size()
+        if world != topo.world_size:
+            raise ValueError(f"topology is for {topo.world_size} ranks but {world} processes were started")
+        rank = dist.get_rank() if rank is None else rank
+        timeout = datetime.timedelta(seconds=timeout_s)
+        mine: dict[str, dist.ProcessGroup] = {}
+        ranks_of: dict[str, list[int]] = {}
+        for dim in ("pp", "tp", "dp", "cp", "dp_cp"):
+            for ranks in topo.groups(dim):
+                g = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[dim], ranks_of[dim] = g, ranks
+        return ProcessGroups(
+            topo, rank, topo.coords(rank), mine["pp"], mine["tp"], mine["dp"], mine["cp"], mine["dp_cp"],
+            ranks_of["pp"], ranks_of["tp"], ranks_of["dp_cp"],
+        )
+
+
+def reduce_gradients(params: list[torch.nn.Parameter], groups: ProcessGroups, abort: Abort) -> None:
+    """Average gradients over data- and context-parallel replicas (after the program, before the optimizer)."""
+    if len(groups.dp_cp_ranks) == 1:
+        return
+    n = len(groups.dp_cp_ranks)
+    works = []
+    for p in params:
+        if p.grad is not None:
+            p.grad.div_(n)
+            works.append(dist.all_reduce(p.grad, group=groups.dp_cp, async_op=True))
+    for w in works:
+        abort.wait(w)

@@ -1,0 +1,330 @@
+"""The per-rank interpreter: runs a compiled :class:`braid.ir.Program` on torch.distributed.
+
+One dispatch loop over the rank's instructions ("schedule as data, executor as one
+loop"). Compute instructions -- F, B, W, BW and braided blocks -- run at unit granularity
+in the order :func:`braid.braiding.steps` gives (the braid pattern is defined there, once).
+A unit task with ``ar`` starts an async TP all-reduce of its output
+(``dist.all_reduce(..., async_op=True)``: NCCL runs it on its own stream ordered by
+events, gloo on its worker thread); the next F/B task of the same op waits for it, and an
+instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3).
+
+Consecutive Send/Recv instructions go out as one ``batch_isend_irecv`` (see
+:mod:`braid.runtime.p2p`). Hand-offs between two chunks of the same rank (V-shape turn)
+stay in memory. After the program the caller reduces gradients over data/context
+parallel ranks (:func:`braid.runtime.distributed.reduce_gradients`) and steps its
+optimizer. The executor records a measured :class:`braid.trace.Trace` in the simulator's
+format: unit compute events, all-reduces on lane ``tp-comm``, P2P events and a memory
+series (``torch.cuda.memory_allocated`` on GPU, live saved-activation bytes on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from braid.braiding import ChunkSpec, Phase
+from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
+from braid.braiding import steps as braid_steps
+from braid.models.chunk import ChunkStateError, ModelChunk, build_chunk
+from braid.models.qwen2 import Qwen2Model
+from braid.partition import chunk_specs, layer_offset
+from braid.runtime.distributed import Abort, ProcessGroups
+from braid.runtime.p2p import Transfer, issue
+from braid.tp.layers import StashError
+from braid.trace import Event, Trace
+
+log = logging.getLogger(__name__)
+
+
+class ExecutionError(RuntimeError):
+    """An invariant of the program was broken on this rank (names rank, instruction and micro-batch)."""
+
+
+class _Clock:
+    """Timestamps: CUDA events on GPU (resolved at the end of the step), ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.t0 = self.mark()
+
+    def mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def seconds(self, m: Any) -> float:
+        if self.cuda:
+            return self.t0.elapsed_time(m) / 1e3
+        return m - self.t0
+
+
+@dataclass(slots=True)
+class _Pending:
+    work: dist.Work
+    start: Any
+    op: Compute
+    unit: str
+    block: str | None
+    index: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one run of a program produced on this rank."""
+
+    loss: float | None  # sum over micro-batches of loss/m, on the rank holding the last stage
+    trace: Trace
+    counts: dict[str, int] = field(default_factory=dict)  # executed braided blocks, W units, ...
+
+
+def build_rank_chunks(
+    model: Qwen2Model,
+    plan: Plan,
+    pp_rank: int,
+    layers_per_stage: Sequence[int],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: dist.ProcessGroup | None = None,
+) -> dict[int, ModelChunk]:
+    """The local chunks of ``pp_rank`` (TP shards, copied out of the single-device ``model``)."""
+    if len(layers_per_stage) != plan.num_stages:
+        raise ValueError(f"{len(layers_per_stage)} layer counts for {plan.num_stages} virtual stages")
+    specs = chunk_specs(tuple(layers_per_stage), plan.p, plan.placement)
+    out = {}
+    for c in range(plan.v):
+        stage = plan.stage_of(pp_rank, c)
+        first = layer_offset(tuple(layers_per_stage), stage)
+        out[c] = build_chunk(
+            model, specs[(pp_rank, c)], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, num_microbatches=plan.m
+        )
+        out[c].first_layer = first
+    return out
+
+
+class Executor:
+    """Runs one rank's program over its local model chunks.
+
+    ``act_shape``: shape of the activation/gradient travelling between stages
+    (micro-batch size, sequence, hidden); ``tp_group=None`` means tp=1.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        program: Program,
+        chunks: dict[int, ModelChunk],
+        *,
+        pp_ranks: Sequence[int],
+        act_shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tp_group: dist.ProcessGroup | None = None,
+        abort: Abort | None = None,
+    ) -> None:
+        if set(chunks) != set(range(plan.v)):
+            raise ValueError(f"rank {program.rank}: chunks {sorted(chunks)} for v={plan.v}")
+        self.plan, self.program, self.chunks = plan, program, chunks
+        self.rank = program.rank
+        self.pp_ranks = list(pp_ranks)
+        self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
+        self.tp_group = tp_group
+        self.abort = abort
+
+    @staticmethod
+    def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
+        tp = groups.tp if groups.topo.tp > 1 else None
+        return Executor(plan, program, chunks, pp_ranks=groups.pp_ranks, tp_group=tp, abort=abort, **kw)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _spec(self, chunk: int) -> ChunkSpec:
+        return self.chunks[chunk].spec
+
+    def _wait(self, work: dist.Work) -> None:
+        if self.abort is not None:
+            self.abort.wait(work)
+        else:
+            work.wait()
+
+    def _fail(self, idx: int, ins: Instruction, err: Exception) -> ExecutionError:
+        mbs = sorted({op.mb for op in compute_ops(ins)} | ({ins.mb} if hasattr(ins, "mb") else set()))
+        return ExecutionError(f"rank {self.rank}: instruction {idx} ({ins}), micro-batch {','.join(map(str, mbs))}: {err}")
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> StepResult:
+        """Execute the program once (one training step's forward and backward, gradients accumulated)."""
+        for c in self.chunks.values():
+            c.set_batch(tokens, labels)
+        self.clock = _Clock(self.device)
+        self._events: list[tuple] = []
+        self._memory: list[tuple[Any, int]] = []
+        self._exposed: list[tuple[Any, Any]] = []
+        self.counts = {"braided": 0, "W": 0, "B": 0, "F": 0, "AR": 0, "P2P": 0}
+        instrs = self.program.instructions
+        i = 0
+        try:
+            while i < len(instrs):
+                ins = instrs[i]
+                if isinstance(ins, (Send, Recv)):
+                    j = i
+                    while j < len(instrs) and isinstance(instrs[j], (Send, Recv)):
+                        j += 1
+                    self._comm(i, instrs[i:j])
+                    i = j
+                    continue
+                try:
+                    if isinstance(ins, (Compute, Braided)):
+                        self._compute(i, ins)
+                    elif isinstance(ins, Offload):
+                        self._copy(i, ins, "OFFLOAD", lambda: self.chunks[ins.chunk].offload(ins.mb, ins.frac))
+                    elif isinstance(ins, Reload):
+                        self._copy(i, ins, "RELOAD", lambda: self.chunks[ins.chunk].reload(ins.mb))
+                    else:
+                        raise TypeError(f"unknown instruction type {type(ins).__name__}")
+                except (ChunkStateError, StashError) as err:
+                    raise self._fail(i, ins, err) from err
+                i += 1
+            leftover = [f"chunk {c}: {w}" for c, ch in self.chunks.items() for w in ch.pending_work()]
+            if leftover:
+                raise ExecutionError(f"rank {self.rank}: program ended with work left: {'; '.join(leftover[:8])}")
+        except Exception as err:
+            if self.abort is not None and not type(err).__name__ == "PeerFailure":
+                self.abort.signal(f"{type(err).__name__}: {err}")
+            raise
+        losses = [v for c in self.chunks.values() if c.spec.head for v in c.losses.values()]
+        if any(c.spec.head for c in self.chunks.values()) and len(losses) != self.plan.m:
+            raise ExecutionError(f"rank {self.rank}: {len(losses)} micro-batch losses for m={self.plan.m}")
+        loss = float(torch.stack(losses).sum()) if losses else None
+        return StepResult(loss, self._trace(), dict(self.counts))
+
+    # -- compute -------------------------------------------------------------------------
+    def _compute(self, idx: int, ins: Compute | Braided) -> None:
+        ops = compute_ops(ins)
+        block = str(ins) if isinstance(ins, Braided) else None
+        for op in ops:
+            ch = self.chunks.get(op.chunk)
+            if ch is None:
+                raise ChunkStateError(f"no local chunk {op.chunk} (v={self.plan.v})")
+            if op.kind is OpKind.F and not ch.has_input(op.mb):
+                raise ChunkStateError(f"{op} before its input activation was received")
+            if op.kind in (OpKind.B, OpKind.BW) and not ch.has_output_grad(op.mb):
+                raise ChunkStateError(f"{op} before its output gradient was received")
+        if block is not None:
+            self.counts["braided"] += 1
+        pending: dict[int, _Pending] = {}
+        for st in braid_steps(ins, self._spec):
+            if st.task.waits_ar and st.member in pending:
+                self._wait_ar(pending.pop(st.member))
+            ch = self.chunks[st.op.chunk]
+            s = self.clock.mark()
+            out = ch.run(st.op.mb, st.task)
+            e = self.clock.mark()
+            unit = st.task.label.split(":", 1)[1]
+            kind = st.task.phase.value
+            self.counts[kind] += 1
+            self._events.append(("compute", f"{st.op}", kind, s, e, st.op.mb, st.op.chunk, unit, block, idx, None))
+            if st.task.ar and out is not None and self.tp_group is not None:
+                work = dist.all_reduce(out, group=self.tp_group, async_op=True)
+                pending[st.member] = _Pending(work, self.clock.mark(), st.op, unit, block, idx)
+                self.counts["AR"] += 1
+        for member in sorted(pending):
+            self._wait_ar(pending.pop(member))
+        for op in ops:
+            ch = self.chunks[op.chunk]
+            stage = self.plan.stage_of(self.rank, op.chunk)
+            if op.kind is OpKind.F:
+                ch.end_forward(op.mb)
+                nxt = stage + 1
+                if nxt < self.plan.num_stages and self.plan.rank_chunk_of(nxt)[0] == self.rank:
+                    self.chunks[self.plan.rank_chunk_of(nxt)[1]].set_input(op.mb, ch.pop_output(op.mb))
+            elif op.kind in (OpKind.B, OpKind.BW):
+                ch.end_backward(op.mb)
+                prv = stage - 1
+                if prv >= 0 and self.plan.rank_chunk_of(prv)[0] == self.rank:
+                    self.chunks[self.plan.rank_chunk_of(prv)[1]].set_output_grad(op.mb, ch.pop_input_grad(op.mb))
+        self._sample_memory()
+
+    def _wait_ar(self, p: _Pending) -> None:
+        before = self.clock.mark()
+        self._wait(p.work)
+        end = self.clock.mark()
+        self._exposed.append((before, end))
+        self._events.append(("tp-comm", f"AR {p.op}", "AR", p.start, end, p.op.mb, p.op.chunk, p.unit, p.block, p.index, None))
+
+    # -- communication -------------------------------------------------------------------
+    def _comm(self, start: int, batch: Sequence[Instruction]) -> None:
+        transfers: list[Transfer] = []
+        for k, ins in enumerate(batch):
+            idx = start + k
+            stage = self.plan.stage_of(self.rank, ins.chunk)
+            try:
+                ch = self.chunks[ins.chunk]
+                if isinstance(ins, Send):
+                    if ins.comm is CommKind.ACT:
+                        buf, dst = ch.pop_output(ins.mb), stage + 1
+                    else:
+                        buf, dst = ch.pop_input_grad(ins.mb), stage - 1
+                    transfers.append(Transfer(ins, idx, buf.contiguous(), dst))
+                else:
+                    buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
+                    transfers.append(Transfer(ins, idx, buf, stage))
+            except (ChunkStateError, KeyError) as err:
+                raise self._fail(idx, ins, err) from err
+        s = self.clock.mark()
+        works = issue(transfers, lambda peer: self.pp_ranks[peer], self.plan.num_stages)
+        for w in works:
+            self._wait(w)
+        e = self.clock.mark()
+        for t in transfers:
+            ins = t.instr
+            self.counts["P2P"] += 1
+            kind = "SEND" if isinstance(ins, Send) else "RECV"
+            self._events.append(("p2p", str(ins), kind, s, e, ins.mb, ins.chunk, None, None, t.index, ins.peer))
+            if isinstance(ins, Recv):
+                ch = self.chunks[ins.chunk]
+                if ins.comm is CommKind.ACT:
+                    ch.set_input(ins.mb, t.buffer)
+                else:
+                    ch.set_output_grad(ins.mb, t.buffer)
+
+    def _copy(self, idx: int, ins: Offload | Reload, kind: str, fn) -> None:
+        # Synchronous for now: a copy to host and back on the compute stream.
+        s = self.clock.mark()
+        fn()
+        e = self.clock.mark()
+        self._events.append(("copy", str(ins), kind, s, e, ins.mb, ins.chunk, None, None, idx, None))
+        self._sample_memory()
+
+    # -- trace ---------------------------------------------------------------------------
+    def _sample_memory(self) -> None:
+        if self.device.type == "cuda":
+            b = torch.cuda.memory_allocated(self.device)
+        else:
+            b = sum(c.live_bytes() for c in self.chunks.values())
+        self._memory.append((self.clock.mark(), b))
+
+    def _trace(self) -> Trace:
+        if self.clock.cuda:
+            torch.cuda.synchronize(self.device)
+        sec = self.clock.seconds
+        events = [
+            Event(self.rank, lane, name, kind, sec(s), max(0.0, sec(e) - sec(s)), mb, chunk, unit, block, idx, peer)
+            for lane, name, kind, s, e, mb, chunk, unit, block, idx, peer in self._events
+        ]
+        exposed = sum(max(0.0, sec(e) - sec(b)) for b, e in self._exposed)
+        ar_total = sum(ev.dur for ev in events if ev.kind == "AR")
+        meta = {
+            "schedule": self.plan.name,
+            "source": "measured",
+            "rank": self.rank,
+            "device": str(self.device),
+            "summary": {"exposed_ar_s": exposed, "ar_span_s": ar_total, **{f"count_{k}": v for k, v in self.counts.items()}},
+        }
+        return Trace(meta, events, {self.rank: [(sec(t), b) for t, b in self._memory]})

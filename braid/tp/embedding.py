@@ -1,0 +1,107 @@
+"""Vocab-parallel embedding and cross-entropy (Megatron-style), with a deferrable weight gradient.
+
+Each TP rank holds the rows ``[start, end)`` of the vocabulary. The embedding returns a
+partial sum (zeros for tokens outside the shard) that the executor all-reduces at the end
+of the ``embed`` unit. The loss never gathers the full logits: the max and the sum of
+exponentials, and the target logit, are all-reduced over the TP group (paper Sec. 3; the
+LM head is column-parallel over the vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from braid.tp.layers import DeferredWeightGrad, _check_split
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_ids: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, mod: "VocabParallelEmbedding") -> torch.Tensor:
+        ctx.save_for_backward(local_ids, mask)
+        ctx.mod = mod
+        out = weight[local_ids]  # (b, s, h)
+        return out.masked_fill_(mask.unsqueeze(-1), 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        local_ids, mask = ctx.saved_tensors
+        (dw,) = ctx.mod._stash_or_grad(local_ids.masked_fill(mask, -1), grad_out)
+        return None, None, dw, None
+
+
+class VocabParallelEmbedding(DeferredWeightGrad):
+    """Rows ``[tp_rank*V/tp, (tp_rank+1)*V/tp)`` of the embedding table; output is a partial sum over TP."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone().contiguous())
+        self.vocab_start = vocab_start
+        self._init_deferred()
+
+    @classmethod
+    def from_full(cls, emb: nn.Embedding, tp_rank: int, tp_size: int) -> "VocabParallelEmbedding":
+        n = _check_split(emb.weight.shape[0], tp_size, tp_rank, "vocab size")
+        return cls(emb.weight.detach()[tp_rank * n : (tp_rank + 1) * n], tp_rank * n)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = self.weight.shape[0]
+        local = tokens - self.vocab_start
+        mask = (local < 0) | (local >= n)
+        return _EmbeddingFn.apply(local.masked_fill(mask, 0), mask, self.weight, self)
+
+    def _deferred_params(self) -> list[nn.Parameter | None]:
+        return [self.weight]
+
+    def _weight_grads(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+        # ``inp``: local ids with -1 for tokens of other shards.
+        ids = inp.reshape(-1)
+        keep = ids >= 0
+        g = grad_out.reshape(-1, grad_out.shape[-1])[keep]
+        dw = torch.zeros_like(self.weight)
+        dw.index_add_(0, ids[keep], g)
+        return [dw]
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+        # logits: (tokens, V/tp) in fp32; labels: (tokens,)
+        logits = logits.float()
+        lmax = logits.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - lmax.unsqueeze(-1)
+        n = logits.shape[-1]
+        local = labels - vocab_start
+        mask = (local < 0) | (local >= n)
+        local = local.masked_fill(mask, 0)
+        target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(mask, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1)
+        if group is not None:
+            both = torch.stack([target, sum_exp])
+            dist.all_reduce(both, group=group)
+            target, sum_exp = both[0], both[1]
+        loss = sum_exp.log() - target  # (tokens,)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, mask)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local, mask = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local] -= (~mask).to(grad.dtype)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Per-token cross-entropy of vocab-sharded ``logits`` (``(..., V/tp)``); ``group=None`` means tp=1."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _VocabParallelCE.apply(flat, labels.reshape(-1), vocab_start, group).view(labels.shape)

@@ -1,0 +1,167 @@
+"""Column- and row-parallel linear layers with a deferrable weight gradient.
+
+Megatron-style TP (paper Sec. 3): a column-parallel linear holds a block of output rows
+of the weight, a row-parallel linear a block of input columns. The all-reduces that join
+them (operators f and g) are deliberately *not* inside these modules: the executor runs
+them asynchronously at unit boundaries (see :mod:`braid.braiding`), so it can hide them
+behind another micro-batch's compute.
+
+Weight-gradient split (zero-bubble "B"/"W"): in split mode the backward computes only the
+input gradient and stashes ``(input, grad_output)`` under the current key (the
+micro-batch); a later :meth:`DeferredWeightGrad.weight_backward` computes and
+*accumulates* ``weight.grad`` from the stash. In full mode both come out of one backward,
+as with ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Hashable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+class StashError(KeyError):
+    """A weight-gradient pass asked for a stash that the backward never produced."""
+
+
+class DeferredWeightGrad(nn.Module):
+    """Mixin: a module whose weight gradient can be split off its backward.
+
+    ``split`` and ``key`` are set by :func:`split_weight_grads` around a backward call;
+    subclasses call :meth:`_stash_or_grad` from their autograd function and implement
+    :meth:`_weight_grads` (``(input, grad_output) -> grads of the parameters``).
+    """
+
+    def _init_deferred(self) -> None:
+        self.split = False
+        self.key: Hashable | None = None
+        self._stash: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _weight_grads(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _deferred_params(self) -> list[nn.Parameter | None]:
+        raise NotImplementedError
+
+    def _stash_or_grad(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+        """Called from backward: stash for a later W (split mode) or return the weight grads now."""
+        if self.split:
+            self._stash.setdefault(self.key, []).append((inp, grad_out))
+            return [None] * len(self._deferred_params())
+        return self._weight_grads(inp, grad_out)
+
+    def has_stash(self, key: Hashable) -> bool:
+        return key in self._stash
+
+    def stash_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for v in self._stash.values() for a, b in v)
+
+    def weight_backward(self, key: Hashable) -> None:
+        """Compute the deferred weight gradients of ``key`` and accumulate them into ``.grad``."""
+        try:
+            items = self._stash.pop(key)
+        except KeyError:
+            raise StashError(f"{type(self).__name__}: no stashed activations for {key!r} (was its B run?)") from None
+        params = self._deferred_params()
+        for inp, grad_out in items:
+            for p, g in zip(params, self._weight_grads(inp, grad_out)):
+                if p is None or g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+
+
+@contextlib.contextmanager
+def split_weight_grads(modules: Iterable[DeferredWeightGrad], key: Hashable) -> Iterator[None]:
+    """Within the block, backward passes through ``modules`` stash under ``key`` instead of computing dW."""
+    mods = list(modules)
+    saved = [(m.split, m.key) for m in mods]
+    for m in mods:
+        m.split, m.key = True, key
+    try:
+        yield
+    finally:
+        for m, (s, k) in zip(mods, saved):
+            m.split, m.key = s, k
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mod: "_ParallelLinear") -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.mod = mod
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grads = ctx.mod._stash_or_grad(x, grad_out)
+        dw = grads[0]
+        db = grads[1] if len(grads) > 1 else None
+        return grad_x, dw, db, None
+
+
+class _ParallelLinear(DeferredWeightGrad):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().clone().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone().contiguous())
+        self._init_deferred()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFn.apply(x, self.weight, self.bias, self)
+
+    def _deferred_params(self) -> list[nn.Parameter | None]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+    def _weight_grads(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
+        dw = g2.t().matmul(inp.reshape(-1, inp.shape[-1]))  # (out, in)
+        return [dw] if self.bias is None else [dw, g2.sum(0)]
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}"
+
+
+def _check_split(n: int, tp: int, rank: int, what: str) -> int:
+    if tp < 1 or not 0 <= rank < tp:
+        raise ValueError(f"tp rank {rank} outside 0..{tp - 1}")
+    if n % tp:
+        raise ValueError(f"{what} ({n}) not divisible by tp={tp}")
+    return n // tp
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y_local = x @ W[rows]^T``: holds output rows ``rank*out/tp .. (rank+1)*out/tp`` of the full weight.
+
+    Its input must be replicated over TP ranks; its input gradient is a partial sum that
+    the caller all-reduces (operator f).
+    """
+
+    @classmethod
+    def from_full(cls, linear: nn.Module, tp_rank: int, tp_size: int, rows: torch.Tensor | None = None) -> "ColumnParallelLinear":
+        """Shard a single-device linear; ``rows`` overrides the contiguous block (index tensor)."""
+        out = _check_split(linear.weight.shape[0], tp_size, tp_rank, "output features")
+        idx = rows if rows is not None else torch.arange(tp_rank * out, (tp_rank + 1) * out)
+        bias = getattr(linear, "bias", None)
+        return cls(linear.weight.detach()[idx], None if bias is None else bias.detach()[idx])
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y_partial = x_local @ W[:, cols]^T``: holds input columns of the full weight.
+
+    The output is a partial sum; the caller all-reduces it (operator g). A bias, if any,
+    is added on TP rank 0 only so the sum stays exact.
+    """
+
+    @classmethod
+    def from_full(cls, linear: nn.Module, tp_rank: int, tp_size: int) -> "RowParallelLinear":
+        n = _check_split(linear.weight.shape[1], tp_size, tp_rank, "input features")
+        bias = getattr(linear, "bias", None)
+        keep_bias = bias is not None and tp_rank == 0
+        return cls(linear.weight.detach()[:, tp_rank * n : (tp_rank + 1) * n], bias.detach() if keep_bias else None)

@@ -1,0 +1,119 @@
+"""Start N gloo processes once, run many test cases inside them, propagate failures.
+
+``DistPool(world_size)`` spawns the ranks (free port, gloo), each waiting for cases on a
+queue. ``pool.run(fn, *args)`` runs ``fn(ctx, *args)`` on every rank (``fn`` must be a
+module-level function so it pickles by name) and returns the per-rank results; any rank's
+exception becomes an ``AssertionError`` here with that rank's traceback. ``ctx`` is a
+:class:`RankContext` that caches process groups per topology, so many cases reuse them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RankContext:
+    """What a case gets on its rank: the initialised job and a cache of process groups."""
+
+    rank: int
+    world_size: int
+    dist: Any  # braid.runtime.distributed.Dist
+    groups: dict = field(default_factory=dict)
+
+    def process_groups(self, topo):
+        from braid.runtime.distributed import ProcessGroups
+
+        if topo not in self.groups:
+            self.groups[topo] = ProcessGroups.create(topo, timeout_s=self.dist.timeout_s)
+        return self.groups[topo]
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from braid.runtime.distributed import Dist
+
+    d = Dist.init(rank, world, master_port=port, timeout_s=timeout_s, poll_s=0.02)
+    ctx = RankContext(rank, world, d)
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args = item
+        try:
+            results.put((rank, True, fn(ctx, *args)))
+        except BaseException:  # report everything, keep serving
+            results.put((rank, False, traceback.format_exc()))
+    d.close()
+
+
+class DistPool:
+    """``world_size`` gloo processes that serve test cases until :meth:`close`."""
+
+    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+        """Run ``fn(ctx, *args)`` on every rank; returns results by rank, raises on any failure."""
+        for q in self.tasks:
+            q.put((fn, args))
+        got: dict[int, tuple[bool, Any]] = {}
+        while len(got) < self.world_size:
+            try:
+                rank, ok, val = self.results.get(timeout=timeout_s)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                self.close()
+                raise AssertionError(f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(got))} did not answer "
+                                     f"within {timeout_s} s (dead: {dead})") from None
+            got[rank] = (ok, val)
+        errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
+        if errors:
+            raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
+        return [got[r][1] for r in range(self.world_size)]
+
+    def run_raw(self, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[tuple[bool, Any]]:
+        """Like :meth:`run` but returns ``(ok, result_or_traceback)`` per rank instead of raising."""
+        for q in self.tasks:
+            q.put((fn, args))
+        got: dict[int, tuple[bool, Any]] = {}
+        while len(got) < self.world_size:
+            rank, ok, val = self.results.get(timeout=timeout_s)
+            got[rank] = (ok, val)
+        return [got[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q, p in zip(self.tasks, self.procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()

@@ -1,0 +1,130 @@
+"""Cases run inside the gloo processes of ``test_executor.py`` (module-level so they pickle by name)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+CFG_KW = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn=64)
+MBS, SEQ = 2, 8
+LR = 1e-2
+# A larger epsilon than the default keeps AdamW from blowing rounding noise in (near) zero
+# gradients (e.g. of the K bias, which softmax nearly cancels) up to full-size updates.
+EPS = 1e-4
+
+
+def _data(cfg, m: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    toks = [torch.randint(0, cfg.vocab_size, (MBS, SEQ), generator=g) for _ in range(m)]
+    labs = [torch.randint(0, cfg.vocab_size, (MBS, SEQ), generator=g) for _ in range(m)]
+    return toks, labs
+
+
+def _reference(model, data_steps):
+    """Single-process reference: per micro-batch loss/m, backward, AdamW; grads of step 1, losses, final params."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], None
+    for toks, labs in data_steps:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for t, l in zip(toks, labs):
+            loss = ref(t, l) / len(toks)
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if grads is None:
+            grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        opt.step()
+    return ref, losses, grads
+
+
+def _as_model(model, tensors: dict):
+    """A copy of ``model`` whose parameters hold ``tensors`` (to shard reference grads like the weights)."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in out.named_parameters():
+            p.copy_(tensors[n])
+    return out
+
+
+def _expected_counts(program, chunks):
+    from braid.braiding import Phase, steps
+    from braid.ir import Braided, Compute
+
+    spec_of = lambda c: chunks[c].spec  # noqa: E731
+    w = ar = braided = 0
+    for ins in program.instructions:
+        if isinstance(ins, (Compute, Braided)):
+            braided += isinstance(ins, Braided)
+            for st in steps(ins, spec_of):
+                w += st.task.phase is Phase.W
+                ar += st.task.ar
+    return braided, w, ar
+
+
+def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]]) -> list[tuple[str, int, dict]]:
+    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference."""
+    import schedules
+    from braid.compiler import compile_plan
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.partition import split_layers
+    from braid.runtime.distributed import reduce_gradients
+    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.topology import Topology
+
+    topo = Topology(ctx.world_size, pp=pp, tp=tp, dp=ctx.world_size // (pp * tp))
+    groups = ctx.process_groups(topo)
+    c = groups.coords
+    ran = []
+    for name, m in schedules_ms:
+        try:
+            plan = schedules.build(name, pp, m)
+        except ValueError:
+            continue
+        stages = plan.num_stages
+        layers = split_layers(2 * stages - 1, stages) if stages > 1 else (2,)
+        cfg = Qwen2Config(layers=sum(layers), **CFG_KW)
+        topo.check_model(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, vocab_size=cfg.vocab_size, num_layers=cfg.layers, num_stages=stages)
+        torch.manual_seed(1234)
+        model = Qwen2Model(cfg)
+        steps_data = [_data(cfg, m, seed=s + 10 * c.dp) for s in range(2)]
+        if topo.dp > 1:
+            raise AssertionError("cases use dp=1")
+        ref, ref_losses, ref_grads = _reference(model, steps_data)
+        program = compile_plan(plan)[c.pp]
+        chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+        params = [p for ch in chunks.values() for p in ch.parameters()]
+        opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden))
+        where = f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank}"
+        for step, (toks, labs) in enumerate(steps_data):
+            opt.zero_grad(set_to_none=True)
+            res = ex.run(toks, labs)
+            reduce_gradients(params, groups, ctx.dist.abort)
+            if res.loss is not None:
+                torch.testing.assert_close(res.loss, ref_losses[step], rtol=1e-5, atol=1e-6, msg=lambda s: f"{where} step {step} loss: {s}")
+            if step == 0:
+                grad_model = _as_model(model, ref_grads)
+                ref_chunks = build_rank_chunks(grad_model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
+                for ci, ch in chunks.items():
+                    want = dict(ref_chunks[ci].named_parameters())
+                    for n, p in ch.named_parameters():
+                        assert p.grad is not None, f"{where}: chunk {ci} {n} has no gradient"
+                        torch.testing.assert_close(p.grad, want[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda s: f"{where} grad {ci}.{n}: {s}")
+                braided, w, ar = _expected_counts(program, chunks)
+                assert res.counts["braided"] == braided and res.counts["W"] == w, f"{where}: counts {res.counts}"
+                assert res.counts["AR"] == (ar if tp > 1 else 0), f"{where}: {res.counts['AR']} all-reduces, expected {ar}"
+                n_ar_events = sum(e.kind == "AR" for e in res.trace.events)
+                assert n_ar_events == res.counts["AR"], where
+                assert all(e.lane == "tp-comm" for e in res.trace.events if e.kind == "AR"), where
+                assert res.trace.memory[c.pp if False else ctx.rank], where
+            opt.step()
+        final = build_rank_chunks(ref, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
+        for ci, ch in chunks.items():
+            want = dict(final[ci].named_parameters())
+            for n, p in ch.named_parameters():
+                torch.testing.assert_close(p.detach(), want[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda s: f"{where} param {ci}.{n}: {s}")
+        ran.append((name, m, dict(res.counts)))
+    return ran
