@@ -35,8 +35,16 @@ keep the structure and let phases 3-4 run only the forwards that exist (an F&W b
 whose forward is missing becomes a plain W), and phases 5-9 take their counts from what
 is left. m < 2p raises ``ValueError``.
 
-Activation count on device 0 (see tests): 3p for ``braided_v`` (Table 1), 2p+1 for the
-memory-efficient warm-up.
+Activation count on device 0 (F counted when it ends, B/BW when it ends, W not at all, a
+braided block's members together at its end; see the tests): 3p for ``braided_v``, as in
+Table 1 (min(3p, m+1) when the warm-up runs out of micro-batches), and 2p+1 for the
+memory-efficient warm-up -- strictly lower whenever m > 2p; at m = 2p both hold 2p+1. The
+memory-efficient variant pays for it with a longer tail (about 2(p-1) more unit steps
+than ``braided_v`` at p=4, m=12 with unit op times).
+
+Why not go lower than one extra forward: if rank 0 had no chunk-0 forward ahead of rank 1
+when the F0&B0 blocks start, rank 0's block F(x)&B(y) would wait for rank 1's B(y), whose
+block waits for rank 0's F(x) -- a cycle.
 """
 
 from __future__ import annotations

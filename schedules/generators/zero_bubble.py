@@ -3,9 +3,9 @@
 The backward is split into ``B`` (activation gradient, on the critical path) and ``W``
 (weight gradient, deferred to fill bubbles).
 
-* ``zb_h1`` (ZB-H1, one chunk per rank): 1F1B's warm-up and steady order, but rank r holds
-  back its first p-r-1 weight gradients and spends them in the cool-down, where 1F1B idles
-  between backwards. Peak activation equals 1F1B's (W does not free activations in the
+* ``zb_h1`` (ZB-H1, "ZB1P", one chunk per rank): 1F1B's warm-up and steady order with
+  B/W split; rank r holds back r weight gradients (the last stage the most) and runs them
+  at the end, so the activation gradients travel upstream one B (not one B+W) per hop. Peak activation equals 1F1B's (W does not free activations in the
   counting convention; its small residual is accounted in bytes by the simulator).
 * ``zb_v`` (ZB-V, two chunks per rank, V placement): 2(p-r)-1 forwards of chunk 0, then
   the chunk-1 forwards interleaved in, then F/B/W triplets per chunk; peak 2p chunk
@@ -29,21 +29,22 @@ def zb_h1(cfg: ScheduleConfig) -> Plan:
     ranks = []
     for r in range(p):
         rb = RankBuilder(m, 1)
-        held_back = p - r - 1  # weight gradients kept for the cool-down bubbles
+        # Rank r holds back its first r weight gradients: the later a stage, the earlier its
+        # gradient is needed upstream, so it runs B at once and spends the saved W at the end,
+        # where it would otherwise wait for nothing.
+        held_back = r
         # Warm-up: nF.
         warmup = min(p - r - 1, m)
         for _ in range(warmup):
             rb.f(0)
-        # Steady: nFB(W) -- a W only once more than `held_back` are pending.
-        for _ in range(m - warmup):
-            rb.f(0)
+        # Steady: nFB(W), then cool-down nB(W) -- a W whenever more than `held_back` wait.
+        for i in range(m):
+            if i < m - warmup:
+                rb.f(0)
             rb.b(0, split=True)
             if len(rb.pending_w) > held_back:
                 rb.w()
-        # Cool-down: nBW -- each W fills the wait for the next gradient.
-        for _ in range(warmup):
-            rb.b(0, split=True)
-            rb.w()
+        # The held-back W.
         while rb.pending_w:
             rb.w()
         ranks.append(rb.ops)
