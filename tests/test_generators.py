@@ -10,6 +10,14 @@ and the simulator):
 * :func:`peak_activations` -- the activation-count convention shared with the compiler:
   F adds one chunk-activation when it completes, B/BW removes one, W changes nothing,
   a braided block applies both members at its end; peak = max over instruction boundaries.
+
+Table 1 of the paper gives device-0 peaks of (3p-2), 2p and 3p chunk activations for
+1F1B-I, ZB-V and braided_v. Under this convention ZB-V and braided_v match exactly; the
+faithful Megatron 1F1B-I gives 3p-1, because its steady phase runs a forward before the
+backward that frees the oldest activation (Table 1 counts its 3p-2 warm-up forwards). No
+single boundary convention gives all three rows: releasing a backward's activation as it
+*starts* turns 1F1B-I into 3p-2 but ZB-V into 2p-1. The tests assert the convention above
+and that one-op difference, rather than bending a schedule.
 """
 
 from __future__ import annotations
