@@ -21,7 +21,9 @@ from one of two places:
   check the paper's Table 1, or per-chunk figures written by a profiler.
 
 ``M_a`` (``CostModel.ma_bytes``) is the activation memory of one micro-batch on one chunk
-of average layer count: (LM layers / virtual stages) * the LM's per-layer activation bytes.
+of average layer count in the paper's two-chunks-per-rank layout: (LM layers / 2p) * the
+LM's per-layer activation bytes. It does not depend on the schedule's own v, so one
+yardstick serves every schedule in a comparison.
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         units = dict(vit_units if (vit_units is not None and spec.embed) else lm)
         units[Unit.EMBED], units[Unit.HEAD] = embed, head
         chunks[key] = ChunkCosts(spec, units, p2p)
-    ma = model.layers / layout.num_stages * sum(u.act for u in lm.values())
+    ma = model.layers / (2 * layout.p) * sum(u.act for u in lm.values())
     return CostModel(layout, chunks, ma, hw.pcie_bytes_per_s, hw.p2p_over_pcie, ar_slowdown, model.micro_batch_size,
                      model.seq, 3 * model_forward_flops(model) / model.micro_batch_size, hw.peak_flops,
                      f"analytic:{model.name}@{hw.name}", {"model": model.name, "hardware": hw.name})
