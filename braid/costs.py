@@ -279,7 +279,7 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
         raise CostFileError(f"{where}: 'unit_split' must map some of {', '.join(_SPLITS)} to {{unit: weight}}")
     probe = ChunkCosts(spec, {})
     inst = probe.instances()
-    vals: dict[Unit, dict[str, float]] = {u: {} for u in set(inst)}
+    vals: dict[Unit, dict[str, float]] = {u: {} for u in sorted(set(inst), key=list(Unit).index)}
     for key, attr in _SPLITS.items():
         eligible = set(_AR_F_UNITS if key == "AR" else _AR_B_UNITS if key == "AR_B" else Unit)
         weights = split.get(key)

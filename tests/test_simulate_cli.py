@@ -1,0 +1,71 @@
+"""``python -m braid.simulate``: table, JSON shape, trace file, exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from braid.simulate import main
+from braid.trace import load_traces
+
+
+def test_json_report_shape_and_trace(tmp_path, capsys):
+    out, tr = tmp_path / "r.json", tmp_path / "t.json"
+    rc = main(["--pp", "2", "--mbs", "4", "--model", "qwen2-1.5b", "--schedule", "1f1b_i", "--schedule", "zb_v",
+               "--json", str(out), "--trace", str(tr)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "1f1b_i" in text and "zb_v" in text and "1.000x" in text
+    doc = json.loads(out.read_text())
+    assert doc["config"]["pp"] == 2 and doc["config"]["model"] == "qwen2-1.5b"
+    assert set(doc["schedules"]) == {"1f1b_i", "zb_v"}
+    for rep in doc["schedules"].values():
+        assert isinstance(rep["step_time_s"], float) and rep["step_time_s"] > 0
+        assert 0 < rep["mfu"] < 1 and rep["throughput_samples_s"] > 0
+        assert [r["rank"] for r in rep["ranks"]] == [0, 1]
+        for r in rep["ranks"]:
+            assert {"rank", "compute_s", "pp_bubble_s", "tp_exposed_s", "peak_activation_bytes", "peak_activation_ma"} <= set(r)
+            assert isinstance(r["peak_activation_bytes"], int) and r["peak_activation_bytes"] > 0
+    traces = load_traces(tr)
+    assert [t.meta["schedule"] for t in traces] == ["1f1b_i", "zb_v"]
+    assert traces[0].step_time == pytest.approx(doc["schedules"]["1f1b_i"]["step_time_s"])
+
+
+def test_cost_file_and_skip_note(tmp_path, capsys):
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"T_F": 1.0, "T_B": 1.0, "T_W": 1.0, "T_AR": 0.25, "T_P2P": 0.0}))
+    out = tmp_path / "r.json"
+    rc = main(["--pp", "4", "--mbs", "4", "--costs", str(costs), "--schedule", "1f1b_i", "--schedule", "braided_v",
+               "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "note: skipped braided_v" in text  # needs m >= 2p
+    doc = json.loads(out.read_text())
+    assert list(doc["schedules"]) == ["1f1b_i"]
+    assert doc["schedules"]["1f1b_i"]["ranks"][0]["tp_exposed_s"] == pytest.approx(2 * 4 * 0.25)
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--schedule", "nope"], "1f1b_i"),
+    (["--model", "nope"], "qwen2-12b"),
+    (["--hardware", "nope"], "h200"),
+    (["--pp", "0"], None),
+    (["--bogus"], None),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, names, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(argv)
+    assert err.value.code == 2
+    msg = capsys.readouterr().err.strip()
+    assert len(msg.splitlines()) == 1 or "usage" in msg
+    if names:
+        assert names in msg and "valid names" in msg
+
+
+def test_bad_cost_file_exits_2(tmp_path, capsys):
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"T_F": "fast"}))
+    with pytest.raises(SystemExit) as err:
+        main(["--pp", "2", "--mbs", "4", "--schedule", "1f1b", "--costs", str(bad)])
+    assert err.value.code == 2 and "T_F" in capsys.readouterr().err
