@@ -44,11 +44,11 @@ def test_hand_1f1b_compiles_with_expected_counts(p, m):
         assert peak_activations(prog.instructions) == min(p - prog.rank, m)
 
 
-def test_activation_accounting_counts_braided_block_members():
+def test_activation_accounting_applies_braided_members_at_block_end():
     c = Compute
     seq = [c(OpKind.F, 0, 0), c(OpKind.F, 1, 0), Braided(c(OpKind.F, 2, 0), c(OpKind.BW, 0, 0)), c(OpKind.B, 1, 0),
            c(OpKind.W, 1, 0), c(OpKind.BW, 2, 0)]
-    assert activation_counts(seq) == [1, 2, 3, 2, 1, 1]
+    assert activation_counts(seq) == [1, 2, 2, 1, 1, 0]
 
 
 # -- corrupted programs ----------------------------------------------------------------
