@@ -71,6 +71,26 @@ def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
     return _braided("braided_v_lowmem", cfg, lowmem=True)
 
 
+@register(
+    "braided_v_offload",
+    v=2,
+    placement="v",
+    description="Braided V schedule with async activation offload of chunk 0 (paper Sec. 4.4)",
+)
+def braided_v_offload(cfg: ScheduleConfig) -> Plan:
+    """braided_v whose chunk-0 activations are offloaded to host memory (paper Sec. 4.4, Fig. 6).
+
+    Options: ``offload_alpha`` (steady-phase fraction, default 0.5), ``offload_alpha_warmup``
+    (warm-up fraction, default half of alpha, so warm-up copies stay under T_F). The
+    compiler's offload pass (:mod:`braid.offload`) inserts the OFFLOAD/RELOAD instructions.
+    """
+    alpha = float(cfg.option("offload_alpha", 0.5))
+    warm = float(cfg.option("offload_alpha_warmup", alpha / 2))
+    opts = dict(cfg.options) | {"offload_alpha": alpha, "offload_alpha_warmup": warm}
+    full = ScheduleConfig(cfg.p, cfg.m, cfg.v, tuple(sorted(opts.items())))
+    return _braided("braided_v_offload", full, lowmem=False)
+
+
 def _braided(name: str, cfg: ScheduleConfig, lowmem: bool) -> Plan:
     check_chunks(name, cfg, 2)
     p, m = cfg.p, cfg.m
