@@ -11,13 +11,14 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   done (the tail wait is exposed too). Compute that runs while an all-reduce is in flight
   on the rank is slowed by ``CostModel.ar_slowdown``. A compute instruction involves no
   other rank, so it is timed in one pass over a precomputed step table, without the heap.
-* **P2P**: a maximal run of consecutive ``SEND``/``RECV`` is one batch. Its transfers are
-  posted when the rank reaches it; a send and its receive transfer once both are posted
-  (rendezvous) and both ranks' P2P engines are free, taking the sending chunk's
-  ``T_P2P``; the rank continues when every transfer of its batch is done. Posting happens
-  in global time order through a ``heapq`` keyed on ``(time, seq)``, so runs are
-  deterministic. If the heap empties with unfinished ranks, :class:`SimulationError`
-  lists every rank's stuck instruction.
+* **P2P** is asynchronous, like the executor's ``isend``/``irecv``: a ``SEND`` or ``RECV``
+  is *posted* when the rank reaches it and the rank goes on. A send and its receive
+  transfer once both are posted (rendezvous) and both ranks' P2P engines are free, taking
+  the sending chunk's ``T_P2P``. Only the compute instruction that consumes a received
+  tensor (the F of an activation, the B/BW of a gradient) waits for its transfer; a rank
+  ends when its last send has gone. Posts happen in global time order through a
+  ``heapq`` keyed on ``(time, seq)``, so runs are deterministic. If the heap empties with
+  unfinished ranks, :class:`SimulationError` lists every rank's stuck instruction.
 * **Offload/Reload** are asynchronous copies of ``frac`` of the (mb, chunk)'s resident
   activation bytes on the D2H / H2D engine at ``pcie_bytes_per_s``. Contention, kept
   simple: a copy's time is multiplied by 1 + (other-direction copy in flight at its start)
@@ -66,10 +67,11 @@ class _Rank:
     prog: tuple[Instruction, ...]
     pc: int = 0
     t: float = 0.0
-    posting: bool = False  # parked in the heap until its batch's post time
-    outstanding: int = 0  # unmatched / unfinished transfers of the current batch
-    batch_end: float = 0.0
-    batch: tuple[int, int] = (0, 0)
+    posting: bool = False  # parked in the heap until its comm run's post time
+    expected: set = field(default_factory=set)  # (comm, mb, chunk) of receives posted, not yet consumed
+    arrived: dict = field(default_factory=dict)  # (comm, mb, chunk) -> transfer end
+    blocked_on: tuple | None = None  # the receive a compute instruction waits for
+    sends_end: float = 0.0
     p2p_free: float = 0.0
     p2p_busy: list[tuple[float, float]] = field(default_factory=list)
     d2h_free: float = 0.0
@@ -134,6 +136,27 @@ class Engine:
         return out
 
     # -- compute -------------------------------------------------------------------------
+    def _inputs_ready(self, rs: _Rank, instr: Compute | Braided) -> float | None:
+        """When the received inputs of ``instr`` are all here; None (and ``blocked_on`` set) if one has not been sent yet."""
+        ops = (instr,) if isinstance(instr, Compute) else instr.ops
+        ready = 0.0
+        for op in ops:
+            if op.kind is OpKind.W:
+                continue
+            key = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+            if key not in rs.expected:
+                continue  # first stage, last stage, or a same-rank hand-off
+            if key not in rs.arrived:
+                rs.blocked_on = key
+                return None
+            ready = max(ready, rs.arrived[key])
+        for op in ops:
+            key = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+            if key in rs.arrived:
+                rs.expected.discard(key)
+                del rs.arrived[key]
+        return ready
+
     def _compute(self, rs: _Rank, instr: Compute | Braided, idx: int) -> None:
         ops = (instr,) if isinstance(instr, Compute) else instr.ops
         t0 = rs.t
@@ -247,8 +270,9 @@ class Engine:
         side_key = key + (is_send,)
         if side_key in self._posted:
             raise SimulationError(f"rank {rs.rank}: op {idx} ({ins}) is posted twice")
+        if not is_send:
+            rs.expected.add((ins.comm, ins.mb, ins.chunk))
         other = self._posted.pop(key + (not is_send,), None)
-        rs.outstanding += 1
         if other is None:
             self._posted[side_key] = (rs.rank, rs.t, idx, ins)
             return
@@ -265,15 +289,12 @@ class Engine:
         if self.record:
             self.events.append(Event(snd.rank, "p2p", str(s_ins), "SEND", start, dur, s_ins.mb, s_ins.chunk, None, None, s_idx, rcv.rank))
             self.events.append(Event(rcv.rank, "p2p", str(r_ins), "RECV", start, dur, r_ins.mb, r_ins.chunk, None, None, r_idx, snd.rank))
-        for r in (rs, ro):
-            r.batch_end = max(r.batch_end, end)
-            r.outstanding -= 1
-        if ro.outstanding == 0 and ro is not rs and not ro.posting:
-            self._wake(ro)
-
-    def _wake(self, rs: _Rank) -> None:
-        rs.t = max(rs.t, rs.batch_end)
-        self._push(rs)
+        snd.sends_end = max(snd.sends_end, end)
+        rkey = (r_ins.comm, r_ins.mb, r_ins.chunk)
+        rcv.arrived[rkey] = end
+        if rcv.blocked_on == rkey and rcv is not rs:
+            rcv.blocked_on = None
+            self._push(rcv)
 
     def _push(self, rs: _Rank) -> None:
         self._seq += 1
@@ -281,11 +302,15 @@ class Engine:
 
     # -- main loop -----------------------------------------------------------------------
     def _advance(self, rs: _Rank) -> None:
-        """Run a rank until it finishes or blocks on a P2P batch."""
+        """Run a rank until it finishes, parks to post comm in time order, or waits for a receive."""
         prog, n = rs.prog, len(rs.prog)
         while rs.pc < n:
             ins = prog[rs.pc]
             if isinstance(ins, (Compute, Braided)):
+                ready = self._inputs_ready(rs, ins)
+                if ready is None:
+                    return  # woken by the matching send's post
+                rs.t = max(rs.t, ready)
                 self._compute(rs, ins, rs.pc)
             elif isinstance(ins, Offload):
                 self._offload(rs, ins, rs.pc)
@@ -297,19 +322,12 @@ class Engine:
                 return
             else:
                 rs.posting = False
-                j = rs.pc
-                while j < n and isinstance(prog[j], (Send, Recv)):
-                    j += 1
-                rs.batch, rs.batch_end = (rs.pc, j), rs.t
-                for k in range(rs.pc, j):
-                    self._post(rs, k, prog[k])  # type: ignore[arg-type]
-                rs.pc = j
-                if rs.outstanding:
-                    return  # woken by the peer's matching post
-                rs.t = max(rs.t, rs.batch_end)
+                while rs.pc < n and isinstance(prog[rs.pc], (Send, Recv)):
+                    self._post(rs, rs.pc, prog[rs.pc])  # type: ignore[arg-type]
+                    rs.pc += 1
                 continue
             rs.pc += 1
-        rs.stats.end_s = rs.t
+        rs.stats.end_s = max(rs.t, rs.sends_end)
 
     def run(self) -> list[RankStats]:
         """Simulate every rank to its end; :class:`SimulationError` on deadlock or bad programs."""
@@ -318,20 +336,27 @@ class Engine:
         while self._heap:
             _, _, r = heapq.heappop(self._heap)
             self._advance(self.ranks[r])
-        stuck = [rs for rs in self.ranks if rs.pc < len(rs.prog) or rs.outstanding]
+        unmatched = {rank for rank, _, _, _ in self._posted.values()}
+        stuck = [rs for rs in self.ranks if rs.pc < len(rs.prog) or rs.rank in unmatched]
         if stuck:
             raise SimulationError("deadlock: no rank can proceed\n" + "\n".join(self._stuck_line(rs) for rs in stuck))
         for rs in self.ranks:
             end_busy = max([e for _, e in rs.d2h_busy[-1:] + rs.h2d_busy[-1:]], default=0.0)
-            rs.stats.end_s = max(rs.stats.end_s, end_busy)
+            rs.stats.end_s = max(rs.stats.end_s, end_busy, rs.sends_end)
         return [rs.stats for rs in self.ranks]
 
     def _stuck_line(self, rs: _Rank) -> str:
+        lines = []
+        if rs.pc < len(rs.prog):
+            line = f"  rank {rs.rank}: stuck at op {rs.pc} ({rs.prog[rs.pc]})"
+            if rs.blocked_on is not None:
+                comm, mb, chunk = rs.blocked_on
+                line += f", waiting to receive {'the activation' if comm is CommKind.ACT else 'the gradient'} of mb {mb} chunk {chunk}"
+            lines.append(line)
         waiting = [(idx, ins) for (rank, _, idx, ins) in self._posted.values() if rank == rs.rank]
-        if not waiting:
-            return f"  rank {rs.rank}: stuck at op {rs.pc} ({rs.prog[rs.pc] if rs.pc < len(rs.prog) else 'end'})"
-        return "\n".join(f"  rank {rs.rank}: stuck at op {idx} ({ins}): its peer rank {ins.peer} never posts the matching "
-                         f"{'RECV' if isinstance(ins, Send) else 'SEND'}" for idx, ins in sorted(waiting, key=lambda x: x[0]))
+        lines += [f"  rank {rs.rank}: op {idx} ({ins}) is never matched: its peer rank {ins.peer} never posts the "
+                  f"{'RECV' if isinstance(ins, Send) else 'SEND'}" for idx, ins in sorted(waiting, key=lambda x: x[0])]
+        return "\n".join(lines)
 
 
 def _shape(instr: Compute | Braided) -> tuple:

@@ -175,13 +175,15 @@ def _two_ranks(a: str, b: str):
 
 def test_deadlock_lists_each_ranks_stuck_instruction():
     with pytest.raises(SimulationError) as err:
-        _two_ranks("RECV_G0c0<1\nF0c0\nSEND_A0c0>1\nB0c0", "RECV_A0c0<0\nF0c0\nB0c0\nSEND_G0c0>0")
+        # rank 0 runs its backward (needing rank 1's gradient) before the forward rank 1 needs
+        _two_ranks("RECV_G0c0<1\nB0c0\nF0c0\nSEND_A0c0>1", "RECV_A0c0<0\nF0c0\nB0c0\nSEND_G0c0>0")
     msg = str(err.value)
-    assert "rank 0: stuck at op 0 (RECV_G0c0<1)" in msg and "rank 1: stuck at op 0 (RECV_A0c0<0)" in msg
+    assert "rank 0: stuck at op 1 (B0c0), waiting to receive the gradient of mb 0 chunk 0" in msg
+    assert "rank 1: stuck at op 1 (F0c0), waiting to receive the activation of mb 0 chunk 0" in msg
 
 
 def test_receive_without_send_reports_the_receiver():
-    with pytest.raises(SimulationError, match=r"rank 1: stuck at op 0 \(RECV_A0c0<0\)"):
+    with pytest.raises(SimulationError, match=r"rank 1: op 0 \(RECV_A0c0<0\) is never matched: its peer rank 0 never posts the SEND"):
         _two_ranks("F0c0\nB0c0", "RECV_A0c0<0\nF0c0\nB0c0")
 
 
