@@ -12,10 +12,12 @@ compute op a start time. Each send/recv pair becomes one *rendezvous event* whos
 ``(start, 1, rank, index)``. Every rank's program is its events sorted by key. So all
 programs are projections of one global total order in which a producer precedes its
 send (its end is after its start) and a receive precedes its consumer (the consumer
-starts after the producer ends). Under blocking (rendezvous) semantics, and under the
-executor's semantics where a run of consecutive comm instructions is one batch, the
-globally earliest unfinished event always has both sides waiting on it, so it completes:
-no deadlock. The validator checks the result independently: it builds the cross-rank
+starts after the producer ends). So the order is safe under blocking (rendezvous)
+semantics -- the globally earliest unfinished event always has both sides waiting on it
+-- and a fortiori under the executor's semantics, where sends and receives are posted
+asynchronously in program order and only the compute that consumes a received tensor
+waits for it (NCCL and gloo pair the messages between two ranks in posting order, which
+both sides share). The validator checks the result independently: it builds the cross-rank
 dependency graph with matched send/recv pairs contracted to one node and proves it is a
 DAG with networkx.
 
