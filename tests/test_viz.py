@@ -229,6 +229,8 @@ def test_dropdown_one_entry_per_schedule_and_compare_panel() -> None:
 
 
 def decode(spec: dict) -> np.ndarray:
+    if "const" in spec:
+        return np.full(spec["n"], spec["const"])
     return np.frombuffer(base64.b64decode(spec["bdata"]), dtype="<" + spec["dtype"])
 
 
@@ -244,8 +246,9 @@ def test_compact_payload_decodes_to_the_full_figure(small: Trace) -> None:
         np.testing.assert_allclose(np.asarray(ref.x)[1::3], start + dur, atol=2e-3)
         np.testing.assert_allclose(np.asarray(ref.y)[0::3], row + g["dy"])
         if g["hover"]:
-            names = [payload.strings[i] for i in decode(g["cols"]["name"])]
-            assert names == [cd[0] for cd in ref.customdata[0::3]]
+            for k, c in ((0, "name"), (3, "unit"), (8, "block"), (9, "note")):
+                texts = [payload.strings[c][int(i)] for i in decode(g["cols"][c])]
+                assert texts == [cd[k] for cd in ref.customdata[0::3]]
 
 
 def test_render_html_offline_cdn_directory(tmp_path: Path, small: Trace) -> None:

@@ -26,6 +26,12 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
+def _span(e: Event) -> tuple[float, float]:
+    """(ts, dur) in microseconds; the end is rounded, not the duration, so rounding never makes siblings overlap."""
+    ts = _us(e.start)
+    return ts, round(_us(e.end) - ts, 3)
+
+
 def _p2p_key(e: Event) -> tuple[int, int, str, int | None] | None:
     """(sender, receiver, comm kind, micro-batch) of a SEND/RECV event, or None if unknown."""
     try:
@@ -43,16 +49,20 @@ def _p2p_key(e: Event) -> tuple[int, int, str, int | None] | None:
 
 
 def _assign_tracks(events: list[Event]) -> dict[int, int]:
-    """Map id(event) -> track index so that slices on one track never partly overlap."""
-    ends: list[float] = []  # last end per track
+    """Map id(event) -> track index so that slices on one track nest or are disjoint, never partly overlap."""
+    open_ends: list[list[float]] = []  # per track, the ends of the slices that contain the current time
     track: dict[int, int] = {}
-    for e in sorted(events, key=lambda e: (_us(e.start), -_us(e.dur))):
-        s, end = _us(e.start), _us(e.start) + _us(e.dur)
-        k = next((i for i, last in enumerate(ends) if last <= s), len(ends))
-        if k == len(ends):
-            ends.append(end)
+    for e in sorted(events, key=lambda e: (_us(e.start), -_us(e.end))):
+        s, end = _us(e.start), _us(e.end)
+        for k, stack in enumerate(open_ends):
+            while stack and stack[-1] <= s:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                break
         else:
-            ends[k] = end
+            k = len(open_ends)
+            open_ends.append([])
+        open_ends[k].append(end)
         track[id(e)] = k
     return track
 
@@ -80,8 +90,9 @@ def to_chrome_trace(trace: Trace) -> dict[str, Any]:
     for e in trace.events:
         args = {k: v for k, v in (("mb", e.mb), ("chunk", e.chunk), ("unit", e.unit), ("block", e.block),
                                    ("op_index", e.op_index), ("peer", e.peer)) if v is not None}  # fmt: skip
-        out.append({"ph": "X", "name": e.name, "cat": e.kind, "pid": e.rank, "tid": tid_of[id(e)],
-                    "ts": _us(e.start), "dur": _us(e.dur), "args": args})  # fmt: skip
+        ts, dur = _span(e)
+        out.append({"ph": "X", "name": e.name, "cat": e.kind, "pid": e.rank, "tid": tid_of[id(e)], "ts": ts,
+                    "dur": dur, "args": args})  # fmt: skip
     out += _flows(trace, tid_of)
     meta = {k: v for k, v in trace.meta.items() if isinstance(v, (str, int, float, bool))}
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": meta}

@@ -30,6 +30,7 @@ DIV_ID = "braid-timeline"
 # viz.panels.Group.customdata exactly.
 _EXPAND_JS = """
 function braidDecode(spec) {
+  if ("const" in spec) return new Float64Array(spec.n).fill(spec.const);
   var bin = atob(spec.bdata), buf = new Uint8Array(bin.length);
   for (var i = 0; i < bin.length; i++) buf[i] = bin.charCodeAt(i);
   var T = {u1: Uint8Array, i1: Int8Array, u2: Uint16Array, i2: Int16Array, u4: Uint32Array,
@@ -48,8 +49,8 @@ function braidExpand(data, payload) {
       x[3 * i] = s; x[3 * i + 1] = e; x[3 * i + 2] = NaN;
       y[3 * i] = y[3 * i + 1] = c.row[i] + g.dy; y[3 * i + 2] = NaN;
       if (g.hover) {
-        var row = [S[c.name[i]], opt(c.mb[i]), opt(c.chunk[i]), S[c.unit[i]], s, e, d, opt(c.op[i]),
-                   S[c.block[i]], S[c.note[i]]];
+        var row = [S.name[c.name[i]], opt(c.mb[i]), opt(c.chunk[i]), S.unit[c.unit[i]], s, e, d, opt(c.op[i]),
+                   S.block[c.block[i]], S.note[c.note[i]]];
         cd[3 * i] = cd[3 * i + 1] = cd[3 * i + 2] = row;
       }
     }

@@ -47,6 +47,17 @@ def require_plotly() -> Any:
 
 
 
+def _memory_steps(series: list[tuple[float, int]], scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """A memory series as compact step-plot arrays: ms (float32 below 16 s), consecutive repeats dropped."""
+    t = np.round(np.array([x for x, _ in series], dtype=np.float64) * 1e3, 3)
+    b = np.array([v for _, v in series], dtype=np.float64) / scale
+    keep = np.ones(len(b), dtype=bool)
+    keep[1:] = b[1:] != b[:-1]
+    keep[-1] = True  # the series still ends where it ends
+    t, b = t[keep], b[keep]
+    return (t.astype(np.float32) if t.size and np.abs(t).max() < 16_000 else t), b.astype(np.float32)
+
+
 def _memory_traces(go: Any, panel: Panel) -> tuple[list[Any], str]:
     peak = max((b for t in panel.traces for s in t.memory.values() for _, b in s), default=0)
     unit, scale = ("GiB", 1 << 30) if peak >= 1 << 30 else ("MiB", 1 << 20)
@@ -56,18 +67,17 @@ def _memory_traces(go: Any, panel: Panel) -> tuple[list[Any], str]:
         for rank, s in sorted(trace.memory.items()):
             if not s:
                 continue
-            t = np.array([round(x * 1e3, 3) for x, _ in s], dtype=np.float64)
-            b = np.array([v for _, v in s], dtype=np.float64) / scale
+            t, b = _memory_steps(s, scale)
             name = " ".join(x for x in (f"r{rank}", series, "memory") if x)
-            out.append(go.Scatter(x=t, y=b.astype(np.float32), mode="lines", line_shape="hv", name=name,
+            out.append(go.Scatter(x=t, y=b, mode="lines", line_shape="hv", name=name,
                                   line=dict(color=rank_color(rank), width=1.5, dash="dot" if series == "measured" else None),
                                   legendgroup="memory", legendgrouptitle_text="memory", xaxis="x2", yaxis="y2",
                                   hovertemplate=f"{name}<br>%{{x:.3f}} ms: %{{y:.3f}} {unit}<extra></extra>"))  # fmt: skip
-            k = int(np.argmax(b))
-            px.append(float(t[k]))
-            py.append(float(b[k]))
+            k = max(range(len(s)), key=lambda i: s[i][1])  # the first time the peak is reached
+            px.append(round(s[k][0] * 1e3, 3))
+            py.append(s[k][1] / scale)
             pc.append(rank_color(rank))
-            pt.append(f"{name.replace(' memory', '')} peak {format_bytes(s[k][1])} at {t[k]:.3f} ms")
+            pt.append(f"{name.replace(' memory', '')} peak {format_bytes(s[k][1])} at {px[-1]:.3f} ms")
     if px:
         out.append(go.Scatter(x=px, y=py, mode="markers", name="peak memory", legendgroup="memory",
                               marker=dict(symbol="star", size=12, color=pc, line=dict(color="black", width=1)),
@@ -80,18 +90,20 @@ class Payload:
     """Compact columns of the WebGL traces, expanded in the page (see :mod:`viz.html`).
 
     ``groups[i]`` = {"trace": index in fig.data, "dy": row offset, "hover": bool,
-    "cols": {column: typed-array spec}}; string columns index ``strings``.
+    "cols": {column: spec}}; a spec is a typed array (Plotly's ``{"dtype", "bdata"}``) or
+    ``{"const": v, "n": n}``; the string columns index ``strings[column]``.
     """
 
-    strings: list[str] = field(default_factory=list)
+    strings: dict[str, list[str]] = field(default_factory=dict)
     groups: list[dict[str, Any]] = field(default_factory=list)
-    _index: dict[str, int] = field(default_factory=dict)
+    _index: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def intern(self, s: str) -> int:
-        i = self._index.get(s)
+    def intern(self, column: str, s: str) -> int:
+        i = self._index.get((column, s))
         if i is None:
-            i = self._index[s] = len(self.strings)
-            self.strings.append(s)
+            table = self.strings.setdefault(column, [])
+            i = self._index[(column, s)] = len(table)
+            table.append(s)
         return i
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,19 +111,21 @@ class Payload:
 
 
 _INT_DTYPES = ("u1", "i1", "u2", "i2", "u4", "i4")
+STRING_COLUMNS = ("name", "unit", "block", "note")
 
 
-def encode_column(values: Sequence[float] | Sequence[int], *, floating: bool) -> dict[str, str]:
-    """A typed-array spec (Plotly's ``{"dtype", "bdata"}``) in the smallest dtype that holds the values.
+def encode_column(values: Sequence[float] | Sequence[int], *, floating: bool) -> dict[str, Any]:
+    """The smallest spec that holds the values: a constant, or a typed array of the narrowest dtype.
 
     Floats are times in ms rounded to microseconds: float32 keeps that precision below
     16 s, float64 beyond.
     """
+    arr = np.asarray(values, dtype=np.float64 if floating else np.int64)
+    if arr.size and (arr == arr[0]).all():
+        return {"const": arr[0].item(), "n": int(arr.size)}
     if floating:
-        arr = np.asarray(values, dtype=np.float64)
         dtype = "f4" if arr.size == 0 or np.abs(arr).max() < 16_000 else "f8"
     else:
-        arr = np.asarray(values, dtype=np.int64)
         lo, hi = (int(arr.min()), int(arr.max())) if arr.size else (0, 0)
         dtype = next(d for d in _INT_DTYPES if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
     return {"dtype": dtype, "bdata": base64.b64encode(arr.astype("<" + dtype).tobytes()).decode("ascii")}
@@ -122,8 +136,8 @@ def _compact_group(payload: Payload, trace_index: int, g: Group, *, hover: bool,
             "row": encode_column(g.row, floating=False)}  # fmt: skip
     if hover:
         cols |= {c: encode_column(getattr(g, c), floating=False) for c in ("mb", "chunk", "op")}
-        for k, c in enumerate(("name", "unit", "block", "note")):
-            cols[c] = encode_column([payload.intern(t[k]) for t in g.text], floating=False)
+        for k, c in enumerate(STRING_COLUMNS):
+            cols[c] = encode_column([payload.intern(c, t[k]) for t in g.text], floating=False)
     payload.groups.append({"trace": trace_index, "dy": dy, "hover": hover, "cols": cols})
 
 
@@ -254,7 +268,7 @@ def assemble(traces: Sequence[Trace], *, title: str | None, webgl_threshold: int
         layouts.append(layout)
         max_lines = max(max_lines, lines)
     timeline_px = n_rows * row_px
-    top = 60 + 15 * max_lines
+    top = 70 + 15 * max_lines
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         row_heights=[timeline_px / (timeline_px + MEMORY_PX), MEMORY_PX / (timeline_px + MEMORY_PX)])  # fmt: skip
     fig.add_traces(data)
@@ -266,7 +280,8 @@ def assemble(traces: Sequence[Trace], *, title: str | None, webgl_threshold: int
         dragmode="zoom",
         uniformtext=dict(minsize=8, mode="hide"),
         margin=dict(t=top, l=140, r=20, b=40),
-        title=dict(x=0, xanchor="left", y=0.995, yanchor="top", font=dict(size=15)),
+        title=dict(x=0, xanchor="left", xref="container", y=1, yanchor="top", yref="container", pad=dict(t=10, l=12),
+                   font=dict(size=15)),
         legend=dict(tracegroupgap=4),
         yaxis=dict(tickmode="array", showgrid=False, zeroline=False, tickfont=dict(size=10)),
         xaxis=dict(showgrid=True, zeroline=False),
