@@ -200,9 +200,9 @@ def test_header_states_step_bubble_exposed_comm_and_peak(small: Trace) -> None:
         {"rank": 0, "compute_s": 0.4, "pp_bubble_s": 0.1, "tp_exposed_s": 0.002, "peak_activation_bytes": 3 << 30}]}},
         small.events, small.memory)  # fmt: skip
     fig = build_figure([small_with_summary])
-    title = fig.layout.title.text
-    assert "step 500.000 ms" in title and "peak 3.00 GiB" in title
+    assert fig.layout.title.text == "<b>fake_1f1b (simulated)</b>"
     per_rank = fig.layout.annotations[0].text
+    assert "step 500.000 ms" in per_rank and "peak 3.00 GiB" in per_rank
     assert "r0: bubble 20.0%, TP 2.000 ms, peak 3.00 GiB" in per_rank
     assert "r1: bubble" in per_rank and "r2: bubble" in per_rank  # computed from events
 

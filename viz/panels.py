@@ -170,14 +170,14 @@ def panel_groups(panel: Panel) -> tuple[list[Group], Group]:
 
 
 def header_text(panel: Panel, title: str | None) -> tuple[str, str, int]:
-    """Title text, per-rank annotation text and its number of lines."""
+    """Title, header text (per-trace totals, then per-rank figures) and its number of lines."""
     head = f"<b>{title or panel.name}</b>"
     parts = []
     lines = []
     for series, st in zip(panel.series, panel.stats):
         tag = f"{series}: " if series else ""
         parts.append(
-            f"{tag}step {st.step_time_s * 1e3:.3f} ms · bubble {st.bubble_rate * 100:.1f}% · exposed TP comm "
+            f"{tag}step {st.step_time_s * 1e3:.3f} ms · bubble {st.bubble_rate * 100:.1f}% (mean over ranks) · exposed TP comm "
             f"{sum(r.tp_exposed_s for r in st.ranks) * 1e3:.3f} ms (all ranks) · peak "
             f"{format_bytes(max((r.peak_bytes for r in st.ranks), default=0))}"
         )
@@ -188,6 +188,6 @@ def header_text(panel: Panel, title: str | None) -> tuple[str, str, int]:
         ]
         for k in range(0, len(cells), 4):
             lines.append(tag + "  |  ".join(cells[k : k + 4]))
-    return head + "<br><sup>" + "<br>".join(parts) + "</sup>", "<br>".join(lines), len(lines) + len(parts)
+    return head, "<br>".join(parts + lines), len(lines) + len(parts)
 
 

@@ -268,19 +268,20 @@ def assemble(traces: Sequence[Trace], *, title: str | None, webgl_threshold: int
         layouts.append(layout)
         max_lines = max(max_lines, lines)
     timeline_px = n_rows * row_px
-    top = 70 + 15 * max_lines
+    top = 50 + 15 * max_lines
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         row_heights=[timeline_px / (timeline_px + MEMORY_PX), MEMORY_PX / (timeline_px + MEMORY_PX)])  # fmt: skip
     fig.add_traces(data)
+    height = top + timeline_px + MEMORY_PX + 140
     fig.update_layout(
-        height=top + timeline_px + MEMORY_PX + 140,
+        height=height,
         template="plotly_white",
         barmode="overlay",
         hovermode="closest",
         dragmode="zoom",
         uniformtext=dict(minsize=8, mode="hide"),
         margin=dict(t=top, l=140, r=20, b=40),
-        title=dict(x=0, xanchor="left", xref="container", y=1, yanchor="top", yref="container", pad=dict(t=10, l=12),
+        title=dict(x=0.01, xanchor="left", xref="container", y=1 - 12 / height, yanchor="top", yref="container",
                    font=dict(size=15)),
         legend=dict(tracegroupgap=4),
         yaxis=dict(tickmode="array", showgrid=False, zeroline=False, tickfont=dict(size=10)),
