@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from braid.attention.kernels import BACKENDS, get_kernel
 from braid.attention import Attention2DGroups, GroupPool, RingSpec, attention_2d, ring_attention, zigzag_shard
 
 
@@ -106,10 +107,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                             timeout=datetime.timedelta(seconds=600), device_id=device if device.type == "cuda" else None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pool = GroupPool()
+    kernel = get_kernel(device, args.backend)
     scale = args.head_dim ** -0.5
     if rank == 0:
         print(f"# {world} x {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, torch "
-              f"{torch.__version__}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {dtype}, causal, "
+              f"{torch.__version__}, kernel {kernel.name}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, {dtype}, causal, "
               f"fwd+bwd ms (slowest rank, median of {args.iters})")
     for seq in args.seqs:
         g = torch.Generator(device=device).manual_seed(seq)
@@ -121,7 +123,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
         def single() -> None:
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            out, _ = ring_attention(*leaves, RingSpec(1, 1, 0), causal=True, scale=scale)
+            out, _ = ring_attention(*leaves, RingSpec(1, 1, 0), causal=True, scale=scale, kernel=kernel)
             out.backward(dout)
 
         if rank == 0:
@@ -133,7 +135,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
             def step(loc=loc, groups=groups) -> None:
                 leaves = [t.detach().requires_grad_() for t in loc[:3]]
-                attention_2d(*leaves, groups=groups, causal=True, scale=scale).backward(loc[3])
+                attention_2d(*leaves, groups=groups, causal=True, scale=scale, kernel=kernel).backward(loc[3])
 
             rows.append((_name(d_hp, d_cp, w, placement), _time(step, device, args.warmup, args.iters), ""))
             del loc
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=28)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--backend", choices=list(BACKENDS), default="auto", help="block kernel for ours and 1 device")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a smoke test")

@@ -8,6 +8,7 @@ Needs at least 2 GPUs; run with ``PYTHONPATH=. python -m pytest tests/test_atten
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import socket
 import traceback
@@ -22,6 +23,7 @@ from braid.attention import (
     GroupPool,
     RingSpec,
     attention_2d,
+    get_kernel,
     reference_attention,
     ring_attention,
     zigzag_shard,
@@ -57,22 +59,26 @@ def _worker(rank: int, world: int, port: int, errfile: str) -> None:
             ref_out, _ = reference_attention(*ref_in, causal=causal, scale=scale)
             ref_out.backward(dout32)
             refs = [ref_out.detach()] + [t.grad for t in ref_in]
-            # single-GPU bf16 error: the budget
-            one_in = [t.bfloat16().requires_grad_() for t in (q32, k32, v32)]
-            one_out, _ = ring_attention(*one_in, RingSpec(1, 1, 0), causal=causal, scale=scale)
-            one_out.backward(dout32.bfloat16())
-            one_err = [(a.float() - r).abs().max().item() for a, r in zip([one_out] + [t.grad for t in one_in], refs)]
-            for d_hp, d_cp, w, placement in _layouts(world):
+            one_err = {}  # single-GPU bf16 error of each kernel: the budget
+            for backend in ("torch_flash", "torch_cudnn"):
+                one_in = [t.bfloat16().requires_grad_() for t in (q32, k32, v32)]
+                one_out, _ = ring_attention(*one_in, RingSpec(1, 1, 0), causal=causal, scale=scale,
+                                            kernel=get_kernel(dev, backend))
+                one_out.backward(dout32.bfloat16())
+                one_err[backend] = [(a.float() - r).abs().max().item()
+                                    for a, r in zip([one_out] + [t.grad for t in one_in], refs)]
+            for (d_hp, d_cp, w, placement), backend in itertools.product(_layouts(world), ("torch_flash", "torch_cudnn")):
+                kernel = get_kernel(dev, backend)
                 groups = Attention2DGroups.build(list(range(world)), d_hp, d_cp, w, placement, pool=pool)
                 lay = groups.layout
                 loc = [zigzag_shard(t, lay, rank).bfloat16().requires_grad_() for t in (q32, k32, v32)]
-                out = attention_2d(*loc, groups=groups, causal=causal, scale=scale)
+                out = attention_2d(*loc, groups=groups, causal=causal, scale=scale, kernel=kernel)
                 out.backward(zigzag_shard(dout32, lay, rank).bfloat16())
                 for name, got, ref, budget in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in loc], refs,
-                                                  one_err):
+                                                  one_err[backend]):
                     err = (got.float() - zigzag_shard(ref, lay, rank)).abs().max().item()
                     assert err <= 2 * budget + FLOOR, (
-                        f"{name} hp={d_hp} cp={d_cp} w={w} causal={causal} rank={rank}: error {err:.3e} vs "
+                        f"{name} {backend} hp={d_hp} cp={d_cp} w={w} causal={causal} rank={rank}: error {err:.3e} vs "
                         f"single-GPU bf16 {budget:.3e}")
         dist.barrier()
     except BaseException:

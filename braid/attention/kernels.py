@@ -21,8 +21,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-Backend = Literal["auto", "torch", "flash_attn"]
-BACKENDS: tuple[str, ...] = ("auto", "torch", "flash_attn")
+Backend = Literal["auto", "torch_flash", "torch_cudnn", "flash_attn"]
+BACKENDS: tuple[str, ...] = ("auto", "torch_flash", "torch_cudnn", "flash_attn")
 
 
 class BlockKernel(Protocol):
@@ -76,8 +76,9 @@ class TorchCUDAKernel:
     """torch's CUDA flash-attention ops (``aten._scaled_dot_product_flash_attention``).
 
     fp16/bf16 only (the flash kernel's limit); the LSE is fp32 (B, H, S). Grouped-query
-    attention works without repeating K/V. Dropout is always 0, so the backward's
-    sequence-offset and RNG arguments are empty placeholders.
+    attention works without repeating K/V. Dropout is always 0 and batches are dense, so the
+    backward's cumulative-length arguments are None (as the forward returns them) and its
+    RNG arguments empty.
     """
 
     name = "torch-cuda"
@@ -93,11 +94,38 @@ class TorchCUDAKernel:
     def bwd(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        empty = torch.empty(0, device=q.device)
-        rng = torch.empty(0, dtype=torch.int64, device=q.device)
+        rng = torch.empty(0, dtype=torch.uint64, device=q.device)  # philox seed/offset: unused without dropout
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.contiguous(), q, k, v, out, lse.contiguous(), empty, empty, q.shape[2], k.shape[2],
+            dout.contiguous(), q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2],
             0.0, causal, rng, rng, scale=scale)
+        return dq, dk, dv
+
+
+class TorchCuDNNKernel:
+    """torch's cuDNN attention ops (``aten._scaled_dot_product_cudnn_attention``).
+
+    fp16/bf16; grouped-query attention native; the LSE comes back as (B, H, S, 1) fp32 and
+    is returned as (B, H, S). Measured ~1.7x faster than the flash ops for fwd+bwd at 32K
+    tokens on an H200 (torch 2.11), which is why ``auto`` picks it on CUDA.
+    """
+
+    name = "torch-cudnn"
+
+    def fwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_shapes(q, k, v)
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the cuDNN attention kernel needs float16 or bfloat16 inputs, got {q.dtype}; cast q/k/v")
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return res[0], res[1].squeeze(-1)
+
+    def bwd(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rng = torch.zeros((), dtype=torch.int64, device=q.device)  # philox seed/offset: unused without dropout
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout.contiguous(), q, k, v, out, lse.contiguous().unsqueeze(-1), rng, rng, None, None, None,
+            q.shape[2], k.shape[2], 0.0, causal, scale=scale)
         return dq, dk, dv
 
 
@@ -144,9 +172,10 @@ def flash_attn_available() -> bool:
 
 
 def get_kernel(device: torch.device | str, backend: Backend = "auto") -> BlockKernel:
-    """The block kernel for ``device``: torch's flash ops, or ``flash-attn`` when asked/present.
+    """The block kernel for ``device``.
 
-    ``auto`` picks torch's ops (the tested path); ``flash_attn`` requires the package.
+    ``auto``: torch's cuDNN attention on CUDA, torch's flash ops on CPU. ``torch_flash`` /
+    ``torch_cudnn`` force one of torch's CUDA kernels; ``flash_attn`` requires the package.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -158,7 +187,7 @@ def get_kernel(device: torch.device | str, backend: Backend = "auto") -> BlockKe
             raise ValueError("backend='flash_attn' but the flash-attn package is not installed; use 'torch'")
         return FlashAttnKernel()
     if dev.type == "cuda":
-        return TorchCUDAKernel()
+        return TorchCUDAKernel() if backend == "torch_flash" else TorchCuDNNKernel()
     if dev.type == "cpu":
         return TorchCPUKernel()
     raise ValueError(f"no attention kernel for device type {dev.type!r}; use cpu or cuda")
