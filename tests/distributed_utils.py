@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results) 
     torch.set_num_threads(1)
     from braid.runtime.distributed import Dist
 
-    d = Dist.init(rank, world, master_port=port, timeout_s=timeout_s, poll_s=0.02)
+    d = Dist.init(rank, world, master_port=port, timeout_s=timeout_s)
     ctx = RankContext(rank, world, d)
     while True:
         item = tasks.get()

@@ -119,7 +119,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]]) -> l
                 n_ar_events = sum(e.kind == "AR" for e in res.trace.events)
                 assert n_ar_events == res.counts["AR"], where
                 assert all(e.lane == "tp-comm" for e in res.trace.events if e.kind == "AR"), where
-                assert res.trace.memory[c.pp if False else ctx.rank], where
+                assert res.trace.memory[c.pp], where
             opt.step()
         final = build_rank_chunks(ref, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
         for ci, ch in chunks.items():
@@ -128,3 +128,61 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]]) -> l
                 torch.testing.assert_close(p.detach(), want[n].detach(), rtol=1e-4, atol=1e-5, msg=lambda s: f"{where} param {ci}.{n}: {s}")
         ran.append((name, m, dict(res.counts)))
     return ran
+
+
+def failing_rank(ctx, bad_rank: int) -> str:
+    """pp=2 gpipe where ``bad_rank`` raises before its first instruction; the other must fail, not hang."""
+    import time
+
+    import schedules
+    from braid.compiler import compile_plan
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.topology import Topology
+
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=2))
+    plan = schedules.build("gpipe", 2, 2)
+    cfg = Qwen2Config(layers=2, **CFG_KW)
+    torch.manual_seed(0)
+    chunks = build_rank_chunks(Qwen2Model(cfg), plan, groups.coords.pp, (1, 1))
+    program = compile_plan(plan)[groups.coords.pp]
+    ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden))
+    toks, labs = _data(cfg, 2, 0)
+    if ctx.rank == bad_rank:
+        labs = labs[:1]  # the loss of micro-batch 1 has no labels: an IndexError inside F1
+    t0 = time.monotonic()
+    try:
+        ex.run(toks, labs)
+    except Exception as err:  # noqa: BLE001 - the point is that every rank ends with an error
+        return f"{type(err).__name__} after {time.monotonic() - t0:.1f}s: {err}"
+    return "no error"
+
+
+def bad_program(ctx, text: str) -> str:
+    """Run a hand-written single-rank program and return the error text."""
+    from braid.ir import Plan, Program, ScheduleConfig
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.runtime.executor import Executor, build_rank_chunks
+
+    cfg = Qwen2Config(layers=2, **CFG_KW)
+    prog = Program.from_text(0, text)
+    plan = Plan("hand", ScheduleConfig(1, 2), "loop", (tuple(i for i in prog.instructions),))
+    torch.manual_seed(0)
+    chunks = build_rank_chunks(Qwen2Model(cfg), plan, 0, (2,))
+    ex = Executor(plan, prog, chunks, pp_ranks=[0], act_shape=(MBS, SEQ, cfg.hidden))
+    try:
+        ex.run(*_data(cfg, 2, 0))
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def wrong_world(ctx) -> str:
+    from braid.runtime.distributed import ProcessGroups
+    from braid.topology import Topology
+
+    try:
+        ProcessGroups.create(Topology(4, pp=2, tp=2))
+    except ValueError as err:
+        return str(err)
+    return "no error"

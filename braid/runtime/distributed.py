@@ -5,11 +5,13 @@
 needs a group). The backend follows the device: gloo on CPU, NCCL on CUDA.
 
 Failure propagation. A rank that raises sets an abort key in the job's TCPStore
-(:meth:`Abort.signal`). Every wait of the executor on a communication handle polls that
-key (:meth:`Abort.wait`), so the other ranks raise :class:`PeerFailure` within a poll
-interval instead of hanging in a receive or an all-reduce whose peer is gone. Ops that
-block inside a collective the executor does not poll (the loss's small all-reduces) are
-bounded by the process-group ``timeout``. On CUDA, waits are stream-ordered and the NCCL
+(:meth:`Abort.signal`). Every wait of the executor on a communication handle checks that
+key before blocking and waits at most ``timeout_s`` (:meth:`Abort.wait`), so the other
+ranks raise :class:`PeerFailure` at their next wait, or after the timeout, instead of
+hanging in a receive or an all-reduce whose peer is gone. Collectives the executor does
+not wait on itself (the loss's small all-reduces) are
+bounded by the process-group ``timeout`` too. A rank blocked in a receive from a dead peer
+therefore fails within ``timeout_s`` and its error names the rank that failed first. On CUDA, waits are stream-ordered and the NCCL
 watchdog (same timeout) is the backstop.
 """
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -42,12 +43,12 @@ def backend_for(device: torch.device) -> str:
 
 @dataclass(slots=True)
 class Abort:
-    """A job-wide abort flag in the TCPStore, checked while waiting on communication."""
+    """A job-wide abort flag in the TCPStore, consulted around every communication wait."""
 
     store: dist.Store
     rank: int
-    poll_s: float = 0.05
-    cuda: bool = False  # stream-ordered waits (NCCL)
+    timeout_s: float = 120.0
+    cuda: bool = False  # stream-ordered waits (NCCL): the watchdog bounds them
 
     def signal(self, reason: str) -> None:
         """Tell every rank that this one failed (idempotent, never raises)."""
@@ -56,31 +57,33 @@ class Abort:
         except Exception:  # the store itself may be gone; nothing more to do
             log.exception("could not set the abort flag")
 
-    def check(self) -> None:
-        if self.store.check([ABORT_KEY]):
-            raise PeerFailure(f"rank {self.rank} stops: {self.store.get(ABORT_KEY).decode(errors='replace')}")
+    def clear(self) -> None:
+        """Forget an earlier failure (tests that reuse a job after a failure case)."""
+        self.store.delete_key(ABORT_KEY)
 
-    def wait(self, work: dist.Work, timeout_s: float | None = None) -> None:
-        """Wait for an async work handle, raising :class:`PeerFailure` as soon as any rank has failed."""
+    def check(self) -> None:
+        """Raise :class:`PeerFailure` if any rank has signalled a failure."""
+        if self.store.check([ABORT_KEY]):
+            raise PeerFailure(f"rank {self.rank} stops because {self.store.get(ABORT_KEY).decode(errors='replace')}")
+
+    def wait(self, work: dist.Work | None) -> None:
+        """Wait for an async work handle at most ``timeout_s``; a peer's failure becomes :class:`PeerFailure`.
+
+        gloo send/recv handles cannot be polled (``is_completed`` stays false until
+        ``wait``), so the flag is checked before blocking, and after a timed-out wait to
+        name the rank that failed.
+        """
         if work is None:
             return
         if self.cuda:
-            work.wait()  # stream-ordered; the NCCL watchdog bounds it
+            work.wait()
             return
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        next_check = time.monotonic() + self.poll_s
-        spin = 0
-        while not work.is_completed():
-            now = time.monotonic()
-            if now >= next_check:
-                self.check()
-                next_check = now + self.poll_s
-            if deadline is not None and now > deadline:
-                raise TimeoutError(f"rank {self.rank}: communication did not finish within {timeout_s} s")
-            spin += 1
-            if spin > 100:
-                time.sleep(0.0002)
-        work.wait()
+        self.check()
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as err:
+            self.check()
+            raise TimeoutError(f"rank {self.rank}: communication did not finish within {self.timeout_s} s ({err})") from err
 
 
 @dataclass(slots=True)
@@ -103,7 +106,6 @@ class Dist:
         master_port: int | None = None,
         device: torch.device | str = "cpu",
         timeout_s: float = 120.0,
-        poll_s: float = 0.05,
     ) -> "Dist":
         """Create the TCPStore and the default process group (backend from the device).
 
@@ -119,7 +121,7 @@ class Dist:
         is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         store = dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout)
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout)
-        return Dist(rank, world_size, device, store, Abort(store, rank, poll_s, device.type == "cuda"), timeout_s)
+        return Dist(rank, world_size, device, store, Abort(store, rank, timeout_s, device.type == "cuda"), timeout_s)
 
     @staticmethod
     def from_env(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> "Dist":
