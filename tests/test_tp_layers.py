@@ -1,0 +1,81 @@
+"""TP building blocks on one process: shards reassemble the full layer; split W equals full backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from braid.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, split_weight_grads, vocab_parallel_cross_entropy
+from braid.tp.layers import StashError
+from braid.topology import Topology, TopologyError
+
+
+def test_column_and_row_shards_reassemble_the_full_linear() -> None:
+    torch.manual_seed(0)
+    full = nn.Linear(8, 12, bias=True)
+    x = torch.randn(3, 5, 8)
+    cols = [ColumnParallelLinear.from_full(full, r, 2) for r in range(2)]
+    torch.testing.assert_close(torch.cat([c(x) for c in cols], -1), full(x))
+    rows = [RowParallelLinear.from_full(full, r, 2) for r in range(2)]
+    partial = sum(r(x[..., i * 4 : (i + 1) * 4]) for i, r in enumerate(rows))
+    torch.testing.assert_close(partial, full(x))
+
+
+def test_split_weight_grad_accumulates_like_full_backward_in_any_order() -> None:
+    torch.manual_seed(0)
+    full = nn.Linear(6, 4, bias=True)
+    a, b = ColumnParallelLinear.from_full(full, 0, 1), ColumnParallelLinear.from_full(full, 0, 1)
+    xs = [torch.randn(2, 3, 6, requires_grad=True) for _ in range(3)]
+    for x in xs:  # full mode
+        a(x).square().sum().backward()
+    gx = []
+    for mb, x in enumerate(xs):  # split mode: B now, W later in reverse order
+        with split_weight_grads([b], mb):
+            (g,) = torch.autograd.grad(b(x).square().sum(), (x,))
+        gx.append(g)
+        assert b.weight.grad is None
+    for mb in reversed(range(3)):
+        b.weight_backward(mb)
+    torch.testing.assert_close(b.weight.grad, a.weight.grad)
+    torch.testing.assert_close(b.bias.grad, a.bias.grad)
+    for x, g in zip(xs, gx):
+        torch.testing.assert_close(g, x.grad)  # the input gradient is unchanged by the split
+    with pytest.raises(StashError, match="no stashed activations for 0"):
+        b.weight_backward(0)
+
+
+def test_vocab_parallel_embedding_and_cross_entropy_match_full() -> None:
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4)
+    tok = torch.randint(0, 10, (2, 5))
+    shards = [VocabParallelEmbedding.from_full(emb, r, 2) for r in range(2)]
+    torch.testing.assert_close(sum(s(tok) for s in shards), emb(tok))
+    logits = torch.randn(2, 5, 10, requires_grad=True)
+    labels = torch.randint(0, 10, (2, 5))
+    ref = F.cross_entropy(logits.view(-1, 10), labels.view(-1), reduction="none").view(2, 5)
+    ours = vocab_parallel_cross_entropy(logits, labels)
+    torch.testing.assert_close(ours, ref)
+    (g1,) = torch.autograd.grad(ours.sum(), logits)
+    (g2,) = torch.autograd.grad(ref.sum(), logits)
+    torch.testing.assert_close(g1, g2)
+
+
+def test_topology_grid_and_errors() -> None:
+    t = Topology(8, pp=2, dp=2, tp=2)
+    assert t.coords(5) == t.coords(t.rank_of(t.coords(5)))
+    assert t.group_of("tp", 5) == [4, 5]
+    assert t.group_of("pp", 5) == [5, 7]  # grid (dp, pp, cp, tp): rank = dp*4 + pp*2 + tp
+    assert t.group_of("dp", 1) == [1, 5]
+    assert t.groups("dp_cp")[0] == [0, 4]
+    with pytest.raises(TopologyError, match="world size 6 != dp\\*pp\\*cp\\*tp"):
+        Topology(6, pp=4)
+    with pytest.raises(TopologyError, match="attention heads \\(6\\) not divisible by tp=4"):
+        Topology(4, pp=1, tp=4).check_model(num_heads=6, num_kv_heads=2, vocab_size=64, num_layers=4, num_stages=1)
+    with pytest.raises(TopologyError, match="KV heads \\(2\\) not divisible"):
+        Topology(4, pp=1, tp=4).check_model(num_heads=8, num_kv_heads=2, vocab_size=64, num_layers=4, num_stages=1)
+    with pytest.raises(TopologyError, match="vocab size \\(10\\)"):
+        Topology(4, pp=1, tp=4).check_model(num_heads=8, num_kv_heads=4, vocab_size=10, num_layers=4, num_stages=1)
+    with pytest.raises(TopologyError, match="3 layers cannot fill 4 virtual stages"):
+        Topology(2, pp=2).check_model(num_heads=8, num_kv_heads=4, vocab_size=10, num_layers=3, num_stages=4)
