@@ -32,8 +32,12 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
 
 from __future__ import annotations
 
+import gc
 import heapq
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import starmap
+from typing import Iterator
 
 from braid.braiding import Phase, steps
 from braid.costs import CostModel
@@ -48,6 +52,8 @@ class SimulationError(ValueError):
 
 # One row per unit task: (member, nominal compute s, all-reduce s (0: none), waits_ar, unit label, phase, bytes delta)
 _Row = tuple[int, float, float, bool, str, str, float]
+# Rows of one instruction shape, bytes kept per member, nominal compute s of the whole instruction.
+_Table = tuple[tuple[_Row, ...], tuple[float, float], float]
 
 
 @dataclass(slots=True)
@@ -97,17 +103,19 @@ class Engine:
             raise SimulationError(f"got {len(programs)} programs for a cost layout of p={lay.p}; build the costs for this schedule's layout")
         self.costs = costs
         self.record = record
-        self.events: list[Event] = []
+        self.events: list[Event] = []  # filled by run() from the compact records in _ev
+        self._ev: list[tuple] = []
         self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
-        self._tables: dict[tuple[int, tuple], tuple[list[_Row], tuple[float, float]]] = {}
+        self._tables: dict[tuple[int, tuple], _Table] = {}
         self._posted: dict[tuple, tuple[int, float, int, Instruction]] = {}
         self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
         self._tp = lay.tp > 1
 
     # -- step tables ----------------------------------------------------------------
-    def _table(self, rank: int, instr: Compute | Braided) -> tuple[list[_Row], tuple[float, float]]:
-        """Unit rows of an instruction shape (its mb numbers do not matter), cached."""
+    def _table(self, rank: int, instr: Compute | Braided) -> _Table:
+        """Unit rows of an instruction shape (its mb numbers do not matter), cached, with the
+        per-member memory totals and the nominal compute time of the whole instruction."""
         shape_key = (rank, _shape(instr))
         hit = self._tables.get(shape_key)
         if hit is not None:
@@ -118,6 +126,7 @@ class Engine:
         spec_of = self.costs.spec_of(rank)
         rows: list[_Row] = []
         totals = [0.0, 0.0]
+        nominal = 0.0  # summed in row order, as the unit loop would
         for st in steps(instr, spec_of):
             u = self.costs.chunks[(rank, st.op.chunk)].units[st.task.unit]
             ph = st.task.phase
@@ -131,7 +140,8 @@ class Engine:
             label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
             rows.append((st.member, dur, ar, st.task.waits_ar, label, ph.value, dmem))
             totals[st.member] += dmem
-        out = (rows, (totals[0], totals[1]))
+            nominal += dur
+        out = (tuple(rows), (totals[0], totals[1]), nominal)
         self._tables[shape_key] = out
         return out
 
@@ -167,46 +177,48 @@ class Engine:
                 raise SimulationError(f"rank {rs.rank}: op {idx} ({instr}) needs the activations of mb {op.mb} chunk {op.chunk}, "
                                       f"offloaded with no RELOAD{op.mb}c{op.chunk} before it")
             t0 = max(t0, rs.reload_end.get(op.key, 0.0))
-        rows, totals = self._table(rs.rank, instr)
+        rows, totals, nominal = self._table(rs.rank, instr)
         f = self.costs.ar_slowdown
-        st = rs.stats
-        block = str(instr) if isinstance(instr, Braided) else None
-        names = [str(op) for op in ops]
-        rec = self.record
-        ev = self.events
+        rank = rs.rank
+        mem = rs.stats.mem.append
+        # Event fields that depend on the member, not the unit: (name, mb, chunk).
+        who = [(str(op), op.mb, op.chunk) for op in ops] if self.record else None
+        block = str(instr) if who is not None and isinstance(instr, Braided) else None
+        ev = self._ev.append
         t = tp_free = t0
         pend = [0.0, 0.0]
-        busy = exposed = nominal = 0.0
+        busy = exposed = 0.0
+        # The hot loop of the simulator (one pass per unit task): locals only, events kept
+        # as plain tuples and turned into trace events once, at the end of the run.
         for member, dur, ar, waits, label, phase, dmem in rows:
-            start = t
-            if waits and pend[member] > start:
-                exposed += pend[member] - start
-                start = pend[member]
-            if tp_free > start:
-                win = tp_free - start
+            if waits and pend[member] > t:
+                exposed += pend[member] - t
+                t = pend[member]
+            if tp_free > t:  # an all-reduce is in flight: slowed down while it lasts
+                win = tp_free - t
                 d = dur * f if win >= dur * f else win + (dur - win / f)
             else:
                 d = dur
-            end = start + d
+            end = t + d
             busy += d
-            nominal += dur
-            op = ops[member]
-            if rec:
-                ev.append(Event(rs.rank, "compute", names[member], phase, start, d, op.mb, op.chunk, label, block, idx))
+            if who is not None:
+                name, mb, chunk = who[member]
+                ev((rank, "compute", name, phase, t, d, mb, chunk, label, block, idx, None))
             if dmem:
-                st.mem.append((end, dmem))
+                mem((end, dmem))
             if ar > 0.0:
                 s = end if end > tp_free else tp_free
                 tp_free = s + ar
                 pend[member] = tp_free
-                if rec:
-                    ev.append(Event(rs.rank, "tp-comm", names[member], "AR", s, ar, op.mb, op.chunk, label, block, idx))
+                if who is not None:
+                    ev((rank, "tp-comm", name, "AR", s, ar, mb, chunk, label, block, idx, None))
             t = end
         if tp_free > t:
             exposed += tp_free - t
             t = tp_free
         for op, tot in zip(ops, totals):
             rs.resident[op.key] = rs.resident.get(op.key, 0.0) + tot
+        st = rs.stats
         st.compute_s += busy
         st.nominal_compute_s += nominal
         st.tp_exposed_s += exposed
@@ -228,7 +240,7 @@ class Engine:
         rs.resident[key] = rs.resident.get(key, 0.0) - nbytes
         rs.stats.mem.append((end, -nbytes))
         if self.record:
-            self.events.append(Event(rs.rank, "copy", str(ins), "OFFLOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
+            self._ev.append((rs.rank, "copy", str(ins), "OFFLOAD", start, end - start, ins.mb, ins.chunk, None, None, idx, None))
 
     def _reload(self, rs: _Rank, ins: Reload, idx: int) -> None:
         key = (ins.mb, ins.chunk)
@@ -243,7 +255,7 @@ class Engine:
         rs.resident[key] = rs.resident.get(key, 0.0) + nbytes
         rs.stats.mem.append((start, nbytes))
         if self.record:
-            self.events.append(Event(rs.rank, "copy", str(ins), "RELOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
+            self._ev.append((rs.rank, "copy", str(ins), "RELOAD", start, end - start, ins.mb, ins.chunk, None, None, idx, None))
 
     # -- P2P -----------------------------------------------------------------------------
     def _route(self, rank: int, ins: Send | Recv, idx: int) -> tuple:
@@ -287,8 +299,8 @@ class Engine:
                 r.p2p_free = end
                 r.p2p_busy.append((start, end))
         if self.record:
-            self.events.append(Event(snd.rank, "p2p", str(s_ins), "SEND", start, dur, s_ins.mb, s_ins.chunk, None, None, s_idx, rcv.rank))
-            self.events.append(Event(rcv.rank, "p2p", str(r_ins), "RECV", start, dur, r_ins.mb, r_ins.chunk, None, None, r_idx, snd.rank))
+            self._ev.append((snd.rank, "p2p", str(s_ins), "SEND", start, dur, s_ins.mb, s_ins.chunk, None, None, s_idx, rcv.rank))
+            self._ev.append((rcv.rank, "p2p", str(r_ins), "RECV", start, dur, r_ins.mb, r_ins.chunk, None, None, r_idx, snd.rank))
         snd.sends_end = max(snd.sends_end, end)
         rkey = (r_ins.comm, r_ins.mb, r_ins.chunk)
         rcv.arrived[rkey] = end
@@ -331,11 +343,8 @@ class Engine:
 
     def run(self) -> list[RankStats]:
         """Simulate every rank to its end; :class:`SimulationError` on deadlock or bad programs."""
-        for rs in self.ranks:
-            self._push(rs)
-        while self._heap:
-            _, _, r = heapq.heappop(self._heap)
-            self._advance(self.ranks[r])
+        with _gc_paused():
+            self._run()
         unmatched = {rank for rank, _, _, _ in self._posted.values()}
         stuck = [rs for rs in self.ranks if rs.pc < len(rs.prog) or rs.rank in unmatched]
         if stuck:
@@ -344,6 +353,15 @@ class Engine:
             end_busy = max([e for _, e in rs.d2h_busy[-1:] + rs.h2d_busy[-1:]], default=0.0)
             rs.stats.end_s = max(rs.stats.end_s, end_busy, rs.sends_end)
         return [rs.stats for rs in self.ranks]
+
+    def _run(self) -> None:
+        for rs in self.ranks:
+            self._push(rs)
+        while self._heap:
+            _, _, r = heapq.heappop(self._heap)
+            self._advance(self.ranks[r])
+        self.events = list(starmap(Event, self._ev))
+        self._ev = []
 
     def _stuck_line(self, rs: _Rank) -> str:
         lines = []
@@ -357,6 +375,24 @@ class Engine:
         lines += [f"  rank {rs.rank}: op {idx} ({ins}) is never matched: its peer rank {ins.peer} never posts the "
                   f"{'RECV' if isinstance(ins, Send) else 'SEND'}" for idx, ins in sorted(waiting, key=lambda x: x[0])]
         return "\n".join(lines)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building many small objects.
+
+    A run at p=32, m=256 makes ~600k trace events. Each allocation burst triggers collector
+    passes that rescan every live object (the programs included), which doubled the run
+    time; events hold only numbers and strings, so they cannot form cycles to collect.
+    The collector's previous state is restored on exit.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _shape(instr: Compute | Braided) -> tuple:

@@ -17,6 +17,8 @@ bytes and in units of ``M_a`` (see :mod:`braid.costs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, chain, islice
+from operator import itemgetter
 from typing import Any, Sequence
 
 from braid.costs import CostModel
@@ -71,17 +73,19 @@ class Report:
 
 
 def memory_series(deltas: list[tuple[float, float]]) -> list[tuple[float, int]]:
-    """Cumulative bytes over time from ``(time, delta)`` pairs; frees before allocations at equal times."""
-    out: list[tuple[float, int]] = [(0.0, 0)]
-    cur = 0.0
-    for t, d in sorted(deltas):
-        cur += d
-        b = int(round(cur))
-        if out[-1][0] == t:
-            out[-1] = (t, b)
-        else:
-            out.append((t, b))
-    return out
+    """Cumulative bytes over time from ``(time, delta)`` pairs; frees before allocations at equal times.
+
+    The series starts at ``(0.0, 0)``; of several deltas at one time only the total after
+    the last is kept. The running sum is taken in sorted order, so it is reproducible.
+    """
+    ordered = sorted(deltas)
+    if not ordered:
+        return [(0.0, 0)]
+    times = [t for t, _ in ordered]
+    totals = accumulate([d for _, d in ordered])
+    following = islice(chain(times, (None,)), 1, None)  # the next delta's time (None after the last)
+    head: list[tuple[float, int]] = [] if times[0] == 0.0 else [(0.0, 0)]
+    return head + [(t, round(b)) for t, b, nxt in zip(times, totals, following) if t != nxt]
 
 
 def build_report(name: str, stats: Sequence[RankStats], series: dict[int, list[tuple[float, int]]],
@@ -89,7 +93,7 @@ def build_report(name: str, stats: Sequence[RankStats], series: dict[int, list[t
     """Assemble the :class:`Report` of one run from the engine's per-rank stats."""
     ranks = []
     for r, st in enumerate(stats):
-        peak = max((b for _, b in series[r]), default=0)
+        peak = max(map(itemgetter(1), series[r]), default=0)
         ranks.append(RankReport(r, st.compute_s, st.tp_exposed_s, max(0.0, step_time - st.compute_s - st.tp_exposed_s),
                                 peak, peak / costs.ma_bytes if costs.ma_bytes else 0.0, st.end_s, st.nominal_compute_s))
     samples = microbatches * costs.samples_per_microbatch
