@@ -108,6 +108,7 @@ class Engine:
         self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
         self._tables: dict[tuple[int, tuple], _Table] = {}
         self._posted: dict[tuple, tuple[int, float, int, Instruction]] = {}
+        self._routes: dict[tuple, int] = {}
         self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
         self._tp = lay.tp > 1
@@ -156,10 +157,12 @@ class Engine:
             key = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
             if key not in rs.expected:
                 continue  # first stage, last stage, or a same-rank hand-off
-            if key not in rs.arrived:
+            arrived = rs.arrived.get(key)
+            if arrived is None:
                 rs.blocked_on = key
                 return None
-            ready = max(ready, rs.arrived[key])
+            if arrived > ready:
+                ready = arrived
         for op in ops:
             key = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
             if key in rs.arrived:
@@ -258,8 +261,20 @@ class Engine:
             self._ev.append((rs.rank, "copy", str(ins), "RELOAD", start, end - start, ins.mb, ins.chunk, None, None, idx, None))
 
     # -- P2P -----------------------------------------------------------------------------
-    def _route(self, rank: int, ins: Send | Recv, idx: int) -> tuple:
-        """Rendezvous key (comm, mb, boundary stage) of a transfer, checking its peer."""
+    def _route(self, rank: int, ins: Send | Recv, idx: int) -> tuple[tuple, bool]:
+        """Rendezvous key (comm, mb, boundary stage) of a transfer and whether it is the send side.
+
+        The boundary depends on the rank, side, comm kind, chunk and peer only: it is checked
+        once per such combination and cached (a bad one raises, so it is never cached)."""
+        is_send = isinstance(ins, Send)
+        route = (rank, is_send, ins.comm, ins.chunk, ins.peer)
+        boundary = self._routes.get(route)
+        if boundary is None:
+            boundary = self._routes[route] = self._boundary(rank, ins, idx)
+        return (ins.comm, ins.mb, boundary), is_send
+
+    def _boundary(self, rank: int, ins: Send | Recv, idx: int) -> int:
+        """The lower stage of the boundary ``ins`` crosses; :class:`SimulationError` if its route is wrong."""
         lay = self.costs.layout
         if ins.chunk >= lay.v:
             raise SimulationError(f"rank {rank}: op {idx} ({ins}) names chunk {ins.chunk}, but the layout has v={lay.v}")
@@ -274,8 +289,7 @@ class Engine:
         peer = rank_chunk_of(lay.placement, lay.p, other)[0]
         if peer != ins.peer or peer == rank:
             raise SimulationError(f"rank {rank}: op {idx} ({ins}) names peer {ins.peer}, but stage {other} is on rank {peer}")
-        boundary = min(s, other)
-        return (ins.comm, ins.mb, boundary), (isinstance(ins, Send))
+        return min(s, other)
 
     def _post(self, rs: _Rank, idx: int, ins: Send | Recv) -> None:
         key, is_send = self._route(rs.rank, ins, idx)
@@ -301,7 +315,8 @@ class Engine:
         if self.record:
             self._ev.append((snd.rank, "p2p", str(s_ins), "SEND", start, dur, s_ins.mb, s_ins.chunk, None, None, s_idx, rcv.rank))
             self._ev.append((rcv.rank, "p2p", str(r_ins), "RECV", start, dur, r_ins.mb, r_ins.chunk, None, None, r_idx, snd.rank))
-        snd.sends_end = max(snd.sends_end, end)
+        if end > snd.sends_end:
+            snd.sends_end = end
         rkey = (r_ins.comm, r_ins.mb, r_ins.chunk)
         rcv.arrived[rkey] = end
         if rcv.blocked_on == rkey and rcv is not rs:
@@ -322,7 +337,8 @@ class Engine:
                 ready = self._inputs_ready(rs, ins)
                 if ready is None:
                     return  # woken by the matching send's post
-                rs.t = max(rs.t, ready)
+                if ready > rs.t:
+                    rs.t = ready
                 self._compute(rs, ins, rs.pc)
             elif isinstance(ins, Offload):
                 self._offload(rs, ins, rs.pc)
