@@ -42,14 +42,14 @@ class RankContext:
         return self.groups[topo]
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tasks, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
     from braid.runtime.distributed import Dist
 
-    d = Dist.init(rank, world, master_port=port, timeout_s=timeout_s)
+    d = Dist.init(rank, world, master_port=port, timeout_s=timeout_s, device=f"cuda:{rank}" if device == "cuda" else "cpu")
     ctx = RankContext(rank, world, d)
     while True:
         item = tasks.get()
@@ -66,14 +66,14 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, tasks, results) 
 class DistPool:
     """``world_size`` gloo processes that serve test cases until :meth:`close`."""
 
-    def __init__(self, world_size: int, timeout_s: float = 60.0) -> None:
+    def __init__(self, world_size: int, timeout_s: float = 60.0, device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, device, self.tasks[r], self.results), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:

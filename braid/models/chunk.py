@@ -112,7 +112,6 @@ class ModelChunk(nn.Module):
         self._bwd: dict[int, _Backward] = {}
         self._saved: dict[tuple, list[_Piece]] = {}
         self._boxes: dict[tuple, _Box] = {}
-        self._param_ptrs = {p.data_ptr() for p in self.parameters()}
 
     # -- data in and out -----------------------------------------------------------------
     def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
@@ -184,7 +183,7 @@ class ModelChunk(nn.Module):
     # -- forward -------------------------------------------------------------------------
     def _saving(self, mb: int, unit: Unit, layer: int):
         box = self._boxes.setdefault((mb, unit, layer), _Box())
-        ptrs = self._param_ptrs
+        ptrs = {p.data_ptr() for p in self.parameters()}  # after any .to(device)
 
         def pack(t: torch.Tensor) -> Any:
             if t.data_ptr() in ptrs:

@@ -1,0 +1,29 @@
+"""The executor on two GPUs (NCCL): PP=2 and TP=2 match the single-device reference.
+
+Runs with ``PYTHONPATH=. python -m pytest tests/test_executor_gpu.py`` (spawned processes,
+no torchrun). The model is fp32 here, but GPU matmuls may use TF32, so tolerances are loose.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed_utils import DistPool
+import executor_cases as cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DistPool(2, timeout_s=120, device="cuda")
+    yield p
+    p.close()
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
+def test_two_gpus_match_reference(pool, pp: int, tp: int) -> None:
+    combos = [("1f1b", 2 * pp + 1), ("zb_h1", 2 * pp + 1), ("braided_v", 2 * pp + 1)]
+    ran = pool.run(cases.equivalence, pp, tp, combos, (2e-2, 2e-3), timeout_s=600)
+    assert {(n, m) for n, m, _ in ran[0]} == set(combos)
