@@ -36,7 +36,6 @@ import gc
 import heapq
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import starmap
 from typing import Iterator
 
 from braid.braiding import Phase, steps
@@ -103,8 +102,7 @@ class Engine:
             raise SimulationError(f"got {len(programs)} programs for a cost layout of p={lay.p}; build the costs for this schedule's layout")
         self.costs = costs
         self.record = record
-        self.events: list[Event] = []  # filled by run() from the compact records in _ev
-        self._ev: list[tuple] = []
+        self.events: list[Event] = []
         self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
         self._tables: dict[tuple[int, tuple], _Table] = {}
         self._posted: dict[tuple, tuple[int, float, int, Instruction]] = {}
@@ -187,12 +185,11 @@ class Engine:
         # Event fields that depend on the member, not the unit: (name, mb, chunk).
         who = [(str(op), op.mb, op.chunk) for op in ops] if self.record else None
         block = str(instr) if who is not None and isinstance(instr, Braided) else None
-        ev = self._ev.append
+        ev = self.events.append
         t = tp_free = t0
         pend = [0.0, 0.0]
         busy = exposed = 0.0
-        # The hot loop of the simulator (one pass per unit task): locals only, events kept
-        # as plain tuples and turned into trace events once, at the end of the run.
+        # The hot loop of the simulator, one pass per unit task: locals only.
         for member, dur, ar, waits, label, phase, dmem in rows:
             if waits and pend[member] > t:
                 exposed += pend[member] - t
@@ -206,7 +203,7 @@ class Engine:
             busy += d
             if who is not None:
                 name, mb, chunk = who[member]
-                ev((rank, "compute", name, phase, t, d, mb, chunk, label, block, idx, None))
+                ev(Event(rank, "compute", name, phase, t, d, mb, chunk, label, block, idx))
             if dmem:
                 mem((end, dmem))
             if ar > 0.0:
@@ -214,7 +211,7 @@ class Engine:
                 tp_free = s + ar
                 pend[member] = tp_free
                 if who is not None:
-                    ev((rank, "tp-comm", name, "AR", s, ar, mb, chunk, label, block, idx, None))
+                    ev(Event(rank, "tp-comm", name, "AR", s, ar, mb, chunk, label, block, idx))
             t = end
         if tp_free > t:
             exposed += tp_free - t
@@ -243,7 +240,7 @@ class Engine:
         rs.resident[key] = rs.resident.get(key, 0.0) - nbytes
         rs.stats.mem.append((end, -nbytes))
         if self.record:
-            self._ev.append((rs.rank, "copy", str(ins), "OFFLOAD", start, end - start, ins.mb, ins.chunk, None, None, idx, None))
+            self.events.append(Event(rs.rank, "copy", str(ins), "OFFLOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
 
     def _reload(self, rs: _Rank, ins: Reload, idx: int) -> None:
         key = (ins.mb, ins.chunk)
@@ -258,7 +255,7 @@ class Engine:
         rs.resident[key] = rs.resident.get(key, 0.0) + nbytes
         rs.stats.mem.append((start, nbytes))
         if self.record:
-            self._ev.append((rs.rank, "copy", str(ins), "RELOAD", start, end - start, ins.mb, ins.chunk, None, None, idx, None))
+            self.events.append(Event(rs.rank, "copy", str(ins), "RELOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
 
     # -- P2P -----------------------------------------------------------------------------
     def _route(self, rank: int, ins: Send | Recv, idx: int) -> tuple[tuple, bool]:
@@ -313,8 +310,8 @@ class Engine:
                 r.p2p_free = end
                 r.p2p_busy.append((start, end))
         if self.record:
-            self._ev.append((snd.rank, "p2p", str(s_ins), "SEND", start, dur, s_ins.mb, s_ins.chunk, None, None, s_idx, rcv.rank))
-            self._ev.append((rcv.rank, "p2p", str(r_ins), "RECV", start, dur, r_ins.mb, r_ins.chunk, None, None, r_idx, snd.rank))
+            self.events.append(Event(snd.rank, "p2p", str(s_ins), "SEND", start, dur, s_ins.mb, s_ins.chunk, None, None, s_idx, rcv.rank))
+            self.events.append(Event(rcv.rank, "p2p", str(r_ins), "RECV", start, dur, r_ins.mb, r_ins.chunk, None, None, r_idx, snd.rank))
         if end > snd.sends_end:
             snd.sends_end = end
         rkey = (r_ins.comm, r_ins.mb, r_ins.chunk)
@@ -376,8 +373,6 @@ class Engine:
         while self._heap:
             _, _, r = heapq.heappop(self._heap)
             self._advance(self.ranks[r])
-        self.events = list(starmap(Event, self._ev))
-        self._ev = []
 
     def _stuck_line(self, rs: _Rank) -> str:
         lines = []
