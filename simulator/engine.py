@@ -89,6 +89,11 @@ class _Rank:
     stats: RankStats = field(default_factory=RankStats)
 
 
+# Enum members bound once: looking them up on the enum class is slow in the per-instruction paths.
+_F, _W = OpKind.F, OpKind.W
+_ACT, _GRAD = CommKind.ACT, CommKind.GRAD
+
+
 def _in_flight(busy: list[tuple[float, float]], t: float) -> bool:
     return any(s <= t < e for s, e in busy[-8:])
 
@@ -150,9 +155,10 @@ class Engine:
         ops = (instr,) if isinstance(instr, Compute) else instr.ops
         ready = 0.0
         for op in ops:
-            if op.kind is OpKind.W:
+            kind = op.kind
+            if kind is _W:
                 continue
-            key = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+            key = (_ACT if kind is _F else _GRAD, op.mb, op.chunk)
             if key not in rs.expected:
                 continue  # first stage, last stage, or a same-rank hand-off
             arrived = rs.arrived.get(key)
@@ -162,7 +168,7 @@ class Engine:
             if arrived > ready:
                 ready = arrived
         for op in ops:
-            key = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+            key = (_ACT if op.kind is _F else _GRAD, op.mb, op.chunk)
             if key in rs.arrived:
                 rs.expected.discard(key)
                 del rs.arrived[key]
@@ -172,7 +178,7 @@ class Engine:
         ops = (instr,) if isinstance(instr, Compute) else instr.ops
         t0 = rs.t
         for op in ops:
-            if op.kind is OpKind.F:
+            if op.kind is _F:
                 continue
             if op.key in rs.offloaded:
                 raise SimulationError(f"rank {rs.rank}: op {idx} ({instr}) needs the activations of mb {op.mb} chunk {op.chunk}, "

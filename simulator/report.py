@@ -17,8 +17,8 @@ bytes and in units of ``M_a`` (see :mod:`braid.costs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate, chain, islice
-from operator import itemgetter
+from itertools import accumulate, chain, compress, islice
+from operator import itemgetter, ne
 from typing import Any, Sequence
 
 from braid.costs import CostModel
@@ -81,11 +81,11 @@ def memory_series(deltas: list[tuple[float, float]]) -> list[tuple[float, int]]:
     ordered = sorted(deltas)
     if not ordered:
         return [(0.0, 0)]
-    times = [t for t, _ in ordered]
-    totals = accumulate([d for _, d in ordered])
-    following = islice(chain(times, (None,)), 1, None)  # the next delta's time (None after the last)
+    times, changes = zip(*ordered)
+    points = zip(times, map(round, accumulate(changes)))
+    last_at_time = chain(map(ne, times, islice(times, 1, None)), (True,))  # next delta at a later time
     head: list[tuple[float, int]] = [] if times[0] == 0.0 else [(0.0, 0)]
-    return head + [(t, round(b)) for t, b, nxt in zip(times, totals, following) if t != nxt]
+    return head + list(compress(points, last_at_time))
 
 
 def build_report(name: str, stats: Sequence[RankStats], series: dict[int, list[tuple[float, int]]],
