@@ -19,6 +19,7 @@ to host memory by ``Offload``/``Reload`` instructions.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -351,8 +352,7 @@ def build_chunk(
     embed = VocabParallelEmbedding.from_full(model.embed_tokens, tp_rank, tp_size) if spec.embed else None
     norm = lm_head = None
     if spec.head:
-        norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        norm.weight.data.copy_(model.norm.weight.detach())
+        norm = copy.deepcopy(model.norm)  # keeps the model's dtype and device
         lm_head = ColumnParallelLinear.from_full(model.lm_head, tp_rank, tp_size)
     vocab_start = tp_rank * (cfg.vocab_size // tp_size)
     return ModelChunk(
