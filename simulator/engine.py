@@ -86,6 +86,9 @@ class _Rank:
     resident: dict[tuple[int, int], float] = field(default_factory=dict)
     offloaded: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # key -> (bytes, d2h end)
     reload_end: dict[tuple[int, int], float] = field(default_factory=dict)
+    # Memory deltas (time, bytes) as two float lists during the run; paired into stats.mem after it.
+    mem_t: list[float] = field(default_factory=list)
+    mem_d: list[float] = field(default_factory=list)
     stats: RankStats = field(default_factory=RankStats)
 
 
@@ -187,7 +190,7 @@ class Engine:
         rows, totals, nominal = self._table(rs.rank, instr)
         f = self.costs.ar_slowdown
         rank = rs.rank
-        mem = rs.stats.mem.append
+        mem_t, mem_d = rs.mem_t.append, rs.mem_d.append
         # Event fields that depend on the member, not the unit: (name, mb, chunk).
         who = [(str(op), op.mb, op.chunk) for op in ops] if self.record else None
         block = str(instr) if who is not None and isinstance(instr, Braided) else None
@@ -211,7 +214,8 @@ class Engine:
                 name, mb, chunk = who[member]
                 ev(Event(rank, "compute", name, phase, t, d, mb, chunk, label, block, idx))
             if dmem:
-                mem((end, dmem))
+                mem_t(end)
+                mem_d(dmem)
             if ar > 0.0:
                 s = end if end > tp_free else tp_free
                 tp_free = s + ar
@@ -244,7 +248,8 @@ class Engine:
         rs.d2h_busy.append((start, end))
         rs.offloaded[key] = (nbytes, end)
         rs.resident[key] = rs.resident.get(key, 0.0) - nbytes
-        rs.stats.mem.append((end, -nbytes))
+        rs.mem_t.append(end)
+        rs.mem_d.append(-nbytes)
         if self.record:
             self.events.append(Event(rs.rank, "copy", str(ins), "OFFLOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
 
@@ -259,7 +264,8 @@ class Engine:
         rs.h2d_busy.append((start, end))
         rs.reload_end[key] = end
         rs.resident[key] = rs.resident.get(key, 0.0) + nbytes
-        rs.stats.mem.append((start, nbytes))
+        rs.mem_t.append(start)
+        rs.mem_d.append(nbytes)
         if self.record:
             self.events.append(Event(rs.rank, "copy", str(ins), "RELOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
 
@@ -364,6 +370,10 @@ class Engine:
         """Simulate every rank to its end; :class:`SimulationError` on deadlock or bad programs."""
         with _gc_paused():
             self._run()
+        for rs in self.ranks:
+            # Paired here, with the collector on: young tuples of floats it stops tracking at
+            # its next cheap pass, instead of ~400k tracked ones promoted with the events.
+            rs.stats.mem = list(zip(rs.mem_t, rs.mem_d))
         unmatched = {rank for rank, _, _, _ in self._posted.values()}
         stuck = [rs for rs in self.ranks if rs.pc < len(rs.prog) or rs.rank in unmatched]
         if stuck:
