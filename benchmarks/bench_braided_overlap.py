@@ -37,7 +37,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
 
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() and not args.tiny else "cpu")
     d = Dist.init(rank, 2, master_port=port, device=device, timeout_s=300)
-    groups = ProcessGroups.create(Topology(2, pp=1, tp=2))
+    groups = ProcessGroups.create(Topology(2, pp=1, tp=2), tp_max_ctas=None if args.tp_max_ctas == 0 else args.tp_max_ctas)
     if args.tiny:
         cfg = Qwen2Config(vocab_size=64, hidden=64, layers=args.layers, heads=4, kv_heads=2, ffn=128)
         dtype, seq = torch.float32, 16
@@ -52,7 +52,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     del model
     toks = [torch.randint(0, cfg.vocab_size, (1, seq), device=device) for _ in range(args.mbs)]
     results = {}
-    for name, text in _programs(args.mbs).items():
+    progs = _programs(args.mbs)
+    order = ["plain", "braided"] if args.plain_first else ["braided", "plain"]
+    for name in order:
+        text = progs[name]
         prog = Program.from_text(0, text)
         plan = Plan(name, ScheduleConfig(1, args.mbs), "loop", ((),))
         ex = Executor(plan, prog, {0: chunk}, pp_ranks=[rank], act_shape=(1, seq, cfg.hidden), dtype=dtype,
@@ -65,6 +68,16 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
                 times.append(res.trace.step_time)
                 exposed.append(res.trace.meta["summary"]["exposed_ar_s"])
         results[name] = (statistics.median(times), statistics.median(exposed), res.counts)
+        if args.profile and device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            chunk.zero_grad(set_to_none=True)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                ex.run(toks, toks)
+                torch.cuda.synchronize(device)
+            if rank == 0:
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+                print(f"== profile of one {name} step (rank 0) ==\n{table}", flush=True)
     if rank == 0:
         out.put(results)
     d.close()
@@ -78,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbs", type=int, default=6, help="micro-batches (default 6)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--tp-max-ctas", type=int, default=4, help="NCCL CTA cap of the TP group (0: NCCL default; default 4)")
+    ap.add_argument("--plain-first", action="store_true", help="measure the plain program first")
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table of one step of each (GPU)")
     args = ap.parse_args(argv)
     if not args.tiny and torch.cuda.device_count() < 2:
         ap.error("needs 2 GPUs (or --tiny for the CPU smoke test)")
