@@ -8,8 +8,11 @@ A unit task with ``ar`` starts an async TP all-reduce of its output
 events, gloo on its worker thread); the next F/B task of the same op waits for it, and an
 instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3).
 
-Consecutive Send/Recv instructions go out as one ``batch_isend_irecv`` (see
-:mod:`braid.runtime.p2p`). Hand-offs between two chunks of the same rank (V-shape turn)
+P2P is asynchronous, as the simulator models it: consecutive Send/Recv instructions go out
+as one ``batch_isend_irecv`` (see :mod:`braid.runtime.p2p`) without waiting; a received
+tensor is waited for only by the compute instruction that consumes it, and sends are
+completed at the end of the program. The compiler's order (the same on both sides of
+every pair of ranks) makes this deadlock-free. Hand-offs between two chunks of the same rank (V-shape turn)
 stay in memory. After the program the caller reduces gradients over data/context
 parallel ranks (:func:`braid.runtime.distributed.reduce_gradients`) and steps its
 optimizer. The executor records a measured :class:`braid.trace.Trace` in the simulator's
@@ -27,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.braiding import ChunkSpec, Phase
+from braid.braiding import ChunkSpec
 from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
 from braid.braiding import steps as braid_steps
 from braid.models.chunk import ChunkStateError, ModelChunk, build_chunk
@@ -167,6 +170,8 @@ class Executor:
         self._memory: list[tuple[Any, int]] = []
         self._exposed: list[tuple[Any, Any]] = []
         self.counts = {"braided": 0, "W": 0, "B": 0, "F": 0, "AR": 0, "P2P": 0}
+        self._recvs: dict[tuple[CommKind, int, int], tuple[list[dist.Work], Transfer, Any]] = {}
+        self._sends: list[tuple[list[dist.Work], Transfer, Any]] = []
         instrs = self.program.instructions
         i = 0
         try:
@@ -191,6 +196,11 @@ class Executor:
                 except (ChunkStateError, StashError) as err:
                     raise self._fail(i, ins, err) from err
                 i += 1
+            for works, t, s in self._sends:
+                self._finish_transfer(works, t, s)
+            if self._recvs:
+                raise ExecutionError(f"rank {self.rank}: program ended with receives never consumed: "
+                                     + ", ".join(str(t.instr) for _, t, _ in self._recvs.values()))
             leftover = [f"chunk {c}: {w}" for c, ch in self.chunks.items() for w in ch.pending_work()]
             if leftover:
                 raise ExecutionError(f"rank {self.rank}: program ended with work left: {'; '.join(leftover[:8])}")
@@ -208,6 +218,11 @@ class Executor:
     def _compute(self, idx: int, ins: Compute | Braided) -> None:
         ops = compute_ops(ins)
         block = str(ins) if isinstance(ins, Braided) else None
+        for op in ops:
+            if op.kind is not OpKind.W:
+                key = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+                if key in self._recvs:
+                    self._finish_transfer(*self._recvs.pop(key))
         for op in ops:
             ch = self.chunks.get(op.chunk)
             if ch is None:
@@ -279,20 +294,29 @@ class Executor:
                 raise self._fail(idx, ins, err) from err
         s = self.clock.mark()
         works = issue(transfers, lambda peer: self.pp_ranks[peer], self.plan.num_stages)
+        for t in transfers:
+            self.counts["P2P"] += 1
+            ins = t.instr
+            if isinstance(ins, Recv):
+                self._recvs[(ins.comm, ins.mb, ins.chunk)] = (works, t, s)
+            else:
+                self._sends.append((works, t, s))
+
+    def _finish_transfer(self, works: list[dist.Work], t: Transfer, start: Any) -> None:
+        """Wait for a posted transfer (its whole batch) and hand a received tensor to its chunk."""
         for w in works:
             self._wait(w)
+        works.clear()  # a batch is waited once; later transfers of it find nothing left to wait for
         e = self.clock.mark()
-        for t in transfers:
-            ins = t.instr
-            self.counts["P2P"] += 1
-            kind = "SEND" if isinstance(ins, Send) else "RECV"
-            self._events.append(("p2p", str(ins), kind, s, e, ins.mb, ins.chunk, None, None, t.index, ins.peer))
-            if isinstance(ins, Recv):
-                ch = self.chunks[ins.chunk]
-                if ins.comm is CommKind.ACT:
-                    ch.set_input(ins.mb, t.buffer)
-                else:
-                    ch.set_output_grad(ins.mb, t.buffer)
+        ins = t.instr
+        kind = "SEND" if isinstance(ins, Send) else "RECV"
+        self._events.append(("p2p", str(ins), kind, start, e, ins.mb, ins.chunk, None, None, t.index, ins.peer))
+        if isinstance(ins, Recv):
+            ch = self.chunks[ins.chunk]
+            if ins.comm is CommKind.ACT:
+                ch.set_input(ins.mb, t.buffer)
+            else:
+                ch.set_output_grad(ins.mb, t.buffer)
 
     def _copy(self, idx: int, ins: Offload | Reload, kind: str, fn) -> None:
         # Synchronous for now: a copy to host and back on the compute stream.

@@ -1,9 +1,9 @@
 """Point-to-point transfers between pipeline ranks.
 
 A maximal run of consecutive ``Send``/``Recv`` instructions is issued as one
-``dist.batch_isend_irecv`` and waited for before the next non-comm instruction; the
-compiler orders communication so this cannot deadlock, and the simulator models the same
-semantics. Every message carries a tag derived from (kind, micro-batch, receiving stage),
+``dist.batch_isend_irecv``; the executor waits for a receive only when the compute that
+consumes it comes up, and for sends at the end of the program. The compiler orders
+communication so this cannot deadlock, and the simulator models the same semantics. Every message carries a tag derived from (kind, micro-batch, receiving stage),
 so gloo matches messages by identity; NCCL ignores tags and relies on the order.
 """
 
