@@ -414,8 +414,10 @@ def _gc_paused() -> Iterator[None]:
     Events and stats hold only numbers and strings, so they form no cycles to collect.
     On exit the objects made meanwhile go straight to the oldest generation
     (``gc.freeze`` then ``gc.unfreeze``, as documented) instead of being scanned twice on
-    their way there; this is skipped when the process has frozen objects of its own, which
-    must stay frozen. The collector's previous on/off state is restored.
+    their way there. That moves the caller's young objects too: any garbage cycle among them
+    is then freed at the next full pass instead of an earlier young one (later, never lost).
+    It is skipped when the process has frozen objects of its own, which must stay frozen.
+    The collector's previous on/off state is restored. Results never depend on any of this.
     """
     was_enabled = gc.isenabled()
     gc.disable()
