@@ -18,7 +18,9 @@ mlp        SwiGLU, down-proj (row-par.) +         SwiGLU / down-proj input-grads
 
 The first virtual stage also has an ``embed`` unit (vocab-parallel embedding, AR in
 forward), the last a ``head`` unit (final norm, vocab-parallel LM head and loss; AR of the
-input gradient in backward). A ``W`` op has the same units, weight gradients only, no AR.
+input gradient in backward). The vision stage of a VLM ends with a ``merge`` unit (patch
+merger -- norm, column-parallel fc1, row-parallel fc2 -- joined with the vocab-parallel text
+embedding: AR in forward; AR of fc1's input gradient in backward). A ``W`` op has the same units, weight gradients only, no AR.
 
 **The rule both interpreters follow.** A task with ``ar=True`` starts a TP all-reduce of
 its output on the communication stream as it ends. The next F or B task *of the same op*
@@ -50,12 +52,13 @@ class Unit(str, enum.Enum):
     PRE_MLP = "pre_mlp"
     MLP = "mlp"
     HEAD = "head"
+    MERGE = "merge"
 
 
 LAYER_UNITS: tuple[Unit, ...] = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)
 # Units that end with a TP all-reduce, per phase.
-_AR_FORWARD = frozenset({Unit.EMBED, Unit.ATTN, Unit.MLP})
-_AR_BACKWARD = frozenset({Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD})
+_AR_FORWARD = frozenset({Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE})
+_AR_BACKWARD = frozenset({Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD, Unit.MERGE})
 
 
 class Phase(str, enum.Enum):
@@ -69,18 +72,22 @@ class ChunkSpec:
     """What one model chunk (virtual stage) contains, as far as scheduling cares.
 
     ``layers``: transformer layers in the chunk (0 allowed for a chunk that holds only the
-    embedding or only the head); ``embed``/``head``: whether it is the first/last stage.
+    embedding or only the head); ``embed``/``head``: whether it is the first/last stage;
+    ``merge``: the chunk ends with a VLM's patch merger joined with the text embedding.
     """
 
     layers: int
     embed: bool = False
     head: bool = False
+    merge: bool = False
 
     def __post_init__(self) -> None:
         if self.layers < 0:
             raise ValueError(f"ChunkSpec.layers must be >= 0, got {self.layers}")
         if self.layers == 0 and not (self.embed or self.head):
             raise ValueError("a chunk needs at least one layer, the embedding or the head")
+        if self.merge and self.head:
+            raise ValueError("a chunk with the vision merger cannot also hold the LM head; give the LM its own stage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +116,8 @@ def _forward_tasks(spec: ChunkSpec) -> list[UnitTask]:
         out.append(UnitTask(Phase.F, Unit.EMBED, -1, True))
     for layer in range(spec.layers):
         out += [UnitTask(Phase.F, u, layer, u in _AR_FORWARD) for u in LAYER_UNITS]
+    if spec.merge:
+        out.append(UnitTask(Phase.F, Unit.MERGE, -1, True))
     if spec.head:
         out.append(UnitTask(Phase.F, Unit.HEAD, -1, False))
     return out
@@ -118,6 +127,8 @@ def _backward_units(spec: ChunkSpec) -> list[tuple[Unit, int]]:
     out: list[tuple[Unit, int]] = []
     if spec.head:
         out.append((Unit.HEAD, -1))
+    if spec.merge:
+        out.append((Unit.MERGE, -1))
     for layer in reversed(range(spec.layers)):
         out += [(u, layer) for u in reversed(LAYER_UNITS)]
     if spec.embed:
