@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from braid.models.sequence_parallel import SequenceParallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +67,16 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
-def rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of ``x`` (b, heads, s, d), positions 0..s-1 (Qwen2's rotate-half form)."""
+def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding of ``x`` (b, heads, s, d) at ``positions`` (s,), default 0..s-1 (Qwen2's rotate-half form).
+
+    Under sequence parallelism a rank holds tokens of scattered (zigzag) positions; RoPE
+    must rotate each by its position in the full sequence.
+    """
     s, d = x.shape[-2], x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32), inv)
+    pos = torch.arange(s, device=x.device) if positions is None else positions.to(x.device)
+    ang = torch.outer(pos.to(torch.float32), inv)
     ang = torch.cat([ang, ang], dim=-1)
     cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -82,6 +91,7 @@ class Qwen2Layer(nn.Module):
         h, hd = cfg.hidden, cfg.head_dim
         self.heads, self.kv_heads, self.head_dim = heads or cfg.heads, kv_heads or cfg.kv_heads, hd
         self.tp, self.theta = tp, cfg.rope_theta
+        self.sp: SequenceParallel | None = None  # set by the chunk builder: attention runs as 2D-Attention
         f = ffn or cfg.ffn
         self.input_layernorm = RMSNorm(h, cfg.rms_eps)
         self.q_proj = nn.Linear(h, self.heads * hd, bias=True)
@@ -97,17 +107,24 @@ class Qwen2Layer(nn.Module):
     def norm1(self, x: torch.Tensor) -> torch.Tensor:
         return self.input_layernorm(x)
 
-    def qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pre-Attn after the norm: (b, s, h) -> q (b, H/t, s, d), k, v (b, Hkv/t, s, d)."""
+    def qkv(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-Attn after the norm: (b, s, h) -> q (b, H/t, s, d), k, v (b, Hkv/t, s, d); RoPE at ``positions``."""
         b, s, _ = h.shape
         q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rope(q, self.theta), rope(k, self.theta), v
+        return rope(q, self.theta, positions), rope(k, self.theta, positions), v
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal GQA attention and the out-projection: (b, H/t, s, d) -> (b, s, h) partial over TP."""
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        """Causal GQA attention and the out-projection: (b, H/t, s, d) -> (b, s, h) partial over TP.
+
+        With a sequence-parallel context (``self.sp``) ``s`` is the rank's share of the
+        sequence and attention is LoongTrain's 2D-Attention over the SP group.
+        """
+        if self.sp is not None:
+            o = self.sp.attention(q, k, v, causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         b, _, s, _ = o.shape
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, h/t)
         return self.o_proj(o)
@@ -131,8 +148,8 @@ class Qwen2Layer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Single-device forward (tp must be 1): the residual flows through autograd normally."""
-        if self.tp != 1:
-            raise ValueError("Qwen2Layer.forward is the single-device path; a TP shard runs through the chunk runner")
+        if self.tp != 1 or self.sp is not None:
+            raise ValueError("Qwen2Layer.forward is the single-device path; a TP/SP shard runs through the chunk runner")
         x = self.attn_core(*self.qkv(self.norm1(x))) + x
         return self.mlp_core(*self.gate_up(self.norm2(x))) + x
 

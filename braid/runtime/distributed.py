@@ -201,14 +201,21 @@ def _nccl_options(max_ctas: int | None) -> object | None:
 
 
 def reduce_gradients(params: list[torch.nn.Parameter], groups: ProcessGroups, abort: Abort) -> None:
-    """Average gradients over data- and context-parallel replicas (after the program, before the optimizer)."""
+    """Reduce gradients over data- and context-parallel ranks (after the program, before the optimizer).
+
+    Averaged over the ``dp`` data-parallel replicas, *summed* over the ``cp``
+    sequence-parallel ranks: under sequence parallelism each rank's loss is its tokens'
+    share of the global mean (:mod:`braid.models.sequence_parallel`), so its gradient is
+    a share of the true gradient, not an estimate of it.
+    """
     if len(groups.dp_cp_ranks) == 1:
         return
-    n = len(groups.dp_cp_ranks)
+    n = groups.topo.dp
     works = []
     for p in params:
         if p.grad is not None:
-            p.grad.div_(n)
+            if n > 1:
+                p.grad.div_(n)
             works.append(dist.all_reduce(p.grad, group=groups.dp_cp, async_op=True))
     for w in works:
         abort.wait(w)
