@@ -45,6 +45,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+IGNORE_INDEX = -100
+
+
+def _masked_mean(ce: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean per-token loss over labels != -100 (prompt/image/padding positions take no loss), as ``F.cross_entropy``."""
+    valid = labels != IGNORE_INDEX
+    return (ce * valid).sum() / valid.sum().clamp(min=1)  # no host sync: the count stays a tensor
+
+
 @dataclass(slots=True)
 class _Piece:
     """One autograd sub-graph of a unit: leaf inputs, outputs, and eager parameters (norm weights)."""
@@ -223,7 +232,9 @@ class ModelChunk(nn.Module):
                 hl = _leaf(h)
                 if unit is Unit.HEAD:
                     logits = self.lm_head(hl)  # (b, s, V/t)
-                    loss = vocab_parallel_cross_entropy(logits, self.labels[mb], self.vocab_start, self.tp_group).mean() / self.m
+                    labels = self.labels[mb]
+                    ce = vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp_group)
+                    loss = _masked_mean(ce, labels) / self.m
                     outs: tuple[torch.Tensor, ...] = (loss,)
                     self.losses[mb] = loss.detach()
                 else:
