@@ -23,8 +23,9 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   activation bytes on the D2H / H2D engine at ``pcie_bytes_per_s``. Contention, kept
   simple: a copy's time is multiplied by 1 + (other-direction copy in flight at its start)
   + (a P2P transfer of the rank in flight at its start, only when ``p2p_over_pcie``). An
-  offload frees its bytes when it completes; a reload re-takes them when it starts and
-  starts no earlier than its offload's completion; B/W/BW of that (mb, chunk) wait for it.
+  offload frees its bytes when it completes; a reload re-takes them when it is issued (the
+  runtime allocates the device storage then, on the compute stream) and its copy starts no
+  earlier than its offload's completion; B/W/BW of that (mb, chunk) wait for it.
 * **Memory**: an F unit allocates its ``act`` bytes when it completes; a split-B unit
   keeps only ``w_res`` of them, W frees ``w_res``; a full backward (B then W per unit)
   frees all.
@@ -264,7 +265,7 @@ class Engine:
         rs.h2d_busy.append((start, end))
         rs.reload_end[key] = end
         rs.resident[key] = rs.resident.get(key, 0.0) + nbytes
-        rs.mem_t.append(start)
+        rs.mem_t.append(rs.t)  # the runtime allocates the device storage when it issues the reload
         rs.mem_d.append(nbytes)
         if self.record:
             self.events.append(Event(rs.rank, "copy", str(ins), "RELOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
