@@ -1,0 +1,506 @@
+"""``python -m braid.profile``: measure a cost file (``docs/costs.md``) on the machine it runs on.
+
+The simulator is only as good as its costs. This profiler builds the executor's own model
+chunks (:func:`braid.runtime.executor.build_rank_chunks`) for a layout (tp, pp, chunks,
+layers per stage) and times every unit task of every chunk in isolation, through the very
+call the executor makes (``ModelChunk.run(mb, UnitTask)``): forward, activation-backward
+and weight-backward, median of ``--iters`` runs (CUDA events on GPU, ``perf_counter`` on
+CPU). It also measures the TP all-reduce of a boundary activation alone and overlapped
+with a GEMM (-> ``ar_slowdown``, paper Appendix F), the P2P time of the stage-boundary
+activation, the host-copy bandwidth (pinned host<->device on GPU, a memcpy on CPU), and
+the activation bytes each unit keeps (``torch.cuda.memory_allocated`` deltas on GPU, the
+chunk's ``live_bytes()`` on CPU) and what a split backward keeps until W.
+
+Chunks are keyed by virtual stage in the written file, so one profile serves every
+placement (loop or V) of the same stage split. It spawns ``tp * pp`` processes itself
+(gloo on CPU, NCCL on GPU). Examples::
+
+    python -m braid.profile --preset tiny --pp 2 --layers-per-stage 1 --seq 16 -o costs.json
+    python -m braid.profile --preset 7b-layer --tp 2 --pp 1 --layers-per-stage 1 --seq 4096 --device cuda -o h200.json
+    python -m braid.simulate --pp 2 --mbs 8 --tp 1 --costs costs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from braid.braiding import ChunkSpec, Phase, Unit, unit_tasks
+from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
+from braid.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
+from braid.models.qwen2 import Qwen2Config
+from braid.partition import chunk_specs
+
+log = logging.getLogger(__name__)
+
+PRESETS: dict[str, Qwen2Config] = {
+    "tiny": Qwen2Config(vocab_size=128, hidden=64, layers=1, heads=4, kv_heads=2, ffn=128),
+    "small": Qwen2Config(vocab_size=8192, hidden=1024, layers=1, heads=16, kv_heads=4, ffn=2816),
+    "7b-layer": Qwen2Config(vocab_size=32768, hidden=3584, layers=1, heads=28, kv_heads=4, ffn=18944),
+}
+_AR_F = (Unit.EMBED, Unit.ATTN, Unit.MLP)
+_AR_B = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileConfig:
+    """What to profile: model shape, layout and data shape (see the module doc).
+
+    ``layers_per_stage``: decoder layers of each virtual stage (``pp * v`` entries);
+    ``peak_flops``: the MFU denominator written to the file (0 = unknown).
+    """
+
+    model: Qwen2Config
+    layers_per_stage: tuple[int, ...]
+    seq: int = 16
+    micro_batch_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    v: int = 2
+    placement: Placement = "v"
+    dtype: str = "float32"
+    device: str = "cpu"
+    iters: int = 5
+    warmup: int = 1
+    peak_flops: float = 0.0
+
+    def __post_init__(self) -> None:
+        Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
+        if len(self.layers_per_stage) != self.pp * self.v:
+            raise ValueError(f"layers_per_stage has {len(self.layers_per_stage)} entries; pp*v = {self.pp * self.v} stages need one each")
+        if any(n < 1 for n in self.layers_per_stage):
+            raise ValueError(f"every stage needs at least one layer, got {self.layers_per_stage}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.seq < 1 or self.micro_batch_size < 1 or self.iters < 1 or self.warmup < 0:
+            raise ValueError("seq, micro_batch_size and iters must be >= 1 and warmup >= 0")
+        for what, n in (("heads", self.model.heads), ("KV heads", self.model.kv_heads), ("ffn", self.model.ffn),
+                        ("vocab", self.model.vocab_size)):
+            if n % self.tp:
+                raise ValueError(f"tp={self.tp} must divide the model's {what} ({n})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.pp, self.v, self.placement)
+
+    def full_model(self) -> Qwen2Config:
+        """The model config with as many layers as the stages hold."""
+        return Qwen2Config(**{**asdict(self.model), "layers": sum(self.layers_per_stage)})
+
+    def act_shape(self) -> tuple[int, int, int]:
+        return (self.micro_batch_size, self.seq, self.model.hidden)
+
+
+# ----------------------------------------------------------------------------------------
+# Processes
+# ----------------------------------------------------------------------------------------
+def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, out) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    from braid.runtime.distributed import Dist
+
+    d = Dist.init(rank, world, master_port=port, device=f"cuda:{rank}" if device == "cuda" else "cpu", timeout_s=600)
+    try:
+        out.put((rank, True, fn(d, *args)))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
+        import traceback
+
+        d.abort.signal(f"{type(err).__name__}: {err}")
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        d.close()
+
+
+def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
+    """Run ``fn(dist, *args)`` on ``world`` spawned ranks (``fn`` module-level); results by rank.
+
+    A failing rank's traceback becomes a ``RuntimeError`` here.
+    """
+    import queue
+
+    import torch.multiprocessing as mp
+
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise ValueError(f"{world} ranks need {world} GPUs; {torch.cuda.device_count()} visible")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, device, fn, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(got) < world:
+            try:
+                r, ok, val = out.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RuntimeError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within {timeout_s} s") from None
+            got[r] = (ok, val)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    return [got[r][1] for r in range(world)]
+
+
+class Progress:
+    """A one-line progress bar on stderr (only where ``enabled``)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
+        self.total, self.label, self.done, self.enabled = max(1, total), label, 0, enabled
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        if self.enabled:
+            n = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r{self.label} [{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {what:<28}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------------------
+# Measurements on one rank
+# ----------------------------------------------------------------------------------------
+class _Timer:
+    """Times one callable: CUDA events on GPU (after a sync), ``perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        self.sync()
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3, out
+        t = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t, out
+
+    def memory(self, chunk) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else chunk.live_bytes()
+
+
+def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
+                   progress: Progress) -> dict[str, Any]:
+    """Per-instance unit times (median) and memory deltas of one chunk, one micro-batch at a time."""
+    dtype = _DTYPES[pc.dtype]
+    vocab = pc.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, vocab, (pc.micro_batch_size, pc.seq), generator=g).to(dev)
+    chunk.set_batch([tok], [tok])
+    times: dict[tuple[str, str, int], list[float]] = {}
+    mem: dict[tuple[str, str, int], int] = {}
+    ar = lambda out, task: dist.all_reduce(out, group=tp_group) if (task.ar and out is not None and tp_group is not None) else None  # noqa: E731
+    for it in range(pc.warmup + pc.iters):
+        keep = it >= pc.warmup
+        if not spec.embed:
+            chunk.set_input(0, torch.randn(pc.act_shape(), dtype=dtype, device=dev))
+        for phase in (OpKind.F, OpKind.B, OpKind.W):
+            tasks = unit_tasks(phase, spec)
+            if phase is OpKind.B and not spec.head:
+                chunk.set_output_grad(0, torch.randn(pc.act_shape(), dtype=dtype, device=dev) * 1e-3)
+            for i, task in enumerate(tasks):
+                key = (task.phase.value, task.unit.value, task.layer)
+                before = timer.memory(chunk)
+                dt, out = timer.time(lambda: chunk.run(0, task))
+                ar(out, task)
+                if phase is OpKind.B and i == len(tasks) - 1:
+                    # The norm backward left for the end of the op (ModelChunk.end_backward) is
+                    # real compute of this op: charge it to its last unit.
+                    dt_end, _ = timer.time(lambda: chunk.end_backward(0))
+                    dt += dt_end
+                if keep:
+                    times.setdefault(key, []).append(dt)
+                    mem[key] = timer.memory(chunk) - before
+            if phase is OpKind.F:
+                chunk.end_forward(0)
+                if not spec.head:
+                    chunk.pop_output(0)
+            elif phase is OpKind.B and not spec.embed:
+                chunk.pop_input_grad(0)
+        progress.step(f"stage units {it + 1}/{pc.warmup + pc.iters}")
+    return {"times": [[*k, statistics.median(v)] for k, v in times.items()], "mem": [[*k, b] for k, b in mem.items()]}
+
+
+def _median_time(timer: _Timer, fn: Callable[[], Any], n: int) -> float:
+    fn()
+    return statistics.median(timer.time(fn)[0] for _ in range(n))
+
+
+def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -> dict[str, float]:
+    """All-reduce alone and its slowdown of a concurrent GEMM; P2P of a boundary tensor; copy bandwidth."""
+    dtype = _DTYPES[pc.dtype]
+    n = max(5, 2 * pc.iters)
+    x = torch.randn(pc.act_shape(), dtype=dtype, device=dev)
+    out: dict[str, float] = {"ar_s": 0.0, "ar_slowdown": 1.0, "gemm_s": 0.0, "gemm_overlapped_s": 0.0, "p2p_s": 0.0}
+    if pc.tp > 1:
+        out["ar_s"] = ar = _median_time(timer, lambda: dist.all_reduce(x, group=groups.tp), n)
+        tokens = pc.micro_batch_size * pc.seq
+        a = torch.randn(tokens, pc.model.hidden, dtype=dtype, device=dev)
+        b = torch.randn(pc.model.hidden, pc.model.ffn // pc.tp, dtype=dtype, device=dev)
+        one = _median_time(timer, lambda: a @ b, n)
+        reps = max(1, int(0.8 * ar / one)) if one > 0 else 1  # GEMM work shorter than the all-reduce window
+
+        def gemm() -> None:
+            for _ in range(reps):
+                a @ b
+
+        alone = _median_time(timer, gemm, n)
+        over = []
+        for _ in range(n + 1):
+            timer.sync()
+            dist.barrier(group=groups.tp)
+            work = dist.all_reduce(x, group=groups.tp, async_op=True)
+            over.append(timer.time(gemm)[0])
+            work.wait()
+        d = statistics.median(over[1:])
+        # The simulator slows compute by f while an all-reduce is in flight (window ``ar``):
+        # d = dur*f inside the window, else win + (dur - win/f). Solve for f.
+        if d <= ar:
+            f = d / alone
+        else:
+            f = ar / max(ar + alone - d, ar / 2.0)
+        out.update(ar_slowdown=min(2.0, max(1.0, f)), gemm_s=alone, gemm_overlapped_s=d)
+    if pc.pp > 1:
+        me = groups.coords.pp
+        nxt, prv = groups.pp_ranks[(me + 1) % pc.pp], groups.pp_ranks[(me - 1) % pc.pp]
+        buf = torch.empty_like(x)
+
+        def ring() -> None:
+            ops = [dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, buf, prv)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        vals = []
+        for _ in range(n + 1):
+            dist.barrier(group=groups.pp)  # both sides posted together: the transfer, not the peer's lag
+            vals.append(timer.time(ring)[0])
+        out["p2p_s"] = statistics.median(vals[1:])
+    nbytes = 64 << 20 if dev.type == "cuda" else 16 << 20
+    if dev.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        devbuf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        h2d = _median_time(timer, lambda: devbuf.copy_(host, non_blocking=True), 5)
+        d2h = _median_time(timer, lambda: host.copy_(devbuf, non_blocking=True), 5)
+        out["copy_bytes_per_s"] = nbytes / max(h2d, d2h)
+    else:
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        out["copy_bytes_per_s"] = nbytes / _median_time(timer, lambda: dst.copy_(src), 5)
+    return out
+
+
+def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan: Plan | None = None) -> dict:
+    """This rank's TP-sharded model chunks on ``dev`` (same seed on every rank, so shards agree)."""
+    from braid.models.qwen2 import Qwen2Model
+    from braid.runtime.executor import build_rank_chunks
+
+    plan = plan or Plan("profile", ScheduleConfig(pc.pp, m, pc.v), pc.placement, tuple(() for _ in range(pc.pp)))
+    torch.manual_seed(1234)
+    with torch.device("cpu"):
+        model = Qwen2Model(pc.full_model()).to(_DTYPES[pc.dtype])
+    tp_group = groups.tp if pc.tp > 1 else None
+    chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
+                               tp_size=pc.tp, tp_group=tp_group)
+    return {c: ch.to(dev) for c, ch in chunks.items()}
+
+
+def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None) -> dict[str, Any]:
+    """Everything this rank measures (collective: every rank of the layout calls it)."""
+    dev = d.device
+    timer = _Timer(dev)
+    chunks = chunks if chunks is not None else build_chunks(pc, groups, dev)
+    progress = Progress(pc.v * (pc.warmup + pc.iters), "profile", enabled=d.rank == 0)
+    stages = {}
+    for c, ch in sorted(chunks.items()):
+        stage = stage_of(pc.placement, pc.pp, groups.coords.pp, c)
+        stages[stage] = _profile_chunk(ch, ch.spec, pc, timer, groups.tp if pc.tp > 1 else None, dev, progress)
+        ch.zero_grad(set_to_none=True)
+    return {"rank": d.rank, "stages": stages, "comm": _comm_figures(pc, groups, timer, dev)}
+
+
+# ----------------------------------------------------------------------------------------
+# From measurements to a cost model
+# ----------------------------------------------------------------------------------------
+def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> dict[Unit, UnitCost]:
+    """Average the per-instance medians (over layers and TP ranks) into one cost per unit kind."""
+    t: dict[tuple[str, str], list[float]] = {}
+    m: dict[tuple[str, str], list[float]] = {}
+    for e in entries:
+        for ph, u, _layer, v in e["times"]:
+            t.setdefault((ph, u), []).append(v)
+        for ph, u, _layer, b in e["mem"]:
+            m.setdefault((ph, u), []).append(b)
+    mean = lambda d, k: statistics.fmean(d[k]) if k in d else 0.0  # noqa: E731
+    units = sorted({u for _, u in t}, key=[x.value for x in Unit].index)
+    count = {u: (1 if Unit(u) in (Unit.EMBED, Unit.HEAD) else spec.layers) for u in units}
+    act = {u: max(0.0, mean(m, ("F", u))) for u in units}
+    kept = {u: mean(m, ("F", u)) + mean(m, ("B", u)) for u in units}
+    # Boxes freed one unit late (norm backward at the start of the next unit) can make a
+    # unit's own figure negative: keep the chunk total, spread over the non-negative ones.
+    total_kept = max(0.0, sum(kept[u] * count[u] for u in units))
+    pos = {u: max(0.0, kept[u]) for u in units}
+    norm = sum(pos[u] * count[u] for u in units)
+    w_res = {u: (pos[u] * total_kept / norm if norm > 0 else 0.0) for u in units}
+    out = {}
+    for u in units:
+        unit = Unit(u)
+        out[unit] = UnitCost(mean(t, ("F", u)), mean(t, ("B", u)), mean(t, ("W", u)),
+                             ar_s if unit in _AR_F else 0.0, ar_s if unit in _AR_B else 0.0, act[u], w_res[u])
+    return out
+
+
+def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
+    """The cost model of the layout from every rank's :func:`measure_rank` result."""
+    from braid.models_catalog import ModelConfig
+
+    specs = chunk_specs(pc.layers_per_stage, pc.pp, pc.placement)
+    comm = [r["comm"] for r in results]
+    ar_s = max(c["ar_s"] for c in comm)
+    p2p = max(c["p2p_s"] for c in comm)
+    chunks = {}
+    for (rank, c), spec in specs.items():
+        stage = stage_of(pc.placement, pc.pp, rank, c)
+        entries = [r["stages"][stage] for r in results if stage in r["stages"]]
+        chunks[(rank, c)] = ChunkCosts(spec, _unit_costs(entries, spec, ar_s), p2p)
+    ma = statistics.fmean(cc.total("act") for cc in chunks.values())
+    mcfg = pc.model
+    mc = ModelConfig("profiled", sum(pc.layers_per_stage), mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
+                     mcfg.vocab_size, pc.seq, pc.micro_batch_size, torch.finfo(_DTYPES[pc.dtype]).bits // 8)
+    meta = {"config": {**asdict(pc), "model": asdict(pc.model)}, "device": _device_name(pc.device),
+            "torch": torch.__version__, "comm": {k: statistics.fmean(c[k] for c in comm) for k in comm[0]}}
+    return CostModel(pc.layout, chunks, ma, statistics.fmean(c["copy_bytes_per_s"] for c in comm), False,
+                     max(c["ar_slowdown"] for c in comm), pc.micro_batch_size, pc.seq,
+                     3 * model_forward_flops(mc) / pc.micro_batch_size, pc.peak_flops, "profile", meta)
+
+
+def profile_to_dict(costs: CostModel) -> dict[str, Any]:
+    """The cost-file form (``braid-costs/1``) with chunks keyed by virtual stage (any placement reads it)."""
+    d = costs_to_dict(costs)
+    lay = costs.layout
+    d["chunks"] = {str(stage_of(lay.placement, lay.p, *map(int, k.split(",")))): v for k, v in d["chunks"].items()}
+    return d
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def _profile_job(d, pc: ProfileConfig) -> dict[str, Any] | None:
+    from braid.runtime.distributed import ProcessGroups
+    from braid.topology import Topology
+
+    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp))
+    res = measure_rank(d, pc, groups)
+    gathered: list[Any] = [None] * pc.world_size
+    dist.all_gather_object(gathered, res)
+    return profile_to_dict(assemble(pc, gathered)) if d.rank == 0 else None
+
+
+def profile(pc: ProfileConfig) -> dict[str, Any]:
+    """Spawn the layout's ranks, measure, and return the cost-file dict."""
+    return launch(pc.world_size, pc.device, _profile_job, pc)[0]
+
+
+# ----------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """Flags shared with ``python -m braid.bench``: model, layout, data shape, device."""
+    ap.add_argument("--preset", default="tiny", help=f"model shape preset: {', '.join(PRESETS)} (default tiny)")
+    for flag in ("hidden", "heads", "kv-heads", "ffn", "vocab"):
+        ap.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's {flag}")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    ap.add_argument("--chunks", type=int, default=2, help="chunks (virtual stages) per rank (default 2)")
+    ap.add_argument("--layers-per-stage", default="1", help="layers of each virtual stage: one number or a comma list (default 1)")
+    ap.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when enough GPUs, else cpu")
+    ap.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--iters", type=int, default=5, help="measured repetitions per unit (median; default 5)")
+    ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator per device (default: 989e12 on cuda, 0 on cpu)")
+
+
+def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, placement: Placement = "v") -> ProfileConfig:
+    """A :class:`ProfileConfig` from the shared flags; bad values exit with one line (code 2)."""
+    if args.preset not in PRESETS:
+        ap.error(f"unknown preset {args.preset!r}; valid names: {', '.join(PRESETS)}")
+    base = asdict(PRESETS[args.preset])
+    for flag, key in (("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"), ("ffn", "ffn"), ("vocab", "vocab_size")):
+        if getattr(args, flag) is not None:
+            base[key] = getattr(args, flag)
+    world = args.tp * args.pp
+    device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < world:
+        ap.error(f"--device cuda with tp*pp = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
+    try:
+        lps = [int(x) for x in str(args.layers_per_stage).split(",")]
+        stages = args.pp * args.chunks
+        if len(lps) == 1:
+            lps = lps * stages
+        model = Qwen2Config(**base)
+        peak = args.peak_flops if args.peak_flops is not None else (989e12 if device == "cuda" else 0.0)
+        return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
+                             placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+                             device, args.iters, 1, peak)
+    except ValueError as err:
+        ap.error(str(err))
+        raise  # unreachable: error() exits
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m braid.profile", description=__doc__.split("\n\n")[1],
+                                 epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("-o", "--output", default="costs.json", help="cost file to write (default costs.json)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    pc = config_from_args(ap, args)
+    doc = profile(pc)
+    Path(args.output).write_text(json.dumps(doc, indent=1))
+    c = doc["meta"]["comm"]
+    log.info("wrote %s: %d stages on %s; all-reduce %.3g ms, ar_slowdown %.3f, P2P %.3g ms, copy %.3g GB/s",
+             args.output, len(doc["chunks"]), doc["meta"]["device"], c["ar_s"] * 1e3, doc["ar_slowdown"],
+             c["p2p_s"] * 1e3, doc["pcie_bytes_per_s"] / 1e9)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
