@@ -29,6 +29,7 @@ from torch import nn
 
 from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
 from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, parallelize_layer
+from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, split_weight_grads
 
@@ -87,7 +88,10 @@ class ModelChunk(nn.Module):
 
     ``tp_group`` is used only inside the loss (vocab-parallel max/sum-exp); the unit
     boundary all-reduces belong to the executor. ``num_microbatches`` scales each
-    micro-batch's loss by ``1/m`` so gradients equal a full-batch mean.
+    micro-batch's loss by ``1/m`` so gradients equal a full-batch mean. With a
+    sequence-parallel context ``sp`` the chunk holds the rank's zigzag share of every
+    sequence (:mod:`braid.models.sequence_parallel`), and a micro-batch's loss is its
+    local tokens' loss sum over the micro-batch's *global* number of target tokens.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class ModelChunk(nn.Module):
         num_microbatches: int,
         tp_group: dist.ProcessGroup | None = None,
         vocab_start: int = 0,
+        sp: SequenceParallel | None = None,
     ) -> None:
         super().__init__()
         if len(layers) != spec.layers or (embed is not None) != spec.embed or (lm_head is not None) != spec.head:
@@ -111,8 +116,11 @@ class ModelChunk(nn.Module):
         self.m = num_microbatches
         self.tp_group = tp_group
         self.vocab_start = vocab_start
+        self.sp = sp
         self.tokens: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []  # SP: target tokens of each full micro-batch (loss normaliser)
+        self.positions: torch.Tensor | None = None  # SP: RoPE positions of the local tokens (None: 0..s-1)
         self.losses: dict[int, torch.Tensor] = {}
         self._inputs: dict[int, torch.Tensor] = {}
         self._fwd: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -125,7 +133,16 @@ class ModelChunk(nn.Module):
 
     # -- data in and out -----------------------------------------------------------------
     def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
-        """Micro-batches of token ids (for the embedding) and labels (for the loss)."""
+        """Micro-batches (b, s) of token ids (for the embedding) and labels (for the loss).
+
+        Under sequence parallelism both are cut to this rank's zigzag share here, and the
+        loss normaliser is counted on the full labels first.
+        """
+        if self.sp is not None and tokens:
+            self.targets = [target_count(lab) for lab in labels]
+            self.positions = self.sp.positions(tokens[0].shape[1], tokens[0].device)
+            tokens = [self.sp.shard(t) for t in tokens]
+            labels = [self.sp.shard(lab) for lab in labels]
         self.tokens, self.labels = list(tokens), list(labels)
         self.losses.clear()
 
@@ -234,12 +251,15 @@ class ModelChunk(nn.Module):
                     logits = self.lm_head(hl)  # (b, s, V/t)
                     labels = self.labels[mb]
                     ce = vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp_group)
-                    loss = _masked_mean(ce, labels) / self.m
+                    if self.sp is None:
+                        loss = _masked_mean(ce, labels) / self.m
+                    else:  # this rank's share of the micro-batch's mean: SP ranks' losses add up to it
+                        loss = (ce * (labels != IGNORE_INDEX)).sum() / self.targets[mb] / self.m
                     outs: tuple[torch.Tensor, ...] = (loss,)
                     self.losses[mb] = loss.detach()
                 else:
                     lay = self.layers[layer]
-                    outs = tuple(lay.qkv(hl) if unit is Unit.PRE_ATTN else lay.gate_up(hl))
+                    outs = tuple(lay.qkv(hl, self.positions) if unit is Unit.PRE_ATTN else lay.gate_up(hl))
                 self._saved[key] = [_Piece((x,), (h,), (norm.weight,)), _Piece((hl,), outs)]
                 self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
                 return None
@@ -356,10 +376,20 @@ def build_chunk(
     tp_size: int = 1,
     tp_group: dist.ProcessGroup | None = None,
     num_microbatches: int = 1,
+    sp: SequenceParallel | None = None,
+    seq_len: int | None = None,
 ) -> ModelChunk:
-    """The TP shard of layers ``[first_layer, first_layer + spec.layers)`` of a single-device model (copied)."""
+    """The TP shard of layers ``[first_layer, first_layer + spec.layers)`` of a single-device model (copied).
+
+    ``sp``: sequence-parallel context; its degrees are checked against the heads (and
+    ``seq_len`` when given) here, and the layers run 2D-Attention on sequence shards.
+    """
     cfg: Qwen2Config = model.cfg
+    if sp is not None:
+        sp.config.check_model(heads=cfg.heads, kv_heads=cfg.kv_heads, tp=tp_size, seq_len=seq_len)
     layers = [parallelize_layer(model.layers[i], cfg, tp_rank, tp_size) for i in range(first_layer, first_layer + spec.layers)]
+    for lay in layers:
+        lay.sp = sp
     embed = VocabParallelEmbedding.from_full(model.embed_tokens, tp_rank, tp_size) if spec.embed else None
     norm = lm_head = None
     if spec.head:
@@ -368,5 +398,5 @@ def build_chunk(
     vocab_start = tp_rank * (cfg.vocab_size // tp_size)
     return ModelChunk(
         spec, layers, embed, norm, lm_head,
-        num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start,
+        num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start, sp=sp,
     )

@@ -35,6 +35,7 @@ from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, P
 from braid.braiding import steps as braid_steps
 from braid.models.chunk import ChunkStateError, ModelChunk, build_chunk
 from braid.models.qwen2 import Qwen2Model
+from braid.models.sequence_parallel import SequenceParallel
 from braid.partition import chunk_specs, layer_offset
 from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.p2p import Transfer, issue
@@ -96,8 +97,14 @@ def build_rank_chunks(
     tp_rank: int = 0,
     tp_size: int = 1,
     tp_group: dist.ProcessGroup | None = None,
+    sp: SequenceParallel | None = None,
+    seq_len: int | None = None,
 ) -> dict[int, ModelChunk]:
-    """The local chunks of ``pp_rank`` (TP shards, copied out of the single-device ``model``)."""
+    """The local chunks of ``pp_rank`` (TP shards, copied out of the single-device ``model``).
+
+    ``sp``: this rank's sequence-parallel context (LoongTrain 2D-Attention), checked against
+    the model's heads and ``seq_len`` here, at build time.
+    """
     if len(layers_per_stage) != plan.num_stages:
         raise ValueError(f"{len(layers_per_stage)} layer counts for {plan.num_stages} virtual stages")
     specs = chunk_specs(tuple(layers_per_stage), plan.p, plan.placement)
@@ -106,7 +113,8 @@ def build_rank_chunks(
         stage = plan.stage_of(pp_rank, c)
         first = layer_offset(tuple(layers_per_stage), stage)
         out[c] = build_chunk(
-            model, specs[(pp_rank, c)], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, num_microbatches=plan.m
+            model, specs[(pp_rank, c)], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, num_microbatches=plan.m,
+            sp=sp, seq_len=seq_len,
         )
         out[c].first_layer = first
     return out
@@ -116,7 +124,9 @@ class Executor:
     """Runs one rank's program over its local model chunks.
 
     ``act_shape``: shape of the activation/gradient travelling between stages
-    (micro-batch size, sequence, hidden); ``tp_group=None`` means tp=1.
+    (micro-batch size, *local* sequence -- ``seq/d_sp`` under sequence parallelism --,
+    hidden); ``tp_group=None`` means tp=1. ``sp_group``: the sequence-parallel group, over
+    which the last stage sums its ranks' loss shares (``None``: no sequence parallelism).
     """
 
     def __init__(
@@ -131,6 +141,7 @@ class Executor:
         device: torch.device | str = "cpu",
         tp_group: dist.ProcessGroup | None = None,
         abort: Abort | None = None,
+        sp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if set(chunks) != set(range(plan.v)):
             raise ValueError(f"rank {program.rank}: chunks {sorted(chunks)} for v={plan.v}")
@@ -139,12 +150,14 @@ class Executor:
         self.pp_ranks = list(pp_ranks)
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
         self.tp_group = tp_group
+        self.sp_group = sp_group
         self.abort = abort
 
     @staticmethod
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
         tp = groups.tp if groups.topo.tp > 1 else None
-        return Executor(plan, program, chunks, pp_ranks=groups.pp_ranks, tp_group=tp, abort=abort, **kw)
+        sp = groups.cp if groups.topo.cp > 1 else None
+        return Executor(plan, program, chunks, pp_ranks=groups.pp_ranks, tp_group=tp, sp_group=sp, abort=abort, **kw)
 
     # -- helpers -------------------------------------------------------------------------
     def _spec(self, chunk: int) -> ChunkSpec:
@@ -211,7 +224,13 @@ class Executor:
         losses = [v for c in self.chunks.values() if c.spec.head for v in c.losses.values()]
         if any(c.spec.head for c in self.chunks.values()) and len(losses) != self.plan.m:
             raise ExecutionError(f"rank {self.rank}: {len(losses)} micro-batch losses for m={self.plan.m}")
-        loss = float(torch.stack(losses).sum()) if losses else None
+        loss = None
+        if losses:
+            total = torch.stack(losses).sum()
+            if self.sp_group is not None:  # each SP rank holds its tokens' share of the loss
+                total = total.to(self.device)
+                self._wait(dist.all_reduce(total, group=self.sp_group, async_op=True))
+            loss = float(total)
         return StepResult(loss, self._trace(), dict(self.counts))
 
     # -- compute -------------------------------------------------------------------------

@@ -1,0 +1,201 @@
+"""Sequence parallelism (LoongTrain 2D-Attention inside the model) against the single-process model.
+
+Real gloo processes, started once per world size (2 and 4): every case runs a Qwen2 model
+whose sequence is split over d_sp = d_hp x d_cp ranks (zigzag) under a pipeline schedule,
+two AdamW steps, and compares the summed loss, every gradient and every parameter after
+the steps with the single-device reference (fp32; tolerances in ``TOL``). Some labels are
+``-100``, unevenly over the ranks, so the global loss normalisation is exercised. Invalid
+degrees are rejected with one clear error each, at model-build time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import executor_cases as ex_cases
+from distributed_utils import DistPool
+
+SEQ = 16
+TOL = (1e-4, 1e-5)  # (rtol, atol) for gradients and parameters; the loss gets a tenth of it
+
+
+def _data(cfg, m: int, seed: int):
+    g = torch.Generator().manual_seed(seed + 99)
+    toks = [torch.randint(0, cfg.vocab_size, (ex_cases.MBS, SEQ), generator=g) for _ in range(m)]
+    labs = [torch.randint(0, cfg.vocab_size, (ex_cases.MBS, SEQ), generator=g) for _ in range(m)]
+    for lab in labs:  # prompt-like positions without a target: counts differ per SP rank
+        lab[0, : SEQ // 2 - 1] = -100
+    return toks, labs
+
+
+def _sp_context(ctx, topo, d_hp: int, w: int | None, placement: str):
+    """This rank's SP context, built once per (topology, degrees) and process."""
+    from braid.attention import GroupPool
+    from braid.models.sequence_parallel import SequenceParallel, SPConfig
+
+    groups = ctx.process_groups(topo)
+    pool = ctx.groups.setdefault("attention-group-pool", GroupPool())
+    key = ("sp", topo, d_hp, w, placement)
+    if key not in ctx.groups:
+        ctx.groups[key] = SequenceParallel.create(SPConfig(topo.cp, d_hp, w, placement), groups, pool)
+    return groups, ctx.groups[key]
+
+
+def sp_equivalence(ctx, pp: int, tp: int, sp_cases: list[tuple[int, int | None, str]],
+                   schedules_ms: list[tuple[str, int]]) -> list[tuple]:
+    """Each (d_hp, w, placement) x (schedule, m): two AdamW steps equal the single-process model."""
+    import schedules
+    from braid.compiler import compile_plan
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.partition import split_layers
+    from braid.runtime.distributed import reduce_gradients
+    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.topology import Topology
+
+    d_sp = ctx.world_size // (pp * tp)
+    topo = Topology(ctx.world_size, pp=pp, tp=tp, cp=d_sp)
+    ran = []
+    for d_hp, w, placement in sp_cases:
+        groups, sp = _sp_context(ctx, topo, d_hp, w, placement)
+        c = groups.coords
+        for name, m in schedules_ms:
+            plan = schedules.build(name, pp, m)
+            stages = plan.num_stages
+            layers = split_layers(stages + 1, stages) if stages > 1 else (2,)
+            cfg = Qwen2Config(layers=sum(layers), **ex_cases.CFG_KW)
+            torch.manual_seed(4321)
+            model = Qwen2Model(cfg)
+            steps_data = [_data(cfg, m, seed=s) for s in range(2)]
+            ref, ref_losses, ref_grads = ex_cases._reference(model, steps_data)
+            chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp,
+                                       sp=sp, seq_len=SEQ)
+            params = [p for ch in chunks.values() for p in ch.parameters()]
+            opt = torch.optim.AdamW(params, lr=ex_cases.LR, eps=ex_cases.EPS)
+            ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
+                                      act_shape=(ex_cases.MBS, sp.local_len(SEQ), cfg.hidden))
+            where = f"{name} m={m} pp={pp} tp={tp} sp={d_sp} (hp={d_hp}, w={w}, {placement}) rank={ctx.rank}"
+            losses = []
+            for step, (toks, labs) in enumerate(steps_data):
+                opt.zero_grad(set_to_none=True)
+                res = ex.run(toks, labs)
+                reduce_gradients(params, groups, ctx.dist.abort)
+                losses.append(res.loss)
+                if res.loss is not None:
+                    torch.testing.assert_close(res.loss, ref_losses[step], rtol=TOL[0] / 10, atol=TOL[1] / 10,
+                                               msg=lambda s: f"{where} step {step} loss: {s}")
+                if step == 0:
+                    want_grads = build_rank_chunks(ex_cases._as_model(model, ref_grads), plan, c.pp, layers,
+                                                   tp_rank=c.tp, tp_size=tp)
+                    for ci, ch in chunks.items():
+                        want = dict(want_grads[ci].named_parameters())
+                        for n, p in ch.named_parameters():
+                            assert p.grad is not None, f"{where}: chunk {ci} {n} has no gradient"
+                            torch.testing.assert_close(p.grad, want[n].detach(), rtol=TOL[0], atol=TOL[1],
+                                                       msg=lambda s: f"{where} grad {ci}.{n}: {s}")
+                opt.step()
+            final = build_rank_chunks(ref, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
+            for ci, ch in chunks.items():
+                want = dict(final[ci].named_parameters())
+                for n, p in ch.named_parameters():
+                    torch.testing.assert_close(p.detach(), want[n].detach(), rtol=TOL[0], atol=TOL[1],
+                                               msg=lambda s: f"{where} param {ci}.{n}: {s}")
+            ran.append((d_hp, w, placement, name, m, losses, res.counts["braided"]))
+    return ran
+
+
+def build_errors(ctx) -> list[str]:
+    """Degrees that do not fit the model, the sequence or the topology, at build time (4 ranks, cp=4)."""
+    import schedules
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.models.sequence_parallel import SequenceParallel, SPConfig
+    from braid.runtime.executor import build_rank_chunks
+    from braid.topology import Topology
+
+    topo = Topology(ctx.world_size, pp=1, cp=4)
+    groups, sp = _sp_context(ctx, topo, 4, None, "head_first")  # d_hp=4, d_cp=1
+    plan = schedules.build("1f1b", 1, 2)
+    msgs = []
+    # 6 query heads cannot be split over d_hp=4; a 10-token sequence not over d_sp=4.
+    for kw, seq in ((dict(hidden=48, heads=6, kv_heads=2), SEQ), (dict(hidden=32, heads=4, kv_heads=2), 10)):
+        cfg = Qwen2Config(layers=2, vocab_size=64, ffn=64, **kw)
+        try:
+            build_rank_chunks(Qwen2Model(cfg), plan, 0, (2,), sp=sp, seq_len=seq)
+            msgs.append("no error")
+        except ValueError as err:
+            msgs.append(str(err))
+    try:
+        SequenceParallel.create(SPConfig(2, 1), groups)
+        msgs.append("no error")
+    except ValueError as err:
+        msgs.append(str(err))
+    return msgs
+
+
+@pytest.fixture(scope="module")
+def pools():
+    made: dict[int, DistPool] = {}
+
+    def get(n: int) -> DistPool:
+        if n not in made:
+            made[n] = DistPool(n, timeout_s=60)
+        return made[n]
+
+    yield get
+    for p in made.values():
+        p.close()
+
+
+@pytest.mark.slow
+def test_sp2_matches_reference(pools) -> None:
+    ran = pools(2).run(sp_equivalence, 1, 1, [(2, None, "head_first"), (1, None, "head_first")],
+                       [("1f1b", 2)], timeout_s=300)
+    assert [r[:5] for r in ran[0]] == [(2, None, "head_first", "1f1b", 2), (1, None, "head_first", "1f1b", 2)]
+    # Every SP rank holds the last stage and reports the same, summed loss.
+    assert [r[5] for r in ran[0]] == [r[5] for r in ran[1]]
+
+
+@pytest.mark.slow
+def test_sp4_and_pp2_sp2_and_tp2_sp2_match_reference(pools) -> None:
+    pool = pools(4)
+    sp4 = [(2, None, "head_first"), (2, None, "context_first"), (1, 2, "head_first")]
+    ran = pool.run(sp_equivalence, 1, 1, sp4, [("1f1b", 2)], timeout_s=300)
+    assert [r[:3] for r in ran[0]] == sp4
+    ran = pool.run(sp_equivalence, 2, 1, [(2, None, "head_first"), (1, None, "context_first")],
+                   [("1f1b", 4), ("braided_v", 4)], timeout_s=300)
+    for rank_ran in ran:
+        assert {r[3] for r in rank_ran} == {"1f1b", "braided_v"}
+        assert all(r[6] > 0 for r in rank_ran if r[3] == "braided_v"), "braided blocks were not executed"
+    ran = pool.run(sp_equivalence, 1, 2, [(2, None, "head_first")], [("1f1b", 2)], timeout_s=300)
+    assert len(ran[0]) == 1
+
+
+@pytest.mark.slow
+def test_invalid_degrees_fail_at_build_time(pools) -> None:
+    heads, seq, topo = pools(4).run(build_errors)[0]
+    assert "d_hp=4 must divide the 6 query heads" in heads, heads
+    assert "sequence length 10 must be divisible by d_sp = 4" in seq, seq
+    assert "d_sp=2 but the topology has cp=4" in topo, topo
+
+
+def test_invalid_sp_configs_are_clear_errors() -> None:
+    from braid.models.sequence_parallel import SequenceParallelError, SPConfig
+
+    cases = [
+        (dict(d_sp=4, d_hp=3), "d_hp=3 must divide the sequence-parallel size d_sp=4"),
+        (dict(d_sp=6, d_hp=2, w=2), "inner ring size w=2 must divide d_cp=3"),
+        (dict(d_sp=2, d_hp=1, placement="ring_first"), "placement 'ring_first' must be one of head_first, context_first"),
+        (dict(d_sp=0), "positive integers"),
+    ]
+    for kw, text in cases:
+        with pytest.raises(SequenceParallelError, match=text.replace("(", r"\(")):
+            SPConfig(**kw)
+    cfg = SPConfig(d_sp=8, d_hp=4, w=1)
+    cfg.check_model(heads=8, kv_heads=2, seq_len=32)  # KV heads replicated 2x, 32 tokens over 2*d_cp=4 chunks
+    with pytest.raises(SequenceParallelError, match="d_hp=4 exceeds the 3 key/value heads"):
+        SPConfig(d_sp=4, d_hp=4).check_model(heads=12, kv_heads=3)
+    with pytest.raises(SequenceParallelError, match="divisible by 2\\*d_cp = 4"):
+        cfg.check_model(heads=8, kv_heads=2, seq_len=34)
+    with pytest.raises(SequenceParallelError, match="2 query / 1 KV heads per TP rank.*d_hp=4 must divide the 2 query heads"):
+        cfg.check_model(heads=8, kv_heads=4, tp=4)
+    SPConfig().check_model(heads=3, kv_heads=1, seq_len=7)  # no SP: nothing to check
