@@ -1,0 +1,443 @@
+"""``python -m braid.bench``: measured step time of several schedules next to the simulator's prediction.
+
+One invocation spawns the layout's ranks once (gloo on CPU, NCCL on GPU), profiles the
+model (:mod:`braid.profile`; or reads ``--costs FILE``), then runs every schedule for every
+``--mbs`` on the same model, layout and data through the executor: median step time after
+warm-up (slowest rank per step), tokens/s, MFU and peak memory per rank. Each is predicted
+by the simulator from the profile, and the relative error is printed beside it -- the
+"one IR, two interpreters" check of the design (measured and simulated traces of the same
+programs). External baselines run on the same model in the same job:
+``torch.distributed.pipelining`` (``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``; tp=1 only) and megatron-core's interleaved 1F1B (reported as not
+installed when it is missing).
+
+Peak memory: on GPU the allocator's peak during the step minus what was allocated before
+it; on CPU the largest live saved-activation bytes at instruction ends (the executor's
+memory series), compared with the simulated series sampled at the same points.
+
+``--capture FILE`` stores the measurements with the profile they are predicted from
+(``tests/test_accuracy.py`` re-predicts every stored set in CI). Examples::
+
+    python -m braid.bench --preset tiny --pp 2 --mbs 4 8 --json out.json --trace-dir traces
+    python -m braid.bench --preset 7b-layer --tp 2 --pp 1 --seq 4096 --mbs 4 8 --capture tests/data/measurements_h200.json
+    python -m viz traces/braided_v_m8.json -o braided_v.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from braid.costs import Layout, costs_from_dict
+from braid.profile import ProfileConfig, Progress, add_model_args, build_chunks, config_from_args, launch, measure_rank
+from braid.trace import Trace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
+MEASUREMENTS_FORMAT = "braid-measurements/1"
+EXTERNAL = ("ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One bench job: what to profile/run, which schedules and micro-batch counts, how many steps."""
+
+    profile: ProfileConfig
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    mbs: tuple[int, ...] = (4, 8)
+    warmup: int = 2
+    steps: int = 5
+    costs: dict[str, Any] | None = None  # a cost-file dict instead of a fresh profile
+    external: bool = True
+
+
+# ----------------------------------------------------------------------------------------
+# Prediction (shared with the stored-measurement accuracy test)
+# ----------------------------------------------------------------------------------------
+def instruction_end_peaks(trace: Trace) -> dict[int, int]:
+    """Per rank, the simulated activation bytes at compute-instruction ends (the CPU executor's sampling)."""
+    ends: dict[int, dict[int, float]] = {}
+    for e in trace.events:
+        if e.lane == "compute" and e.op_index is not None:
+            d = ends.setdefault(e.rank, {})
+            d[e.op_index] = max(d.get(e.op_index, 0.0), e.end)
+    out = {}
+    for r, series in trace.memory.items():
+        times = [t for t, _ in series]
+        vals = [b for _, b in series]
+        out[r] = max((vals[i - 1] for t in ends.get(r, {}).values() if (i := bisect.bisect_right(times, t)) > 0), default=0)
+    return out
+
+
+def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int, layers_per_stage: Sequence[int],
+            memory: str = "instruction_end"):
+    """Simulate ``schedule`` (p=pp, m) on a profile dict; returns (SimResult, per-rank predicted peak bytes).
+
+    ``memory``: ``"instruction_end"`` (CPU measurements) or ``"allocator_peak"`` (GPU: true peak).
+    """
+    import schedules
+    from braid.compiler import compile_plan
+    from braid.partition import chunk_specs
+    from simulator import simulate
+
+    plan = schedules.build(schedule, pp, m)
+    if len(layers_per_stage) != plan.num_stages:
+        raise ValueError(f"{schedule} has {plan.num_stages} virtual stages; the profile has {len(layers_per_stage)}")
+    specs = chunk_specs(tuple(layers_per_stage), pp, plan.placement)
+    costs = costs_from_dict(profile_doc, Layout(tp, pp, plan.v, plan.placement), specs, where=f"profile for {schedule}")
+    sim = simulate(compile_plan(plan), costs, name=schedule)
+    if memory == "instruction_end":
+        peaks = instruction_end_peaks(sim.trace)
+    else:
+        peaks = {r.rank: r.peak_activation_bytes for r in sim.report.ranks}
+    return sim, [peaks.get(r, 0) for r in range(pp)]
+
+
+def rel_err(pred: float, meas: float) -> float:
+    return (pred - meas) / meas if meas else 0.0
+
+
+# ----------------------------------------------------------------------------------------
+# The job on every rank
+# ----------------------------------------------------------------------------------------
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    v = pc.model.vocab_size
+    toks = [torch.randint(0, v, (pc.micro_batch_size, pc.seq), generator=g).to(dev) for _ in range(m)]
+    labs = [torch.randint(0, v, (pc.micro_batch_size, pc.seq), generator=g).to(dev) for _ in range(m)]
+    return toks, labs
+
+
+def _timed_steps(bc: BenchConfig, dev: torch.device, run_step) -> tuple[list[float], int, Any]:
+    """Warm-up then measured steps; returns (per-step seconds, peak bytes above the pre-step baseline, last result)."""
+    times, peak, res = [], 0, None
+    for i in range(bc.warmup + bc.steps):
+        _sync(dev)
+        dist.barrier()
+        base = 0
+        if dev.type == "cuda":
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        res = run_step()
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        if i >= bc.warmup:
+            times.append(dt)
+            if dev.type == "cuda":
+                peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
+    return times, peak, res
+
+
+def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
+    import schedules
+    from braid.compiler import compile_plan
+    from braid.runtime.executor import Executor, build_rank_chunks
+
+    pc = bc.profile
+    dev = d.device
+    plan = schedules.build(name, pc.pp, m)
+    if plan.num_stages != len(pc.layers_per_stage):
+        raise ValueError(f"{plan.num_stages} virtual stages, but --chunks gives {len(pc.layers_per_stage)}")
+    program = compile_plan(plan)[groups.coords.pp]
+    chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
+                               tp_size=pc.tp, tp_group=groups.tp if pc.tp > 1 else None)
+    chunks = {c: ch.to(dev) for c, ch in chunks.items()}
+    from braid.profile import _DTYPES
+
+    ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=_DTYPES[pc.dtype], device=dev)
+    toks, labs = _data(pc, m, dev)
+
+    def step():
+        for ch in chunks.values():
+            ch.zero_grad(set_to_none=False)
+        return ex.run(toks, labs)
+
+    times, peak, res = _timed_steps(bc, dev, step)
+    if dev.type != "cuda":
+        peak = res.trace.peak_memory(groups.coords.pp)
+    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if groups.coords.tp == 0 else None}
+
+
+class _Stage(torch.nn.Module):
+    """A contiguous slice of the single-device model for ``torch.distributed.pipelining``."""
+
+    def __init__(self, model, first: int, n: int, embed: bool, head: bool) -> None:
+        super().__init__()
+        import copy
+
+        self.embed = copy.deepcopy(model.embed_tokens) if embed else None
+        self.layers = torch.nn.ModuleList(copy.deepcopy(model.layers[i]) for i in range(first, first + n))
+        self.norm = copy.deepcopy(model.norm) if head else None
+        self.head = copy.deepcopy(model.lm_head) if head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        if self.head is not None:
+            x = self.head(self.norm(x)).float()
+        return x
+
+
+def _run_external(d, bc: BenchConfig, groups, model, cls_name: str, m: int) -> dict[str, Any]:
+    """One torch.distributed.pipelining schedule on the same model split (tp=1)."""
+    import torch.distributed.pipelining as pipe
+
+    from braid.ir import stage_of
+    from braid.partition import layer_offset
+
+    pc = bc.profile
+    dev = d.device
+    cls = getattr(pipe, cls_name, None)
+    if cls is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.{cls_name}")
+    if pc.tp != 1:
+        raise RuntimeError("the pipelining baselines run with tp=1 only (no TP adapter for them here)")
+    placement = "loop" if cls_name == "ScheduleInterleaved1F1B" else "v"
+    n_stages = pc.pp * pc.v
+    me = groups.coords.pp
+    group = dist.new_group(groups.pp_ranks, timeout=datetime.timedelta(seconds=120))
+    stages = []
+    for c in range(pc.v):
+        s = stage_of(placement, pc.pp, me, c)
+        mod = _Stage(model, layer_offset(pc.layers_per_stage, s), pc.layers_per_stage[s], s == 0, s == n_stages - 1).to(dev)
+        stages.append(pipe.PipelineStage(mod, s, n_stages, dev, group=group))
+    loss_fn = lambda logits, y: torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))  # noqa: E731
+    sched = cls(stages, n_microbatches=m, loss_fn=loss_fn)
+    toks, labs = _data(pc, m, dev)
+    x, y = torch.cat(toks), torch.cat(labs)
+    has_first = any(s.stage_index == 0 for s in stages)
+    has_last = any(s.stage_index == n_stages - 1 for s in stages)
+
+    def step():
+        for s in stages:
+            s.submod.zero_grad(set_to_none=False)
+        args = (x,) if has_first else ()
+        return sched.step(*args, target=y) if has_last else sched.step(*args)
+
+    times, peak, _ = _timed_steps(bc, dev, step)
+    return {"times": times, "peak": peak if dev.type == "cuda" else None}
+
+
+def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
+    from braid.models.qwen2 import Qwen2Model
+    from braid.profile import _DTYPES, assemble, profile_to_dict
+    from braid.runtime.distributed import ProcessGroups
+    from braid.topology import Topology
+
+    pc = bc.profile
+    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp))
+    lead = d.rank == 0
+    doc = bc.costs
+    if doc is None:
+        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device))
+        gathered: list[Any] = [None] * pc.world_size
+        dist.all_gather_object(gathered, res)
+        doc = profile_to_dict(assemble(pc, gathered))
+    torch.manual_seed(1234)
+    with torch.device("cpu"):
+        model = Qwen2Model(pc.full_model()).to(_DTYPES[pc.dtype])
+    runs, notes = [], []
+    jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
+    ext = [(c, m) for c in EXTERNAL for m in bc.mbs] if bc.external else []
+    progress = Progress(len(jobs) + len(ext), "bench", enabled=lead)
+    for name, m in jobs:
+        try:
+            out = _run_schedule(d, bc, groups, model, name, m)
+        except ValueError as err:
+            notes.append(f"skipped {name} m={m}: {err}")
+            progress.step(f"{name} m={m} skipped")
+            continue
+        gathered = [None] * pc.world_size
+        dist.all_gather_object(gathered, out)
+        runs.append({"schedule": name, "m": m, "ranks": gathered})
+        progress.step(f"{name} m={m}")
+    external = []
+    for cls_name, m in ext:
+        try:
+            out = _run_external(d, bc, groups, model, cls_name, m)
+            err = None
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+            out, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        gathered = [None] * pc.world_size
+        dist.all_gather_object(gathered, (out, err))
+        errs = sorted({e for _, e in gathered if e})
+        if errs:
+            external.append({"schedule": f"torch:{cls_name}", "m": m, "error": errs[0]})
+        else:
+            external.append({"schedule": f"torch:{cls_name}", "m": m, "ranks": [o for o, _ in gathered]})
+        progress.step(f"{cls_name} m={m}")
+    return {"profile": doc, "runs": runs, "external": external, "notes": notes} if lead else None
+
+
+# ----------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------
+def _megatron_line() -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        return "megatron-core interleaved 1F1B: not installed (pip install megatron-core to compare against it)"
+    return "megatron-core interleaved 1F1B: installed, but no braid adapter runs it yet (not measured)"
+
+
+def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
+    """Measured vs predicted figures per run (the ``--json`` document)."""
+    pc = bc.profile
+    doc = raw["profile"]
+    memory = "allocator_peak" if pc.device == "cuda" else "instruction_end"
+    tokens = pc.seq * pc.micro_batch_size
+    flops = doc.get("model_flops_per_sample", 0.0)
+    out_runs = []
+    traces = {}
+    for r in raw["runs"]:
+        ranks = r["ranks"]
+        step_s = statistics.median(max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"])))
+        # one figure per pipeline rank: the max over its TP ranks (global rank = pp * tp + tp_rank)
+        peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
+        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)
+        pred = sim.report.step_time_s
+        mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
+        out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s,
+                         "step_s_all": [max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"]))],
+                         "tokens_per_s": r["m"] * tokens / step_s, "mfu": mfu, "peak_bytes": peaks,
+                         "predicted_step_s": pred, "step_err": rel_err(pred, step_s), "predicted_peak_bytes": pred_peaks,
+                         "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
+                         "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None)})
+        measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
+        merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
+                       [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})
+        traces[f"{r['schedule']}_m{r['m']}"] = (sim.trace, merged)
+    ext = []
+    for e in raw["external"]:
+        if "error" in e:
+            ext.append(e)
+            continue
+        rk = e["ranks"]
+        step_s = statistics.median(max(x["times"][i] for x in rk) for i in range(len(rk[0]["times"])))
+        peaks = [x["peak"] for x in rk] if rk[0]["peak"] is not None else None
+        ext.append({"schedule": e["schedule"], "m": e["m"], "step_s": step_s, "tokens_per_s": e["m"] * tokens / step_s,
+                    "peak_bytes": peaks})
+    cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
+           "warmup": bc.warmup, "steps": bc.steps}
+    return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
+            "external": ext, "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The text table: one line per run, measured next to predicted."""
+    head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'tokens/s':>11}{'MFU %':>7}"
+            f"  peak MiB per rank (measured / predicted)")
+    lines = [head, "-" * len(head)]
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    for r in summary["runs"]:
+        peaks = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["peak_bytes"], r["predicted_peak_bytes"]))
+        lines.append(f"{r['schedule']:<28}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
+                     f"{100 * r['step_err']:>+8.1f}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}  {peaks}")
+    for e in summary["external"]:
+        if "error" in e:
+            lines.append(f"{e['schedule']:<28}{e['m']:>3}  could not run: {e['error']}")
+        else:
+            peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
+            lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{e['tokens_per_s']:>11.0f}"
+                         f"{'-':>7}  {peaks}")
+    lines += [f"note: {n}" for n in summary["notes"]]
+    return "\n".join(lines)
+
+
+def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
+    """Add (or replace) the set ``name`` in a stored-measurements file (``braid-measurements/1``)."""
+    p = Path(path)
+    doc = json.loads(p.read_text()) if p.is_file() else {"format": MEASUREMENTS_FORMAT, "sets": []}
+    if doc.get("format") != MEASUREMENTS_FORMAT:
+        raise ValueError(f"{p}: not a measurements file (format={doc.get('format')!r}, expected {MEASUREMENTS_FORMAT!r})")
+    cfg = summary["config"]
+    entry = {"name": name, "device": summary["device"], "memory": summary["memory"],
+             "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
+             "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
+             "runs": [{k: r[k] for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes")} for r in summary["runs"]],
+             "profile": summary["profile"]}
+    doc["sets"] = [s for s in doc["sets"] if s.get("name") != name] + [entry]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=1))
+
+
+def run_bench(bc: BenchConfig) -> dict[str, Any]:
+    """Spawn the ranks, profile (unless costs were given), run and summarise."""
+    raw = launch(bc.profile.world_size, bc.profile.device, _bench_job, bc)[0]
+    return summarize(bc, raw)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import schedules
+
+    ap = argparse.ArgumentParser(prog="python -m braid.bench", description=__doc__.split("\n\n")[1],
+                                 epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--schedule", nargs="+", default=list(DEFAULT_SCHEDULES), help=f"schedules (default {' '.join(DEFAULT_SCHEDULES)})")
+    ap.add_argument("--mbs", type=int, nargs="+", default=[4, 8], help="micro-batch counts m (default 4 8)")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
+    ap.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported (default 5)")
+    ap.add_argument("--costs", metavar="FILE", help="predict from this cost file instead of a fresh profile")
+    ap.add_argument("--no-external", action="store_true", help="skip the torch.distributed.pipelining baselines")
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
+    ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
+    ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    names = schedules.names()
+    bad = [s for s in args.schedule if s not in names]
+    if bad:
+        ap.error(f"unknown schedule {bad[0]!r}; valid names: {', '.join(names)}")
+    if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0:
+        ap.error("--mbs and --steps must be >= 1, --warmup >= 0")
+    pc = config_from_args(ap, args)
+    costs = None
+    if args.costs:
+        try:
+            costs = json.loads(Path(args.costs).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            ap.error(f"--costs {args.costs}: {err}")
+    bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, costs, not args.no_external)
+    summary = run_bench(bc)
+    traces = summary.pop("_traces")
+    print(f"# {args.preset}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
+          f"seq={pc.seq} on {summary['device']} ({pc.dtype})")
+    print(format_report(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    if args.trace_dir:
+        from braid.trace import dump_traces
+
+        out = Path(args.trace_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        for key, pair in traces.items():
+            dump_traces(list(pair), out / f"{key}.json")
+    if args.capture:
+        capture(summary, args.capture, args.capture_name or f"{pc.device}-tp{pc.tp}-pp{pc.pp}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
