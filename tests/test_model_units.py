@@ -76,8 +76,9 @@ def test_saved_activations_are_counted_and_freed_and_missing_input_is_an_error()
     ch.run(0, UnitTask(Phase.F, Unit.PRE_ATTN, 0, False))
     held = ch.live_bytes()
     assert held > 0
-    assert ch.offload(0) > 0 and ch.live_bytes() == 0
-    assert ch.reload(0) > 0 and ch.live_bytes() == held
+    moved = ch.offload(0)  # storages also held as autograd leaves/outputs stay on the device
+    assert 0 < moved < held and ch.live_bytes() == held - moved
+    assert ch.reload(0) == moved and ch.live_bytes() == held
     later = build_chunk(model, ChunkSpec(1, head=True), 2, num_microbatches=1)
     with pytest.raises(ChunkStateError, match="F0: input activation missing"):
         later.run(0, UnitTask(Phase.F, Unit.PRE_ATTN, 0, False))

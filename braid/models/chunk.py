@@ -31,6 +31,7 @@ from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
 from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, parallelize_layer
 from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from braid.runtime.offload import ActivationOffloader, Parked
 from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, split_weight_grads
 
 
@@ -66,14 +67,16 @@ class _Piece:
 
 @dataclass(slots=True)
 class _Box:
-    """Saved activations of one (micro-batch, unit); tensors may live on the host after an offload."""
+    """Saved activations of one (micro-batch, unit): tensors, or :class:`Parked` stand-ins while on the host."""
 
-    tensors: list[torch.Tensor] = field(default_factory=list)
-    device: list[torch.device] = field(default_factory=list)
-    offloaded: int = 0  # how many of ``tensors`` (from the front) live on the host
+    tensors: list[Any] = field(default_factory=list)
+
+    def storages(self) -> dict[int, int]:
+        """Device storages the box holds: data pointer -> bytes (each storage once)."""
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors if isinstance(t, torch.Tensor)}
 
     def live_bytes(self) -> int:
-        return sum(_nbytes(t) for t in self.tensors[self.offloaded :])
+        return sum(self.storages().values())
 
 
 @dataclass(slots=True)
@@ -130,6 +133,7 @@ class ModelChunk(nn.Module):
         self._bwd: dict[int, _Backward] = {}
         self._saved: dict[tuple, list[_Piece]] = {}
         self._boxes: dict[tuple, _Box] = {}
+        self._offloader: ActivationOffloader | None = None
 
     # -- data in and out -----------------------------------------------------------------
     def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
@@ -169,8 +173,11 @@ class ModelChunk(nn.Module):
         return self._grad_in.pop(mb)
 
     def live_bytes(self) -> int:
-        """Bytes of saved activations on the device plus stashed weight-gradient inputs."""
-        return sum(b.live_bytes() for b in self._boxes.values()) + sum(m.stash_bytes() for m in self._deferred_all())
+        """Bytes of saved activations on the device (each storage once) plus stashed weight-gradient inputs."""
+        held: dict[int, int] = {}
+        for b in self._boxes.values():
+            held.update(b.storages())
+        return sum(held.values()) + sum(m.stash_bytes() for m in self._deferred_all())
 
     def pending_work(self) -> list[str]:
         """What is still held (for end-of-step checks)."""
@@ -216,7 +223,6 @@ class ModelChunk(nn.Module):
             if t.data_ptr() in ptrs:
                 return t
             box.tensors.append(t)
-            box.device.append(t.device)
             return (box, len(box.tensors) - 1)
 
         def unpack(h: Any) -> torch.Tensor:
@@ -224,7 +230,9 @@ class ModelChunk(nn.Module):
                 return h
             b, i = h
             t = b.tensors[i]
-            return t if t.device == b.device[i] else t.to(b.device[i])
+            if isinstance(t, Parked):
+                raise ChunkStateError(f"micro-batch {mb}: a saved activation of {unit.value} is on the host (no RELOAD before its use)")
+            return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -341,30 +349,43 @@ class ModelChunk(nn.Module):
         return [m for m in self.modules() if isinstance(m, DeferredWeightGrad)]
 
     # -- offload -------------------------------------------------------------------------
-    def offload(self, mb: int, frac: float = 1.0) -> int:
-        """Move (a fraction of) the saved activations of ``mb`` to host memory; returns bytes moved."""
-        moved = 0
-        for (kmb, _, _), box in self._boxes.items():
-            if kmb != mb:
-                continue
-            n = max(box.offloaded, round(len(box.tensors) * frac))
-            for i in range(box.offloaded, n):
-                moved += _nbytes(box.tensors[i])
-                box.tensors[i] = box.tensors[i].to("cpu")
-            box.offloaded = n
-        return moved
+    def saved_for(self, mb: int) -> tuple[list[list[Any]], set[int]]:
+        """The saved-tensor slots of ``mb`` and the storages that must stay on the device.
 
-    def reload(self, mb: int) -> int:
+        Kept: storages also held outside the boxes (autograd leaves and outputs of the
+        unit pieces, stage inputs/outputs, tokens, parameters) -- moving their saved copy
+        would free nothing. Used by :class:`braid.runtime.offload.ActivationOffloader`.
+        """
+        slots = [box.tensors for (kmb, _, _), box in self._boxes.items() if kmb == mb]
+        held: list[torch.Tensor] = list(self.parameters()) + self.tokens + self.labels + self.targets
+        held += [] if self.positions is None else [self.positions]
+        for (kmb, _, _), pieces in self._saved.items():
+            if kmb == mb:
+                held += [t for piece in pieces for t in piece.inputs + piece.outputs]
+        for d in (self._inputs, self._outputs, self._grad_out, self._grad_in):
+            held += list(d.values())
+        held += [t for state in self._fwd.values() for t in state]
+        return slots, {t.untyped_storage().data_ptr() for t in held}
+
+    def _own_offloader(self) -> "ActivationOffloader":
+        from braid.runtime.offload import ActivationOffloader  # the executor passes its own; this is for direct use
+
+        if self._offloader is None:
+            dev = next((t.device for box in self._boxes.values() for t in box.tensors if isinstance(t, torch.Tensor)), "cpu")
+            self._offloader = ActivationOffloader(dev)
+        return self._offloader
+
+    def offload(self, mb: int, frac: float = 1.0, offloader: "ActivationOffloader | None" = None) -> int:
+        """Move ``frac`` of the saved activation bytes of ``mb`` to host memory; returns bytes moved."""
+        off = offloader or self._own_offloader()
+        return off.offload((id(self), mb), *self.saved_for(mb), frac).nbytes
+
+    def reload(self, mb: int, offloader: "ActivationOffloader | None" = None) -> int:
         """Bring the offloaded activations of ``mb`` back to their device; returns bytes moved."""
-        moved = 0
-        for (kmb, _, _), box in self._boxes.items():
-            if kmb != mb:
-                continue
-            for i in range(box.offloaded):
-                box.tensors[i] = box.tensors[i].to(box.device[i])
-                moved += _nbytes(box.tensors[i])
-            box.offloaded = 0
-        return moved
+        off = offloader or self._own_offloader()
+        n = off.reload((id(self), mb)).nbytes
+        off.wait((id(self), mb))
+        return n
 
 
 def build_chunk(

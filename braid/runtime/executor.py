@@ -38,6 +38,7 @@ from braid.models.qwen2 import Qwen2Model
 from braid.models.sequence_parallel import SequenceParallel
 from braid.partition import chunk_specs, layer_offset
 from braid.runtime.distributed import Abort, ProcessGroups
+from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
 from braid.tp.layers import StashError
 from braid.trace import Event, Trace
@@ -152,6 +153,8 @@ class Executor:
         self.tp_group = tp_group
         self.sp_group = sp_group
         self.abort = abort
+        # One per rank and executor: its pinned host buffers are reused by every step.
+        self.offloader = ActivationOffloader(self.device)
 
     @staticmethod
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
@@ -200,17 +203,19 @@ class Executor:
                 try:
                     if isinstance(ins, (Compute, Braided)):
                         self._compute(i, ins)
-                    elif isinstance(ins, Offload):
-                        self._copy(i, ins, "OFFLOAD", lambda: self.chunks[ins.chunk].offload(ins.mb, ins.frac))
-                    elif isinstance(ins, Reload):
-                        self._copy(i, ins, "RELOAD", lambda: self.chunks[ins.chunk].reload(ins.mb))
+                    elif isinstance(ins, (Offload, Reload)):
+                        self._copy(i, ins)
                     else:
                         raise TypeError(f"unknown instruction type {type(ins).__name__}")
-                except (ChunkStateError, StashError) as err:
+                except (ChunkStateError, StashError, OffloadStateError) as err:
                     raise self._fail(i, ins, err) from err
                 i += 1
             for works, t, s in self._sends:
                 self._finish_transfer(works, t, s)
+            on_host = self.offloader.finish()
+            if on_host:
+                raise ExecutionError(f"rank {self.rank}: program ended with activations offloaded and never reloaded: "
+                                     + ", ".join(f"mb {mb} chunk {c}" for c, mb in on_host))
             if self._recvs:
                 raise ExecutionError(f"rank {self.rank}: program ended with receives never consumed: "
                                      + ", ".join(str(t.instr) for _, t, _ in self._recvs.values()))
@@ -250,6 +255,10 @@ class Executor:
                 raise ChunkStateError(f"{op} before its input activation was received")
             if op.kind in (OpKind.B, OpKind.BW) and not ch.has_output_grad(op.mb):
                 raise ChunkStateError(f"{op} before its output gradient was received")
+        self.offloader.poll()
+        for op in ops:
+            if op.kind is not OpKind.F:  # the reload of its activations must have landed
+                self.offloader.wait((op.chunk, op.mb))
         if block is not None:
             self.counts["braided"] += 1
         pending: dict[int, _Pending] = {}
@@ -337,12 +346,20 @@ class Executor:
             else:
                 ch.set_output_grad(ins.mb, t.buffer)
 
-    def _copy(self, idx: int, ins: Offload | Reload, kind: str, fn) -> None:
-        # Synchronous for now: a copy to host and back on the compute stream.
-        s = self.clock.mark()
-        fn()
-        e = self.clock.mark()
-        self._events.append(("copy", str(ins), kind, s, e, ins.mb, ins.chunk, None, None, idx, None))
+    def _copy(self, idx: int, ins: Offload | Reload) -> None:
+        """Issue an offload or reload (asynchronous on CUDA; see :mod:`braid.runtime.offload`)."""
+        ch = self.chunks.get(ins.chunk)
+        if ch is None:
+            raise ChunkStateError(f"no local chunk {ins.chunk} (v={self.plan.v})")
+        key = (ins.chunk, ins.mb)
+        if isinstance(ins, Offload):
+            rec = self.offloader.offload(key, *ch.saved_for(ins.mb), ins.frac, mark=self.clock.mark)
+        else:
+            rec = self.offloader.reload(key, mark=self.clock.mark)
+        kind = "OFFLOAD" if isinstance(ins, Offload) else "RELOAD"
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        self.counts[f"{kind}_bytes"] = self.counts.get(f"{kind}_bytes", 0) + rec.nbytes
+        self._events.append(("copy", str(ins), kind, rec.start, rec.end, ins.mb, ins.chunk, None, None, idx, None))
         self._sample_memory()
 
     # -- trace ---------------------------------------------------------------------------
