@@ -132,6 +132,54 @@ def build_errors(ctx) -> list[str]:
     return msgs
 
 
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def bf16_accuracy(ctx, d_hp: int, seq: int = 512) -> dict[str, float]:
+    """bf16 SP run (cp = world) vs an fp32 reference, relative to a bf16 single-device run; step 1.
+
+    Returns, per gradient and for the loss, ``err(SP) - 2 * err(single-device bf16)``, the
+    quantity that must stay under a small floor (as ``test_attention2d_gpu`` does).
+    """
+    import copy
+
+    import schedules
+    from braid.compiler import compile_plan
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.runtime.distributed import reduce_gradients
+    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.topology import Topology
+
+    dev = ctx.dist.device
+    topo = Topology(ctx.world_size, pp=1, cp=ctx.world_size)
+    groups, sp = _sp_context(ctx, topo, d_hp, None, "head_first")
+    cfg = Qwen2Config(vocab_size=512, hidden=512, layers=2, heads=8, kv_heads=2, ffn=1024)
+    torch.manual_seed(7)
+    model = Qwen2Model(cfg).to(dev)
+    model.reset_parameters(std=0.05)
+    g = torch.Generator().manual_seed(8)
+    toks = [torch.randint(0, cfg.vocab_size, (1, seq), generator=g).to(dev) for _ in range(2)]
+    labs = [torch.randint(0, cfg.vocab_size, (1, seq), generator=g).to(dev) for _ in range(2)]
+    _, (loss32,), grads32 = ex_cases._reference(model, [(toks, labs)])
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    _, (loss16,), grads16 = ex_cases._reference(low, [(toks, labs)])
+    plan = schedules.build("1f1b", 1, 2)
+    chunks = build_rank_chunks(low, plan, 0, (2,), sp=sp, seq_len=seq)
+    ex = Executor.from_groups(plan, compile_plan(plan)[0], chunks, groups, ctx.dist.abort,
+                              act_shape=(1, sp.local_len(seq), cfg.hidden), dtype=torch.bfloat16, device=dev)
+    res = ex.run(toks, labs)
+    params = [p for p in chunks[0].parameters()]
+    reduce_gradients(params, groups, ctx.dist.abort)
+    want32 = dict(build_rank_chunks(ex_cases._as_model(model, grads32), plan, 0, (2,))[0].named_parameters())
+    want16 = dict(build_rank_chunks(ex_cases._as_model(model, grads16), plan, 0, (2,))[0].named_parameters())
+    out = {"loss": abs(res.loss - loss32) / abs(loss32) - 2 * abs(loss16 - loss32) / abs(loss32)}
+    for n, p in chunks[0].named_parameters():
+        out[n] = _rel_err(p.grad, want32[n]) - 2 * _rel_err(want16[n], want32[n])
+    return out
+
+
 @pytest.fixture(scope="module")
 def pools():
     made: dict[int, DistPool] = {}
@@ -199,3 +247,16 @@ def test_invalid_sp_configs_are_clear_errors() -> None:
     with pytest.raises(SequenceParallelError, match="2 query / 1 KV heads per TP rank.*d_hp=4 must divide the 2 query heads"):
         cfg.check_model(heads=8, kv_heads=4, tp=4)
     SPConfig().check_model(heads=3, kv_heads=1, seq_len=7)  # no SP: nothing to check
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("d_hp", [2, 1], ids=["hp2", "cp2"])
+def test_two_gpus_bf16_sp_is_as_accurate_as_one_gpu(d_hp: int) -> None:
+    pool = DistPool(2, timeout_s=120, device="cuda")
+    try:
+        excess = pool.run(bf16_accuracy, d_hp, timeout_s=600)[0]
+    finally:
+        pool.close()
+    worst = max(excess, key=excess.get)
+    assert excess[worst] <= 2e-3, f"{worst}: SP error exceeds twice the single-GPU bf16 error by {excess[worst]:.2e}"
