@@ -62,6 +62,7 @@ class BenchConfig:
     steps: int = 5
     costs: dict[str, Any] | None = None  # a cost-file dict instead of a fresh profile
     external: bool = True
+    calibrate: bool = True  # fit a fresh profile to a measured probe run (see :func:`calibrate`)
 
 
 # ----------------------------------------------------------------------------------------
@@ -111,6 +112,84 @@ def rel_err(pred: float, meas: float) -> float:
 
 
 # ----------------------------------------------------------------------------------------
+# Calibration on a probe schedule
+# ----------------------------------------------------------------------------------------
+def probe_plan(p: int, m: int, v: int = 2):
+    """A GPipe-like plan over the profiled chunks (not one of the benchmarked schedules): per rank
+    all forwards chunk by chunk in stage order, then all full backwards in reverse."""
+    from braid.ir import Compute, OpKind, Plan, ScheduleConfig
+
+    placement = "v" if v == 2 else "loop"
+    ranks = []
+    for r in range(p):
+        chunks = sorted(range(v), key=lambda c: (r if placement == "loop" else 0) + c)  # stage order on this rank
+        fwd = [Compute(OpKind.F, mb, c) for c in chunks for mb in range(m)]
+        bwd = [Compute(OpKind.BW, mb, c) for c in reversed(chunks) for mb in range(m)]
+        ranks.append(tuple(fwd + bwd))
+    return Plan("probe", ScheduleConfig(p, m, v), placement, tuple(ranks))
+
+
+def _bisect(f, target: float, lo: float, hi: float, iters: int = 30) -> float:
+    """The x in [lo, hi] where the increasing ``f`` reaches ``target`` (clamped to the ends)."""
+    if f(lo) >= target:
+        return lo
+    while f(hi) < target and hi < 1e3:
+        hi *= 2
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: float, measured_busy_s: float) -> dict[str, Any]:
+    """Fit the profile to one measured run of the probe plan (calibrated prediction).
+
+    Two figures, both written to ``meta.calibration``: ``compute_scale`` -- measured unit
+    compute in the pipeline over the isolated unit times (caches, a busy neighbour); then
+    the one communication figure that explains the rest of the measured step: the effective
+    P2P time (pp > 1; it absorbs the per-transfer latency of a loaded machine) or, with pp=1
+    and tp > 1, a scale of the all-reduce times.
+    """
+    import copy
+
+    from braid.compiler import compile_plan
+    from braid.partition import chunk_specs
+    from simulator import simulate
+
+    programs = compile_plan(plan)
+    lay = Layout(pc.tp, pc.pp, plan.v, plan.placement)
+    specs = chunk_specs(pc.layers_per_stage, pc.pp, plan.placement)
+    sim = lambda d: simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=False).report  # noqa: E731
+    out = copy.deepcopy(doc)
+    nominal = sum(r.nominal_compute_s for r in sim(out).ranks)
+    k = measured_busy_s / nominal if nominal > 0 else 1.0
+    for c in out["chunks"].values():
+        for key in ("T_F", "T_B", "T_W"):
+            c[key] *= k
+    cal: dict[str, Any] = {"probe": f"{plan.name} p={plan.p} m={plan.m}", "measured_step_s": measured_step_s,
+                           "compute_scale": k}
+
+    def with_knob(x: float) -> dict[str, Any]:
+        d = copy.deepcopy(out)
+        for c, base in zip(d["chunks"].values(), doc["chunks"].values()):
+            if pc.pp > 1:
+                c["T_P2P"] = x
+            else:
+                c["T_AR"], c["T_AR_B"] = base["T_AR"] * x, base["T_AR_B"] * x
+        return d
+
+    if pc.pp > 1:
+        x = _bisect(lambda v: sim(with_knob(v)).step_time_s, measured_step_s, 0.0, 1e-3)
+        out, cal["p2p_s"] = with_knob(x), x
+    elif pc.tp > 1:
+        x = _bisect(lambda v: sim(with_knob(v)).step_time_s, measured_step_s, 0.0, 2.0)
+        out, cal["ar_scale"] = with_knob(x), x
+    cal["predicted_step_s"] = sim(out).step_time_s
+    out["meta"] = {**out.get("meta", {}), "calibration": cal}
+    return out
+
+
+# ----------------------------------------------------------------------------------------
 # The job on every rank
 # ----------------------------------------------------------------------------------------
 def _sync(dev: torch.device) -> None:
@@ -147,14 +226,14 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step) -> tuple[list[flo
     return times, peak, res
 
 
-def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
+def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None) -> dict[str, Any]:
     import schedules
     from braid.compiler import compile_plan
     from braid.runtime.executor import Executor, build_rank_chunks
 
     pc = bc.profile
     dev = d.device
-    plan = schedules.build(name, pc.pp, m)
+    plan = plan or schedules.build(name, pc.pp, m)
     if plan.num_stages != len(pc.layers_per_stage):
         raise ValueError(f"{plan.num_stages} virtual stages, but --chunks gives {len(pc.layers_per_stage)}")
     program = compile_plan(plan)[groups.coords.pp]
@@ -257,6 +336,15 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     torch.manual_seed(1234)
     with torch.device("cpu"):
         model = Qwen2Model(pc.full_model()).to(_DTYPES[pc.dtype])
+    if bc.costs is None and bc.calibrate and (pc.pp > 1 or pc.tp > 1):
+        plan = probe_plan(pc.pp, 2 * pc.pp, pc.v)
+        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan)
+        gathered = [None] * pc.world_size
+        dist.all_gather_object(gathered, out)
+        if lead:
+            step_s = statistics.median(max(rk["times"][i] for rk in gathered) for i in range(len(out["times"])))
+            busy = sum(e.dur for rk in gathered if rk["trace"] is not None for e in rk["trace"].events if e.lane == "compute")
+            doc = calibrate(doc, pc, plan, step_s, busy)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
     ext = [(c, m) for c in EXTERNAL for m in bc.mbs] if bc.external else []
@@ -399,6 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported (default 5)")
     ap.add_argument("--costs", metavar="FILE", help="predict from this cost file instead of a fresh profile")
+    ap.add_argument("--no-calibrate", action="store_true", help="predict from the raw profile (no probe-run calibration)")
     ap.add_argument("--no-external", action="store_true", help="skip the torch.distributed.pipelining baselines")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
@@ -419,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             costs = json.loads(Path(args.costs).read_text())
         except (OSError, json.JSONDecodeError) as err:
             ap.error(f"--costs {args.costs}: {err}")
-    bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, costs, not args.no_external)
+    bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, costs, not args.no_external,
+                     not args.no_calibrate)
     summary = run_bench(bc)
     traces = summary.pop("_traces")
     print(f"# {args.preset}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
