@@ -1,0 +1,372 @@
+"""The training loop shared by ``examples/qwen2.py`` (LLM) and ``examples/qwen2_vl.py`` (VLM).
+
+One process per rank (torchrun) or a single process (world size 1). Every rank builds the
+same single-device model from ``--seed``, keeps only its pipeline/TP shards, compiles the
+schedule, and runs ``--steps`` steps of: executor program (forward + backward of all
+micro-batches in the schedule's order), gradient all-reduce over data-parallel replicas,
+AdamW. A :class:`Task` says what differs between the two scripts (model, data, chunks).
+
+Outputs: one log line per step on rank 0 (and a progress bar on a terminal),
+``--metrics`` (JSON lines), ``--trace`` (the last step's measured trace, all ranks merged),
+``--save``/``--resume`` (``torch.distributed.checkpoint``: model shards, AdamW state,
+step and data position; resuming reproduces the uninterrupted run's losses exactly).
+
+Real data: give :func:`main` a ``source`` -- any :class:`data.SampleSource` returning
+``tokens``/``labels`` (and ``pixels`` for the VLM) per global sample index; the loop
+draws samples ``pos .. pos + global_batch - 1`` each step, so the position is all a
+resumed run needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+log = logging.getLogger("braid.examples")
+
+
+class UsageError(ValueError):
+    """A flag or a layout that cannot work: exit code 2 with one line."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a training script plugs into the loop.
+
+    ``build_model(args) -> nn.Module`` (single-device, under the caller's seed);
+    ``stage_layers(model, num_stages, args) -> tuple``; ``check(model, topo, num_stages, args)``
+    raises ``ValueError`` for layouts the model cannot take; ``build_chunks(model, plan,
+    pp_rank, stage_layers, tp_rank, tp_size, tp_group)``; ``source(model, args)`` the data;
+    ``inputs(model, batch) -> (tokens_item, labels)`` per micro-batch; ``seq_len(model, args)``
+    the LM sequence; ``flops_per_sample(model, args)`` for MFU.
+    """
+
+    prog: str
+    description: str
+    build_model: Callable[[argparse.Namespace], torch.nn.Module]
+    stage_layers: Callable[..., tuple[int, ...]]
+    check: Callable[..., None]
+    build_chunks: Callable[..., dict]
+    source: Callable[..., Any]
+    inputs: Callable[..., tuple[Any, torch.Tensor]]
+    seq_len: Callable[..., int]
+    flops_per_sample: Callable[..., float]
+    default_seq: int
+    vision: bool = False
+
+
+# -- command line ----------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2 (argparse's default prints usage too)
+        raise UsageError(message)
+
+
+def build_parser(task: Task) -> argparse.ArgumentParser:
+    import schedules
+
+    p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=_EPILOG.format(prog=task.prog))
+    lay = p.add_argument_group("layout (world size = dp * pp * tp)")
+    lay.add_argument("--schedule", default="braided_v", choices=schedules.names(), metavar="NAME",
+                     help="pipeline schedule: " + ", ".join(schedules.names()) + " (default: %(default)s)")
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
+    lay.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: %(default)s)")
+    lay.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / (tp*pp))")
+    lay.add_argument("--last-stage-lighter", type=int, default=None,
+                     help="layers fewer on the last virtual stage (heavy LM head; default: 2, 0 for --model tiny)")
+    run = p.add_argument_group("batch and model")
+    run.add_argument("--model", default="tiny", choices=["tiny", "small", "7b", "15b"], help="size preset (default: %(default)s)")
+    run.add_argument("--mbs", type=int, default=None, help="micro-batches per step (default: 2*pp)")
+    run.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default: %(default)s)")
+    run.add_argument("--seq", type=int, default=task.default_seq,
+                     help=("caption tokens per sample; the LM sees visual tokens + these" if task.vision else "tokens per sample")
+                     + " (default: %(default)s)")
+    if task.vision:
+        run.add_argument("--image-size", type=int, default=None, help="image side in pixels (default: the preset's)")
+    run.add_argument("--steps", type=int, default=40, help="training steps in total, counting resumed ones (default: %(default)s)")
+    run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    run.add_argument("--init-std", type=float, default=0.02, help="std of the random initialisation (default: %(default)s)")
+    run.add_argument("--seed", type=int, default=0, help="model and data seed (default: %(default)s)")
+    run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="auto: cuda if available (bf16), else cpu (fp32) (default: %(default)s)")
+    out = p.add_argument_group("outputs")
+    out.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (rank 0 writes)")
+    out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m viz)")
+    out.add_argument("--save", metavar="DIR", help="checkpoint at the end (and every --save-every steps)")
+    out.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
+    out.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written with the same layout")
+    out.add_argument("--peak-tflops", type=float, default=None,
+                     help="per-device peak for MFU (default: 989 on H100/H200, 0 = not reported on CPU)")
+    out.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck communication fails the run")
+    return p
+
+
+_EPILOG = """\
+examples:
+  python {prog} --steps 40                                   # one process, CPU or one GPU
+  torchrun --nproc-per-node 4 {prog} --schedule braided_v --tp 2 --pp 2
+  torchrun --nproc-per-node 2 {prog} --pp 2 --metrics m.jsonl --trace t.json
+  python {prog} --steps 2 --save ckpt && python {prog} --steps 4 --resume ckpt
+
+Bad flags, or a layout the world size or the model cannot take, exit with code 2 and one
+line on rank 0 (every rank stops before any communication)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything decided before any process group exists (same on every rank)."""
+
+    args: argparse.Namespace
+    world: int
+    rank: int
+    topo: Any
+    plan: Any
+    stage_layers: tuple[int, ...]
+    model: torch.nn.Module
+
+
+def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
+    """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
+    import schedules
+    from braid.topology import Topology
+
+    args = build_parser(task).parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    for name in ("tp", "pp", "micro_batch_size", "seq", "steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.dp is None:
+        args.dp = max(1, world // (args.tp * args.pp))
+    if args.mbs is None:
+        args.mbs = 2 * args.pp
+    if args.last_stage_lighter is None:
+        args.last_stage_lighter = 0 if args.model == "tiny" else 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
+    if args.resume and not Path(args.resume, ".metadata").is_file():
+        raise UsageError(f"--resume {args.resume}: no checkpoint there (missing .metadata)")
+    try:
+        topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp)
+        plan = schedules.build(args.schedule, args.pp, args.mbs)
+        torch.manual_seed(args.seed)
+        model = task.build_model(args)
+        layers = task.stage_layers(model, plan.num_stages, args)
+        task.check(model, topo, plan.num_stages, args)
+    except ValueError as err:
+        raise UsageError(str(err).splitlines()[0]) from None
+    return Setup(args, world, rank, topo, plan, layers, model)
+
+
+# -- the run -----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _peak_flops(args: argparse.Namespace, device: torch.device) -> float:
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    if device.type == "cuda" and any(k in torch.cuda.get_device_name(device) for k in ("H100", "H200", "H800", "H20 ")):
+        return 989e12
+    return 0.0
+
+
+class Progress:
+    """Rank 0's progress: a carriage-return bar on a terminal, plain log lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.tty = enabled and sys.stderr.isatty()
+
+    def update(self, step: int, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            done = int(30 * step / self.total)
+            sys.stderr.write(f"\r\033[K{line}\n[{'#' * done}{'.' * (30 - done)}] {step}/{self.total}")
+            sys.stderr.flush()
+        else:
+            log.info(line)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _state_dict(chunks: dict, plan, pp_rank: int, tp_rank: int, opt: torch.optim.Optimizer, progress: dict) -> dict:
+    """Checkpoint contents: keys name (stage, tp rank, parameter), so shards never collide across ranks."""
+    model, optim = {}, {}
+    for c, ch in chunks.items():
+        for n, p in ch.named_parameters():
+            key = f"stage{plan.stage_of(pp_rank, c)}.tp{tp_rank}.{n}"
+            model[key] = p
+            st = opt.state[p]
+            if not st:  # before the first step: create AdamW's state so a load can fill it in place
+                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            optim[key] = {k: st[k] for k in ("step", "exp_avg", "exp_avg_sq")}
+    return {"model": model, "optim": optim, "progress": progress}
+
+
+def run(task: Task, setup: Setup, source: Any = None) -> list[float]:
+    """Train; returns the per-step losses (on every rank)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from braid.compiler import compile_plan
+    from braid.runtime.distributed import Dist, ProcessGroups, reduce_gradients
+    from braid.runtime.executor import Executor
+    from braid.trace import Trace, dump_traces
+
+    args, topo, plan = setup.args, setup.topo, setup.plan
+    device = _device(args)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if "RANK" in os.environ:
+        d = Dist.from_env(device=device, timeout_s=args.timeout)
+    else:
+        d = Dist.init(0, 1, master_port=_free_port(), device=device, timeout_s=args.timeout)
+    try:
+        groups = ProcessGroups.create(topo, timeout_s=args.timeout)
+        c = groups.coords
+        model = setup.model
+        chunks = task.build_chunks(model, plan, c.pp, setup.stage_layers, c.tp, topo.tp, groups.tp if topo.tp > 1 else None)
+        for ch in chunks.values():
+            ch.to(device=device, dtype=dtype)
+        source = source if source is not None else task.source(model, args)
+        seq = task.seq_len(model, args)
+        hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
+        program = compile_plan(plan)[c.pp]
+        ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=(args.micro_batch_size, seq, hidden),
+                                  dtype=dtype, device=device)
+        params = [p for ch in chunks.values() for p in ch.parameters()]
+        opt = torch.optim.AdamW(params, lr=args.lr)
+        per_step = args.dp * args.mbs * args.micro_batch_size
+        step, pos = 0, 0
+        if args.resume:
+            sd = _state_dict(chunks, plan, c.pp, c.tp, opt, {"step": torch.zeros((), dtype=torch.int64), "pos": torch.zeros((), dtype=torch.int64)})
+            dcp.load(sd, checkpoint_id=args.resume)
+            step, pos = int(sd["progress"]["step"]), int(sd["progress"]["pos"])
+            if setup.rank == 0:
+                log.info("resumed from %s at step %d (sample %d)", args.resume, step, pos)
+        del model
+        flops = task.flops_per_sample(setup.model, args)
+        peak = _peak_flops(args, device)
+        state_bytes = sum(p.numel() * p.element_size() * 4 for p in params)  # weights, grads, two AdamW moments
+        bar = Progress(args.steps, setup.rank == 0)
+        metrics = open(args.metrics, "a") if args.metrics and setup.rank == 0 else None
+        losses: list[float] = []
+        res = None
+        while step < args.steps:
+            first = pos + c.dp * args.mbs * args.micro_batch_size
+            toks, labs = [], []
+            for i in range(args.mbs):
+                tok, lab = task.inputs(setup.model, _batch(source, first + i * args.micro_batch_size, args.micro_batch_size))
+                toks.append(_to(tok, device, dtype))
+                labs.append(lab.to(device))
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            res = ex.run(toks, labs)
+            reduce_gradients(params, groups, d.abort)
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            holds_loss = res.loss is not None and c.tp == 0
+            loss_t = torch.tensor([res.loss if holds_loss else 0.0], dtype=torch.float64, device=device)
+            dist.all_reduce(loss_t)
+            loss = float(loss_t) / topo.dp
+            mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else max((b for _, b in next(iter(res.trace.memory.values()), [])), default=0) + state_bytes
+            mems = torch.zeros(setup.world, dtype=torch.int64, device=device)
+            mems[setup.rank] = mem
+            dist.all_reduce(mems)
+            step += 1
+            pos += per_step
+            losses.append(loss)
+            samples = per_step / dt
+            tokens = samples * seq
+            mfu = flops * samples / (setup.world * peak) if peak else 0.0
+            bar.update(step, f"step {step:>4}/{args.steps}  loss {loss:.4f}  {dt * 1e3:7.1f} ms  {tokens:,.0f} tok/s  "
+                             f"mfu {mfu:.3f}  peak mem {max(mems.tolist()) / 2**20:,.1f} MiB")
+            if metrics is not None:
+                metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": samples,
+                                          "tokens_per_s": tokens, "mfu": mfu, "peak_memory_bytes": mems.tolist(),
+                                          "schedule": args.schedule, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                                          "model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", "")}) + "\n")
+                metrics.flush()
+            if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+                progress = {"step": torch.tensor(step), "pos": torch.tensor(pos)}
+                dcp.save(_state_dict(chunks, plan, c.pp, c.tp, opt, progress), checkpoint_id=args.save)
+        bar.close()
+        if metrics is not None:
+            metrics.close()
+        if args.trace and res is not None:
+            _write_trace(res.trace, setup.rank, setup.world, args, Trace, dump_traces)
+        return losses
+    except Exception:
+        d.abort.signal("training loop failed")
+        raise
+    finally:
+        d.close()
+
+
+def _batch(source: Any, first: int, count: int) -> dict[str, torch.Tensor]:
+    items = [source[first + k] for k in range(count)]
+    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+
+def _to(item: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    if isinstance(item, tuple):
+        return tuple(_to(x, device, dtype) for x in item)
+    return item.to(device=device, dtype=dtype if item.is_floating_point() else item.dtype)
+
+
+def _write_trace(trace: Any, rank: int, world: int, args: argparse.Namespace, Trace: Any, dump_traces: Any) -> None:
+    """Gather every rank's trace to rank 0 and merge them (events and memory keyed by global rank)."""
+    import torch.distributed as dist
+
+    d = trace.to_dict()
+    for e in d["events"]:
+        e["rank"] = rank
+    d["memory"] = {str(rank): s for s in d["memory"].values()}
+    got: list[Any] = [None] * world if rank == 0 else None
+    dist.gather_object(d, got, dst=0)
+    if rank != 0:
+        return
+    merged = Trace.from_dict({"meta": {**got[0]["meta"], "rank": None, "ranks": world, "tp": args.tp, "pp": args.pp, "dp": args.dp},
+                              "events": [e for t in got for e in t["events"]],
+                              "memory": {r: s for t in got for r, s in t["memory"].items()}})
+    dump_traces([merged], args.trace)
+    log.info("trace of the last step: %s (%d events, %d ranks)", args.trace, len(merged.events), world)
+
+
+def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> int:
+    """Entry point of the example scripts; returns the exit code (2 for bad flags or layouts)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        setup = prepare(task, argv)
+    except UsageError as err:
+        if rank == 0:
+            print(f"{task.prog}: error: {err}", file=sys.stderr)
+        return 2
+    run(task, setup, source)
+    return 0
