@@ -1,0 +1,66 @@
+"""``braid.profile``: config validation, and a real 2-rank CPU profile read back as a cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from braid.braiding import OpKind, unit_tasks
+from braid.costs import Layout, costs_from_dict
+from braid.models.qwen2 import Qwen2Config
+from braid.partition import chunk_specs
+from braid.profile import PRESETS, ProfileConfig, main, profile
+
+TINY = PRESETS["tiny"]
+
+
+def test_bad_configs_say_what_to_change() -> None:
+    with pytest.raises(ValueError, match="pp\\*v = 4 stages"):
+        ProfileConfig(TINY, (1, 1, 1), pp=2)
+    with pytest.raises(ValueError, match="tp=3 must divide"):
+        ProfileConfig(TINY, (1, 1), tp=3, pp=1)
+    with pytest.raises(ValueError, match="dtype"):
+        ProfileConfig(TINY, (1, 1), pp=1, dtype="fp8")
+    with pytest.raises(SystemExit) as ex:
+        main(["--preset", "huge"])
+    assert ex.value.code == 2
+
+
+def _forward_live_bytes(cfg: ProfileConfig, stage: int) -> int:
+    """Saved bytes after one forward of ``stage``'s chunk, measured here in one process."""
+    import torch
+
+    from braid.ir import Plan, ScheduleConfig, rank_chunk_of
+    from braid.models.qwen2 import Qwen2Model
+    from braid.runtime.executor import build_rank_chunks
+
+    plan = Plan("t", ScheduleConfig(cfg.pp, 1, cfg.v), cfg.placement, tuple(() for _ in range(cfg.pp)))
+    rank, c = rank_chunk_of(cfg.placement, cfg.pp, stage)
+    torch.manual_seed(0)
+    ch = build_rank_chunks(Qwen2Model(cfg.full_model()), plan, rank, cfg.layers_per_stage)[c]
+    tok = torch.randint(0, cfg.model.vocab_size, (cfg.micro_batch_size, cfg.seq))
+    ch.set_batch([tok], [tok])
+    if not ch.spec.embed:
+        ch.set_input(0, torch.randn(cfg.act_shape()))
+    for t in unit_tasks(OpKind.F, ch.spec):
+        ch.run(0, t)
+    return ch.live_bytes()
+
+
+def test_cpu_profile_is_a_cost_file_for_any_placement() -> None:
+    cfg = ProfileConfig(Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64), (1, 2, 1, 1),
+                        seq=8, pp=2, iters=2)
+    doc = profile(cfg)
+    assert doc["format"] == "braid-costs/1" and sorted(doc["chunks"]) == ["0", "1", "2", "3"]
+    assert doc["meta"]["comm"]["p2p_s"] > 0 and doc["pcie_bytes_per_s"] > 0
+    for placement in ("v", "loop"):
+        specs = chunk_specs(cfg.layers_per_stage, 2, placement)
+        costs = costs_from_dict(doc, Layout(1, 2, 2, placement), specs)
+        for cc in costs.chunks.values():
+            assert cc.total("f") > 0 and cc.total("b") > 0 and cc.total("w") > 0
+            assert cc.total("ar_f") == 0  # tp = 1
+    for stage in range(4):
+        entry = doc["chunks"][str(stage)]
+        assert entry["activation_bytes"] == pytest.approx(_forward_live_bytes(cfg, stage), rel=1e-9)
+        assert 0 < entry["w_residual_bytes"] <= entry["activation_bytes"]
+    # stage 1 has two layers: its forward keeps more than stage 2's one layer
+    assert doc["chunks"]["1"]["activation_bytes"] > doc["chunks"]["2"]["activation_bytes"]
