@@ -358,6 +358,30 @@ def _write_trace(trace: Any, rank: int, world: int, args: argparse.Namespace, Tr
     log.info("trace of the last step: %s (%d events, %d ranks)", args.trace, len(merged.events), world)
 
 
+def _usage_barrier(rank: int) -> None:
+    """Under torchrun, other ranks wait (briefly) until rank 0 has printed the error.
+
+    The elastic agent stops the remaining workers as soon as one exits; without this, a
+    fast rank 1 could get rank 0 killed before its one line reached the terminal.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or "MASTER_PORT" not in os.environ:
+        return
+    key = "braid/usage_error_reported"
+    try:
+        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=10))
+        if rank == 0:
+            store.set(key, "1")
+        else:
+            store.wait([key])
+    except Exception:  # noqa: BLE001 - best effort: the exit code is 2 either way
+        log.debug("no store to coordinate the usage error", exc_info=True)
+
+
 def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> int:
     """Entry point of the example scripts; returns the exit code (2 for bad flags or layouts)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -366,7 +390,8 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
         setup = prepare(task, argv)
     except UsageError as err:
         if rank == 0:
-            print(f"{task.prog}: error: {err}", file=sys.stderr)
+            print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
+        _usage_barrier(rank)
         return 2
     run(task, setup, source)
     return 0

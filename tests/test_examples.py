@@ -1,0 +1,133 @@
+"""The example training scripts, launched as a user would (torchrun or plain python, gloo on CPU).
+
+* ``qwen2_vl.py`` under ``braided_v`` with tp=2, pp=2 (4 processes) gives the same per-step
+  losses as one process (tp=1, pp=1), and writes metrics and a merged 4-rank trace;
+* save after step 2 of 4 and resume: steps 3-4 reproduce the uninterrupted run's losses
+  exactly (same layout, same arithmetic);
+* bad flags and impossible layouts exit with code 2 and one line, also under torchrun;
+* ``qwen2.py`` runs with pp=2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from braid.trace import load_traces
+
+ROOT = Path(__file__).resolve().parent.parent
+VLM = str(ROOT / "examples" / "qwen2_vl.py")
+LLM = str(ROOT / "examples" / "qwen2.py")
+# Losses of a 4-rank TP/PP run vs one process: the same fp32 sums in another order
+# (TP partial sums, gradient all-reduces) over 3 AdamW steps.
+LOSS_RTOL = 1e-4
+COMMON = ["--model", "tiny", "--mbs", "4", "--micro-batch-size", "2", "--seed", "1", "--device", "cpu"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _torchrun(n: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return _python("-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone", *args, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[dict]:
+    """One process, tp=1, pp=1, 4 steps: the run the others are compared with."""
+    out = tmp_path_factory.mktemp("ref") / "m.jsonl"
+    _ok(_python(VLM, *COMMON, "--schedule", "braided_v", "--steps", "4", "--metrics", str(out)))
+    return _metrics(out)
+
+
+def test_vlm_tp2_pp2_braided_matches_single_process(reference, tmp_path) -> None:
+    metrics, trace = tmp_path / "m.jsonl", tmp_path / "t.json"
+    _ok(_torchrun(4, VLM, *COMMON, "--schedule", "braided_v", "--tp", "2", "--pp", "2", "--steps", "3",
+                  "--metrics", str(metrics), "--trace", str(trace)))
+    got = _metrics(metrics)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    for m, ref in zip(got, reference):
+        assert math.isclose(m["loss"], ref["loss"], rel_tol=LOSS_RTOL), (m["step"], m["loss"], ref["loss"])
+        assert m["samples_per_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * (4 + 16))
+        assert len(m["peak_memory_bytes"]) == 4 and min(m["peak_memory_bytes"]) > 0
+        assert (m["tp"], m["pp"], m["dp"], m["schedule"]) == (2, 2, 1, "braided_v") and m["mfu"] == 0.0
+    (tr,) = load_traces(trace)
+    assert tr.ranks == [0, 1, 2, 3]
+    assert {e.lane for e in tr.events} >= {"compute", "tp-comm", "p2p"}
+    assert any(e.unit == "merge" for e in tr.events)  # the vision stage's merge unit ran
+    assert sum(e.kind == "F" for e in tr.events) > 0 and all(tr.memory[r] for r in range(4))
+
+
+def test_loss_falls(reference) -> None:
+    losses = [m["loss"] for m in reference]
+    assert losses[-1] < losses[0]
+
+
+def test_resume_continues_with_the_same_losses(reference, tmp_path) -> None:
+    ckpt, first, second = tmp_path / "ckpt", tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _ok(_python(VLM, *COMMON, "--schedule", "braided_v", "--steps", "2", "--save", str(ckpt), "--metrics", str(first)))
+    proc = _python(VLM, *COMMON, "--schedule", "braided_v", "--steps", "4", "--resume", str(ckpt), "--metrics", str(second))
+    _ok(proc)
+    assert "resumed" in proc.stderr and "at step 2" in proc.stderr
+    got = _metrics(first) + _metrics(second)
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert [m["loss"] for m in got] == [m["loss"] for m in reference]  # exact: same layout, same arithmetic
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "3"], "world size 1 != dp*pp*cp*tp"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--schedule", "1f1b"], "at least 2 virtual stages"),
+    (["--image-size", "18"], "multiple of patch"),
+])
+def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
+    proc = _python(VLM, *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qwen2_vl.py: error:") and message in lines[0], proc.stderr
+
+
+def test_impossible_layout_under_torchrun_stops_every_rank() -> None:
+    proc = _torchrun(2, VLM, "--tp", "4", timeout=120)  # a hang would hit the timeout
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("qwen2_vl.py: error: world size 2 != dp*pp*cp*tp") == 1, out[-3000:]
+    assert "exitcode  : 2" in out or "exit code 2" in out or "exitcode: 2" in out.replace("  ", " "), out[-3000:]
+
+
+def test_help_reads_like_documentation() -> None:
+    proc = _python(VLM, "--help")
+    _ok(proc)
+    for flag in ("--schedule", "--tp", "--pp", "--dp", "--mbs", "--micro-batch-size", "--seq", "--image-size", "--steps",
+                 "--model", "--lr", "--seed", "--device", "--metrics", "--trace", "--save", "--resume", "torchrun"):
+        assert flag in proc.stdout, flag
+
+
+def test_llm_example_pp2(tmp_path) -> None:
+    metrics = tmp_path / "m.jsonl"
+    _ok(_torchrun(2, LLM, "--pp", "2", "--schedule", "zb_v", "--steps", "2", "--seq", "16", "--metrics", str(metrics)))
+    got = _metrics(metrics)
+    assert [m["step"] for m in got] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in got)
+    assert len(got[0]["peak_memory_bytes"]) == 2
