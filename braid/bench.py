@@ -460,7 +460,12 @@ def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
     if doc.get("format") != MEASUREMENTS_FORMAT:
         raise ValueError(f"{p}: not a measurements file (format={doc.get('format')!r}, expected {MEASUREMENTS_FORMAT!r})")
     cfg = summary["config"]
+    import os
+
     entry = {"name": name, "device": summary["device"], "memory": summary["memory"],
+             # runnable processes per core over the last minute when captured: > 1 means the
+             # machine was oversubscribed and the step times are not a timing reference
+             "load_per_core": os.getloadavg()[0] / (os.cpu_count() or 1),
              "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
              "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
              "runs": [{k: r[k] for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes")} for r in summary["runs"]],
