@@ -100,6 +100,7 @@ class ChunkCosts:
         """Every unit instance of the chunk (layer units repeated per layer)."""
         out = [Unit.EMBED] if self.spec.embed else []
         out += [u for _ in range(self.spec.layers) for u in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)]
+        out += [Unit.MERGE] if self.spec.merge else []
         return out + ([Unit.HEAD] if self.spec.head else [])
 
     def total(self, attr: str) -> float:
@@ -226,11 +227,19 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         vit_units = _layer_units(vtok, v.patches, v.hidden, v.heads, v.heads, v.ffn, False, False, t, d, hw, ar_v)
         f_patch = 2 * vtok * v.patch_pixels * v.hidden / hw.matmul_flops
         embed = UnitCost(f_patch, f_patch, f_patch, ar_lm, 0.0, vtok * v.patch_pixels * d, vtok * v.patch_pixels * d)
+        # Patch merger (2x2 -> one LM token): norm, column-parallel fc1 (4hv -> 4hv), GELU, row-parallel fc2
+        # (4hv -> h); joined with the text embedding by the AR of the LM-sized output; backward ends with
+        # the AR of fc1's input gradient (ViT-sized).
+        mtok, wide = vtok // 4, 4 * v.hidden
+        f_merge = 2 * mtok * (wide * wide + wide * h) / t / hw.matmul_flops
+        merge = UnitCost(f_merge, f_merge, f_merge, ar_lm, ar_v, mtok * wide * d * (2 + 2 / t), mtok * wide * d * (1 + 1 / t))
     p2p = hw.p2p_latency_s + tok * h * d / hw.p2p_bytes_per_s
     chunks = {}
     for key, spec in specs.items():
         units = dict(vit_units if (vit_units is not None and spec.embed) else lm)
         units[Unit.EMBED], units[Unit.HEAD] = embed, head
+        if vit_units is not None:
+            units[Unit.MERGE] = merge  # used by chunks whose spec has merge=True (the vision stage)
         chunks[key] = ChunkCosts(spec, units, p2p)
     ma = model.layers / (2 * layout.p) * sum(u.act for u in lm.values())
     return CostModel(layout, chunks, ma, hw.pcie_bytes_per_s, hw.p2p_over_pcie, ar_slowdown, model.micro_batch_size,
@@ -251,8 +260,8 @@ _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "p
                 "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
 _SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res"}
-_AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP)
-_AR_B_UNITS = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD)
+_AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE)
+_AR_B_UNITS = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD, Unit.MERGE)
 
 
 def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
