@@ -12,7 +12,7 @@ last one ``last_stage_lighter`` layers lighter (its head over a large vocabulary
 :func:`vlm_stage_layers` gives that split; :mod:`braid.models.vision_chunk` builds the chunks.
 
 Size presets: ``tiny`` (CPU tests, seconds), ``small`` (one GPU), ``7b`` (Qwen2-VL-7B
-shapes) and ``15b`` (a paper-sized MLLM: 14B-class LM with a 0.6B ViT).
+shapes) and ``15b`` (the paper-sized MLLM of :mod:`braid.models_catalog`: a 14B LM with a 0.6B ViT).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ LM_PRESETS: dict[str, Qwen2Config] = {
     "tiny": Qwen2Config(vocab_size=32, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64),
     "small": Qwen2Config(vocab_size=32768, hidden=1024, layers=16, heads=16, kv_heads=4, ffn=2816),
     "7b": Qwen2Config(vocab_size=152064, hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944),
-    "15b": Qwen2Config(vocab_size=152064, hidden=5120, layers=40, heads=40, kv_heads=8, ffn=13824),
+    "15b": Qwen2Config(vocab_size=152064, hidden=4096, layers=57, heads=32, kv_heads=8, ffn=14976),  # as qwen2-vl-15b in braid.models_catalog
 }
 VIT_PRESETS: dict[str, ViTConfig] = {
     "tiny": ViTConfig(hidden=32, layers=2, heads=4, ffn=64, patch=4, image_size=16),
