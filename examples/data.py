@@ -14,8 +14,9 @@ of every layout draws the same samples -- the property the equivalence tests rel
 
 Real data: subclass :class:`SampleSource` (``__getitem__(i) -> dict`` with ``tokens``
 (S,) long, ``labels`` (S,) long with -100 where no loss is taken, and for VLMs
-``pixels`` (3, H, W) float) and pass it to the training loop's ``--data`` hook
-(``examples/train_loop.py``).
+``pixels`` (3, H, W) float) and pass it to the training loop:
+``train_loop.main(qwen2_vl.TASK, source=MySource(...))`` (``examples/train_loop.py``); sample
+``i`` must not depend on the rank, so every layout trains on the same data.
 """
 
 from __future__ import annotations
