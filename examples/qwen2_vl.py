@@ -55,7 +55,7 @@ def _inputs(model, batch):
     return (batch["pixels"], batch["tokens"]), model.full_labels(batch["labels"])
 
 
-def _chunks(model, plan, pp_rank, stage_layers, tp_rank, tp_size, tp_group):
+def _chunks(model, plan, pp_rank, stage_layers, tp_rank, tp_size, tp_group, sp=None, seq_len=None):
     from braid.models.vision_chunk import build_vlm_rank_chunks
 
     return build_vlm_rank_chunks(model, plan, pp_rank, stage_layers, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)

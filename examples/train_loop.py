@@ -82,6 +82,13 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     lay.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
     lay.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: %(default)s)")
     lay.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / (tp*pp))")
+    lay.add_argument("--cp", type=int, default=1,
+                     help="sequence-parallel degree d_sp = d_hp x d_cp (LoongTrain 2D-Attention; default: %(default)s)")
+    lay.add_argument("--hp", type=int, default=1, help="head-parallel part d_hp of --cp (default: %(default)s)")
+    lay.add_argument("--ring-size", type=int, default=None,
+                     help="inner ring size w of Double-Ring-Attention, dividing d_cp = cp/hp (default: one ring of d_cp)")
+    lay.add_argument("--placement", default="head_first", choices=["head_first", "context_first"],
+                     help="put the head-parallel (head_first) or the context-parallel group on adjacent ranks")
     lay.add_argument("--last-stage-lighter", type=int, default=None,
                      help="layers fewer on the last virtual stage (heavy LM head; default: 2, 0 for --model tiny)")
     run = p.add_argument_group("batch and model")
@@ -142,11 +149,11 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
 
     args = build_parser(task).parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    for name in ("tp", "pp", "micro_batch_size", "seq", "steps"):
+    for name in ("tp", "pp", "cp", "hp", "micro_batch_size", "seq", "steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.dp is None:
-        args.dp = max(1, world // (args.tp * args.pp))
+        args.dp = max(1, world // (args.tp * args.pp * args.cp))
     if args.mbs is None:
         args.mbs = 2 * args.pp
     if args.last_stage_lighter is None:
@@ -156,15 +163,34 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     if args.resume and not Path(args.resume, ".metadata").is_file():
         raise UsageError(f"--resume {args.resume}: no checkpoint there (missing .metadata)")
     try:
-        topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp)
+        sp_config = _sp_config(task, args)
+        topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
         plan = schedules.build(args.schedule, args.pp, args.mbs)
         torch.manual_seed(args.seed)
         model = task.build_model(args)
         layers = task.stage_layers(model, plan.num_stages, args)
         task.check(model, topo, plan.num_stages, args)
+        if sp_config is not None:
+            sp_config.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
     except ValueError as err:
         raise UsageError(str(err).splitlines()[0]) from None
     return Setup(args, world, rank, topo, plan, layers, model)
+
+
+def _sp_config(task: Task, args: argparse.Namespace) -> Any:
+    """The sequence-parallel degrees from the flags, or None without sequence parallelism."""
+    from braid.models.sequence_parallel import SPConfig
+
+    if args.cp == 1:
+        if args.hp != 1 or args.ring_size is not None:
+            raise UsageError("--hp and --ring-size need --cp > 1 (the sequence-parallel degree)")
+        return None
+    if task.vision:
+        raise UsageError("--cp > 1 is not supported by the vision-language example (the ViT stage is not "
+                         "sequence-parallel); use examples/qwen2.py for long-sequence runs")
+    if args.cp % args.hp:
+        raise UsageError(f"--hp {args.hp} must divide --cp {args.cp}")
+    return SPConfig(d_sp=args.cp, d_hp=args.hp, w=args.ring_size, placement=args.placement)
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -245,14 +271,21 @@ def run(task: Task, setup: Setup, source: Any = None) -> list[float]:
         groups = ProcessGroups.create(topo, timeout_s=args.timeout)
         c = groups.coords
         model = setup.model
-        chunks = task.build_chunks(model, plan, c.pp, setup.stage_layers, c.tp, topo.tp, groups.tp if topo.tp > 1 else None)
+        sp = None
+        if topo.cp > 1:
+            from braid.models.sequence_parallel import SequenceParallel
+
+            sp = SequenceParallel.create(_sp_config(task, args), groups)
+        chunks = task.build_chunks(model, plan, c.pp, setup.stage_layers, c.tp, topo.tp, groups.tp if topo.tp > 1 else None,
+                                   sp=sp, seq_len=task.seq_len(model, args))
         for ch in chunks.values():
             ch.to(device=device, dtype=dtype)
         source = source if source is not None else task.source(model, args)
         seq = task.seq_len(model, args)
         hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
         program = compile_plan(plan)[c.pp]
-        ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=(args.micro_batch_size, seq, hidden),
+        local_seq = sp.local_len(seq) if sp is not None else seq
+        ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=(args.micro_batch_size, local_seq, hidden),
                                   dtype=dtype, device=device)
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=args.lr)
@@ -290,7 +323,7 @@ def run(task: Task, setup: Setup, source: Any = None) -> list[float]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
-            holds_loss = res.loss is not None and c.tp == 0
+            holds_loss = res.loss is not None and c.tp == 0 and c.cp == 0  # the SP group already summed it
             loss_t = torch.tensor([res.loss if holds_loss else 0.0], dtype=torch.float64, device=device)
             dist.all_reduce(loss_t)
             loss = float(loss_t) / topo.dp

@@ -131,3 +131,29 @@ def test_llm_example_pp2(tmp_path) -> None:
     assert [m["step"] for m in got] == [1, 2]
     assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in got)
     assert len(got[0]["peak_memory_bytes"]) == 2
+
+
+def test_llm_example_sequence_parallel_matches_single_process(tmp_path) -> None:
+    """--cp 2 (LoongTrain 2D-Attention, here a context-parallel ring of 2) gives the single-process losses."""
+    common = ["--steps", "2", "--seq", "16", "--mbs", "2", "--schedule", "1f1b"]
+    ref, sp = tmp_path / "ref.jsonl", tmp_path / "sp.jsonl"
+    _ok(_python(LLM, *common, "--metrics", str(ref)))
+    _ok(_torchrun(2, LLM, *common, "--cp", "2", "--metrics", str(sp)))
+    want, got = [m["loss"] for m in _metrics(ref)], [m["loss"] for m in _metrics(sp)]
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cp", "2", "--hp", "3"], "--hp 3 must divide --cp 2"),
+    (["--hp", "2"], "--hp and --ring-size need --cp > 1"),
+])
+def test_bad_sequence_parallel_flags_exit_2(args: list[str], message: str) -> None:
+    proc = _python(LLM, *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_vlm_rejects_sequence_parallel_with_a_clear_error() -> None:
+    proc = _python(VLM, "--cp", "2")
+    assert proc.returncode == 2 and "not supported by the vision-language example" in proc.stderr, proc.stderr
