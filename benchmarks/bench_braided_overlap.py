@@ -12,12 +12,10 @@ left exposed on the compute stream (from the measured trace) for both.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 
 import torch
-import torch.multiprocessing as mp
+from _spawn import spawn_two
 
 
 def _programs(m: int) -> dict[str, str]:
@@ -97,18 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.tiny and torch.cuda.device_count() < 2:
         ap.error("needs 2 GPUs (or --tiny for the CPU smoke test)")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = out.get(timeout=1800)
-    for p in procs:
-        p.join()
+    (res,) = spawn_two(_worker, args)
     (tb, eb, cb), (tp_, ep, _) = res["braided"], res["plain"]
     print(f"braided blocks per step: {cb['braided']}, all-reduces per step: {cb['AR']}")
     print(f"step time  plain {tp_ * 1e3:9.2f} ms   braided {tb * 1e3:9.2f} ms   ratio braided/plain {tb / tp_:.3f}")

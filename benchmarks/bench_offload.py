@@ -16,12 +16,10 @@ preset) with the relative error predicted vs measured.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 
 import torch
-import torch.multiprocessing as mp
+from _spawn import spawn_two
 
 RUNS: list[tuple[str, str, dict]] = [
     ("braided_v", "braided_v", {}),
@@ -133,18 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs 2 GPUs (or --tiny for the CPU smoke test)")
     if args.mbs < 4:
         ap.error("--mbs must be at least 4 (braided_v needs m >= 2p)")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(out.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    got = dict(spawn_two(_worker, args, results=2))
     pred = _predicted(args)
     base = {r: got[r]["braided_v"]["step_s"] for r in got}
     unit = "GiB" if not args.tiny else "KiB"

@@ -20,20 +20,6 @@ LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 MUST_RUN = {("gpipe", "p"), ("gpipe", "2p+1"), ("1f1b", "p"), ("1f1b", "2p+1"), ("zb_h1", "2p+1"), ("braided_v", "2p+1")}
 
 
-@pytest.fixture(scope="module")
-def pools():
-    made: dict[int, DistPool] = {}
-
-    def get(n: int) -> DistPool:
-        if n not in made:
-            made[n] = DistPool(n, timeout_s=60)
-        return made[n]
-
-    yield get
-    for p in made.values():
-        p.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,tp", LAYOUTS, ids=[f"pp{p}-tp{t}" for p, t in LAYOUTS])
 def test_schedules_match_reference(pools, pp: int, tp: int) -> None:

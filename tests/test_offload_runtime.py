@@ -23,7 +23,6 @@ from braid.costs import Layout, analytic_costs
 from braid.hardware import get_hardware
 from braid.models_catalog import get_model
 from braid.runtime.offload import ActivationOffloader, OffloadStateError, Parked
-from distributed_utils import DistPool
 from executor_cases import CFG_KW, MBS, SEQ, _data
 from simulator import simulate
 
@@ -113,20 +112,6 @@ def offload_matches_plain(ctx, tp: int, m: int, alphas: tuple[float, ...]) -> di
         assert sum(e.lane == "copy" for e in res.trace.events) == 2 * res.counts["OFFLOAD"], where
         moved[opts["offload_alpha"]] = res.counts["OFFLOAD_bytes"]
     return moved
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made: dict[int, DistPool] = {}
-
-    def get(n: int) -> DistPool:
-        if n not in made:
-            made[n] = DistPool(n, timeout_s=60)
-        return made[n]
-
-    yield get
-    for p in made.values():
-        p.close()
 
 
 @pytest.mark.parametrize("tp", [1, 2])

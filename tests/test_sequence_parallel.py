@@ -180,20 +180,6 @@ def bf16_accuracy(ctx, d_hp: int, seq: int = 512) -> dict[str, float]:
     return out
 
 
-@pytest.fixture(scope="module")
-def pools():
-    made: dict[int, DistPool] = {}
-
-    def get(n: int) -> DistPool:
-        if n not in made:
-            made[n] = DistPool(n, timeout_s=60)
-        return made[n]
-
-    yield get
-    for p in made.values():
-        p.close()
-
-
 @pytest.mark.slow
 def test_sp2_matches_reference(pools) -> None:
     ran = pools(2).run(sp_equivalence, 1, 1, [(2, None, "head_first"), (1, None, "head_first")],
