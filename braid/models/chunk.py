@@ -14,7 +14,13 @@ always split off (:func:`braid.tp.split_weight_grads`); a ``W`` task (or the W h
 
 Saved activations are captured with ``saved_tensors_hooks`` into one box per
 (micro-batch, unit), so they can be counted (the memory series of the trace) and moved
-to host memory by ``Offload``/``Reload`` instructions.
+to host memory by ``Offload``/``Reload`` instructions (paper Sec. 4.4). The boxes are the
+*only* holders of a finished forward's activations: a piece keeps its inputs and outputs
+as autograd :class:`~torch.autograd.graph.GradientEdge` handles, not tensors, and a
+piece's input enters the graph through :class:`_Entry` (an identity whose backward node
+holds no tensor) instead of a leaf (whose ``AccumulateGrad`` node would hold the leaf's
+data until backward). So moving a box's tensors to the host really frees their device
+memory, for any fraction of a micro-batch's saved bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
 from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, parallelize_layer
@@ -40,7 +47,41 @@ class ChunkStateError(RuntimeError):
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A leaf copy-free alias of ``t`` (vision chunk's merge unit); the LM units use :meth:`ModelChunk._enter`."""
     return t.detach().requires_grad_()
+
+
+class _Entry(torch.autograd.Function):
+    """Identity that starts a piece's autograd graph at ``x`` without holding ``x``.
+
+    The output is a view of ``x`` (no copy) that requires grad through ``anchor`` (a
+    0-dim tensor; it gets no gradient). Its backward node saves nothing, so once the
+    forward is done ``x``'s storage is held only by the saved-tensor boxes; the gradient
+    w.r.t. ``x`` is captured at the node's :class:`GradientEdge`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+Handle = torch.Tensor | GradientEdge  # a piece's input/output: an edge, or (the loss) a tensor
+
+
+def _edge(t: torch.Tensor) -> GradientEdge:
+    return get_gradient_edge(t)
+
+
+def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
+    """``p.grad += g`` as autograd's ``AccumulateGrad`` would (same values, same add)."""
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -58,10 +99,11 @@ def _masked_mean(ce: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @dataclass(slots=True)
 class _Piece:
-    """One autograd sub-graph of a unit: leaf inputs, outputs, and eager parameters (norm weights)."""
+    """One autograd sub-graph of a unit: input and output handles (edges, which hold no
+    activation data), and eager parameters (norm weights)."""
 
-    inputs: tuple[torch.Tensor, ...]
-    outputs: tuple[torch.Tensor, ...]
+    inputs: tuple[Handle, ...]
+    outputs: tuple[Handle, ...]
     params: tuple[nn.Parameter, ...] = ()
 
 
@@ -134,6 +176,7 @@ class ModelChunk(nn.Module):
         self._saved: dict[tuple, list[_Piece]] = {}
         self._boxes: dict[tuple, _Box] = {}
         self._offloader: ActivationOffloader | None = None
+        self._anchors: dict[torch.device, torch.Tensor] = {}
 
     # -- data in and out -----------------------------------------------------------------
     def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
@@ -215,6 +258,13 @@ class ModelChunk(nn.Module):
             raise ChunkStateError(f"B{mb} ended without an input gradient")
 
     # -- forward -------------------------------------------------------------------------
+    def _enter(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (detached) as the start of a piece's graph; see :class:`_Entry`."""
+        anchor = self._anchors.get(t.device)
+        if anchor is None:
+            anchor = self._anchors[t.device] = torch.zeros((), device=t.device, requires_grad=True)
+        return _Entry.apply(t.detach(), anchor)
+
     def _saving(self, mb: int, unit: Unit, layer: int):
         box = self._boxes.setdefault((mb, unit, layer), _Box())
         ptrs = {p.data_ptr() for p in self.parameters()}  # after any .to(device)
@@ -240,7 +290,7 @@ class ModelChunk(nn.Module):
         if unit is Unit.EMBED:
             with self._saving(mb, unit, layer):
                 out = self.embed(self.tokens[mb])
-            self._saved[(mb, unit, layer)] = [_Piece((), (out,))]
+            self._saved[(mb, unit, layer)] = [_Piece((), (_edge(out),))]
             self._fwd[mb] = (out.detach(),)
             return self._fwd[mb][0]
         if mb not in self._fwd:
@@ -251,10 +301,10 @@ class ModelChunk(nn.Module):
         key = (mb, unit, layer)
         with self._saving(*key):
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
-                x = _leaf(state[0])
+                x = self._enter(state[0])
                 norm = self.norm if unit is Unit.HEAD else self._norm_of(unit, layer)
                 h = norm(x)
-                hl = _leaf(h)
+                hl = self._enter(h)
                 if unit is Unit.HEAD:
                     logits = self.lm_head(hl)  # (b, s, V/t)
                     labels = self.labels[mb]
@@ -268,14 +318,15 @@ class ModelChunk(nn.Module):
                 else:
                     lay = self.layers[layer]
                     outs = tuple(lay.qkv(hl, self.positions) if unit is Unit.PRE_ATTN else lay.gate_up(hl))
-                self._saved[key] = [_Piece((x,), (h,), (norm.weight,)), _Piece((hl,), outs)]
+                ends = outs if unit is Unit.HEAD else tuple(_edge(o) for o in outs)  # the loss: a 0-dim tensor
+                self._saved[key] = [_Piece((_edge(x),), (_edge(h),), (norm.weight,)), _Piece((_edge(hl),), ends)]
                 self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
                 return None
             *acts, residual = state
-            leaves = tuple(_leaf(a) for a in acts)
+            leaves = tuple(self._enter(a) for a in acts)
             lay = self.layers[layer]
             out = lay.attn(*leaves, residual) if unit is Unit.ATTN else lay.mlp(*leaves, residual)  # partial over TP
-        self._saved[key] = [_Piece(leaves, (out,))]
+        self._saved[key] = [_Piece(tuple(_edge(t) for t in leaves), (_edge(out),))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]
 
@@ -284,8 +335,9 @@ class ModelChunk(nn.Module):
         """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
-        torch.autograd.backward(piece.outputs, (dh,), inputs=list(piece.inputs + piece.params))
-        dx = piece.inputs[0].grad
+        dx, *dps = torch.autograd.grad(piece.outputs, piece.inputs + piece.params, (dh,))
+        for p, g in zip(piece.params, dps):
+            _accumulate(p, g)
         self._boxes.pop(box_key, None)
         return dx if residual is None else dx + residual
 
@@ -306,7 +358,7 @@ class ModelChunk(nn.Module):
         with split_weight_grads(self._deferred(unit, layer), mb):
             if unit is Unit.HEAD:
                 (hl,) = pieces[1].inputs
-                (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))
+                (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))  # the loss: implicit ones
                 st.pending = (pieces[0], dh, None, key)
                 return dh  # partial over TP: all-reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
@@ -320,8 +372,7 @@ class ModelChunk(nn.Module):
                 torch.autograd.backward(pieces[0].outputs, (g,), inputs=[self.embed.weight])
                 self._boxes.pop(key, None)
                 return None
-            (out,) = pieces[0].outputs
-            st.grads = torch.autograd.grad(out, pieces[0].inputs, g)
+            st.grads = torch.autograd.grad(pieces[0].outputs, pieces[0].inputs, (g,))
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             self._boxes.pop(key, None)
             return None
@@ -352,16 +403,18 @@ class ModelChunk(nn.Module):
     def saved_for(self, mb: int) -> tuple[list[list[Any]], set[int]]:
         """The saved-tensor slots of ``mb`` and the storages that must stay on the device.
 
-        Kept: storages also held outside the boxes (autograd leaves and outputs of the
-        unit pieces, stage inputs/outputs, tokens, parameters) -- moving their saved copy
-        would free nothing. Used by :class:`braid.runtime.offload.ActivationOffloader`.
+        Kept: storages also held outside the boxes (stage inputs/outputs and forward state
+        not yet consumed, tokens, parameters, piece handles that are tensors -- the loss,
+        a vision merge unit's leaves) -- moving their saved copy would free nothing. The
+        LM units' pieces hold edges, so after a forward nearly every saved byte can move.
+        Used by :class:`braid.runtime.offload.ActivationOffloader`.
         """
         slots = [box.tensors for (kmb, _, _), box in self._boxes.items() if kmb == mb]
         held: list[torch.Tensor] = list(self.parameters()) + self.tokens + self.labels + self.targets
         held += [] if self.positions is None else [self.positions]
         for (kmb, _, _), pieces in self._saved.items():
             if kmb == mb:
-                held += [t for piece in pieces for t in piece.inputs + piece.outputs]
+                held += [t for piece in pieces for t in piece.inputs + piece.outputs if isinstance(t, torch.Tensor)]
         for d in (self._inputs, self._outputs, self._grad_out, self._grad_in):
             held += list(d.values())
         held += [t for state in self._fwd.values() for t in state]
