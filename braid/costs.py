@@ -29,9 +29,9 @@ yardstick serves every schedule in a comparison.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from braid.braiding import ChunkSpec, Unit
 from braid.hardware import Hardware
@@ -167,6 +167,29 @@ def _layer_units(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: 
     }
 
 
+def _runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: int, t: int, d: int) -> dict[Unit, float]:
+    """Bytes each LM unit of braid's runtime saves for its backward (``activations="runtime"``).
+
+    Counted from the chunk's saved-tensor boxes (``ModelChunk.live_bytes``), distinct
+    storages: RMSNorm keeps its fp32 input (the input itself when ``d`` = 4), the fp32
+    rsqrt and the normalised input cast back (4h + d*h + 4 per token); the linears after
+    it keep their (shared) input; RoPE keeps cos/sin for q and k (per position); flash
+    attention keeps q, k, v, its output (= o_proj's input) and the fp32 LSE; the SwiGLU
+    MLP keeps gate, up, silu(gate) and their product (down_proj's input). Korthikanti's
+    coefficients assume a 4h GELU MLP and no fp32 norm copies: for a Qwen2-7B layer in
+    bf16 they count about half of these bytes.
+    """
+    hd = h // heads
+    kvh = max(kv_heads // t, 1) * hd
+    norm = tokens * (4 * h + d * h + 4)
+    return {
+        Unit.PRE_ATTN: norm + tokens * d * h + 4 * seq * hd * d,
+        Unit.ATTN: tokens * (d * (2 * heads // t * hd + 2 * kvh) + 4 * heads // t),
+        Unit.PRE_MLP: norm + tokens * d * h,
+        Unit.MLP: tokens * 4 * (ffn // t) * d,
+    }
+
+
 def _allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
     if t == 1:
         return 0.0
@@ -204,8 +227,17 @@ def model_stage_layers(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
     return split_layers(model.vit.layers + model.layers, n, last_stage_lighter=lighter, first_stage_layers=model.vit.layers)
 
 
-def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown: float = AR_SLOWDOWN) -> CostModel:
-    """The analytic cost model of ``model`` on ``hw`` under ``layout`` (see module doc)."""
+def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown: float = AR_SLOWDOWN,
+                   activations: Literal["korthikanti", "runtime"] = "korthikanti") -> CostModel:
+    """The analytic cost model of ``model`` on ``hw`` under ``layout`` (see module doc).
+
+    ``activations``: how the LM units' (and the head's, embedding's) saved bytes are
+    counted -- Korthikanti's per-layer formula (the paper's yardstick), or ``"runtime"``:
+    what braid's runtime really saves (:func:`_runtime_act`), for predictions that are
+    compared with a measured activation peak (Sec. 4.4 offload benchmark).
+    """
+    if activations not in ("korthikanti", "runtime"):
+        raise ValueError(f"activations must be 'korthikanti' or 'runtime', got {activations!r}")
     t, d = layout.tp, model.dtype_bytes
     if model.heads % t or model.kv_heads % t and t % model.kv_heads:
         raise ValueError(f"tp={t} must divide the {model.heads} attention heads of {model.name!r} (and match its {model.kv_heads} KV heads)")
@@ -219,6 +251,12 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     head = UnitCost(f_head, f_head, f_head, 0.0, ar_lm, 4 * sbh + tok * model.vocab / t * 4,
                     2 * sbh + tok * model.vocab / t * d)
     embed = UnitCost(0.0, 0.0, 0.0, ar_lm, 0.0, tok * 8, tok * h * d)
+    if activations == "runtime":
+        acts = _runtime_act(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, t, d)
+        lm = {u: replace(c, act=acts[u]) for u, c in lm.items()}
+        # norm, its output, fp32 logits of the vocab shard; labels copy and masks (11 bytes per token)
+        head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + 4 * model.vocab // t + 11))
+        embed = replace(embed, act=tok * 9)  # shifted token ids and the shard mask
     vit_units = None
     if model.vit is not None:
         v = model.vit

@@ -216,11 +216,17 @@ class ModelChunk(nn.Module):
         return self._grad_in.pop(mb)
 
     def live_bytes(self) -> int:
-        """Bytes of saved activations on the device (each storage once) plus stashed weight-gradient inputs."""
+        """Bytes of saved activations on the device plus stashed weight-gradient inputs and
+        output gradients, each storage once (q/k/v projections stash one shared input)."""
         held: dict[int, int] = {}
         for b in self._boxes.values():
             held.update(b.storages())
-        return sum(held.values()) + sum(m.stash_bytes() for m in self._deferred_all())
+        for m in self._deferred_all():
+            for items in m._stash.values():
+                for t in (t for pair in items for t in pair):
+                    st = t.untyped_storage()
+                    held[st.data_ptr()] = st.nbytes()
+        return sum(held.values())
 
     def pending_work(self) -> list[str]:
         """What is still held (for end-of-step checks)."""
