@@ -144,7 +144,16 @@ def _predicted(args: argparse.Namespace) -> dict[str, list[int]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def measure(args: argparse.Namespace) -> tuple[dict[int, dict[str, dict]], dict[str, list[int]]]:
+    """Measured figures per rank and schedule label, and the predicted activation peak per label and rank."""
+    return dict(spawn_two(_worker, args, results=2)), _predicted(args)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return _parser().parse_args(argv)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on CPU with gloo (smoke test)")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers over the 4 virtual stages (default 8)")
@@ -153,13 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbs", type=int, default=8, help="micro-batches per step (default 8)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if not args.tiny and torch.cuda.device_count() < 2:
         ap.error("needs 2 GPUs (or --tiny for the CPU smoke test)")
     if args.mbs < 4:
         ap.error("--mbs must be at least 4 (braided_v needs m >= 2p)")
-    got = dict(spawn_two(_worker, args, results=2))
-    pred = _predicted(args)
+    got, pred = measure(args)
     base = {r: got[r]["braided_v"]["step_s"] for r in got}
     unit = "GiB" if not args.tiny else "KiB"
     div = 2**30 if not args.tiny else 2**10
