@@ -22,13 +22,13 @@ import pytest
 import torch
 
 import schedules
+from braid.braiding import ChunkSpec, unit_tasks
 from braid.compiler import compile_plan
 from braid.costs import Layout, analytic_costs
 from braid.hardware import get_hardware
+from braid.ir import OpKind
 from braid.models_catalog import get_model
 from braid.runtime.offload import ActivationOffloader, OffloadStateError, Parked
-from braid.braiding import ChunkSpec, unit_tasks
-from braid.ir import OpKind
 from executor_cases import CFG_KW, MBS, SEQ, _data
 from simulator import simulate
 
@@ -207,7 +207,7 @@ def test_boxes_alone_hold_a_forward_so_offload_frees_frac_of_its_saved_bytes() -
     storages move), and alpha = 1 moves every byte. Before the boxes were the only holders,
     alpha 0.5 and 1 moved the same ~half."""
     for frac in ALPHAS:
-        ch, spec, out = _forwarded_chunk()
+        ch, _, _ = _forwarded_chunk()
         saved = ch.live_bytes()
         largest = max(n for box in ch._boxes.values() for n in box.storages().values())
         assert saved > 0 and _held_elsewhere(ch) == 0
