@@ -187,3 +187,57 @@ def wrong_world(ctx) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def record_modes(ctx, tp: int) -> dict:
+    """braided_v p=1 m=3 with TP ``tp``: one step per recording mode from the same weights.
+
+    Returns, per mode, the loss, the gradients, the counts and what the trace holds, so the
+    test can check that recording changes what is timed and never what is computed.
+    """
+    import schedules
+    from braid.braiding import steps
+    from braid.compiler import compile_plan
+    from braid.ir import Braided, Compute, compute_ops
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.topology import Topology
+
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=1, tp=tp))
+    plan = schedules.build("braided_v", 1, 3)
+    cfg = Qwen2Config(layers=2, **CFG_KW)
+    torch.manual_seed(0)
+    chunks = build_rank_chunks(Qwen2Model(cfg), plan, 0, (1, 1), tp_rank=groups.coords.tp, tp_size=tp, tp_group=groups.tp)
+    program = compile_plan(plan)[0]
+    ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), record="off")
+    toks, labs = _data(cfg, 3, 0)
+    compute = [i for i in program.instructions if isinstance(i, (Compute, Braided))]
+    out: dict = {
+        "n_units": sum(len(steps(i, lambda c: chunks[c].spec)) for i in compute),
+        "ops": sum(len(compute_ops(i)) for i in compute),
+    }
+    for mode in ("units", "instructions", "off", None):  # None: the executor's own mode ("off")
+        for ch in chunks.values():
+            ch.zero_grad(set_to_none=True)
+        res = ex.run(toks, labs, record=mode)
+        ev = res.trace.events
+        out[str(mode)] = {
+            "loss": res.loss,
+            "grads": {f"{c}.{n}": p.grad.detach().clone() for c, ch in chunks.items() for n, p in ch.named_parameters()},
+            "counts": res.counts,
+            "compute": sum(e.lane == "compute" for e in ev),
+            "with_unit": sum(e.lane == "compute" and e.unit is not None for e in ev),
+            "ar": sum(e.kind == "AR" for e in ev),
+            "memory": len(res.trace.memory.get(0, [])),
+            "meta_record": res.trace.meta["record"],
+            "exposed": "exposed_ar_s" in res.trace.meta["summary"],
+        }
+    try:
+        ex.run(toks, labs, record="unit")
+    except ValueError as err:
+        out["bad"] = str(err)
+    try:
+        Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), record="all")
+    except ValueError as err:
+        out["bad_init"] = str(err)
+    return out

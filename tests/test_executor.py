@@ -10,6 +10,7 @@ from the executed run and compared with the program.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import schedules
 from distributed_utils import DistPool
@@ -64,3 +65,25 @@ def test_a_failing_rank_makes_the_other_fail_within_the_timeout() -> None:
     # Rank 0 waits for rank 1's activation/gradient: it must stop with rank 1's reason.
     assert results[0] != "no error", results
     assert "rank 1" in results[0] and "IndexError" in results[0], results
+
+
+def test_recording_modes_time_less_and_compute_the_same(pools) -> None:
+    # tp=2 so the unit-level all-reduces are recorded (units) or only waited for (the others).
+    for rank, got in enumerate(pools(2).run(cases.record_modes, 2)):
+        units = got["n_units"]
+        for mode in ("instructions", "off", "None"):
+            assert got[mode]["loss"] == got["units"]["loss"], (rank, mode)
+            assert got[mode]["counts"] == got["units"]["counts"], (rank, mode)
+            assert got[mode]["grads"].keys() == got["units"]["grads"].keys()
+            for name, g in got[mode]["grads"].items():
+                assert torch.equal(g, got["units"]["grads"][name]), (rank, mode, name)
+        assert got["units"]["counts"]["AR"] > 0
+        assert got["units"]["compute"] == got["units"]["with_unit"] == units
+        assert got["units"]["ar"] == got["units"]["counts"]["AR"] and got["units"]["exposed"]
+        assert got["instructions"]["compute"] == got["ops"] and got["instructions"]["with_unit"] == 0
+        assert got["instructions"]["ar"] == 0 and not got["instructions"]["exposed"]
+        assert got["instructions"]["memory"] == got["units"]["memory"] > 0
+        for mode in ("off", "None"):
+            assert got[mode]["compute"] == got[mode]["memory"] == 0 and got[mode]["meta_record"] == "off"
+        assert "record='unit'" in got["bad"] and "units, instructions, off" in got["bad"]
+        assert "record='all'" in got["bad_init"]

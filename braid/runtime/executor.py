@@ -18,6 +18,15 @@ parallel ranks (:func:`braid.runtime.distributed.reduce_gradients`) and steps it
 optimizer. The executor records a measured :class:`braid.trace.Trace` in the simulator's
 format: unit compute events, all-reduces on lane ``tp-comm``, P2P events and a memory
 series (``torch.cuda.memory_allocated`` on GPU, live saved-activation bytes on CPU).
+
+Recording costs host time on every unit task (two clock marks -- CUDA events on GPU --
+and one event tuple), which bounds small models by Python dispatch. ``record`` picks how
+much is measured: ``"units"`` (every unit task and all-reduce, the full trace),
+``"instructions"`` (one clock pair per compute instruction, P2P/copy events and the memory
+series, no per-unit or all-reduce events) or ``"off"`` (no clock, no events, no memory
+series; counts only). The unit step lists of :func:`braid.braiding.steps` are computed once
+per instruction shape and bound to each instruction once per executor. None of this changes
+what is computed: only what is timed.
 """
 
 from __future__ import annotations
@@ -25,12 +34,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 import torch.distributed as dist
 
-from braid.braiding import ChunkSpec
+from braid.braiding import ChunkSpec, UnitTask
 from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
 from braid.braiding import steps as braid_steps
 from braid.models.chunk import ChunkStateError, ModelChunk, build_chunk
@@ -50,14 +59,30 @@ class ExecutionError(RuntimeError):
     """An invariant of the program was broken on this rank (names rank, instruction and micro-batch)."""
 
 
-class _Clock:
-    """Timestamps: CUDA events on GPU (resolved at the end of the step), ``perf_counter`` on CPU."""
+Record = Literal["units", "instructions", "off"]
+RECORD_MODES: tuple[str, ...] = ("units", "instructions", "off")
 
-    def __init__(self, device: torch.device) -> None:
+
+def _check_record(record: str) -> Record:
+    if record not in RECORD_MODES:
+        raise ValueError(f"record={record!r}: choose one of {', '.join(RECORD_MODES)}")
+    return record  # type: ignore[return-value]
+
+
+class _Clock:
+    """Timestamps: CUDA events on GPU (resolved at the end of the step), ``perf_counter`` on CPU.
+
+    ``enabled=False`` (recording off): every mark is ``None`` and costs one call.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.cuda = device.type == "cuda"
+        self.enabled = enabled
         self.t0 = self.mark()
 
     def mark(self) -> Any:
+        if not self.enabled:
+            return None
         if self.cuda:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -87,6 +112,11 @@ class StepResult:
     loss: float | None  # sum over micro-batches of loss/m, on the rank holding the last stage
     trace: Trace
     counts: dict[str, int] = field(default_factory=dict)  # executed braided blocks, W units, ...
+
+
+# One unit task of a compute instruction, bound once per executor:
+# (member, op, task, waits for the op's all-reduce, starts one, op text, phase text, unit text).
+_Bound = tuple[int, Compute, UnitTask, bool, bool, str, str, str]
 
 
 def build_rank_chunks(
@@ -128,6 +158,9 @@ class Executor:
     (micro-batch size, *local* sequence -- ``seq/d_sp`` under sequence parallelism --,
     hidden); ``tp_group=None`` means tp=1. ``sp_group``: the sequence-parallel group, over
     which the last stage sums its ranks' loss shares (``None``: no sequence parallelism).
+    ``record``: what the trace of each step holds by default (``"units"``,
+    ``"instructions"`` or ``"off"``, see the module docstring); :meth:`run` can override it
+    per step, e.g. to trace only the last step of a training run.
     """
 
     def __init__(
@@ -143,6 +176,7 @@ class Executor:
         tp_group: dist.ProcessGroup | None = None,
         abort: Abort | None = None,
         sp_group: dist.ProcessGroup | None = None,
+        record: Record = "units",
     ) -> None:
         if set(chunks) != set(range(plan.v)):
             raise ValueError(f"rank {program.rank}: chunks {sorted(chunks)} for v={plan.v}")
@@ -155,6 +189,9 @@ class Executor:
         self.abort = abort
         # One per rank and executor: its pinned host buffers are reused by every step.
         self.offloader = ActivationOffloader(self.device)
+        self.record = _check_record(record)
+        self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
+        self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
 
     @staticmethod
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
@@ -177,11 +214,15 @@ class Executor:
         return ExecutionError(f"rank {self.rank}: instruction {idx} ({ins}), micro-batch {','.join(map(str, mbs))}: {err}")
 
     # -- the loop ------------------------------------------------------------------------
-    def run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> StepResult:
-        """Execute the program once (one training step's forward and backward, gradients accumulated)."""
+    def run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, record: Record | None = None) -> StepResult:
+        """Execute the program once (one training step's forward and backward, gradients accumulated).
+
+        ``record`` overrides the executor's recording mode for this step only.
+        """
+        self._rec = self.record if record is None else _check_record(record)
         for c in self.chunks.values():
             c.set_batch(tokens, labels)
-        self.clock = _Clock(self.device)
+        self.clock = _Clock(self.device, enabled=self._rec != "off")
         self._events: list[tuple] = []
         self._memory: list[tuple[Any, int]] = []
         self._exposed: list[tuple[Any, Any]] = []
@@ -261,22 +302,42 @@ class Executor:
                 self.offloader.wait((op.chunk, op.mb))
         if block is not None:
             self.counts["braided"] += 1
+        bound, phases = self._steps_of(idx, ins)
+        rec = self._rec
+        mark = self.clock.mark
+        chunks, tp, events = self.chunks, self.tp_group, self._events
         pending: dict[int, _Pending] = {}
-        for st in braid_steps(ins, self._spec):
-            if st.task.waits_ar and st.member in pending:
-                self._wait_ar(pending.pop(st.member))
-            ch = self.chunks[st.op.chunk]
-            s = self.clock.mark()
-            out = ch.run(st.op.mb, st.task)
-            e = self.clock.mark()
-            unit = st.task.label.split(":", 1)[1]
-            kind = st.task.phase.value
-            self.counts[kind] += 1
-            self._events.append(("compute", f"{st.op}", kind, s, e, st.op.mb, st.op.chunk, unit, block, idx, None))
-            if st.task.ar and out is not None and self.tp_group is not None:
-                work = dist.all_reduce(out, group=self.tp_group, async_op=True)
-                pending[st.member] = _Pending(work, self.clock.mark(), st.op, unit, block, idx)
-                self.counts["AR"] += 1
+        if rec == "units":
+            for member, op, task, waits, ar, name, kind, unit in bound:
+                if waits and member in pending:
+                    self._wait_ar(pending.pop(member))
+                s = mark()
+                out = chunks[op.chunk].run(op.mb, task)
+                e = mark()
+                events.append(("compute", name, kind, s, e, op.mb, op.chunk, unit, block, idx, None))
+                if ar and out is not None and tp is not None:
+                    # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
+                    pending[member] = _Pending(dist.all_reduce(out, group=tp, async_op=True), e, op, unit, block, idx)
+                    self.counts["AR"] += 1
+        else:  # one clock pair per instruction at most; all-reduces are waited for, not timed
+            s = mark()
+            works: dict[int, dist.Work] = {}
+            for member, op, task, waits, ar, name, kind, unit in bound:
+                if waits and member in works:
+                    self._wait(works.pop(member))
+                out = chunks[op.chunk].run(op.mb, task)
+                if ar and out is not None and tp is not None:
+                    works[member] = dist.all_reduce(out, group=tp, async_op=True)
+                    self.counts["AR"] += 1
+            for member in sorted(works):
+                self._wait(works.pop(member))
+            if rec == "instructions":
+                e = mark()
+                for op in ops:  # one event per op, spanning the whole instruction (unit: None)
+                    kind = "B" if op.kind is OpKind.BW else op.kind.value
+                    events.append(("compute", str(op), kind, s, e, op.mb, op.chunk, None, block, idx, None))
+        for kind, n in phases.items():
+            self.counts[kind] += n
         for member in sorted(pending):
             self._wait_ar(pending.pop(member))
         for op in ops:
@@ -293,6 +354,33 @@ class Executor:
                 if prv >= 0 and self.plan.rank_chunk_of(prv)[0] == self.rank:
                     self.chunks[self.plan.rank_chunk_of(prv)[1]].set_output_grad(op.mb, ch.pop_input_grad(op.mb))
         self._sample_memory()
+
+    def _steps_of(self, idx: int, ins: Compute | Braided) -> tuple[tuple[_Bound, ...], dict[str, int]]:
+        """The unit steps of instruction ``idx``, bound to its ops, and its unit count per phase.
+
+        :func:`braid.braiding.steps` depends only on the instruction's shape (op kinds and
+        chunks) and the chunk specs, so it runs once per shape; binding the micro-batches
+        and the text of each step happens once per instruction of the program.
+        """
+        got = self._bound.get(idx)
+        if got is not None:
+            return got
+        ops = compute_ops(ins)
+        shape = tuple((op.kind, op.chunk) for op in ops) + (isinstance(ins, Braided),)
+        tasks = self._by_shape.get(shape)
+        if tasks is None:
+            tasks = tuple((st.member, st.task) for st in braid_steps(ins, self._spec))
+            self._by_shape[shape] = tasks
+        names = [str(op) for op in ops]
+        bound = tuple(
+            (member, ops[member], task, task.waits_ar, task.ar, names[member], task.phase.value, task.label.split(":", 1)[1])
+            for member, task in tasks
+        )
+        phases: dict[str, int] = {}
+        for _, task in tasks:
+            phases[task.phase.value] = phases.get(task.phase.value, 0) + 1
+        self._bound[idx] = (bound, phases)
+        return bound, phases
 
     def _wait_ar(self, p: _Pending) -> None:
         before = self.clock.mark()
@@ -364,6 +452,8 @@ class Executor:
 
     # -- trace ---------------------------------------------------------------------------
     def _sample_memory(self) -> None:
+        if self._rec == "off":
+            return
         if self.device.type == "cuda":
             b = torch.cuda.memory_allocated(self.device)
         else:
@@ -373,18 +463,17 @@ class Executor:
     def _trace(self) -> Trace:
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
+        summary: dict[str, Any] = {f"count_{k}": v for k, v in self.counts.items()}
+        meta = {"schedule": self.plan.name, "source": "measured", "rank": self.rank, "device": str(self.device),
+                "record": self._rec, "summary": summary}
+        if self._rec == "off":  # copy marks were None: nothing was timed
+            return Trace(meta, [], {})
         sec = self.clock.seconds
         events = [
             Event(self.rank, lane, name, kind, sec(s), max(0.0, sec(e) - sec(s)), mb, chunk, unit, block, idx, peer)
             for lane, name, kind, s, e, mb, chunk, unit, block, idx, peer in self._events
         ]
-        exposed = sum(max(0.0, sec(e) - sec(b)) for b, e in self._exposed)
-        ar_total = sum(ev.dur for ev in events if ev.kind == "AR")
-        meta = {
-            "schedule": self.plan.name,
-            "source": "measured",
-            "rank": self.rank,
-            "device": str(self.device),
-            "summary": {"exposed_ar_s": exposed, "ar_span_s": ar_total, **{f"count_{k}": v for k, v in self.counts.items()}},
-        }
+        if self._rec == "units":  # all-reduces are timed only per unit
+            summary["exposed_ar_s"] = sum(max(0.0, sec(e) - sec(b)) for b, e in self._exposed)
+            summary["ar_span_s"] = sum(ev.dur for ev in events if ev.kind == "AR")
         return Trace(meta, events, {self.rank: [(sec(t), b) for t, b in self._memory]})

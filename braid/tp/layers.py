@@ -65,14 +65,18 @@ class DeferredWeightGrad(nn.Module):
         except KeyError:
             raise StashError(f"{type(self).__name__}: no stashed activations for {key!r} (was its B run?)") from None
         params = self._deferred_params()
-        for inp, grad_out in items:
-            for p, g in zip(params, self._weight_grads(inp, grad_out)):
-                if p is None or g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad += g
+        # The stash holds autograd leaves (the unit's inputs): without no_grad every W
+        # matmul would record a graph nobody runs (host time and memory) and leave
+        # ``.grad`` tensors that require grad.
+        with torch.no_grad():
+            for inp, grad_out in items:
+                for p, g in zip(params, self._weight_grads(inp, grad_out)):
+                    if p is None or g is None:
+                        continue
+                    if p.grad is None:
+                        p.grad = g
+                    else:
+                        p.grad += g
 
 
 @contextlib.contextmanager
