@@ -176,6 +176,11 @@ class ModelChunk(nn.Module):
         self._saved: dict[tuple, list[_Piece]] = {}
         self._boxes: dict[tuple, _Box] = {}
         self._offloader: ActivationOffloader | None = None
+        # Per-unit lookups, computed once: parameter data pointers (reset when the
+        # parameters may have moved: .to(), set_batch), weight-gradient modules per unit.
+        self._ptrs: frozenset[int] | None = None
+        self._unit_mods: dict[tuple[Unit, int], tuple[DeferredWeightGrad, ...]] = {}
+        self._all_mods: list[DeferredWeightGrad] | None = None
         self._anchors: dict[torch.device, torch.Tensor] = {}
 
     # -- data in and out -----------------------------------------------------------------
@@ -192,6 +197,7 @@ class ModelChunk(nn.Module):
             labels = [self.sp.shard(lab) for lab in labels]
         self.tokens, self.labels = list(tokens), list(labels)
         self.losses.clear()
+        self._ptrs = None  # once per step: parameters may have been replaced since the last step
 
     def set_input(self, mb: int, x: torch.Tensor) -> None:
         self._inputs[mb] = x
@@ -271,9 +277,18 @@ class ModelChunk(nn.Module):
             anchor = self._anchors[t.device] = torch.zeros((), device=t.device, requires_grad=True)
         return _Entry.apply(t.detach(), anchor)
 
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "ModelChunk":
+        self._ptrs = None  # .to()/.cuda()/.half() may move the parameters
+        return super()._apply(fn, *args, **kwargs)
+
+    def _param_ptrs(self) -> frozenset[int]:
+        if self._ptrs is None:
+            self._ptrs = frozenset(p.data_ptr() for p in self.parameters())
+        return self._ptrs
+
     def _saving(self, mb: int, unit: Unit, layer: int):
         box = self._boxes.setdefault((mb, unit, layer), _Box())
-        ptrs = {p.data_ptr() for p in self.parameters()}  # after any .to(device)
+        ptrs = self._param_ptrs()
 
         def pack(t: torch.Tensor) -> Any:
             if t.data_ptr() in ptrs:
@@ -388,22 +403,29 @@ class ModelChunk(nn.Module):
         lay = self.layers[layer]
         return lay.input_layernorm if unit is Unit.PRE_ATTN else lay.post_attention_layernorm
 
-    def _deferred(self, unit: Unit, layer: int) -> list[DeferredWeightGrad]:
+    def _deferred(self, unit: Unit, layer: int) -> Sequence[DeferredWeightGrad]:
+        got = self._unit_mods.get((unit, layer))
+        if got is not None:
+            return got
         if unit is Unit.EMBED:
-            return [self.embed]
-        if unit is Unit.HEAD:
-            return [self.lm_head]
-        lay = self.layers[layer]
-        mods = {
-            Unit.PRE_ATTN: (lay.q_proj, lay.k_proj, lay.v_proj),
-            Unit.ATTN: (lay.o_proj,),
-            Unit.PRE_MLP: (lay.gate_proj, lay.up_proj),
-            Unit.MLP: (lay.down_proj,),
-        }[unit]
-        return list(mods)
+            mods: tuple[DeferredWeightGrad, ...] = (self.embed,)
+        elif unit is Unit.HEAD:
+            mods = (self.lm_head,)
+        else:
+            lay = self.layers[layer]
+            mods = {
+                Unit.PRE_ATTN: (lay.q_proj, lay.k_proj, lay.v_proj),
+                Unit.ATTN: (lay.o_proj,),
+                Unit.PRE_MLP: (lay.gate_proj, lay.up_proj),
+                Unit.MLP: (lay.down_proj,),
+            }[unit]
+        self._unit_mods[(unit, layer)] = mods
+        return mods
 
     def _deferred_all(self) -> list[DeferredWeightGrad]:
-        return [m for m in self.modules() if isinstance(m, DeferredWeightGrad)]
+        if self._all_mods is None:
+            self._all_mods = [m for m in self.modules() if isinstance(m, DeferredWeightGrad)]
+        return self._all_mods
 
     # -- offload -------------------------------------------------------------------------
     def saved_for(self, mb: int) -> tuple[list[list[Any]], set[int]]:

@@ -16,6 +16,7 @@ as with ``nn.Linear``.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator
 
 import torch
@@ -26,17 +27,25 @@ class StashError(KeyError):
     """A weight-gradient pass asked for a stash that the backward never produced."""
 
 
+@dataclass(slots=True)
+class _SplitMode:
+    """Whether backward stashes (and under which key): a plain object, so switching it per
+    unit costs an attribute write instead of ``nn.Module.__setattr__``."""
+
+    on: bool = False
+    key: Hashable | None = None
+
+
 class DeferredWeightGrad(nn.Module):
     """Mixin: a module whose weight gradient can be split off its backward.
 
-    ``split`` and ``key`` are set by :func:`split_weight_grads` around a backward call;
+    ``split_mode`` (on, key) is set by :func:`split_weight_grads` around a backward call;
     subclasses call :meth:`_stash_or_grad` from their autograd function and implement
     :meth:`_weight_grads` (``(input, grad_output) -> grads of the parameters``).
     """
 
     def _init_deferred(self) -> None:
-        self.split = False
-        self.key: Hashable | None = None
+        self.split_mode = _SplitMode()
         self._stash: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _weight_grads(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
@@ -47,8 +56,9 @@ class DeferredWeightGrad(nn.Module):
 
     def _stash_or_grad(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
         """Called from backward: stash for a later W (split mode) or return the weight grads now."""
-        if self.split:
-            self._stash.setdefault(self.key, []).append((inp, grad_out))
+        mode = self.split_mode
+        if mode.on:
+            self._stash.setdefault(mode.key, []).append((inp, grad_out))
             return [None] * len(self._deferred_params())
         return self._weight_grads(inp, grad_out)
 
@@ -82,15 +92,15 @@ class DeferredWeightGrad(nn.Module):
 @contextlib.contextmanager
 def split_weight_grads(modules: Iterable[DeferredWeightGrad], key: Hashable) -> Iterator[None]:
     """Within the block, backward passes through ``modules`` stash under ``key`` instead of computing dW."""
-    mods = list(modules)
-    saved = [(m.split, m.key) for m in mods]
-    for m in mods:
-        m.split, m.key = True, key
+    modes = [m.split_mode for m in modules]
+    saved = [(x.on, x.key) for x in modes]
+    for x in modes:
+        x.on, x.key = True, key
     try:
         yield
     finally:
-        for m, (s, k) in zip(mods, saved):
-            m.split, m.key = s, k
+        for x, (on, k) in zip(modes, saved):
+            x.on, x.key = on, k
 
 
 class _LinearFn(torch.autograd.Function):
