@@ -15,6 +15,8 @@ as with ``nn.Linear``.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import contextlib
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator
@@ -48,11 +50,13 @@ class DeferredWeightGrad(nn.Module):
         self.split_mode = _SplitMode()
         self._stash: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
+    @abstractmethod
     def _weight_grads(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
-        raise NotImplementedError
+        """Gradients of :meth:`_deferred_params` from one stashed (input, grad_output) pair."""
 
+    @abstractmethod
     def _deferred_params(self) -> list[nn.Parameter | None]:
-        raise NotImplementedError
+        """The parameters whose gradient this module defers (None for an absent bias)."""
 
     def _stash_or_grad(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
         """Called from backward: stash for a later W (split mode) or return the weight grads now."""
