@@ -136,8 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in notes:
         print(f"note: {n}")
     if not reports:
-        print("error: no schedule accepts this configuration", file=sys.stderr)
-        return 1
+        print("python -m braid.simulate: error: no selected schedule accepts this configuration "
+              "(see the notes above; e.g. raise --mbs)", file=sys.stderr)
+        return 2
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
