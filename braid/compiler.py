@@ -252,15 +252,6 @@ def compile_plan(plan: Plan, *, validate: bool = True) -> list[Program]:
 # --------------------------------------------------------------------------------------
 # Validation of compiled programs
 # --------------------------------------------------------------------------------------
-def _peer_stage(plan: Plan, rank: int, instr: Send | Recv) -> tuple[int, int]:
-    """(this side's stage, the peer side's stage) of a comm instruction."""
-    s = plan.stage_of(rank, instr.chunk)
-    forward = instr.comm is CommKind.ACT
-    if isinstance(instr, Send):
-        return s, s + 1 if forward else s - 1
-    return s, s - 1 if forward else s + 1
-
-
 def validate_programs(plan: Plan, programs: Sequence[Program]) -> None:
     """Check compiled programs against every rule; raise :class:`ScheduleError` on the first break.
 
@@ -318,7 +309,7 @@ def validate_programs(plan: Plan, programs: Sequence[Program]) -> None:
                     if op.kind in (OpKind.B, OpKind.BW):
                         freed.add(op.key)
             elif isinstance(instr, Send):
-                s, peer_stage = _peer_stage(plan, rank, instr)
+                s, peer_stage = plan.comm_stages(rank, instr)
                 producer = (OpKind.F if instr.comm is CommKind.ACT else OpKind.B, instr.mb, s)
                 if producer not in done:
                     raise fail("send-after-producer", f"sends before {_fmt_id(producer)} has run", idx, instr)
@@ -326,7 +317,7 @@ def validate_programs(plan: Plan, programs: Sequence[Program]) -> None:
                     raise fail("send-recv-match", f"stage {s} does not send {instr.comm.name} to rank {instr.peer}", idx, instr)
                 sends[(rank, instr.peer)].append((idx, instr))
             elif isinstance(instr, Recv):
-                s, peer_stage = _peer_stage(plan, rank, instr)
+                s, peer_stage = plan.comm_stages(rank, instr)
                 if not (0 <= peer_stage <= last) or plan.rank_chunk_of(peer_stage)[0] != instr.peer:
                     raise fail("send-recv-match", f"stage {s} does not receive {instr.comm.name} from rank {instr.peer}", idx, instr)
                 received.add((instr.comm, instr.mb, instr.chunk))
@@ -364,11 +355,11 @@ def _check_matching(plan: Plan, programs: Sequence[Program], sends, recvs) -> No
         src, dst = pair
         by_msg_s = {}
         for idx, snd in sends.get(pair, []):
-            s_stage, peer = _peer_stage(plan, src, snd)
+            s_stage, peer = plan.comm_stages(src, snd)
             by_msg_s[(snd.comm, snd.mb, s_stage, peer)] = (idx, snd)
         matched = []
         for ridx, rcv in recvs.get(pair, []):
-            r_stage, peer = _peer_stage(plan, dst, rcv)
+            r_stage, peer = plan.comm_stages(dst, rcv)
             hit = by_msg_s.pop((rcv.comm, rcv.mb, peer, r_stage), None)
             if hit is None:
                 raise ScheduleError("send-recv-match", f"no send on rank {src} matches this receive", dst, ridx, str(rcv),

@@ -287,6 +287,10 @@ class Plan:
         """(rank, chunk) that holds virtual ``stage``."""
         return rank_chunk_of(self.placement, self.config.p, stage)
 
+    def comm_stages(self, rank: int, instr: "Send | Recv") -> tuple[int, int]:
+        """(own stage, peer stage) of a send/receive on ``rank`` (see :func:`comm_stages`)."""
+        return comm_stages(self.placement, self.config.p, rank, instr)
+
     # -- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -324,6 +328,18 @@ def stage_of(placement: Placement, p: int, rank: int, chunk: int) -> int:
     if placement == "v":
         return rank if chunk == 0 else 2 * p - 1 - rank
     return chunk * p + rank
+
+
+def comm_stages(placement: Placement, p: int, rank: int, instr: Send | Recv) -> tuple[int, int]:
+    """(stage on this side, stage on the peer's side) of a send/receive on ``rank``.
+
+    An activation travels from stage s to s+1, a gradient from s to s-1; a ``Recv`` names
+    the local consumer's chunk, a ``Send`` the local producer's. The peer stage may lie
+    outside the pipeline for a malformed instruction -- callers check.
+    """
+    s = stage_of(placement, p, rank, instr.chunk)
+    step = 1 if instr.comm is CommKind.ACT else -1
+    return s, (s + step if isinstance(instr, Send) else s - step)
 
 
 def rank_chunk_of(placement: Placement, p: int, stage: int) -> tuple[int, int]:

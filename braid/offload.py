@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from braid.ir import Compute, Instruction, Offload, OpKind, Plan, Program, Reload, compute_ops
+from braid.ir import Instruction, Offload, OpKind, Plan, Program, Reload, compute_ops
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.braiding import ChunkSpec, Phase, Unit, unit_tasks
+from braid.braiding import ChunkSpec, Unit, unit_tasks
 from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
 from braid.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
 from braid.models.qwen2 import Qwen2Config

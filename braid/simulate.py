@@ -31,7 +31,6 @@ from typing import Any, Sequence
 from braid.costs import CostFileError, CostModel, Layout, analytic_costs, read_costs
 from braid.hardware import HARDWARE, get_hardware
 from braid.models_catalog import MODELS, get_model
-from braid.partition import chunk_specs
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from typing import Iterator
 from braid.braiding import Phase, steps
 from braid.costs import CostModel
 from braid.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
-                      rank_chunk_of, stage_of)
+                      comm_stages, rank_chunk_of)
 from braid.trace import Event
 
 
@@ -288,12 +288,7 @@ class Engine:
         lay = self.costs.layout
         if ins.chunk >= lay.v:
             raise SimulationError(f"rank {rank}: op {idx} ({ins}) names chunk {ins.chunk}, but the layout has v={lay.v}")
-        s = stage_of(lay.placement, lay.p, rank, ins.chunk)
-        fwd = ins.comm is CommKind.ACT
-        if isinstance(ins, Send):
-            other = s + 1 if fwd else s - 1
-        else:
-            other = s - 1 if fwd else s + 1
+        s, other = comm_stages(lay.placement, lay.p, rank, ins)
         if not 0 <= other < lay.num_stages:
             raise SimulationError(f"rank {rank}: op {idx} ({ins}) crosses the pipeline's end (stage {s} has no stage {other})")
         peer = rank_chunk_of(lay.placement, lay.p, other)[0]

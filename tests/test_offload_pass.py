@@ -3,7 +3,7 @@
 import pytest
 
 from braid.compiler import ScheduleError, compile_plan, validate_programs
-from braid.ir import Compute, Offload, OpKind, Plan, Program, Reload, ScheduleConfig, compute_ops
+from braid.ir import Offload, OpKind, Plan, Program, Reload, ScheduleConfig, compute_ops
 from braid.offload import OffloadPolicy, auto_alpha
 from handplans import one_f_one_b
 

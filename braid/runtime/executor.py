@@ -399,9 +399,10 @@ class Executor:
                 ch = self.chunks[ins.chunk]
                 if isinstance(ins, Send):
                     if ins.comm is CommKind.ACT:
-                        buf, dst = ch.pop_output(ins.mb), stage + 1
+                        buf = ch.pop_output(ins.mb)
                     else:
-                        buf, dst = ch.pop_input_grad(ins.mb), stage - 1
+                        buf = ch.pop_input_grad(ins.mb)
+                    dst = self.plan.comm_stages(self.rank, ins)[1]
                     transfers.append(Transfer(ins, idx, buf.contiguous(), dst))
                 else:
                     buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
