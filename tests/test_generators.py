@@ -146,6 +146,19 @@ def test_table1_peaks_on_device_0(p: int) -> None:
             assert peak["braided_v_lowmem"] < peak["braided_v"]
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_zb_v_is_a_gapless_parallelogram_at_peak_2p_on_every_rank(p: int) -> None:
+    """ZB-V with m >= 2p-1: rank r runs from r to 6m + r without a gap; peak 2p."""
+    for m in sorted({2 * p - 1, 2 * p, 3 * p + 1, 48}):
+        plan = schedules.build("zb_v", p, m)
+        timing = compiler_list_schedule(plan)
+        for r, ops in enumerate(plan.ranks):
+            starts, ends = timing.start[r], timing.end[r]
+            assert starts[0] == r and ends[-1] == 6 * m + r, (p, m, r)
+            assert all(s == e for s, e in zip(starts[1:], ends)), (p, m, r)  # no idle inside
+            assert peak_activations(ops) == 2 * p, (p, m, r)
+
+
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb_h1"])
 def test_single_chunk_peaks(name: str) -> None:
     p, m = 4, 12
@@ -170,12 +183,14 @@ def test_unit_time_bubbles(p: int, m: int) -> None:
 
     With F = B = W = 1 (BW = 2): GPipe and 1F1B idle (p-1)(F+B+W) per rank, ZB-H1 only
     (p-1)(F+B-W) (zero-bubble paper, Sec. 3); the V schedules (2 chunks of half the size)
-    beat 1F1B-I.
+    beat 1F1B-I. ZB-V's (p-1)(F+B-2W) = 0 is exact: only the p-1 fill forwards before the
+    last rank's first op remain, which no schedule avoids.
     """
     span = {n: makespan(schedules.build(n, p, m)) for n in ALL}
     assert span["gpipe"] == span["1f1b"] == 3 * m + 3 * (p - 1)
     assert span["zb_h1"] == 3 * m + (p - 1)
     work_v2 = 2 * 3 * m
+    assert span["zb_v"] == work_v2 + (p - 1)
     for n in ("zb_v", "dualpipe_v", "braided_v"):
         assert work_v2 <= span[n] < span["1f1b_i"], n
     # The memory-efficient warm-up trades a longer tail for its lower peak.

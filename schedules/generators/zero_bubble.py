@@ -7,11 +7,19 @@ The backward is split into ``B`` (activation gradient, on the critical path) and
   B/W split; rank r holds back r weight gradients (the last stage the most) and runs them
   at the end, so the activation gradients travel upstream one B (not one B+W) per hop. Peak activation equals 1F1B's (W does not free activations in the
   counting convention; its small residual is accounted in bytes by the simulator).
-* ``zb_v`` (ZB-V, two chunks per rank, V placement): 2(p-r)-1 forwards of chunk 0, then
-  the chunk-1 forwards interleaved in, then F/B/W triplets per chunk; peak 2p chunk
-  activations on every rank (the paper's Table 1 row "ZB-V"). For m < 2p-1 the full-size
-  schedule is generated and the ops of absent micro-batches are dropped, as
-  ``torch.distributed.pipelining``'s ZBV does.
+* ``zb_v`` (ZB-V, two chunks per rank, V placement: rank r holds stages r and 2p-1-r).
+  Rank r runs 2(p-r)-1 forwards of chunk 0; r pairs F1 F0; p-r triplets F1 B1 W1 (each
+  chunk-1 backward starts as soon as its forward has come back up the V); the steady
+  phase F0 B0 W0 F1 B1 W1 (no F0 once chunk 0 has run out) until every forward has run;
+  then r pairs B0 B1 with the weight gradients deferred, p-r pairs B0 W, and the
+  remaining W (chunk 1 first). For m >= 2p-1 its peak is 2p chunk activations on every
+  rank (the paper's Table 1 row "ZB-V"), and with T_F = T_B = T_W every rank is busy
+  without a gap from its first op to its last -- the paper's bubble (p-1)(T_F+T_B-2T_W)
+  = 0: in unit time rank r runs from r to 6m+r. The only idle time of one step is the
+  pipeline fill, (p-1)*T_F per rank (r before its first op, p-1-r after its last), which
+  no schedule avoids: the rank holding stage p-1 cannot start before p-1 forwards have
+  passed. For m < 2p-1 the full-size schedule is generated and the ops of absent
+  micro-batches are dropped, as ``torch.distributed.pipelining``'s ZBV does.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ def zb_h1(cfg: ScheduleConfig) -> Plan:
 
 @register("zb_v", v=2, placement="v", description="Zero-bubble V: V placement, B/W split, peak 2p chunk activations")
 def zb_v(cfg: ScheduleConfig) -> Plan:
-    """ZB-V for any p >= 1, m >= 1 (best with m >= 2p)."""
+    """ZB-V for any p >= 1, m >= 1 (gapless at peak 2p from m >= 2p-1)."""
     check_chunks("zb_v", cfg, 2)
     p, m = cfg.p, cfg.m
     n = max(2 * p - 1, m)  # build the full-size schedule, then drop micro-batches >= m
