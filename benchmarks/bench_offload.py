@@ -43,11 +43,34 @@ def _sampling_executor():
 
     return Sampling
 
-RUNS: list[tuple[str, str, dict]] = [
+FIXED: list[tuple[str, str, dict]] = [
     ("braided_v", "braided_v", {}),
     *[(f"offload a={a:g}", "braided_v_offload", {"offload_alpha": a, "offload_alpha_warmup": a}) for a in (0.25, 0.5, 1.0)],
     ("1f1b_i", "1f1b_i", {}),
 ]
+
+
+def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """The fixed runs plus ``offload auto``: the policy :func:`braid.offload.tune_offload` picks
+    on the prediction's cost model (deterministic, so every process computes the same)."""
+    from braid.offload import tune_offload
+
+    plan = _plan("braided_v_offload", {}, args.mbs)
+    choice = tune_offload(plan, _costs(args, plan))
+    return FIXED[:4] + [("offload auto", "braided_v_offload", choice.options())] + FIXED[4:]
+
+
+def _costs(args: argparse.Namespace, plan):
+    import dataclasses
+
+    from braid.costs import Layout, analytic_costs
+    from braid.hardware import get_hardware
+
+    costs = analytic_costs(_model_config(args), get_hardware("h200"), Layout(1, plan.p, plan.v, plan.placement),
+                           activations="runtime")
+    if args.tiny:  # CPU copies are synchronous: memory is freed when the offload is issued
+        costs = dataclasses.replace(costs, pcie_bytes_per_s=float("inf"))
+    return costs
 
 
 def _model_config(args: argparse.Namespace):
@@ -92,13 +115,13 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     g = torch.Generator().manual_seed(1)
     toks = [torch.randint(0, mc.vocab, (1, mc.seq), generator=g).to(device) for _ in range(args.mbs)]
     results = {}
-    for label, name, opts in RUNS:
+    for label, name, opts in _runs(args):
         plan = _plan(name, opts, args.mbs)
         chunks = build_rank_chunks(model, plan, rank, _stage_layers(mc, plan))
         chunks = {c: ch.to(device) for c, ch in chunks.items()}
         ex = Executor(plan, compile_plan(plan)[rank], chunks, pp_ranks=groups.pp_ranks, abort=d.abort,  # tp=1, no SP
                       act_shape=(1, mc.seq, mc.hidden), dtype=dtype, device=device)
-        times, peak, alloc = [], 0, 0
+        times, peak, alloc, max_alloc = [], 0, 0, 0
         for it in range(args.warmup + args.iters):
             for ch in chunks.values():
                 ch.zero_grad(set_to_none=False)  # gradients stay allocated: the baseline includes them
@@ -110,11 +133,13 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
             res = ex.run(toks, toks)
             if cuda:
                 torch.cuda.synchronize(device)
-                alloc = max(alloc, torch.cuda.max_memory_allocated(device) - base)
+                max_alloc = max(max_alloc, torch.cuda.max_memory_allocated(device))
+                alloc = max(alloc, max_alloc - base)
             if it >= args.warmup:
                 times.append(res.trace.step_time)
                 peak = max(peak, ex.act_peak)
-        results[label] = {"step_s": statistics.median(times), "peak": peak, "alloc": alloc,
+        results[label] = {"step_s": statistics.median(times), "peak": peak, "alloc": alloc, "max_alloc": max_alloc,
+                          "options": opts,
                           "offloaded": res.counts.get("OFFLOAD_bytes", 0),
                           "host_pool_bytes": ex.offloader.pool.allocated_bytes}
         del ex, chunks
@@ -124,28 +149,21 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     d.close()
 
 
-def _predicted(args: argparse.Namespace) -> dict[str, list[int]]:
-    import dataclasses
-
+def _predicted(args: argparse.Namespace) -> dict[str, tuple[list[int], float]]:
+    """Predicted activation peak per rank and step time, per run label."""
     from braid.compiler import compile_plan
-    from braid.costs import Layout, analytic_costs
-    from braid.hardware import get_hardware
     from simulator import simulate
 
-    mc, hw = _model_config(args), get_hardware("h200")
     out = {}
-    for label, name, opts in RUNS:
+    for label, name, opts in _runs(args):
         plan = _plan(name, opts, args.mbs)
-        costs = analytic_costs(mc, hw, Layout(1, plan.p, plan.v, plan.placement), activations="runtime")
-        if args.tiny:  # CPU copies are synchronous: memory is freed when the offload is issued
-            costs = dataclasses.replace(costs, pcie_bytes_per_s=float("inf"))
-        rep = simulate(compile_plan(plan), costs, name=label, record=False).report
-        out[label] = [r.peak_activation_bytes for r in rep.ranks]
+        rep = simulate(compile_plan(plan), _costs(args, plan), name=label, record=False).report
+        out[label] = ([r.peak_activation_bytes for r in rep.ranks], rep.step_time_s)
     return out
 
 
-def measure(args: argparse.Namespace) -> tuple[dict[int, dict[str, dict]], dict[str, list[int]]]:
-    """Measured figures per rank and schedule label, and the predicted activation peak per label and rank."""
+def measure(args: argparse.Namespace) -> tuple[dict[int, dict[str, dict]], dict[str, tuple[list[int], float]]]:
+    """Measured figures per rank and run label; predicted activation peak per rank and step time per label."""
     return dict(spawn_two(_worker, args, results=2)), _predicted(args)
 
 
@@ -176,18 +194,23 @@ def main(argv: list[str] | None = None) -> int:
     base = {r: got[r]["braided_v"]["step_s"] for r in got}
     unit = "GiB" if not args.tiny else "KiB"
     div = 2**30 if not args.tiny else 2**10
-    print(f"pp=2 tp=1 m={args.mbs} seq={_model_config(args).seq} hidden={_model_config(args).hidden} "
-          f"(act: live saved bytes; alloc: max_memory_allocated - allocated at step start{', CUDA only' if args.tiny else ''})")
-    print(f"{'schedule':<16}{'rank':>5}{'step ms':>10}{'thr vs bv':>10}{'alloc ' + unit:>11}{'act ' + unit:>11}"
-          f"{'pred ' + unit:>11}{'pred err':>10}{'vs bv':>8}{'offl ' + unit:>11}{'pool ' + unit:>11}")
-    for label, _, _ in RUNS:
+    runs = _runs(args)
+    auto = next(opts for label, _, opts in runs if label == "offload auto")
+    print(f"pp=2 tp=1 m={args.mbs} seq={_model_config(args).seq} hidden={_model_config(args).hidden}; offload auto = "
+          + ", ".join(f"{k.removeprefix('offload_')} {v:g}" for k, v in auto.items()))
+    print(f"(act: live saved bytes; alloc: max_memory_allocated - allocated at step start; max: max_memory_allocated"
+          f"{'; CUDA only' if args.tiny else ''}; pred: simulated activation peak and step time)")
+    print(f"{'schedule':<14}{'rank':>5}{'step ms':>9}{'pred ms':>9}{'thr vs bv':>10}{'max ' + unit:>9}{'alloc':>8}{'vs bv':>8}"
+          f"{'act':>8}{'vs bv':>8}{'pred':>8}{'err':>8}{'offl':>8}{'pool':>8}")
+    for label, _, _ in runs:
         for r in sorted(got):
-            x = got[r][label]
-            pk, pr = x["peak"], pred[label][r]
-            err = (pr - pk) / pk if pk else float("nan")
-            print(f"{label:<16}{r:>5}{x['step_s'] * 1e3:>10.2f}{base[r] / x['step_s']:>10.3f}{x['alloc'] / div:>11.2f}"
-                  f"{pk / div:>11.2f}{pr / div:>11.2f}{err:>+10.1%}{pk / got[r]['braided_v']['peak'] - 1:>+8.1%}"
-                  f"{x['offloaded'] / div:>11.2f}{x['host_pool_bytes'] / div:>11.2f}")
+            x, bv = got[r][label], got[r]["braided_v"]
+            pk, (pr, pstep) = x["peak"], pred[label]
+            err = (pr[r] - pk) / pk if pk else float("nan")
+            al = f"{x['alloc'] / bv['alloc'] - 1:+.1%}" if bv["alloc"] else "-"
+            print(f"{label:<14}{r:>5}{x['step_s'] * 1e3:>9.1f}{pstep * 1e3:>9.1f}{base[r] / x['step_s']:>10.3f}"
+                  f"{x['max_alloc'] / div:>9.2f}{x['alloc'] / div:>8.2f}{al:>8}{pk / div:>8.2f}{pk / bv['peak'] - 1:>+8.1%}"
+                  f"{pr[r] / div:>8.2f}{err:>+8.1%}{x['offloaded'] / div:>8.2f}{x['host_pool_bytes'] / div:>8.2f}")
     return 0
 
 

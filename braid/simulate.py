@@ -17,6 +17,7 @@ Examples::
     python -m braid.simulate --pp 4 --mbs 12
     python -m braid.simulate --pp 4 --mbs 16 --tp 8 --model qwen2-vl-15b --hardware a800
     python -m braid.simulate --pp 4 --mbs 12 --schedule braided_v --schedule zb_v --html timeline.html
+    python -m braid.simulate --pp 2 --mbs 8 --schedule braided_v --schedule braided_v_offload --offload-alpha 0.5
     python -m braid.simulate --pp 4 --mbs 12 --costs uniform.json --json report.json --trace trace.json
 """
 
@@ -53,6 +54,9 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--model", default="qwen2-12b", help=f"model preset (default qwen2-12b): {', '.join(MODELS)}")
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
     ap.add_argument("--costs", metavar="FILE", help="cost file replacing the analytic timings (schema: docs/costs.md)")
+    ap.add_argument("--offload-alpha", default="auto", metavar="A|auto",
+                    help="braided_v_offload: fraction of chunk-0 activations offloaded (0..1), or 'auto' (default): "
+                         "the lowest predicted peak within 1%% of braided_v's step time (braid.offload.tune_offload)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -68,10 +72,17 @@ def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     return read_costs(args.costs, layout, specs, base=base)
 
 
+def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
+    if name != "braided_v_offload" or args.offload_alpha == "auto":
+        return {}
+    return {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
+
+
 def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[str, Any], list, list[str]]:
     """Simulate the selected schedules; returns (json document, traces, notes)."""
     import schedules
     from braid.compiler import ScheduleError, compile_plan
+    from braid.offload import tune_offload
     from simulator import simulate
 
     model = get_model(args.model)
@@ -84,9 +95,13 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     traces, notes, reports = [], [], []
     for name in schedule_names:
         try:
-            plan = schedules.build(name, args.pp, args.mbs)
-            programs = compile_plan(plan)
+            plan = schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
             costs = _costs_for(args, model, hw, plan)
+            if name == "braided_v_offload" and args.offload_alpha == "auto":
+                choice = tune_offload(plan, costs)
+                plan = schedules.build(name, args.pp, args.mbs, **choice.options())
+                notes.append(f"braided_v_offload: auto offload {choice.describe()}")
+            programs = compile_plan(plan)
         except CostFileError:
             raise
         except (ScheduleError, ValueError) as err:
@@ -118,6 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                       ("--micro-batch-size", args.micro_batch_size)):
         if val is not None and val < 1:
             ap.error(f"{flag} must be a positive integer, got {val}")
+    if args.offload_alpha != "auto":
+        try:
+            args.offload_alpha = float(args.offload_alpha)
+        except ValueError:
+            args.offload_alpha = -1.0
+        if not 0.0 <= args.offload_alpha <= 1.0:
+            ap.error("--offload-alpha must be a number in [0, 1] or 'auto'")
     if args.model not in MODELS:
         ap.error(f"unknown model {args.model!r}; valid names: {', '.join(MODELS)}")
     if args.hardware not in HARDWARE:

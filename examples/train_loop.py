@@ -79,6 +79,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     lay = p.add_argument_group("layout (world size = dp * pp * tp)")
     lay.add_argument("--schedule", default="braided_v", choices=schedules.names(), metavar="NAME",
                      help="pipeline schedule: " + ", ".join(schedules.names()) + " (default: %(default)s)")
+    lay.add_argument("--offload-alpha", type=float, default=None, metavar="A",
+                     help="braided_v_offload: fraction of chunk-0 activations moved to host memory, 0..1 (default: "
+                          "0.5 steady, half in warm-up; python -m braid.simulate --offload-alpha auto picks one)")
     lay.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
     lay.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: %(default)s)")
     lay.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / (tp*pp))")
@@ -165,7 +168,12 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     try:
         sp_config = _sp_config(task, args)
         topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
-        plan = schedules.build(args.schedule, args.pp, args.mbs)
+        opts = {}
+        if args.offload_alpha is not None:
+            if args.schedule != "braided_v_offload" or not 0.0 <= args.offload_alpha <= 1.0:
+                raise ValueError(f"--offload-alpha {args.offload_alpha}: needs --schedule braided_v_offload and a value in [0, 1]")
+            opts = {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
+        plan = schedules.build(args.schedule, args.pp, args.mbs, **opts)
         torch.manual_seed(args.seed)
         model = task.build_model(args)
         layers = task.stage_layers(model, plan.num_stages, args)

@@ -23,7 +23,11 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   activation bytes on the D2H / H2D engine at ``pcie_bytes_per_s``. Contention, kept
   simple: a copy's time is multiplied by 1 + (other-direction copy in flight at its start)
   + (a P2P transfer of the rank in flight at its start, only when ``p2p_over_pcie``). An
-  offload frees its bytes when it completes; a reload re-takes them when it is issued (the
+  offload frees its bytes at the first offload, reload or compute instruction that finds
+  its copy done, and at the latest when ``RELEASE_AFTER`` compute instructions have run
+  after it (:mod:`braid.offload`): the next compute instruction starts no earlier than the
+  copy's end and the bytes are freed at its start, as the runtime does (its host runs ahead
+  of the GPU, so it releases in program order). A reload re-takes them when it is issued (the
   runtime allocates the device storage then, on the compute stream) and its copy starts no
   earlier than its offload's completion; B/W/BW of that (mb, chunk) wait for it.
 * **Memory**: an F unit allocates its ``act`` bytes when it completes; a split-B unit
@@ -41,6 +45,7 @@ from typing import Iterator
 
 from braid.braiding import Phase, steps
 from braid.costs import CostModel
+from braid.offload import RELEASE_AFTER
 from braid.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
                       comm_stages, rank_chunk_of)
 from braid.trace import Event
@@ -87,6 +92,7 @@ class _Rank:
     resident: dict[tuple[int, int], float] = field(default_factory=dict)
     offloaded: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # key -> (bytes, d2h end)
     reload_end: dict[tuple[int, int], float] = field(default_factory=dict)
+    releasing: list[list[float]] = field(default_factory=list)  # [compute instrs left, copy end, bytes] per offload
     # Memory deltas (time, bytes) as two float lists during the run; paired into stats.mem after it.
     mem_t: list[float] = field(default_factory=list)
     mem_d: list[float] = field(default_factory=list)
@@ -188,6 +194,8 @@ class Engine:
                 raise SimulationError(f"rank {rs.rank}: op {idx} ({instr}) needs the activations of mb {op.mb} chunk {op.chunk}, "
                                       f"offloaded with no RELOAD{op.mb}c{op.chunk} before it")
             t0 = max(t0, rs.reload_end.get(op.key, 0.0))
+        if rs.releasing:
+            t0 = self._release(rs, t0)
         rows, totals, nominal = self._table(rs.rank, instr)
         f = self.costs.ar_slowdown
         rank = rs.rank
@@ -249,15 +257,39 @@ class Engine:
         rs.d2h_busy.append((start, end))
         rs.offloaded[key] = (nbytes, end)
         rs.resident[key] = rs.resident.get(key, 0.0) - nbytes
-        rs.mem_t.append(end)
-        rs.mem_d.append(-nbytes)
+        rs.releasing.append([RELEASE_AFTER, end, nbytes])
+        self._poll(rs)
         if self.record:
             self.events.append(Event(rs.rank, "copy", str(ins), "OFFLOAD", start, end - start, ins.mb, ins.chunk, None, None, idx))
+
+    def _poll(self, rs: _Rank) -> None:
+        """At an offload or reload: free the offloads whose copy has ended (the runtime polls there too)."""
+        done = [item for item in rs.releasing if item[1] <= rs.t]
+        if done:
+            rs.releasing = [item for item in rs.releasing if item[1] > rs.t]
+            for item in done:
+                rs.mem_t.append(rs.t)
+                rs.mem_d.append(-item[2])
+
+    def _release(self, rs: _Rank, t0: float) -> float:
+        """Before a compute instruction at ``t0``: free the offloads that are done or due; when it may start."""
+        keep = []
+        for item in rs.releasing:
+            item[0] -= 1
+            if item[1] <= t0 or item[0] < 0:
+                t0 = max(t0, item[1])
+                rs.mem_t.append(t0)
+                rs.mem_d.append(-item[2])
+            else:
+                keep.append(item)
+        rs.releasing = keep
+        return t0
 
     def _reload(self, rs: _Rank, ins: Reload, idx: int) -> None:
         key = (ins.mb, ins.chunk)
         if key not in rs.offloaded:
             raise SimulationError(f"rank {rs.rank}: op {idx} ({ins}) reloads mb {ins.mb} chunk {ins.chunk}, which no earlier OFFLOAD moved out")
+        self._poll(rs)
         nbytes, off_end = rs.offloaded.pop(key)
         start = max(rs.t, rs.h2d_free, off_end)
         end = start + self._copy_time(rs, nbytes, start, rs.d2h_busy)
@@ -360,6 +392,10 @@ class Engine:
                     rs.pc += 1
                 continue
             rs.pc += 1
+        for _, end, nbytes in rs.releasing:  # the step's end waits for the copy streams
+            rs.mem_t.append(end)
+            rs.mem_d.append(-nbytes)
+        rs.releasing.clear()
         rs.stats.end_s = max(rs.t, rs.sends_end)
 
     def run(self) -> list[RankStats]:

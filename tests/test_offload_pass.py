@@ -4,7 +4,7 @@ import pytest
 
 from braid.compiler import ScheduleError, compile_plan, validate_programs
 from braid.ir import Offload, OpKind, Plan, Program, Reload, ScheduleConfig, compute_ops
-from braid.offload import OffloadPolicy, auto_alpha
+from braid.offload import OffloadPolicy, tune_offload
 from handplans import one_f_one_b
 
 
@@ -55,9 +55,53 @@ def test_validator_rejects_offload_of_freed_activation():
         validate_programs(plan, [Program(0, tuple(ins)), progs[1]])
 
 
-def test_policy_validation_and_auto_alpha():
+def test_policy_validation():
     with pytest.raises(ValueError, match="alpha must be in"):
         OffloadPolicy(1.5, 0.5)
-    steady, warm = auto_alpha(t_forward=1.0, t_copy_all=4.0, t_steady_window=4.0)
-    assert warm == 0.25 and steady == 0.5
-    assert auto_alpha(1.0, 0.5, 10.0) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="lead must be >= 0"):
+        OffloadPolicy(0.5, 0.5, lead=-1)
+
+
+def _costs(pcie_bytes_per_s: float):
+    import dataclasses
+
+    from braid.costs import Layout, analytic_costs
+    from braid.hardware import get_hardware
+    from braid.models_catalog import get_model
+
+    costs = analytic_costs(get_model("qwen2-12b"), get_hardware("h200"), Layout(2, 2, 2, "v"), activations="runtime")
+    return dataclasses.replace(costs, pcie_bytes_per_s=pcie_bytes_per_s)
+
+
+def test_tune_offload_lowers_the_peak_within_the_slowdown_budget():
+    import schedules
+    from simulator import simulate
+
+    plan = schedules.build("braided_v_offload", 2, 8)
+    costs = _costs(55e9)
+    choice = tune_offload(plan, costs, max_slowdown=0.01)
+    assert choice.step_s <= choice.base_step_s * 1.01
+    assert max(choice.peak_bytes) < 0.95 * max(choice.base_peak_bytes)
+    # the options rebuild the chosen plan, and the simulator reproduces the prediction
+    rep = simulate(compile_plan(schedules.build("braided_v_offload", 2, 8, **choice.options())), costs, record=False).report
+    assert rep.step_time_s == pytest.approx(choice.step_s)
+    assert tuple(r.peak_activation_bytes for r in rep.ranks) == choice.peak_bytes
+    # a looser budget never gives a higher peak
+    assert max(tune_offload(plan, costs, max_slowdown=0.05).peak_bytes) <= max(choice.peak_bytes)
+
+
+def test_tune_offload_offloads_nothing_when_copies_cannot_hide():
+    import schedules
+
+    choice = tune_offload(schedules.build("braided_v_offload", 2, 8), _costs(1e6), max_slowdown=0.0)
+    assert (choice.policy.alpha, choice.policy.alpha_warmup) == (0.0, 0.0)
+    assert choice.peak_bytes == choice.base_peak_bytes and choice.step_s == choice.base_step_s
+
+
+def test_auto_alpha_without_costs_is_a_clear_error():
+    import schedules
+
+    with pytest.raises(ValueError, match="needs a cost model.*tune_offload"):
+        schedules.build("braided_v_offload", 2, 8, offload_alpha="auto")
+    with pytest.raises(ValueError, match="max_slowdown must be >= 0"):
+        tune_offload(schedules.build("braided_v_offload", 2, 8), _costs(55e9), max_slowdown=-1)

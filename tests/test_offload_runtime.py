@@ -87,15 +87,17 @@ def offload_matches_plain(ctx, tp: int, m: int, alphas: tuple[float, ...]) -> di
     c = groups.coords
     layers = split_layers(7, 4)
     cfg = Qwen2Config(layers=sum(layers), **CFG_KW)
-    data = [_data(cfg, m, seed=s) for s in range(2)]
+    dev = ctx.dist.device  # CPU here; CUDA in tests/test_executor_gpu.py (async copies on streams)
+    data = [tuple([t.to(dev) for t in x] for x in _data(cfg, m, seed=s)) for s in range(2)]
     runs = [("braided_v", {})] + [("braided_v_offload", {"offload_alpha": a, "offload_alpha_warmup": a}) for a in alphas]
     ref, moved = None, {}
     for name, opts in runs:
         plan = schedules.build(name, 2, m, **opts)
         torch.manual_seed(1234)
-        chunks = build_rank_chunks(Qwen2Model(cfg), plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+        chunks = build_rank_chunks(Qwen2Model(cfg).to(dev), plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
         params = [p for ch in chunks.values() for p in ch.parameters()]
-        ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden))
+        ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden),
+                                  device=dev)
         got, allocs = [], []
         for toks, labs in data:
             for p in params:
@@ -246,11 +248,11 @@ def test_offload_bench_predicts_the_measured_activation_peak_within_10_percent(m
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench = importlib.import_module("bench_offload")
     got, pred = bench.measure(bench.parse_args(["--tiny", "--warmup", "0", "--iters", "1"]))
-    labels = ["braided_v"] + [f"offload a={a:g}" for a in ALPHAS]
+    labels = ["braided_v", "offload auto"] + [f"offload a={a:g}" for a in ALPHAS]
     for label in labels:
         for r in (0, 1):
-            act = got[r][label]["peak"]
-            assert act > 0 and abs(pred[label][r] - act) <= 0.10 * act, (label, r, act, pred[label][r])
+            act, peaks = got[r][label]["peak"], pred[label][0]
+            assert act > 0 and abs(peaks[r] - act) <= 0.10 * act, (label, r, act, peaks[r])
     for r in (0, 1):  # the lifted cap: alpha 1 moves about twice what alpha 0.5 moves
         moved = [got[r][f"offload a={a:g}"]["offloaded"] for a in ALPHAS]
         assert moved[0] < moved[1] < moved[2] and moved[2] >= 1.6 * moved[1], (r, moved)

@@ -55,6 +55,7 @@ def test_cost_file_and_skip_note(tmp_path, capsys):
     (["--hardware", "nope"], "h200"),
     (["--pp", "0"], None),
     (["--bogus"], None),
+    (["--offload-alpha", "1.5"], None),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, names, capsys):
     with pytest.raises(SystemExit) as err:
@@ -72,3 +73,18 @@ def test_bad_cost_file_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         main(["--pp", "2", "--mbs", "4", "--schedule", "1f1b", "--costs", str(bad)])
     assert err.value.code == 2 and "T_F" in capsys.readouterr().err
+
+
+def test_offload_alpha_auto_and_fixed(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    base = ["--pp", "2", "--mbs", "8", "--schedule", "braided_v", "--schedule", "braided_v_offload", "--json", str(out)]
+    assert main(base) == 0
+    text = capsys.readouterr().out
+    auto = json.loads(out.read_text())["schedules"]
+    assert "note: braided_v_offload: auto offload alpha=" in text
+    bv, off = auto["braided_v"], auto["braided_v_offload"]
+    # auto: a lower worst-rank peak within 1% of braided_v's step time
+    assert off["peak_memory_gib"] < bv["peak_memory_gib"] and off["step_time_s"] <= 1.01 * bv["step_time_s"]
+    assert main(base + ["--offload-alpha", "0"]) == 0
+    none = json.loads(out.read_text())["schedules"]["braided_v_offload"]
+    assert none["peak_memory_gib"] == pytest.approx(bv["peak_memory_gib"])

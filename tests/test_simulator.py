@@ -14,6 +14,7 @@ from braid.braiding import ChunkSpec
 from braid.compiler import compile_plan
 from braid.costs import Layout, uniform_costs
 from braid.ir import OpKind, Program, compute_ops
+from braid.offload import RELEASE_AFTER
 from braid.trace import LANES, Trace
 from simulator import SimulationError, simulate
 
@@ -184,14 +185,21 @@ def test_memory_follows_forward_split_backward_and_w():
 
 
 def test_offload_lowers_peak_and_backward_waits_for_reload():
-    text = "F0c0\nOFFLOAD0c0\nF1c0\nBW1c0\nRELOAD0c0\nBW0c0"
+    assert RELEASE_AFTER == 2  # the texts below count on it
+    text = "F0c0\nOFFLOAD0c0\nF1c0\nF2c0\nBW2c0\nBW1c0\nRELOAD0c0\nBW0c0"
     kw = dict(M_a_bytes=1000.0, W_residual=0.25)
     base = _one_rank(text.replace("OFFLOAD0c0\n", "").replace("RELOAD0c0\n", ""), **kw).report.ranks[0]
-    fast = _one_rank(text, pcie_bytes_per_s=1e6, **kw)
-    assert fast.report.ranks[0].peak_activation_bytes < base.peak_activation_bytes
+    assert base.peak_activation_bytes == 3000
+    fast = _one_rank(text, pcie_bytes_per_s=1e6, **kw)  # the copy is done before F2c0 starts
+    assert fast.report.ranks[0].peak_activation_bytes == 2000
+    assert fast.report.ranks[0].end_s == pytest.approx(base.end_s, rel=1e-3)
     slow = _one_rank(text, pcie_bytes_per_s=100.0, **kw)  # 10 s each way
+    off, reload = (next(e for e in slow.trace.events if e.kind == k) for k in ("OFFLOAD", "RELOAD"))
+    # a late copy: the third compute instruction after the offload waits for it, then frees its bytes
+    bw2 = min(e.start for e in slow.trace.events if e.name == "BW2c0")
+    assert bw2 == pytest.approx(off.end)
+    assert slow.report.ranks[0].peak_activation_bytes == 3000
     bw0 = [e for e in slow.trace.events if e.name == "BW0c0"]
-    reload = next(e for e in slow.trace.events if e.kind == "RELOAD")
     assert min(e.start for e in bw0) >= reload.end - 1e-9
 
 

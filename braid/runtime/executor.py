@@ -296,7 +296,7 @@ class Executor:
                 raise ChunkStateError(f"{op} before its input activation was received")
             if op.kind in (OpKind.B, OpKind.BW) and not ch.has_output_grad(op.mb):
                 raise ChunkStateError(f"{op} before its output gradient was received")
-        self.offloader.poll()
+        self.offloader.advance()
         for op in ops:
             if op.kind is not OpKind.F:  # the reload of its activations must have landed
                 self.offloader.wait((op.chunk, op.mb))

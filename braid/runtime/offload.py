@@ -20,10 +20,14 @@ What moves (``offload(key, slots, keep, frac)``):
 
 How (CUDA): the device-to-host copies run on a dedicated D2H stream that first waits for
 an event recorded on the compute stream after the forward that produced the tensors; the
-device tensors stay referenced until the copy's completion event has fired (checked by
-:meth:`ActivationOffloader.poll`), so the allocator never hands their memory to anything
-else before the copy has read it -- the memory is freed when the copy completes, as the
-simulator models it. A reload allocates the device storage on the compute stream (memory
+device tensors stay referenced until the copy has read them, so the allocator never hands
+their memory to anything else before. They are released (:meth:`ActivationOffloader.advance`,
+called before every compute instruction) as soon as the copy's event has fired, and at the
+latest once ``RELEASE_AFTER`` compute instructions have run after the offload: there the
+compute stream waits for the copy and the memory returns to its pool. That bound matters
+because the host runs ahead of the GPU, so an event query alone would keep the memory
+until the host next waits; the simulator models the same rule (memory freed at the start
+of that instruction, which waits for the copy if it is late). A reload allocates the device storage on the compute stream (memory
 re-taken when the reload is issued), copies on a host-to-device stream that waits for that
 allocation and for the offload's completion, and records an event that the consuming
 backward waits for with ``stream.wait_event`` (:meth:`ActivationOffloader.wait`). Host
@@ -38,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, MutableSequence, Sequence
 
 import torch
+
+from braid.offload import RELEASE_AFTER
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +143,7 @@ class ActivationOffloader:
         self.cuda = self.device.type == "cuda"
         self.pool = pool if pool is not None else HostPool(pin=self.cuda)
         self._moved: dict[Hashable, _Moved] = {}
-        self._d2h_pending: list[tuple[Any, list[torch.Tensor]]] = []
+        self._d2h_pending: list[list[Any]] = []  # [completion event, device tensors, instructions left]
         if self.cuda:
             self.d2h = torch.cuda.Stream(self.device)
             self.h2d = torch.cuda.Stream(self.device)
@@ -196,7 +202,7 @@ class ActivationOffloader:
                 moved.d2h_done = torch.cuda.Event()
                 moved.d2h_done.record()
                 end = mark() if mark else None
-            self._d2h_pending.append((moved.d2h_done, flats))  # device memory lives until the copy is done
+            self._d2h_pending.append([moved.d2h_done, flats, RELEASE_AFTER])  # device memory lives until the copy is done
         else:
             start = mark() if mark else None
             for g, (st, _) in zip(groups, picked):
@@ -267,7 +273,27 @@ class ActivationOffloader:
     def poll(self) -> None:
         """Drop the device storages whose D2H copy has completed (their memory is freed now)."""
         if self._d2h_pending:
-            self._d2h_pending = [(ev, ts) for ev, ts in self._d2h_pending if not ev.query()]
+            self._d2h_pending = [x for x in self._d2h_pending if not x[0].query()]
+
+    def advance(self) -> None:
+        """Before a compute instruction: release what :meth:`poll` releases, and the storages
+        of offloads ``RELEASE_AFTER`` compute instructions old, after making the compute
+        stream wait for their copy (so the freed memory is safe for the kernels that follow)."""
+        if not self._d2h_pending:
+            return
+        keep = []
+        stream = None
+        for item in self._d2h_pending:
+            ev = item[0]
+            if ev.query():
+                continue
+            item[2] -= 1
+            if item[2] < 0:
+                stream = stream or torch.cuda.current_stream(self.device)
+                stream.wait_event(ev)
+                continue
+            keep.append(item)
+        self._d2h_pending = keep
 
     def finish(self) -> list[Hashable]:
         """End of a step: wait for the copy streams, free what they held; returns keys still on the host."""
