@@ -76,7 +76,9 @@ class UnitCost:
     ``f``/``b``/``w``: forward, activation-backward, weight-backward compute;
     ``ar_f``/``ar_b``: the all-reduce that ends the unit's forward / backward (0 if none);
     ``act``: bytes its forward keeps for the backward; ``w_res``: bytes kept after a split
-    B until W.
+    B until W; ``tmp``: workspace -- bytes allocated on top of those while the unit runs
+    and freed when it ends (logits and their gradient, MLP intermediates), the most of its
+    F, B and W (0 in the analytic model; a GPU profile measures it).
     """
 
     f: float
@@ -86,6 +88,7 @@ class UnitCost:
     ar_b: float = 0.0
     act: float = 0.0
     w_res: float = 0.0
+    tmp: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,7 +296,8 @@ def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **
 # ----------------------------------------------------------------------------------------
 # Cost files
 # ----------------------------------------------------------------------------------------
-_CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P", "activation_bytes", "w_residual_bytes", "unit_split")
+_CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P", "activation_bytes", "w_residual_bytes", "unit_split",
+               "unit_workspace")
 _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "pcie_bytes_per_s", "p2p_over_pcie",
                 "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
@@ -346,6 +350,11 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
             vals[u][attr] = totals[key] * w[u] / norm if norm > 0 else 0.0
         if norm == 0 and totals[key] > 0:
             raise CostFileError(f"{where}: {key} total is {totals[key]} but this chunk has no unit to carry it")
+    work = d.get("unit_workspace") or {}
+    if not isinstance(work, dict) or set(work) - {u.value for u in vals}:
+        raise CostFileError(f"{where}: 'unit_workspace' must map units of this chunk ({', '.join(u.value for u in vals)}) to bytes")
+    for u in vals:
+        vals[u]["tmp"] = _num(work, u.value, f"{where}: unit_workspace", 0.0)
     units = {u: UnitCost(**v) for u, v in vals.items()}
     return ChunkCosts(spec, units, _num(d, "T_P2P", where, 0.0))
 
@@ -418,6 +427,8 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
             "w_residual_bytes": cc.total("w_res"),
             "unit_split": {key: {u.value: getattr(cc.units[u], attr) for u in present} for key, attr in _SPLITS.items()},
         }
+        if any(cc.units[u].tmp for u in present):
+            chunks[f"{r},{c}"]["unit_workspace"] = {u.value: cc.units[u].tmp for u in present}
     return {
         "format": FORMAT, "layout": {"tp": costs.layout.tp, "p": costs.layout.p, "v": costs.layout.v,
                                      "placement": costs.layout.placement},

@@ -9,7 +9,9 @@ CPU). It also measures the TP all-reduce of a boundary activation alone and over
 with a GEMM (-> ``ar_slowdown``, paper Appendix F), the P2P time of the stage-boundary
 activation, the host-copy bandwidth (pinned host<->device on GPU, a memcpy on CPU), and
 the activation bytes each unit keeps (``torch.cuda.memory_allocated`` deltas on GPU, the
-chunk's ``live_bytes()`` on CPU) and what a split backward keeps until W.
+chunk's ``live_bytes()`` on CPU), what a split backward keeps until W, and on GPU each
+unit's workspace (allocator peak during the unit above what it keeps: logits, MLP
+intermediates), which the simulator holds while the unit runs.
 
 Chunks are keyed by virtual stage in the written file, so one profile serves every
 placement (loop or V) of the same stage split. It spawns ``tp * pp`` processes itself
@@ -214,6 +216,14 @@ class _Timer:
     def memory(self, chunk) -> int:
         return torch.cuda.memory_allocated(self.device) if self.cuda else chunk.live_bytes()
 
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def workspace(self, before: int, after: int) -> int:
+        """Bytes allocated on top of ``max(before, after)`` while the unit ran (0 on CPU: no allocator peak)."""
+        return max(0, torch.cuda.max_memory_allocated(self.device) - max(before, after)) if self.cuda else 0
+
 
 def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
                    progress: Progress) -> dict[str, Any]:
@@ -225,6 +235,7 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
     chunk.set_batch([tok], [tok])
     times: dict[tuple[str, str, int], list[float]] = {}
     mem: dict[tuple[str, str, int], int] = {}
+    work: dict[tuple[str, str, int], int] = {}
     ar = lambda out, task: dist.all_reduce(out, group=tp_group) if (task.ar and out is not None and tp_group is not None) else None  # noqa: E731
     for it in range(pc.warmup + pc.iters):
         keep = it >= pc.warmup
@@ -237,6 +248,7 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
             for i, task in enumerate(tasks):
                 key = (task.phase.value, task.unit.value, task.layer)
                 before = timer.memory(chunk)
+                timer.reset_peak()
                 dt, out = timer.time(lambda: chunk.run(0, task))
                 ar(out, task)
                 if phase is OpKind.B and i == len(tasks) - 1:
@@ -246,7 +258,9 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
                     dt += dt_end
                 if keep:
                     times.setdefault(key, []).append(dt)
-                    mem[key] = timer.memory(chunk) - before
+                    after = timer.memory(chunk)
+                    mem[key] = after - before
+                    work[key] = max(work.get(key, 0), timer.workspace(before, after))
             if phase is OpKind.F:
                 chunk.end_forward(0)
                 if not spec.head:
@@ -254,7 +268,8 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
             elif phase is OpKind.B and not spec.embed:
                 chunk.pop_input_grad(0)
         progress.step(f"stage units {it + 1}/{pc.warmup + pc.iters}")
-    return {"times": [[*k, statistics.median(v)] for k, v in times.items()], "mem": [[*k, b] for k, b in mem.items()]}
+    return {"times": [[*k, statistics.median(v)] for k, v in times.items()], "mem": [[*k, b] for k, b in mem.items()],
+            "work": [[*k, b] for k, b in work.items()]}
 
 
 def _median_time(timer: _Timer, fn: Callable[[], Any], n: int) -> float:
@@ -360,7 +375,10 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
     """Average the per-instance medians (over layers and TP ranks) into one cost per unit kind."""
     t: dict[tuple[str, str], list[float]] = {}
     m: dict[tuple[str, str], list[float]] = {}
+    work: dict[str, float] = {}  # unit -> the most workspace any of its instances and phases took
     for e in entries:
+        for _ph, u, _layer, b in e.get("work", ()):
+            work[u] = max(work.get(u, 0.0), float(b))
         for ph, u, _layer, v in e["times"]:
             t.setdefault((ph, u), []).append(v)
         for ph, u, _layer, b in e["mem"]:
@@ -380,7 +398,8 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
     for u in units:
         unit = Unit(u)
         out[unit] = UnitCost(mean(t, ("F", u)), mean(t, ("B", u)), mean(t, ("W", u)),
-                             ar_s if unit in _AR_F else 0.0, ar_s if unit in _AR_B else 0.0, act[u], w_res[u])
+                             ar_s if unit in _AR_F else 0.0, ar_s if unit in _AR_B else 0.0, act[u], w_res[u],
+                             work.get(u, 0.0))
     return out
 
 

@@ -32,7 +32,7 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   earlier than its offload's completion; B/W/BW of that (mb, chunk) wait for it.
 * **Memory**: an F unit allocates its ``act`` bytes when it completes; a split-B unit
   keeps only ``w_res`` of them, W frees ``w_res``; a full backward (B then W per unit)
-  frees all.
+  frees all. A unit with workspace (``tmp``, from a GPU profile) holds it while it runs.
 """
 
 from __future__ import annotations
@@ -55,8 +55,9 @@ class SimulationError(ValueError):
     """A program that cannot run: deadlock, unmatched or misrouted P2P, reload without offload."""
 
 
-# One row per unit task: (member, nominal compute s, all-reduce s (0: none), waits_ar, unit label, phase, bytes delta)
-_Row = tuple[int, float, float, bool, str, str, float]
+# One row per unit task: (member, nominal compute s, all-reduce s (0: none), waits_ar, unit label, phase, bytes delta,
+# workspace bytes held while it runs)
+_Row = tuple[int, float, float, bool, str, str, float, float]
 # Rows of one instruction shape, bytes kept per member, nominal compute s of the whole instruction.
 _Table = tuple[tuple[_Row, ...], tuple[float, float], float]
 
@@ -152,7 +153,7 @@ class Engine:
                 dur, ar, dmem = u.w, 0.0, -u.w_res
             ar = ar if (self._tp and st.task.ar) else 0.0
             label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
-            rows.append((st.member, dur, ar, st.task.waits_ar, label, ph.value, dmem))
+            rows.append((st.member, dur, ar, st.task.waits_ar, label, ph.value, dmem, u.tmp))
             totals[st.member] += dmem
             nominal += dur
         out = (tuple(rows), (totals[0], totals[1]), nominal)
@@ -208,7 +209,7 @@ class Engine:
         pend = [0.0, 0.0]
         busy = exposed = 0.0
         # The hot loop of the simulator, one pass per unit task: locals only.
-        for member, dur, ar, waits, label, phase, dmem in rows:
+        for member, dur, ar, waits, label, phase, dmem, tmp in rows:
             if waits and pend[member] > t:
                 exposed += pend[member] - t
                 t = pend[member]
@@ -222,7 +223,12 @@ class Engine:
             if who is not None:
                 name, mb, chunk = who[member]
                 ev(Event(rank, "compute", name, phase, t, d, mb, chunk, label, block, idx))
-            if dmem:
+            if tmp:  # workspace: taken while the unit runs
+                mem_t(t)
+                mem_d(tmp)
+                mem_t(end)
+                mem_d(dmem - tmp)
+            elif dmem:
                 mem_t(end)
                 mem_d(dmem)
             if ar > 0.0:
