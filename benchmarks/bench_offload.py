@@ -2,8 +2,10 @@
 
 Spawns two processes (pp=2, tp=1; NCCL on GPUs, gloo on CPU) and runs, side by side in
 one run: ``braided_v``, ``braided_v_offload`` at alpha 0.25 / 0.5 / 1.0 (warm-up fraction
-= alpha), and ``1f1b_i``. Per schedule and rank it prints the step time, the throughput
-ratio vs ``braided_v``, the bytes offloaded per step, and two peaks:
+= alpha) and with the ``auto`` policy (:func:`braid.offload.tune_offload` on the prediction's
+cost model), and ``1f1b_i``. Per schedule and rank it prints the step time (and the
+predicted one), the throughput ratio vs ``braided_v``, the bytes offloaded per step,
+``max_memory_allocated``, and two peaks:
 
 * ``act``: the *activation* peak, what the simulator models -- the chunks' live saved
   bytes (``ModelChunk.live_bytes``: saved-tensor boxes plus weight-gradient stashes, each
@@ -52,7 +54,7 @@ FIXED: list[tuple[str, str, dict]] = [
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """The fixed runs plus ``offload auto``: the policy :func:`braid.offload.tune_offload` picks
-    on the prediction's cost model (deterministic, so every process computes the same)."""
+    on the prediction's cost model."""
     from braid.offload import tune_offload
 
     plan = _plan("braided_v_offload", {}, args.mbs)
@@ -115,7 +117,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     g = torch.Generator().manual_seed(1)
     toks = [torch.randint(0, mc.vocab, (1, mc.seq), generator=g).to(device) for _ in range(args.mbs)]
     results = {}
-    for label, name, opts in _runs(args):
+    for label, name, opts in args.runs:
         plan = _plan(name, opts, args.mbs)
         chunks = build_rank_chunks(model, plan, rank, _stage_layers(mc, plan))
         chunks = {c: ch.to(device) for c, ch in chunks.items()}
@@ -139,7 +141,6 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
                 times.append(res.trace.step_time)
                 peak = max(peak, ex.act_peak)
         results[label] = {"step_s": statistics.median(times), "peak": peak, "alloc": alloc, "max_alloc": max_alloc,
-                          "options": opts,
                           "offloaded": res.counts.get("OFFLOAD_bytes", 0),
                           "host_pool_bytes": ex.offloader.pool.allocated_bytes}
         del ex, chunks
@@ -155,7 +156,7 @@ def _predicted(args: argparse.Namespace) -> dict[str, tuple[list[int], float]]:
     from simulator import simulate
 
     out = {}
-    for label, name, opts in _runs(args):
+    for label, name, opts in args.runs:
         plan = _plan(name, opts, args.mbs)
         rep = simulate(compile_plan(plan), _costs(args, plan), name=label, record=False).report
         out[label] = ([r.peak_activation_bytes for r in rep.ranks], rep.step_time_s)
@@ -163,7 +164,10 @@ def _predicted(args: argparse.Namespace) -> dict[str, tuple[list[int], float]]:
 
 
 def measure(args: argparse.Namespace) -> tuple[dict[int, dict[str, dict]], dict[str, tuple[list[int], float]]]:
-    """Measured figures per rank and run label; predicted activation peak per rank and step time per label."""
+    """Measured figures per rank and run label; predicted activation peak per rank and step time per label.
+
+    Sets ``args.runs`` (the runs, ``offload auto`` tuned once here) for the workers and the caller."""
+    args.runs = _runs(args)
     return dict(spawn_two(_worker, args, results=2)), _predicted(args)
 
 
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {r: got[r]["braided_v"]["step_s"] for r in got}
     unit = "GiB" if not args.tiny else "KiB"
     div = 2**30 if not args.tiny else 2**10
-    runs = _runs(args)
+    runs = args.runs
     auto = next(opts for label, _, opts in runs if label == "offload auto")
     print(f"pp=2 tp=1 m={args.mbs} seq={_model_config(args).seq} hidden={_model_config(args).hidden}; offload auto = "
           + ", ".join(f"{k.removeprefix('offload_')} {v:g}" for k, v in auto.items()))
