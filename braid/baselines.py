@@ -1,0 +1,191 @@
+"""External baselines: ``torch.distributed.pipelining``'s schedules on the same model split.
+
+The comparison the benchmarks and the examples make is braid's schedules against what a
+user runs today: ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble`` and
+``ScheduleDualPipeV``, on the same decoder layers per virtual stage, the same weights and
+the same data. Each rank wraps its virtual stages as plain modules (:class:`StageModule`:
+optional vision tower and embedding, a slice of decoder layers, optional norm + LM head)
+and hands them to ``PipelineStage``.
+
+Tensor parallelism for the baselines is torch's own (DTensor, as torchtitan does it):
+Q/K/V and gate/up column-parallel, out- and down-projections row-parallel, the embedding
+row-parallel over the vocabulary, the LM head column-parallel with a vocabulary-parallel
+cross-entropy (``loss_parallel``). The all-reduces run where DTensor puts them, exposed --
+which is what braided execution hides. Norms and the ViT's patch embedding/merger are
+replicated. Gradients are scaled by ``1/m`` (``scale_grads``), as braid's executor does, so
+losses and gradients are comparable with the single-device model.
+
+Names: ``torch_1f1b_i``, ``torch_zb_v``, ``torch_dualpipe_v`` (:data:`TORCH_SCHEDULES`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from braid.ir import stage_of
+from braid.partition import layer_offset
+
+TORCH_SCHEDULES: dict[str, str] = {
+    "torch_1f1b_i": "ScheduleInterleaved1F1B",
+    "torch_zb_v": "ScheduleZBVZeroBubble",
+    "torch_dualpipe_v": "ScheduleDualPipeV",
+}
+IGNORE_INDEX = -100
+
+
+def placement_of(cls_name: str) -> str:
+    """Stage placement of a torch schedule: looped for interleaved 1F1B, V for ZB-V and DualPipeV."""
+    return "loop" if cls_name == "ScheduleInterleaved1F1B" else "v"
+
+
+class StageModule(nn.Module):
+    """One virtual stage of a Qwen2(-VL) model as a plain module, copied from the single-device model.
+
+    ``lm``: the :class:`~braid.models.qwen2.Qwen2Model`; ``first``/``n``: its decoder layers;
+    ``embed``/``head``: whether the stage starts with the token embedding / ends with norm +
+    LM head; ``vision``: the VLM's vision tower for the first stage (inputs are then
+    ``(pixels, tokens)`` and the visual tokens come first).
+    """
+
+    def __init__(self, lm: nn.Module, first: int, n: int, embed: bool, head: bool, vision: nn.Module | None = None) -> None:
+        super().__init__()
+        self.visual = copy.deepcopy(vision) if vision is not None else None
+        self.embed = copy.deepcopy(lm.embed_tokens) if embed else None
+        self.layers = nn.ModuleList(copy.deepcopy(lm.layers[i]) for i in range(first, first + n))
+        self.norm = copy.deepcopy(lm.norm) if head else None
+        self.head = copy.deepcopy(lm.lm_head) if head else None
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.visual is not None:
+            pixels, tokens = inputs
+            x = torch.cat([self.visual(pixels), self.embed(tokens)], dim=1)
+        elif self.embed is not None:
+            x = self.embed(inputs[0])
+        else:
+            x = inputs[0]
+        for layer in self.layers:
+            x = layer(x)
+        if self.head is not None:
+            x = self.head(self.norm(x)).float()
+        return x
+
+
+def tensor_parallel(stage: StageModule, mesh: Any) -> StageModule:
+    """Shard ``stage`` in place over the 1-D device ``mesh`` with DTensor (see the module doc)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    t = mesh.size()
+    layer_plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
+                  "o_proj": RowwiseParallel(), "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                  "down_proj": RowwiseParallel()}
+    blocks = list(stage.layers) + (list(stage.visual.blocks) if stage.visual is not None else [])
+    for layer in blocks:
+        for what, n in (("heads", layer.heads), ("KV heads", layer.kv_heads), ("ffn", layer.gate_proj.out_features)):
+            if n % t:
+                raise ValueError(f"{what} ({n}) not divisible by tp={t}")
+        layer.heads, layer.kv_heads = layer.heads // t, layer.kv_heads // t  # the views use the local head counts
+        parallelize_module(layer, mesh, layer_plan)
+    if stage.embed is not None:
+        parallelize_module(stage.embed, mesh, RowwiseParallel(input_layouts=Replicate()))
+    if stage.head is not None:
+        parallelize_module(stage.head, mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    return stage
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of a micro-batch (ignoring ``IGNORE_INDEX``), as the executor's head computes it."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+class TorchPipeline:
+    """A ``torch.distributed.pipelining`` schedule over this rank's stages of ``lm``.
+
+    ``layers_per_stage``: LM decoder layers of each of the ``2 * pp`` virtual stages (the
+    VLM's stage 0 holds the vision tower and no LM layers); ``groups``: this rank's
+    :class:`~braid.runtime.distributed.ProcessGroups` (the layout; tp > 1 runs DTensor
+    tensor parallelism). Collective: every rank of the job constructs it.
+    """
+
+    def __init__(self, name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
+                 device: torch.device, dtype: torch.dtype, vision: nn.Module | None = None, timeout_s: float = 120.0) -> None:
+        import torch.distributed.pipelining as pipe
+
+        if name not in TORCH_SCHEDULES:
+            raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(TORCH_SCHEDULES)}")
+        cls_name = TORCH_SCHEDULES[name]
+        cls = getattr(pipe, cls_name, None)
+        if cls is None:
+            raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.{cls_name}; use torch >= 2.8")
+        topo = groups.topo
+        if topo.dp != 1 or topo.cp != 1:
+            raise ValueError(f"the torch baselines run tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")
+        pp, n_stages = topo.pp, len(layers_per_stage)
+        if n_stages != 2 * pp:
+            raise ValueError(f"{name} runs 2 virtual stages per rank: {n_stages} stages for pp={pp}")
+        if cls_name == "ScheduleDualPipeV" and m < n_stages:
+            raise ValueError(f"{name} needs at least as many micro-batches as stages: m={m} < {n_stages}; use m >= {n_stages}")
+        self.name, self.n_stages, self.m, self.tp = name, n_stages, m, topo.tp
+        # Groups of their own (collective: every rank creates every group, same order): the
+        # schedule's P2P must not share a communicator with the executor's, and the TP
+        # all-reduces get NCCL's default channels (braid caps its own TP group's, see
+        # ProcessGroups.create).
+        timeout = datetime.timedelta(seconds=timeout_s)
+        mine = {}
+        for dim in ("pp", "tp") if topo.tp > 1 else ("pp",):
+            for ranks in topo.groups(dim):
+                g = dist.new_group(ranks, timeout=timeout)
+                if groups.rank in ranks:
+                    mine[dim] = g
+        self.group = mine["pp"]
+        mesh = None
+        if topo.tp > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(mine["tp"], device.type)
+        pp_rank = groups.coords.pp
+        placement = placement_of(cls_name)
+        self.stages, self.modules = [], []
+        for c in range(2):
+            s = stage_of(placement, pp, pp_rank, c)
+            mod = StageModule(lm, layer_offset(layers_per_stage, s), layers_per_stage[s], s == 0, s == n_stages - 1,
+                              vision if s == 0 else None).to(device=device, dtype=dtype)
+            if mesh is not None:
+                tensor_parallel(mod, mesh)
+            self.modules.append(mod)
+            self.stages.append(pipe.PipelineStage(mod, s, n_stages, device, group=self.group))
+        self.has_first = any(st.stage_index == 0 for st in self.stages)
+        self.has_last = any(st.stage_index == n_stages - 1 for st in self.stages)
+        self.schedule = cls(self.stages, n_microbatches=m, loss_fn=cross_entropy)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for mod in self.modules for p in mod.parameters()]
+
+    def step(self, inputs: Sequence[torch.Tensor], labels: torch.Tensor) -> float | None:
+        """One forward + backward of all ``m`` micro-batches (``inputs``/``labels`` batched along dim 0).
+
+        Returns the mean micro-batch loss on the rank holding the last stage (TP rank 0 of it
+        reports it; the other TP ranks compute the same value), None elsewhere.
+        """
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        losses: list[torch.Tensor] = []
+        args = tuple(inputs) if self.has_first else ()
+        with loss_parallel() if self.tp > 1 else contextlib.nullcontext():
+            if self.has_last:
+                self.schedule.step(*args, target=labels, losses=losses)
+            else:
+                self.schedule.step(*args)
+        if not self.has_last:
+            return None
+        total = sum(float((x.full_tensor() if hasattr(x, "full_tensor") else x).detach()) for x in losses)
+        return total / len(losses)
+
