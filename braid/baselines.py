@@ -81,7 +81,11 @@ class StageModule(nn.Module):
 def tensor_parallel(stage: StageModule, mesh: Any) -> StageModule:
     """Shard ``stage`` in place over the 1-D device ``mesh`` with DTensor (see the module doc)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     t = mesh.size()
     layer_plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),

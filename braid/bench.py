@@ -8,7 +8,8 @@ by the simulator from the profile, and the relative error is printed beside it -
 "one IR, two interpreters" check of the design (measured and simulated traces of the same
 programs). External baselines run on the same model in the same job:
 ``torch.distributed.pipelining`` (``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``,
-``ScheduleDualPipeV``; tp=1 only) and megatron-core's interleaved 1F1B (reported as not
+``ScheduleDualPipeV``, via :mod:`braid.baselines`; tp > 1 with DTensor tensor
+parallelism) and megatron-core's interleaved 1F1B (reported as not
 installed when it is missing).
 
 Peak memory: on GPU the allocator's peak during the step minus what was allocated before
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import datetime
 import json
 import logging
 import statistics
@@ -40,15 +40,23 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from braid.baselines import TORCH_SCHEDULES
 from braid.costs import Layout, costs_from_dict
-from braid.profile import ProfileConfig, Progress, add_model_args, build_chunks, config_from_args, launch, measure_rank
+from braid.profile import (
+    ProfileConfig,
+    Progress,
+    add_model_args,
+    build_chunks,
+    config_from_args,
+    launch,
+    measure_rank,
+)
 from braid.trace import Trace
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
 MEASUREMENTS_FORMAT = "braid-measurements/1"
-EXTERNAL = ("ScheduleInterleaved1F1B", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,63 +264,21 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if groups.coords.tp == 0 else None}
 
 
-class _Stage(torch.nn.Module):
-    """A contiguous slice of the single-device model for ``torch.distributed.pipelining``."""
-
-    def __init__(self, model, first: int, n: int, embed: bool, head: bool) -> None:
-        super().__init__()
-        import copy
-
-        self.embed = copy.deepcopy(model.embed_tokens) if embed else None
-        self.layers = torch.nn.ModuleList(copy.deepcopy(model.layers[i]) for i in range(first, first + n))
-        self.norm = copy.deepcopy(model.norm) if head else None
-        self.head = copy.deepcopy(model.lm_head) if head else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        if self.head is not None:
-            x = self.head(self.norm(x)).float()
-        return x
-
-
-def _run_external(d, bc: BenchConfig, groups, model, cls_name: str, m: int) -> dict[str, Any]:
-    """One torch.distributed.pipelining schedule on the same model split (tp=1)."""
-    import torch.distributed.pipelining as pipe
-
-    from braid.ir import stage_of
-    from braid.partition import layer_offset
+def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
+    """One ``torch.distributed.pipelining`` schedule on the same model split (:mod:`braid.baselines`)."""
+    from braid.baselines import TorchPipeline
+    from braid.profile import _DTYPES
 
     pc = bc.profile
     dev = d.device
-    cls = getattr(pipe, cls_name, None)
-    if cls is None:
-        raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.{cls_name}")
-    if pc.tp != 1:
-        raise RuntimeError("the pipelining baselines run with tp=1 only (no TP adapter for them here)")
-    placement = "loop" if cls_name == "ScheduleInterleaved1F1B" else "v"
-    n_stages = pc.pp * pc.v
-    me = groups.coords.pp
-    group = dist.new_group(groups.pp_ranks, timeout=datetime.timedelta(seconds=120))
-    stages = []
-    for c in range(pc.v):
-        s = stage_of(placement, pc.pp, me, c)
-        mod = _Stage(model, layer_offset(pc.layers_per_stage, s), pc.layers_per_stage[s], s == 0, s == n_stages - 1).to(dev)
-        stages.append(pipe.PipelineStage(mod, s, n_stages, dev, group=group))
-    loss_fn = lambda logits, y: torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))  # noqa: E731
-    sched = cls(stages, n_microbatches=m, loss_fn=loss_fn)
+    pipe = TorchPipeline(name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=_DTYPES[pc.dtype])
     toks, labs = _data(pc, m, dev)
     x, y = torch.cat(toks), torch.cat(labs)
-    has_first = any(s.stage_index == 0 for s in stages)
-    has_last = any(s.stage_index == n_stages - 1 for s in stages)
 
     def step():
-        for s in stages:
-            s.submod.zero_grad(set_to_none=False)
-        args = (x,) if has_first else ()
-        return sched.step(*args, target=y) if has_last else sched.step(*args)
+        for mod in pipe.modules:
+            mod.zero_grad(set_to_none=False)
+        return pipe.step((x,), y)
 
     times, peak, _ = _timed_steps(bc, dev, step)
     return {"times": times, "peak": peak if dev.type == "cuda" else None}
@@ -347,7 +313,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             doc = calibrate(doc, pc, plan, step_s, busy)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
-    ext = [(c, m) for c in EXTERNAL for m in bc.mbs] if bc.external else []
+    ext = [(c, m) for c in TORCH_SCHEDULES for m in bc.mbs] if bc.external else []
     progress = Progress(len(jobs) + len(ext), "bench", enabled=lead)
     for name, m in jobs:
         try:
@@ -361,9 +327,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         runs.append({"schedule": name, "m": m, "ranks": gathered})
         progress.step(f"{name} m={m}")
     external = []
-    for cls_name, m in ext:
+    for name, m in ext:
         try:
-            out = _run_external(d, bc, groups, model, cls_name, m)
+            out = _run_external(d, bc, groups, model, name, m)
             err = None
         except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
             out, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -371,10 +337,10 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         dist.all_gather_object(gathered, (out, err))
         errs = sorted({e for _, e in gathered if e})
         if errs:
-            external.append({"schedule": f"torch:{cls_name}", "m": m, "error": errs[0]})
+            external.append({"schedule": f"torch:{TORCH_SCHEDULES[name]}", "m": m, "error": errs[0]})
         else:
-            external.append({"schedule": f"torch:{cls_name}", "m": m, "ranks": [o for o, _ in gathered]})
-        progress.step(f"{cls_name} m={m}")
+            external.append({"schedule": f"torch:{TORCH_SCHEDULES[name]}", "m": m, "ranks": [o for o, _ in gathered]})
+        progress.step(f"{TORCH_SCHEDULES[name]} m={m}")
     return {"profile": doc, "runs": runs, "external": external, "notes": notes} if lead else None
 
 
