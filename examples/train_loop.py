@@ -73,12 +73,15 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(task: Task) -> argparse.ArgumentParser:
     import schedules
+    from braid.baselines import TORCH_SCHEDULES
 
     p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog=_EPILOG.format(prog=task.prog))
     lay = p.add_argument_group("layout (world size = dp * pp * tp)")
-    lay.add_argument("--schedule", default="braided_v", choices=schedules.names(), metavar="NAME",
-                     help="pipeline schedule: " + ", ".join(schedules.names()) + " (default: %(default)s)")
+    lay.add_argument("--schedule", nargs="+", default=["braided_v"], metavar="NAME",
+                     help="pipeline schedule: " + ", ".join(schedules.names()) + "; or torch.distributed.pipelining's "
+                          + ", ".join(TORCH_SCHEDULES) + ". Several: each trains --steps steps from the same "
+                          "weights and data, then one table compares them (default: braided_v)")
     lay.add_argument("--offload-alpha", type=float, default=None, metavar="A",
                      help="braided_v_offload: fraction of chunk-0 activations moved to host memory, 0..1 (default: "
                           "0.5 steady, half in warm-up; python -m braid.simulate --offload-alpha auto picks one)")
@@ -117,6 +120,11 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     out.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written with the same layout")
     out.add_argument("--peak-tflops", type=float, default=None,
                      help="per-device peak for MFU (default: 989 on H100/H200, 0 = not reported on CPU)")
+    out.add_argument("--reference", action="store_true",
+                     help="also train the unsplit model on rank 0's device (same weights, data, AdamW) and compare "
+                          "every schedule's per-step losses with it; exit code 1 beyond --reference-rtol")
+    out.add_argument("--reference-rtol", type=float, default=None, metavar="R",
+                     help="relative loss tolerance of --reference (default: 1e-4 in float32, 2e-2 in bfloat16)")
     out.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck communication fails the run")
     return p
 
@@ -126,6 +134,8 @@ examples:
   python {prog} --steps 40                                   # one process, CPU or one GPU
   torchrun --nproc-per-node 4 {prog} --schedule braided_v --tp 2 --pp 2
   torchrun --nproc-per-node 2 {prog} --pp 2 --metrics m.jsonl --trace t.json
+  torchrun --nproc-per-node 4 {prog} --tp 2 --pp 2 --steps 6 --reference \
+      --schedule braided_v braided_v_offload 1f1b_i zb_v torch_1f1b_i torch_zb_v torch_dualpipe_v
   python {prog} --steps 2 --save ckpt && python {prog} --steps 4 --resume ckpt
 
 Bad flags, or a layout the world size or the model cannot take, exit with code 2 and one
@@ -140,14 +150,31 @@ class Setup:
     world: int
     rank: int
     topo: Any
+    runs: list["Run"]
+    model: torch.nn.Module
+
+    @property
+    def plan(self) -> Any:
+        return self.runs[0].plan
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return self.runs[0].stage_layers
+
+
+@dataclass(frozen=True)
+class Run:
+    """One schedule of the job: braid's (``plan`` set) or a torch.distributed.pipelining baseline (``plan`` None)."""
+
+    name: str
     plan: Any
     stage_layers: tuple[int, ...]
-    model: torch.nn.Module
 
 
 def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
     import schedules
+    from braid.baselines import TORCH_SCHEDULES
     from braid.topology import Topology
 
     args = build_parser(task).parse_args(argv)
@@ -165,24 +192,43 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
     if args.resume and not Path(args.resume, ".metadata").is_file():
         raise UsageError(f"--resume {args.resume}: no checkpoint there (missing .metadata)")
+    names = args.schedule
+    valid = list(schedules.names()) + list(TORCH_SCHEDULES)
+    for n in names:
+        if n not in valid:
+            raise UsageError(f"--schedule {n}: unknown; valid: {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
+    if len(names) > 1 and (args.save or args.resume or args.trace):
+        raise UsageError("--save, --resume and --trace take one --schedule (several schedules compare fresh runs)")
+    if args.reference and (args.resume or args.cp > 1):
+        raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
+    torch_names = [n for n in names if n in TORCH_SCHEDULES]
+    if torch_names and (args.save or args.resume):
+        raise UsageError(f"--save/--resume checkpoint braid's schedules, not {torch_names[0]}")
+    if torch_names and (args.dp != 1 or args.cp != 1):
+        raise UsageError(f"{torch_names[0]} runs tp x pp layouts only: use --dp 1 --cp 1 (world size = tp * pp)")
     try:
         sp_config = _sp_config(task, args)
         topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
         opts = {}
         if args.offload_alpha is not None:
-            if args.schedule != "braided_v_offload" or not 0.0 <= args.offload_alpha <= 1.0:
+            if "braided_v_offload" not in names or not 0.0 <= args.offload_alpha <= 1.0:
                 raise ValueError(f"--offload-alpha {args.offload_alpha}: needs --schedule braided_v_offload and a value in [0, 1]")
             opts = {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
-        plan = schedules.build(args.schedule, args.pp, args.mbs, **opts)
         torch.manual_seed(args.seed)
         model = task.build_model(args)
-        layers = task.stage_layers(model, plan.num_stages, args)
-        task.check(model, topo, plan.num_stages, args)
+        runs = []
+        for n in names:
+            plan = None if n in TORCH_SCHEDULES else schedules.build(n, args.pp, args.mbs, **(opts if n == "braided_v_offload" else {}))
+            n_stages = 2 * args.pp if plan is None else plan.num_stages
+            task.check(model, topo, n_stages, args)
+            runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
         if sp_config is not None:
             sp_config.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
     except ValueError as err:
         raise UsageError(str(err).splitlines()[0]) from None
-    return Setup(args, world, rank, topo, plan, layers, model)
+    return Setup(args, world, rank, topo, runs, model)
 
 
 def _sp_config(task: Task, args: argparse.Namespace) -> Any:
@@ -258,17 +304,25 @@ def _state_dict(chunks: dict, plan, pp_rank: int, tp_rank: int, opt: torch.optim
     return {"model": model, "optim": optim, "progress": progress}
 
 
-def run(task: Task, setup: Setup, source: Any = None) -> list[float]:
-    """Train; returns the per-step losses (on every rank)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+@dataclass
+class RunStats:
+    """What one schedule's run measured: per-step losses and times, peak memory per rank (bytes, 0 = not measured)."""
 
-    from braid.compiler import compile_plan
-    from braid.runtime.distributed import Dist, ProcessGroups, reduce_gradients
-    from braid.runtime.executor import Executor
-    from braid.trace import Trace, dump_traces
+    name: str
+    losses: list[float]
+    step_times: list[float]
+    peak_bytes: list[int]
 
-    args, topo, plan = setup.args, setup.topo, setup.plan
+
+def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStats], list[float] | None]:
+    """Train every schedule of the job from the same weights and data.
+
+    Returns the stats by schedule name and, with ``--reference``, the unsplit model's
+    per-step losses (both on every rank).
+    """
+    from braid.runtime.distributed import Dist, ProcessGroups
+
+    args = setup.args
     device = _device(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if "RANK" in os.environ:
@@ -276,100 +330,239 @@ def run(task: Task, setup: Setup, source: Any = None) -> list[float]:
     else:
         d = Dist.init(0, 1, master_port=_free_port(), device=device, timeout_s=args.timeout)
     try:
-        groups = ProcessGroups.create(topo, timeout_s=args.timeout)
-        c = groups.coords
-        model = setup.model
-        sp = None
-        if topo.cp > 1:
-            from braid.models.sequence_parallel import SequenceParallel
-
-            sp = SequenceParallel.create(_sp_config(task, args), groups)
-        chunks = task.build_chunks(model, plan, c.pp, setup.stage_layers, c.tp, topo.tp, groups.tp if topo.tp > 1 else None,
-                                   sp=sp, seq_len=task.seq_len(model, args))
-        for ch in chunks.values():
-            ch.to(device=device, dtype=dtype)
-        source = source if source is not None else task.source(model, args)
-        seq = task.seq_len(model, args)
-        hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
-        program = compile_plan(plan)[c.pp]
-        local_seq = sp.local_len(seq) if sp is not None else seq
-        ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=(args.micro_batch_size, local_seq, hidden),
-                                  dtype=dtype, device=device)
-        params = [p for ch in chunks.values() for p in ch.parameters()]
-        opt = torch.optim.AdamW(params, lr=args.lr)
-        per_step = args.dp * args.mbs * args.micro_batch_size
-        step, pos = 0, 0
-        if args.resume:
-            sd = _state_dict(chunks, plan, c.pp, c.tp, opt, {"step": torch.zeros((), dtype=torch.int64), "pos": torch.zeros((), dtype=torch.int64)})
-            dcp.load(sd, checkpoint_id=args.resume)
-            step, pos = int(sd["progress"]["step"]), int(sd["progress"]["pos"])
-            if setup.rank == 0:
-                log.info("resumed from %s at step %d (sample %d)", args.resume, step, pos)
-        del model
-        flops = task.flops_per_sample(setup.model, args)
-        peak = _peak_flops(args, device)
-        state_bytes = sum(p.numel() * p.element_size() * 4 for p in params)  # weights, grads, two AdamW moments
-        bar = Progress(args.steps, setup.rank == 0)
-        metrics = open(args.metrics, "a") if args.metrics and setup.rank == 0 else None
-        losses: list[float] = []
-        res = None
-        while step < args.steps:
-            first = pos + c.dp * args.mbs * args.micro_batch_size
-            toks, labs = [], []
-            for i in range(args.mbs):
-                tok, lab = task.inputs(setup.model, _batch(source, first + i * args.micro_batch_size, args.micro_batch_size))
-                toks.append(_to(tok, device, dtype))
-                labs.append(lab.to(device))
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            # Unit-level timing costs host time per unit: only on the step whose trace is written.
-            # Other steps keep the per-instruction memory series on CPU (the memory figure below).
-            traced = bool(args.trace) and step + 1 == args.steps
-            res = ex.run(toks, labs, record="units" if traced else "off" if device.type == "cuda" else "instructions")
-            reduce_gradients(params, groups, d.abort)
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            holds_loss = res.loss is not None and c.tp == 0 and c.cp == 0  # the SP group already summed it
-            loss_t = torch.tensor([res.loss if holds_loss else 0.0], dtype=torch.float64, device=device)
-            dist.all_reduce(loss_t)
-            loss = float(loss_t) / topo.dp
-            mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else max((b for _, b in next(iter(res.trace.memory.values()), [])), default=0) + state_bytes
-            mems = torch.zeros(setup.world, dtype=torch.int64, device=device)
-            mems[setup.rank] = mem
-            dist.all_reduce(mems)
-            step += 1
-            pos += per_step
-            losses.append(loss)
-            samples = per_step / dt
-            tokens = samples * seq
-            mfu = flops * samples / (setup.world * peak) if peak else 0.0
-            bar.update(step, f"step {step:>4}/{args.steps}  loss {loss:.4f}  {dt * 1e3:7.1f} ms  {tokens:,.0f} tok/s  "
-                             f"mfu {mfu:.3f}  peak mem {max(mems.tolist()) / 2**20:,.1f} MiB")
-            if metrics is not None:
-                metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": samples,
-                                          "tokens_per_s": tokens, "mfu": mfu, "peak_memory_bytes": mems.tolist(),
-                                          "schedule": args.schedule, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                                          "model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", "")}) + "\n")
-                metrics.flush()
-            if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
-                progress = {"step": torch.tensor(step), "pos": torch.tensor(pos)}
-                dcp.save(_state_dict(chunks, plan, c.pp, c.tp, opt, progress), checkpoint_id=args.save)
-        bar.close()
-        if metrics is not None:
-            metrics.close()
-        if args.trace and res is not None:
-            _write_trace(res.trace, setup.rank, setup.world, args, Trace, dump_traces)
-        return losses
+        groups = ProcessGroups.create(setup.topo, timeout_s=args.timeout)
+        source = source if source is not None else task.source(setup.model, args)
+        ref = _reference(task, setup, source, device, dtype) if args.reference else None
+        stats = {r.name: _train(task, setup, r, d, groups, source, device, dtype) for r in setup.runs}
+        if setup.rank == 0 and (len(stats) > 1 or ref is not None):
+            print(format_comparison(task, setup, stats, ref, dtype), flush=True)
+        return stats, ref
     except Exception:
         d.abort.signal("training loop failed")
         raise
     finally:
         d.close()
+
+
+def _reference(task: Task, setup: Setup, source: Any, device: torch.device, dtype: torch.dtype) -> list[float]:
+    """The unsplit model trained on rank 0's device (same weights, micro-batches, AdamW); losses broadcast to all ranks."""
+    import copy
+
+    import torch.distributed as dist
+
+    args = setup.args
+    losses: list[float] = []
+    if setup.rank == 0:
+        model = copy.deepcopy(setup.model).to(device=device, dtype=dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        n, b = args.dp * args.mbs, args.micro_batch_size
+        for step in range(args.steps):
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for i in range(n):  # replica r's micro-batch k is global micro-batch r * mbs + k
+                batch = {k: _to(v, device, dtype) for k, v in _batch(source, (step * n + i) * b, b).items()}
+                loss = model(*((batch["pixels"],) if task.vision else ()), batch["tokens"], batch["labels"]) / n
+                loss.backward()
+                total += float(loss.detach())
+            opt.step()
+            losses.append(total)
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("reference (unsplit model, one device): losses %s", " ".join(f"{x:.4f}" for x in losses))
+    box = [losses]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _BraidRunner:
+    """A braid schedule: this rank's chunks under the executor, data-parallel gradient reduction."""
+
+    def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
+        from braid.compiler import compile_plan
+        from braid.runtime.executor import Executor
+
+        args, topo, plan = setup.args, setup.topo, run.plan
+        c = groups.coords
+        sp = None
+        if topo.cp > 1:
+            from braid.models.sequence_parallel import SequenceParallel
+
+            sp = SequenceParallel.create(_sp_config(task, args), groups)
+        model = setup.model
+        self.chunks = task.build_chunks(model, plan, c.pp, run.stage_layers, c.tp, topo.tp, groups.tp if topo.tp > 1 else None,
+                                        sp=sp, seq_len=task.seq_len(model, args))
+        for ch in self.chunks.values():
+            ch.to(device=device, dtype=dtype)
+        seq = task.seq_len(model, args)
+        hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
+        local_seq = sp.local_len(seq) if sp is not None else seq
+        self.ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], self.chunks, groups, d.abort,
+                                       act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device)
+        self.params = [p for ch in self.chunks.values() for p in ch.parameters()]
+        self.groups, self.abort, self.device = groups, d.abort, device
+        self.state_bytes = sum(p.numel() * p.element_size() * 4 for p in self.params)  # weights, grads, two AdamW moments
+        self.res = None
+
+    def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
+        """Forward + backward of the step's micro-batches; (loss this rank reports, CPU memory estimate)."""
+        from braid.runtime.distributed import reduce_gradients
+
+        cuda = self.device.type == "cuda"
+        # Unit-level timing costs host time per unit: only on the step whose trace is written.
+        # Other steps keep the per-instruction memory series on CPU (the memory figure).
+        self.res = res = self.ex.run(toks, labs, record="units" if traced else "off" if cuda else "instructions")
+        reduce_gradients(self.params, self.groups, self.abort)
+        c = self.groups.coords
+        mem = 0 if cuda else max((b for _, b in next(iter(res.trace.memory.values()), [])), default=0) + self.state_bytes
+        return (res.loss if res.loss is not None and c.tp == 0 and c.cp == 0 else None), mem  # the SP group already summed it
+
+
+class _TorchRunner:
+    """A torch.distributed.pipelining baseline (:mod:`braid.baselines`) on the same layers per stage."""
+
+    def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
+        from braid.baselines import TorchPipeline
+
+        model, layers = setup.model, run.stage_layers
+        lm, vision = (model.lm, model.visual) if task.vision else (model, None)
+        lm_layers = (0,) + layers[1:] if task.vision else layers  # the VLM's stage 0 holds the vision tower
+        self.pipe = TorchPipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
+                                  vision=vision, timeout_s=setup.args.timeout)
+        self.params = self.pipe.parameters()
+        self.tp_rank = groups.coords.tp
+        self.res = None
+
+    def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
+        items = [t if isinstance(t, tuple) else (t,) for t in toks]
+        inputs = tuple(torch.cat([it[k] for it in items]) for k in range(len(items[0])))
+        loss = self.pipe.step(inputs, torch.cat(labs))
+        return (loss if self.tp_rank == 0 else None), 0
+
+
+def _train(task: Task, setup: Setup, run: Run, d: Any, groups: Any, source: Any, device: torch.device,
+           dtype: torch.dtype) -> RunStats:
+    """``--steps`` AdamW steps of one schedule; per-step log line, metrics, checkpoints and trace as asked."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from braid.trace import Trace, dump_traces
+
+    args, topo = setup.args, setup.topo
+    c = groups.coords
+    runner = (_TorchRunner if run.plan is None else _BraidRunner)(task, setup, run, d, groups, device, dtype)
+    opt = torch.optim.AdamW(runner.params, lr=args.lr)
+    per_step = args.dp * args.mbs * args.micro_batch_size
+    step, pos = 0, 0
+    if args.resume:
+        sd = _state_dict(runner.chunks, run.plan, c.pp, c.tp, opt,
+                         {"step": torch.zeros((), dtype=torch.int64), "pos": torch.zeros((), dtype=torch.int64)})
+        dcp.load(sd, checkpoint_id=args.resume)
+        step, pos = int(sd["progress"]["step"]), int(sd["progress"]["pos"])
+        if setup.rank == 0:
+            log.info("resumed from %s at step %d (sample %d)", args.resume, step, pos)
+    seq = task.seq_len(setup.model, args)
+    flops = task.flops_per_sample(setup.model, args)
+    peak = _peak_flops(args, device)
+    bar = Progress(args.steps, setup.rank == 0)
+    metrics = open(args.metrics, "a") if args.metrics and setup.rank == 0 else None
+    stats = RunStats(run.name, [], [], [0] * setup.world)
+    while step < args.steps:
+        first = pos + c.dp * args.mbs * args.micro_batch_size
+        toks, labs = [], []
+        for i in range(args.mbs):
+            tok, lab = task.inputs(setup.model, _batch(source, first + i * args.micro_batch_size, args.micro_batch_size))
+            toks.append(_to(tok, device, dtype))
+            labs.append(lab.to(device))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        traced = bool(args.trace) and step + 1 == args.steps
+        local_loss, mem = runner.step(toks, labs, traced)
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            mem = torch.cuda.max_memory_allocated(device)
+        dt = time.perf_counter() - t0
+        loss_t = torch.tensor([local_loss if local_loss is not None else 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(loss_t)
+        loss = float(loss_t) / topo.dp
+        mems = torch.zeros(setup.world, dtype=torch.int64, device=device)
+        mems[setup.rank] = mem
+        dist.all_reduce(mems)
+        step += 1
+        pos += per_step
+        stats.losses.append(loss)
+        stats.step_times.append(dt)
+        stats.peak_bytes = [max(a, int(b)) for a, b in zip(stats.peak_bytes, mems.tolist())]
+        samples = per_step / dt
+        tokens = samples * seq
+        mfu = flops * samples / (setup.world * peak) if peak else 0.0
+        bar.update(step, f"{run.name}  step {step:>4}/{args.steps}  loss {loss:.4f}  {dt * 1e3:7.1f} ms  {tokens:,.0f} tok/s  "
+                         f"mfu {mfu:.3f}  peak mem {max(mems.tolist()) / 2**20:,.1f} MiB")
+        if metrics is not None:
+            metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": samples,
+                                      "tokens_per_s": tokens, "mfu": mfu, "peak_memory_bytes": mems.tolist(),
+                                      "schedule": run.name, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                                      "model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", "")}) + "\n")
+            metrics.flush()
+        if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            progress = {"step": torch.tensor(step), "pos": torch.tensor(pos)}
+            dcp.save(_state_dict(runner.chunks, run.plan, c.pp, c.tp, opt, progress), checkpoint_id=args.save)
+    bar.close()
+    if metrics is not None:
+        metrics.close()
+    if args.trace and runner.res is not None:
+        _write_trace(runner.res.trace, setup.rank, setup.world, args, Trace, dump_traces)
+    del runner, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return stats
+
+
+def reference_rtol(args: argparse.Namespace, dtype: torch.dtype) -> float:
+    if args.reference_rtol is not None:
+        return args.reference_rtol
+    return 2e-2 if dtype == torch.bfloat16 else 1e-4
+
+
+def max_rel_diff(losses: Sequence[float], ref: Sequence[float]) -> float:
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
+
+
+def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref: list[float] | None, dtype: torch.dtype) -> str:
+    """The side-by-side table: throughput, MFU, peak memory per rank, losses vs the unsplit model."""
+    import statistics
+
+    args = setup.args
+    device = _device(args)
+    seq = task.seq_len(setup.model, args)
+    per_step = args.dp * args.mbs * args.micro_batch_size
+    flops = task.flops_per_sample(setup.model, args)
+    peak = _peak_flops(args, device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    lines = [f"# {task.prog} --model {args.model}: tp={args.tp} pp={args.pp} dp={args.dp} m={args.mbs} "
+             f"micro-batch {args.micro_batch_size} x {seq} tokens, {args.steps} steps on {setup.world} x {where} "
+             f"({str(dtype).replace('torch.', '')}); step time = median after the first step"]
+    head = f"{'schedule':<18} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'last loss':>10}"
+    if ref is not None:
+        head += f" {'max rel diff':>13}"
+    lines += [head + "  peak MiB per rank", "-" * (len(head) + 40)]
+    for st in stats.values():
+        times = st.step_times[1:] or st.step_times
+        dt = statistics.median(times)
+        tok = per_step * seq / dt
+        mfu = f"{flops * per_step / dt / (setup.world * peak):6.3f}" if peak else f"{'-':>6}"
+        row = f"{st.name:<18} {dt * 1e3:9.1f} {tok:11,.0f} {mfu} {st.losses[-1]:10.4f}"
+        if ref is not None:
+            row += f" {max_rel_diff(st.losses, ref):13.2e}"
+        mem = " ".join(f"{b / 2**20:,.1f}" if b else "-" for b in st.peak_bytes)
+        lines.append(f"{row}  {mem}")
+    if ref is not None:
+        lines.append(f"reference (unsplit model on one device): last loss {ref[-1]:.4f}; tolerance {reference_rtol(args, dtype):.0e} relative")
+    return "\n".join(lines)
 
 
 def _batch(source: Any, first: int, count: int) -> dict[str, torch.Tensor]:
@@ -437,5 +630,14 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
             print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
         _usage_barrier(rank)
         return 2
-    run(task, setup, source)
+    stats, ref = run(task, setup, source)
+    if ref is None:
+        return 0
+    dtype = torch.bfloat16 if _device(setup.args).type == "cuda" else torch.float32
+    tol = reference_rtol(setup.args, dtype)
+    bad = [f"{st.name} ({max_rel_diff(st.losses, ref):.2e})" for st in stats.values() if max_rel_diff(st.losses, ref) > tol]
+    if bad:
+        if rank == 0:
+            print(f"{task.prog}: losses differ from the unsplit model by more than {tol:.0e}: {', '.join(bad)}", file=sys.stderr, flush=True)
+        return 1
     return 0

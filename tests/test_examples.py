@@ -100,12 +100,46 @@ def test_resume_continues_with_the_same_losses(reference, tmp_path) -> None:
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--schedule", "1f1b"], "at least 2 virtual stages"),
     (["--image-size", "18"], "multiple of patch"),
+    (["--schedule", "braided_v", "pipedream"], "--schedule pipedream: unknown; valid:"),
+    (["--schedule", "zb_v", "zb_v"], "names a schedule twice"),
+    (["--schedule", "zb_v", "1f1b_i", "--trace", "t.json"], "take one --schedule"),
+    (["--schedule", "torch_zb_v", "--dp", "1", "--cp", "1", "--save", "ckpt"], "checkpoint braid's schedules"),
 ])
 def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
     proc = _python(VLM, *args)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qwen2_vl.py: error:") and message in lines[0], proc.stderr
+
+
+def test_schedules_side_by_side_with_torch_baselines_match_the_unsplit_model(tmp_path) -> None:
+    """One invocation, tp=2 x pp=2: braid's schedules (offload included) and torch.distributed.pipelining's,
+    each from the same weights and data, every per-step loss within 1e-4 of the unsplit model (--reference)."""
+    names = ["braided_v_offload", "zb_v", "torch_1f1b_i", "torch_dualpipe_v"]
+    metrics = tmp_path / "m.jsonl"
+    proc = _torchrun(4, VLM, *COMMON, "--tp", "2", "--pp", "2", "--steps", "2", "--reference", "--metrics", str(metrics),
+                     "--schedule", *names)
+    _ok(proc)
+    got = _metrics(metrics)
+    assert [m["schedule"] for m in got] == [n for n in names for _ in range(2)]
+    table = proc.stdout
+    assert "max rel diff" in table and "reference (unsplit model on one device)" in table
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.split() and line.split()[0] in names}
+    assert sorted(rows) == sorted(names)
+    for name, row in rows.items():
+        assert float(row[5]) <= 1e-4, (name, row)  # max relative loss difference vs the reference
+    by_step = {}
+    for m in got:
+        by_step.setdefault(m["step"], []).append(m["loss"])
+    for losses in by_step.values():
+        assert max(losses) - min(losses) <= 1e-4 * max(losses)
+
+
+def test_reference_beyond_tolerance_exits_1() -> None:
+    """Unit-split backward sums gradients in another order than the unsplit model: ~1e-8 apart, not 0."""
+    proc = _python(LLM, *COMMON, "--steps", "1", "--reference", "--reference-rtol", "0", "--schedule", "zb_v", "--seq", "16")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "losses differ from the unsplit model by more than 0e+00: zb_v" in proc.stderr
 
 
 def test_impossible_layout_under_torchrun_stops_every_rank() -> None:

@@ -438,7 +438,8 @@ class ModelChunk(nn.Module):
         Used by :class:`braid.runtime.offload.ActivationOffloader`.
         """
         slots = [box.tensors for (kmb, _, _), box in self._boxes.items() if kmb == mb]
-        held: list[torch.Tensor] = list(self.parameters()) + self.tokens + self.labels + self.targets
+        tokens = [t for item in self.tokens for t in (item if isinstance(item, tuple) else (item,))]  # VLM: (pixels, text)
+        held: list[torch.Tensor] = list(self.parameters()) + tokens + self.labels + self.targets
         held += [] if self.positions is None else [self.positions]
         for (kmb, _, _), pieces in self._saved.items():
             if kmb == mb:
