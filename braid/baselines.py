@@ -173,6 +173,21 @@ class TorchPipeline:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for mod in self.modules for p in mod.parameters()]
 
+    def optimizer(self, lr: float, **kwargs: Any) -> torch.optim.AdamW:
+        """AdamW over this rank's parameters, with the multi-tensor (``foreach``) kernels.
+
+        With tp > 1 the sharded weights are DTensors and the norms plain tensors; the
+        ``foreach`` kernels refuse a list mixing the two ("got mixed torch.Tensor and
+        DTensor"), and ``foreach`` is the default on CUDA. Each kind gets its own parameter
+        group (same hyper-parameters), so one step runs one kernel list per kind.
+        """
+        from torch.distributed.tensor import DTensor
+
+        params = self.parameters()
+        groups = [{"params": g} for g in ([p for p in params if isinstance(p, DTensor)],
+                                          [p for p in params if not isinstance(p, DTensor)]) if g]
+        return torch.optim.AdamW(groups, lr=lr, foreach=True, **kwargs)
+
     def step(self, inputs: Sequence[torch.Tensor], labels: torch.Tensor) -> float | None:
         """One forward + backward of all ``m`` micro-batches (``inputs``/``labels`` batched along dim 0).
 

@@ -451,7 +451,7 @@ def _train(task: Task, setup: Setup, run: Run, d: Any, groups: Any, source: Any,
     args, topo = setup.args, setup.topo
     c = groups.coords
     runner = (_TorchRunner if run.plan is None else _BraidRunner)(task, setup, run, d, groups, device, dtype)
-    opt = torch.optim.AdamW(runner.params, lr=args.lr)
+    opt = runner.pipe.optimizer(lr=args.lr) if run.plan is None else torch.optim.AdamW(runner.params, lr=args.lr)
     per_step = args.dp * args.mbs * args.micro_batch_size
     step, pos = 0, 0
     if args.resume:

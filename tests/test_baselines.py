@@ -18,7 +18,7 @@ from braid.baselines import TORCH_SCHEDULES
 from tests.distributed_utils import DistPool
 
 M, B = 8, 1
-RTOL, ATOL = 1e-4, 1e-6
+RTOL, ATOL = 1e-4, 1e-5  # as tests/test_vlm.py: TP changes fp32 summation order
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def _run_baseline(ctx, name: str, tp: int, pp: int, vlm: bool):
     lm_layers = _layers(model, vlm, 2 * pp)
     pipe = TorchPipeline(name, model.lm if vlm else model, lm_layers, M, groups=groups, device=torch.device("cpu"),
                          dtype=torch.float32, vision=model.visual if vlm else None)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt = pipe.optimizer(lr=1e-2)  # foreach kernels, as on CUDA
     losses, grads = [], {}
     for i, (inputs, labels, _) in enumerate(_data(model, vlm, 2)):
         opt.zero_grad(set_to_none=True)
