@@ -20,6 +20,7 @@ relative error vs ``act``. On CPU the copies run synchronously, freeing memory w
 issued, so ``--tiny`` predicts with instant copies.
 
     python benchmarks/bench_offload.py            # 2 GPUs: hidden 3584, 8 layers / 4 stages, seq 4096, m=8, bf16
+    python benchmarks/bench_offload.py --shape 72b  # the same with Qwen2-72B-shaped layers (hidden 8192)
     python benchmarks/bench_offload.py --tiny     # CPU smoke test (peaks are live saved bytes there)
 """
 
@@ -52,6 +53,12 @@ FIXED: list[tuple[str, str, dict]] = [
 ]
 
 
+# Decoder-layer shapes (hidden, heads, KV heads, FFN) of Qwen2-7B and Qwen2-72B. What offload can
+# hide scales with compute per saved byte, which grows with the hidden size: a 72B-shaped
+# layer computes about twice as long per activation byte as a 7B-shaped one.
+SHAPES: dict[str, tuple[int, int, int, int]] = {"7b": (3584, 28, 4, 18944), "72b": (8192, 64, 8, 29568)}
+
+
 def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     """The fixed runs plus ``offload auto``: the policy :func:`braid.offload.tune_offload` picks
     on the prediction's cost model."""
@@ -70,6 +77,8 @@ def _costs(args: argparse.Namespace, plan):
 
     costs = analytic_costs(_model_config(args), get_hardware("h200"), Layout(1, plan.p, plan.v, plan.placement),
                            activations="runtime")
+    if getattr(args, "link", None):  # measured on this machine (see measure)
+        costs = dataclasses.replace(costs, pcie_bytes_per_s=args.link[0], copy_duplex_slowdown=args.link[1])
     if args.tiny:  # CPU copies are synchronous: memory is freed when the offload is issued
         costs = dataclasses.replace(costs, pcie_bytes_per_s=float("inf"))
     return costs
@@ -80,8 +89,9 @@ def _model_config(args: argparse.Namespace):
 
     if args.tiny:
         return ModelConfig("tiny-offload", layers=8, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32, dtype_bytes=4)
-    return ModelConfig("qwen2-7b-shaped", layers=args.layers, hidden=3584, heads=28, kv_heads=4, ffn=18944,
-                       vocab=args.vocab, seq=args.seq, dtype_bytes=2)
+    hidden, heads, kv_heads, ffn = SHAPES[args.shape]
+    return ModelConfig(f"qwen2-{args.shape}-shaped", layers=args.layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+                       ffn=ffn, vocab=args.vocab, seq=args.seq, dtype_bytes=2)
 
 
 def _plan(name: str, opts: dict, m: int):
@@ -111,16 +121,17 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     mc = _model_config(args)
     dtype = torch.bfloat16 if mc.dtype_bytes == 2 else torch.float32
     cfg = Qwen2Config(vocab_size=mc.vocab, hidden=mc.hidden, layers=mc.layers, heads=mc.heads, kv_heads=mc.kv_heads, ffn=mc.ffn)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2Model(cfg).to(dtype)
     g = torch.Generator().manual_seed(1)
     toks = [torch.randint(0, mc.vocab, (1, mc.seq), generator=g).to(device) for _ in range(args.mbs)]
     results = {}
     for label, name, opts in args.runs:
         plan = _plan(name, opts, args.mbs)
+        torch.manual_seed(0)  # the same weights for every run; only this rank's chunks stay allocated
+        with torch.device(device):
+            model = Qwen2Model(cfg).to(dtype)
         chunks = build_rank_chunks(model, plan, rank, _stage_layers(mc, plan))
         chunks = {c: ch.to(device) for c, ch in chunks.items()}
+        del model
         ex = Executor(plan, compile_plan(plan)[rank], chunks, pp_ranks=groups.pp_ranks, abort=d.abort,  # tp=1, no SP
                       act_shape=(1, mc.seq, mc.hidden), dtype=dtype, device=device)
         times, peak, alloc, max_alloc = [], 0, 0, 0
@@ -166,7 +177,13 @@ def _predicted(args: argparse.Namespace) -> dict[str, tuple[list[int], float]]:
 def measure(args: argparse.Namespace) -> tuple[dict[int, dict[str, dict]], dict[str, tuple[list[int], float]]]:
     """Measured figures per rank and run label; predicted activation peak per rank and step time per label.
 
-    Sets ``args.runs`` (the runs, ``offload auto`` tuned once here) for the workers and the caller."""
+    Sets ``args.runs`` (the runs, ``offload auto`` tuned once here) for the workers and the caller,
+    and on GPUs ``args.link``: this machine's host-copy bandwidth and duplex slowdown
+    (:func:`braid.profile.measure_host_link`), which the predictions and ``auto`` use."""
+    if not args.tiny:
+        from braid.profile import measure_host_link
+
+        args.link = measure_host_link(torch.device("cuda:0"))
     args.runs = _runs(args)
     return dict(spawn_two(_worker, args, results=2)), _predicted(args)
 
@@ -178,6 +195,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on CPU with gloo (smoke test)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="7b",
+                    help="decoder-layer shape: Qwen2-7B's or Qwen2-72B's (default 7b)")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers over the 4 virtual stages (default 8)")
     ap.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary size (default 32768)")
@@ -200,11 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     div = 2**30 if not args.tiny else 2**10
     runs = args.runs
     auto = next(opts for label, _, opts in runs if label == "offload auto")
-    print(f"pp=2 tp=1 m={args.mbs} seq={_model_config(args).seq} hidden={_model_config(args).hidden}; offload auto = "
+    print(f"pp=2 tp=1 m={args.mbs} seq={_model_config(args).seq} {_model_config(args).name} layers={args.layers}; offload auto = "
           + ", ".join(f"{k.removeprefix('offload_')} {v:g}" for k, v in auto.items()))
+    if getattr(args, "link", None):
+        print(f"host link (measured): {args.link[0] / 1e9:.1f} GB/s per direction, x{args.link[1]:.2f} with both at once")
     print(f"(act: live saved bytes; alloc: max_memory_allocated - allocated at step start; max: max_memory_allocated"
           f"{'; CUDA only' if args.tiny else ''}; pred: simulated activation peak and step time)")
-    print(f"{'schedule':<14}{'rank':>5}{'step ms':>9}{'pred ms':>9}{'thr vs bv':>10}{'max ' + unit:>9}{'alloc':>8}{'vs bv':>8}"
+    print(f"{'schedule':<14}{'rank':>5}{'step ms':>9}{'pred ms':>9}{'thr vs bv':>10}{'max ' + unit:>9}{'vs bv':>8}{'alloc':>8}{'vs bv':>8}"
           f"{'act':>8}{'vs bv':>8}{'pred':>8}{'err':>8}{'offl':>8}{'pool':>8}")
     for label, _, _ in runs:
         for r in sorted(got):
@@ -212,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             pk, (pr, pstep) = x["peak"], pred[label]
             err = (pr[r] - pk) / pk if pk else float("nan")
             al = f"{x['alloc'] / bv['alloc'] - 1:+.1%}" if bv["alloc"] else "-"
+            mx = f"{x['max_alloc'] / bv['max_alloc'] - 1:+.1%}" if bv["max_alloc"] else "-"
             print(f"{label:<14}{r:>5}{x['step_s'] * 1e3:>9.1f}{pstep * 1e3:>9.1f}{base[r] / x['step_s']:>10.3f}"
-                  f"{x['max_alloc'] / div:>9.2f}{x['alloc'] / div:>8.2f}{al:>8}{pk / div:>8.2f}{pk / bv['peak'] - 1:>+8.1%}"
+                  f"{x['max_alloc'] / div:>9.2f}{mx:>8}{x['alloc'] / div:>8.2f}{al:>8}{pk / div:>8.2f}{pk / bv['peak'] - 1:>+8.1%}"
                   f"{pr[r] / div:>8.2f}{err:>+8.1%}{x['offloaded'] / div:>8.2f}{x['host_pool_bytes'] / div:>8.2f}")
     return 0
 

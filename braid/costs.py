@@ -117,6 +117,8 @@ class CostModel:
 
     ``model_flops_per_sample`` (forward + backward, no recompute) and ``peak_flops`` feed MFU;
     both 0 when unknown (uniform cost files), and MFU is then reported as 0.
+    ``copy_duplex_slowdown``: the factor a host copy's time is multiplied by while a copy in
+    the other direction is in flight (1 = full-duplex link, 2 = shared; default 2).
     """
 
     layout: Layout
@@ -131,6 +133,7 @@ class CostModel:
     peak_flops: float = 0.0
     source: str = "analytic"
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    copy_duplex_slowdown: float = 2.0
 
     def __post_init__(self) -> None:
         want = {(r, c) for r in range(self.layout.p) for c in range(self.layout.v)}
@@ -139,6 +142,9 @@ class CostModel:
             raise ValueError(f"cost model must cover every (rank, chunk) of the layout; missing {missing[:6]}")
         if self.ar_slowdown < 1.0:
             raise ValueError(f"ar_slowdown must be >= 1 (a slowdown factor), got {self.ar_slowdown}")
+        if not 1.0 <= self.copy_duplex_slowdown <= 2.0:
+            raise ValueError(f"copy_duplex_slowdown must be in [1, 2] (1 = full duplex, 2 = shared link), "
+                             f"got {self.copy_duplex_slowdown}")
 
     def spec_of(self, rank: int):
         """``chunk -> ChunkSpec`` for one rank, as :func:`braid.braiding.steps` wants it."""
@@ -285,7 +291,8 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     ma = model.layers / (2 * layout.p) * sum(u.act for u in lm.values())
     return CostModel(layout, chunks, ma, hw.pcie_bytes_per_s, hw.p2p_over_pcie, ar_slowdown, model.micro_batch_size,
                      model.seq, 3 * model_forward_flops(model) / model.micro_batch_size, hw.peak_flops,
-                     f"analytic:{model.name}@{hw.name}", {"model": model.name, "hardware": hw.name})
+                     f"analytic:{model.name}@{hw.name}", {"model": model.name, "hardware": hw.name},
+                     copy_duplex_slowdown=hw.pcie_duplex_slowdown)
 
 
 def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **chunk: float) -> CostModel:
@@ -299,7 +306,7 @@ def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **
 _CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P", "activation_bytes", "w_residual_bytes", "unit_split",
                "unit_workspace")
 _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "pcie_bytes_per_s", "p2p_over_pcie",
-                "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
+                "copy_duplex_slowdown", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
 _SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res"}
 _AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE)
@@ -409,7 +416,8 @@ def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[i
             int(_num(d, "tokens_per_sample", where, b.tokens_per_sample if b else 1)),
             _num(d, "model_flops_per_sample", where, b.model_flops_per_sample if b else 0.0),
             _num(d, "peak_flops", where, b.peak_flops if b else 0.0),
-            "file", dict(d.get("meta") or {}))
+            "file", dict(d.get("meta") or {}),
+            _num(d, "copy_duplex_slowdown", where, b.copy_duplex_slowdown if b else 2.0))
     except ValueError as err:
         if isinstance(err, CostFileError):
             raise
@@ -433,7 +441,8 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
         "format": FORMAT, "layout": {"tp": costs.layout.tp, "p": costs.layout.p, "v": costs.layout.v,
                                      "placement": costs.layout.placement},
         "M_a_bytes": costs.ma_bytes, "ar_slowdown": costs.ar_slowdown, "pcie_bytes_per_s": costs.pcie_bytes_per_s,
-        "p2p_over_pcie": costs.p2p_over_pcie, "samples_per_microbatch": costs.samples_per_microbatch,
+        "p2p_over_pcie": costs.p2p_over_pcie, "copy_duplex_slowdown": costs.copy_duplex_slowdown,
+        "samples_per_microbatch": costs.samples_per_microbatch,
         "tokens_per_sample": costs.tokens_per_sample, "model_flops_per_sample": costs.model_flops_per_sample,
         "peak_flops": costs.peak_flops, "meta": {**costs.meta, "source": costs.source}, "chunks": chunks,
     }

@@ -23,7 +23,9 @@ class Hardware:
     ``peak_flops``: datasheet dense bf16 peak (MFU denominator); ``ar_bus_bytes_per_s`` and
     ``ar_latency_s``: ring all-reduce bus bandwidth and fixed latency inside a TP group;
     ``p2p_bytes_per_s``/``p2p_latency_s``: one pipeline send/recv; ``pcie_bytes_per_s``:
-    host<->device copy bandwidth per direction; ``p2p_over_pcie``: pipeline traffic shares
+    host<->device copy bandwidth per direction; ``pcie_duplex_slowdown``: how much longer a
+    copy takes while one in the other direction runs (1 = full duplex, 2 = one shared link;
+    ``python -m braid.profile`` measures it); ``p2p_over_pcie``: pipeline traffic shares
     the PCIe link with host copies (PCIe-only boxes); ``memory_bytes``: device memory.
     """
 
@@ -38,12 +40,16 @@ class Hardware:
     pcie_bytes_per_s: float
     memory_bytes: int
     p2p_over_pcie: bool = False
+    pcie_duplex_slowdown: float = 2.0
+
 
     def __post_init__(self) -> None:
         rates = ("matmul_flops", "attn_flops", "peak_flops", "ar_bus_bytes_per_s", "p2p_bytes_per_s", "pcie_bytes_per_s")
         bad = [n for n in rates if not getattr(self, n) > 0]
         if bad:
             raise ValueError(f"hardware {self.name!r}: rates must be positive, check {', '.join(bad)}")
+        if not 1.0 <= self.pcie_duplex_slowdown <= 2.0:
+            raise ValueError(f"hardware {self.name!r}: pcie_duplex_slowdown must be in [1, 2], got {self.pcie_duplex_slowdown}")
 
 
 GB = 1e9

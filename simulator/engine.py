@@ -21,8 +21,9 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   unfinished ranks, :class:`SimulationError` lists every rank's stuck instruction.
 * **Offload/Reload** are asynchronous copies of ``frac`` of the (mb, chunk)'s resident
   activation bytes on the D2H / H2D engine at ``pcie_bytes_per_s``. Contention, kept
-  simple: a copy's time is multiplied by 1 + (other-direction copy in flight at its start)
-  + (a P2P transfer of the rank in flight at its start, only when ``p2p_over_pcie``). An
+  simple: a copy's time is multiplied by ``copy_duplex_slowdown`` when a copy in the other
+  direction is in flight at its start, plus 1 when a P2P transfer of the rank is (only with
+  ``p2p_over_pcie``). An
   offload frees its bytes at the first offload, reload or compute instruction that finds
   its copy done, and at the latest when ``RELEASE_AFTER`` compute instructions have run
   after it (:mod:`braid.offload`): the next compute instruction starts no earlier than the
@@ -251,7 +252,8 @@ class Engine:
 
     # -- host copies ---------------------------------------------------------------------
     def _copy_time(self, rs: _Rank, nbytes: float, start: float, other: list[tuple[float, float]]) -> float:
-        k = 1 + _in_flight(other, start) + (self.costs.p2p_over_pcie and _in_flight(rs.p2p_busy, start))
+        k = (1 + (self.costs.copy_duplex_slowdown - 1) * _in_flight(other, start)
+             + (self.costs.p2p_over_pcie and _in_flight(rs.p2p_busy, start)))
         return nbytes / self.costs.pcie_bytes_per_s * k
 
     def _offload(self, rs: _Rank, ins: Offload, idx: int) -> None:

@@ -203,6 +203,19 @@ def test_offload_lowers_peak_and_backward_waits_for_reload():
     assert min(e.start for e in bw0) >= reload.end - 1e-9
 
 
+@pytest.mark.parametrize("duplex", [1.0, 1.5, 2.0])
+def test_a_copy_against_the_other_direction_takes_copy_duplex_slowdown_longer(duplex):
+    # OFFLOAD1c0 and RELOAD0c0 are issued together: the reload starts while the offload runs
+    text = "F0c0\nOFFLOAD0c0\nF1c0\nF2c0\nF3c0\nOFFLOAD1c0\nRELOAD0c0\nF4c0\nBW4c0\nBW3c0\nBW2c0\nBW0c0\nRELOAD1c0\nBW1c0"
+    res = _one_rank(text, pcie_bytes_per_s=400.0, M_a_bytes=1000.0, copy_duplex_slowdown=duplex)
+    copies = {e.name: e for e in res.trace.events if e.kind in ("OFFLOAD", "RELOAD")}
+    alone = 1000.0 / 400.0
+    assert copies["RELOAD0c0"].start == pytest.approx(copies["OFFLOAD1c0"].start)
+    assert copies["RELOAD0c0"].dur == pytest.approx(alone * duplex)
+    for name in ("OFFLOAD0c0", "OFFLOAD1c0", "RELOAD1c0"):  # nothing in the other direction at their start
+        assert copies[name].dur == pytest.approx(alone)
+
+
 def test_reload_without_offload_is_an_error():
     with pytest.raises(SimulationError, match="RELOAD0c0"):
         _one_rank("F0c0\nRELOAD0c0\nBW0c0")
