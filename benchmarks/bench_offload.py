@@ -9,7 +9,8 @@ predicted one), the throughput ratio vs ``braided_v``, the bytes offloaded per s
 
 * ``act``: the *activation* peak, what the simulator models -- the chunks' live saved
   bytes (``ModelChunk.live_bytes``: saved-tensor boxes plus weight-gradient stashes, each
-  storage once), sampled after every instruction, on CPU and CUDA alike;
+  storage once) plus the offloaded storages whose copy has not released them yet,
+  sampled after every instruction, on CPU and CUDA alike;
 * ``alloc`` (CUDA only): ``max_memory_allocated`` during the step minus what was
   allocated at its start (weights and gradients, which stay allocated): adds what the
   simulator does not model -- temporaries, logits, P2P buffers, D2H copies in flight.
@@ -42,7 +43,8 @@ def _sampling_executor():
 
         def _sample_memory(self) -> None:
             super()._sample_memory()
-            self.act_peak = max(self.act_peak, sum(c.live_bytes() for c in self.chunks.values()))
+            live = sum(c.live_bytes() for c in self.chunks.values()) + self.offloader.pending_bytes()
+            self.act_peak = max(self.act_peak, live)
 
     return Sampling
 

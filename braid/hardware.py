@@ -55,13 +55,15 @@ class Hardware:
 GB = 1e9
 GIB = 1 << 30
 
+# pcie_duplex_slowdown: `python -m braid.profile` on an H200 host measured 54.7 GB/s per direction
+# and x1.10 with both directions at once (PCIe Gen5, as on H100 SXM hosts); other presets keep 2.
 HARDWARE: dict[str, Hardware] = {
     "h200": Hardware("h200", matmul_flops=622e12, attn_flops=450e12, peak_flops=989e12,
                      ar_bus_bytes_per_s=267 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
-                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=141 * GIB),
+                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=141 * GIB, pcie_duplex_slowdown=1.1),
     "h100": Hardware("h100", matmul_flops=600e12, attn_flops=420e12, peak_flops=989e12,
                      ar_bus_bytes_per_s=260 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
-                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=80 * GIB),
+                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=80 * GIB, pcie_duplex_slowdown=1.1),
     # A800: A100 compute, NVLink capped at 400 GB/s -> TP comm is relatively expensive.
     "a800": Hardware("a800", matmul_flops=230e12, attn_flops=170e12, peak_flops=312e12,
                      ar_bus_bytes_per_s=150 * GB, ar_latency_s=12e-6, p2p_bytes_per_s=100 * GB,

@@ -270,6 +270,10 @@ class ActivationOffloader:
             torch.cuda.current_stream(self.device).wait_event(m.h2d_done)
         del self._moved[key]
 
+    def pending_bytes(self) -> int:
+        """Device bytes of offloaded storages not yet released (their D2H copy is in flight)."""
+        return sum(f.nbytes for item in self._d2h_pending for f in item[1])
+
     def poll(self) -> None:
         """Drop the device storages whose D2H copy has completed (their memory is freed now)."""
         if self._d2h_pending:
