@@ -67,7 +67,7 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
     from braid.offload import tune_offload
 
     plan = _plan("braided_v_offload", {}, args.mbs)
-    choice = tune_offload(plan, _costs(args, plan))
+    choice = tune_offload(plan, _costs(args, plan), max_slowdown=args.budget)
     return FIXED[:4] + [("offload auto", "braided_v_offload", choice.options())] + FIXED[4:]
 
 
@@ -199,6 +199,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on CPU with gloo (smoke test)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="7b",
                     help="decoder-layer shape: Qwen2-7B's or Qwen2-72B's (default 7b)")
+    ap.add_argument("--budget", type=float, default=0.01,
+                    help="offload auto: step-time slowdown allowed for a lower peak (default 0.01 = 1%%)")
     ap.add_argument("--layers", type=int, default=8, help="decoder layers over the 4 virtual stages (default 8)")
     ap.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     ap.add_argument("--vocab", type=int, default=32768, help="vocabulary size (default 32768)")

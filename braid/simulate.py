@@ -56,8 +56,11 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--costs", metavar="FILE", help="cost file replacing the analytic timings (schema: docs/costs.md)")
     ap.add_argument("--offload-alpha", default="auto", metavar="A|auto",
                     help="braided_v_offload: fraction of chunk-0 activations offloaded (0..1), or 'auto' (default): "
-                         "the lowest predicted peak within 1%% of braided_v's step time (braid.offload.tune_offload; "
-                         "~100 simulations: seconds at p=8, m=64)")
+                         "the lowest predicted peak within --offload-budget of braided_v's step time "
+                         "(braid.offload.tune_offload; ~100 simulations: seconds at p=8, m=64)")
+    ap.add_argument("--offload-budget", type=float, default=0.01, metavar="F",
+                    help="--offload-alpha auto: step-time slowdown allowed for a lower peak, as a fraction "
+                         "(default 0.01 = 1%%)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
             plan = schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
             costs = _costs_for(args, model, hw, plan)
             if name == "braided_v_offload" and args.offload_alpha == "auto":
-                choice = tune_offload(plan, costs)
+                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget)
                 plan = schedules.build(name, args.pp, args.mbs, **choice.options())
                 notes.append(f"braided_v_offload: auto offload {choice.describe()}")
             programs = compile_plan(plan)
@@ -141,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.offload_alpha = -1.0
         if not 0.0 <= args.offload_alpha <= 1.0:
             ap.error("--offload-alpha must be a number in [0, 1] or 'auto'")
+    if not 0.0 <= args.offload_budget < 1.0:
+        ap.error(f"--offload-budget must be a fraction in [0, 1), e.g. 0.03 for 3%, got {args.offload_budget}")
     if args.model not in MODELS:
         ap.error(f"unknown model {args.model!r}; valid names: {', '.join(MODELS)}")
     if args.hardware not in HARDWARE:

@@ -56,6 +56,7 @@ def test_cost_file_and_skip_note(tmp_path, capsys):
     (["--pp", "0"], None),
     (["--bogus"], None),
     (["--offload-alpha", "1.5"], None),
+    (["--offload-budget", "3"], None),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, names, capsys):
     with pytest.raises(SystemExit) as err:
@@ -85,6 +86,10 @@ def test_offload_alpha_auto_and_fixed(tmp_path, capsys):
     bv, off = auto["braided_v"], auto["braided_v_offload"]
     # auto: a lower worst-rank peak within 1% of braided_v's step time
     assert off["peak_memory_gib"] < bv["peak_memory_gib"] and off["step_time_s"] <= 1.01 * bv["step_time_s"]
+    # a looser budget: a peak no higher, within 3%
+    assert main(base + ["--offload-budget", "0.03"]) == 0
+    loose = json.loads(out.read_text())["schedules"]["braided_v_offload"]
+    assert loose["peak_memory_gib"] <= off["peak_memory_gib"] and loose["step_time_s"] <= 1.03 * bv["step_time_s"]
     assert main(base + ["--offload-alpha", "0"]) == 0
     none = json.loads(out.read_text())["schedules"]["braided_v_offload"]
     assert none["peak_memory_gib"] == pytest.approx(bv["peak_memory_gib"])
