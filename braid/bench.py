@@ -149,14 +149,18 @@ def _bisect(f, target: float, lo: float, hi: float, iters: int = 30) -> float:
     return (lo + hi) / 2
 
 
-def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: float, measured_busy_s: float) -> dict[str, Any]:
+def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: float,
+              measured_busy_s: dict[str, float]) -> dict[str, Any]:
     """Fit the profile to one measured run of the probe plan (calibrated prediction).
 
-    Two figures, both written to ``meta.calibration``: ``compute_scale`` -- measured unit
-    compute in the pipeline over the isolated unit times (caches, a busy neighbour); then
-    the one communication figure that explains the rest of the measured step: the effective
-    P2P time (pp > 1; it absorbs the per-transfer latency of a loaded machine) or, with pp=1
-    and tp > 1, a scale of the all-reduce times.
+    ``measured_busy_s``: seconds of unit compute per phase (``"F"``, ``"B"``, ``"W"``) in the
+    probe's measured trace, summed over the ranks that recorded one. Two kinds of figures,
+    written to ``meta.calibration``: ``compute_scale`` per phase -- measured unit compute in
+    the pipeline over the isolated unit times (caches, launch gaps, a busy neighbour; the
+    phases differ: a backward overlaps its launches better than a short forward unit) --
+    then the one communication figure that explains the rest of the measured step: the
+    effective P2P time (pp > 1; it absorbs the per-transfer latency of a loaded machine)
+    or, with pp=1 and tp > 1, a scale of the all-reduce times.
     """
     import copy
 
@@ -167,15 +171,26 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     programs = compile_plan(plan)
     lay = Layout(pc.tp, pc.pp, plan.v, plan.placement)
     specs = chunk_specs(pc.layers_per_stage, pc.pp, plan.placement)
-    sim = lambda d: simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=False).report  # noqa: E731
+    sim = lambda d, record=False: simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=record)  # noqa: E731
     out = copy.deepcopy(doc)
-    nominal = sum(r.nominal_compute_s for r in sim(out).ranks)
-    k = measured_busy_s / nominal if nominal > 0 else 1.0
-    for c in out["chunks"].values():
-        for key in ("T_F", "T_B", "T_W"):
-            c[key] *= k
+    # Nominal compute per phase: the probe's unit durations with no all-reduce slowdown.
+    plain = {**copy.deepcopy(doc), "ar_slowdown": 1.0}
+    nominal: dict[str, float] = {}
+    for e in sim(plain, record=True).trace.events:
+        if e.lane == "compute":
+            nominal[e.kind] = nominal.get(e.kind, 0.0) + e.dur
+    total_meas = sum(measured_busy_s.values())
+    total_nom = sum(nominal.values())
+    k_all = total_meas / total_nom if total_nom > 0 else 1.0
+    scale = {}
+    for ph, key in (("F", "T_F"), ("B", "T_B"), ("W", "T_W")):
+        nom, meas = nominal.get(ph, 0.0), measured_busy_s.get(ph, 0.0)
+        scale[ph] = meas / nom if nom > 0 and meas > 0 else k_all
+        for c in out["chunks"].values():
+            c[key] *= scale[ph]
     cal: dict[str, Any] = {"probe": f"{plan.name} p={plan.p} m={plan.m}", "measured_step_s": measured_step_s,
-                           "compute_scale": k}
+                           "compute_scale": k_all, "compute_scale_per_phase": scale}
+    sim = lambda d: simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=False).report  # noqa: E731
 
     def with_knob(x: float) -> dict[str, Any]:
         d = copy.deepcopy(out)
@@ -309,7 +324,11 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         dist.all_gather_object(gathered, out)
         if lead:
             step_s = statistics.median(max(rk["times"][i] for rk in gathered) for i in range(len(out["times"])))
-            busy = sum(e.dur for rk in gathered if rk["trace"] is not None for e in rk["trace"].events if e.lane == "compute")
+            busy: dict[str, float] = {}
+            for rk in gathered:
+                for e in (rk["trace"].events if rk["trace"] is not None else ()):
+                    if e.lane == "compute":
+                        busy[e.kind] = busy.get(e.kind, 0.0) + e.dur
             doc = calibrate(doc, pc, plan, step_s, busy)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]

@@ -119,6 +119,9 @@ class CostModel:
     both 0 when unknown (uniform cost files), and MFU is then reported as 0.
     ``copy_duplex_slowdown``: the factor a host copy's time is multiplied by while a copy in
     the other direction is in flight (1 = full-duplex link, 2 = shared; default 2).
+    ``ar_stretch``: the factor a TP all-reduce's time is multiplied by when compute runs
+    beside it (the next unit task does not wait for it): the two share SMs and memory
+    bandwidth, so a hidden all-reduce takes longer than an exposed one (1 = no contention).
     """
 
     layout: Layout
@@ -134,6 +137,7 @@ class CostModel:
     source: str = "analytic"
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     copy_duplex_slowdown: float = 2.0
+    ar_stretch: float = 1.0
 
     def __post_init__(self) -> None:
         want = {(r, c) for r in range(self.layout.p) for c in range(self.layout.v)}
@@ -142,6 +146,8 @@ class CostModel:
             raise ValueError(f"cost model must cover every (rank, chunk) of the layout; missing {missing[:6]}")
         if self.ar_slowdown < 1.0:
             raise ValueError(f"ar_slowdown must be >= 1 (a slowdown factor), got {self.ar_slowdown}")
+        if not 1.0 <= self.ar_stretch <= 4.0:
+            raise ValueError(f"ar_stretch must be in [1, 4] (an all-reduce's slowdown beside compute), got {self.ar_stretch}")
         if not 1.0 <= self.copy_duplex_slowdown <= 2.0:
             raise ValueError(f"copy_duplex_slowdown must be in [1, 2] (1 = full duplex, 2 = shared link), "
                              f"got {self.copy_duplex_slowdown}")
@@ -306,7 +312,7 @@ def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **
 _CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P", "activation_bytes", "w_residual_bytes", "unit_split",
                "unit_workspace")
 _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "pcie_bytes_per_s", "p2p_over_pcie",
-                "copy_duplex_slowdown", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
+                "copy_duplex_slowdown", "ar_stretch", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
 _SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res"}
 _AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE)
@@ -417,7 +423,8 @@ def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[i
             _num(d, "model_flops_per_sample", where, b.model_flops_per_sample if b else 0.0),
             _num(d, "peak_flops", where, b.peak_flops if b else 0.0),
             "file", dict(d.get("meta") or {}),
-            _num(d, "copy_duplex_slowdown", where, b.copy_duplex_slowdown if b else 2.0))
+            _num(d, "copy_duplex_slowdown", where, b.copy_duplex_slowdown if b else 2.0),
+            _num(d, "ar_stretch", where, b.ar_stretch if b else 1.0))
     except ValueError as err:
         if isinstance(err, CostFileError):
             raise
@@ -440,7 +447,8 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
     return {
         "format": FORMAT, "layout": {"tp": costs.layout.tp, "p": costs.layout.p, "v": costs.layout.v,
                                      "placement": costs.layout.placement},
-        "M_a_bytes": costs.ma_bytes, "ar_slowdown": costs.ar_slowdown, "pcie_bytes_per_s": costs.pcie_bytes_per_s,
+        "M_a_bytes": costs.ma_bytes, "ar_slowdown": costs.ar_slowdown, "ar_stretch": costs.ar_stretch,
+        "pcie_bytes_per_s": costs.pcie_bytes_per_s,
         "p2p_over_pcie": costs.p2p_over_pcie, "copy_duplex_slowdown": costs.copy_duplex_slowdown,
         "samples_per_microbatch": costs.samples_per_microbatch,
         "tokens_per_sample": costs.tokens_per_sample, "model_flops_per_sample": costs.model_flops_per_sample,

@@ -6,7 +6,8 @@ layers per stage) and times every unit task of every chunk in isolation, through
 call the executor makes (``ModelChunk.run(mb, UnitTask)``): forward, activation-backward
 and weight-backward, median of ``--iters`` runs (CUDA events on GPU, ``perf_counter`` on
 CPU). It also measures the TP all-reduce of a boundary activation alone and overlapped
-with a GEMM (-> ``ar_slowdown``, paper Appendix F), the P2P time of the stage-boundary
+with a GEMM (-> ``ar_slowdown``, paper Appendix F) and, on GPU, how much longer it takes
+while GEMMs run beside it (-> ``ar_stretch``), the P2P time of the stage-boundary
 activation, the host-copy bandwidth (pinned host<->device on GPU, a memcpy on CPU), and
 the activation bytes each unit keeps (``torch.cuda.memory_allocated`` deltas on GPU, the
 chunk's ``live_bytes()`` on CPU), what a split backward keeps until W, and on GPU each
@@ -282,7 +283,8 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
     dtype = _DTYPES[pc.dtype]
     n = max(5, 2 * pc.iters)
     x = torch.randn(pc.act_shape(), dtype=dtype, device=dev)
-    out: dict[str, float] = {"ar_s": 0.0, "ar_slowdown": 1.0, "gemm_s": 0.0, "gemm_overlapped_s": 0.0, "p2p_s": 0.0}
+    out: dict[str, float] = {"ar_s": 0.0, "ar_slowdown": 1.0, "gemm_s": 0.0, "gemm_overlapped_s": 0.0, "p2p_s": 0.0,
+                             "ar_stretch": 1.0}
     if pc.tp > 1:
         out["ar_s"] = ar = _median_time(timer, lambda: dist.all_reduce(x, group=groups.tp), n)
         tokens = pc.micro_batch_size * pc.seq
@@ -311,6 +313,8 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
         else:
             f = ar / max(ar + alone - d, ar / 2.0)
         out.update(ar_slowdown=min(2.0, max(1.0, f)), gemm_s=alone, gemm_overlapped_s=d)
+        if timer.cuda:
+            out.update(_ar_stretch(x, groups.tp, a, b, ar, one, dev, n))
     if pc.pp > 1:
         me = groups.coords.pp
         nxt, prv = groups.pp_ranks[(me + 1) % pc.pp], groups.pp_ranks[(me - 1) % pc.pp]
@@ -328,6 +332,43 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
         out["p2p_s"] = statistics.median(vals[1:])
     out["copy_bytes_per_s"], out["copy_duplex_slowdown"] = measure_host_link(dev)
     return out
+
+
+def _ar_stretch(x: torch.Tensor, group, a: torch.Tensor, b: torch.Tensor, ar: float, one: float,
+                dev: torch.device, n: int) -> dict[str, float]:
+    """How much longer an all-reduce takes while compute runs beside it (CUDA; ``ar_stretch``).
+
+    Both ranks start together (a barrier, then a sync); the all-reduce is issued, then GEMMs
+    that outlast it go to another stream, as the next unit task of a braided block would; the
+    all-reduce's time is from its issue to its end on the issuing stream. Alone: the same
+    without the GEMMs. The ratio of the medians, clamped to [1, 4].
+    """
+    side = torch.cuda.Stream(device=dev)
+    reps = max(1, int(3 * ar / one)) if one > 0 else 1
+
+    def timed(with_gemm: bool) -> float:
+        vals = []
+        for _ in range(n + 1):
+            torch.cuda.synchronize(dev)
+            dist.barrier(group=group)
+            torch.cuda.synchronize(dev)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            work = dist.all_reduce(x, group=group, async_op=True)
+            if with_gemm:
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    for _ in range(reps):
+                        a @ b
+            work.wait()
+            e.record()
+            e.synchronize()
+            vals.append(s.elapsed_time(e) / 1e3)
+        torch.cuda.synchronize(dev)
+        return statistics.median(vals[1:])
+
+    alone, beside = timed(False), timed(True)
+    return {"ar_alone_s": alone, "ar_beside_s": beside, "ar_stretch": min(4.0, max(1.0, beside / alone)) if alone > 0 else 1.0}
 
 
 def measure_host_link(device: torch.device, nbytes: int | None = None, iters: int = 5) -> tuple[float, float]:
@@ -453,7 +494,8 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
     return CostModel(pc.layout, chunks, ma, statistics.fmean(c["copy_bytes_per_s"] for c in comm), False,
                      max(c["ar_slowdown"] for c in comm), pc.micro_batch_size, pc.seq,
                      3 * model_forward_flops(mc) / pc.micro_batch_size, pc.peak_flops, "profile", meta,
-                     copy_duplex_slowdown=max(c["copy_duplex_slowdown"] for c in comm))
+                     copy_duplex_slowdown=max(c["copy_duplex_slowdown"] for c in comm),
+                     ar_stretch=max(c["ar_stretch"] for c in comm))
 
 
 def profile_to_dict(costs: CostModel) -> dict[str, Any]:
@@ -544,9 +586,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     doc = profile(pc)
     Path(args.output).write_text(json.dumps(doc, indent=1))
     c = doc["meta"]["comm"]
-    log.info("wrote %s: %d stages on %s; all-reduce %.3g ms, ar_slowdown %.3f, P2P %.3g ms, copy %.3g GB/s "
-             "(x%.2f with both directions at once)", args.output, len(doc["chunks"]), doc["meta"]["device"],
-             c["ar_s"] * 1e3, doc["ar_slowdown"], c["p2p_s"] * 1e3, doc["pcie_bytes_per_s"] / 1e9,
+    log.info("wrote %s: %d stages on %s; all-reduce %.3g ms, ar_slowdown %.3f, ar_stretch %.2f, P2P %.3g ms, "
+             "copy %.3g GB/s (x%.2f with both directions at once)", args.output, len(doc["chunks"]), doc["meta"]["device"],
+             c["ar_s"] * 1e3, doc["ar_slowdown"], doc["ar_stretch"], c["p2p_s"] * 1e3, doc["pcie_bytes_per_s"] / 1e9,
              doc["copy_duplex_slowdown"])
     return 0
 

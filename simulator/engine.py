@@ -9,8 +9,10 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   (queued behind earlier ones); the next task of the same op with ``waits_ar`` waits for
   it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
   done (the tail wait is exposed too). Compute that runs while an all-reduce is in flight
-  on the rank is slowed by ``CostModel.ar_slowdown``. A compute instruction involves no
-  other rank, so it is timed in one pass over a precomputed step table, without the heap.
+  on the rank is slowed by ``CostModel.ar_slowdown``, and an all-reduce that the next task
+  does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer. A
+  compute instruction involves no other rank, so it is timed in one pass over a
+  precomputed step table, without the heap.
 * **P2P** is asynchronous, like the executor's ``isend``/``irecv``: a ``SEND`` or ``RECV``
   is *posted* when the rank reaches it and the rank goes on. A send and its receive
   transfer once both are posted (rendezvous) and both ranks' P2P engines are free, taking
@@ -143,7 +145,9 @@ class Engine:
         rows: list[_Row] = []
         totals = [0.0, 0.0]
         nominal = 0.0  # summed in row order, as the unit loop would
-        for st in steps(instr, spec_of):
+        plan = list(steps(instr, spec_of))
+        stretch = self.costs.ar_stretch
+        for k, st in enumerate(plan):
             u = self.costs.chunks[(rank, st.op.chunk)].units[st.task.unit]
             ph = st.task.phase
             if ph is Phase.F:
@@ -153,6 +157,10 @@ class Engine:
             else:
                 dur, ar, dmem = u.w, 0.0, -u.w_res
             ar = ar if (self._tp and st.task.ar) else 0.0
+            if ar and k + 1 < len(plan):  # compute runs beside it unless the next task waits for it
+                nxt = plan[k + 1]
+                if not (nxt.task.waits_ar and nxt.member == st.member):
+                    ar *= stretch
             label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
             rows.append((st.member, dur, ar, st.task.waits_ar, label, ph.value, dmem, u.tmp))
             totals[st.member] += dmem

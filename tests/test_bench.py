@@ -6,11 +6,14 @@ import json
 
 import pytest
 
-from braid.bench import BenchConfig, capture, format_report, instruction_end_peaks, probe_plan, run_bench
+from braid.bench import BenchConfig, calibrate, capture, format_report, instruction_end_peaks, probe_plan, run_bench
 from braid.compiler import compile_plan
+from braid.costs import Layout, costs_from_dict
+from braid.partition import chunk_specs
 from braid.models.qwen2 import Qwen2Config
 from braid.profile import ProfileConfig
 from braid.trace import Event, Trace
+from simulator import simulate
 
 
 def test_instruction_end_peaks_samples_the_series_at_instruction_ends() -> None:
@@ -26,6 +29,30 @@ def test_probe_plan_compiles_for_both_placements() -> None:
         plan = probe_plan(p, 2 * p, v)
         progs = compile_plan(plan)
         assert len(progs) == p and all(len(pr) > 0 for pr in progs)
+
+
+def test_calibration_recovers_per_phase_compute_scales_and_the_allreduce_scale() -> None:
+    cfg = ProfileConfig(Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64), (1, 1),
+                        seq=8, pp=1, tp=2)
+    stage = {"T_F": 1.0, "T_B": 1.2, "T_W": 0.8, "T_AR": 0.2, "T_AR_B": 0.15}
+    doc = {"format": "braid-costs/1", "ar_slowdown": 1.05, "ar_stretch": 1.5, "chunks": {"0": dict(stage), "1": dict(stage)}}
+    plan = probe_plan(1, 2, 2)
+    progs = compile_plan(plan)
+    lay, specs = Layout(2, 1, 2, plan.placement), chunk_specs((1, 1), 1, plan.placement)
+    truth = {"F": 2.0, "B": 1.5, "W": 3.0}
+    true_doc = {**doc, "chunks": {k: {**c, "T_F": c["T_F"] * truth["F"], "T_B": c["T_B"] * truth["B"], "T_W": c["T_W"] * truth["W"],
+                                      "T_AR": c["T_AR"] * 1.3, "T_AR_B": c["T_AR_B"] * 1.3} for k, c in doc["chunks"].items()}}
+    measured = simulate(progs, costs_from_dict(true_doc, lay, specs), name="probe")
+    busy: dict[str, float] = {}
+    for e in simulate(progs, costs_from_dict({**true_doc, "ar_slowdown": 1.0}, lay, specs)).trace.events:
+        if e.lane == "compute":
+            busy[e.kind] = busy.get(e.kind, 0.0) + e.dur
+    out = calibrate(doc, cfg, plan, measured.report.step_time_s, busy)
+    cal = out["meta"]["calibration"]
+    for ph, k in truth.items():
+        assert cal["compute_scale_per_phase"][ph] == pytest.approx(k, rel=1e-6)
+    assert cal["ar_scale"] == pytest.approx(1.3, rel=1e-4)
+    assert cal["predicted_step_s"] == pytest.approx(measured.report.step_time_s, rel=1e-6)
 
 
 @pytest.mark.slow
@@ -45,6 +72,7 @@ def test_cpu_bench_measures_and_predicts(tmp_path) -> None:
         assert {e.rank for e in meas.events} == {0, 1}
     cal = s["profile"]["meta"]["calibration"]
     assert cal["compute_scale"] > 0 and cal["p2p_s"] >= 0
+    assert set(cal["compute_scale_per_phase"]) == {"F", "B", "W"} and min(cal["compute_scale_per_phase"].values()) > 0
     names = {e["schedule"] for e in s["external"]}
     assert names == {"torch:ScheduleInterleaved1F1B", "torch:ScheduleZBVZeroBubble", "torch:ScheduleDualPipeV"}
     for e in s["external"]:

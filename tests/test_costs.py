@@ -58,7 +58,8 @@ def test_unknown_presets_list_the_valid_names():
 
 def test_cost_file_round_trip(tmp_path):
     lay = Layout(2, 2, 2, "v")
-    c = dataclasses.replace(analytic_costs(get_model("qwen2-1.5b"), get_hardware("a800"), lay), copy_duplex_slowdown=1.25)
+    c = dataclasses.replace(analytic_costs(get_model("qwen2-1.5b"), get_hardware("a800"), lay), copy_duplex_slowdown=1.25,
+                            ar_stretch=1.6)
     path = tmp_path / "costs.json"
     write_costs(c, path)
     back = read_costs(path, lay, {k: v.spec for k, v in c.chunks.items()})
@@ -70,6 +71,7 @@ def test_cost_file_round_trip(tmp_path):
         assert back.chunks[key].p2p == pytest.approx(cc.p2p)
     assert back.ma_bytes == pytest.approx(c.ma_bytes) and back.peak_flops == c.peak_flops
     assert back.copy_duplex_slowdown == 1.25 and back.pcie_bytes_per_s == c.pcie_bytes_per_s
+    assert back.ar_stretch == 1.6
 
 
 def test_uniform_form_spreads_evenly_and_stage_keys_override():
@@ -94,6 +96,7 @@ def test_uniform_form_spreads_evenly_and_stage_keys_override():
     ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "unit_split": {"F": {"attn": 1}}}, "lacks unit 'pre_attn'"),
     ({"format": "other", "T_F": 1}, "format"),
     ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "copy_duplex_slowdown": 3}, "copy_duplex_slowdown must be in"),
+    ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "ar_stretch": 0.5}, "ar_stretch must be in"),
 ])
 def test_bad_cost_files_get_one_clear_error(bad, match):
     with pytest.raises(CostFileError, match=match):

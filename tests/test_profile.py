@@ -53,6 +53,7 @@ def test_cpu_profile_is_a_cost_file_for_any_placement() -> None:
     assert doc["format"] == "braid-costs/1" and sorted(doc["chunks"]) == ["0", "1", "2", "3"]
     assert doc["meta"]["comm"]["p2p_s"] > 0 and doc["pcie_bytes_per_s"] > 0
     assert doc["copy_duplex_slowdown"] == 1.0  # CPU copies are synchronous: they never overlap
+    assert doc["ar_stretch"] == 1.0  # measured on GPU only
     for placement in ("v", "loop"):
         specs = chunk_specs(cfg.layers_per_stage, 2, placement)
         costs = costs_from_dict(doc, Layout(1, 2, 2, placement), specs)

@@ -166,6 +166,25 @@ def test_braided_block_hides_forward_allreduces_and_pays_the_slowdown():
     assert braided.compute_s > plain.compute_s  # overlapped units run 7.5% slower
 
 
+@pytest.mark.parametrize("stretch", [1.0, 1.5, 2.0])
+def test_an_allreduce_with_compute_beside_it_takes_ar_stretch_longer(stretch):
+    # Plain F: every all-reduce is waited for by the next unit (or ends the instruction), so
+    # nothing runs beside it and the stretch changes nothing.
+    plain = _one_rank("F0c0", ar_stretch=stretch)
+    assert plain.report.ranks[0].tp_exposed_s == pytest.approx(0.4)
+    # Braided: each member's all-reduces run beside the other member's units.
+    res = _one_rank("F0c0\nF1c0&BW0c0\nBW1c0", ar_stretch=stretch)
+    alone = 0.4 / 4  # T_AR over the chunk's 4 all-reduces (2 layers: attn, mlp)
+    ars = [e for e in res.trace.events if e.lane == "tp-comm"]
+    assert len(ars) == 16
+    for e in ars:  # a plain F's are waited for at once; a BW's run beside its W units; all in the block
+        beside = e.block is not None or e.name.startswith("BW")
+        assert e.dur == pytest.approx(alone * stretch if beside else alone), e
+    if stretch > 1:
+        base = _one_rank("F0c0\nF1c0&BW0c0\nBW1c0").report.ranks[0]
+        assert res.report.ranks[0].end_s >= base.end_s - 1e-12
+
+
 def test_tp1_has_no_allreduce_events():
     res = _one_rank("F0c0\nBW0c0", tp=1)
     assert res.report.ranks[0].tp_exposed_s == 0.0
