@@ -56,6 +56,7 @@ from braid.trace import Trace
 log = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
+PROBE_STEPS = 11  # measured steps of the calibration probe (at least --steps)
 MEASUREMENTS_FORMAT = "braid-measurements/1"
 
 
@@ -228,10 +229,13 @@ def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[torch.Tens
     return toks, labs
 
 
-def _timed_steps(bc: BenchConfig, dev: torch.device, run_step) -> tuple[list[float], int, Any]:
-    """Warm-up then measured steps; returns (per-step seconds, peak bytes above the pre-step baseline, last result)."""
+def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None = None,
+                 on_result=None) -> tuple[list[float], int, Any]:
+    """Warm-up then measured steps (``steps``, default ``bc.steps``); returns (per-step seconds,
+    peak bytes above the pre-step baseline, last result). ``on_result`` sees each measured step's result."""
     times, peak, res = [], 0, None
-    for i in range(bc.warmup + bc.steps):
+    steps = bc.steps if steps is None else steps
+    for i in range(bc.warmup + steps):
         _sync(dev)
         dist.barrier()
         base = 0
@@ -244,12 +248,23 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step) -> tuple[list[flo
         dt = time.perf_counter() - t0
         if i >= bc.warmup:
             times.append(dt)
+            if on_result is not None:
+                on_result(res)
             if dev.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
     return times, peak, res
 
 
-def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None) -> dict[str, Any]:
+def _busy_by_phase(trace: Trace) -> dict[str, float]:
+    """Seconds of unit compute per phase (F, B, W) in a measured trace."""
+    out: dict[str, float] = {}
+    for e in trace.events:
+        if e.lane == "compute":
+            out[e.kind] = out.get(e.kind, 0.0) + e.dur
+    return out
+
+
+def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None) -> dict[str, Any]:
     import schedules
     from braid.compiler import compile_plan
     from braid.runtime.executor import Executor, build_rank_chunks
@@ -273,10 +288,12 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
             ch.zero_grad(set_to_none=False)
         return ex.run(toks, labs)
 
-    times, peak, res = _timed_steps(bc, dev, step)
+    busy: list[dict[str, float]] = []
+    times, peak, res = _timed_steps(bc, dev, step, steps, lambda r: busy.append(_busy_by_phase(r.trace)))
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
-    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if groups.coords.tp == 0 else None}
+    keep = groups.coords.tp == 0
+    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None}
 
 
 def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
@@ -318,17 +335,19 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     with torch.device("cpu"):
         model = Qwen2Model(pc.full_model()).to(_DTYPES[pc.dtype])
     if bc.costs is None and bc.calibrate and (pc.pp > 1 or pc.tp > 1):
+        # The probe is short (m = 2p): more steps than a benchmarked run, medians of the step
+        # time and of each phase's busy time, so one slow step on a shared machine does not
+        # land in the fitted communication figure.
         plan = probe_plan(pc.pp, 2 * pc.pp, pc.v)
-        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan)
+        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps))
         gathered = [None] * pc.world_size
         dist.all_gather_object(gathered, out)
         if lead:
-            step_s = statistics.median(max(rk["times"][i] for rk in gathered) for i in range(len(out["times"])))
-            busy: dict[str, float] = {}
-            for rk in gathered:
-                for e in (rk["trace"].events if rk["trace"] is not None else ()):
-                    if e.lane == "compute":
-                        busy[e.kind] = busy.get(e.kind, 0.0) + e.dur
+            n = len(out["times"])
+            step_s = statistics.median(max(rk["times"][i] for rk in gathered) for i in range(n))
+            per_step = [{ph: sum(rk["busy"][i].get(ph, 0.0) for rk in gathered if rk["busy"] is not None) for ph in "FBW"}
+                        for i in range(n)]
+            busy = {ph: statistics.median(b[ph] for b in per_step) for ph in "FBW"}
             doc = calibrate(doc, pc, plan, step_s, busy)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
