@@ -172,14 +172,12 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     programs = compile_plan(plan)
     lay = Layout(pc.tp, pc.pp, plan.v, plan.placement)
     specs = chunk_specs(pc.layers_per_stage, pc.pp, plan.placement)
-    sim = lambda d, record=False: simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=record)  # noqa: E731
+    def sim(d: dict[str, Any], record: bool = False):
+        return simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=record)
+
     out = copy.deepcopy(doc)
     # Nominal compute per phase: the probe's unit durations with no all-reduce slowdown.
-    plain = {**copy.deepcopy(doc), "ar_slowdown": 1.0}
-    nominal: dict[str, float] = {}
-    for e in sim(plain, record=True).trace.events:
-        if e.lane == "compute":
-            nominal[e.kind] = nominal.get(e.kind, 0.0) + e.dur
+    nominal = _busy_by_phase(sim({**doc, "ar_slowdown": 1.0}, record=True).trace)
     total_meas = sum(measured_busy_s.values())
     total_nom = sum(nominal.values())
     k_all = total_meas / total_nom if total_nom > 0 else 1.0
@@ -191,7 +189,6 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
             c[key] *= scale[ph]
     cal: dict[str, Any] = {"probe": f"{plan.name} p={plan.p} m={plan.m}", "measured_step_s": measured_step_s,
                            "compute_scale": k_all, "compute_scale_per_phase": scale}
-    sim = lambda d: simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=False).report  # noqa: E731
 
     def with_knob(x: float) -> dict[str, Any]:
         d = copy.deepcopy(out)
@@ -203,12 +200,12 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
         return d
 
     if pc.pp > 1:
-        x = _bisect(lambda v: sim(with_knob(v)).step_time_s, measured_step_s, 0.0, 1e-3)
+        x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 1e-3)
         out, cal["p2p_s"] = with_knob(x), x
     elif pc.tp > 1:
-        x = _bisect(lambda v: sim(with_knob(v)).step_time_s, measured_step_s, 0.0, 2.0)
+        x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 2.0)
         out, cal["ar_scale"] = with_knob(x), x
-    cal["predicted_step_s"] = sim(out).step_time_s
+    cal["predicted_step_s"] = sim(out).report.step_time_s
     out["meta"] = {**out.get("meta", {}), "calibration": cal}
     return out
 

@@ -145,9 +145,9 @@ class Engine:
         rows: list[_Row] = []
         totals = [0.0, 0.0]
         nominal = 0.0  # summed in row order, as the unit loop would
-        plan = list(steps(instr, spec_of))
+        tasks = list(steps(instr, spec_of))
         stretch = self.costs.ar_stretch
-        for k, st in enumerate(plan):
+        for k, st in enumerate(tasks):
             u = self.costs.chunks[(rank, st.op.chunk)].units[st.task.unit]
             ph = st.task.phase
             if ph is Phase.F:
@@ -157,8 +157,8 @@ class Engine:
             else:
                 dur, ar, dmem = u.w, 0.0, -u.w_res
             ar = ar if (self._tp and st.task.ar) else 0.0
-            if ar and k + 1 < len(plan):  # compute runs beside it unless the next task waits for it
-                nxt = plan[k + 1]
+            if ar and k + 1 < len(tasks):  # compute runs beside it unless the next task waits for it
+                nxt = tasks[k + 1]
                 if not (nxt.task.waits_ar and nxt.member == st.member):
                     ar *= stretch
             label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
