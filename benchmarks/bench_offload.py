@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs 2 GPUs (or --tiny for the CPU smoke test)")
     if args.mbs < 4:
         ap.error("--mbs must be at least 4 (braided_v needs m >= 2p)")
+    if not 0.0 <= args.budget < 1.0:
+        ap.error(f"--budget must be a fraction in [0, 1), e.g. 0.03 for 3%, got {args.budget}")
     got, pred = measure(args)
     base = {r: got[r]["braided_v"]["step_s"] for r in got}
     unit = "GiB" if not args.tiny else "KiB"

@@ -42,7 +42,6 @@ class Hardware:
     p2p_over_pcie: bool = False
     pcie_duplex_slowdown: float = 2.0
 
-
     def __post_init__(self) -> None:
         rates = ("matmul_flops", "attn_flops", "peak_flops", "ar_bus_bytes_per_s", "p2p_bytes_per_s", "pcie_bytes_per_s")
         bad = [n for n in rates if not getattr(self, n) > 0]

@@ -25,10 +25,9 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   activation bytes on the D2H / H2D engine at ``pcie_bytes_per_s``. Contention, kept
   simple: a copy's time is multiplied by ``copy_duplex_slowdown`` when a copy in the other
   direction is in flight at its start, plus 1 when a P2P transfer of the rank is (only with
-  ``p2p_over_pcie``). An
-  offload frees its bytes at the first offload, reload or compute instruction that finds
-  its copy done, and at the latest when ``RELEASE_AFTER`` compute instructions have run
-  after it (:mod:`braid.offload`): the next compute instruction starts no earlier than the
+  ``p2p_over_pcie``). An offload frees its bytes at the first offload, reload or compute
+  instruction that finds its copy done, and at the latest when ``RELEASE_AFTER`` compute
+  instructions have run after it (:mod:`braid.offload`): the next compute instruction starts no earlier than the
   copy's end and the bytes are freed at its start, as the runtime does (its host runs ahead
   of the GPU, so it releases in program order). A reload re-takes them when it is issued (the
   runtime allocates the device storage then, on the compute stream) and its copy starts no
