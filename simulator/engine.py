@@ -27,9 +27,9 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   direction is in flight at its start, plus 1 when a P2P transfer of the rank is (only with
   ``p2p_over_pcie``). An offload frees its bytes at the first offload, reload or compute
   instruction that finds its copy done, and at the latest when ``RELEASE_AFTER`` compute
-  instructions have run after it (:mod:`braid.offload`): the next compute instruction starts no earlier than the
-  copy's end and the bytes are freed at its start, as the runtime does (its host runs ahead
-  of the GPU, so it releases in program order). A reload re-takes them when it is issued (the
+  instructions have run after it (:mod:`braid.offload`): the next compute instruction
+  starts no earlier than the copy's end and the bytes are freed at its start, as the
+  runtime does (its host runs ahead of the GPU, so it releases in program order). A reload re-takes them when it is issued (the
   runtime allocates the device storage then, on the compute stream) and its copy starts no
   earlier than its offload's completion; B/W/BW of that (mb, chunk) wait for it.
 * **Memory**: an F unit allocates its ``act`` bytes when it completes; a split-B unit
