@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-import schedules
+from braid import schedules
 from braid.compiler import compile_plan
 
 

@@ -33,7 +33,7 @@ MODES = ("units", "instructions", "off")
 
 
 def _setup(args: argparse.Namespace):
-    import schedules
+    from braid import schedules
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.runtime.executor import build_rank_chunks

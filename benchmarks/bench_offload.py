@@ -97,7 +97,7 @@ def _model_config(args: argparse.Namespace):
 
 
 def _plan(name: str, opts: dict, m: int):
-    import schedules
+    from braid import schedules
 
     return schedules.build(name, 2, m, **opts)
 
@@ -166,7 +166,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
 def _predicted(args: argparse.Namespace) -> dict[str, tuple[list[int], float]]:
     """Predicted activation peak per rank and step time, per run label."""
     from braid.compiler import compile_plan
-    from simulator import simulate
+    from braid.simulator import simulate
 
     out = {}
     for label, name, opts in args.runs:

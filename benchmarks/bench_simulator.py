@@ -12,12 +12,12 @@ from __future__ import annotations
 import sys
 import time
 
-import schedules
+from braid import schedules
 from braid.compiler import compile_plan
 from braid.costs import Layout, analytic_costs
 from braid.hardware import get_hardware
 from braid.models_catalog import get_model
-from simulator import simulate
+from braid.simulator import simulate
 
 
 def main() -> int:

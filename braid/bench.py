@@ -21,7 +21,7 @@ memory series), compared with the simulated series sampled at the same points.
 
     python -m braid.bench --preset tiny --pp 2 --mbs 4 8 --json out.json --trace-dir traces
     python -m braid.bench --preset 7b-layer --tp 2 --pp 1 --seq 4096 --mbs 4 8 --capture tests/data/measurements_h200.json
-    python -m viz traces/braided_v_m8.json -o braided_v.html
+    python -m braid.viz traces/braided_v_m8.json -o braided_v.html
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int
 
     ``memory``: ``"instruction_end"`` (CPU measurements) or ``"allocator_peak"`` (GPU: true peak).
     """
-    import schedules
+    from braid import schedules
     from braid.compiler import compile_plan
     from braid.partition import chunk_specs
-    from simulator import simulate
+    from braid.simulator import simulate
 
     plan = schedules.build(schedule, pp, m)
     if len(layers_per_stage) != plan.num_stages:
@@ -167,7 +167,7 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
 
     from braid.compiler import compile_plan
     from braid.partition import chunk_specs
-    from simulator import simulate
+    from braid.simulator import simulate
 
     programs = compile_plan(plan)
     lay = Layout(pc.tp, pc.pp, plan.v, plan.placement)
@@ -262,7 +262,7 @@ def _busy_by_phase(trace: Trace) -> dict[str, float]:
 
 
 def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None) -> dict[str, Any]:
-    import schedules
+    from braid import schedules
     from braid.compiler import compile_plan
     from braid.runtime.executor import Executor, build_rank_chunks
 
@@ -483,7 +483,7 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import schedules
+    from braid import schedules
 
     ap = argparse.ArgumentParser(prog="python -m braid.bench", description=__doc__.split("\n\n")[1],
                                  epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -98,7 +98,7 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
     ``max_slowdown``.
     """
     from braid.compiler import compile_plan
-    from simulator import simulate
+    from braid.simulator import simulate
 
     if max_slowdown < 0:
         raise ValueError(f"max_slowdown must be >= 0, got {max_slowdown}")

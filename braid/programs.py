@@ -17,7 +17,7 @@ from braid.ir import programs_to_json
 
 
 def main(argv: list[str] | None = None) -> int:
-    import schedules
+    from braid import schedules
 
     ap = argparse.ArgumentParser(prog="python -m braid.programs", description=__doc__.split("\n\n")[0])
     ap.add_argument("schedule", help=f"schedule name: {', '.join(schedules.names())}")

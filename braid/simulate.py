@@ -84,10 +84,10 @@ def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
 
 def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[str, Any], list, list[str]]:
     """Simulate the selected schedules; returns (json document, traces, notes)."""
-    import schedules
+    from braid import schedules
     from braid.compiler import ScheduleError, compile_plan
     from braid.offload import tune_offload
-    from simulator import simulate
+    from braid.simulator import simulate
 
     model = get_model(args.model)
     changes = {k: v for k, v in (("seq", args.seq), ("micro_batch_size", args.micro_batch_size)) if v is not None}
@@ -123,8 +123,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import schedules
-    from simulator import format_table
+    from braid import schedules
+    from braid.simulator import format_table
 
     names = schedules.names()
     ap = _parser(names)
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.html:
         try:
             import plotly  # noqa: F401
-            import viz
+            from braid import viz
         except ImportError as err:
             print(f"error: --html needs plotly and the viewer ({err}); pip install plotly", file=sys.stderr)
             return 1

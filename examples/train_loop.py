@@ -72,7 +72,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(task: Task) -> argparse.ArgumentParser:
-    import schedules
+    from braid import schedules
     from braid.baselines import TORCH_SCHEDULES
 
     p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -114,7 +114,7 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                      help="auto: cuda if available (bf16), else cpu (fp32) (default: %(default)s)")
     out = p.add_argument_group("outputs")
     out.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (rank 0 writes)")
-    out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m viz)")
+    out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m braid.viz)")
     out.add_argument("--save", metavar="DIR", help="checkpoint at the end (and every --save-every steps)")
     out.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
     out.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written with the same layout")
@@ -173,7 +173,7 @@ class Run:
 
 def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
-    import schedules
+    from braid import schedules
     from braid.baselines import TORCH_SCHEDULES
     from braid.topology import Topology
 

@@ -36,7 +36,7 @@ def register(name: str, *, v: int, placement: Placement, description: str) -> Ca
 
 def _load() -> None:
     # Importing the generator modules fills the registry.
-    import schedules.generators  # noqa: F401
+    import braid.schedules.generators  # noqa: F401
 
 
 def names() -> list[str]:

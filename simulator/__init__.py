@@ -3,7 +3,7 @@
 ``simulate(programs, costs)`` runs the programs the compiler produced against a
 :class:`braid.costs.CostModel` and returns a :class:`SimResult`: a
 :class:`braid.trace.Trace` at unit granularity (the format the executor records, so a
-prediction and a measurement line up op by op) and a :class:`~simulator.report.Report`
+prediction and a measurement line up op by op) and a :class:`~braid.simulator.report.Report`
 (step time, throughput, MFU, per-rank PP bubble, exposed TP comm and peak activations).
 """
 
@@ -15,8 +15,8 @@ from typing import Any, Sequence
 from braid.costs import CostModel
 from braid.ir import Program, compute_ops
 from braid.trace import Trace
-from simulator.engine import Engine, SimulationError
-from simulator.report import Report, build_report, format_table, memory_series
+from braid.simulator.engine import Engine, SimulationError
+from braid.simulator.report import Report, build_report, format_table, memory_series
 
 __all__ = ["SimResult", "SimulationError", "Report", "simulate", "format_table"]
 

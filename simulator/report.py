@@ -22,7 +22,7 @@ from operator import itemgetter, ne
 from typing import Any, Sequence
 
 from braid.costs import CostModel
-from simulator.engine import RankStats
+from braid.simulator.engine import RankStats
 
 
 @dataclass(frozen=True, slots=True)

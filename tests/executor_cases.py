@@ -66,7 +66,7 @@ def _expected_counts(program, chunks):
 
 def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol: tuple[float, float] = (1e-4, 1e-5)) -> list[tuple[str, int, dict]]:
     """Run each (schedule, m) for two AdamW steps and compare with the single-process reference."""
-    import schedules
+    from braid import schedules
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.partition import split_layers
@@ -135,7 +135,7 @@ def failing_rank(ctx, bad_rank: int) -> str:
     """pp=2 gpipe where ``bad_rank`` raises before its first instruction; the other must fail, not hang."""
     import time
 
-    import schedules
+    from braid import schedules
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.runtime.executor import Executor, build_rank_chunks
@@ -195,7 +195,7 @@ def record_modes(ctx, tp: int) -> dict:
     Returns, per mode, the loss, the gradients, the counts and what the trace holds, so the
     test can check that recording changes what is timed and never what is computed.
     """
-    import schedules
+    from braid import schedules
     from braid.braiding import steps
     from braid.compiler import compile_plan
     from braid.ir import Braided, Compute, compute_ops

@@ -13,7 +13,7 @@ from braid.partition import chunk_specs
 from braid.models.qwen2 import Qwen2Config
 from braid.profile import ProfileConfig
 from braid.trace import Event, Trace
-from simulator import simulate
+from braid.simulator import simulate
 
 
 def test_instruction_end_peaks_samples_the_series_at_instruction_ends() -> None:

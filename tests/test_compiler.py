@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import schedules
+from braid import schedules
 from braid.compiler import ScheduleError, activation_counts, compile_plan, list_schedule, peak_activations, validate_programs
 from braid.ir import Braided, CommKind, Compute, OpKind, Plan, Program, Recv, ScheduleConfig, Send, compute_ops
 

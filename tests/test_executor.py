@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import schedules
+from braid import schedules
 from distributed_utils import DistPool
 import executor_cases as cases
 

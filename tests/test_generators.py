@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import schedules
+from braid import schedules
 from braid.compiler import list_schedule as compiler_list_schedule
 from braid.compiler import ScheduleError, peak_activations
 from braid.ir import Braided, OpKind, Plan, compute_ops

@@ -74,8 +74,8 @@ def _costs(pcie_bytes_per_s: float):
 
 
 def test_tune_offload_lowers_the_peak_within_the_slowdown_budget():
-    import schedules
-    from simulator import simulate
+    from braid import schedules
+    from braid.simulator import simulate
 
     plan = schedules.build("braided_v_offload", 2, 8)
     costs = _costs(55e9)
@@ -91,7 +91,7 @@ def test_tune_offload_lowers_the_peak_within_the_slowdown_budget():
 
 
 def test_tune_offload_offloads_nothing_when_copies_cannot_hide():
-    import schedules
+    from braid import schedules
 
     choice = tune_offload(schedules.build("braided_v_offload", 2, 8), _costs(1e6), max_slowdown=0.0)
     assert (choice.policy.alpha, choice.policy.alpha_warmup) == (0.0, 0.0)
@@ -99,7 +99,7 @@ def test_tune_offload_offloads_nothing_when_copies_cannot_hide():
 
 
 def test_auto_alpha_without_costs_is_a_clear_error():
-    import schedules
+    from braid import schedules
 
     with pytest.raises(ValueError, match="needs a cost model.*tune_offload"):
         schedules.build("braided_v_offload", 2, 8, offload_alpha="auto")

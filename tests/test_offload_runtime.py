@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import schedules
+from braid import schedules
 from braid.braiding import ChunkSpec, unit_tasks
 from braid.compiler import compile_plan
 from braid.costs import Layout, analytic_costs
@@ -30,7 +30,7 @@ from braid.ir import OpKind
 from braid.models_catalog import get_model
 from braid.runtime.offload import ActivationOffloader, OffloadStateError, Parked
 from executor_cases import CFG_KW, MBS, SEQ, _data
-from simulator import simulate
+from braid.simulator import simulate
 
 ALPHAS = (0.25, 0.5, 1.0)
 

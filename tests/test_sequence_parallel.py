@@ -45,7 +45,7 @@ def _sp_context(ctx, topo, d_hp: int, w: int | None, placement: str):
 def sp_equivalence(ctx, pp: int, tp: int, sp_cases: list[tuple[int, int | None, str]],
                    schedules_ms: list[tuple[str, int]]) -> list[tuple]:
     """Each (d_hp, w, placement) x (schedule, m): two AdamW steps equal the single-process model."""
-    import schedules
+    from braid import schedules
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.partition import split_layers
@@ -106,7 +106,7 @@ def sp_equivalence(ctx, pp: int, tp: int, sp_cases: list[tuple[int, int | None, 
 
 def build_errors(ctx) -> list[str]:
     """Degrees that do not fit the model, the sequence or the topology, at build time (4 ranks, cp=4)."""
-    import schedules
+    from braid import schedules
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.models.sequence_parallel import SequenceParallel, SPConfig
     from braid.runtime.executor import build_rank_chunks
@@ -145,7 +145,7 @@ def bf16_accuracy(ctx, d_hp: int, seq: int = 512) -> dict[str, float]:
     """
     import copy
 
-    import schedules
+    from braid import schedules
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.runtime.distributed import reduce_gradients

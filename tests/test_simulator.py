@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-import schedules
+from braid import schedules
 from braid.braiding import ChunkSpec
 from braid.compiler import compile_plan
 from braid.costs import Layout, uniform_costs
 from braid.ir import OpKind, Program, compute_ops
 from braid.offload import RELEASE_AFTER
 from braid.trace import LANES, Trace
-from simulator import SimulationError, simulate
+from braid.simulator import SimulationError, simulate
 
 TF = TB = TW = 1.0
 

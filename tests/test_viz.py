@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from braid.trace import Event, Trace, dump_traces
-from viz import build_figure, render_html, to_chrome_trace
-from viz.__main__ import main as cli_main
-from viz.timeline import PlotlyMissingError, assemble
+from braid.viz import build_figure, render_html, to_chrome_trace
+from braid.viz.__main__ import main as cli_main
+from braid.viz.timeline import PlotlyMissingError, assemble
 
 UNITS = ("pre_attn", "attn", "pre_mlp", "mlp")
 AR_AFTER = {"F": {"attn", "mlp"}, "B": {"pre_attn", "pre_mlp"}, "W": set()}
@@ -288,7 +288,7 @@ def test_missing_plotly_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, smal
 
 
 def test_core_imports_without_plotly() -> None:
-    code = "import sys; sys.modules['plotly'] = None; import viz, braid.trace; print(viz.to_chrome_trace.__name__)"
+    code = "import sys; sys.modules['plotly'] = None; import braid.viz as viz, braid.trace; print(viz.to_chrome_trace.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "to_chrome_trace"
@@ -374,6 +374,6 @@ def test_cli_bad_trace_file_exits_2_with_one_line(tmp_path: Path, content: str |
 
 
 def test_cli_as_module_exit_code(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "viz", str(tmp_path / "nope.json")], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "braid.viz", str(tmp_path / "nope.json")], capture_output=True, text=True,
                          cwd=Path(__file__).parent.parent)  # fmt: skip
     assert out.returncode == 2 and "no such trace file" in out.stderr

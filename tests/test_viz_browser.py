@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from test_viz import fake_trace
-from viz import render_html
-from viz.timeline import assemble
+from braid.viz import render_html
+from braid.viz.timeline import assemble
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian package 'chromium'; CI installs it)")

@@ -47,7 +47,7 @@ def _reference(model, mbs):
 
 def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int) -> dict:
     """Run one step of ``schedule`` on this rank's chunks; assert loss and gradients equal the reference."""
-    import schedules
+    from braid import schedules
     from braid.compiler import compile_plan
     from braid.runtime.executor import Executor
     from braid.models.vision_chunk import build_vlm_rank_chunks

@@ -2,12 +2,12 @@
 
 ``render_html(traces, path)`` writes one standalone HTML timeline (offline by default);
 ``to_chrome_trace(trace)`` gives Chrome-trace JSON that Perfetto opens;
-``python -m viz TRACE.json -o timeline.html`` does both from the command line.
-Plotly is imported only when a figure is built, so ``import viz`` works without it.
+``python -m braid.viz TRACE.json -o timeline.html`` does both from the command line.
+Plotly is imported only when a figure is built, so ``import braid.viz`` works without it.
 """
 
-from viz.chrome import to_chrome_trace
-from viz.html import render_html
-from viz.timeline import PlotlyMissingError, build_figure
+from braid.viz.chrome import to_chrome_trace
+from braid.viz.html import render_html
+from braid.viz.timeline import PlotlyMissingError, build_figure
 
 __all__ = ["render_html", "to_chrome_trace", "build_figure", "PlotlyMissingError"]

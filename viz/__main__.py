@@ -1,4 +1,4 @@
-"""``python -m viz TRACE.json [MORE.json ...] -o timeline.html [--chrome out.json] [--plotlyjs MODE]``.
+"""``python -m braid.viz TRACE.json [MORE.json ...] -o timeline.html [--chrome out.json] [--plotlyjs MODE]``.
 
 Renders every trace of the given files into one interactive HTML timeline (a dropdown when
 there are several; a simulated and a measured trace of one schedule are laid side by side)
@@ -20,7 +20,7 @@ from braid.trace import TraceError, load_traces
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m viz",
+        prog="python -m braid.viz",
         description="Render braid traces (simulated or measured) as an interactive timeline in one HTML file.",
     )
     p.add_argument("traces", nargs="+", type=Path, help="trace files written by the simulator or the executor")
@@ -41,9 +41,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TraceError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from viz.chrome import to_chrome_trace
-    from viz.html import render_html
-    from viz.timeline import PlotlyMissingError
+    from braid.viz.chrome import to_chrome_trace
+    from braid.viz.html import render_html
+    from braid.viz.timeline import PlotlyMissingError
 
     try:
         out = render_html(traces, args.output, plotlyjs=args.plotlyjs, title=args.title)

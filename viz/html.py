@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 from braid.trace import Trace
-from viz.timeline import WEBGL_THRESHOLD, assemble, require_plotly
+from braid.viz.timeline import WEBGL_THRESHOLD, assemble, require_plotly
 
 log = logging.getLogger(__name__)
 

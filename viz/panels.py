@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from braid.trace import KINDS, LANES, Trace
-from viz.colors import BLOCK_OUTLINE, COMPUTE_SHADES, block_color
-from viz.stats import TraceStats, format_bytes, pair_events, trace_stats
+from braid.viz.colors import BLOCK_OUTLINE, COMPUTE_SHADES, block_color
+from braid.viz.stats import TraceStats, format_bytes, pair_events, trace_stats
 
 LANE_LABELS = {"compute": "compute", "tp-comm": "TP comm", "p2p": "P2P", "copy": "copy"}
 # customdata columns of every block trace: name, mb, chunk, unit, start, end, dur, op, block, note

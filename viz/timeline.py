@@ -23,9 +23,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from braid.trace import Trace
-from viz.colors import rank_color
-from viz.panels import HOVER_TEMPLATE, Group, Panel, header_text, make_panels, panel_groups
-from viz.stats import format_bytes
+from braid.viz.colors import rank_color
+from braid.viz.panels import HOVER_TEMPLATE, Group, Panel, header_text, make_panels, panel_groups
+from braid.viz.stats import format_bytes
 
 WEBGL_THRESHOLD = 4000
 BRACKET_OFFSET = -0.44  # WebGL path: a braided block's bracket, in rows above the compute row

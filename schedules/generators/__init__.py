@@ -1,9 +1,9 @@
 """Schedule generator families; importing this package registers every schedule.
 
 Each module holds one family and registers its generators with
-:func:`schedules.registry.register`. A generator is a pure, deterministic, torch-free
+:func:`braid.schedules.registry.register`. A generator is a pure, deterministic, torch-free
 function ``ScheduleConfig -> braid.ir.Plan`` that lists each rank's compute instructions
 in order; the compiler adds communication afterwards.
 """
 
-from schedules.generators import basic, braided, dualpipe, interleaved, zero_bubble  # noqa: F401
+from braid.schedules.generators import basic, braided, dualpipe, interleaved, zero_bubble  # noqa: F401

@@ -10,8 +10,8 @@ reference points of the paper's evaluation (Sec. 5) and work for any p >= 1, m >
 from __future__ import annotations
 
 from braid.ir import Plan, ScheduleConfig
-from schedules.generators._common import RankBuilder, check_chunks, make_plan
-from schedules.registry import register
+from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
+from braid.schedules.registry import register
 
 
 @register("gpipe", v=1, placement="loop", description="GPipe: all forwards, then all full backwards")

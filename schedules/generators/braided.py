@@ -50,8 +50,8 @@ block waits for rank 0's F(x) -- a cycle.
 from __future__ import annotations
 
 from braid.ir import Plan, ScheduleConfig
-from schedules.generators._common import RankBuilder, check_chunks, make_plan
-from schedules.registry import register
+from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
+from braid.schedules.registry import register
 
 
 @register("braided_v", v=2, placement="v", description="Braided TP/PP V schedule (paper Fig. 5): F&F, F&W and F&B blocks")

@@ -12,8 +12,8 @@ emitted as two consecutive plain ops, forward first -- the order DualPipe's nota
 from __future__ import annotations
 
 from braid.ir import Plan, ScheduleConfig
-from schedules.generators._common import RankBuilder, check_chunks, make_plan
-from schedules.registry import register
+from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
+from braid.schedules.registry import register
 
 
 @register("dualpipe_v", v=2, placement="v", description="DeepSeek DualPipeV: V placement, overlapped F/B pairs as consecutive ops")

@@ -15,8 +15,8 @@ of p micro-batches fills all chunks; other m raise ``ValueError``.
 from __future__ import annotations
 
 from braid.ir import Compute, OpKind, Plan, ScheduleConfig
-from schedules.generators._common import make_plan
-from schedules.registry import register
+from braid.schedules.generators._common import make_plan
+from braid.schedules.registry import register
 
 
 def _virtual(k: int, p: int, v: int, backward: bool) -> tuple[int, int]:

@@ -25,8 +25,8 @@ The backward is split into ``B`` (activation gradient, on the critical path) and
 from __future__ import annotations
 
 from braid.ir import Plan, ScheduleConfig, compute_ops
-from schedules.generators._common import RankBuilder, check_chunks, make_plan
-from schedules.registry import register
+from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
+from braid.schedules.registry import register
 
 
 @register("zb_h1", v=1, placement="loop", description="Zero-bubble H1: 1F1B with B/W split, W deferred into the cool-down")

@@ -1,0 +1,92 @@
+"""Files braid writes: checked before the work, written whole or not at all.
+
+Every file the project writes (metrics, traces, HTML, cost files, captures, reports) goes
+through :func:`atomic_write_text` / :func:`atomic_write_bytes` / :func:`atomic_path`: the
+bytes land in a temporary file in the same directory, are flushed to disk, and replace the
+target with one ``os.replace`` -- a reader (or a resumed run) sees the old file or the new
+one, never half of one. :func:`check_output_path` is called by every CLI on its output
+arguments *before* the run, so a missing or read-only directory costs one line and exit 2
+instead of the measured work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class OutputPathError(ValueError):
+    """An output path that cannot be written; the message says what to change."""
+
+
+def check_output_path(path: str | os.PathLike, *, what: str = "output file",
+                      inputs: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Check that ``path`` can be written later: its directory exists and is writable,
+    it is not a directory, and it is not one of ``inputs`` (overwriting what is read)."""
+    p = Path(path)
+    if str(path) == "":
+        raise OutputPathError(f"{what}: empty path")
+    if p.is_dir():
+        raise OutputPathError(f"{what} {str(path)!r} is a directory; give a file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise OutputPathError(f"{what} {str(path)!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{what} {str(path)!r}: directory {str(parent)!r} is not writable")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise OutputPathError(f"{what} {str(path)!r} exists and is read-only")
+    for inp in inputs:
+        with contextlib.suppress(OSError):
+            if Path(inp).exists() and p.exists() and p.samefile(inp):
+                raise OutputPathError(f"{what} {str(path)!r} is also an input; choose another name")
+        if Path(inp).resolve() == p.resolve():
+            raise OutputPathError(f"{what} {str(path)!r} is also an input; choose another name")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically,
+    on any exception it is removed and ``path`` is left as it was."""
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix + ".tmp", dir=parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb") as f:
+            os.fsync(f.fileno())
+        # mkstemp creates the file 0600; give it the mode a plain open() would.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_path, 0o666 & ~umask)
+        os.replace(tmp_path, target)
+        _fsync_dir(parent)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp_path.unlink()
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+    """Write ``text`` to ``path`` whole or not at all."""
+    atomic_write_bytes(path, text.encode(encoding))
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
