@@ -160,8 +160,10 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     the pipeline over the isolated unit times (caches, launch gaps, a busy neighbour; the
     phases differ: a backward overlaps its launches better than a short forward unit) --
     then the one communication figure that explains the rest of the measured step: the
-    effective P2P time (pp > 1; it absorbs the per-transfer latency of a loaded machine)
-    or, with pp=1 and tp > 1, a scale of the all-reduce times.
+    effective P2P time (pp > 1; it absorbs the per-transfer latency of a loaded machine),
+    with pp=1 and tp > 1 a scale of the all-reduce times, and with pp=1 and tp=1 the host
+    time per unit task (``host_task_s``, the simulator's host lane: at pp=1 nothing but the
+    host can leave the device idle).
     """
     import copy
 
@@ -192,6 +194,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
 
     def with_knob(x: float) -> dict[str, Any]:
         d = copy.deepcopy(out)
+        if pc.pp == 1 and pc.tp == 1:
+            d["host_task_s"] = x
+            return d
         for c, base in zip(d["chunks"].values(), doc["chunks"].values()):
             if pc.pp > 1:
                 c["T_P2P"] = x
@@ -205,6 +210,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     elif pc.tp > 1:
         x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 2.0)
         out, cal["ar_scale"] = with_knob(x), x
+    else:
+        x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 1e-3)
+        out, cal["host_task_s"] = with_knob(x), x
     cal["predicted_step_s"] = sim(out).report.step_time_s
     out["meta"] = {**out.get("meta", {}), "calibration": cal}
     return out
@@ -323,15 +331,16 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp))
     lead = d.rank == 0
     doc = bc.costs
+    raw_doc = None
     if doc is None:
         res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device))
         gathered: list[Any] = [None] * pc.world_size
         dist.all_gather_object(gathered, res)
-        doc = profile_to_dict(assemble(pc, gathered))
+        doc = raw_doc = profile_to_dict(assemble(pc, gathered))
     torch.manual_seed(1234)
     with torch.device("cpu"):
         model = Qwen2Model(pc.full_model()).to(_DTYPES[pc.dtype])
-    if bc.costs is None and bc.calibrate and (pc.pp > 1 or pc.tp > 1):
+    if bc.costs is None and bc.calibrate:
         # The probe is short (m = 2p): more steps than a benchmarked run, medians of the step
         # time and of each phase's busy time, so one slow step on a shared machine does not
         # land in the fitted communication figure.
@@ -376,7 +385,10 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         else:
             external.append({"schedule": f"torch:{TORCH_SCHEDULES[name]}", "m": m, "ranks": [o for o, _ in gathered]})
         progress.step(f"{TORCH_SCHEDULES[name]} m={m}")
-    return {"profile": doc, "runs": runs, "external": external, "notes": notes} if lead else None
+    # The uncalibrated profile travels too: its predictions are reported beside the calibrated
+    # ones, so the raw model's error stays visible.
+    raw = raw_doc if raw_doc is not doc else None
+    return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes} if lead else None
 
 
 # ----------------------------------------------------------------------------------------
@@ -406,11 +418,16 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
         sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)
         pred = sim.report.step_time_s
+        raw_pred = None
+        if raw.get("raw_profile") is not None:
+            raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)[0].report.step_time_s
         mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
         out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s,
                          "step_s_all": [max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"]))],
                          "tokens_per_s": r["m"] * tokens / step_s, "mfu": mfu, "peak_bytes": peaks,
                          "predicted_step_s": pred, "step_err": rel_err(pred, step_s), "predicted_peak_bytes": pred_peaks,
+                         "raw_predicted_step_s": raw_pred,
+                         "raw_step_err": rel_err(raw_pred, step_s) if raw_pred is not None else None,
                          "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None)})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
@@ -435,21 +452,29 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
 
 def format_report(summary: dict[str, Any]) -> str:
     """The text table: one line per run, measured next to predicted."""
-    head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'tokens/s':>11}{'MFU %':>7}"
+    head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'raw %':>8}{'tokens/s':>11}{'MFU %':>7}"
             f"  peak MiB per rank (measured / predicted)")
     lines = [head, "-" * len(head)]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     for r in summary["runs"]:
         peaks = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["peak_bytes"], r["predicted_peak_bytes"]))
+        raw_err = f"{100 * r['raw_step_err']:>+8.1f}" if r.get("raw_step_err") is not None else f"{'-':>8}"
         lines.append(f"{r['schedule']:<28}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
-                     f"{100 * r['step_err']:>+8.1f}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}  {peaks}")
+                     f"{100 * r['step_err']:>+8.1f}{raw_err}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}  {peaks}")
     for e in summary["external"]:
         if "error" in e:
             lines.append(f"{e['schedule']:<28}{e['m']:>3}  could not run: {e['error']}")
         else:
             peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
-            lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{e['tokens_per_s']:>11.0f}"
+            lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
                          f"{'-':>7}  {peaks}")
+    cal = summary["profile"].get("meta", {}).get("calibration")
+    if cal:
+        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}
+        scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
+        lines.append(f"calibration ({cal['probe']}): compute scale {scales}; "
+                     + (", ".join(f"{k}={v:.4g}" for k, v in fitted.items()) or "no communication figure")
+                     + "; 'raw %' is the uncalibrated profile's error")
     lines += [f"note: {n}" for n in summary["notes"]]
     return "\n".join(lines)
 

@@ -122,6 +122,11 @@ class CostModel:
     ``ar_stretch``: the factor a TP all-reduce's time is multiplied by when compute runs
     beside it (the next unit task does not wait for it): the two share SMs and memory
     bandwidth, so a hidden all-reduce takes longer than an exposed one (1 = no contention).
+    ``host_task_s``: host time the executor spends issuing one unit task (Python, autograd,
+    kernel launches). It is the simulator's *host lane*: a rank's host issues its unit tasks
+    one after another, never waiting for the device, and a unit cannot start on the device
+    before the host has issued it. Measured by ``braid.profile`` on GPU; 0 on CPU, where a
+    unit's measured time already includes its host time.
     """
 
     layout: Layout
@@ -138,6 +143,7 @@ class CostModel:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     copy_duplex_slowdown: float = 2.0
     ar_stretch: float = 1.0
+    host_task_s: float = 0.0
 
     def __post_init__(self) -> None:
         want = {(r, c) for r in range(self.layout.p) for c in range(self.layout.v)}
@@ -148,6 +154,8 @@ class CostModel:
             raise ValueError(f"ar_slowdown must be >= 1 (a slowdown factor), got {self.ar_slowdown}")
         if not 1.0 <= self.ar_stretch <= 4.0:
             raise ValueError(f"ar_stretch must be in [1, 4] (an all-reduce's slowdown beside compute), got {self.ar_stretch}")
+        if not 0.0 <= self.host_task_s <= 1.0:
+            raise ValueError(f"host_task_s must be in [0, 1] s (host time to issue one unit task), got {self.host_task_s}")
         if not 1.0 <= self.copy_duplex_slowdown <= 2.0:
             raise ValueError(f"copy_duplex_slowdown must be in [1, 2] (1 = full duplex, 2 = shared link), "
                              f"got {self.copy_duplex_slowdown}")
@@ -312,7 +320,7 @@ def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **
 _CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P", "activation_bytes", "w_residual_bytes", "unit_split",
                "unit_workspace")
 _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "pcie_bytes_per_s", "p2p_over_pcie",
-                "copy_duplex_slowdown", "ar_stretch", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
+                "copy_duplex_slowdown", "ar_stretch", "host_task_s", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
 _SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res"}
 _AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE)
@@ -424,7 +432,8 @@ def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[i
             _num(d, "peak_flops", where, b.peak_flops if b else 0.0),
             "file", dict(d.get("meta") or {}),
             _num(d, "copy_duplex_slowdown", where, b.copy_duplex_slowdown if b else 2.0),
-            _num(d, "ar_stretch", where, b.ar_stretch if b else 1.0))
+            _num(d, "ar_stretch", where, b.ar_stretch if b else 1.0),
+            _num(d, "host_task_s", where, b.host_task_s if b else 0.0))
     except ValueError as err:
         if isinstance(err, CostFileError):
             raise
@@ -448,7 +457,7 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
         "format": FORMAT, "layout": {"tp": costs.layout.tp, "p": costs.layout.p, "v": costs.layout.v,
                                      "placement": costs.layout.placement},
         "M_a_bytes": costs.ma_bytes, "ar_slowdown": costs.ar_slowdown, "ar_stretch": costs.ar_stretch,
-        "pcie_bytes_per_s": costs.pcie_bytes_per_s,
+        "host_task_s": costs.host_task_s, "pcie_bytes_per_s": costs.pcie_bytes_per_s,
         "p2p_over_pcie": costs.p2p_over_pcie, "copy_duplex_slowdown": costs.copy_duplex_slowdown,
         "samples_per_microbatch": costs.samples_per_microbatch,
         "tokens_per_sample": costs.tokens_per_sample, "model_flops_per_sample": costs.model_flops_per_sample,

@@ -2,10 +2,11 @@
 
 The simulator is only as good as its costs. This profiler builds the executor's own model
 chunks (:func:`braid.runtime.executor.build_rank_chunks`) for a layout (tp, pp, chunks,
-layers per stage) and times every unit task of every chunk in isolation, through the very
-call the executor makes (``ModelChunk.run(mb, UnitTask)``): forward, activation-backward
-and weight-backward, median of ``--iters`` runs (CUDA events on GPU, ``perf_counter`` on
-CPU). It also measures the TP all-reduce of a boundary activation alone and overlapped
+layers per stage) and times every unit task of every chunk back to back, as the executor
+runs them, through the very call the executor makes (``ModelChunk.run(mb, UnitTask)``):
+forward, activation-backward and weight-backward, median of ``--iters`` runs (CUDA events
+recorded between the tasks without synchronising on GPU, ``perf_counter`` on CPU), and on
+GPU the host time to issue one unit task (``host_task_s``, the simulator's host lane). It also measures the TP all-reduce of a boundary activation alone and overlapped
 with a GEMM (-> ``ar_slowdown``, paper Appendix F) and, on GPU, how much longer it takes
 while GEMMs run beside it (-> ``ar_stretch``), the P2P time of the stage-boundary
 activation, the host-copy bandwidth (pinned host<->device on GPU, a memcpy on CPU), and
@@ -191,7 +192,14 @@ class Progress:
 # Measurements on one rank
 # ----------------------------------------------------------------------------------------
 class _Timer:
-    """Times one callable: CUDA events on GPU (after a sync), ``perf_counter`` on CPU."""
+    """Times callables: CUDA events on GPU, ``perf_counter`` on CPU.
+
+    :meth:`time` times one callable alone (a sync before and after). Unit tasks are timed
+    *back to back* instead, as the executor runs them: :meth:`lap_start` / :meth:`lap_end`
+    record events around each task without synchronising, so the host runs ahead and the
+    device sees the same queue it sees in a pipeline (timing a unit alone adds its launch
+    gaps: 1.1-1.7x on H200); :meth:`seconds` resolves a lap after :meth:`sync`.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -213,6 +221,26 @@ class _Timer:
         t = time.perf_counter()
         out = fn()
         return time.perf_counter() - t, out
+
+    def lap_start(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def lap_end(self, start: Any) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return (start, e)
+        return time.perf_counter() - start
+
+    def seconds(self, lap: Any) -> float:
+        """Duration of a finished lap (on GPU, call :meth:`sync` first)."""
+        if self.cuda:
+            return lap[0].elapsed_time(lap[1]) / 1e3
+        return lap
 
     def memory(self, chunk) -> int:
         return torch.cuda.memory_allocated(self.device) if self.cuda else chunk.live_bytes()
@@ -238,6 +266,7 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
     mem: dict[tuple[str, str, int], int] = {}
     work: dict[tuple[str, str, int], int] = {}
     ar = lambda out, task: dist.all_reduce(out, group=tp_group) if (task.ar and out is not None and tp_group is not None) else None  # noqa: E731
+    host: list[float] = []
     for it in range(pc.warmup + pc.iters):
         keep = it >= pc.warmup
         if not spec.embed:
@@ -246,22 +275,31 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
             tasks = unit_tasks(phase, spec)
             if phase is OpKind.B and not spec.head:
                 chunk.set_output_grad(0, torch.randn(pc.act_shape(), dtype=dtype, device=dev) * 1e-3)
+            timer.sync()
+            laps = []
             for i, task in enumerate(tasks):
                 key = (task.phase.value, task.unit.value, task.layer)
                 before = timer.memory(chunk)
                 timer.reset_peak()
-                dt, out = timer.time(lambda: chunk.run(0, task))
-                ar(out, task)
+                start = timer.lap_start()
+                h0 = time.perf_counter()
+                out = chunk.run(0, task)
+                h1 = time.perf_counter()
                 if phase is OpKind.B and i == len(tasks) - 1:
                     # The norm backward left for the end of the op (ModelChunk.end_backward) is
                     # real compute of this op: charge it to its last unit.
-                    dt_end, _ = timer.time(lambda: chunk.end_backward(0))
-                    dt += dt_end
+                    chunk.end_backward(0)
+                lap = timer.lap_end(start)
+                ar(out, task)  # outside the lap; the next unit's start waits for it, as in the executor
                 if keep:
-                    times.setdefault(key, []).append(dt)
+                    laps.append((key, lap))
+                    host.append(h1 - h0)
                     after = timer.memory(chunk)
                     mem[key] = after - before
                     work[key] = max(work.get(key, 0), timer.workspace(before, after))
+            timer.sync()
+            for key, lap in laps:
+                times.setdefault(key, []).append(timer.seconds(lap))
             if phase is OpKind.F:
                 chunk.end_forward(0)
                 if not spec.head:
@@ -270,7 +308,10 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
                 chunk.pop_input_grad(0)
         progress.step(f"stage units {it + 1}/{pc.warmup + pc.iters}")
     return {"times": [[*k, statistics.median(v)] for k, v in times.items()], "mem": [[*k, b] for k, b in mem.items()],
-            "work": [[*k, b] for k, b in work.items()]}
+            "work": [[*k, b] for k, b in work.items()],
+            # Host time to issue one unit task (GPU: the host runs ahead of the device; on CPU
+            # the unit times already hold it, so the host lane is off).
+            "host_s": statistics.median(host) if (host and timer.cuda) else 0.0}
 
 
 def _median_time(timer: _Timer, fn: Callable[[], Any], n: int) -> float:
@@ -495,7 +536,8 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
                      max(c["ar_slowdown"] for c in comm), pc.micro_batch_size, pc.seq,
                      3 * model_forward_flops(mc) / pc.micro_batch_size, pc.peak_flops, "profile", meta,
                      copy_duplex_slowdown=max(c["copy_duplex_slowdown"] for c in comm),
-                     ar_stretch=max(c["ar_stretch"] for c in comm))
+                     ar_stretch=max(c["ar_stretch"] for c in comm),
+                     host_task_s=statistics.fmean(st.get("host_s", 0.0) for r in results for st in r["stages"].values()))
 
 
 def profile_to_dict(costs: CostModel) -> dict[str, Any]:
