@@ -50,6 +50,7 @@ from braid.profile import (
     config_from_args,
     launch,
     measure_rank,
+    tp_comm_for,
 )
 from braid.trace import Trace
 
@@ -269,7 +270,8 @@ def _busy_by_phase(trace: Trace) -> dict[str, float]:
     return out
 
 
-def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None) -> dict[str, Any]:
+def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
+                  comm=None) -> dict[str, Any]:
     from braid import schedules
     from braid.compiler import compile_plan
     from braid.runtime.executor import Executor, build_rank_chunks
@@ -285,7 +287,9 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     chunks = {c: ch.to(dev) for c, ch in chunks.items()}
     from braid.profile import _DTYPES
 
-    ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=_DTYPES[pc.dtype], device=dev)
+    kw = {} if comm is None else {"tp_comm": comm}
+    ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=_DTYPES[pc.dtype],
+                              device=dev, **kw)
     toks, labs = _data(pc, m, dev)
 
     def step():
@@ -328,12 +332,15 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     from braid.topology import Topology
 
     pc = bc.profile
-    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp))
+    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
+                                  tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)
     lead = d.rank == 0
     doc = bc.costs
     raw_doc = None
+    # The TP all-reduce every run uses: the flag's backend, or with 'all' the profile's pick.
+    comm, choice = tp_comm_for(pc, groups, d.device)
     if doc is None:
-        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device))
+        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device), comm, choice)
         gathered: list[Any] = [None] * pc.world_size
         dist.all_gather_object(gathered, res)
         doc = raw_doc = profile_to_dict(assemble(pc, gathered))
@@ -345,7 +352,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         # time and of each phase's busy time, so one slow step on a shared machine does not
         # land in the fitted communication figure.
         plan = probe_plan(pc.pp, 2 * pc.pp, pc.v)
-        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps))
+        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps), comm=comm)
         gathered = [None] * pc.world_size
         dist.all_gather_object(gathered, out)
         if lead:
@@ -361,7 +368,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     progress = Progress(len(jobs) + len(ext), "bench", enabled=lead)
     for name, m in jobs:
         try:
-            out = _run_schedule(d, bc, groups, model, name, m)
+            out = _run_schedule(d, bc, groups, model, name, m, comm=comm)
         except ValueError as err:
             notes.append(f"skipped {name} m={m}: {err}")
             progress.step(f"{name} m={m} skipped")
@@ -388,6 +395,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     # The uncalibrated profile travels too: its predictions are reported beside the calibrated
     # ones, so the raw model's error stays visible.
     raw = raw_doc if raw_doc is not doc else None
+    if pc.tp > 1:
+        notes.append(f"TP all-reduce backend: {comm.backend}"
+                     + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
     return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes} if lead else None
 
 

@@ -80,9 +80,14 @@ class ProfileConfig:
     iters: int = 5
     warmup: int = 1
     peak_flops: float = 0.0
+    tp_backend: str = "auto"  # braid.tp.comm backend, or "all": measure each and pick the best
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
+        if self.tp_backend != "all":
+            from braid.tp.comm import resolve_tp_backend
+
+            resolve_tp_backend(self.tp_backend, self.device)  # one clear error for a backend that cannot run here
         if len(self.layers_per_stage) != self.pp * self.v:
             raise ValueError(f"layers_per_stage has {len(self.layers_per_stage)} entries; pp*v = {self.pp * self.v} stages need one each")
         if any(n < 1 for n in self.layers_per_stage):
@@ -319,15 +324,22 @@ def _median_time(timer: _Timer, fn: Callable[[], Any], n: int) -> float:
     return statistics.median(timer.time(fn)[0] for _ in range(n))
 
 
-def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -> dict[str, float]:
-    """All-reduce alone and its slowdown of a concurrent GEMM; P2P of a boundary tensor; copy bandwidth."""
+def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device, comm=None) -> dict[str, float]:
+    """All-reduce alone and its slowdown of a concurrent GEMM; P2P of a boundary tensor; copy bandwidth.
+
+    ``comm``: the TP all-reduce to measure (:class:`braid.tp.comm.TPComm`; default the groups')."""
+    comm = comm if comm is not None else groups.tp_comm
+
+    def all_reduce(t: torch.Tensor):
+        return comm.all_reduce(t)
+
     dtype = _DTYPES[pc.dtype]
     n = max(5, 2 * pc.iters)
     x = torch.randn(pc.act_shape(), dtype=dtype, device=dev)
     out: dict[str, float] = {"ar_s": 0.0, "ar_slowdown": 1.0, "gemm_s": 0.0, "gemm_overlapped_s": 0.0, "p2p_s": 0.0,
                              "ar_stretch": 1.0}
     if pc.tp > 1:
-        out["ar_s"] = ar = _median_time(timer, lambda: dist.all_reduce(x, group=groups.tp), n)
+        out["ar_s"] = ar = _median_time(timer, lambda: all_reduce(x).wait(), n)
         tokens = pc.micro_batch_size * pc.seq
         a = torch.randn(tokens, pc.model.hidden, dtype=dtype, device=dev)
         b = torch.randn(pc.model.hidden, pc.model.ffn // pc.tp, dtype=dtype, device=dev)
@@ -343,7 +355,7 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
         for _ in range(n + 1):
             timer.sync()
             dist.barrier(group=groups.tp)
-            work = dist.all_reduce(x, group=groups.tp, async_op=True)
+            work = all_reduce(x)
             over.append(timer.time(gemm)[0])
             work.wait()
         d = statistics.median(over[1:])
@@ -355,7 +367,7 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
             f = ar / max(ar + alone - d, ar / 2.0)
         out.update(ar_slowdown=min(2.0, max(1.0, f)), gemm_s=alone, gemm_overlapped_s=d)
         if timer.cuda:
-            out.update(_ar_stretch(x, groups.tp, a, b, ar, one, dev, n))
+            out.update(_ar_stretch(x, groups.tp, a, b, ar, one, dev, n, all_reduce))
     if pc.pp > 1:
         me = groups.coords.pp
         nxt, prv = groups.pp_ranks[(me + 1) % pc.pp], groups.pp_ranks[(me - 1) % pc.pp]
@@ -376,40 +388,90 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
 
 
 def _ar_stretch(x: torch.Tensor, group, a: torch.Tensor, b: torch.Tensor, ar: float, one: float,
-                dev: torch.device, n: int) -> dict[str, float]:
-    """How much longer an all-reduce takes while compute runs beside it (CUDA; ``ar_stretch``).
+                dev: torch.device, n: int, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, float]:
+    """How much longer an all-reduce takes while compute runs beside it (CUDA; ``ar_stretch``),
+    and how much longer the compute takes beside it (``gemm_slowdown``).
 
     Both ranks start together (a barrier, then a sync); the all-reduce is issued, then GEMMs
     that outlast it go to another stream, as the next unit task of a braided block would; the
     all-reduce's time is from its issue to its end on the issuing stream. Alone: the same
-    without the GEMMs. The ratio of the medians, clamped to [1, 4].
+    without the GEMMs. The ratio of the medians, clamped to [1, 4]. The GEMMs' own time on
+    their stream, over the same GEMMs alone, is the slowdown the all-reduce causes; the time
+    until both are done (``together_s``) is what a braided block pays for the pair.
     """
+    if all_reduce is None:
+        all_reduce = lambda t: dist.all_reduce(t, group=group, async_op=True)  # noqa: E731
     side = torch.cuda.Stream(device=dev)
     reps = max(1, int(3 * ar / one)) if one > 0 else 1
 
-    def timed(with_gemm: bool) -> float:
-        vals = []
+    def timed(with_ar: bool, with_gemm: bool) -> tuple[float, float, float]:
+        ar_t, gemm_t, both_t = [], [], []
         for _ in range(n + 1):
             torch.cuda.synchronize(dev)
             dist.barrier(group=group)
             torch.cuda.synchronize(dev)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            gs, ge = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            work = dist.all_reduce(x, group=group, async_op=True)
+            work = all_reduce(x) if with_ar else None
             if with_gemm:
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):
+                    gs.record(side)
                     for _ in range(reps):
                         a @ b
-            work.wait()
+                    ge.record(side)
+            if work is not None:
+                work.wait()
             e.record()
-            e.synchronize()
-            vals.append(s.elapsed_time(e) / 1e3)
-        torch.cuda.synchronize(dev)
-        return statistics.median(vals[1:])
+            torch.cuda.synchronize(dev)
+            ar_t.append(s.elapsed_time(e) / 1e3 if with_ar else 0.0)
+            gemm_t.append(gs.elapsed_time(ge) / 1e3 if with_gemm else 0.0)
+            both_t.append(max(s.elapsed_time(e), s.elapsed_time(ge) if with_gemm else 0.0) / 1e3)
+        return tuple(statistics.median(v[1:]) for v in (ar_t, gemm_t, both_t))  # type: ignore[return-value]
 
-    alone, beside = timed(False), timed(True)
-    return {"ar_alone_s": alone, "ar_beside_s": beside, "ar_stretch": min(4.0, max(1.0, beside / alone)) if alone > 0 else 1.0}
+    alone = timed(True, False)[0]
+    gemm_alone = timed(False, True)[1]
+    beside, gemm_beside, together = timed(True, True)
+    return {"ar_alone_s": alone, "ar_beside_s": beside, "ar_stretch": min(4.0, max(1.0, beside / alone)) if alone > 0 else 1.0,
+            "gemm_alone_s": gemm_alone, "gemm_beside_s": gemm_beside,
+            "gemm_slowdown": gemm_beside / gemm_alone if gemm_alone > 0 else 1.0, "together_s": together}
+
+
+def compare_tp_backends(pc: ProfileConfig, groups, dev: torch.device, backends: Sequence[str] | None = None) -> dict[str, Any]:
+    """Each available TP backend alone and beside GEMMs (collective); the best for braiding.
+
+    For every backend of :mod:`braid.tp.comm` that can run here: the all-reduce of a boundary
+    activation alone, its stretch beside GEMMs that outlast it, the GEMMs' slowdown, and the
+    time until both are done. The best backend for braided execution is the one whose
+    all-reduce plus the compute beside it finish first (``together_s``): a braided block
+    hides the all-reduce, so what counts is what it costs the GEMMs and how long it still
+    sticks out. Backends that cannot be created here are listed with the reason.
+    """
+    from braid.tp.comm import CUDA_BACKENDS, TPBackendError, make_tp_comm
+
+    if dev.type != "cuda" or pc.tp == 1:
+        return {"chosen": "gloo" if dev.type != "cuda" else groups.tp_backend, "backends": {}}
+    dtype = _DTYPES[pc.dtype]
+    n = max(5, 2 * pc.iters)
+    x = torch.randn(pc.act_shape(), dtype=dtype, device=dev)
+    tokens = pc.micro_batch_size * pc.seq
+    a = torch.randn(tokens, pc.model.hidden, dtype=dtype, device=dev)
+    b = torch.randn(pc.model.hidden, pc.model.ffn // pc.tp, dtype=dtype, device=dev)
+    timer = _Timer(dev)
+    one = _median_time(timer, lambda: a @ b, n)
+    figures: dict[str, Any] = {}
+    for name in backends or CUDA_BACKENDS:
+        try:
+            comm = make_tp_comm(groups, name)
+            ar = _median_time(timer, lambda: comm.all_reduce(x).wait(), n)
+            figures[name] = {"ar_s": ar, **_ar_stretch(x, groups.tp, a, b, ar, one, dev, n, comm.all_reduce)}
+        except (TPBackendError, RuntimeError) as err:  # not available with this torch / NCCL / machine
+            figures[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        dist.barrier()
+    usable = {k: v for k, v in figures.items() if "error" not in v}
+    chosen = min(usable, key=lambda k: usable[k]["together_s"]) if usable else groups.tp_backend
+    return {"chosen": chosen, "backends": figures}
 
 
 def measure_host_link(device: torch.device, nbytes: int | None = None, iters: int = 5) -> tuple[float, float]:
@@ -464,9 +526,26 @@ def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan:
     return {c: ch.to(dev) for c, ch in chunks.items()}
 
 
-def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None) -> dict[str, Any]:
-    """Everything this rank measures (collective: every rank of the layout calls it)."""
+def tp_comm_for(pc: ProfileConfig, groups, dev: torch.device) -> tuple[Any, dict[str, Any] | None]:
+    """The TP all-reduce a run of ``pc`` uses (collective): ``pc.tp_backend``, or with ``"all"``
+    the best of :func:`compare_tp_backends` (returned with the comparison)."""
+    from braid.tp.comm import make_tp_comm, resolve_tp_backend
+
+    if pc.tp_backend == "all":
+        choice = compare_tp_backends(pc, groups, dev)
+        return make_tp_comm(groups, choice["chosen"]), choice
+    return make_tp_comm(groups, resolve_tp_backend(pc.tp_backend, dev)), None
+
+
+def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=None,
+                 choice: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything this rank measures (collective: every rank of the layout calls it).
+
+    ``comm``: the TP all-reduce to measure (default: :func:`tp_comm_for`); ``choice``: the
+    backend comparison it came from, if any (written to the cost file's meta)."""
     dev = d.device
+    if comm is None:
+        comm, choice = tp_comm_for(pc, groups, dev)
     timer = _Timer(dev)
     chunks = chunks if chunks is not None else build_chunks(pc, groups, dev)
     progress = Progress(pc.v * (pc.warmup + pc.iters), "profile", enabled=d.rank == 0)
@@ -475,7 +554,8 @@ def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None) -> di
         stage = stage_of(pc.placement, pc.pp, groups.coords.pp, c)
         stages[stage] = _profile_chunk(ch, ch.spec, pc, timer, groups.tp if pc.tp > 1 else None, dev, progress)
         ch.zero_grad(set_to_none=True)
-    return {"rank": d.rank, "stages": stages, "comm": _comm_figures(pc, groups, timer, dev)}
+    return {"rank": d.rank, "stages": stages, "comm": _comm_figures(pc, groups, timer, dev, comm),
+            "tp_backend": comm.backend, "tp_backends": choice}
 
 
 # ----------------------------------------------------------------------------------------
@@ -531,7 +611,10 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
     mc = ModelConfig("profiled", sum(pc.layers_per_stage), mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
                      mcfg.vocab_size, pc.seq, pc.micro_batch_size, torch.finfo(_DTYPES[pc.dtype]).bits // 8)
     meta = {"config": {**asdict(pc), "model": asdict(pc.model)}, "device": _device_name(pc.device),
-            "torch": torch.__version__, "comm": {k: statistics.fmean(c[k] for c in comm) for k in comm[0]}}
+            "torch": torch.__version__, "comm": {k: statistics.fmean(c[k] for c in comm) for k in comm[0]},
+            "tp_backend": results[0].get("tp_backend", "gloo")}
+    if results[0].get("tp_backends"):
+        meta["tp_backends"] = results[0]["tp_backends"]
     return CostModel(pc.layout, chunks, ma, statistics.fmean(c["copy_bytes_per_s"] for c in comm), False,
                      max(c["ar_slowdown"] for c in comm), pc.micro_batch_size, pc.seq,
                      3 * model_forward_flops(mc) / pc.micro_batch_size, pc.peak_flops, "profile", meta,
@@ -558,7 +641,8 @@ def _profile_job(d, pc: ProfileConfig) -> dict[str, Any] | None:
     from braid.runtime.distributed import ProcessGroups
     from braid.topology import Topology
 
-    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp))
+    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
+                                  tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)
     res = measure_rank(d, pc, groups)
     gathered: list[Any] = [None] * pc.world_size
     dist.all_gather_object(gathered, res)
@@ -588,6 +672,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--iters", type=int, default=5, help="measured repetitions per unit (median; default 5)")
     ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator per device (default: 989e12 on cuda, 0 on cpu)")
+    ap.add_argument("--tp-backend", default="auto",
+                    help="how TP all-reduces run (braid.tp.comm): auto, nccl-capped, nccl, nccl-zero-cta, symm-mem, gloo; "
+                         "or 'all': measure each available one alone and beside a GEMM and use the best (default auto)")
 
 
 def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, placement: Placement = "v") -> ProfileConfig:
@@ -611,7 +698,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         peak = args.peak_flops if args.peak_flops is not None else (989e12 if device == "cuda" else 0.0)
         return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-                             device, args.iters, 1, peak)
+                             device, args.iters, 1, peak, args.tp_backend)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits

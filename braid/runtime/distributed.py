@@ -21,11 +21,15 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from braid.topology import RankCoords, Topology
+
+if TYPE_CHECKING:
+    from braid.tp.comm import TPComm
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +159,22 @@ class ProcessGroups:
     pp_ranks: list[int]
     tp_ranks: list[int]
     dp_cp_ranks: list[int]
+    tp_backend: str = "gloo"  # how the TP all-reduce runs (braid.tp.comm)
+
+    @property
+    def tp_comm(self) -> "TPComm":
+        """The TP all-reduce of this rank under :attr:`tp_backend`."""
+        from braid.tp.comm import TPComm
+
+        return TPComm(self.tp_backend, self.tp if self.topo.tp > 1 else None)
 
     @staticmethod
     def create(topo: Topology, rank: int | None = None, timeout_s: float = 120.0,
-               tp_max_ctas: int | None = TP_MAX_CTAS) -> "ProcessGroups":
+               tp_max_ctas: int | None = TP_MAX_CTAS, tp_backend: str = "auto") -> "ProcessGroups":
         """Create every group of the layout (collective: all ranks call it, same order).
 
-        ``tp_max_ctas`` caps the thread blocks NCCL gives the TP group's all-reduces. A
+        ``tp_backend``: how the TP all-reduce runs (:mod:`braid.tp.comm`; ``"auto"`` is
+        ``nccl-capped`` on CUDA and ``gloo`` on CPU). ``tp_max_ctas`` caps the thread blocks NCCL gives the TP group's all-reduces. A
         braided block runs each all-reduce *while* the other micro-batch's GEMMs run; an
         uncapped NCCL kernel holds its SMs while it waits for the peer and slows those
         GEMMs. Measured on 2 H200s (``benchmarks/bench_braided_overlap.py``, Qwen2-7B-sized
@@ -175,29 +188,25 @@ class ProcessGroups:
         world = dist.get_world_size()
         if world != topo.world_size:
             raise ValueError(f"topology is for {topo.world_size} ranks but {world} processes were started")
+        from braid.tp.comm import nccl_group_options, resolve_tp_backend
+
         rank = dist.get_rank() if rank is None else rank
+        backend = resolve_tp_backend(tp_backend, "cuda" if dist.get_backend() == "nccl" else "cpu")
+        if backend == "nccl-capped" and tp_max_ctas is None:
+            backend = "nccl"
         timeout = datetime.timedelta(seconds=timeout_s)
         mine: dict[str, dist.ProcessGroup] = {}
         ranks_of: dict[str, list[int]] = {}
         for dim in ("pp", "tp", "dp", "cp", "dp_cp"):
-            opts = _nccl_options(tp_max_ctas) if dim == "tp" else None
+            opts = nccl_group_options(backend, tp_max_ctas) if dim == "tp" else None
             for ranks in topo.groups(dim):
                 g = dist.new_group(ranks, timeout=timeout, pg_options=opts)
                 if rank in ranks:
                     mine[dim], ranks_of[dim] = g, ranks
         return ProcessGroups(
             topo, rank, topo.coords(rank), mine["pp"], mine["tp"], mine["dp"], mine["cp"], mine["dp_cp"],
-            ranks_of["pp"], ranks_of["tp"], ranks_of["dp_cp"],
+            ranks_of["pp"], ranks_of["tp"], ranks_of["dp_cp"], backend,
         )
-
-
-def _nccl_options(max_ctas: int | None) -> object | None:
-    """NCCL process-group options capping CTAs, or None (gloo, or no cap asked for)."""
-    if max_ctas is None or dist.get_backend() != "nccl":
-        return None
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.config.max_ctas = int(max_ctas)
-    return opts
 
 
 def reduce_gradients(params: list[torch.nn.Parameter], groups: ProcessGroups, abort: Abort) -> None:

@@ -49,6 +49,7 @@ from braid.partition import chunk_specs, layer_offset
 from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
+from braid.tp.comm import TPComm
 from braid.tp.layers import StashError
 from braid.trace import Event, Trace
 
@@ -177,6 +178,7 @@ class Executor:
         abort: Abort | None = None,
         sp_group: dist.ProcessGroup | None = None,
         record: Record = "units",
+        tp_comm: TPComm | None = None,
     ) -> None:
         if set(chunks) != set(range(plan.v)):
             raise ValueError(f"rank {program.rank}: chunks {sorted(chunks)} for v={plan.v}")
@@ -185,6 +187,8 @@ class Executor:
         self.pp_ranks = list(pp_ranks)
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
         self.tp_group = tp_group
+        # How the TP all-reduces run (braid.tp.comm); a plain async all-reduce by default.
+        self.tp_comm = tp_comm if tp_comm is not None else TPComm("gloo", tp_group)
         self.sp_group = sp_group
         self.abort = abort
         # One per rank and executor: its pinned host buffers are reused by every step.
@@ -197,6 +201,7 @@ class Executor:
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
         tp = groups.tp if groups.topo.tp > 1 else None
         sp = groups.cp if groups.topo.cp > 1 else None
+        kw.setdefault("tp_comm", groups.tp_comm)
         return Executor(plan, program, chunks, pp_ranks=groups.pp_ranks, tp_group=tp, sp_group=sp, abort=abort, **kw)
 
     # -- helpers -------------------------------------------------------------------------
@@ -317,7 +322,7 @@ class Executor:
                 events.append(("compute", name, kind, s, e, op.mb, op.chunk, unit, block, idx, None))
                 if ar and out is not None and tp is not None:
                     # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
-                    pending[member] = _Pending(dist.all_reduce(out, group=tp, async_op=True), e, op, unit, block, idx)
+                    pending[member] = _Pending(self.tp_comm.all_reduce(out), e, op, unit, block, idx)
                     self.counts["AR"] += 1
         else:  # one clock pair per instruction at most; all-reduces are waited for, not timed
             s = mark()
@@ -327,7 +332,7 @@ class Executor:
                     self._wait(works.pop(member))
                 out = chunks[op.chunk].run(op.mb, task)
                 if ar and out is not None and tp is not None:
-                    works[member] = dist.all_reduce(out, group=tp, async_op=True)
+                    works[member] = self.tp_comm.all_reduce(out)
                     self.counts["AR"] += 1
             for member in sorted(works):
                 self._wait(works.pop(member))
