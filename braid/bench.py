@@ -191,6 +191,7 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
         for c in out["chunks"].values():
             c[key] *= scale[ph]
     cal: dict[str, Any] = {"probe": f"{plan.name} p={plan.p} m={plan.m}", "measured_step_s": measured_step_s,
+                           "profiled_host_task_s": float(doc.get("host_task_s", 0.0)),
                            "compute_scale": k_all, "compute_scale_per_phase": scale}
 
     def with_knob(x: float) -> dict[str, Any]:
@@ -483,6 +484,7 @@ def format_report(summary: dict[str, Any]) -> str:
         fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}
         scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
         lines.append(f"calibration ({cal['probe']}): compute scale {scales}; "
+                     f"host time per unit task profiled {cal.get('profiled_host_task_s', 0.0) * 1e6:.0f} us; "
                      + (", ".join(f"{k}={v:.4g}" for k, v in fitted.items()) or "no communication figure")
                      + "; 'raw %' is the uncalibrated profile's error")
     lines += [f"note: {n}" for n in summary["notes"]]
