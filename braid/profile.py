@@ -127,8 +127,14 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
         import traceback
 
-        d.abort.signal(f"{type(err).__name__}: {err}")
-        out.put((rank, False, traceback.format_exc()))
+        from braid.runtime.distributed import PeerFailure
+
+        d.abort.fail(err)
+        try:
+            first = d.abort.first_failure()
+        except PeerFailure:  # the store went with rank 0
+            first = None
+        out.put((rank, False, (traceback.format_exc(), first)))
     finally:
         d.close()
 
@@ -136,7 +142,8 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
 def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
     """Run ``fn(dist, *args)`` on ``world`` spawned ranks (``fn`` module-level); results by rank.
 
-    A failing rank's traceback becomes a ``RuntimeError`` here.
+    A failure becomes a ``RuntimeError`` here whose first line names the rank that failed
+    first and its exception text, followed by every failed rank's traceback.
     """
     import queue
 
@@ -165,9 +172,11 @@ def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float =
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
-    if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    failed = {r: v for r, (ok, v) in sorted(got.items()) if not ok}
+    if failed:
+        firsts = [first for _, first in failed.values() if first is not None]
+        head = f"rank {firsts[0][0]} failed first: {firsts[0][1]}" if firsts else f"ranks {sorted(failed)} failed"
+        raise RuntimeError(head + "\n" + "\n".join(f"--- rank {r} ---\n{tb}" for r, (tb, _) in failed.items()))
     return [got[r][1] for r in range(world)]
 
 
