@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from braid.files import OutputPathError, check_output_path
@@ -43,6 +44,20 @@ def check_outputs(ap: argparse.ArgumentParser, outputs: Sequence[tuple[str, str 
         if key in seen:
             ap.error(f"{flag} and {seen[key]} name the same file {str(path)!r}; give each its own")
         seen[key] = flag
+
+
+def check_output_dir(ap: argparse.ArgumentParser, flag: str, path: str | os.PathLike | None) -> None:
+    """A parser error unless ``path`` (when given) is a directory that exists or can be created."""
+    if path is None:
+        return
+    d = Path(path)
+    if d.exists() and not d.is_dir():
+        ap.error(f"{flag} {str(path)!r} exists and is not a directory")
+    ancestor = d
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not os.access(ancestor if str(ancestor) else ".", os.W_OK | os.X_OK):
+        ap.error(f"{flag} {str(path)!r}: directory {str(ancestor)!r} is not writable")
 
 
 def check_range(ap: argparse.ArgumentParser, flag: str, value: float | None, lo: float | None = None,
