@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import json
 import logging
 import statistics
@@ -41,7 +42,9 @@ import torch
 import torch.distributed as dist
 
 from braid.baselines import TORCH_SCHEDULES
-from braid.costs import Layout, costs_from_dict
+from braid.cli import Parser, check_output_dir, check_outputs, run_main
+from braid.costs import CostFileError, Layout, costs_from_dict, load_cost_json
+from braid.files import atomic_write_text
 from braid.profile import (
     ProfileConfig,
     Progress,
@@ -491,12 +494,27 @@ def format_report(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
-    """Add (or replace) the set ``name`` in a stored-measurements file (``braid-measurements/1``)."""
+def read_measurements(path: str | Path) -> dict[str, Any]:
+    """A stored-measurements file (``braid-measurements/1``), or an empty one if ``path`` does not exist;
+    a file that is not one is a ``ValueError`` naming it."""
     p = Path(path)
-    doc = json.loads(p.read_text()) if p.is_file() else {"format": MEASUREMENTS_FORMAT, "sets": []}
-    if doc.get("format") != MEASUREMENTS_FORMAT:
-        raise ValueError(f"{p}: not a measurements file (format={doc.get('format')!r}, expected {MEASUREMENTS_FORMAT!r})")
+    if not p.exists():
+        return {"format": MEASUREMENTS_FORMAT, "sets": []}
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"{p}: not a readable measurements file ({type(err).__name__}: {err})"[:400]) from None
+    fmt = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+    if fmt != MEASUREMENTS_FORMAT or not isinstance(doc.get("sets"), list):
+        raise ValueError(f"{p}: not a measurements file (format={fmt!r}, expected {MEASUREMENTS_FORMAT!r} with a 'sets' list)")
+    return doc
+
+
+def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
+    """Add (or replace) the set ``name`` in a stored-measurements file (``braid-measurements/1``),
+    written atomically: a run killed while capturing leaves the previous file whole."""
+    p = Path(path)
+    doc = read_measurements(p)
     cfg = summary["config"]
     import os
 
@@ -510,7 +528,7 @@ def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
              "profile": summary["profile"]}
     doc["sets"] = [s for s in doc["sets"] if s.get("name") != name] + [entry]
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(doc, indent=1))
+    atomic_write_text(p, json.dumps(doc, indent=1))
 
 
 def run_bench(bc: BenchConfig) -> dict[str, Any]:
@@ -519,11 +537,41 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
     return summarize(bc, raw)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def planned_runs(bc: BenchConfig) -> tuple[list[tuple[str, int, Any]], list[str]]:
+    """The ``(schedule, m, plan)`` runs the layout accepts, and a note for each it does not."""
     from braid import schedules
 
-    ap = argparse.ArgumentParser(prog="python -m braid.bench", description=__doc__.split("\n\n")[1],
-                                 epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    pc = bc.profile
+    runs, notes = [], []
+    for name in bc.schedules:
+        for m in bc.mbs:
+            try:
+                plan = schedules.build(name, pc.pp, m)
+            except ValueError as err:
+                notes.append(f"{name} m={m}: {err}")
+                continue
+            if plan.num_stages != len(pc.layers_per_stage):
+                notes.append(f"{name} m={m}: {plan.num_stages} virtual stages, but the layout has "
+                             f"{len(pc.layers_per_stage)} (--pp x --chunks)")
+                continue
+            runs.append((name, m, plan))
+    return runs, notes
+
+
+def _check_costs(doc: dict[str, Any], where: str, pc: ProfileConfig, runs: list[tuple[str, int, Any]]) -> None:
+    """Read ``doc`` against every planned run's layout, as the predictions will (CostFileError if it does not fit)."""
+    from braid.partition import chunk_specs
+
+    for placement, v in sorted({(plan.placement, plan.v) for _, _, plan in runs}):
+        costs_from_dict(doc, Layout(pc.tp, pc.pp, v, placement), chunk_specs(pc.layers_per_stage, pc.pp, placement), where=where)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; bad input is one line on stderr and exit 2, before any process starts."""
+    from braid import schedules
+
+    ap = Parser(prog="python -m braid.bench", description=__doc__.split("\n\n")[1],
+                epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--schedule", nargs="+", default=list(DEFAULT_SCHEDULES), help=f"schedules (default {' '.join(DEFAULT_SCHEDULES)})")
     ap.add_argument("--mbs", type=int, nargs="+", default=[4, 8], help="micro-batch counts m (default 4 8)")
@@ -545,21 +593,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--mbs and --steps must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
-    costs = None
+    check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
+    check_output_dir(ap, "--trace-dir", args.trace_dir)
+    bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
+                     not args.no_calibrate)
+    runs, skipped = planned_runs(bc)
+    if not runs:
+        ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))
     if args.costs:
         try:
-            costs = json.loads(Path(args.costs).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            ap.error(f"--costs {args.costs}: {err}")
-    bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, costs, not args.no_external,
-                     not args.no_calibrate)
+            costs = load_cost_json(args.costs)
+            _check_costs(costs, args.costs, pc, runs)
+        except CostFileError as err:
+            ap.error(str(err))
+        bc = dataclasses.replace(bc, costs=costs)
+    if args.capture:
+        try:
+            read_measurements(args.capture)
+        except ValueError as err:
+            ap.error(f"--capture {err}")
     summary = run_bench(bc)
     traces = summary.pop("_traces")
     print(f"# {args.preset}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
           f"seq={pc.seq} on {summary['device']} ({pc.dtype})")
     print(format_report(summary))
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        atomic_write_text(args.json, json.dumps(summary, indent=1))
     if args.trace_dir:
         from braid.trace import dump_traces
 
@@ -567,10 +626,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for key, pair in traces.items():
             dump_traces(list(pair), out / f"{key}.json")
+    if not summary["runs"]:
+        print(f"{ap.prog}: error: every run was skipped (see the notes above)", file=sys.stderr)
+        return 1
     if args.capture:
         capture(summary, args.capture, args.capture_name or f"{pc.device}-tp{pc.tp}-pp{pc.pp}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

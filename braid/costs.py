@@ -327,14 +327,40 @@ _AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE)
 _AR_B_UNITS = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD, Unit.MERGE)
 
 
-def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
+# Upper bounds of a cost-file figure: far above any real machine, low enough that sums and
+# products over a step stay finite (1e308 per chunk would make the step time inf).
+_MAX_SECONDS = 1e6
+_MAX_BYTES = 1e18
+_MAX_RATE = 1e18  # bytes/s or FLOP/s
+_MAX_FLOPS = 1e24
+_LIMITS: dict[str, tuple[float, float]] = {
+    **{k: (0.0, _MAX_SECONDS) for k in ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P")},
+    **{k: (0.0, _MAX_BYTES) for k in ("activation_bytes", "w_residual_bytes", "M_a_bytes")},
+    "W_residual": (0.0, 16.0), "pcie_bytes_per_s": (1.0, _MAX_RATE), "peak_flops": (0.0, _MAX_RATE),
+    "model_flops_per_sample": (0.0, _MAX_FLOPS), "samples_per_microbatch": (1.0, 1e9), "tokens_per_sample": (1.0, 1e12),
+    "ar_slowdown": (1.0, 100.0), "ar_stretch": (1.0, 4.0), "copy_duplex_slowdown": (1.0, 2.0),
+}
+_INT_KEYS = ("samples_per_microbatch", "tokens_per_sample")
+
+
+def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None, limits: tuple[float, float] | None = None) -> float:
+    """``d[key]`` as a float in its range (``_LIMITS``; workspace bytes: ``[0, _MAX_BYTES]``)."""
     if key not in d:
         if default is None:
             raise CostFileError(f"{where}: missing {key!r} (needed: T_F, T_B, T_W, T_AR; optional T_AR_B, T_P2P, ...)")
         return default
     val = d[key]
-    if isinstance(val, bool) or not isinstance(val, (int, float)) or not val >= 0 or val == float("inf"):
-        raise CostFileError(f"{where}: {key!r} must be a finite number >= 0, got {val!r}")
+    lo, hi = limits or _LIMITS.get(key, (0.0, _MAX_BYTES))
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or not lo <= val <= hi:
+        raise CostFileError(f"{where}: {key!r} must be a finite number in [{lo:g}, {hi:g}], got {val!r}")
+    if key in _INT_KEYS and val != int(val):
+        raise CostFileError(f"{where}: {key!r} must be a whole number, got {val!r}")
+    return float(val)
+
+
+def _weight(val: Any, where: str, key: str, unit: str) -> float:
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 <= val <= 1e12:
+        raise CostFileError(f"{where}: unit_split[{key!r}][{unit!r}] must be a number in [0, 1e12], got {val!r}")
     return float(val)
 
 
@@ -358,14 +384,12 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
         if weights is None:
             w = {u: 1.0 if u in eligible else 0.0 for u in vals}
         else:
-            try:
-                w = {u: float(weights[u.value]) if u in eligible else 0.0 for u in vals}
-            except KeyError as err:
-                raise CostFileError(f"{where}: unit_split[{key!r}] lacks unit {err.args[0]!r} of this chunk") from None
-            except (TypeError, ValueError):
-                raise CostFileError(f"{where}: unit_split[{key!r}] weights must be numbers") from None
-            if any(x < 0 for x in w.values()):
-                raise CostFileError(f"{where}: unit_split[{key!r}] weights must be >= 0")
+            if not isinstance(weights, Mapping):
+                raise CostFileError(f"{where}: unit_split[{key!r}] must be an object {{unit: weight}}, got {weights!r}"[:300])
+            missing = [u.value for u in vals if u in eligible and u.value not in weights]
+            if missing:
+                raise CostFileError(f"{where}: unit_split[{key!r}] lacks unit {missing[0]!r} of this chunk")
+            w = {u: _weight(weights[u.value], where, key, u.value) if u in eligible else 0.0 for u in vals}
         norm = sum(w[u] for u in inst)
         for u in vals:
             vals[u][attr] = totals[key] * w[u] / norm if norm > 0 else 0.0
@@ -375,7 +399,7 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
     if not isinstance(work, dict) or set(work) - {u.value for u in vals}:
         raise CostFileError(f"{where}: 'unit_workspace' must map units of this chunk ({', '.join(u.value for u in vals)}) to bytes")
     for u in vals:
-        vals[u]["tmp"] = _num(work, u.value, f"{where}: unit_workspace", 0.0)
+        vals[u]["tmp"] = _num(work, u.value, f"{where}: unit_workspace", 0.0, (0.0, _MAX_BYTES))
     units = {u: UnitCost(**v) for u, v in vals.items()}
     return ChunkCosts(spec, units, _num(d, "T_P2P", where, 0.0))
 
@@ -397,6 +421,11 @@ def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[i
         raise CostFileError(f"{where}: unknown keys {unknown}; valid: {', '.join(_CHUNK_KEYS + _GLOBAL_KEYS)}")
     from braid.ir import rank_chunk_of
 
+    for key, kind in (("chunks", Mapping), ("meta", Mapping), ("layout", Mapping), ("unit_split", Mapping),
+                      ("unit_workspace", Mapping), ("p2p_over_pcie", bool)):
+        if d.get(key) is not None and not isinstance(d[key], kind):
+            want = "an object" if kind is Mapping else "true or false"
+            raise CostFileError(f"{where}: {key!r} must be {want}, got {type(d[key]).__name__}")
     defaults = {k: v for k, v in d.items() if k in _CHUNK_KEYS}
     per_chunk: dict[tuple[int, int], Mapping[str, Any]] = {}
     for key, entry in (d.get("chunks") or {}).items():
@@ -466,18 +495,34 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
 
 
 def write_costs(costs: CostModel, path: str | Path) -> None:
-    """Write ``costs`` as a cost file (the format a profiler writes and :func:`read_costs` reads)."""
-    Path(path).write_text(json.dumps(costs_to_dict(costs), indent=1))
+    """Write ``costs`` as a cost file (the format a profiler writes and :func:`read_costs` reads), atomically."""
+    from braid.files import atomic_write_text
+
+    atomic_write_text(path, json.dumps(costs_to_dict(costs), indent=1))
 
 
 def read_costs(path: str | Path, layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec],
                base: CostModel | None = None) -> CostModel:
     """Read a cost file; any problem is one :class:`CostFileError` naming the file and the key."""
     p = Path(path)
+    return costs_from_dict(load_cost_json(p), layout, specs, base, where=str(p))
+
+
+def load_cost_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object of a cost file, before it is checked against a layout; any problem
+    reading it (missing, unreadable, not JSON, nested too deeply, not an object) is one
+    :class:`CostFileError`."""
+    p = Path(path)
     if not p.is_file():
         raise CostFileError(f"{p}: no such cost file")
     try:
         d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except OSError as err:
+        raise CostFileError(f"{p}: cannot read ({err.strerror or err})") from None
+    except RecursionError:
+        raise CostFileError(f"{p}: JSON nested too deeply to be a cost file") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, or an integer literal too long
         raise CostFileError(f"{p}: not valid JSON ({err})") from None
-    return costs_from_dict(d, layout, specs, base, where=str(p))
+    if not isinstance(d, dict):
+        raise CostFileError(f"{p}: expected a JSON object, got {type(d).__name__}")
+    return d

@@ -35,14 +35,15 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from braid.braiding import ChunkSpec, Unit, unit_tasks
+from braid.cli import Parser, check_outputs, check_range, run_main
 from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
+from braid.files import atomic_write_text
 from braid.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
 from braid.models.qwen2 import Qwen2Config
 from braid.partition import chunk_specs
@@ -133,8 +134,14 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
         import traceback
 
-        d.abort.signal(f"{type(err).__name__}: {err}")
-        out.put((rank, False, traceback.format_exc()))
+        from braid.runtime.distributed import PeerFailure
+
+        d.abort.fail(err)
+        try:
+            first = d.abort.first_failure()
+        except PeerFailure:  # the store went with rank 0
+            first = None
+        out.put((rank, False, (traceback.format_exc(), first)))
     finally:
         d.close()
 
@@ -142,7 +149,8 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
 def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
     """Run ``fn(dist, *args)`` on ``world`` spawned ranks (``fn`` module-level); results by rank.
 
-    A failing rank's traceback becomes a ``RuntimeError`` here.
+    A failure becomes a ``RuntimeError`` here whose first line names the rank that failed
+    first and its exception text, followed by every failed rank's traceback.
     """
     import queue
 
@@ -171,9 +179,11 @@ def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float =
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
-    if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    failed = {r: v for r, (ok, v) in sorted(got.items()) if not ok}
+    if failed:
+        firsts = [first for _, first in failed.values() if first is not None]
+        head = f"rank {firsts[0][0]} failed first: {firsts[0][1]}" if firsts else f"ranks {sorted(failed)} failed"
+        raise RuntimeError(head + "\n" + "\n".join(f"--- rank {r} ---\n{tb}" for r, (tb, _) in failed.items()))
     return [got[r][1] for r in range(world)]
 
 
@@ -705,6 +715,11 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     """A :class:`ProfileConfig` from the shared flags; bad values exit with one line (code 2)."""
     if args.preset not in PRESETS:
         ap.error(f"unknown preset {args.preset!r}; valid names: {', '.join(PRESETS)}")
+    for flag in ("hidden", "heads", "kv_heads", "ffn", "vocab", "tp", "pp", "chunks", "seq", "micro_batch_size", "iters"):
+        val = getattr(args, flag)
+        if val is not None and val < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {val}")
+    check_range(ap, "--peak-flops", args.peak_flops, 0.0, 1e18)
     base = asdict(PRESETS[args.preset])
     for flag, key in (("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"), ("ffn", "ffn"), ("vocab", "vocab_size")):
         if getattr(args, flag) is not None:
@@ -714,7 +729,11 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     if device == "cuda" and torch.cuda.device_count() < world:
         ap.error(f"--device cuda with tp*pp = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
     try:
-        lps = [int(x) for x in str(args.layers_per_stage).split(",")]
+        try:
+            lps = [int(x) for x in str(args.layers_per_stage).split(",")]
+        except ValueError:
+            raise ValueError(f"--layers-per-stage must be a whole number or a comma list of them, "
+                             f"got {args.layers_per_stage!r}") from None
         stages = args.pp * args.chunks
         if len(lps) == 1:
             lps = lps * stages
@@ -729,15 +748,16 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m braid.profile", description=__doc__.split("\n\n")[1],
-                                 epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m braid.profile", description=__doc__.split("\n\n")[1],
+                epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("-o", "--output", default="costs.json", help="cost file to write (default costs.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     pc = config_from_args(ap, args)
+    check_outputs(ap, [("-o", args.output)])
     doc = profile(pc)
-    Path(args.output).write_text(json.dumps(doc, indent=1))
+    atomic_write_text(args.output, json.dumps(doc, indent=1))
     c = doc["meta"]["comm"]
     log.info("wrote %s: %d stages on %s; all-reduce %.3g ms, ar_slowdown %.3f, ar_stretch %.2f, P2P %.3g ms, "
              "copy %.3g GB/s (x%.2f with both directions at once)", args.output, len(doc["chunks"]), doc["meta"]["device"],
@@ -747,4 +767,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -29,16 +29,14 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from braid.costs import CostFileError, CostModel, Layout, analytic_costs, read_costs
+from braid.cli import Parser as _Parser
+from braid.cli import check_outputs, run_main
+from braid.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
+from braid.files import atomic_write_text
 from braid.hardware import HARDWARE, get_hardware
 from braid.models_catalog import MODELS, get_model
 
 log = logging.getLogger(__name__)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit code 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
@@ -97,9 +95,12 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs}, "schedules": {}}
     traces, notes, reports = [], [], []
+    doc["skipped"] = {}  # name -> (plan's v, "layers" when the model cannot fill its stages, else "schedule")
     for name in schedule_names:
         try:
             plan = schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
+            if _max_pp(model, plan.v, args.pp) < args.pp:
+                doc["skipped"][name] = (plan.v, "layers")
             costs = _costs_for(args, model, hw, plan)
             if name == "braided_v_offload" and args.offload_alpha == "auto":
                 choice = tune_offload(plan, costs, max_slowdown=args.offload_budget)
@@ -110,7 +111,9 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
             raise
         except (ScheduleError, ValueError) as err:
             notes.append(f"skipped {name}: {err}")
+            doc["skipped"].setdefault(name, (0, "schedule"))
             continue
+        doc["skipped"].pop(name, None)
         res = simulate(programs, costs, name=name, record=bool(args.trace or args.html))
         reports.append(res.report)
         traces.append(res.trace)
@@ -120,6 +123,30 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     # fastest first, as in the table, so the viewer opens on the winner
     traces.sort(key=lambda t: t.step_time)
     return doc, traces, notes
+
+
+def _max_pp(model, v: int, upto: int) -> int:
+    """The most pipeline ranks (at most ``upto``) whose ``upto * v`` virtual stages the model's layers fill."""
+    for p in range(upto, 0, -1):
+        try:
+            model_stage_layers(model, Layout(1, p, v))
+            return p
+        except ValueError:
+            continue
+    return 0
+
+
+def _nothing_ran(args: argparse.Namespace, skipped: dict[str, tuple[int, str]]) -> str:
+    """Why no selected schedule ran, and what to change."""
+    if skipped and all(kind == "layers" for _, kind in skipped.values()):
+        model = get_model(args.model)
+        layers = model.layers + (model.vit.layers if model.vit is not None else 0)
+        vs = sorted({v for v, _ in skipped.values()})
+        stages = " or ".join(f"{args.pp * v}" for v in vs)
+        fits = ", ".join(f"--pp {_max_pp(model, v, args.pp)} for {v} chunk{'s' if v > 1 else ''} per rank" for v in vs)
+        return (f"the model's {layers} layers cannot fill {stages} virtual stages (--pp {args.pp} x chunks per rank); "
+                f"use at most {fits}, or a model with more layers")
+    return "no selected schedule accepts this configuration (see the notes above; e.g. raise --mbs)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,11 +177,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown model {args.model!r}; valid names: {', '.join(MODELS)}")
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
+    check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],
+                  inputs=[args.costs] if args.costs else [])
+    if args.html:
+        try:
+            import plotly  # noqa: F401
+        except ImportError as err:
+            ap.error(f"--html needs plotly ({err}); pip install plotly")
+    try:
+        if args.costs:
+            load_cost_json(args.costs)  # an unreadable file is one line before any simulation
+    except CostFileError as err:
+        ap.error(str(err))
     try:
         doc, traces, notes = run(args, chosen)
     except CostFileError as err:
         ap.error(str(err))
     reports = doc.pop("reports")
+    skipped = doc.pop("skipped")
     cfg = doc["config"]
     print(f"# {cfg['model']} on {cfg['hardware']}: tp={cfg['tp']} pp={cfg['pp']} m={cfg['mbs']} "
           f"seq={cfg['seq']} micro-batch={cfg['micro_batch_size']}" + (f" costs={cfg['costs']}" if cfg["costs"] else ""))
@@ -163,26 +203,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in notes:
         print(f"note: {n}")
     if not reports:
-        print("python -m braid.simulate: error: no selected schedule accepts this configuration "
-              "(see the notes above; e.g. raise --mbs)", file=sys.stderr)
+        print(f"{ap.prog}: error: {_nothing_ran(args, skipped)}", file=sys.stderr)
         return 2
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        atomic_write_text(args.json, json.dumps(doc, indent=1))
     if args.trace:
         from braid.trace import dump_traces
 
         dump_traces(traces, args.trace)
     if args.html:
-        try:
-            import plotly  # noqa: F401
-            from braid import viz
-        except ImportError as err:
-            print(f"error: --html needs plotly and the viewer ({err}); pip install plotly", file=sys.stderr)
-            return 1
+        from braid import viz
+
         viz.render_html(traces, args.html)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

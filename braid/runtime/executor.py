@@ -269,8 +269,8 @@ class Executor:
             if leftover:
                 raise ExecutionError(f"rank {self.rank}: program ended with work left: {'; '.join(leftover[:8])}")
         except Exception as err:
-            if self.abort is not None and not type(err).__name__ == "PeerFailure":
-                self.abort.signal(f"{type(err).__name__}: {err}")
+            if self.abort is not None:
+                self.abort.fail(err)  # first failing rank wins the record; a PeerFailure is not recorded
             raise
         losses = [v for c in self.chunks.values() if c.spec.head for v in c.losses.values()]
         if any(c.spec.head for c in self.chunks.values()) and len(losses) != self.plan.m:
