@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.braiding import ChunkSpec, Unit, unit_tasks
+from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
 from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
 from braid.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
 from braid.models.qwen2 import Qwen2Config
@@ -53,8 +53,6 @@ PRESETS: dict[str, Qwen2Config] = {
     "small": Qwen2Config(vocab_size=8192, hidden=1024, layers=1, heads=16, kv_heads=4, ffn=2816),
     "7b-layer": Qwen2Config(vocab_size=32768, hidden=3584, layers=1, heads=28, kv_heads=4, ffn=18944),
 }
-_AR_F = (Unit.EMBED, Unit.ATTN, Unit.MLP)
-_AR_B = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -467,7 +465,7 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
     for u in units:
         unit = Unit(u)
         out[unit] = UnitCost(mean(t, ("F", u)), mean(t, ("B", u)), mean(t, ("W", u)),
-                             ar_s if unit in _AR_F else 0.0, ar_s if unit in _AR_B else 0.0, act[u], w_res[u],
+                             ar_s if unit in AR_FORWARD else 0.0, ar_s if unit in AR_BACKWARD else 0.0, act[u], w_res[u],
                              work.get(u, 0.0))
     return out
 

@@ -9,7 +9,9 @@ explicitly in backward by the chunk runner. With ``tp == 1`` (the reference mode
 all-reduce is the identity and the code is plain single-device Qwen2.
 
 Tensor parallelism is applied from outside: :func:`parallelize_layer` builds the TP shard
-of a layer from the single-device layer by slicing its weights.
+of a layer from the single-device layer by slicing its weights. The layer implements
+:class:`braid.models.seam.UnitLayer` and the model :class:`braid.models.seam.StageModel`;
+other decoder families (:mod:`braid.models.llama`) derive from these classes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from braid.braiding import Unit
+from braid.models.init import init_by_name
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -30,7 +34,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Qwen2Config:
-    """Model shape. Defaults are a tiny model for tests; Qwen2-7B: hidden 3584, 28 layers, 28/4 heads, ffn 18944."""
+    """Model shape. Defaults are a tiny model for tests; Qwen2-7B: hidden 3584, 28 layers, 28/4 heads, ffn 18944.
+
+    ``tie_embeddings``: the LM head reuses the embedding matrix (Qwen2-0.5B/1.5B, Qwen2.5
+    up to 3B); pipeline stages then hold one copy each and sum their gradients.
+    """
 
     vocab_size: int = 128
     hidden: int = 32
@@ -47,8 +55,6 @@ class Qwen2Config:
             raise ValueError(f"hidden ({self.hidden}) not divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) not divisible by kv_heads ({self.kv_heads})")
-        if self.tie_embeddings:
-            raise ValueError("tied embeddings are not supported (first and last stage live on different ranks)")
 
     @property
     def head_dim(self) -> int:
@@ -84,7 +90,13 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -
 
 
 class Qwen2Layer(nn.Module):
-    """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size."""
+    """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size.
+
+    ``qkv_bias``: Qwen2 has biases on the Q/K/V projections (a family without them, as
+    Llama, sets it False in a subclass).
+    """
+
+    qkv_bias: bool = True
 
     def __init__(self, cfg: Qwen2Config, heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None, tp: int = 1) -> None:
         super().__init__()
@@ -94,9 +106,9 @@ class Qwen2Layer(nn.Module):
         self.sp: SequenceParallel | None = None  # set by the chunk builder: attention runs as 2D-Attention
         f = ffn or cfg.ffn
         self.input_layernorm = RMSNorm(h, cfg.rms_eps)
-        self.q_proj = nn.Linear(h, self.heads * hd, bias=True)
-        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=True)
-        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=True)
+        self.q_proj = nn.Linear(h, self.heads * hd, bias=self.qkv_bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=self.qkv_bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=self.qkv_bias)
         self.o_proj = nn.Linear(self.heads * hd, h, bias=False)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_eps)
         self.gate_proj = nn.Linear(h, f, bias=False)
@@ -146,6 +158,28 @@ class Qwen2Layer(nn.Module):
         """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP)."""
         return self.mlp_core(gate, up) + residual.detach() / self.tp
 
+    # -- the model seam (braid.models.seam.UnitLayer) ------------------------------------
+    def unit_norm(self, unit: Unit) -> RMSNorm:
+        return self.input_layernorm if unit is Unit.PRE_ATTN else self.post_attention_layernorm
+
+    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        if unit is Unit.PRE_ATTN:
+            return self.qkv(inputs[0], positions)
+        if unit is Unit.PRE_MLP:
+            return self.gate_up(inputs[0])
+        if residual is None:
+            raise ValueError(f"unit {unit.value} needs the residual")
+        return self.attn(*inputs, residual) if unit is Unit.ATTN else self.mlp(*inputs, residual)
+
+    def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
+        return {
+            Unit.PRE_ATTN: (self.q_proj, self.k_proj, self.v_proj),
+            Unit.ATTN: (self.o_proj,),
+            Unit.PRE_MLP: (self.gate_proj, self.up_proj),
+            Unit.MLP: (self.down_proj,),
+        }[unit]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Single-device forward (tp must be 1): the residual flows through autograd normally."""
         if self.tp != 1 or self.sp is not None:
@@ -155,16 +189,44 @@ class Qwen2Layer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    """Embedding, decoder layers, final norm and LM head, on one device."""
+    """Embedding, decoder layers, final norm and LM head, on one device.
+
+    Built under ``torch.device("meta")`` it holds no storage: the chunk builder then
+    materialises only the layers a rank runs (:mod:`braid.models.build`), initialised by
+    :meth:`init_weights`'s rule.
+    """
+
+    layer_cls: type[Qwen2Layer] = Qwen2Layer
 
     def __init__(self, cfg: Qwen2Config) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(Qwen2Layer(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if self.embed_tokens.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def init_weights(self, seed: int, std: float = 0.2) -> "Qwen2Model":
+        """Initialise every parameter from ``seed`` and its name alone (:func:`braid.models.init.init_by_name`).
+
+        A chunk built from a meta-device model gets the same values for its layers.
+        """
+        init_by_name(self, seed, std)
+        return self
+
+    def shard_layer(self, layer: nn.Module, tp_rank: int, tp_size: int) -> Qwen2Layer:
+        return parallelize_layer(layer, self.cfg, tp_rank, tp_size)  # type: ignore[arg-type]
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(b, s) token ids -> (b, s, vocab) logits in fp32."""
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x)).float()
 
     def reset_parameters(self, std: float = 0.2) -> None:
         """Deterministic init under the caller's seed; norms perturbed so their gradients matter."""
@@ -176,11 +238,9 @@ class Qwen2Model(nn.Module):
                     p.normal_(0.0, std)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy of next-token ``labels`` (b, s)."""
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.lm_head(self.norm(x)).float()
+        """Mean token cross-entropy of next-token ``labels`` (b, s), already shifted
+        (``labels[:, i]`` is the token after ``tokens[:, i]``; see :func:`braid.hf.shift_labels`)."""
+        logits = self.logits(tokens)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
@@ -198,7 +258,8 @@ def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size
     for what, n in (("heads", cfg.heads), ("KV heads", cfg.kv_heads), ("ffn", cfg.ffn)):
         if n % tp_size:
             raise ValueError(f"{what} ({n}) not divisible by tp={tp_size}")
-    out = Qwen2Layer(cfg, cfg.heads // tp_size, cfg.kv_heads // tp_size, cfg.ffn // tp_size, tp=tp_size)
+    with torch.device("meta"):  # a skeleton: every parameter is replaced below
+        out = type(layer)(cfg, cfg.heads // tp_size, cfg.kv_heads // tp_size, cfg.ffn // tp_size, tp=tp_size)
     out.input_layernorm = copy.deepcopy(layer.input_layernorm)
     out.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm)
     hd = cfg.head_dim

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from braid.models.tied import reduce_tied_gradients
 from braid.topology import RankCoords, Topology
 
 log = logging.getLogger(__name__)
@@ -206,8 +207,12 @@ def reduce_gradients(params: list[torch.nn.Parameter], groups: ProcessGroups, ab
     Averaged over the ``dp`` data-parallel replicas, *summed* over the ``cp``
     sequence-parallel ranks: under sequence parallelism each rank's loss is its tokens'
     share of the global mean (:mod:`braid.models.sequence_parallel`), so its gradient is
-    a share of the true gradient, not an estimate of it.
+    a share of the true gradient, not an estimate of it. First, the copies of a tied
+    embedding (first and last pipeline stage) get the sum of their gradients
+    (:func:`braid.models.tied.reduce_tied_gradients`).
     """
+    params = list(params)
+    reduce_tied_gradients(params, groups.pp_ranks, groups.coords.pp, abort)
     if len(groups.dp_cp_ranks) == 1:
         return
     n = groups.topo.dp
