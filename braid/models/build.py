@@ -1,10 +1,12 @@
 """Chunk building: a rank's model chunks (TP shards of its pipeline stages) from a single-device model.
 
 Works for any family that implements :class:`braid.models.seam.StageModel`. The model may
-live on the meta device (:func:`meta_model`): a rank then materialises only the layers of
-its own chunks, one full layer at a time, initialised by name
-(:func:`braid.models.init.init_by_name`) -- the same values the single-device model gets
-from :meth:`init_weights` with the same seed -- and slices its TP shard from it. So a
+live on the meta device (:func:`meta_model`, :func:`on_meta`): a rank then materialises only the layers of its
+own chunks, one full layer at a time, with values from the model's
+:class:`ParamSource` -- initialised by name (:func:`braid.models.init.init_tensor`: the
+values the single-device model gets from ``init_weights`` with the same seed), or read
+from a checkpoint (:func:`braid.hf.load_meta`: only the chunks' tensors) -- and slices
+its TP shard from it. So a
 7B/15B preset starts in seconds and no rank holds another rank's layers.
 
 Tied embeddings: the first stage's embedding and the last stage's head are separate
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from torch import nn
 from braid.braiding import ChunkSpec
 from braid.ir import Plan
 from braid.models.chunk import ModelChunk
-from braid.models.init import init_by_name, init_tensor
+from braid.models.init import init_tensor
 from braid.models.seam import StageModel
 from braid.models.sequence_parallel import SequenceParallel
 from braid.models.tied import Tie, mark, tie_of
@@ -36,60 +38,77 @@ from braid.tp.layers import ColumnParallelLinear
 TIED_KEY = "embed_tokens.weight"
 
 
+class ParamSource(Protocol):
+    """Where a meta-device model's parameters get their values: ``fill(t, name)`` writes the
+    values of the parameter with global (single-device model) name ``name`` into ``t``."""
+
+    device: torch.device
+
+    def fill(self, t: torch.Tensor, name: str) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
-class MetaInit:
-    """How a meta-device model's parameters are made real: by-name init under ``seed`` on ``device``."""
+class InitSource:
+    """Deterministic by-name initialisation (:func:`braid.models.init.init_tensor`) under ``seed``."""
 
     seed: int
     std: float
     device: torch.device
 
+    def fill(self, t: torch.Tensor, name: str) -> None:
+        init_tensor(t, self.seed, name, self.std)
+
+
+def on_meta(model_cls: type, cfg: object, source: ParamSource, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``model_cls(cfg)`` on the meta device (no storage); its parameters come from ``source``
+    when :func:`build_chunk` or :func:`materialize` makes them real."""
+    with torch.device("meta"):
+        model = model_cls(cfg).to(dtype)
+    model.braid_source = source
+    return model
+
 
 def meta_model(model_cls: type, cfg: object, *, seed: int, std: float = 0.2, device: torch.device | str = "cpu",
                dtype: torch.dtype = torch.float32) -> nn.Module:
-    """``model_cls(cfg)`` on the meta device (no storage), to be materialised chunk by chunk.
-
-    :func:`build_chunk` and :func:`materialize` give it the values
-    ``model_cls(cfg).init_weights(seed, std)`` has on ``device``.
-    """
-    with torch.device("meta"):
-        model = model_cls(cfg).to(dtype)
-    model.braid_meta_init = MetaInit(seed, std, torch.device(device))
-    return model
+    """``model_cls(cfg)`` on the meta device, to be materialised chunk by chunk with the values
+    ``model_cls(cfg).init_weights(seed, std)`` has on ``device``."""
+    return on_meta(model_cls, cfg, InitSource(seed, std, torch.device(device)), dtype)
 
 
-def _meta(model: nn.Module) -> MetaInit | None:
+def _source(model: nn.Module) -> ParamSource | None:
     if next(model.parameters()).device.type != "meta":
         return None
-    init = getattr(model, "braid_meta_init", None)
-    if init is None:
-        raise ValueError("a meta-device model needs an initialisation rule: build it with braid.models.build.meta_model")
-    return init
+    source = getattr(model, "braid_source", None)
+    if source is None:
+        raise ValueError("a meta-device model needs a source for its values: build it with braid.models.build.meta_model")
+    return source
 
 
 def materialize(model: nn.Module) -> nn.Module:
-    """Make a :func:`meta_model` real (the whole model, on its device), in place; other models unchanged."""
-    init = _meta(model)
-    if init is None:
+    """Make a meta-device model (:func:`on_meta`) real, whole, on its source's device, in place;
+    a model that is already real is returned unchanged."""
+    source = _source(model)
+    if source is None:
         return model
-    model.to_empty(device=init.device)
-    if model.cfg.tie_embeddings:  # to_empty gives each module its own tensor
+    model.to_empty(device=source.device)
+    if getattr(model.cfg, "tie_embeddings", False):  # to_empty gives each module its own tensor
         model.lm_head.weight = model.embed_tokens.weight
-    model.init_weights(init.seed, init.std)
-    del model.braid_meta_init
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            source.fill(p, name)
+    del model.braid_source
     return model
 
 
-def _real(module: nn.Module, init: MetaInit | None, prefix: str, name_of: dict[str, str] | None = None) -> nn.Module:
-    """``module`` itself, or (meta model) a materialised copy initialised under global names ``prefix + name``."""
-    if init is None:
+def _real(module: nn.Module, source: ParamSource | None, prefix: str, name_of: dict[str, str] | None = None) -> nn.Module:
+    """``module`` itself, or (meta model) a materialised copy whose parameter ``n`` has global name
+    ``prefix + n`` (or ``name_of[n]``)."""
+    if source is None:
         return module
-    out = copy.deepcopy(module).to_empty(device=init.device)
-    if name_of is None:
-        init_by_name(out, init.seed, init.std, prefix)
-    else:
+    out = copy.deepcopy(module).to_empty(device=source.device)
+    with torch.no_grad():
         for n, p in out.named_parameters():
-            init_tensor(p, init.seed, name_of[n], init.std)
+            source.fill(p, name_of[n] if name_of is not None else prefix + n)
     return out
 
 
@@ -115,19 +134,19 @@ def build_chunk(
     cfg = model.cfg
     if sp is not None:
         sp.config.check_model(heads=cfg.heads, kv_heads=cfg.kv_heads, tp=tp_size, seq_len=seq_len)
-    init = _meta(model)
+    source = _source(model)
     layers = []
     for i in range(first_layer, first_layer + spec.layers):
-        lay = model.shard_layer(_real(model.layers[i], init, f"layers.{i}."), tp_rank, tp_size)
+        lay = model.shard_layer(_real(model.layers[i], source, f"layers.{i}."), tp_rank, tp_size)
         lay.sp = sp
         layers.append(lay)
     embed = norm = lm_head = None
     if spec.embed:
-        embed = VocabParallelEmbedding.from_full(_real(model.embed_tokens, init, "embed_tokens."), tp_rank, tp_size)
+        embed = VocabParallelEmbedding.from_full(_real(model.embed_tokens, source, "embed_tokens."), tp_rank, tp_size)
     if spec.head:
-        norm = copy.deepcopy(_real(model.norm, init, "norm."))  # keeps the model's dtype and device
+        norm = copy.deepcopy(_real(model.norm, source, "norm."))  # keeps the model's dtype and device
         head_name = TIED_KEY if getattr(cfg, "tie_embeddings", False) else "lm_head.weight"
-        lm_head = ColumnParallelLinear.from_full(_real(model.lm_head, init, "", {"weight": head_name}), tp_rank, tp_size)
+        lm_head = ColumnParallelLinear.from_full(_real(model.lm_head, source, "", {"weight": head_name}), tp_rank, tp_size)
     if getattr(cfg, "tie_embeddings", False):
         for p in (embed.weight if embed is not None else None, lm_head.weight if lm_head is not None else None):
             if p is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch import nn
 
 from braid.braiding import Unit
 from braid.models.init import init_by_name
+from braid.models.registry import Family, register
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -271,3 +272,71 @@ def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size
     out.up_proj = ColumnParallelLinear.from_full(layer.up_proj, tp_rank, tp_size)
     out.down_proj = RowParallelLinear.from_full(layer.down_proj, tp_rank, tp_size)
     return out
+
+
+# -- Hugging Face names and config (the family's registry entry) ------------------------------
+_HF_LAYER_MODULES = {
+    "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+}
+
+
+def decoder_hf_key(name: str) -> str:
+    """A decoder LM's parameter name -> its tensor name in a HF ``*ForCausalLM`` checkpoint."""
+    if name.startswith("layers."):
+        _, index, module, rest = name.split(".", 3)
+        return f"model.layers.{index}.{_HF_LAYER_MODULES[module]}.{rest}"
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def rope_theta_from_hf(d: dict[str, Any], default: float) -> float:
+    """``rope_theta`` of a HF config (top level, or ``rope_parameters`` since transformers 5); only plain RoPE."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        raise ValueError(f"RoPE scaling {scaling!r} is not supported (plain RoPE only)")
+    return float(d.get("rope_theta", params.get("rope_theta", default)))
+
+
+def decoder_fields_from_hf(d: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    """The shape fields every decoder config shares, read from a HF ``config.json`` dict."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    heads = int(d["num_attention_heads"])
+    head_dim = d.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != int(d["hidden_size"]):
+        raise ValueError(f"head_dim {head_dim} x {heads} heads != hidden_size {d['hidden_size']} is not supported")
+    return dict(
+        vocab_size=int(d["vocab_size"]), hidden=int(d["hidden_size"]), layers=int(d["num_hidden_layers"]), heads=heads,
+        kv_heads=int(d.get("num_key_value_heads") or heads), ffn=int(d["intermediate_size"]),
+        rope_theta=rope_theta_from_hf(d, default_theta), rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+    )
+
+
+def decoder_fields_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.ffn,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": 32768,
+    }
+
+
+def qwen2_from_hf(d: dict[str, Any]) -> Qwen2Config:
+    """Qwen2 / Qwen2.5 (``model_type`` ``qwen2``): full attention only."""
+    if d.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported (full attention only)")
+    return Qwen2Config(**decoder_fields_from_hf(d, 1_000_000.0))
+
+
+def qwen2_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **decoder_fields_to_hf(cfg), "use_sliding_window": False}
+
+
+register(Family(
+    "qwen2", Qwen2Model, Qwen2Config, ("qwen2",), qwen2_from_hf, qwen2_to_hf, decoder_hf_key,
+    "Qwen2 / Qwen2.5 decoder: GQA with QKV biases, SwiGLU, RMSNorm, RoPE; optionally tied head",
+))
