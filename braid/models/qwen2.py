@@ -220,7 +220,7 @@ class Qwen2Model(nn.Module):
         return self
 
     def shard_layer(self, layer: nn.Module, tp_rank: int, tp_size: int) -> Qwen2Layer:
-        return parallelize_layer(layer, self.cfg, tp_rank, tp_size)  # type: ignore[arg-type]
+        return parallelize_layer(layer, self.cfg, tp_rank, tp_size, self.layer_cls)  # type: ignore[arg-type]
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """(b, s) token ids -> (b, s, vocab) logits in fp32."""
@@ -250,17 +250,19 @@ def _head_rows(n_heads: int, head_dim: int, tp_rank: int, tp_size: int) -> torch
     return torch.arange(tp_rank * per * head_dim, (tp_rank + 1) * per * head_dim)
 
 
-def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size: int) -> Qwen2Layer:
+def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size: int,
+                      layer_cls: type[Qwen2Layer] = Qwen2Layer) -> Qwen2Layer:
     """The TP shard of ``layer`` for ``tp_rank``: heads, KV heads and FFN split over ``tp_size`` ranks.
 
     Q/K/V and gate/up become column-parallel, out- and down-projections row-parallel; the
     norms are replicated. The shard copies its slices, so it can be trained independently.
+    ``layer_cls``: the shard's class (a family's layer class; its constructor takes Qwen2Layer's arguments).
     """
     for what, n in (("heads", cfg.heads), ("KV heads", cfg.kv_heads), ("ffn", cfg.ffn)):
         if n % tp_size:
             raise ValueError(f"{what} ({n}) not divisible by tp={tp_size}")
     with torch.device("meta"):  # a skeleton: every parameter is replaced below
-        out = type(layer)(cfg, cfg.heads // tp_size, cfg.kv_heads // tp_size, cfg.ffn // tp_size, tp=tp_size)
+        out = layer_cls(cfg, cfg.heads // tp_size, cfg.kv_heads // tp_size, cfg.ffn // tp_size, tp=tp_size)
     out.input_layernorm = copy.deepcopy(layer.input_layernorm)
     out.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm)
     hd = cfg.head_dim
