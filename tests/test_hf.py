@@ -1,6 +1,6 @@
 """braid.hf against transformers on tiny random checkpoints (written locally, no network).
 
-For each family -- Qwen2, Qwen2.5 (tied head), Llama (untied and tied) -- a checkpoint
+For each family -- Qwen2, Qwen2.5 (tied head), Llama (untied, tied, Llama-3.1 RoPE) -- a checkpoint
 written by ``save_pretrained`` (sharded, with an index) loads with ``braid.hf.load`` and
 gives HF's logits within 1e-5 in fp32, the same loss with HF's label convention and the
 same gradients; ``braid.hf.save`` output loads in transformers with equal logits; a rank's
@@ -28,6 +28,10 @@ FAMILIES = {
     "qwen2.5-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_theta=5e5, rms_norm_eps=1e-5)),
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_theta=5e5, rms_norm_eps=1e-5)),
+    # Llama-3.1's RoPE scaling; a short original context so that every frequency band is exercised
+    "llama3.1": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
 }
 
 
@@ -66,6 +70,7 @@ def test_load_gives_hf_logits_loss_and_gradients(checkpoint) -> None:
     model = bhf.load(path)
     assert type(model).__name__ == ("LlamaModel" if kind.startswith("llama") else "Qwen2Model")
     assert model.cfg.tie_embeddings == kind.endswith("tied")
+    assert (getattr(model.cfg, "llama3_rope", None) is not None) == (kind == "llama3.1")
     ids, labels = _batch()
     out = hf(ids, labels=labels)
     logits = model.logits(ids)
@@ -132,7 +137,7 @@ def test_bad_checkpoints_are_one_clear_error(tmp_path) -> None:
     hf.save_pretrained(tmp_path / "ok")
     cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
     for change, msg in [({"model_type": "gpt2"}, "unsupported HF model_type 'gpt2'"),
-                        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling"),
+                        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "RoPE scaling"),
                         ({"attention_bias": True}, "attention_bias=true is not supported"),
                         ({"num_hidden_layers": 4}, "lacks 9 tensor")]:
         bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"

@@ -74,14 +74,20 @@ class RMSNorm(nn.Module):
         return self.weight * y.to(x.dtype)
 
 
-def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(theta: float, d: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies for head dimension ``d`` (fp32, d/2 values)."""
+    return 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+
+
+def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding of ``x`` (b, heads, s, d) at ``positions`` (s,), default 0..s-1 (Qwen2's rotate-half form).
 
     Under sequence parallelism a rank holds tokens of scattered (zigzag) positions; RoPE
-    must rotate each by its position in the full sequence.
+    must rotate each by its position in the full sequence. ``inv_freq`` overrides the
+    frequencies of base ``theta`` (a family's RoPE scaling).
     """
     s, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    inv = rope_inv_freq(theta, d, x.device) if inv_freq is None else inv_freq.to(x.device)
     pos = torch.arange(s, device=x.device) if positions is None else positions.to(x.device)
     ang = torch.outer(pos.to(torch.float32), inv)
     ang = torch.cat([ang, ang], dim=-1)
@@ -126,7 +132,11 @@ class Qwen2Layer(nn.Module):
         q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rope(q, self.theta, positions), rope(k, self.theta, positions), v
+        return self.rope(q, positions), self.rope(k, positions), v
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """RoPE of q or k (b, heads, s, d); a family with scaled frequencies overrides this."""
+        return rope(x, self.theta, positions)
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal GQA attention and the out-projection: (b, H/t, s, d) -> (b, s, h) partial over TP.
