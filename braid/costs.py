@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from braid.braiding import ChunkSpec, Unit
+from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit
 from braid.hardware import Hardware
 from braid.ir import Placement
 from braid.models_catalog import ModelConfig
@@ -323,8 +323,6 @@ _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "p
                 "copy_duplex_slowdown", "ar_stretch", "host_task_s", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
 _SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res"}
-_AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE)
-_AR_B_UNITS = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD, Unit.MERGE)
 
 
 # Upper bounds of a cost-file figure: far above any real machine, low enough that sums and
@@ -379,7 +377,7 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
     inst = probe.instances()
     vals: dict[Unit, dict[str, float]] = {u: {} for u in sorted(set(inst), key=list(Unit).index)}
     for key, attr in _SPLITS.items():
-        eligible = set(_AR_F_UNITS if key == "AR" else _AR_B_UNITS if key == "AR_B" else Unit)
+        eligible = set(AR_FORWARD if key == "AR" else AR_BACKWARD if key == "AR_B" else Unit)
         weights = split.get(key)
         if weights is None:
             w = {u: 1.0 if u in eligible else 0.0 for u in vals}

@@ -40,23 +40,24 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.braiding import ChunkSpec, Unit, unit_tasks
+from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
 from braid.cli import Parser, check_outputs, check_range, run_main
 from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
 from braid.files import atomic_write_text
 from braid.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
 from braid.models.qwen2 import Qwen2Config
+from braid.models_catalog import decoder_config, get_model
 from braid.partition import chunk_specs
 
 log = logging.getLogger(__name__)
 
+# Per-layer shapes from the one preset list (braid.models_catalog); the profiler's own
+# choices are one layer (--layers-per-stage sets the count) and the vocabulary of its head.
 PRESETS: dict[str, Qwen2Config] = {
-    "tiny": Qwen2Config(vocab_size=128, hidden=64, layers=1, heads=4, kv_heads=2, ffn=128),
-    "small": Qwen2Config(vocab_size=8192, hidden=1024, layers=1, heads=16, kv_heads=4, ffn=2816),
-    "7b-layer": Qwen2Config(vocab_size=32768, hidden=3584, layers=1, heads=28, kv_heads=4, ffn=18944),
+    "tiny": decoder_config(get_model("qwen2-toy"), layers=1, vocab_size=128),
+    "small": decoder_config(get_model("qwen2-small"), layers=1, vocab_size=8192),
+    "7b-layer": decoder_config(get_model("qwen2-7b"), layers=1, vocab_size=32768),
 }
-_AR_F = (Unit.EMBED, Unit.ATTN, Unit.MLP)
-_AR_B = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -622,7 +623,7 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
     for u in units:
         unit = Unit(u)
         out[unit] = UnitCost(mean(t, ("F", u)), mean(t, ("B", u)), mean(t, ("W", u)),
-                             ar_s if unit in _AR_F else 0.0, ar_s if unit in _AR_B else 0.0, act[u], w_res[u],
+                             ar_s if unit in AR_FORWARD else 0.0, ar_s if unit in AR_BACKWARD else 0.0, act[u], w_res[u],
                              work.get(u, 0.0))
     return out
 

@@ -34,7 +34,7 @@ from braid.cli import check_outputs, run_main
 from braid.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
 from braid.files import atomic_write_text
 from braid.hardware import HARDWARE, get_hardware
-from braid.models_catalog import MODELS, get_model
+from braid.models_catalog import MODELS, ModelConfig, get_model
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size t (default 2, so TP comm matters)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: the model's, 4096)")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default 1)")
-    ap.add_argument("--model", default="qwen2-12b", help=f"model preset (default qwen2-12b): {', '.join(MODELS)}")
+    ap.add_argument("--model", default="qwen2-12b", metavar="NAME|CONFIG",
+                    help=f"model preset (default qwen2-12b): {', '.join(MODELS)}; short names (7b) mean qwen2-*; "
+                         "or a Hugging Face config.json (or its checkpoint directory)")
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
     ap.add_argument("--costs", metavar="FILE", help="cost file replacing the analytic timings (schema: docs/costs.md)")
     ap.add_argument("--offload-alpha", default="auto", metavar="A|auto",
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     from braid.offload import tune_offload
     from braid.simulator import simulate
 
-    model = get_model(args.model)
+    model = args.model if isinstance(args.model, ModelConfig) else get_model(args.model)
     changes = {k: v for k, v in (("seq", args.seq), ("micro_batch_size", args.micro_batch_size)) if v is not None}
     model = model.with_(**changes) if changes else model
     hw = get_hardware(args.hardware)
@@ -173,8 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--offload-alpha must be a number in [0, 1] or 'auto'")
     if not 0.0 <= args.offload_budget < 1.0:
         ap.error(f"--offload-budget must be a fraction in [0, 1), e.g. 0.03 for 3%, got {args.offload_budget}")
-    if args.model not in MODELS:
-        ap.error(f"unknown model {args.model!r}; valid names: {', '.join(MODELS)}")
+    try:
+        args.model = get_model(args.model)
+    except ValueError as err:
+        ap.error(str(err))
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
     check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],

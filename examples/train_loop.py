@@ -353,7 +353,9 @@ def _reference(task: Task, setup: Setup, source: Any, device: torch.device, dtyp
     args = setup.args
     losses: list[float] = []
     if setup.rank == 0:
-        model = copy.deepcopy(setup.model).to(device=device, dtype=dtype)
+        from braid.models.build import materialize
+
+        model = materialize(copy.deepcopy(setup.model)).to(device=device, dtype=dtype)  # a meta-device model made whole
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         n, b = args.dp * args.mbs, args.micro_batch_size
         for step in range(args.steps):
@@ -424,7 +426,9 @@ class _TorchRunner:
     def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
         from braid.baselines import TorchPipeline
 
-        model, layers = setup.model, run.stage_layers
+        from braid.models.build import materialize
+
+        model, layers = materialize(setup.model), run.stage_layers  # the baselines split the whole model themselves
         lm, vision = (model.lm, model.visual) if task.vision else (model, None)
         lm_layers = (0,) + layers[1:] if task.vision else layers  # the VLM's stage 0 holds the vision tower
         self.pipe = TorchPipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,

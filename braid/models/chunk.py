@@ -25,7 +25,6 @@ memory, for any fraction of a micro-batch's saved bytes.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -35,7 +34,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
-from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, parallelize_layer
+from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from braid.runtime.offload import ActivationOffloader, Parked
@@ -142,9 +141,9 @@ class ModelChunk(nn.Module):
     def __init__(
         self,
         spec: ChunkSpec,
-        layers: Sequence[Qwen2Layer],
+        layers: Sequence[UnitLayer],
         embed: VocabParallelEmbedding | None,
-        norm: RMSNorm | None,
+        norm: nn.Module | None,
         lm_head: ColumnParallelLinear | None,
         *,
         num_microbatches: int,
@@ -323,7 +322,7 @@ class ModelChunk(nn.Module):
         with self._saving(*key):
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
                 x = self._enter(state[0])
-                norm = self.norm if unit is Unit.HEAD else self._norm_of(unit, layer)
+                norm = self.norm if unit is Unit.HEAD else self.layers[layer].unit_norm(unit)
                 h = norm(x)
                 hl = self._enter(h)
                 if unit is Unit.HEAD:
@@ -337,16 +336,14 @@ class ModelChunk(nn.Module):
                     outs: tuple[torch.Tensor, ...] = (loss,)
                     self.losses[mb] = loss.detach()
                 else:
-                    lay = self.layers[layer]
-                    outs = tuple(lay.qkv(hl, self.positions) if unit is Unit.PRE_ATTN else lay.gate_up(hl))
+                    outs = tuple(self.layers[layer].unit_forward(unit, hl, positions=self.positions))
                 ends = outs if unit is Unit.HEAD else tuple(_edge(o) for o in outs)  # the loss: a 0-dim tensor
                 self._saved[key] = [_Piece((_edge(x),), (_edge(h),), (norm.weight,)), _Piece((_edge(hl),), ends)]
                 self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
                 return None
             *acts, residual = state
             leaves = tuple(self._enter(a) for a in acts)
-            lay = self.layers[layer]
-            out = lay.attn(*leaves, residual) if unit is Unit.ATTN else lay.mlp(*leaves, residual)  # partial over TP
+            out = self.layers[layer].unit_forward(unit, *leaves, residual=residual)  # partial over TP
         self._saved[key] = [_Piece(tuple(_edge(t) for t in leaves), (_edge(out),))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]
@@ -399,10 +396,6 @@ class ModelChunk(nn.Module):
             return None
 
     # -- modules per unit ----------------------------------------------------------------
-    def _norm_of(self, unit: Unit, layer: int) -> RMSNorm:
-        lay = self.layers[layer]
-        return lay.input_layernorm if unit is Unit.PRE_ATTN else lay.post_attention_layernorm
-
     def _deferred(self, unit: Unit, layer: int) -> Sequence[DeferredWeightGrad]:
         got = self._unit_mods.get((unit, layer))
         if got is not None:
@@ -412,13 +405,7 @@ class ModelChunk(nn.Module):
         elif unit is Unit.HEAD:
             mods = (self.lm_head,)
         else:
-            lay = self.layers[layer]
-            mods = {
-                Unit.PRE_ATTN: (lay.q_proj, lay.k_proj, lay.v_proj),
-                Unit.ATTN: (lay.o_proj,),
-                Unit.PRE_MLP: (lay.gate_proj, lay.up_proj),
-                Unit.MLP: (lay.down_proj,),
-            }[unit]
+            mods = tuple(self.layers[layer].unit_weights(unit))  # type: ignore[arg-type]
         self._unit_mods[(unit, layer)] = mods
         return mods
 
@@ -470,36 +457,11 @@ class ModelChunk(nn.Module):
         return n
 
 
-def build_chunk(
-    model: Qwen2Model,
-    spec: ChunkSpec,
-    first_layer: int,
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    tp_group: dist.ProcessGroup | None = None,
-    num_microbatches: int = 1,
-    sp: SequenceParallel | None = None,
-    seq_len: int | None = None,
-) -> ModelChunk:
-    """The TP shard of layers ``[first_layer, first_layer + spec.layers)`` of a single-device model (copied).
 
-    ``sp``: sequence-parallel context; its degrees are checked against the heads (and
-    ``seq_len`` when given) here, and the layers run 2D-Attention on sequence shards.
-    """
-    cfg: Qwen2Config = model.cfg
-    if sp is not None:
-        sp.config.check_model(heads=cfg.heads, kv_heads=cfg.kv_heads, tp=tp_size, seq_len=seq_len)
-    layers = [parallelize_layer(model.layers[i], cfg, tp_rank, tp_size) for i in range(first_layer, first_layer + spec.layers)]
-    for lay in layers:
-        lay.sp = sp
-    embed = VocabParallelEmbedding.from_full(model.embed_tokens, tp_rank, tp_size) if spec.embed else None
-    norm = lm_head = None
-    if spec.head:
-        norm = copy.deepcopy(model.norm)  # keeps the model's dtype and device
-        lm_head = ColumnParallelLinear.from_full(model.lm_head, tp_rank, tp_size)
-    vocab_start = tp_rank * (cfg.vocab_size // tp_size)
-    return ModelChunk(
-        spec, layers, embed, norm, lm_head,
-        num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start, sp=sp,
-    )
+def __getattr__(name: str) -> Any:
+    # build_chunk moved to braid.models.build (it imports this module); kept importable here.
+    if name == "build_chunk":
+        from braid.models.build import build_chunk
+
+        return build_chunk
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from braid.models.tied import reduce_tied_gradients
 from braid.topology import RankCoords, Topology
 
 if TYPE_CHECKING:
@@ -361,8 +362,12 @@ def reduce_gradients(params: list[torch.nn.Parameter], groups: ProcessGroups, ab
     Averaged over the ``dp`` data-parallel replicas, *summed* over the ``cp``
     sequence-parallel ranks: under sequence parallelism each rank's loss is its tokens'
     share of the global mean (:mod:`braid.models.sequence_parallel`), so its gradient is
-    a share of the true gradient, not an estimate of it.
+    a share of the true gradient, not an estimate of it. First, the copies of a tied
+    embedding (first and last pipeline stage) get the sum of their gradients
+    (:func:`braid.models.tied.reduce_tied_gradients`).
     """
+    params = list(params)
+    reduce_tied_gradients(params, groups.pp_ranks, groups.coords.pp, abort)
     if len(groups.dp_cp_ranks) == 1:
         return
     n = groups.topo.dp

@@ -42,10 +42,8 @@ import torch.distributed as dist
 from braid.braiding import ChunkSpec, UnitTask
 from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
 from braid.braiding import steps as braid_steps
-from braid.models.chunk import ChunkStateError, ModelChunk, build_chunk
-from braid.models.qwen2 import Qwen2Model
-from braid.models.sequence_parallel import SequenceParallel
-from braid.partition import chunk_specs, layer_offset
+from braid.models.build import build_rank_chunks  # noqa: F401 - moved to braid.models.build; callers import it from here too
+from braid.models.chunk import ChunkStateError, ModelChunk
 from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
@@ -118,38 +116,6 @@ class StepResult:
 # One unit task of a compute instruction, bound once per executor:
 # (member, op, task, waits for the op's all-reduce, starts one, op text, phase text, unit text).
 _Bound = tuple[int, Compute, UnitTask, bool, bool, str, str, str]
-
-
-def build_rank_chunks(
-    model: Qwen2Model,
-    plan: Plan,
-    pp_rank: int,
-    layers_per_stage: Sequence[int],
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    tp_group: dist.ProcessGroup | None = None,
-    sp: SequenceParallel | None = None,
-    seq_len: int | None = None,
-) -> dict[int, ModelChunk]:
-    """The local chunks of ``pp_rank`` (TP shards, copied out of the single-device ``model``).
-
-    ``sp``: this rank's sequence-parallel context (LoongTrain 2D-Attention), checked against
-    the model's heads and ``seq_len`` here, at build time.
-    """
-    if len(layers_per_stage) != plan.num_stages:
-        raise ValueError(f"{len(layers_per_stage)} layer counts for {plan.num_stages} virtual stages")
-    specs = chunk_specs(tuple(layers_per_stage), plan.p, plan.placement)
-    out = {}
-    for c in range(plan.v):
-        stage = plan.stage_of(pp_rank, c)
-        first = layer_offset(tuple(layers_per_stage), stage)
-        out[c] = build_chunk(
-            model, specs[(pp_rank, c)], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, num_microbatches=plan.m,
-            sp=sp, seq_len=seq_len,
-        )
-        out[c].first_layer = first
-    return out
 
 
 class Executor:
