@@ -35,7 +35,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge
 
 from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
-from braid.models.autograd_calls import edge, fast_apply, grad
+from braid.autograd_calls import edge, fast_apply, grad
 from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, parallelize_layer
 from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
