@@ -72,7 +72,6 @@ class BenchConfig:
     costs: dict[str, Any] | None = None  # a cost-file dict instead of a fresh profile
     external: bool = True
     calibrate: bool = True  # fit a fresh profile to a measured probe run (see :func:`calibrate`)
-    compile: bool | None = None  # compiled units (:mod:`braid.runtime.compiled`); None: on with CUDA
 
 
 # ----------------------------------------------------------------------------------------
@@ -279,7 +278,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     from braid.profile import _DTYPES
 
     ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=_DTYPES[pc.dtype], device=dev,
-                              compile=bc.compile)
+                              compile=pc.compile)
     toks, labs = _data(pc, m, dev)
 
     def step():
@@ -497,8 +496,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--costs", metavar="FILE", help="predict from this cost file instead of a fresh profile")
     ap.add_argument("--no-calibrate", action="store_true", help="predict from the raw profile (no probe-run calibration)")
     ap.add_argument("--no-external", action="store_true", help="skip the torch.distributed.pipelining baselines")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
@@ -518,14 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             costs = json.loads(Path(args.costs).read_text())
         except (OSError, json.JSONDecodeError) as err:
             ap.error(f"--costs {args.costs}: {err}")
-    try:
-        from braid.runtime.compiled import resolve
-
-        resolve(args.compile, pc.device)
-    except ValueError as err:
-        ap.error(str(err))
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, costs, not args.no_external,
-                     not args.no_calibrate, args.compile)
+                     not args.no_calibrate)
     summary = run_bench(bc)
     traces = summary.pop("_traces")
     print(f"# {args.preset}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
