@@ -75,6 +75,18 @@ def test_each_compiled_function_gives_the_eager_values_and_gradients() -> None:
             outs[which] = (out, grads)
         for a, b in zip(*(outs[w][0] + outs[w][1] for w in ("eager", "compiled"))):
             torch.testing.assert_close(b, a, **TOL, msg=lambda s: f"{name}: {s}")
+    # The head's loss at tp=1: per-token values where labels count (ignored ones are masked by the head).
+    logits = torch.randn(MBS, SEQ, CFG.vocab_size, generator=g)
+    labels = torch.randint(0, CFG.vocab_size, (MBS, SEQ), generator=g)
+    labels[0, :3] = -100
+    keep = (labels != -100).float()
+    got = {}
+    for which, fns in (("eager", EAGER), ("compiled", fast)):
+        leaf = logits.clone().requires_grad_()
+        ce = fns.cross_entropy(leaf, labels, 0, None)
+        got[which] = (ce * keep, torch.autograd.grad((ce * keep).sum(), leaf)[0])
+    for a, b in zip(got["eager"], got["compiled"]):
+        torch.testing.assert_close(b, a, **TOL)
 
 
 def _executor_run(schedule: str, m: int, compile: bool, data) -> tuple[float, dict[str, torch.Tensor], dict]:

@@ -36,9 +36,9 @@ from torch.autograd.graph import GradientEdge
 
 from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
 from braid.autograd_calls import edge, fast_apply, grad
-from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, parallelize_layer
+from braid.models.qwen2 import EAGER, Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, UnitFns, parallelize_layer
 from braid.models.sequence_parallel import SequenceParallel, target_count
-from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from braid.tp.embedding import VocabParallelEmbedding
 from braid.runtime.offload import ActivationOffloader, Parked
 from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, split_weight_grads
 
@@ -138,6 +138,8 @@ class ModelChunk(nn.Module):
     sequence (:mod:`braid.models.sequence_parallel`), and a micro-batch's loss is its
     local tokens' loss sum over the micro-batch's *global* number of target tokens.
     """
+
+    fns: UnitFns = EAGER  # the head's loss function (eager or compiled, see braid.runtime.compiled)
 
     def __init__(
         self,
@@ -329,7 +331,7 @@ class ModelChunk(nn.Module):
                 if unit is Unit.HEAD:
                     logits = self.lm_head(hl)  # (b, s, V/t)
                     labels = self.labels[mb]
-                    ce = vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp_group)
+                    ce = self.fns.cross_entropy(logits, labels, self.vocab_start, self.tp_group)
                     if self.sp is None:
                         loss = _masked_mean(ce, labels) / self.m
                     else:  # this rank's share of the micro-batch's mean: SP ranks' losses add up to it

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from braid.tp.embedding import vocab_parallel_cross_entropy
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -107,9 +108,10 @@ class UnitFns(NamedTuple):
     rope_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     add_residual: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    cross_entropy: Callable[..., torch.Tensor]  # per-token loss of the head: (logits, labels, vocab_start, tp_group)
 
 
-EAGER = UnitFns(rms_norm, rope_qk, swiglu, add_residual)
+EAGER = UnitFns(rms_norm, rope_qk, swiglu, add_residual, vocab_parallel_cross_entropy)
 
 
 class RMSNorm(nn.Module):

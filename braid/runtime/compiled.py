@@ -4,9 +4,11 @@ A unit (Pre-Attn, Attn, Pre-MLP, MLP; paper Sec. 3, Fig. 2) is linears and an at
 kernel -- one kernel each -- glued by element-wise math that eager PyTorch runs as a string
 of small kernels: RMSNorm (cast, square, mean, rsqrt, two products), RoPE of the queries
 and keys (slices, a negation, a concatenation, products, cos/sin tables), the SwiGLU gate
-and the fused residual ``out + residual / t``. At 7B-shaped layers those strings cost about
-as much memory traffic as a GEMM. Here each glue function (:class:`braid.models.qwen2.UnitFns`)
-is compiled on its own: forward and backward become one or two fused kernels each.
+and the fused residual ``out + residual / t``; and the head's loss reads and writes the fp32
+logits several times over. At 7B-shaped layers those strings cost about as much memory
+traffic as a GEMM. Here each glue function (:class:`braid.models.qwen2.UnitFns`) is
+compiled on its own: forward and backward become one or two fused kernels each (the loss
+only at tp=1, where it needs no all-reduce inside).
 
 What is *not* compiled, and why the unit contract survives:
 
@@ -29,9 +31,11 @@ import functools
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from braid.models.qwen2 import EAGER, UnitFns
+from braid.tp.embedding import vocab_parallel_cross_entropy
 
 
 def available(device: torch.device | str) -> bool:
@@ -64,10 +68,29 @@ def resolve(compile: bool | None, device: torch.device | str) -> bool:
     return bool(compile)
 
 
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy (b, s) of full-vocabulary ``logits`` (b, s, V), in fp32; 0 at ignored labels
+    (the head masks those out anyway)."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
+
+
+def _cross_entropy(compiled_ce):
+    def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0, group=None) -> torch.Tensor:
+        # tp=1: the whole vocabulary is here, so the loss is plain cross-entropy and compiles into a few
+        # fused kernels (the eager path keeps an fp32 softmax of the logits for its backward). With a
+        # TP group the max and sums are all-reduced mid-function: that stays the eager autograd function.
+        if group is None and vocab_start == 0:
+            return compiled_ce(logits, labels)
+        return vocab_parallel_cross_entropy(logits, labels, vocab_start, group)
+
+    return cross_entropy
+
+
 @functools.cache
 def compiled_fns() -> UnitFns:
     """The unit functions under ``torch.compile`` (built once per process; compiled lazily, at first call)."""
-    return UnitFns(*(torch.compile(fn, dynamic=False, fullgraph=True) for fn in EAGER))
+    pure = (torch.compile(fn, dynamic=False, fullgraph=True) for fn in EAGER[:4])
+    return UnitFns(*pure, _cross_entropy(torch.compile(token_cross_entropy, dynamic=False, fullgraph=True)))
 
 
 def set_compiled(modules: Iterable[nn.Module], enabled: bool) -> int:
