@@ -293,7 +293,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
 
     kw = {} if comm is None else {"tp_comm": comm}
     ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=_DTYPES[pc.dtype],
-                              device=dev, **kw)
+                              device=dev, compile=pc.compile, **kw)
     toks, labs = _data(pc, m, dev)
 
     def step():

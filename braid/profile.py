@@ -82,6 +82,7 @@ class ProfileConfig:
     iters: int = 5
     warmup: int = 1
     peak_flops: float = 0.0
+    compile: bool | None = None  # compiled units (:mod:`braid.runtime.compiled`); None: on with CUDA
     tp_backend: str = "auto"  # braid.tp.comm backend, or "all": measure each and pick the best
 
     def __post_init__(self) -> None:
@@ -558,6 +559,9 @@ def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan:
     tp_group = groups.tp if pc.tp > 1 else None
     chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
                                tp_size=pc.tp, tp_group=tp_group)
+    from braid.runtime.compiled import resolve, set_compiled
+
+    set_compiled(chunks.values(), resolve(pc.compile, dev))  # units timed as the executor runs them
     return {c: ch.to(dev) for c, ch in chunks.items()}
 
 
@@ -710,6 +714,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp-backend", default="auto",
                     help="how TP all-reduces run (braid.tp.comm): auto, nccl-capped, nccl, nccl-zero-cta, symm-mem, gloo; "
                          "or 'all': measure each available one alone and beside a GEMM and use the best (default auto)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
 
 
 def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, placement: Placement = "v") -> ProfileConfig:
@@ -729,6 +735,8 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu")
     if device == "cuda" and torch.cuda.device_count() < world:
         ap.error(f"--device cuda with tp*pp = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
+    from braid.runtime.compiled import resolve as resolve_compile
+
     try:
         try:
             lps = [int(x) for x in str(args.layers_per_stage).split(",")]
@@ -742,7 +750,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         peak = args.peak_flops if args.peak_flops is not None else (989e12 if device == "cuda" else 0.0)
         return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-                             device, args.iters, 1, peak, args.tp_backend)
+                             device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits

@@ -31,12 +31,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
+from braid.autograd_calls import edge, fast_apply, grad
+from braid.models.qwen2 import EAGER, UnitFns
 from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
-from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from braid.tp.embedding import VocabParallelEmbedding
 from braid.runtime.offload import ActivationOffloader, Parked
 from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, split_weight_grads
 
@@ -68,11 +70,10 @@ class _Entry(torch.autograd.Function):
         return grad, None
 
 
+_enter_apply = fast_apply(_Entry)
+
 Handle = torch.Tensor | GradientEdge  # a piece's input/output: an edge, or (the loss) a tensor
-
-
-def _edge(t: torch.Tensor) -> GradientEdge:
-    return get_gradient_edge(t)
+_edge = edge
 
 
 def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
@@ -137,6 +138,8 @@ class ModelChunk(nn.Module):
     sequence (:mod:`braid.models.sequence_parallel`), and a micro-batch's loss is its
     local tokens' loss sum over the micro-batch's *global* number of target tokens.
     """
+
+    fns: UnitFns = EAGER  # the head's loss function (eager or compiled, see braid.runtime.compiled)
 
     def __init__(
         self,
@@ -274,7 +277,7 @@ class ModelChunk(nn.Module):
         anchor = self._anchors.get(t.device)
         if anchor is None:
             anchor = self._anchors[t.device] = torch.zeros((), device=t.device, requires_grad=True)
-        return _Entry.apply(t.detach(), anchor)
+        return _enter_apply(t.detach(), anchor)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "ModelChunk":
         self._ptrs = None  # .to()/.cuda()/.half() may move the parameters
@@ -328,7 +331,7 @@ class ModelChunk(nn.Module):
                 if unit is Unit.HEAD:
                     logits = self.lm_head(hl)  # (b, s, V/t)
                     labels = self.labels[mb]
-                    ce = vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp_group)
+                    ce = self.fns.cross_entropy(logits, labels, self.vocab_start, self.tp_group)
                     if self.sp is None:
                         loss = _masked_mean(ce, labels) / self.m
                     else:  # this rank's share of the micro-batch's mean: SP ranks' losses add up to it
@@ -353,7 +356,7 @@ class ModelChunk(nn.Module):
         """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
-        dx, *dps = torch.autograd.grad(piece.outputs, piece.inputs + piece.params, (dh,))
+        dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
         for p, g in zip(piece.params, dps):
             _accumulate(p, g)
         self._boxes.pop(box_key, None)
@@ -381,7 +384,7 @@ class ModelChunk(nn.Module):
                 return dh  # partial over TP: all-reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
                 (hl,) = pieces[1].inputs
-                (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,), st.grads)
+                (dh,) = grad(pieces[1].outputs, (hl,), st.grads)
                 st.pending = (pieces[0], dh, st.residual, key)
                 st.grads, st.residual = (), None
                 return dh
@@ -390,7 +393,7 @@ class ModelChunk(nn.Module):
                 torch.autograd.backward(pieces[0].outputs, (g,), inputs=[self.embed.weight])
                 self._boxes.pop(key, None)
                 return None
-            st.grads = torch.autograd.grad(pieces[0].outputs, pieces[0].inputs, (g,))
+            st.grads = grad(pieces[0].outputs, pieces[0].inputs, (g,))
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             self._boxes.pop(key, None)
             return None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from braid.models.qwen2 import (
-    Qwen2Config, Qwen2Layer, Qwen2Model, decoder_fields_from_hf, decoder_fields_to_hf, decoder_hf_key, rope, rope_inv_freq,
+    Qwen2Config, Qwen2Layer, Qwen2Model, decoder_fields_from_hf, decoder_fields_to_hf, decoder_hf_key, rope_inv_freq,
 )
 from braid.models.registry import Family, register
 
@@ -56,9 +56,6 @@ class LlamaLayer(Qwen2Layer):
         super().__init__(cfg, heads, kv_heads, ffn, tp)
         scaling = getattr(cfg, "llama3_rope", None)
         self._inv_freq = None if scaling is None else llama3_inv_freq(cfg.rope_theta, self.head_dim, scaling)
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        return rope(x, self.theta, positions, self._inv_freq)
 
 
 class LlamaModel(Qwen2Model):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from torch import nn
 from braid.braiding import Unit
 from braid.models.init import init_by_name
 from braid.models.registry import Family, register
+from braid.tp.embedding import vocab_parallel_cross_entropy
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -62,16 +63,11 @@ class Qwen2Config:
         return self.hidden // self.heads
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dimension, computed in fp32, scaled by ``weight``."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
 
 
 def rope_inv_freq(theta: float, d: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -96,6 +92,53 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, i
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, theta: float, positions: torch.Tensor | None = None,
+            inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope` of the queries and the keys (one function, so a compiler fuses both)."""
+    return rope(q, theta, positions, inv_freq), rope(k, theta, positions, inv_freq)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU gate ``silu(gate) * up`` (b, s, ffn/t)."""
+    return F.silu(gate) * up
+
+
+def add_residual(out: torch.Tensor, residual: torch.Tensor, tp: int) -> torch.Tensor:
+    """The fused residual of a unit that ends with the TP all-reduce: ``out + residual / tp``
+    (the caller passes the residual detached: its +1 gradient is added by the chunk runner)."""
+    return out + residual / tp
+
+
+class UnitFns(NamedTuple):
+    """The pure tensor functions the units call between their linears and attention kernels.
+
+    :data:`EAGER` by default; :mod:`braid.runtime.compiled` swaps in ``torch.compile``d
+    versions per module (the linears, with their deferred weight gradients, and the
+    attention kernels stay outside: they already are single kernels).
+    """
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rope_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    add_residual: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    cross_entropy: Callable[..., torch.Tensor]  # per-token loss of the head: (logits, labels, vocab_start, tp_group)
+
+
+EAGER = UnitFns(rms_norm, rope_qk, swiglu, add_residual, vocab_parallel_cross_entropy)
+
+
+class RMSNorm(nn.Module):
+    fns: UnitFns = EAGER
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fns.rms_norm(x, self.weight, self.eps)
+
+
 class Qwen2Layer(nn.Module):
     """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size.
 
@@ -104,6 +147,9 @@ class Qwen2Layer(nn.Module):
     """
 
     qkv_bias: bool = True
+
+    fns: UnitFns = EAGER  # the pure tensor functions of the units (eager or compiled)
+    _inv_freq: torch.Tensor | None = None  # RoPE frequencies of a family with scaled RoPE (None: base theta)
 
     def __init__(self, cfg: Qwen2Config, heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None, tp: int = 1) -> None:
         super().__init__()
@@ -132,11 +178,13 @@ class Qwen2Layer(nn.Module):
         q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        return self.rope(q, positions), self.rope(k, positions), v
+        q, k = self.fns.rope_qk(q, k, self.theta, positions, self._inv_freq)
+        return q, k, v
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """RoPE of q or k (b, heads, s, d); a family with scaled frequencies overrides this."""
-        return rope(x, self.theta, positions)
+        """RoPE of q or k (b, heads, s, d), with the family's frequencies (``_inv_freq``: a
+        family with scaled frequencies sets them; None: plain base ``theta``)."""
+        return rope(x, self.theta, positions, self._inv_freq)
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal GQA attention and the out-projection: (b, H/t, s, d) -> (b, s, h) partial over TP.
@@ -154,7 +202,7 @@ class Qwen2Layer(nn.Module):
 
     def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Attn unit: attention, out-projection and the fused residual ``detach(x)/t`` (partial over TP)."""
-        return self.attn_core(q, k, v) + residual.detach() / self.tp
+        return self.fns.add_residual(self.attn_core(q, k, v), residual.detach(), self.tp)
 
     def norm2(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm(x)
@@ -163,11 +211,11 @@ class Qwen2Layer(nn.Module):
         return self.gate_proj(h), self.up_proj(h)  # (b, s, ffn/t) each
 
     def mlp_core(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.fns.swiglu(gate, up))
 
     def mlp(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP)."""
-        return self.mlp_core(gate, up) + residual.detach() / self.tp
+        return self.fns.add_residual(self.mlp_core(gate, up), residual.detach(), self.tp)
 
     # -- the model seam (braid.models.seam.UnitLayer) ------------------------------------
     def unit_norm(self, unit: Unit) -> RMSNorm:

@@ -44,6 +44,7 @@ from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, P
 from braid.braiding import steps as braid_steps
 from braid.models.build import build_rank_chunks  # noqa: F401 - moved to braid.models.build; callers import it from here too
 from braid.models.chunk import ChunkStateError, ModelChunk
+from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
@@ -127,7 +128,9 @@ class Executor:
     which the last stage sums its ranks' loss shares (``None``: no sequence parallelism).
     ``record``: what the trace of each step holds by default (``"units"``,
     ``"instructions"`` or ``"off"``, see the module docstring); :meth:`run` can override it
-    per step, e.g. to trace only the last step of a training run.
+    per step, e.g. to trace only the last step of a training run. ``compile``: run the units'
+    element-wise functions under ``torch.compile`` (:mod:`braid.runtime.compiled`; it switches
+    the given chunks' modules); ``None`` means on for CUDA with Triton, off on CPU.
     """
 
     def __init__(
@@ -145,6 +148,7 @@ class Executor:
         sp_group: dist.ProcessGroup | None = None,
         record: Record = "units",
         tp_comm: TPComm | None = None,
+        compile: bool | None = None,
     ) -> None:
         if set(chunks) != set(range(plan.v)):
             raise ValueError(f"rank {program.rank}: chunks {sorted(chunks)} for v={plan.v}")
@@ -160,6 +164,8 @@ class Executor:
         # One per rank and executor: its pinned host buffers are reused by every step.
         self.offloader = ActivationOffloader(self.device)
         self.record = _check_record(record)
+        self.compiled = compiled.resolve(compile, self.device)
+        compiled.set_compiled(chunks.values(), self.compiled)
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
 
