@@ -32,7 +32,10 @@ instruction ends. With ``tp == 1`` there are no all-reduces.
 starts an all-reduce, and for W every two units (half a layer, matching the forward's
 all-reduce spacing). A braided block alternates segments -- ``a0 b0 a1 b1 ...`` -- then
 runs what is left of the longer op. So each all-reduce of one op is in flight while the
-other op's next segment computes. A full backward (``BW``) runs each unit's weight
+other op's next segment computes. If that order would end the block on an all-reduce and
+the order led by the second member (``b0 a0 b1 a1 ...``) would not, the block takes the
+latter: e.g. an F&B block on the last stage then ends with the forward's head unit, which
+runs beside the backward's last all-reduce. A full backward (``BW``) runs each unit's weight
 gradient right after its activation gradient, so its own all-reduces hide behind W work.
 """
 
@@ -42,7 +45,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-from braid.ir import Braided, Compute, Instruction, OpKind
+from braid.ir import Braided, CommKind, Compute, Instruction, OpKind, Recv, Send, compute_ops
 
 
 class Unit(str, enum.Enum):
@@ -188,10 +191,92 @@ def steps(instr: Instruction, spec_of) -> list[Step]:
     if not isinstance(instr, Braided):
         raise TypeError(f"{instr} is not a compute instruction")
     segs = [segments(unit_tasks(op.kind, spec_of(op.chunk))) for op in instr.ops]
+    out = _alternate(instr, segs, (0, 1))
+    if out[-1].task.ar:  # led by the second member, the block may end on a unit with nothing to hide
+        swapped = _alternate(instr, segs, (1, 0))
+        if not swapped[-1].task.ar:
+            return swapped
+    return out
+
+
+def _alternate(instr: Braided, segs: list[list[list[UnitTask]]], order: tuple[int, int]) -> list[Step]:
     out: list[Step] = []
     for i in range(max(len(segs[0]), len(segs[1]))):
-        for member in (0, 1):
+        for member in order:
             if i < len(segs[member]):
                 op = instr.ops[member]
                 out += [Step(member, op, t) for t in segs[member][i]]
+    return out
+
+
+# -- carrying an all-reduce across an instruction boundary -----------------------------------
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """The trailing all-reduce of a compute instruction left in flight into the next one.
+
+    ``op``: the member whose last unit task started it; ``into``: program index of the next
+    compute instruction, whose first unit task runs beside it (it is *hoisted*: it runs
+    before the earlier instruction is finalised and before the Send/Recv run in between is
+    posted).
+    """
+
+    op: Compute
+    into: int
+
+
+def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
+    """Where a program carries an all-reduce across an instruction boundary: index -> :class:`Carry`.
+
+    The rule both interpreters follow (with ``tp > 1``; without all-reduces nothing is carried).
+    Instruction ``I`` at index i carries into the next compute instruction ``J`` when
+
+    1. only ``Send``/``Recv`` lie between them (an offload or reload would read I's tensors),
+    2. ``I`` or ``J`` is a braided block (braiding is what opts a boundary into unit-level
+       overlap; plain ops next to plain ops finish their all-reduces, as the reference
+       runtimes of 1F1B-I and ZB-V do),
+    3. ``I``'s last unit task starts an all-reduce -- of the member ``op``,
+    4. ``J``'s first unit task is independent of it: its op is of another micro-batch (so it
+       consumes neither ``op``'s output nor a same-rank hand-off of it) and reads nothing
+       received in the Send/Recv run between I and J (its input is local, or was received in
+       an earlier run: the compiler's global order already has that receive before I, so
+       waiting for it there cannot deadlock).
+
+    Then: I's other all-reduces complete at its end as usual; J's first unit task runs;
+    the carried all-reduce is waited for (any wait is exposed TP comm), I's op is finalised
+    (its output handed off or sent: the Send/Recv run is posted now); J continues with its
+    second unit task.
+    """
+    out: dict[int, Carry] = {}
+    shape_cache: dict[tuple, tuple[Step, Step]] = {}
+
+    def ends(instr: Compute | Braided) -> tuple[Step, Step]:
+        key = tuple((op.kind, op.chunk) for op in compute_ops(instr)) + (isinstance(instr, Braided),)
+        hit = shape_cache.get(key)
+        if hit is None:
+            st = steps(instr, spec_of)
+            hit = shape_cache[key] = (st[0], st[-1])
+        # Steps of the same shape differ only in micro-batches: rebind the op.
+        first, last = hit
+        ops = compute_ops(instr)
+        return Step(first.member, ops[first.member], first.task), Step(last.member, ops[last.member], last.task)
+
+    compute_at = [k for k, ins in enumerate(instructions) if isinstance(ins, (Compute, Braided))]
+    for i, j in zip(compute_at, compute_at[1:]):
+        prev, nxt = instructions[i], instructions[j]
+        between = instructions[i + 1:j]
+        if not all(isinstance(x, (Send, Recv)) for x in between):
+            continue
+        if not (isinstance(prev, Braided) or isinstance(nxt, Braided)):
+            continue
+        last = ends(prev)[1]
+        if not last.task.ar:
+            continue
+        first = ends(nxt)[0]
+        m = first.op
+        if m.mb == last.op.mb:
+            continue
+        want = None if m.kind is OpKind.W else (CommKind.ACT if m.kind is OpKind.F else CommKind.GRAD)
+        if want is not None and any(isinstance(x, Recv) and (x.comm, x.mb, x.chunk) == (want, m.mb, m.chunk) for x in between):
+            continue
+        out[i] = Carry(last.op, j)
     return out
