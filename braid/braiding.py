@@ -32,10 +32,7 @@ instruction ends. With ``tp == 1`` there are no all-reduces.
 starts an all-reduce, and for W every two units (half a layer, matching the forward's
 all-reduce spacing). A braided block alternates segments -- ``a0 b0 a1 b1 ...`` -- then
 runs what is left of the longer op. So each all-reduce of one op is in flight while the
-other op's next segment computes. If that order would end the block on an all-reduce and
-the order led by the second member (``b0 a0 b1 a1 ...``) would not, the block takes the
-latter: e.g. an F&B block on the last stage then ends with the forward's head unit, which
-runs beside the backward's last all-reduce. A full backward (``BW``) runs each unit's weight
+other op's next segment computes. A full backward (``BW``) runs each unit's weight
 gradient right after its activation gradient, so its own all-reduces hide behind W work.
 """
 
@@ -191,18 +188,9 @@ def steps(instr: Instruction, spec_of) -> list[Step]:
     if not isinstance(instr, Braided):
         raise TypeError(f"{instr} is not a compute instruction")
     segs = [segments(unit_tasks(op.kind, spec_of(op.chunk))) for op in instr.ops]
-    out = _alternate(instr, segs, (0, 1))
-    if out[-1].task.ar:  # led by the second member, the block may end on a unit with nothing to hide
-        swapped = _alternate(instr, segs, (1, 0))
-        if not swapped[-1].task.ar:
-            return swapped
-    return out
-
-
-def _alternate(instr: Braided, segs: list[list[list[UnitTask]]], order: tuple[int, int]) -> list[Step]:
     out: list[Step] = []
     for i in range(max(len(segs[0]), len(segs[1]))):
-        for member in order:
+        for member in (0, 1):
             if i < len(segs[member]):
                 op = instr.ops[member]
                 out += [Step(member, op, t) for t in segs[member][i]]
@@ -215,68 +203,97 @@ class Carry:
     """The trailing all-reduce of a compute instruction left in flight into the next one.
 
     ``op``: the member whose last unit task started it; ``into``: program index of the next
-    compute instruction, whose first unit task runs beside it (it is *hoisted*: it runs
-    before the earlier instruction is finalised and before the Send/Recv run in between is
-    posted).
+    compute instruction, whose first unit task runs beside it.
     """
 
     op: Compute
     into: int
 
 
-def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
-    """Where a program carries an all-reduce across an instruction boundary: index -> :class:`Carry`.
+def head_op(instr: Compute | Braided) -> Compute:
+    """The op of an instruction's first unit task (a braided block starts with its first member)."""
+    return instr if isinstance(instr, Compute) else instr.first
 
-    The rule both interpreters follow (with ``tp > 1``; without all-reduces nothing is carried).
-    Instruction ``I`` at index i carries into the next compute instruction ``J`` when
+
+def input_message(op: Compute) -> tuple[CommKind, int, int] | None:
+    """(comm, mb, chunk) of the message ``op`` consumes if it comes from another rank (``None`` for W)."""
+    if op.kind is OpKind.W:
+        return None
+    return (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+
+
+def hoists(instructions: Sequence[Instruction]) -> dict[int, int]:
+    """Instruction boundaries where the next instruction's first unit task runs early: i -> j.
+
+    Compute instruction ``I`` (index i) and the next compute instruction ``J`` (index j) qualify when
 
     1. only ``Send``/``Recv`` lie between them (an offload or reload would read I's tensors),
     2. ``I`` or ``J`` is a braided block (braiding is what opts a boundary into unit-level
        overlap; plain ops next to plain ops finish their all-reduces, as the reference
        runtimes of 1F1B-I and ZB-V do),
-    3. ``I``'s last unit task starts an all-reduce -- of the member ``op``,
-    4. ``J``'s first unit task is independent of it: its op is of another micro-batch (so it
-       consumes neither ``op``'s output nor a same-rank hand-off of it) and reads nothing
-       received in the Send/Recv run between I and J (its input is local, or was received in
-       an earlier run: the compiler's global order already has that receive before I, so
-       waiting for it there cannot deadlock).
+    3. ``J``'s first unit task can be independent of ``I``: its op (:func:`head_op`) has
+       another micro-batch than at least one op of ``I`` (the one whose all-reduce may be
+       carried, see :func:`carries`, so it consumes neither that op's output nor a same-rank
+       hand-off of it), and it reads nothing received in the Send/Recv run between them (its
+       input is local, or its receive was posted before ``I``).
 
-    Then: I's other all-reduces complete at its end as usual; J's first unit task runs;
-    the carried all-reduce is waited for (any wait is exposed TP comm), I's op is finalised
-    (its output handed off or sent: the Send/Recv run is posted now); J continues with its
-    second unit task.
+    These are the boundaries where an interpreter *may* run J's first unit task early: it does
+    where an all-reduce is carried (:func:`carries`). Why that cannot deadlock: the early task
+    waits only for a receive posted before ``I`` -- in the compiler's global order of events
+    (:mod:`braid.compiler`) that message arrives before ``I`` starts -- and holds back only
+    this rank's own Send/Recv run, which no other rank needs for that message.
     """
-    out: dict[int, Carry] = {}
-    shape_cache: dict[tuple, tuple[Step, Step]] = {}
-
-    def ends(instr: Compute | Braided) -> tuple[Step, Step]:
-        key = tuple((op.kind, op.chunk) for op in compute_ops(instr)) + (isinstance(instr, Braided),)
-        hit = shape_cache.get(key)
-        if hit is None:
-            st = steps(instr, spec_of)
-            hit = shape_cache[key] = (st[0], st[-1])
-        # Steps of the same shape differ only in micro-batches: rebind the op.
-        first, last = hit
-        ops = compute_ops(instr)
-        return Step(first.member, ops[first.member], first.task), Step(last.member, ops[last.member], last.task)
-
+    out: dict[int, int] = {}
     compute_at = [k for k, ins in enumerate(instructions) if isinstance(ins, (Compute, Braided))]
     for i, j in zip(compute_at, compute_at[1:]):
         prev, nxt = instructions[i], instructions[j]
+        if not (isinstance(prev, Braided) or isinstance(nxt, Braided)):
+            continue
         between = instructions[i + 1:j]
         if not all(isinstance(x, (Send, Recv)) for x in between):
             continue
-        if not (isinstance(prev, Braided) or isinstance(nxt, Braided)):
+        head = head_op(nxt)
+        if all(op.mb == head.mb for op in compute_ops(prev)):
             continue
-        last = ends(prev)[1]
+        want = input_message(head)
+        if want is not None and any(isinstance(x, Recv) and (x.comm, x.mb, x.chunk) == want for x in between):
+            continue
+        out[i] = j
+    return out
+
+
+def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
+    """Boundaries of :func:`hoists` whose earlier instruction ``I`` ends with a unit task that
+    starts an all-reduce whose result is not sent in the Send/Recv run between I and J: that
+    all-reduce is *carried* (with ``tp > 1``; without all-reduces nothing is).
+
+    Why not when it is sent: the run is posted after J's first unit task (a host cannot post
+    a tensor still being reduced, nor finish a backward's last norm before its all-reduce),
+    so the send would leave one unit later than without the carry -- on uniform costs that
+    lengthened braided_v's step more than the hidden all-reduce saved. A result handed to a
+    chunk of the same rank (the V turn) or a block's member without output all-reduce is
+    carried.
+
+    Both interpreters then: run I's units and finish its other all-reduces; run J's first unit
+    task beside the carried all-reduce; wait for it (any wait is exposed TP comm) and finalise
+    its op (output handed off or ready to send); post the Send/Recv run between I and J; go on
+    with J's second unit task.
+    """
+    out: dict[int, Carry] = {}
+    last_of: dict[tuple, Step] = {}
+    for i, j in hoists(instructions).items():
+        prev = instructions[i]
+        key = tuple((op.kind, op.chunk) for op in compute_ops(prev)) + (isinstance(prev, Braided),)
+        last = last_of.get(key)
+        if last is None:
+            last = last_of[key] = steps(prev, spec_of)[-1]
         if not last.task.ar:
             continue
-        first = ends(nxt)[0]
-        m = first.op
-        if m.mb == last.op.mb:
-            continue
-        want = None if m.kind is OpKind.W else (CommKind.ACT if m.kind is OpKind.F else CommKind.GRAD)
-        if want is not None and any(isinstance(x, Recv) and (x.comm, x.mb, x.chunk) == (want, m.mb, m.chunk) for x in between):
-            continue
-        out[i] = Carry(last.op, j)
+        op = compute_ops(prev)[last.member]
+        if op.mb == head_op(instructions[j]).mb:
+            continue  # J's first unit may consume its result
+        result = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+        if any(isinstance(x, Send) and (x.comm, x.mb, x.chunk) == result for x in instructions[i + 1:j]):
+            continue  # its result is sent right away: the send would wait for J's first unit
+        out[i] = Carry(op, j)
     return out

@@ -246,8 +246,8 @@ class Engine:
         return t0
 
     def _hoisted(self, rs: _Rank) -> bool:
-        """Run the first unit task of the instruction a carried all-reduce flows into, then wait
-        for that all-reduce (:func:`braid.braiding.carries`). False if its input has not arrived."""
+        """Run the first unit task of the next compute instruction beside a carried all-reduce, then
+        wait for that all-reduce (:func:`braid.braiding.carries`). False if its input has not arrived."""
         j, carry_end = rs.hoist
         instr = rs.prog[j]
         rows, _, _ = self._table(rs.rank, instr, j in rs.carries)

@@ -194,7 +194,7 @@ class Executor:
         self.record = _check_record(record)
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
-        # Where this program carries an all-reduce into the next compute instruction (tp > 1 only).
+        # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
         self._carries = carries(program.instructions, self._spec) if tp_group is not None else {}
 
     @staticmethod
@@ -288,9 +288,9 @@ class Executor:
     def _compute(self, idx: int, ins: Compute | Braided) -> None:
         """Run a compute instruction, or the rest of it when its first unit task was hoisted.
 
-        A carried all-reduce (:func:`braid.braiding.carries`): when this instruction's last
-        unit task starts one, the next compute instruction's first unit task runs here, beside
-        it; then it is waited for and its op finalised, before the Send/Recv run in between.
+        A carried all-reduce (:func:`braid.braiding.carries`): the next compute instruction's
+        first unit task runs here, beside it, before the Send/Recv run in between is posted;
+        then the all-reduce is waited for and its op finalised.
         """
         ops = compute_ops(ins)
         block = str(ins) if isinstance(ins, Braided) else None
@@ -322,8 +322,7 @@ class Executor:
             if carried is None or op != carried.op:
                 self._finish_op(op)
         if carried is not None:
-            nxt = self.program.instructions[carry.into]
-            self._run_head(carry.into, nxt)
+            self._run_head(carry.into, self.program.instructions[carry.into])
             self._wait_pending(carried)
             self._finish_op(carried.op)
         self._sample_memory()
