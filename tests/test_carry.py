@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from braid.braiding import ChunkSpec, carries, hoists
+from braid.braiding import ChunkSpec, carries, steps
 from braid.costs import Layout, uniform_costs
 from braid.ir import Program, parse_instruction
 from braid.simulator import simulate
@@ -46,7 +46,22 @@ def test_a_receive_posted_before_the_earlier_instruction_does_not_block_the_carr
 def test_nothing_is_carried_when_the_last_unit_starts_no_allreduce():
     head = ChunkSpec(2, head=True)  # a forward ends with the LM head, no all-reduce
     assert _carries("F0c0 F1c0&BW0c0", head) == {}
-    assert hoists([parse_instruction(x) for x in ("F0c0", "F1c0&BW0c0")]) == {0: 1}  # the boundary qualifies
+
+
+def test_a_last_stage_block_ends_on_the_forward_head_so_the_backward_allreduce_hides_inside():
+    head = ChunkSpec(2, head=True)
+    st = steps(parse_instruction("F3c0&B1c0"), lambda c: head)
+    assert st[0].op.kind.value == "B" and st[-1].task.label == "F:head"  # led by the backward
+    middle = steps(parse_instruction("F3c0&B1c0"), lambda c: MIDDLE)
+    assert middle[0].op.kind.value == "F" and middle[-1].task.ar  # no order avoids a trailing all-reduce there
+
+
+def test_a_short_weight_gradient_is_cut_to_sit_beside_every_allreduce_of_a_long_forward():
+    specs = {0: ChunkSpec(7, embed=True), 1: ChunkSpec(5, head=True)}  # rank 0 of a 12B model at p=4
+    st = steps(parse_instruction("F8c0&W0c1"), specs.__getitem__)
+    for a, b in zip(st, st[1:]):
+        if a.task.ar:  # every forward all-reduce is followed by a W unit
+            assert b.op.kind.value == "W", (a, b)
 
 
 def _one_rank(text: str, t_ar: float = 0.4):
