@@ -31,7 +31,12 @@ instruction ends. With ``tp == 1`` there are no all-reduces.
 **Segments and braiding.** An op's task list is cut into *segments*: after every task that
 starts an all-reduce, and for W every two units (half a layer, matching the forward's
 all-reduce spacing). A braided block alternates segments -- ``a0 b0 a1 b1 ...`` -- then
-runs what is left of the longer op. So each all-reduce of one op is in flight while the
+runs what is left of the longer op; a W member with fewer segments than its partner is cut
+into as many even pieces instead (W waits for nothing), so a long forward braided with a
+shorter chunk's W still has W units beside each of its all-reduces. If that order would end
+the block on an all-reduce and the order led by the second member (``b0 a0 b1 a1 ...``)
+would not, the block takes the latter: an F&B block on the last stage then ends with the
+forward's head unit, which runs beside the backward's last all-reduce. So each all-reduce of one op is in flight while the
 other op's next segment computes. A full backward (``BW``) runs each unit's weight
 gradient right after its activation gradient, so its own all-reduces hide behind W work.
 """
@@ -42,7 +47,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-from braid.ir import Braided, Compute, Instruction, OpKind
+from braid.ir import Braided, CommKind, Compute, Instruction, OpKind, Recv, Send, compute_ops
 
 
 class Unit(str, enum.Enum):
@@ -169,6 +174,18 @@ def segments(tasks: Sequence[UnitTask]) -> list[list[UnitTask]]:
     return segs
 
 
+def _split_even(tasks: list[UnitTask], n: int) -> list[list[UnitTask]]:
+    """``tasks`` in ``min(n, len(tasks))`` consecutive pieces whose sizes differ by at most one."""
+    n = min(n, len(tasks))
+    size, extra = divmod(len(tasks), n)
+    out, k = [], 0
+    for i in range(n):
+        step = size + (i < extra)
+        out.append(tasks[k:k + step])
+        k += step
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     """One unit task of one member of an instruction (``member`` 0 or 1 of a braided block)."""
@@ -189,10 +206,108 @@ def steps(instr: Instruction, spec_of) -> list[Step]:
     if not isinstance(instr, Braided):
         raise TypeError(f"{instr} is not a compute instruction")
     segs = [segments(unit_tasks(op.kind, spec_of(op.chunk))) for op in instr.ops]
+    for member, other in ((0, 1), (1, 0)):
+        # A weight-gradient member waits for nothing: cut it into as many pieces as the other
+        # member has segments, so every all-reduce of the other runs beside W units.
+        if instr.ops[member].kind is OpKind.W and len(segs[member]) < len(segs[other]):
+            segs[member] = _split_even([t for seg in segs[member] for t in seg], len(segs[other]))
+    out = _alternate(instr, segs, (0, 1))
+    if out[-1].task.ar:  # led by the second member, the block may end on a unit with nothing to hide
+        swapped = _alternate(instr, segs, (1, 0))
+        if not swapped[-1].task.ar:
+            return swapped
+    return out
+
+
+def _alternate(instr: Braided, segs: list[list[list[UnitTask]]], order: tuple[int, int]) -> list[Step]:
     out: list[Step] = []
     for i in range(max(len(segs[0]), len(segs[1]))):
-        for member in (0, 1):
+        for member in order:
             if i < len(segs[member]):
                 op = instr.ops[member]
                 out += [Step(member, op, t) for t in segs[member][i]]
+    return out
+
+
+# -- carrying an all-reduce across an instruction boundary -----------------------------------
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """The trailing all-reduce of a compute instruction left in flight into the next one.
+
+    ``op``: the member whose last unit task started it; ``into``: program index of the next
+    compute instruction, whose first unit task runs beside it.
+    """
+
+    op: Compute
+    into: int
+
+
+def input_message(op: Compute) -> tuple[CommKind, int, int] | None:
+    """(comm, mb, chunk) of the message ``op`` consumes if it comes from another rank (``None`` for W)."""
+    if op.kind is OpKind.W:
+        return None
+    return (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+
+
+def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
+    """Where a program carries an all-reduce across an instruction boundary: index -> :class:`Carry`.
+
+    Compute instruction ``I`` (index i) carries into the next compute instruction ``J`` when
+
+    1. only ``Send``/``Recv`` lie between them (an offload or reload would read I's tensors),
+    2. ``I`` or ``J`` is a braided block (braiding is what opts a boundary into unit-level
+       overlap; plain ops next to plain ops finish their all-reduces, as the reference
+       runtimes of 1F1B-I and ZB-V do),
+    3. ``I``'s last unit task starts an all-reduce (of its member ``op``) whose result is not
+       sent in the Send/Recv run between them,
+    4. ``J``'s first unit task is independent of it: its op has another micro-batch than
+       ``op`` (so it consumes neither ``op``'s output nor a same-rank hand-off of it), and
+       reads nothing received in that run (its input is local, or its receive was posted
+       before ``I``).
+
+    Both interpreters then (with ``tp > 1``; without all-reduces nothing is carried): run I's
+    units and finish its other all-reduces; run J's first unit task beside the carried
+    all-reduce; wait for it (any wait is exposed TP comm) and finalise ``op`` (its output
+    handed off); post the Send/Recv run; go on with J's second unit task.
+
+    Why (3) excludes a result that is sent: the run is posted after J's first unit task (a
+    host cannot post a tensor still being reduced, nor finish a backward's last norm before
+    its all-reduce), so the send would leave one unit later than without the carry -- on
+    uniform costs that lengthened braided_v's step more than the hidden all-reduce saved.
+    Why (4) cannot deadlock: J's first unit waits only for a receive posted before ``I`` --
+    in the compiler's global order of events (:mod:`braid.compiler`) that message arrives
+    before ``I`` starts -- and holds back only this rank's own Send/Recv run.
+    """
+    out: dict[int, Carry] = {}
+    ends_of: dict[tuple, tuple[Step, Step]] = {}
+
+    def ends(instr: Compute | Braided) -> tuple[Step, Step]:
+        """First and last step of an instruction (by shape, rebound to its ops)."""
+        ops = compute_ops(instr)
+        key = tuple((op.kind, op.chunk) for op in ops) + (isinstance(instr, Braided),)
+        hit = ends_of.get(key)
+        if hit is None:
+            st = steps(instr, spec_of)
+            hit = ends_of[key] = (st[0], st[-1])
+        return tuple(Step(s.member, ops[s.member], s.task) for s in hit)  # type: ignore[return-value]
+
+    compute_at = [k for k, ins in enumerate(instructions) if isinstance(ins, (Compute, Braided))]
+    for i, j in zip(compute_at, compute_at[1:]):
+        prev, nxt = instructions[i], instructions[j]
+        if not (isinstance(prev, Braided) or isinstance(nxt, Braided)):
+            continue
+        between = instructions[i + 1:j]
+        if not all(isinstance(x, (Send, Recv)) for x in between):
+            continue
+        last = ends(prev)[1]
+        if not last.task.ar:
+            continue
+        op, head = last.op, ends(nxt)[0].op
+        result = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
+        if head.mb == op.mb or any(isinstance(x, Send) and (x.comm, x.mb, x.chunk) == result for x in between):
+            continue
+        want = input_message(head)
+        if want is not None and any(isinstance(x, Recv) and (x.comm, x.mb, x.chunk) == want for x in between):
+            continue
+        out[i] = Carry(op, j)
     return out

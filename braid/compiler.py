@@ -264,6 +264,7 @@ def validate_programs(plan: Plan, programs: Sequence[Program]) -> None:
     """Check compiled programs against every rule; raise :class:`ScheduleError` on the first break.
 
     Rules: ``op-counts``/``unique-op`` (each (mb, chunk) one F and one BW or B+W);
+    ``braided-independent`` (neither member of a braided block needs the other's result);
     ``dependency-order`` (an op after its same-rank dependencies and after the receive of
     each remote one); ``send-after-producer``; ``send-recv-match`` (every send has exactly
     one matching receive and vice versa, in the same order between each pair of ranks);
@@ -294,6 +295,11 @@ def validate_programs(plan: Plan, programs: Sequence[Program]) -> None:
         for idx, instr in enumerate(prog.instructions):
             if isinstance(instr, (Compute, Braided)):
                 own = {_op_id(op, plan, rank) for op in compute_ops(instr)}
+                if isinstance(instr, Braided):
+                    first, second = instr.ops
+                    if _op_id(first, plan, rank) in _deps(second, plan, rank) or _op_id(second, plan, rank) in _deps(first, plan, rank):
+                        raise fail("braided-independent", "the members of a braided block depend on each other; their units "
+                                   "interleave, so neither may need the other's result", idx, instr)
                 for op in compute_ops(instr):
                     for dep in _deps(op, plan, rank):
                         if dep in own:

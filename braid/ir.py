@@ -14,6 +14,7 @@ Every instruction is a small frozen value with one compact text form that parses
     W3c1          the deferred weight-gradient pass of B3c1
     BW3c1         full backward: activation *and* weight gradients
     F9c1&B3c1     braided block: units of F9c1 interleaved with units of B3c1
+    F7c0&B2c1     cross-chunk braided block (DualPipeV's overlapped forward/backward pair)
     SEND_A3c0>1   send the output activation of F3c0 to rank 1
     RECV_A3c1<0   receive the input activation of F3c1 from rank 0
     SEND_G3c1>0   send the input gradient produced by B3c1 to rank 0
@@ -80,7 +81,8 @@ class Compute:
 
 # Which pairs may be braided. The first member is always a forward; the paper's authors'
 # schedule uses F&F (warm-up), F&W (warm-up, cool-down) and F&B (steady state, with the weight
-# gradient split off -- B -- or not -- BW).
+# gradient split off -- B -- or not -- BW). The backward or weight member may act on the other
+# chunk (DualPipeV overlaps the forward of one chunk with the backward of the other).
 BRAIDABLE: frozenset[tuple[OpKind, OpKind]] = frozenset(
     {(OpKind.F, OpKind.F), (OpKind.F, OpKind.W), (OpKind.F, OpKind.B), (OpKind.F, OpKind.BW)}
 )
@@ -88,11 +90,13 @@ BRAIDABLE: frozenset[tuple[OpKind, OpKind]] = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class Braided:
-    """Two compute ops of different micro-batches run as one block at unit granularity.
+    """Two compute ops of different micro-batches or chunks run as one block at unit granularity.
 
     The units of ``first`` and ``second`` alternate (see :mod:`braid.braiding`), so every
-    TP all-reduce of one op is in flight while the other op computes. For F&B blocks both
-    ops act on the same chunk and the forward micro-batch is the later one.
+    TP all-reduce of one op is in flight while the other computes. An F&B block on one chunk
+    pairs a later forward micro-batch with an earlier backward one (the paper's blocks); a
+    *cross-chunk* block (``F7c0&B2c1``, DualPipeV's overlapped pair) may pair any micro-batches.
+    The members must not depend on each other (the compiler's validator checks that).
     """
 
     first: Compute
@@ -107,15 +111,16 @@ class Braided:
             )
         if self.first.key == self.second.key:
             raise ValueError(f"cannot braid {self.first}&{self.second}: both act on the same (mb, chunk)")
-        if self.second.kind in (OpKind.B, OpKind.BW):
-            if self.first.chunk != self.second.chunk:
-                raise ValueError(
-                    f"F&B block {self.first}&{self.second} must pair the same chunk (units are matched one to one)"
-                )
-            if self.first.mb <= self.second.mb:
-                raise ValueError(
-                    f"F&B block {self.first}&{self.second}: the forward micro-batch must be larger than the backward one"
-                )
+        if self.second.kind in (OpKind.B, OpKind.BW) and self.cross_chunk is False and self.first.mb <= self.second.mb:
+            raise ValueError(
+                f"F&B block {self.first}&{self.second} on one chunk: the forward micro-batch must be larger than the "
+                "backward one (pair chunks differently for a cross-chunk block)"
+            )
+
+    @property
+    def cross_chunk(self) -> bool:
+        """Whether the two members act on different local chunks."""
+        return self.first.chunk != self.second.chunk
 
     @property
     def ops(self) -> tuple[Compute, Compute]:

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from braid.braiding import Phase, steps
+from braid.braiding import Phase, carries, steps
 from braid.costs import CostModel
 from braid.offload import RELEASE_AFTER
 from braid.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
@@ -104,6 +104,9 @@ class _Rank:
     mem_t: list[float] = field(default_factory=list)
     mem_d: list[float] = field(default_factory=list)
     stats: RankStats = field(default_factory=RankStats)
+    carries: dict = field(default_factory=dict)  # instruction index -> braiding.Carry
+    hoist: tuple | None = None  # (next compute index, carried all-reduce end) until its first task ran
+    resume: dict = field(default_factory=dict)  # compute index -> row state after its hoisted first task
 
 
 # Enum members bound once: looking them up on the enum class is slow in the per-instruction paths.
@@ -126,6 +129,9 @@ class Engine:
         self.record = record
         self.events: list[Event] = []
         self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
+        if lay.tp > 1:
+            for rs in self.ranks:
+                rs.carries = carries(rs.prog, costs.spec_of(rs.rank))
         self._tables: dict[tuple[int, tuple], _Table] = {}
         self._posted: dict[tuple, tuple[int, float, int, Instruction]] = {}
         self._routes: dict[tuple, int] = {}
@@ -134,10 +140,11 @@ class Engine:
         self._tp = lay.tp > 1
 
     # -- step tables ----------------------------------------------------------------
-    def _table(self, rank: int, instr: Compute | Braided) -> _Table:
+    def _table(self, rank: int, instr: Compute | Braided, carried: bool = False) -> _Table:
         """Unit rows of an instruction shape (its mb numbers do not matter), cached, with the
-        per-member memory totals and the nominal compute time of the whole instruction."""
-        shape_key = (rank, _shape(instr))
+        per-member memory totals and the nominal compute time of the whole instruction.
+        ``carried``: its last all-reduce runs beside the next instruction's first unit task."""
+        shape_key = (rank, _shape(instr), carried)
         hit = self._tables.get(shape_key)
         if hit is not None:
             return hit
@@ -164,6 +171,8 @@ class Engine:
                 nxt = tasks[k + 1]
                 if not (nxt.task.waits_ar and nxt.member == st.member):
                     ar *= stretch
+            elif ar and carried:  # the next instruction's first task runs beside it
+                ar *= stretch
             label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
             rows.append((st.member, dur, ar, st.task.waits_ar, label, ph.value, dmem, u.tmp))
             totals[st.member] += dmem
@@ -198,9 +207,38 @@ class Engine:
         return ready
 
     def _compute(self, rs: _Rank, instr: Compute | Braided, idx: int) -> None:
+        """Run a compute instruction (the rest of it, if its first unit task was hoisted)."""
         ops = (instr,) if isinstance(instr, Compute) else instr.ops
+        carry = rs.carries.get(idx) if self._tp else None
+        rows, totals, nominal = self._table(rs.rank, instr, carry is not None)
+        resumed = rs.resume.pop(idx, None)
+        if resumed is None:
+            t0 = self._compute_start(rs, instr, idx)
+            state = (t0, t0, [0.0, 0.0], None)
+            first = 0
+        else:  # the inputs of its other member may have arrived after the hoisted task
+            state, first = (max(rs.t, resumed[0]),) + resumed[1:], 1
+            nominal -= rows[0][1]  # counted when the hoisted task ran
+        t, tp_free, pend, ar_start = self._rows(rs, instr, idx, rows, first, len(rows), state)
+        if carry is not None and rows[-1][2] > 0.0:
+            # The last all-reduce stays in flight into the next instruction; the earlier ones
+            # (queued before it on the TP stream) are done when it starts.
+            if ar_start > t:
+                rs.stats.tp_exposed_s += ar_start - t
+                t = ar_start
+            rs.hoist = (carry.into, tp_free)
+        elif tp_free > t:
+            rs.stats.tp_exposed_s += tp_free - t
+            t = tp_free
+        for op, tot in zip(ops, totals):
+            rs.resident[op.key] = rs.resident.get(op.key, 0.0) + tot
+        rs.stats.nominal_compute_s += nominal
+        rs.t = t
+
+    def _compute_start(self, rs: _Rank, instr: Compute | Braided, idx: int) -> float:
+        """When a compute instruction may start: reloads landed, due offloads released."""
         t0 = rs.t
-        for op in ops:
+        for op in ((instr,) if isinstance(instr, Compute) else instr.ops):
             if op.kind is _F:
                 continue
             if op.key in rs.offloaded:
@@ -209,20 +247,53 @@ class Engine:
             t0 = max(t0, rs.reload_end.get(op.key, 0.0))
         if rs.releasing:
             t0 = self._release(rs, t0)
-        rows, totals, nominal = self._table(rs.rank, instr)
+        return t0
+
+    def _hoisted(self, rs: _Rank) -> bool:
+        """Run the first unit task of the next compute instruction beside a carried all-reduce, then
+        wait for that all-reduce (:func:`braid.braiding.carries`). False if its input has not arrived."""
+        j, carry_end = rs.hoist
+        instr = rs.prog[j]
+        rows, _, _ = self._table(rs.rank, instr, j in rs.carries)
+        op = instr if isinstance(instr, Compute) else instr.ops[rows[0][0]]
+        if op.kind is not _W:
+            key = (_ACT if op.kind is _F else _GRAD, op.mb, op.chunk)
+            if key in rs.expected:
+                arrived = rs.arrived.get(key)
+                if arrived is None:
+                    rs.blocked_on = key
+                    return False
+                rs.expected.discard(key)
+                del rs.arrived[key]
+                rs.t = max(rs.t, arrived)
+        rs.hoist = None
+        t0 = self._compute_start(rs, instr, j)
+        t, tp_free, pend, ar_start = self._rows(rs, instr, j, rows, 0, 1, (t0, max(t0, carry_end), [0.0, 0.0], None))
+        rs.stats.nominal_compute_s += rows[0][1]
+        if carry_end > t:  # the carried all-reduce must be done before the instruction goes on
+            rs.stats.tp_exposed_s += carry_end - t
+            t = carry_end
+        rs.resume[j] = (t, tp_free, pend, ar_start)
+        rs.t = t
+        return True
+
+    def _rows(self, rs: _Rank, instr: Compute | Braided, idx: int, rows, first: int, stop: int, state):
+        """Time unit rows ``first:stop`` from ``state`` = (t, TP stream free, pending all-reduce end
+        per member, last all-reduce start); returns the new state."""
+        t, tp_free, pend, s = state
         f = self.costs.ar_slowdown
         rank = rs.rank
         mem_t, mem_d = rs.mem_t.append, rs.mem_d.append
+        ops = (instr,) if isinstance(instr, Compute) else instr.ops
         # Event fields that depend on the member, not the unit: (name, mb, chunk).
         who = [(str(op), op.mb, op.chunk) for op in ops] if self.record else None
         block = str(instr) if who is not None and isinstance(instr, Braided) else None
         ev = self.events.append
-        t = tp_free = t0
-        pend = [0.0, 0.0]
         busy = exposed = 0.0
         host, host_s = rs.host, self.costs.host_task_s
         # The hot loop of the simulator, one pass per unit task: locals only.
-        for member, dur, ar, waits, label, phase, dmem, tmp in rows:
+        for k in range(first, stop):
+            member, dur, ar, waits, label, phase, dmem, tmp = rows[k]
             if host_s:
                 host += host_s  # the host issues this task
                 if host > t:
@@ -256,16 +327,10 @@ class Engine:
                     ev(Event(rank, "tp-comm", name, "AR", s, ar, mb, chunk, label, block, idx))
             t = end
         rs.host = host
-        if tp_free > t:
-            exposed += tp_free - t
-            t = tp_free
-        for op, tot in zip(ops, totals):
-            rs.resident[op.key] = rs.resident.get(op.key, 0.0) + tot
         st = rs.stats
         st.compute_s += busy
-        st.nominal_compute_s += nominal
         st.tp_exposed_s += exposed
-        rs.t = t
+        return t, tp_free, pend, s
 
     # -- host copies ---------------------------------------------------------------------
     def _copy_time(self, rs: _Rank, nbytes: float, start: float, other: list[tuple[float, float]]) -> float:
@@ -394,6 +459,8 @@ class Engine:
         """Run a rank until it finishes, parks to post comm in time order, or waits for a receive."""
         prog, n = rs.prog, len(rs.prog)
         while rs.pc < n:
+            if rs.hoist is not None and not self._hoisted(rs):
+                return  # woken by the matching send's post
             ins = prog[rs.pc]
             if isinstance(ins, (Compute, Braided)):
                 ready = self._inputs_ready(rs, ins)

@@ -74,6 +74,22 @@ def _tp_comm(ctx, groups, backend: str):
     return ctx.groups[key]
 
 
+def _check_carried_overlap(program, chunks, trace, where: str) -> None:
+    """Every carried all-reduce is in flight, in the measured trace, while the next compute
+    instruction's first unit task runs (:func:`braid.braiding.carries`)."""
+    from braid.braiding import carries, steps
+
+    for i, carry in carries(program.instructions, lambda c: chunks[c].spec).items():
+        last = steps(program.instructions[i], lambda c: chunks[c].spec)[-1]
+        ar = [e for e in trace.events if e.kind == "AR" and e.op_index == i and e.unit == last.task.label.split(":", 1)[1]
+              and e.mb == carry.op.mb and e.chunk == carry.op.chunk]
+        head = [e for e in trace.events if e.lane == "compute" and e.op_index == carry.into]
+        assert len(ar) == 1 and head, f"{where}: carried all-reduce of op {i} or the first unit of op {carry.into} not traced"
+        first = min(head, key=lambda e: e.start)
+        assert ar[0].start <= first.start and ar[0].start + ar[0].dur >= first.start + first.dur, (
+            f"{where}: the carried all-reduce of op {i} ({ar[0]}) does not span op {carry.into}'s first unit ({first})")
+
+
 def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol: tuple[float, float] = (1e-4, 1e-5),
                 tp_backend: str | None = None) -> list[tuple[str, int, dict]]:
     """Run each (schedule, m) for two AdamW steps and compare with the single-process reference.
@@ -136,6 +152,8 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
                 assert n_ar_events == res.counts["AR"], where
                 assert all(e.lane == "tp-comm" for e in res.trace.events if e.kind == "AR"), where
                 assert res.trace.memory[c.pp], where
+                if tp > 1:
+                    _check_carried_overlap(program, chunks, res.trace, where)
             opt.step()
         final = build_rank_chunks(ref, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
         for ci, ch in chunks.items():

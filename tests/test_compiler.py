@@ -103,6 +103,19 @@ def test_duplicated_forward_is_caught():
     assert e.value.rule == "unique-op" and e.value.rank == 0
 
 
+def test_braided_members_that_depend_on_each_other_are_caught():
+    # V placement, p=2: rank 1 holds stages 1 and 2, so F0c1 (stage 2) needs F0c0 (stage 1) on
+    # the same rank; braiding the two would interleave a consumer with its producer.
+    plan = v_shape_braided(2)
+    progs = compile_plan(plan)
+    ins = [i for i in progs[1].instructions if str(i) not in ("F0c0", "F0c1")]
+    k = next(i for i, x in enumerate(progs[1].instructions) if str(x) == "F0c0")
+    ins.insert(k, Braided(Compute(OpKind.F, 0, 0), Compute(OpKind.F, 0, 1)))
+    with pytest.raises(ScheduleError, match=r"rank 1, op \d+ \(F0c0&F0c1\): the members of a braided block depend") as e:
+        validate_programs(plan, _replace(progs, 1, ins))
+    assert e.value.rule == "braided-independent"
+
+
 def test_cross_rank_cycle_in_comm_order_is_caught():
     plan, progs = _progs()
     # Move rank 1's first send of a gradient before the receive of the activation it depends on

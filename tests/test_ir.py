@@ -68,7 +68,6 @@ def test_text_forms_are_compact_and_explicit():
     "text, message",
     [
         ("F3c0&B5c0", "forward micro-batch must be larger"),
-        ("F9c0&B3c1", "same chunk"),
         ("B3c0&F9c0", "allowed pairs"),
         ("F3c0&W3c0", r"same \(mb, chunk\)"),
         ("X3c0", "cannot parse"),
@@ -78,6 +77,12 @@ def test_text_forms_are_compact_and_explicit():
 def test_invalid_instructions_raise(text, message):
     with pytest.raises(ValueError, match=message):
         parse_instruction(text)
+
+
+@pytest.mark.parametrize("text", ["F9c0&B3c1", "F2c0&B7c1", "F4c1&BW4c0", "F3c1&W5c0"])
+def test_cross_chunk_blocks_parse_back_with_any_micro_batches(text):
+    block = parse_instruction(text)
+    assert isinstance(block, Braided) and block.cross_chunk and str(block) == text
 
 
 def test_placements():

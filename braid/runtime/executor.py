@@ -6,7 +6,9 @@ in the order :func:`braid.braiding.steps` gives (the braid pattern is defined th
 A unit task with ``ar`` starts an async TP all-reduce of its output
 (``dist.all_reduce(..., async_op=True)``: NCCL runs it on its own stream ordered by
 events, gloo on its worker thread); the next F/B task of the same op waits for it, and an
-instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3).
+instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
+trailing one that :func:`braid.braiding.carries` carries into the next compute instruction,
+whose first unit task then runs beside it, as the simulator models.
 
 P2P is asynchronous, as the simulator models it: consecutive Send/Recv instructions go out
 as one ``batch_isend_irecv`` (see :mod:`braid.runtime.p2p`) without waiting; a received
@@ -39,7 +41,7 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.braiding import ChunkSpec, UnitTask
+from braid.braiding import ChunkSpec, UnitTask, carries
 from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
 from braid.braiding import steps as braid_steps
 from braid.models.build import build_rank_chunks  # noqa: F401 - moved to braid.models.build; callers import it from here too
@@ -168,6 +170,8 @@ class Executor:
         compiled.set_compiled(chunks.values(), self.compiled)
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
+        # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
+        self._carries = carries(program.instructions, self._spec) if tp_group is not None else {}
 
     @staticmethod
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
@@ -206,6 +210,7 @@ class Executor:
         self.counts = {"braided": 0, "W": 0, "B": 0, "F": 0, "AR": 0, "P2P": 0}
         self._recvs: dict[tuple[CommKind, int, int], tuple[list[dist.Work], Transfer, Any]] = {}
         self._sends: list[tuple[list[dist.Work], Transfer, Any]] = []
+        self._resume: dict[int, tuple[dict[int, _Pending], Any]] = {}  # hoisted first unit task ran
         instrs = self.program.instructions
         i = 0
         try:
@@ -258,79 +263,129 @@ class Executor:
 
     # -- compute -------------------------------------------------------------------------
     def _compute(self, idx: int, ins: Compute | Braided) -> None:
+        """Run a compute instruction, or the rest of it when its first unit task was hoisted.
+
+        A carried all-reduce (:func:`braid.braiding.carries`): the next compute instruction's
+        first unit task runs here, beside it, before the Send/Recv run in between is posted;
+        then the all-reduce is waited for and its op finalised.
+        """
         ops = compute_ops(ins)
         block = str(ins) if isinstance(ins, Braided) else None
+        bound, phases = self._steps_of(idx, ins)
+        resumed = self._resume.pop(idx, None)
+        if resumed is None:
+            self._prepare(idx, ins, ops, ops)
+            pending: dict[int, _Pending] = {}
+            s, first = self.clock.mark() if self._rec == "instructions" else None, 0
+        else:
+            head_op = bound[0][1]
+            self._prepare(idx, ins, ops, [op for op in ops if op != head_op], fresh=False)
+            pending, s = resumed
+            first = 1
+        self._run_steps(idx, block, bound, first, len(bound), pending)
+        for kind, n in phases.items():
+            self.counts[kind] += n
+        carry = self._carries.get(idx)
+        last_member = bound[-1][0]
+        carried = pending.pop(last_member, None) if carry is not None and bound[-1][4] else None
+        for member in sorted(pending):
+            self._wait_pending(pending.pop(member))
+        if self._rec == "instructions":
+            e = self.clock.mark()
+            for op in ops:  # one event per op, spanning the whole instruction (unit: None)
+                kind = "B" if op.kind is OpKind.BW else op.kind.value
+                self._events.append(("compute", str(op), kind, s, e, op.mb, op.chunk, None, block, idx, None))
         for op in ops:
+            if carried is None or op != carried.op:
+                self._finish_op(op)
+        if carried is not None:
+            self._run_head(carry.into, self.program.instructions[carry.into])
+            self._wait_pending(carried)
+            self._finish_op(carried.op)
+        self._sample_memory()
+
+    def _prepare(self, idx: int, ins: Compute | Braided, ops: Sequence[Compute], inputs: Sequence[Compute],
+                 *, fresh: bool = True) -> None:
+        """Before an instruction's units: receive the inputs of ``inputs`` and check them; when
+        ``fresh`` (its first unit has not run), also advance the offloader and wait for reloads."""
+        for op in inputs:
             if op.kind is not OpKind.W:
                 key = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
                 if key in self._recvs:
                     self._finish_transfer(*self._recvs.pop(key))
         for op in ops:
-            ch = self.chunks.get(op.chunk)
-            if ch is None:
+            if self.chunks.get(op.chunk) is None:
                 raise ChunkStateError(f"no local chunk {op.chunk} (v={self.plan.v})")
+        for op in inputs:
+            ch = self.chunks[op.chunk]
             if op.kind is OpKind.F and not ch.has_input(op.mb):
                 raise ChunkStateError(f"{op} before its input activation was received")
             if op.kind in (OpKind.B, OpKind.BW) and not ch.has_output_grad(op.mb):
                 raise ChunkStateError(f"{op} before its output gradient was received")
+        if not fresh:
+            return
         self.offloader.advance()
         for op in ops:
             if op.kind is not OpKind.F:  # the reload of its activations must have landed
                 self.offloader.wait((op.chunk, op.mb))
-        if block is not None:
+        if isinstance(ins, Braided):
             self.counts["braided"] += 1
-        bound, phases = self._steps_of(idx, ins)
-        rec = self._rec
+
+    def _run_head(self, idx: int, ins: Compute | Braided) -> None:
+        """Run the first unit task of instruction ``idx`` early (beside a carried all-reduce)."""
+        bound, _ = self._steps_of(idx, ins)
+        try:
+            self._prepare(idx, ins, compute_ops(ins), [bound[0][1]])
+            s = self.clock.mark() if self._rec == "instructions" else None
+            pending: dict[int, _Pending] = {}
+            self._run_steps(idx, str(ins) if isinstance(ins, Braided) else None, bound, 0, 1, pending)
+        except (ChunkStateError, StashError, OffloadStateError) as err:
+            raise self._fail(idx, ins, err) from err
+        self._resume[idx] = (pending, s)
+
+    def _run_steps(self, idx: int, block: str | None, bound: Sequence[_Bound], first: int, stop: int,
+                   pending: dict[int, _Pending]) -> None:
+        """Run unit steps ``first:stop``; an all-reduce a step starts stays in ``pending`` for its member."""
         mark = self.clock.mark
         chunks, tp, events = self.chunks, self.tp_group, self._events
-        pending: dict[int, _Pending] = {}
-        if rec == "units":
-            for member, op, task, waits, ar, name, kind, unit in bound:
-                if waits and member in pending:
-                    self._wait_ar(pending.pop(member))
+        timed = self._rec == "units"
+        for k in range(first, stop):
+            member, op, task, waits, ar, name, kind, unit = bound[k]
+            if waits and member in pending:
+                self._wait_pending(pending.pop(member))
+            if timed:
                 s = mark()
                 out = chunks[op.chunk].run(op.mb, task)
                 e = mark()
                 events.append(("compute", name, kind, s, e, op.mb, op.chunk, unit, block, idx, None))
-                if ar and out is not None and tp is not None:
-                    # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
-                    pending[member] = _Pending(self.tp_comm.all_reduce(out), e, op, unit, block, idx)
-                    self.counts["AR"] += 1
-        else:  # one clock pair per instruction at most; all-reduces are waited for, not timed
-            s = mark()
-            works: dict[int, dist.Work] = {}
-            for member, op, task, waits, ar, name, kind, unit in bound:
-                if waits and member in works:
-                    self._wait(works.pop(member))
+            else:
                 out = chunks[op.chunk].run(op.mb, task)
-                if ar and out is not None and tp is not None:
-                    works[member] = self.tp_comm.all_reduce(out)
-                    self.counts["AR"] += 1
-            for member in sorted(works):
-                self._wait(works.pop(member))
-            if rec == "instructions":
-                e = mark()
-                for op in ops:  # one event per op, spanning the whole instruction (unit: None)
-                    kind = "B" if op.kind is OpKind.BW else op.kind.value
-                    events.append(("compute", str(op), kind, s, e, op.mb, op.chunk, None, block, idx, None))
-        for kind, n in phases.items():
-            self.counts[kind] += n
-        for member in sorted(pending):
-            self._wait_ar(pending.pop(member))
-        for op in ops:
-            ch = self.chunks[op.chunk]
-            stage = self.plan.stage_of(self.rank, op.chunk)
-            if op.kind is OpKind.F:
-                ch.end_forward(op.mb)
-                nxt = stage + 1
-                if nxt < self.plan.num_stages and self.plan.rank_chunk_of(nxt)[0] == self.rank:
-                    self.chunks[self.plan.rank_chunk_of(nxt)[1]].set_input(op.mb, ch.pop_output(op.mb))
-            elif op.kind in (OpKind.B, OpKind.BW):
-                ch.end_backward(op.mb)
-                prv = stage - 1
-                if prv >= 0 and self.plan.rank_chunk_of(prv)[0] == self.rank:
-                    self.chunks[self.plan.rank_chunk_of(prv)[1]].set_output_grad(op.mb, ch.pop_input_grad(op.mb))
-        self._sample_memory()
+                e = None
+            if ar and out is not None and tp is not None:
+                # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
+                pending[member] = _Pending(self.tp_comm.all_reduce(out), e, op, unit, block, idx)
+                self.counts["AR"] += 1
+
+    def _wait_pending(self, p: _Pending) -> None:
+        if self._rec == "units":
+            self._wait_ar(p)
+        else:  # all-reduces are waited for, not timed
+            self._wait(p.work)
+
+    def _finish_op(self, op: Compute) -> None:
+        """After all of an op's all-reduces: its output or input gradient is ready; hand it to a local chunk."""
+        ch = self.chunks[op.chunk]
+        stage = self.plan.stage_of(self.rank, op.chunk)
+        if op.kind is OpKind.F:
+            ch.end_forward(op.mb)
+            nxt = stage + 1
+            if nxt < self.plan.num_stages and self.plan.rank_chunk_of(nxt)[0] == self.rank:
+                self.chunks[self.plan.rank_chunk_of(nxt)[1]].set_input(op.mb, ch.pop_output(op.mb))
+        elif op.kind in (OpKind.B, OpKind.BW):
+            ch.end_backward(op.mb)
+            prv = stage - 1
+            if prv >= 0 and self.plan.rank_chunk_of(prv)[0] == self.rank:
+                self.chunks[self.plan.rank_chunk_of(prv)[1]].set_output_grad(op.mb, ch.pop_input_grad(op.mb))
 
     def _steps_of(self, idx: int, ins: Compute | Braided) -> tuple[tuple[_Bound, ...], dict[str, int]]:
         """The unit steps of instruction ``idx``, bound to its ops, and its unit count per phase.

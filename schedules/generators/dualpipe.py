@@ -2,11 +2,12 @@
 
 Rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1). DualPipeV overlaps the forward
 of one chunk with the backward of the *other* chunk (different micro-batches, different
-chunks) to hide expert-parallel communication. Our braided blocks only pair the same chunk
-(the units must match one to one, :class:`braid.ir.Braided`), so each overlapped pair is
-emitted as two consecutive plain ops, forward first -- the order DualPipe's notation
-"F0B1F1B0" names them in. The phases and their closed-form counts follow DualPipe's
-``step()``; like DualPipe we require m >= 2p.
+chunks) to hide expert-parallel communication. braid emits each overlapped pair as a
+cross-chunk braided block (``F7c0&BW2c1``), so the units interleave and the TP all-reduces
+of one member hide behind the other's compute -- the pairs torch's ``ScheduleDualPipeV``
+marks ``OVERLAP_F_B``, forward first as DualPipe's notation "F0B1F1B0" names them. The
+phases and their closed-form counts follow DualPipe's ``step()``; like DualPipe we require
+m >= 2p.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from braid.schedules.generators._common import RankBuilder, check_chunks, make_p
 from braid.schedules.registry import register
 
 
-@register("dualpipe_v", v=2, placement="v", description="DeepSeek DualPipeV: V placement, overlapped F/B pairs as consecutive ops")
+@register("dualpipe_v", v=2, placement="v", description="DeepSeek DualPipeV: V placement, overlapped F/B pairs as cross-chunk braided blocks")
 def dualpipe_v(cfg: ScheduleConfig) -> Plan:
     """DualPipeV for m >= 2p."""
     check_chunks("dualpipe_v", cfg, 2)
@@ -41,17 +42,20 @@ def _rank_ops(p: int, m: int, r: int) -> list:
         if rb.pending_w:
             rb.w()
         rb.f(1)
-    # Step 4 (main): nF0B1F1B0, each overlapped pair as two plain ops.
-    for _ in range(m - 2 * p + r + 1):
-        rb.f(0)
-        rb.b(1)
-        rb.f(1)
-        rb.b(0)
-    # Step 5: nB1F1B0.
+    # Step 4 (main): n(F0&B1, F1&B0), each overlapped pair one cross-chunk braided block. Like
+    # torch, the last rank runs its first F0, B1 pair unbraided (F0's output feeds its own F1
+    # right after, so it should not wait for B1's units).
+    for i in range(m - 2 * p + r + 1):
+        if i == 0 and r == p - 1:
+            rb.f(0)
+            rb.b(1)
+        else:
+            rb.braid(rb.next_f(0), rb.next_b(1, split=False))
+        rb.braid(rb.next_f(1), rb.next_b(0, split=False))
+    # Step 5: n(B1, F1&B0).
     for _ in range(p - r - 1):
         rb.b(1)
-        rb.f(1)
-        rb.b(0)
+        rb.braid(rb.next_f(1), rb.next_b(0, split=False))
     # Step 6: nB1B0, weight-gradient split switched on half-way (rank parity decides
     # whether before B1 or before B0).
     split = False
