@@ -205,6 +205,28 @@ def vision_inputs(cfg: Qwen2VLConfig, pixels: torch.Tensor | None, image_grid_th
     return pixels, image_grid_thw
 
 
+def split_item(cfg: Qwen2VLConfig, item: tuple, pixels: bool = True
+               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """A pipeline micro-batch item -> ``(pixel_values, input_ids, image_grid_thw)``.
+
+    Items are ``(pixel_values, input_ids, image_grid_thw)`` (HF processor outputs) or
+    ``(images (b, c, H, W), input_ids)`` (one image per sample). ``pixels=False`` skips
+    building ``pixel_values`` from images (the LM chunks need only the grids).
+    """
+    if len(item) == 3:
+        return item[0], item[1], item[2]
+    if len(item) != 2:
+        raise ValueError(f"a VLM micro-batch is (pixel_values, input_ids, image_grid_thw) or (images, input_ids), got {len(item)} tensors")
+    images, ids = item
+    if images.dim() != 4:
+        raise ValueError(f"(images, input_ids) items need images (b, c, H, W), got shape {tuple(images.shape)}")
+    if pixels:
+        pv, grid = patchify(images, cfg.vit)
+        return pv, ids, grid
+    b, _, hgt, wid = images.shape
+    return None, ids, torch.tensor([[1, hgt // cfg.vit.patch, wid // cfg.vit.patch]] * b, device=images.device)
+
+
 class Qwen2VLModel(nn.Module):
     """Vision tower + Qwen2 language model with M-RoPE; the single-device reference of the pipelined runs."""
 
@@ -311,4 +333,4 @@ def lm_forward_flops(lm: Qwen2Config, seq: int) -> float:
 
 
 __all__ = ["IGNORE_INDEX", "MRopeLayer", "PRESETS", "Qwen2VLConfig", "Qwen2VLModel", "mrope", "rope_index",
-           "shift_labels", "vision_inputs", "vlm_preset", "vlm_stage_layers", "vlm_train_flops_per_sample"]
+           "shift_labels", "split_item", "vision_inputs", "vlm_preset", "vlm_stage_layers", "vlm_train_flops_per_sample"]
