@@ -87,6 +87,8 @@ PRESETS: dict[str, Qwen2VLConfig] = {
                          _QWEN2_VL_7B_VIT, (16, 24, 24), 151655, 151652, 151653),
 }
 
+LM_PRESETS: dict[str, Qwen2Config] = {name: cfg.lm for name, cfg in PRESETS.items()}  # the LLM example's presets
+
 
 def vlm_preset(name: str, image_size: int | None = None, kind: str | None = None) -> Qwen2VLConfig:
     """A preset by name (``tiny``, ``small``, ``7b``, ``15b``).
@@ -234,6 +236,7 @@ class Qwen2VLModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.visual = VisionTower(cfg.vit, cfg.lm.hidden)
+        self.visual.vl_cfg = cfg  # token ids and M-RoPE for stage wrappers that hold the tower only (braid.baselines)
         self.lm = Qwen2Model(cfg.lm)
         self.lm.layers = nn.ModuleList(MRopeLayer.from_layer(lay, cfg.mrope_section) for lay in self.lm.layers)
         self.reset_parameters()
@@ -280,13 +283,22 @@ class Qwen2VLModel(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
-def scatter_visual(x: torch.Tensor, input_ids: torch.Tensor, vis: torch.Tensor, image_token_id: int) -> torch.Tensor:
-    """``x`` (b, s, h) with the rows at image-pad tokens replaced, in order, by ``vis`` (n, h)."""
-    mask = input_ids == image_token_id
-    n = int(mask.sum())
-    if n != vis.shape[0]:
-        raise ValueError(f"input_ids hold {n} image tokens but the images give {vis.shape[0]} visual tokens")
-    return x.masked_scatter(mask.unsqueeze(-1), vis)
+def check_image_tokens(input_ids: torch.Tensor, visual_tokens: int, image_token_id: int) -> None:
+    """One clear error when ``input_ids`` do not hold one image-pad token per visual token (a host sync)."""
+    n = int((input_ids == image_token_id).sum())
+    if n != visual_tokens:
+        raise ValueError(f"input_ids hold {n} image tokens but the images give {visual_tokens} visual tokens")
+
+
+def scatter_visual(x: torch.Tensor, input_ids: torch.Tensor, vis: torch.Tensor, image_token_id: int,
+                   check: bool = True) -> torch.Tensor:
+    """``x`` (b, s, h) with the rows at image-pad tokens replaced, in order, by ``vis`` (n, h).
+
+    ``check=False`` skips the count check (done once per batch by the caller, off the hot path).
+    """
+    if check:
+        check_image_tokens(input_ids, vis.shape[0], image_token_id)
+    return x.masked_scatter((input_ids == image_token_id).unsqueeze(-1), vis)
 
 
 def check_right_padding(attention_mask: torch.Tensor) -> None:
@@ -332,5 +344,5 @@ def lm_forward_flops(lm: Qwen2Config, seq: int) -> float:
     return lm.layers * layer + 2 * seq * lm.hidden * lm.vocab_size
 
 
-__all__ = ["IGNORE_INDEX", "MRopeLayer", "PRESETS", "Qwen2VLConfig", "Qwen2VLModel", "mrope", "rope_index",
+__all__ = ["IGNORE_INDEX", "LM_PRESETS", "MRopeLayer", "PRESETS", "Qwen2VLConfig", "Qwen2VLModel", "mrope", "rope_index",
            "shift_labels", "split_item", "vision_inputs", "vlm_preset", "vlm_stage_layers", "vlm_train_flops_per_sample"]

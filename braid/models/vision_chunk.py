@@ -36,7 +36,8 @@ import torch.distributed as dist
 from braid.braiding import LAYER_UNITS, ChunkSpec, Unit
 from braid.ir import Plan
 from braid.models.chunk import ChunkStateError, ModelChunk, _Backward, _leaf, _Piece, build_chunk
-from braid.models.qwen2_vl import MRopeLayer, Qwen2VLConfig, Qwen2VLModel, rope_index, scatter_visual, split_item
+from braid.models.qwen2_vl import (MRopeLayer, Qwen2VLConfig, Qwen2VLModel, check_image_tokens, rope_index, scatter_visual,
+                                   split_item)
 from braid.models.vit import PatchMerger, VisionBlock, VisionLayout, check_pixels, parallelize_block, vision_layout
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, RowParallelLinear, _check_split, split_weight_grads
@@ -75,6 +76,7 @@ class VisionChunk(ModelChunk):
         for item in tokens:
             pixel_values, ids, grid = split_item(self.cfg, item)
             check_pixels(pixel_values, grid, self.vit)
+            check_image_tokens(ids, pixel_values.shape[0] // self.vit.merge ** 2, self.cfg.image_token_id)
             layout = vision_layout(grid, self.vit)
             x = layout.reorder(pixel_values, self.vit.merge ** 2)
             patches.append(x[:, self.tp_rank * n : (self.tp_rank + 1) * n].unsqueeze(0))  # (1, N, pd/t)
@@ -109,7 +111,7 @@ class VisionChunk(ModelChunk):
             if layout.reverse is not None:
                 vis = vis[layout.reverse]
             text = self.text_embed(ids)  # (b, s, H) partial
-            out = scatter_visual(text, ids, vis.to(text.dtype), self.cfg.image_token_id)
+            out = scatter_visual(text, ids, vis.to(text.dtype), self.cfg.image_token_id, check=False)
         self._saved[key] = [_Piece((x,), (h,), tuple(self.merger.ln_q.parameters())), _Piece((hl,), (out,))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]

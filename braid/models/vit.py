@@ -373,6 +373,7 @@ class VisionTower(nn.Module):
         self.patch_embed = nn.Linear(vit.patch_dim, vit.hidden, bias=False)
         self.blocks = nn.ModuleList(VisionBlock(vit, i) for i in range(vit.layers))
         self.merger = PatchMerger(vit, lm_hidden)
+        self.vl_cfg: object | None = None  # the Qwen2VLConfig of the model holding the tower (set by Qwen2VLModel)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``pixel_values`` (N, patch_dim), ``grid_thw`` (images, 3) -> (N / merge**2, lm_hidden) in image order."""
