@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.models.hf_qwen2_vl import config_from_hf, config_to_hf, state_dict_from_hf, state_dict_to_hf
+from braid.models.hf_qwen2_vl import config_from_hf, config_to_hf, model_from_hf, state_dict_from_hf, state_dict_to_hf
 from braid.models.qwen2_vl import Qwen2VLModel, rope_index, shift_labels
 
 pytest.importorskip("transformers", reason="the HF comparison needs transformers (pip install -e .[test])")
@@ -83,6 +83,11 @@ def test_hf_weights_give_hf_logits_and_loss(kind: str) -> None:
     valid = mask.bool()
     torch.testing.assert_close(got[valid], want.logits[valid], rtol=0, atol=1e-5)
     torch.testing.assert_close(loss, want.loss, rtol=0, atol=1e-5)
+    direct = model_from_hf(hf.config.to_dict(), hf.state_dict(), dtype=torch.float64)
+    assert all(p.dtype == torch.float64 and p.device.type == "cpu" for p in direct.parameters())
+    with torch.no_grad():
+        got64 = direct.logits(input_ids, pixel_values.double(), grid, attention_mask=mask)
+    torch.testing.assert_close(got64[valid].float(), want.logits[valid], rtol=0, atol=1e-5)
     hf_pos, _ = hf.model.get_rope_index(input_ids, (input_ids == IMAGE).int(), grid, None, attention_mask=mask)
     assert torch.equal(rope_index(cfg, input_ids, grid, mask)[:, valid], hf_pos[:, valid])
 

@@ -7,6 +7,7 @@ dict; reading and writing them belongs to the caller):
   ``qwen2_5_vl``; flat configs (the released ``config.json`` files: text fields at the top,
   ``rope_scaling.mrope_section``) and nested ones (``text_config``, ``rope_parameters``:
   what recent ``transformers`` write) are both read;
+* :func:`model_from_hf` -- both at once: the model, its weights assigned (meta-device build);
 * :func:`state_dict_from_hf` / :func:`state_dict_to_hf` -- weight names and shapes: the
   vision attention's fused ``qkv`` is split into q/k/v, the ``Conv3d`` patch embedding is
   braid's linear over flattened patches. Both HF layouts are read (``model.visual.*`` /
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from braid.models.qwen2 import Qwen2Config
-from braid.models.qwen2_vl import Qwen2VLConfig
+from braid.models.qwen2_vl import Qwen2VLConfig, Qwen2VLModel
 from braid.models.vit import ViTConfig
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -62,6 +63,7 @@ def config_from_hf(cfg: dict[str, Any]) -> Qwen2VLConfig:
     if lm.head_dim != text.get("head_dim", lm.head_dim):
         raise ValueError(f"head_dim {text['head_dim']} != hidden_size / num_attention_heads = {lm.head_dim} is not supported")
     vrope = (vis.get("rope_parameters") or {}).get("rope_theta", 10_000.0)
+    image_size = vis["patch_size"] * vis["spatial_merge_size"] * 16  # the examples' default image: 448 px for patch 14
     common = dict(kind=kind, layers=vis["depth"], heads=vis["num_heads"], patch=vis["patch_size"],
                   temporal_patch=vis["temporal_patch_size"], merge=vis["spatial_merge_size"], channels=vis["in_channels"],
                   rope_theta=float(vrope))
@@ -69,14 +71,14 @@ def config_from_hf(cfg: dict[str, Any]) -> Qwen2VLConfig:
         if vis.get("hidden_act", "quick_gelu") != "quick_gelu":
             raise ValueError(f"Qwen2-VL vision hidden_act {vis['hidden_act']!r}: only quick_gelu is supported")
         hv = vis["embed_dim"]
-        vit = ViTConfig(hidden=hv, ffn=int(hv * vis["mlp_ratio"]), image_size=vis["patch_size"] * vis["spatial_merge_size"], **common)
+        vit = ViTConfig(hidden=hv, ffn=int(hv * vis["mlp_ratio"]), image_size=image_size, **common)
         out_hidden = vis["hidden_size"]
     else:
         if vis.get("hidden_act", "silu") != "silu":
             raise ValueError(f"Qwen2.5-VL vision hidden_act {vis['hidden_act']!r}: only silu is supported")
         vit = ViTConfig(hidden=vis["hidden_size"], ffn=vis["intermediate_size"], window=vis["window_size"],
                         full_attention_blocks=tuple(vis["fullatt_block_indexes"]),
-                        image_size=vis["patch_size"] * vis["spatial_merge_size"], **common)
+                        image_size=image_size, **common)
         out_hidden = vis["out_hidden_size"]
     if out_hidden != lm.hidden:
         raise ValueError(f"vision output size {out_hidden} != text hidden_size {lm.hidden}")
@@ -192,3 +194,15 @@ def state_dict_to_hf(cfg: Qwen2VLConfig, state: dict[str, torch.Tensor]) -> dict
             out[f"{vis}blocks.{i}.attn.qkv.{part}"] = torch.cat(
                 [state[f"visual.blocks.{i}.{p}_proj.{part}"] for p in ("q", "k", "v")], dim=0)
     return {k: t.detach().contiguous() for k, t in out.items()}
+
+
+def model_from_hf(config: dict[str, Any], tensors: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> Qwen2VLModel:
+    """braid's single-device model holding the HF weights (built on the meta device, no random init of real memory)."""
+    cfg = config_from_hf(config)
+    with torch.device("meta"):
+        model = Qwen2VLModel(cfg)
+    state = {k: t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+             for k, t in state_dict_from_hf(cfg, tensors).items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model
