@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.models.hf_qwen2_vl import config_from_hf, config_to_hf, model_from_hf, state_dict_from_hf, state_dict_to_hf
+from braid.models.hf_qwen2_vl import config_from_hf, config_to_hf, model_from_hf, state_dict_from_hf, state_dict_to_hf, weight_map
 from braid.models.qwen2_vl import Qwen2VLModel, rope_index, shift_labels
 
 pytest.importorskip("transformers", reason="the HF comparison needs transformers (pip install -e .[test])")
@@ -107,8 +107,11 @@ def test_braid_weights_load_in_transformers_with_equal_logits(kind: str) -> None
         got = model.logits(input_ids, pixel_values, grid, attention_mask=mask)
     valid = mask.bool()
     torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)
-    back = state_dict_from_hf(cfg, state_dict_to_hf(cfg, model.state_dict()))
+    hf_sd = state_dict_to_hf(cfg, model.state_dict())
+    back = state_dict_from_hf(cfg, hf_sd)
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+    names = weight_map(cfg)
+    assert sorted(names) == sorted(model.state_dict()) and set(names.values()) == set(hf_sd)
 
 
 def test_released_layout_and_flat_config_are_read() -> None:

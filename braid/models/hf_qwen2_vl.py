@@ -7,6 +7,7 @@ dict; reading and writing them belongs to the caller):
   ``qwen2_5_vl``; flat configs (the released ``config.json`` files: text fields at the top,
   ``rope_scaling.mrope_section``) and nested ones (``text_config``, ``rope_parameters``:
   what recent ``transformers`` write) are both read;
+* :func:`weight_map` -- which HF tensor each braid parameter comes from (for sharded reads);
 * :func:`model_from_hf` -- both at once: the model, its weights assigned (meta-device build);
 * :func:`state_dict_from_hf` / :func:`state_dict_to_hf` -- weight names and shapes: the
   vision attention's fused ``qkv`` is split into q/k/v, the ``Conv3d`` patch embedding is
@@ -154,6 +155,19 @@ def _name_pairs(cfg: Qwen2VLConfig, vis: str, lm: str) -> list[tuple[str, str]]:
         pairs += [(f"lm.layers.{i}.{n.split('.', 1)[1] if n.startswith(('self_attn.', 'mlp.')) else n}", f"{lm}layers.{i}.{n}")
                   for n in _LM_LAYER]
     return pairs
+
+
+def weight_map(cfg: Qwen2VLConfig, released: bool = False) -> dict[str, str]:
+    """braid parameter name -> the HF tensor it is read from (a slice of the fused ``qkv`` for q/k/v), so a
+    loader can read only the tensors of the parameters it needs. ``released``: the ``visual.*`` / ``model.*`` layout."""
+    vis, lm = ("visual.", "model.") if released else ("model.visual.", "model.language_model.")
+    out = dict(_name_pairs(cfg, vis, lm))
+    out["visual.patch_embed.weight"] = f"{vis}patch_embed.proj.weight"
+    for i in range(cfg.vit.layers):
+        for p in ("q", "k", "v"):
+            for part in ("weight", "bias"):
+                out[f"visual.blocks.{i}.{p}_proj.{part}"] = f"{vis}blocks.{i}.attn.qkv.{part}"
+    return out
 
 
 def state_dict_from_hf(cfg: Qwen2VLConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
