@@ -228,6 +228,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (xf * cos + rot * sin).to(x.dtype)
 
 
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention of ``q, k, v`` (1, heads, N, d) within consecutive segments of ``lengths``.
+
+    Runs of equal-length segments (the full windows of Qwen2.5-VL, equal images) go through
+    one batched attention call each.
+    """
+    outs, start, i = [], 0, 0
+    heads, d = q.shape[1], q.shape[-1]
+    while i < len(lengths):
+        j = i
+        while j < len(lengths) and lengths[j] == lengths[i]:
+            j += 1
+        n, L = j - i, lengths[i]
+        qs, ks, vs = (t[:, :, start : start + n * L].reshape(heads, n, L, d).transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1).reshape(1, heads, n * L, d))
+        start, i = start + n * L, j
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
@@ -288,9 +307,7 @@ class VisionBlock(nn.Module):
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Bidirectional attention within each segment (frame or window) and the out-projection (partial over TP)."""
-        lengths = self.layout.segments(self.full_attention)
-        parts = zip(*(t.split(lengths, dim=2) for t in (q, k, v)))
-        o = torch.cat([F.scaled_dot_product_attention(qs, ks, vs) for qs, ks, vs in parts], dim=2)
+        o = segment_attention(q, k, v, self.layout.segments(self.full_attention))
         b, _, n, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
