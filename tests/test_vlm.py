@@ -61,20 +61,26 @@ def _reference(model, mbs):
     return total, {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
 
-def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: str = "qwen2_vl") -> dict:
-    """Run one step of ``schedule`` on this rank's chunks; assert loss and gradients equal the reference."""
+def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: str = "qwen2_vl",
+                           tol: tuple[float, float] = (RTOL, ATOL)) -> dict:
+    """Run one step of ``schedule`` on this rank's chunks; assert loss and gradients equal the reference.
+
+    On the rank's CUDA device when the pool runs on GPUs (``ctx.dist.device``), else on the CPU.
+    """
     from braid import schedules
     from braid.compiler import compile_plan
     from braid.runtime.executor import Executor
     from braid.models.vision_chunk import build_vlm_rank_chunks
     from braid.topology import Topology
 
+    rtol, atol = tol
+    device = torch.device("cpu") if ctx is None else torch.device(ctx.dist.device)
     torch.manual_seed(7)
     cfg = vlm_preset("tiny", kind=kind)
-    model = Qwen2VLModel(cfg)
+    model = Qwen2VLModel(cfg).to(device)
     plan = schedules.build(schedule, pp, m)
     layers = vlm_stage_layers(cfg, plan.num_stages, last_stage_lighter=1)
-    mbs = _microbatches(cfg, m)
+    mbs = [(tuple(t.to(device) for t in item), labels.to(device)) for item, labels in _microbatches(cfg, m)]
     want_loss, want_grads = _reference(model, mbs)
     if ctx is None:
         pp_rank, tp_rank, kw, groups = 0, 0, {"pp_ranks": [0]}, None
@@ -88,11 +94,11 @@ def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: s
     if groups is None:
         ex = Executor(plan, program, chunks, act_shape=shape, **kw)
     else:
-        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=shape)
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=shape, device=device)
     res = ex.run([item for item, _ in mbs], [labels for _, labels in mbs])
     where = f"{kind} {schedule} pp={pp} tp={tp} m={m} rank={pp_rank}.{tp_rank}"
     if res.loss is not None:
-        torch.testing.assert_close(res.loss, want_loss, rtol=RTOL, atol=ATOL, msg=lambda s: f"{where} loss: {s}")
+        torch.testing.assert_close(res.loss, want_loss, rtol=rtol, atol=atol, msg=lambda s: f"{where} loss: {s}")
     grad_model = copy.deepcopy(model)
     with torch.no_grad():
         for n, p in grad_model.named_parameters():
@@ -103,7 +109,7 @@ def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: s
         want = dict(want_chunks[c].named_parameters())
         for n, p in ch.named_parameters():
             assert p.grad is not None, f"{where}: chunk {c} {n} has no gradient"
-            torch.testing.assert_close(p.grad, want[n], rtol=RTOL, atol=ATOL, msg=lambda s: f"{where} grad {c}.{n}: {s}")
+            torch.testing.assert_close(p.grad, want[n], rtol=rtol, atol=atol, msg=lambda s: f"{where} grad {c}.{n}: {s}")
             checked += 1
     return {"loss": res.loss, "checked": checked, "counts": res.counts, "merge": any(ch.spec.merge for ch in chunks.values())}
 
@@ -132,6 +138,20 @@ def test_tp2_and_pp2_equal_reference(pool2) -> None:
     pp_runs = pool2.run(compare_with_reference, "braided_v", 2, 1, 4, "qwen2_5_vl", timeout_s=120)
     assert [r["merge"] for r in pp_runs] == [True, False]  # the ViT sits on device 0 only
     assert pp_runs[0]["loss"] is not None and pp_runs[1]["loss"] is None  # V-shape: the head is on device 0 too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_gpus_tp2_and_pp2_equal_reference() -> None:
+    """NCCL, CUDA kernels (TF32 matmuls may be on: loose tolerances), both towers."""
+    pool = DistPool(2, timeout_s=120, device="cuda")
+    try:
+        for kind in ("qwen2_vl", "qwen2_5_vl"):
+            for pp, tp in ((1, 2), (2, 1)):
+                runs = pool.run(compare_with_reference, "braided_v", pp, tp, 4, kind, (2e-2, 2e-3), timeout_s=300)
+                assert all(r["checked"] > 0 for r in runs)
+    finally:
+        pool.close()
 
 
 def test_patch_order_matches_positions() -> None:
