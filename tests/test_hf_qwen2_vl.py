@@ -78,7 +78,8 @@ def test_hf_weights_give_hf_logits_and_loss(kind: str) -> None:
     input_ids, mask, pixel_values, grid, labels = _batch()
     with torch.no_grad():
         want = _hf_forward(hf, input_ids, mask, pixel_values, grid, labels)
-        got = model.logits(input_ids, pixel_values, grid, attention_mask=mask)
+        got = model.logits(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grid, attention_mask=mask,
+                           mm_token_type_ids=(input_ids == IMAGE).int())  # all the processor gives
         loss = model(pixel_values, input_ids, shift_labels(labels), grid)
     valid = mask.bool()
     torch.testing.assert_close(got[valid], want.logits[valid], rtol=0, atol=1e-5)
@@ -148,3 +149,7 @@ def test_bad_checkpoints_are_clear_errors() -> None:
         model.logits(input_ids, pixel_values, grid, attention_mask=mask.flip(1))
     with pytest.raises(ValueError, match="image tokens"):
         model.logits(input_ids, pixel_values, grid[[1, 0]], attention_mask=mask)
+    with pytest.raises(ValueError, match="mm_token_type_ids"):
+        model.logits(input_ids, pixel_values, grid, mm_token_type_ids=torch.zeros_like(input_ids))
+    with pytest.raises(ValueError, match="video"):
+        model.logits(input_ids, pixel_values, grid, video_grid_thw=grid)

@@ -261,8 +261,18 @@ class Qwen2VLModel(nn.Module):
         return scatter_visual(x, input_ids, vis.to(x.dtype), self.cfg.image_token_id)
 
     def logits(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-               image_grid_thw: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (b, s, vocab) for HF processor outputs; ``attention_mask`` may mark right padding only."""
+               image_grid_thw: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+               mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+               video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (b, s, vocab) for HF processor outputs (``model.logits(**processor(...))``).
+
+        ``attention_mask`` may mark right padding only; ``mm_token_type_ids`` (transformers 5)
+        must agree with the image-pad tokens; videos are refused.
+        """
+        if pixel_values_videos is not None or video_grid_thw is not None:
+            raise ValueError("video inputs are not supported by braid's Qwen2-VL yet; pass images only")
+        if mm_token_type_ids is not None and not torch.equal(mm_token_type_ids == 1, input_ids == self.cfg.image_token_id):
+            raise ValueError("mm_token_type_ids marks other tokens as image tokens than input_ids' image-pad tokens")
         if attention_mask is not None:
             check_right_padding(attention_mask)
         pixel_values, image_grid_thw = vision_inputs(self.cfg, pixel_values, image_grid_thw)
