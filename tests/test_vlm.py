@@ -177,6 +177,26 @@ def test_windows_tile_each_image() -> None:
     assert sorted(layout.order.tolist()) == list(range(22)) and torch.equal(layout.order[layout.reverse], torch.arange(22))
 
 
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_vision_block_units_compose_to_its_forward(kind: str) -> None:
+    from braid.braiding import Unit
+
+    torch.manual_seed(0)
+    model = Qwen2VLModel(vlm_preset("tiny", kind=kind))
+    block = model.visual.blocks[0]
+    block.layout = vision_layout(torch.tensor([[1, 8, 8]]), model.cfg.vit)
+    x = torch.randn(1, 64, model.cfg.vit.hidden)
+    acts = block.unit_forward(Unit.PRE_ATTN, block.unit_norm(Unit.PRE_ATTN)(x))
+    y = block.unit_forward(Unit.ATTN, *acts, residual=torch.zeros_like(x)) + x
+    acts = block.unit_forward(Unit.PRE_MLP, block.unit_norm(Unit.PRE_MLP)(y))
+    out = block.unit_forward(Unit.MLP, *acts, residual=torch.zeros_like(y)) + y
+    torch.testing.assert_close(out, block(x))
+    names = {Unit.PRE_MLP: ("fc1",), Unit.MLP: ("fc2",)} if kind == "qwen2_vl" else \
+        {Unit.PRE_MLP: ("gate_proj", "up_proj"), Unit.MLP: ("down_proj",)}
+    for unit, want in names.items():
+        assert block.unit_weights(unit) == tuple(getattr(block, n) for n in want)
+
+
 def test_image_items_equal_processor_items() -> None:
     torch.manual_seed(0)
     cfg = vlm_preset("tiny")

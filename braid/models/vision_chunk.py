@@ -85,7 +85,7 @@ class VisionChunk(ModelChunk):
         super().set_batch(patches, labels)
 
     def _norm_of(self, unit: Unit, layer: int) -> torch.nn.Module:
-        return self.layers[layer].norm_of(unit)
+        return self.layers[layer].unit_norm(unit)
 
     def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
         if unit is Unit.MERGE:
@@ -135,7 +135,7 @@ class VisionChunk(ModelChunk):
         if unit is Unit.MERGE:
             return [self.merger.fc1, self.merger.fc2, self.text_embed]
         if unit in LAYER_UNITS:
-            return self.layers[layer].unit_modules(unit)
+            return self.layers[layer].unit_weights(unit)
         return super()._deferred(unit, layer)
 
 

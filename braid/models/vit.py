@@ -267,6 +267,7 @@ class VisionBlock(nn.Module):
         self.head_dim = hd
         self.full_attention = cfg.full_attention(index)
         self.layout: VisionLayout | None = None
+        self.sp = None  # no sequence parallelism in the vision tower
         f = ffn or cfg.ffn
         norm = (lambda: nn.LayerNorm(h, eps=cfg.eps)) if cfg.kind == "qwen2_vl" else (lambda: RMSNorm(h, cfg.eps))
         self.norm1, self.norm2 = norm(), norm()
@@ -282,11 +283,23 @@ class VisionBlock(nn.Module):
             self.up_proj = nn.Linear(h, f, bias=True)
             self.down_proj = nn.Linear(f, h, bias=True)
 
-    # -- units ------------------------------------------------------------------------------
-    def norm_of(self, unit: Unit) -> nn.Module:
+    # -- units (the four-unit layer protocol of the chunk runner) ---------------------------
+    def unit_norm(self, unit: Unit) -> nn.Module:
+        """The norm that starts ``pre_attn`` / ``pre_mlp`` (Qwen2-VL: a LayerNorm, with a bias)."""
         return self.norm1 if unit is Unit.PRE_ATTN else self.norm2
 
-    def unit_modules(self, unit: Unit) -> tuple[nn.Module, ...]:
+    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """``pre_*``: normed input -> activations; ``attn``/``mlp``: activations -> output + residual/tp."""
+        if unit is Unit.PRE_ATTN:
+            return self.qkv(inputs[0], positions)
+        if unit is Unit.PRE_MLP:
+            return self.gate_up(inputs[0])
+        if residual is None:
+            raise ValueError(f"unit {unit.value} needs the residual")
+        return self.attn(*inputs, residual) if unit is Unit.ATTN else self.mlp(*inputs, residual)
+
+    def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
         """The linear layers of ``unit`` (their weight gradients are the unit's W work)."""
         swiglu = self.cfg.kind == "qwen2_5_vl"
         return {
