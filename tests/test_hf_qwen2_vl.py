@@ -3,7 +3,8 @@
 HF model -> :mod:`braid.models.hf_qwen2_vl` -> braid model: logits within 1e-5 (fp32) on a
 batch of two right-padded samples whose images have different grids, M-RoPE positions
 equal to HF's ``get_rope_index``, the loss equal under HF's label convention; and braid
-model -> HF weights and config -> ``transformers`` model: equal logits.
+model -> HF weights and config -> ``transformers`` model: equal logits; every gradient
+equal to HF's.
 """
 
 from __future__ import annotations
@@ -113,6 +114,20 @@ def test_braid_weights_load_in_transformers_with_equal_logits(kind: str) -> None
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
     names = weight_map(cfg)
     assert sorted(names) == sorted(model.state_dict()) and set(names.values()) == set(hf_sd)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_gradients_equal_hf_gradients(kind: str) -> None:
+    hf = _hf_model(kind, seed=2)
+    cfg = config_from_hf(hf.config.to_dict())
+    model = Qwen2VLModel(cfg)
+    model.load_state_dict(state_dict_from_hf(cfg, hf.state_dict()), strict=True)
+    input_ids, mask, pixel_values, grid, labels = _batch()
+    _hf_forward(hf, input_ids, mask, pixel_values, grid, labels).loss.backward()
+    model(pixel_values, input_ids, shift_labels(labels), grid).backward()
+    got = state_dict_to_hf(cfg, {n: p.grad for n, p in model.named_parameters()})
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda s, name=name: f"{name}: {s}")
 
 
 def test_released_layout_and_flat_config_are_read() -> None:
