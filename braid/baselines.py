@@ -52,7 +52,9 @@ class StageModule(nn.Module):
     ``lm``: the :class:`~braid.models.qwen2.Qwen2Model`; ``first``/``n``: its decoder layers;
     ``embed``/``head``: whether the stage starts with the token embedding / ends with norm +
     LM head; ``vision``: the VLM's vision tower for the first stage (inputs are then
-    ``(pixels, tokens)`` and the visual tokens come first).
+    ``(images, input_ids)``, the visual tokens written over the image-pad tokens). A VLM's
+    LM layers rotate by ``positions`` (M-RoPE, ``(3, 1, s)``: the same for every sample),
+    which :class:`TorchPipeline` sets before each step.
     """
 
     def __init__(self, lm: nn.Module, first: int, n: int, embed: bool, head: bool, vision: nn.Module | None = None) -> None:
@@ -62,17 +64,27 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList(copy.deepcopy(lm.layers[i]) for i in range(first, first + n))
         self.norm = copy.deepcopy(lm.norm) if head else None
         self.head = copy.deepcopy(lm.lm_head) if head else None
+        self.positions: torch.Tensor | None = None
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         if self.visual is not None:
-            pixels, tokens = inputs
-            x = torch.cat([self.visual(pixels), self.embed(tokens)], dim=1)
+            from braid.models.qwen2_vl import scatter_visual, split_item
+
+            cfg = self.visual.vl_cfg
+            images, tokens = inputs
+            pixel_values, _, grid = split_item(cfg, (images, tokens))
+            x = self.embed(tokens)
+            x = scatter_visual(x, tokens, self.visual(pixel_values, grid).to(x.dtype), cfg.image_token_id)
         elif self.embed is not None:
             x = self.embed(inputs[0])
         else:
             x = inputs[0]
         for layer in self.layers:
-            x = layer(x)
+            if self.positions is None:
+                x = layer(x)
+            else:
+                x = layer.attn_core(*layer.qkv(layer.norm1(x), self.positions)) + x
+                x = layer.mlp_core(*layer.gate_up(layer.norm2(x))) + x
         if self.head is not None:
             x = self.head(self.norm(x)).float()
         return x
@@ -88,16 +100,17 @@ def tensor_parallel(stage: StageModule, mesh: Any) -> StageModule:
     )
 
     t = mesh.size()
-    layer_plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
-                  "o_proj": RowwiseParallel(), "gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                  "down_proj": RowwiseParallel()}
+    col, row = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1"), ("o_proj", "down_proj", "fc2")
     blocks = list(stage.layers) + (list(stage.visual.blocks) if stage.visual is not None else [])
     for layer in blocks:
-        for what, n in (("heads", layer.heads), ("KV heads", layer.kv_heads), ("ffn", layer.gate_proj.out_features)):
+        ffn = (getattr(layer, "gate_proj", None) or layer.fc1).out_features  # SwiGLU, or a ViT's fc1/fc2 MLP
+        for what, n in (("heads", layer.heads), ("KV heads", layer.kv_heads), ("ffn", ffn)):
             if n % t:
                 raise ValueError(f"{what} ({n}) not divisible by tp={t}")
         layer.heads, layer.kv_heads = layer.heads // t, layer.kv_heads // t  # the views use the local head counts
-        parallelize_module(layer, mesh, layer_plan)
+        plan = {n: ColwiseParallel() for n in col if hasattr(layer, n)}
+        plan.update({n: RowwiseParallel() for n in row if hasattr(layer, n)})
+        parallelize_module(layer, mesh, plan)
     if stage.embed is not None:
         parallelize_module(stage.embed, mesh, RowwiseParallel(input_layouts=Replicate()))
     if stage.head is not None:
@@ -141,6 +154,7 @@ class TorchPipeline:
         if cls_name == "ScheduleDualPipeV" and m < n_stages:
             raise ValueError(f"{name} needs at least as many micro-batches as stages: m={m} < {n_stages}; use m >= {n_stages}")
         self.name, self.n_stages, self.m, self.tp = name, n_stages, m, topo.tp
+        self.vl_cfg = getattr(vision, "vl_cfg", None)  # a VLM: M-RoPE positions come from its input_ids
         # Groups of their own (collective: every rank creates every group, same order): the
         # schedule's P2P must not share a communicator with the executor's, and the TP
         # all-reduces get NCCL's default channels (braid caps its own TP group's, see
@@ -200,6 +214,8 @@ class TorchPipeline:
         from torch.distributed.tensor.parallel import loss_parallel
 
         losses: list[torch.Tensor] = []
+        if self.vl_cfg is not None:
+            self._set_positions(inputs)
         args = tuple(inputs) if self.has_first else ()
         with loss_parallel() if self.tp > 1 else contextlib.nullcontext():
             if self.has_last:
@@ -211,3 +227,15 @@ class TorchPipeline:
         total = sum(float((x.full_tensor() if hasattr(x, "full_tensor") else x).detach()) for x in losses)
         return total / len(losses)
 
+    def _set_positions(self, inputs: Sequence[torch.Tensor]) -> None:
+        """M-RoPE positions of a VLM batch, handed to every stage; only hidden states travel between
+        torch's stages, so every sample must have the same token layout."""
+        from braid.models.qwen2_vl import rope_index, split_item
+
+        _, ids, grid = split_item(self.vl_cfg, tuple(inputs), pixels=False)
+        pos = rope_index(self.vl_cfg, ids, grid)
+        if not bool((pos == pos[:, :1]).all()):
+            raise ValueError("the torch baselines need the same image and text layout in every sample of a VLM batch "
+                             "(their stages pass hidden states only, not M-RoPE positions)")
+        for mod in self.modules:
+            mod.positions = pos[:, :1]

@@ -52,13 +52,19 @@ class SampleSource:
 
 @dataclass
 class ShapesCaptions(SampleSource):
-    """Image-caption pairs. ``seq`` is the caption length in tokens (padded)."""
+    """Image-caption pairs. ``seq`` is the caption length in tokens (padded).
+
+    ``image_tokens``: the token ids that stand for the image in the text, placed before
+    the caption (for Qwen2-VL: vision start, one image pad per visual token, vision end;
+    :meth:`braid.models.qwen2_vl.Qwen2VLConfig.image_tokens`); they take no loss.
+    """
 
     image_size: int
     seq: int
     vocab_size: int
     seed: int = 0
     size: int = 1 << 30
+    image_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.words = caption_vocab()
@@ -102,6 +108,9 @@ class ShapesCaptions(SampleSource):
         tokens[: len(ids)] = torch.tensor(ids)
         labels = torch.full((self.seq,), IGNORE, dtype=torch.long)
         labels[: len(ids) - 1] = tokens[1: len(ids)]
+        if self.image_tokens:
+            tokens = torch.cat([torch.tensor(self.image_tokens, dtype=torch.long), tokens])
+            labels = torch.cat([torch.full((len(self.image_tokens),), IGNORE, dtype=torch.long), labels])
         return {"tokens": tokens, "labels": labels, "pixels": img}
 
 

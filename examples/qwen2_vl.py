@@ -1,11 +1,12 @@
 """Train a Qwen2-VL-shaped vision-language model with a braided (or any registered) pipeline schedule.
 
-The ViT (patch embedding, 2D-rotary blocks, 2x2 patch merger) is the first virtual stage
-on device 0; the Qwen2 language model's layers are spread over the other virtual stages,
-the last one ``--last-stage-lighter`` layers lighter (paper Sec. 5, MLLM). The LM reads
-``[visual tokens ; caption tokens]`` and is trained on the caption only. Data: synthetic
-shape-caption pairs (``examples/data.py``: a coloured shape at one of four positions,
-captioned "a red disc at top left"), deterministic by seed.
+The ViT (patch embedding, 2D-rotary blocks, 2x2 patch merger: Qwen2-VL's tower) is the
+first virtual stage on device 0; the Qwen2 language model's layers (M-RoPE) are spread over
+the other virtual stages, the last one ``--last-stage-lighter`` layers lighter (paper
+Sec. 5, MLLM). The LM reads ``<vision_start> <image_pad>... <vision_end> caption``, the
+image pads replaced by the visual tokens, and is trained on the caption only. Data:
+synthetic shape-caption pairs (``examples/data.py``: a coloured shape at one of four
+positions, captioned "a red disc at top left"), deterministic by seed.
 
     python examples/qwen2_vl.py --steps 40
     torchrun --nproc-per-node 4 examples/qwen2_vl.py --schedule braided_v --tp 2 --pp 2
@@ -40,7 +41,8 @@ def _check(model, topo, num_stages: int, args) -> None:
     lm, vit = model.cfg.lm, model.cfg.vit
     topo.check_model(num_heads=lm.heads, num_kv_heads=lm.kv_heads, vocab_size=lm.vocab_size, num_layers=lm.layers,
                      num_stages=max(topo.pp, num_stages - 1))  # stage 0 holds the ViT, not LM layers
-    for what, n in (("ViT heads", vit.heads), ("ViT ffn", vit.ffn), ("LM ffn", lm.ffn), ("patch features (3*patch^2)", vit.patch_dim)):
+    for what, n in (("ViT heads", vit.heads), ("ViT ffn", vit.ffn), ("LM ffn", lm.ffn),
+                    ("patch features (3*2*patch^2)", vit.patch_dim)):
         if n % topo.tp:
             raise ValueError(f"{what} ({n}) not divisible by tp={topo.tp}; pick a tp that divides it")
 
@@ -48,11 +50,12 @@ def _check(model, topo, num_stages: int, args) -> None:
 def _source(model, args):
     from data import ShapesCaptions
 
-    return ShapesCaptions(model.cfg.vit.image_size, args.seq, model.cfg.lm.vocab_size, seed=args.seed)
+    return ShapesCaptions(model.cfg.vit.image_size, args.seq, model.cfg.lm.vocab_size, seed=args.seed,
+                          image_tokens=tuple(model.cfg.image_tokens()))
 
 
 def _inputs(model, batch):
-    return (batch["pixels"], batch["tokens"]), model.full_labels(batch["labels"])
+    return (batch["pixels"], batch["tokens"]), batch["labels"]
 
 
 def _chunks(model, plan, pp_rank, stage_layers, tp_rank, tp_size, tp_group, sp=None, seq_len=None):
@@ -76,7 +79,7 @@ TASK = Task(
     build_chunks=_chunks,
     source=_source,
     inputs=_inputs,
-    seq_len=lambda model, args: model.cfg.visual_tokens + args.seq,
+    seq_len=lambda model, args: len(model.cfg.image_tokens()) + args.seq,
     flops_per_sample=_flops,
     default_seq=16,
     vision=True,

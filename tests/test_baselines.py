@@ -49,10 +49,13 @@ def _data(model, vlm: bool, steps: int):
     for _ in range(steps):
         toks = torch.randint(0, lm.cfg.vocab_size, (M * B, seq), generator=g)
         labs = torch.randint(0, lm.cfg.vocab_size, (M * B, seq), generator=g)
-        if vlm:
+        if vlm:  # every sample: its image's tokens, then text below the vision token ids
             size = model.cfg.vit.image_size
             pix = torch.randn(M * B, 3, size, size, generator=g)
-            out.append(((pix, toks), model.full_labels(labs), labs))
+            image = torch.tensor(model.cfg.image_tokens()).expand(M * B, -1)
+            toks = torch.cat([image, toks % model.cfg.vision_start_token_id], dim=1)
+            labs = torch.cat([torch.full_like(image, -100), labs], dim=1)
+            out.append(((pix, toks), labs, labs))
         else:
             out.append(((toks,), labs, labs))
     return out

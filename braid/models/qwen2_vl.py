@@ -1,30 +1,40 @@
-"""A Qwen2-VL-shaped vision-language model on one device: ViT -> patch merger -> Qwen2 LM.
+"""Qwen2-VL / Qwen2.5-VL on one device: vision tower -> visual tokens in the text -> Qwen2 LM with M-RoPE.
 
-The language model reads ``[visual tokens ; text tokens]``: the merger's outputs for one
-image, then the caption's token embeddings. The loss is next-token cross-entropy on the
-caption only (image positions and padding carry label ``-100``). Positions in the LM are
-plain 1D RoPE over the joint sequence (Qwen2-VL's M-RoPE is a refinement this
-reproduction leaves out: it changes no shape and no cost).
+Inputs are what Hugging Face's processor produces: ``input_ids`` (b, s) where every image
+is ``<|vision_start|> <|image_pad|> x n <|vision_end|>`` (``n`` = the image's merged
+tokens), ``pixel_values`` (N, channels*temporal_patch*patch^2) and ``image_grid_thw``
+(images, 3). The embeddings of the image-pad tokens are replaced by the tower's tokens, in
+order (several images of different sizes per batch are fine).
 
-Placement for pipelines (paper Sec. 5, MLLM): the whole ViT with the merger is the first
-virtual stage (on device 0), the LM's layers are spread over the other virtual stages, the
-last one ``last_stage_lighter`` layers lighter (its head over a large vocabulary is heavy).
+Positions are M-RoPE (:func:`rope_index`, as HF's ``get_rope_index``): a text token has
+the same position on the three axes (temporal, height, width), counting on from the
+previous token; an image's tokens take ``(t, row, col)`` offsets from the position after
+the text before it, and the text after the image continues at ``start + max(h, w) /
+merge``. A head's rotary frequencies are split into ``mrope_section`` parts, each rotated
+by one axis (:func:`mrope`).
+
+Labels: braid's are already shifted (``labels[i]`` is the target of token ``i``, ``-100``
+where no loss is taken); :func:`shift_labels` turns HF's (unshifted) labels into them.
+
+Placement for pipelines (paper Sec. 5, MLLM): the whole vision tower with the merger and
+the text embedding is the first virtual stage (on device 0), the LM's layers are spread
+over the others, the last one ``last_stage_lighter`` layers lighter.
 :func:`vlm_stage_layers` gives that split; :mod:`braid.models.vision_chunk` builds the chunks.
 
-Size presets: ``tiny`` (CPU tests, seconds), ``small`` (one GPU), ``7b`` (Qwen2-VL-7B
-shapes) and ``15b`` (the paper-sized MLLM of :mod:`braid.models_catalog`: a 14B LM with a 0.6B ViT).
+Size presets: ``tiny`` (CPU tests), ``small`` (one GPU), ``7b`` (Qwen2-VL-7B shapes),
+``15b`` (the paper-sized MLLM of :mod:`braid.models_catalog`: a 14B LM with a 0.6B ViT).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.models.qwen2 import Qwen2Config, Qwen2Model
-from braid.models.vit import ViTConfig, VisionTower
+from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model
+from braid.models.vit import ViTConfig, VisionTower, patchify
 from braid.partition import split_layers
 
 IGNORE_INDEX = -100
@@ -32,48 +42,203 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True, slots=True)
 class Qwen2VLConfig:
-    """The language model and the vision tower."""
+    """The language model, the vision tower, M-RoPE sections and the vision token ids."""
 
     lm: Qwen2Config
     vit: ViTConfig
+    mrope_section: tuple[int, int, int] = (2, 1, 1)
+    image_token_id: int = 31
+    vision_start_token_id: int = 29
+    vision_end_token_id: int = 30
+
+    def __post_init__(self) -> None:
+        if sum(self.mrope_section) != self.lm.head_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim/2 = {self.lm.head_dim // 2}")
+        ids = (self.image_token_id, self.vision_start_token_id, self.vision_end_token_id)
+        if any(not 0 <= i < self.lm.vocab_size for i in ids):
+            raise ValueError(f"vision token ids {ids} must lie in the vocabulary (size {self.lm.vocab_size})")
 
     @property
     def visual_tokens(self) -> int:
+        """Merged tokens of one ``vit.image_size`` image."""
         return self.vit.visual_tokens
 
+    def image_tokens(self, n: int | None = None) -> list[int]:
+        """The token ids of one image in the text: start, ``n`` image pads (default: one ``image_size`` image), end."""
+        n = self.visual_tokens if n is None else n
+        return [self.vision_start_token_id] + [self.image_token_id] * n + [self.vision_end_token_id]
 
-LM_PRESETS: dict[str, Qwen2Config] = {
-    "tiny": Qwen2Config(vocab_size=32, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64),
-    "small": Qwen2Config(vocab_size=32768, hidden=1024, layers=16, heads=16, kv_heads=4, ffn=2816),
-    "7b": Qwen2Config(vocab_size=152064, hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944),
-    "15b": Qwen2Config(vocab_size=152064, hidden=4096, layers=57, heads=32, kv_heads=8, ffn=14976),  # as qwen2-vl-15b in braid.models_catalog
+
+def _synthetic(lm: Qwen2Config, vit: ViTConfig, section: tuple[int, int, int]) -> Qwen2VLConfig:
+    v = lm.vocab_size
+    return Qwen2VLConfig(lm, vit, section, image_token_id=v - 1, vision_start_token_id=v - 3, vision_end_token_id=v - 2)
+
+
+_QWEN2_VL_7B_VIT = ViTConfig(hidden=1280, layers=32, heads=16, ffn=5120, patch=14, image_size=448)
+PRESETS: dict[str, Qwen2VLConfig] = {
+    "tiny": _synthetic(Qwen2Config(vocab_size=32, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64),
+                       ViTConfig(hidden=32, layers=2, heads=4, ffn=64, patch=4, image_size=16, window=16), (2, 1, 1)),
+    "small": _synthetic(Qwen2Config(vocab_size=32768, hidden=1024, layers=16, heads=16, kv_heads=4, ffn=2816),
+                        ViTConfig(hidden=512, layers=8, heads=8, ffn=1536, patch=14, image_size=224, window=112), (8, 12, 12)),
+    "7b": Qwen2VLConfig(Qwen2Config(vocab_size=152064, hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944),
+                        _QWEN2_VL_7B_VIT, (16, 24, 24), 151655, 151652, 151653),
+    # as qwen2-vl-15b in braid.models_catalog
+    "15b": Qwen2VLConfig(Qwen2Config(vocab_size=152064, hidden=4096, layers=57, heads=32, kv_heads=8, ffn=14976),
+                         _QWEN2_VL_7B_VIT, (16, 24, 24), 151655, 151652, 151653),
 }
-VIT_PRESETS: dict[str, ViTConfig] = {
-    "tiny": ViTConfig(hidden=32, layers=2, heads=4, ffn=64, patch=4, image_size=16),
-    "small": ViTConfig(hidden=512, layers=8, heads=8, ffn=1536, patch=14, image_size=224),
-    "7b": ViTConfig(hidden=1280, layers=32, heads=16, ffn=5120, patch=14, image_size=448),
-    "15b": ViTConfig(hidden=1280, layers=32, heads=16, ffn=5120, patch=14, image_size=448),
-}
+
+LM_PRESETS: dict[str, Qwen2Config] = {name: cfg.lm for name, cfg in PRESETS.items()}  # the LLM example's presets
 
 
-def vlm_preset(name: str, image_size: int | None = None) -> Qwen2VLConfig:
-    """A preset by name (``tiny``, ``small``, ``7b``, ``15b``); ``image_size`` overrides the ViT's."""
-    if name not in LM_PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(LM_PRESETS)}")
-    vit = VIT_PRESETS[name]
-    if image_size is not None and image_size != vit.image_size:
-        vit = ViTConfig(**{**{f: getattr(vit, f) for f in vit.__dataclass_fields__}, "image_size": image_size})
-    return Qwen2VLConfig(LM_PRESETS[name], vit)
+def vlm_preset(name: str, image_size: int | None = None, kind: str | None = None) -> Qwen2VLConfig:
+    """A preset by name (``tiny``, ``small``, ``7b``, ``15b``).
+
+    ``image_size`` overrides the examples' image side; ``kind="qwen2_5_vl"`` gives the
+    Qwen2.5-VL tower (RMSNorm, SwiGLU, window attention; full attention in every eighth
+    block from the eighth, as Qwen2.5-VL's [7, 15, 23, 31]) of the same widths.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    vit = cfg.vit
+    if image_size is not None:
+        vit = replace(vit, image_size=image_size)
+    if kind is not None and kind != vit.kind:
+        window = vit.window or 112
+        full = tuple(range(min(7, vit.layers - 1), vit.layers, 8)) if kind == "qwen2_5_vl" else ()
+        vit = replace(vit, kind=kind, window=window, full_attention_blocks=full)
+    return replace(cfg, vit=vit)
+
+
+# -- positions ---------------------------------------------------------------------------------
+def rope_index(cfg: Qwen2VLConfig, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """M-RoPE positions ``(3, b, s)`` of ``input_ids`` (b, s), as HF's ``get_rope_index`` (padding gets 0).
+
+    Every maximal run of image-pad tokens is one image, taking the next row of
+    ``image_grid_thw``; its length must be the image's merged token count.
+    """
+    b, s = input_ids.shape
+    out = torch.zeros(3, b, s, dtype=torch.long, device=input_ids.device)
+    grids = iter([] if image_grid_thw is None else image_grid_thw.tolist())
+    m = cfg.vit.merge
+    for i in range(b):
+        keep = torch.ones(s, dtype=torch.bool, device=input_ids.device) if attention_mask is None else attention_mask[i].bool()
+        is_image = (input_ids[i][keep] == cfg.image_token_id).tolist()
+        parts, pos, j = [], 0, 0
+        while j < len(is_image):
+            k = j
+            while k < len(is_image) and is_image[k] == is_image[j]:
+                k += 1
+            if not is_image[j]:
+                parts.append(torch.arange(pos, pos + k - j).expand(3, -1))
+                pos += k - j
+            else:
+                try:
+                    t, h, w = next(grids)
+                except StopIteration:
+                    raise ValueError(f"sample {i}: more images in input_ids than rows in image_grid_thw") from None
+                gh, gw = h // m, w // m
+                if t * gh * gw != k - j:
+                    raise ValueError(f"sample {i}: an image of grid {(t, h, w)} needs {t * gh * gw} image tokens, input_ids has {k - j}")
+                tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
+                parts.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
+                pos += max(h, w) // m
+            j = k
+        if parts:
+            out[:, i, keep] = torch.cat(parts, dim=1).to(out.device)
+    if next(grids, None) is not None:
+        raise ValueError("image_grid_thw has more rows than there are images in input_ids")
+    return out
+
+
+def mrope(x: torch.Tensor, positions: torch.Tensor, theta: float, section: tuple[int, int, int]) -> torch.Tensor:
+    """Multimodal rotary embedding of ``x`` (b, heads, s, d) at ``positions`` (3, b, s): section ``i`` of the
+    frequencies rotates with axis ``i % 3`` (HF's ``mrope_section`` layout)."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    freqs = positions.to(x.device)[..., None].float() * inv  # (3, b, s, d/2)
+    parts = freqs.split(list(section), dim=-1)
+    ang = torch.cat([p[i % 3] for i, p in enumerate(parts)], dim=-1)  # (b, s, d/2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    cos, sin = torch.cat([cos, cos], -1).unsqueeze(1), torch.cat([sin, sin], -1).unsqueeze(1)
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1) * sin
+
+
+class MRopeLayer(Qwen2Layer):
+    """A Qwen2 decoder layer whose positions may be M-RoPE ``(3, b, s)`` (1D positions: plain RoPE)."""
+
+    mrope_section: tuple[int, int, int] = (2, 1, 1)
+
+    @classmethod
+    def from_layer(cls, layer: Qwen2Layer, section: tuple[int, int, int]) -> "MRopeLayer":
+        """``layer`` (a freshly built full layer or TP shard, not shared) turned into an M-RoPE layer in place."""
+        layer.__class__ = cls
+        layer.mrope_section = tuple(section)
+        return layer
+
+    def qkv(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if positions is None or positions.dim() != 3:
+            return super().qkv(h, positions)
+        b, s, _ = h.shape
+        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        return mrope(q, positions, self.theta, self.mrope_section), mrope(k, positions, self.theta, self.mrope_section), v
+
+
+# -- the model ---------------------------------------------------------------------------------
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """HF's labels (the target of token ``i`` at ``i``; the model shifts) -> braid's (target of token ``i`` at ``i``'s successor)."""
+    pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
+    return torch.cat([labels[:, 1:], pad], dim=1)
+
+
+def vision_inputs(cfg: Qwen2VLConfig, pixels: torch.Tensor | None, image_grid_thw: torch.Tensor | None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(pixel_values, image_grid_thw)`` from either HF's processor outputs or a batch of images ``(b, c, H, W)``
+    (one image per sample, laid out by :func:`braid.models.vit.patchify`)."""
+    if pixels is None:
+        return None, None
+    if image_grid_thw is None:
+        if pixels.dim() != 4:
+            raise ValueError(f"pixel_values of shape {tuple(pixels.shape)} need image_grid_thw (or pass images (b, c, H, W))")
+        return patchify(pixels, cfg.vit)
+    return pixels, image_grid_thw
+
+
+def split_item(cfg: Qwen2VLConfig, item: tuple, pixels: bool = True
+               ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """A pipeline micro-batch item -> ``(pixel_values, input_ids, image_grid_thw)``.
+
+    Items are ``(pixel_values, input_ids, image_grid_thw)`` (HF processor outputs) or
+    ``(images (b, c, H, W), input_ids)`` (one image per sample). ``pixels=False`` skips
+    building ``pixel_values`` from images (the LM chunks need only the grids).
+    """
+    if len(item) == 3:
+        return item[0], item[1], item[2]
+    if len(item) != 2:
+        raise ValueError(f"a VLM micro-batch is (pixel_values, input_ids, image_grid_thw) or (images, input_ids), got {len(item)} tensors")
+    images, ids = item
+    if images.dim() != 4:
+        raise ValueError(f"(images, input_ids) items need images (b, c, H, W), got shape {tuple(images.shape)}")
+    if pixels:
+        pv, grid = patchify(images, cfg.vit)
+        return pv, ids, grid
+    b, _, hgt, wid = images.shape
+    return None, ids, torch.tensor([[1, hgt // cfg.vit.patch, wid // cfg.vit.patch]] * b, device=images.device)
 
 
 class Qwen2VLModel(nn.Module):
-    """Vision tower + Qwen2 language model; the single-device reference of the pipelined runs."""
+    """Vision tower + Qwen2 language model with M-RoPE; the single-device reference of the pipelined runs."""
 
     def __init__(self, cfg: Qwen2VLConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.visual = VisionTower(cfg.vit, cfg.lm.hidden)
+        self.visual.vl_cfg = cfg  # token ids and M-RoPE for stage wrappers that hold the tower only (braid.baselines)
         self.lm = Qwen2Model(cfg.lm)
+        self.lm.layers = nn.ModuleList(MRopeLayer.from_layer(lay, cfg.mrope_section) for lay in self.lm.layers)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.2) -> None:
@@ -81,25 +246,76 @@ class Qwen2VLModel(nn.Module):
         self.lm.reset_parameters(std)
         for name, p in self.visual.named_parameters():
             with torch.no_grad():
-                if "norm" in name or "ln_q" in name:
+                if ("norm" in name or "ln_q" in name) and name.endswith("weight"):
                     p.copy_(1.0 + 0.1 * torch.randn_like(p))
                 else:
                     p.normal_(0.0, std)
 
-    def full_labels(self, labels: torch.Tensor) -> torch.Tensor:
-        """Caption labels (b, s) -> labels of the joint sequence (b, visual_tokens + s), images masked."""
-        pad = torch.full((labels.shape[0], self.cfg.visual_tokens), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
-        return torch.cat([pad, labels], dim=1)
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+              image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings (b, s, h) with the image-pad tokens' replaced by the vision tower's outputs."""
+        x = self.lm.embed_tokens(input_ids)
+        if pixel_values is None:
+            return x
+        vis = self.visual(pixel_values, image_grid_thw)
+        return scatter_visual(x, input_ids, vis.to(x.dtype), self.cfg.image_token_id)
 
-    def forward(self, pixels: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean caption-token cross-entropy: ``pixels`` (b, 3, H, W), ``tokens``/``labels`` (b, s)."""
-        vis = self.visual(pixels)  # (b, nv, h)
-        x = torch.cat([vis, self.lm.embed_tokens(tokens)], dim=1)  # (b, nv + s, h)
+    def logits(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+               image_grid_thw: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+               mm_token_type_ids: torch.Tensor | None = None, pixel_values_videos: torch.Tensor | None = None,
+               video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (b, s, vocab) for HF processor outputs (``model.logits(**processor(...))``).
+
+        ``attention_mask`` may mark right padding only; ``mm_token_type_ids`` (transformers 5)
+        must agree with the image-pad tokens; videos are refused.
+        """
+        if pixel_values_videos is not None or video_grid_thw is not None:
+            raise ValueError("video inputs are not supported by braid's Qwen2-VL yet; pass images only")
+        if mm_token_type_ids is not None and not torch.equal(mm_token_type_ids == 1, input_ids == self.cfg.image_token_id):
+            raise ValueError("mm_token_type_ids marks other tokens as image tokens than input_ids' image-pad tokens")
+        if attention_mask is not None:
+            check_right_padding(attention_mask)
+        pixel_values, image_grid_thw = vision_inputs(self.cfg, pixel_values, image_grid_thw)
+        x = self.embed(input_ids, pixel_values, image_grid_thw)
+        positions = rope_index(self.cfg, input_ids, image_grid_thw, attention_mask)
         for layer in self.lm.layers:
-            x = layer(x)
-        logits = self.lm.lm_head(self.lm.norm(x)).float()
-        full = self.full_labels(labels)
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), full.view(-1), ignore_index=IGNORE_INDEX)
+            x = layer.attn_core(*layer.qkv(layer.norm1(x), positions)) + x
+            x = layer.mlp_core(*layer.gate_up(layer.norm2(x))) + x
+        return self.lm.lm_head(self.lm.norm(x))
+
+    def forward(self, pixels: torch.Tensor | None, input_ids: torch.Tensor, labels: torch.Tensor,
+                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross-entropy over labels != -100; ``labels`` (b, s) in braid's shifted convention.
+
+        ``pixels``: HF ``pixel_values`` with ``image_grid_thw``, or images (b, c, H, W).
+        """
+        logits = self.logits(input_ids, pixels, image_grid_thw).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def check_image_tokens(input_ids: torch.Tensor, visual_tokens: int, image_token_id: int) -> None:
+    """One clear error when ``input_ids`` do not hold one image-pad token per visual token (a host sync)."""
+    n = int((input_ids == image_token_id).sum())
+    if n != visual_tokens:
+        raise ValueError(f"input_ids hold {n} image tokens but the images give {visual_tokens} visual tokens")
+
+
+def scatter_visual(x: torch.Tensor, input_ids: torch.Tensor, vis: torch.Tensor, image_token_id: int,
+                   check: bool = True) -> torch.Tensor:
+    """``x`` (b, s, h) with the rows at image-pad tokens replaced, in order, by ``vis`` (n, h).
+
+    ``check=False`` skips the count check (done once per batch by the caller, off the hot path).
+    """
+    if check:
+        check_image_tokens(input_ids, vis.shape[0], image_token_id)
+    return x.masked_scatter((input_ids == image_token_id).unsqueeze(-1), vis)
+
+
+def check_right_padding(attention_mask: torch.Tensor) -> None:
+    """braid's attention is causal without a padding mask: padding must come last (HF's right padding)."""
+    m = attention_mask.bool()
+    if bool((~m[:, :-1] & m[:, 1:]).any()):
+        raise ValueError("attention_mask has padding before tokens; braid's VL model needs right padding (padding_side='right')")
 
 
 def vlm_stage_layers(cfg: Qwen2VLConfig, num_stages: int, last_stage_lighter: int = 2) -> tuple[int, ...]:
@@ -113,15 +329,22 @@ def vlm_stage_layers(cfg: Qwen2VLConfig, num_stages: int, last_stage_lighter: in
     return (cfg.vit.layers,) + lm[1:]
 
 
-def vlm_train_flops_per_sample(cfg: Qwen2VLConfig, text_seq: int) -> float:
-    """Model FLOPs of forward + backward of one sample (3x forward; no recompute), for MFU."""
-    v, lm = cfg.vit, cfg.lm
-    n = v.patches
-    vit_layer = 2 * n * (4 * v.hidden * v.hidden + 3 * v.hidden * v.ffn) + 4 * n * n * v.hidden
+def vit_forward_flops(v: ViTConfig, lm_hidden: int, patches: int) -> float:
+    """Forward FLOPs of the vision tower over one image of ``patches`` patches (full attention per frame;
+    Qwen2.5-VL's window blocks attend over at most ``(window / patch)**2`` patches)."""
+    mlp = 2 * v.hidden * v.ffn if v.kind == "qwen2_vl" else 3 * v.hidden * v.ffn
+    win = min(patches, (v.window // v.patch) ** 2) if v.kind == "qwen2_5_vl" else patches
+    attn = sum(4 * patches * (patches if v.full_attention(i) else win) * v.hidden for i in range(v.layers))
     wide = v.hidden * v.merge ** 2
-    merger = 2 * v.visual_tokens * (wide * wide + wide * lm.hidden)
-    vit = 2 * n * v.patch_dim * v.hidden + v.layers * vit_layer + merger
-    return 3 * (vit + lm_forward_flops(lm, cfg.visual_tokens + text_seq))
+    merger = 2 * (patches // v.merge ** 2) * (wide * wide + wide * lm_hidden)
+    return 2 * patches * v.patch_dim * v.hidden + v.layers * 2 * patches * (4 * v.hidden * v.hidden + mlp) + attn + merger
+
+
+def vlm_train_flops_per_sample(cfg: Qwen2VLConfig, text_seq: int) -> float:
+    """Model FLOPs of forward + backward of one sample with one ``image_size`` image (3x forward; no recompute), for MFU."""
+    v = cfg.vit
+    seq = cfg.visual_tokens + 2 + text_seq
+    return 3 * (vit_forward_flops(v, cfg.lm.hidden, v.patches) + lm_forward_flops(cfg.lm, seq))
 
 
 def lm_forward_flops(lm: Qwen2Config, seq: int) -> float:
@@ -129,3 +352,7 @@ def lm_forward_flops(lm: Qwen2Config, seq: int) -> float:
     kv = lm.kv_heads * lm.head_dim
     layer = 2 * seq * (lm.hidden * (2 * lm.hidden + 2 * kv) + 3 * lm.hidden * lm.ffn) + 2 * seq * seq * lm.hidden
     return lm.layers * layer + 2 * seq * lm.hidden * lm.vocab_size
+
+
+__all__ = ["IGNORE_INDEX", "LM_PRESETS", "MRopeLayer", "PRESETS", "Qwen2VLConfig", "Qwen2VLModel", "mrope", "rope_index",
+           "shift_labels", "split_item", "vision_inputs", "vlm_preset", "vlm_stage_layers", "vlm_train_flops_per_sample"]

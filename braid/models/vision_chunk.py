@@ -1,23 +1,28 @@
-"""The vision stage of a VLM as a model chunk, and the per-rank chunks of a pipelined VLM.
+"""The vision stage of a Qwen2-VL as a model chunk, M-RoPE LM chunks, and the per-rank chunks of a pipelined VLM.
 
 :class:`VisionChunk` is a :class:`~braid.models.chunk.ModelChunk` whose ``embed`` unit is the
 patch embedding, whose layers are ViT blocks (the same four units as LM layers) and which
-ends with a ``merge`` unit (:class:`braid.braiding.Unit`): patch merger + text embedding,
-concatenated into the LM's input ``[visual ; text]``.
+ends with a ``merge`` unit (:class:`braid.braiding.Unit`): patch merger, the text
+embedding, and the visual tokens written over the image-pad tokens' embeddings -- the LM's
+input. :class:`MRopeChunk` is an LM chunk whose layers rotate by M-RoPE positions, which
+every LM chunk computes from the micro-batch's ``input_ids`` and image grids.
 
 TP (paper Sec. 3 operators f and g, applied to the vision stage):
 
-* patch embedding: row-parallel over the flattened patch pixels (each rank holds a slice of
-  the patch features) -> partial sum, all-reduced at the end of ``embed``;
-* ViT blocks: exactly as LM layers (column-parallel QKV / gate-up, row-parallel out/down);
-* merge: norm -> column-parallel fc1 -> GELU -> row-parallel fc2 (partial) next to the
-  vocab-parallel text embedding (partial): one all-reduce in forward. In backward fc1's
-  input gradient is partial: the unit ends with its all-reduce, and the merger norm's
-  backward runs at the start of the next unit (the last ViT block's ``mlp``), as for LM
-  layers.
+* patch embedding: row-parallel over the flattened patch features (each rank holds a
+  slice of them) -> partial sum, all-reduced at the end of ``embed``;
+* ViT blocks: as LM layers (column-parallel Q/K/V and fc1 or gate/up, row-parallel out
+  and fc2 or down; biases of row-parallel layers on TP rank 0 only);
+* merge: norm -> column-parallel fc1 -> GELU -> row-parallel fc2 (partial), scattered into
+  the vocab-parallel text embedding (partial): a sum of partial sums, so one all-reduce
+  in forward. In backward fc1's input gradient is partial: the unit ends with its
+  all-reduce, and the merger norm's backward runs at the start of the next unit (the last
+  ViT block's ``mlp``), as for LM layers.
 
-A micro-batch's "tokens" for this chunk are a ``(pixels, text_tokens)`` pair; the LM chunks
-ignore them, and the head reads the joint labels (:meth:`Qwen2VLModel.full_labels`).
+A micro-batch item is ``(pixel_values, input_ids, image_grid_thw)`` or ``(images,
+input_ids)`` (:func:`braid.models.qwen2_vl.split_item`); every micro-batch must have the
+same ``input_ids`` shape (the activation between stages has a fixed shape: pad on the right).
+The head reads braid's shifted labels of the whole sequence.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from braid.braiding import ChunkSpec, Unit
+from braid.braiding import LAYER_UNITS, ChunkSpec, Unit
 from braid.ir import Plan
 from braid.models.chunk import ChunkStateError, ModelChunk, _Backward, _leaf, _Piece, build_chunk
-from braid.models.qwen2_vl import Qwen2VLModel
-from braid.models.vit import PatchMerger, ViTConfig, VisionBlock, parallelize_block, patchify
+from braid.models.qwen2_vl import (MRopeLayer, Qwen2VLConfig, Qwen2VLModel, check_image_tokens, rope_index, scatter_visual,
+                                   split_item)
+from braid.models.vit import PatchMerger, VisionBlock, VisionLayout, check_pixels, parallelize_block, vision_layout
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, RowParallelLinear, _check_split, split_weight_grads
 
@@ -43,7 +49,7 @@ class VisionChunk(ModelChunk):
     def __init__(
         self,
         spec: ChunkSpec,
-        vit: ViTConfig,
+        cfg: Qwen2VLConfig,
         patch_embed: RowParallelLinear,
         blocks: Sequence[VisionBlock],
         merger: PatchMerger,
@@ -56,37 +62,57 @@ class VisionChunk(ModelChunk):
         if not (spec.embed and spec.merge) or spec.head:
             raise ValueError(f"a vision chunk needs embed=True, merge=True and no head, got {spec}")
         super().__init__(spec, blocks, patch_embed, None, None, num_microbatches=num_microbatches)
-        self.vit = vit
+        self.cfg, self.vit = cfg, cfg.vit
         self.merger, self.text_embed = merger, text_embed
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.text: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []
+        self.layouts: list[VisionLayout] = []
 
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
-        """``tokens[mb]`` is ``(pixels (b, 3, H, W), text_tokens (b, s))``; the patch features are sliced for TP."""
+        """Per micro-batch: the patches in the tower's order (window order for Qwen2.5-VL), this TP rank's
+        slice of their features, the layout the blocks need, and the ``input_ids``."""
         n = self.vit.patch_dim // self.tp_size
-        patches, texts = [], []
+        patches, self.ids, self.layouts = [], [], []
         for item in tokens:
-            pixels, text = item
-            patches.append(patchify(pixels, self.vit)[..., self.tp_rank * n : (self.tp_rank + 1) * n])  # (b, n, pd/t)
-            texts.append(text)
+            pixel_values, ids, grid = split_item(self.cfg, item)
+            check_pixels(pixel_values, grid, self.vit)
+            check_image_tokens(ids, pixel_values.shape[0] // self.vit.merge ** 2, self.cfg.image_token_id)
+            layout = vision_layout(grid, self.vit)
+            x = layout.reorder(pixel_values, self.vit.merge ** 2)
+            patches.append(x[:, self.tp_rank * n : (self.tp_rank + 1) * n].unsqueeze(0))  # (1, N, pd/t)
+            self.ids.append(ids)
+            self.layouts.append(layout)
         super().set_batch(patches, labels)
-        self.text = texts
 
-    # -- the merge unit --------------------------------------------------------------------
+    def _norm_of(self, unit: Unit, layer: int) -> torch.nn.Module:
+        return self.layers[layer].unit_norm(unit)
+
     def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
-        if unit is not Unit.MERGE:
-            return super()._forward(mb, unit, layer)
+        if unit is Unit.MERGE:
+            return self._merge_forward(mb, unit, layer)
+        if unit in LAYER_UNITS:
+            self.layers[layer].layout = self.layouts[mb]
+        out = super()._forward(mb, unit, layer)
+        if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):  # LayerNorm: the bias gets its gradient with the weight's
+            self._saved[(mb, unit, layer)][0].params = tuple(self._norm_of(unit, layer).parameters())
+        return out
+
+    def _merge_forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor:
         if mb not in self._fwd:
             raise ChunkStateError(f"F{mb}: merge before the ViT blocks ran")
         (state,) = self._fwd[mb]
         key = (mb, unit, layer)
+        layout, ids = self.layouts[mb], self.ids[mb]
         with self._saving(*key):
             x = _leaf(state)
-            h = self.merger.group(x)  # (b, nv, 4hv), replicated
+            h = self.merger.group(x)  # (1, nv, 4hv), replicated
             hl = _leaf(h)
-            vis = self.merger.project(hl)  # (b, nv, H) partial over TP
-            out = torch.cat([vis, self.text_embed(self.text[mb])], dim=1)  # (b, nv + s, H) partial
-        self._saved[key] = [_Piece((x,), (h,), (self.merger.ln_q.weight,)), _Piece((hl,), (out,))]
+            vis = self.merger.project(hl)[0]  # (nv, H) partial over TP
+            if layout.reverse is not None:
+                vis = vis[layout.reverse]
+            text = self.text_embed(ids)  # (b, s, H) partial
+            out = scatter_visual(text, ids, vis.to(text.dtype), self.cfg.image_token_id, check=False)
+        self._saved[key] = [_Piece((x,), (h,), tuple(self.merger.ln_q.parameters())), _Piece((hl,), (out,))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]
 
@@ -105,10 +131,36 @@ class VisionChunk(ModelChunk):
         st.pending = (norm_piece, hl.grad, None, (mb, unit, layer))
         return hl.grad  # partial over TP (fc1 is column-parallel): operator f
 
-    def _deferred(self, unit: Unit, layer: int) -> list[DeferredWeightGrad]:
+    def _deferred(self, unit: Unit, layer: int) -> Sequence[DeferredWeightGrad]:
         if unit is Unit.MERGE:
             return [self.merger.fc1, self.merger.fc2, self.text_embed]
+        if unit in LAYER_UNITS:
+            return self.layers[layer].unit_weights(unit)
         return super()._deferred(unit, layer)
+
+
+class MRopeChunk(ModelChunk):
+    """LM layers of a Qwen2-VL (and possibly its head) rotating by M-RoPE positions of each micro-batch."""
+
+    def __init__(self, base: ModelChunk, cfg: Qwen2VLConfig) -> None:
+        layers = [MRopeLayer.from_layer(lay, cfg.mrope_section) for lay in base.layers]
+        super().__init__(base.spec, layers, base.embed, base.norm, base.lm_head, num_microbatches=base.m,
+                         tp_group=base.tp_group, vocab_start=base.vocab_start)
+        self.cfg = cfg
+        self.mrope: list[torch.Tensor] = []
+
+    def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
+        """Micro-batch items as the vision chunk's; this chunk reads their ``input_ids`` and image grids."""
+        self.mrope = []
+        for item in tokens:
+            _, ids, grid = split_item(self.cfg, item, pixels=False)
+            self.mrope.append(rope_index(self.cfg, ids, grid))
+        super().set_batch(tokens, labels)
+
+    def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
+        if unit is Unit.PRE_ATTN:
+            self.positions = self.mrope[mb]
+        return super()._forward(mb, unit, layer)
 
 
 def build_vision_chunk(
@@ -118,7 +170,7 @@ def build_vision_chunk(
     vit = model.cfg.vit
     if spec.layers != vit.layers:
         raise ValueError(f"the vision stage holds all {vit.layers} ViT blocks, spec has {spec.layers}")
-    _check_split(vit.patch_dim, tp_size, tp_rank, f"patch features (channels*patch^2 = {vit.patch_dim})")
+    _check_split(vit.patch_dim, tp_size, tp_rank, f"patch features (channels*temporal_patch*patch^2 = {vit.patch_dim})")
     tower = model.visual
     patch_embed = RowParallelLinear.from_full(tower.patch_embed, tp_rank, tp_size)
     blocks = [parallelize_block(b, tp_rank, tp_size) for b in tower.blocks]
@@ -126,7 +178,7 @@ def build_vision_chunk(
     merger.fc1 = ColumnParallelLinear.from_full(tower.merger.fc1, tp_rank, tp_size)
     merger.fc2 = RowParallelLinear.from_full(tower.merger.fc2, tp_rank, tp_size)
     text_embed = VocabParallelEmbedding.from_full(model.lm.embed_tokens, tp_rank, tp_size)
-    return VisionChunk(spec, vit, patch_embed, blocks, merger, text_embed,
+    return VisionChunk(spec, model.cfg, patch_embed, blocks, merger, text_embed,
                        num_microbatches=num_microbatches, tp_rank=tp_rank, tp_size=tp_size)
 
 
@@ -149,7 +201,7 @@ def build_vlm_rank_chunks(
     tp_size: int = 1,
     tp_group: dist.ProcessGroup | None = None,
 ) -> dict[int, ModelChunk]:
-    """The local chunks of ``pp_rank``: the vision chunk where stage 0 lives, LM chunks elsewhere.
+    """The local chunks of ``pp_rank``: the vision chunk where stage 0 lives, M-RoPE LM chunks elsewhere.
 
     ``stage_layers`` as from :func:`braid.models.qwen2_vl.vlm_stage_layers` (stage 0 counts ViT
     blocks, the others LM layers).
@@ -163,7 +215,8 @@ def build_vlm_rank_chunks(
             out[c].first_layer = 0
             continue
         first = sum(stage_layers[1:stage])  # LM layer index
-        out[c] = build_chunk(model.lm, specs[stage], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                             num_microbatches=plan.m)
+        base = build_chunk(model.lm, specs[stage], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+                           num_microbatches=plan.m)
+        out[c] = MRopeChunk(base, model.cfg)
         out[c].first_layer = first
     return out

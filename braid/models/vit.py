@@ -1,46 +1,76 @@
-"""A Qwen2-VL-style vision tower on one device, whose blocks expose the four braid units.
+"""The Qwen2-VL and Qwen2.5-VL vision towers on one device; their blocks expose braid's four units.
 
-Shapes follow Qwen2-VL / Qwen2.5-VL: a patch embedding (a linear over flattened
-``patch x patch`` pixel patches), transformer blocks with *2D* rotary positions (half of
-each head's dimensions rotate with the patch row, half with the column) and
-non-causal attention, then a patch merger that joins every 2x2 neighbourhood of patches
-(norm, then an MLP from ``4 * hidden`` to the language model's hidden size) into one
-visual token. Blocks use RMSNorm and a SwiGLU MLP (the Qwen2.5-VL choice), so a block is a
-:class:`~braid.models.qwen2.Qwen2Layer` with another position encoding and no causal
-mask -- the chunk runner drives its units (Pre-Attn, Attn, Pre-MLP, MLP) exactly like LM
-layers, which is what lets braided schedules run on the vision stage (paper Sec. 5, MLLM).
+The tower reads what Hugging Face's Qwen2-VL image processor produces: ``pixel_values``
+of shape ``(N, channels * temporal_patch * patch * patch)`` -- the patches of every image
+of a batch, one after another, each image's patches merge-block-major (the ``merge x
+merge`` patches of one merged token are consecutive) -- and ``image_grid_thw`` ``(images,
+3)``: each image's grid of ``t x h x w`` patches. It returns one token per merge block,
+``(N / merge**2, lm_hidden)``, in the same order.
 
-Patches are ordered merge-block-major (the four patches of one 2x2 block are
-consecutive), so the merger's grouping is a reshape.
+* patch embedding: HF's ``Conv3d`` with kernel = stride = ``(temporal_patch, patch,
+  patch)`` is a linear map of each flattened patch (no bias);
+* blocks: pre-norm attention with a QKV bias and an out-projection bias, 2D rotary
+  positions (a head's dimensions rotate with the patch row and column: HF's axial
+  layout), bidirectional attention within one image (``cu_seqlens``); then a pre-norm MLP.
+  Qwen2-VL: LayerNorm (with bias) and a QuickGELU ``fc1 -> fc2`` MLP. Qwen2.5-VL: RMSNorm,
+  a SwiGLU MLP with biases, and **window attention**: patches are reordered window by
+  window (:func:`window_index`), and every block not in ``full_attention_blocks``
+  attends only within its window;
+* merger: norm (Qwen2-VL LayerNorm, Qwen2.5-VL RMSNorm), group ``merge x merge``
+  patches, MLP ``4*hv -> 4*hv -> lm_hidden`` with exact GELU; Qwen2.5-VL undoes the window
+  order on the merged tokens.
+
+A block's units (Pre-Attn, Attn, Pre-MLP, MLP) are the LM layer's, so the chunk runner
+drives them like LM layers and braided schedules run on the vision stage (paper Sec. 5,
+MLLM). Per-batch facts (rotary angles, attention segments, window order) live in a
+:class:`VisionLayout` that the tower or the vision chunk hands to every block.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.models.qwen2 import Qwen2Config, Qwen2Layer, RMSNorm, parallelize_layer
+from braid.braiding import Unit
+from braid.models.qwen2 import RMSNorm, _head_rows
+from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
+
+VISION_KINDS = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True, slots=True)
 class ViTConfig:
-    """Vision tower shape. Defaults are tiny (tests); Qwen2-VL-7B: hidden 1280, 32 layers, 16 heads, patch 14."""
+    """Vision tower shape. Defaults are tiny (tests); Qwen2-VL-7B: hidden 1280, 32 layers, 16 heads, ffn 5120, patch 14.
 
+    ``kind``: ``qwen2_vl`` (LayerNorm, QuickGELU MLP, full attention) or ``qwen2_5_vl``
+    (RMSNorm, SwiGLU, window attention of ``window`` pixels except in
+    ``full_attention_blocks``). ``image_size`` is only the examples' default image side
+    (and what FLOP counts assume): the tower takes any image whose sides are multiples of
+    ``patch * merge``.
+    """
+
+    kind: str = "qwen2_vl"
     hidden: int = 32
     layers: int = 2
     heads: int = 4
     ffn: int = 64
     patch: int = 4
-    image_size: int = 16
-    merge: int = 2  # the merger joins merge x merge neighbouring patches
+    temporal_patch: int = 2
+    merge: int = 2
     channels: int = 3
+    window: int = 0
+    full_attention_blocks: tuple[int, ...] = ()
     rope_theta: float = 10_000.0
-    rms_eps: float = 1e-6
+    eps: float = 1e-6
+    image_size: int = 16
 
     def __post_init__(self) -> None:
+        if self.kind not in VISION_KINDS:
+            raise ValueError(f"unknown vision tower kind {self.kind!r}; valid: {', '.join(VISION_KINDS)}")
         if self.hidden % self.heads or (self.hidden // self.heads) % 4:
             raise ValueError(f"ViT hidden ({self.hidden}) / heads ({self.heads}) must be a head size divisible by 4 (2D rotary)")
         if self.layers < 1:
@@ -50,10 +80,21 @@ class ViTConfig:
                 f"image size {self.image_size} must be a multiple of patch*merge = {self.patch}*{self.merge}; "
                 f"use e.g. --image-size {self.patch * self.merge * max(1, self.image_size // (self.patch * self.merge))}"
             )
+        if self.kind == "qwen2_5_vl" and (self.window <= 0 or self.window % (self.patch * self.merge)):
+            raise ValueError(f"a qwen2_5_vl tower needs a window (pixels) that is a positive multiple of patch*merge, got {self.window}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Features of one flattened patch (channels x temporal patch x patch x patch)."""
+        return self.channels * self.temporal_patch * self.patch * self.patch
 
     @property
     def grid(self) -> int:
-        """Patches per image side."""
+        """Patches per side of an ``image_size`` image."""
         return self.image_size // self.patch
 
     @property
@@ -62,106 +103,291 @@ class ViTConfig:
 
     @property
     def visual_tokens(self) -> int:
-        """Tokens the merger hands to the language model per image."""
+        """Tokens the merger hands to the language model for one ``image_size`` image."""
         return self.patches // (self.merge * self.merge)
 
-    @property
-    def patch_dim(self) -> int:
-        return self.channels * self.patch * self.patch
-
-    def block_config(self) -> Qwen2Config:
-        """The block shape in the LM layer's terms (no KV-head grouping)."""
-        return Qwen2Config(hidden=self.hidden, layers=self.layers, heads=self.heads, kv_heads=self.heads, ffn=self.ffn,
-                           rope_theta=self.rope_theta, rms_eps=self.rms_eps)
+    def full_attention(self, block: int) -> bool:
+        """Whether ``block`` attends over the whole image (always, for Qwen2-VL)."""
+        return self.kind == "qwen2_vl" or block in self.full_attention_blocks
 
 
-def patchify(pixels: torch.Tensor, cfg: ViTConfig) -> torch.Tensor:
-    """(b, c, H, W) -> (b, patches, c*p*p), merge-block-major patch order."""
-    b, c, hgt, wid = pixels.shape
-    if (c, hgt, wid) != (cfg.channels, cfg.image_size, cfg.image_size):
-        raise ValueError(f"pixels of shape {tuple(pixels.shape)}; the ViT expects (b, {cfg.channels}, {cfg.image_size}, {cfg.image_size})")
-    g, m, p = cfg.grid // cfg.merge, cfg.merge, cfg.patch
-    x = pixels.reshape(b, c, g, m, p, g, m, p)  # b, c, Gy, my, py, Gx, mx, px
-    return x.permute(0, 2, 5, 3, 6, 1, 4, 7).reshape(b, cfg.patches, cfg.patch_dim)
+# -- per-batch layout: positions, attention segments, window order ----------------------------
+def patchify(images: torch.Tensor, cfg: ViTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images ``(b, c, H, W)`` -> ``(pixel_values (N, patch_dim), image_grid_thw (b, 3))`` as HF's processor lays them out.
+
+    Each image is one frame repeated ``temporal_patch`` times (HF's image path); no
+    resizing or normalisation. ``H`` and ``W`` must be multiples of ``patch * merge``.
+    """
+    b, c, hgt, wid = images.shape
+    p, m, t = cfg.patch, cfg.merge, cfg.temporal_patch
+    if c != cfg.channels or hgt % (p * m) or wid % (p * m):
+        raise ValueError(f"images of shape {tuple(images.shape)}: need {cfg.channels} channels and sides that are multiples of {p * m}")
+    gh, gw = hgt // p, wid // p
+    x = images.unsqueeze(1).expand(b, t, c, hgt, wid)
+    x = x.reshape(b, t, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    grid = torch.tensor([[1, gh, gw]] * b, dtype=torch.long, device=images.device)
+    return x.reshape(b * gh * gw, cfg.patch_dim), grid
 
 
-def patch_positions(cfg: ViTConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row and column of every patch, in :func:`patchify`'s order."""
-    g, m = cfg.grid // cfg.merge, cfg.merge
-    big = torch.arange(g, device=device)
-    small = torch.arange(m, device=device)
-    rows = (big.view(g, 1, 1, 1) * m + small.view(1, 1, m, 1)).expand(g, g, m, m)
-    cols = (big.view(1, g, 1, 1) * m + small.view(1, 1, 1, m)).expand(g, g, m, m)
-    return rows.reshape(-1), cols.reshape(-1)
+def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """Row and column ``(N, 2)`` of every patch, merge-block-major, frames repeated (HF's vision position ids)."""
+    out = []
+    for t, h, w in grid_thw.tolist():
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        shape = (h // merge, merge, w // merge, merge)
+        pos = torch.stack([rows.reshape(shape).transpose(1, 2).flatten(), cols.reshape(shape).transpose(1, 2).flatten()], -1)
+        out.append(pos.repeat(t, 1))
+    return torch.cat(out).to(grid_thw.device)
 
 
-def _rope_1d(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+def window_index(grid_thw: torch.Tensor, cfg: ViTConfig) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's window order: merge-unit permutation and the lengths (in patches) of the attention windows.
+
+    Windows are ``window / patch / merge`` merged tokens on a side, tiled from the top
+    left of each frame; partial windows at the right and bottom edges are smaller.
+    """
+    side = cfg.window // cfg.merge // cfg.patch
+    index, lengths, offset = [], [], 0
+    for t, h, w in grid_thw.tolist():
+        gh, gw = h // cfg.merge, w // cfg.merge
+        ids = torch.arange(t * gh * gw).reshape(t, gh, gw)
+        ph, pw = -gh % side, -gw % side
+        padded = F.pad(ids, (0, pw, 0, ph), value=-1)
+        nh, nw = (gh + ph) // side, (gw + pw) // side
+        padded = padded.reshape(t, nh, side, nw, side).permute(0, 1, 3, 2, 4).reshape(-1, side * side)
+        for win in padded:
+            keep = win[win >= 0]
+            if keep.numel():
+                index.append(keep + offset)
+                lengths.append(keep.numel() * cfg.merge * cfg.merge)
+        offset += t * gh * gw
+    return torch.cat(index).to(grid_thw.device), lengths
+
+
+def _rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Axial 2D rotary angles ``(N, head_dim)``: ``[row | col | row | col]`` frequencies, fp32."""
+    spatial = head_dim // 2
+    inv = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float32, device=positions.device) / spatial))
+    freqs = positions[..., None].float() * inv  # (N, 2, head_dim/4)
+    hw = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+    ang = torch.cat([hw, hw], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+@dataclass(frozen=True, slots=True)
+class VisionLayout:
+    """What every block needs about one batch of images.
+
+    ``cos``/``sin`` ``(N, head_dim)`` in the tower's patch order; ``full``/``windows``:
+    lengths of the attention segments (one per frame / per window); ``order`` (merge units,
+    window order) and ``reverse`` (its inverse) for Qwen2.5-VL, ``None`` for Qwen2-VL.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    full: list[int]
+    windows: list[int]
+    order: torch.Tensor | None
+    reverse: torch.Tensor | None
+
+    def segments(self, full_attention: bool) -> list[int]:
+        return self.full if full_attention else self.windows
+
+    def reorder(self, x: torch.Tensor, unit: int) -> torch.Tensor:
+        """Rows of ``x`` (N, ...) in window order (groups of ``unit`` rows move together); identity without windows."""
+        return x if self.order is None else _reorder(x, self.order, unit)
+
+
+def _reorder(x: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:
+    return x.reshape(x.shape[0] // unit, unit, *x.shape[1:])[order].reshape(x.shape)
+
+
+def vision_layout(grid_thw: torch.Tensor, cfg: ViTConfig) -> VisionLayout:
+    """The :class:`VisionLayout` of a batch of images with grids ``grid_thw`` (images, 3)."""
+    if grid_thw.dim() != 2 or grid_thw.shape[1] != 3:
+        raise ValueError(f"image_grid_thw must be (images, 3), got shape {tuple(grid_thw.shape)}")
+    if bool(((grid_thw[:, 1:] % cfg.merge) != 0).any()):
+        raise ValueError(f"every image grid's height and width must be multiples of merge={cfg.merge}, got {grid_thw.tolist()}")
+    cos, sin = _rotary(patch_positions(grid_thw, cfg.merge), cfg.head_dim, cfg.rope_theta)
+    full = [h * w for t, h, w in grid_thw.tolist() for _ in range(t)]
+    order = reverse = None
+    windows = full
+    if cfg.kind == "qwen2_5_vl":
+        order, windows = window_index(grid_thw, cfg)
+        reverse = torch.argsort(order)
+        unit = cfg.merge * cfg.merge
+        cos, sin = _reorder(cos, order, unit), _reorder(sin, order, unit)
+    return VisionLayout(cos, sin, full, windows, order, reverse)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (b, heads, N, d) by angles ``(N, d)`` in fp32 (rotate-half form), back to ``x``'s dtype."""
+    xf = x.float()
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.outer(pos.to(torch.float32), inv)
-    ang = torch.cat([ang, ang], dim=-1)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    rot = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], dim=-1)
+    return (xf * cos + rot * sin).to(x.dtype)
 
 
-def rope_2d(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, theta: float) -> torch.Tensor:
-    """2D rotary embedding of ``x`` (b, heads, n, d): first half of ``d`` by row, second half by column."""
-    half = x.shape[-1] // 2
-    return torch.cat([_rope_1d(x[..., :half], rows, theta), _rope_1d(x[..., half:], cols, theta)], dim=-1)
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention of ``q, k, v`` (1, heads, N, d) within consecutive segments of ``lengths``.
+
+    Runs of equal-length segments (the full windows of Qwen2.5-VL, equal images) go through
+    one batched attention call each.
+    """
+    outs, start, i = [], 0, 0
+    heads, d = q.shape[1], q.shape[-1]
+    while i < len(lengths):
+        j = i
+        while j < len(lengths) and lengths[j] == lengths[i]:
+            j += 1
+        n, L = j - i, lengths[i]
+        qs, ks, vs = (t[:, :, start : start + n * L].reshape(heads, n, L, d).transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1).reshape(1, heads, n * L, d))
+        start, i = start + n * L, j
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
-class VisionBlock(Qwen2Layer):
-    """A ViT block: the LM layer's units with 2D rotary positions and bidirectional attention."""
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
 
-    def __init__(self, vit: ViTConfig, heads: int | None = None, ffn: int | None = None, tp: int = 1) -> None:
-        super().__init__(vit.block_config(), heads, heads, ffn, tp)
-        self.vit = vit
+
+# -- blocks ------------------------------------------------------------------------------------
+class VisionBlock(nn.Module):
+    """One ViT block of ``cfg.kind``; ``heads``/``ffn`` are the *local* (TP shard) sizes, ``tp`` the TP size.
+
+    The residual is fused into the Attn and MLP units as in :class:`~braid.models.qwen2.Qwen2Layer`.
+    ``layout`` must be set (by the tower or the chunk) before a forward.
+    """
+
+    def __init__(self, cfg: ViTConfig, index: int, heads: int | None = None, ffn: int | None = None, tp: int = 1) -> None:
+        super().__init__()
+        h, hd = cfg.hidden, cfg.head_dim
+        self.cfg, self.index, self.tp = cfg, index, tp
+        self.heads = self.kv_heads = heads or cfg.heads
+        self.head_dim = hd
+        self.full_attention = cfg.full_attention(index)
+        self.layout: VisionLayout | None = None
+        self.sp = None  # no sequence parallelism in the vision tower
+        f = ffn or cfg.ffn
+        norm = (lambda: nn.LayerNorm(h, eps=cfg.eps)) if cfg.kind == "qwen2_vl" else (lambda: RMSNorm(h, cfg.eps))
+        self.norm1, self.norm2 = norm(), norm()
+        self.q_proj = nn.Linear(h, self.heads * hd, bias=True)
+        self.k_proj = nn.Linear(h, self.heads * hd, bias=True)
+        self.v_proj = nn.Linear(h, self.heads * hd, bias=True)
+        self.o_proj = nn.Linear(self.heads * hd, h, bias=True)
+        if cfg.kind == "qwen2_vl":
+            self.fc1 = nn.Linear(h, f, bias=True)
+            self.fc2 = nn.Linear(f, h, bias=True)
+        else:
+            self.gate_proj = nn.Linear(h, f, bias=True)
+            self.up_proj = nn.Linear(h, f, bias=True)
+            self.down_proj = nn.Linear(f, h, bias=True)
+
+    # -- units (the four-unit layer protocol of the chunk runner) ---------------------------
+    def unit_norm(self, unit: Unit) -> nn.Module:
+        """The norm that starts ``pre_attn`` / ``pre_mlp`` (Qwen2-VL: a LayerNorm, with a bias)."""
+        return self.norm1 if unit is Unit.PRE_ATTN else self.norm2
+
+    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """``pre_*``: normed input -> activations; ``attn``/``mlp``: activations -> output + residual/tp."""
+        if unit is Unit.PRE_ATTN:
+            return self.qkv(inputs[0], positions)
+        if unit is Unit.PRE_MLP:
+            return self.gate_up(inputs[0])
+        if residual is None:
+            raise ValueError(f"unit {unit.value} needs the residual")
+        return self.attn(*inputs, residual) if unit is Unit.ATTN else self.mlp(*inputs, residual)
+
+    def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
+        """The linear layers of ``unit`` (their weight gradients are the unit's W work)."""
+        swiglu = self.cfg.kind == "qwen2_5_vl"
+        return {
+            Unit.PRE_ATTN: (self.q_proj, self.k_proj, self.v_proj),
+            Unit.ATTN: (self.o_proj,),
+            Unit.PRE_MLP: (self.gate_proj, self.up_proj) if swiglu else (self.fc1,),
+            Unit.MLP: (self.down_proj,) if swiglu else (self.fc2,),
+        }[unit]
 
     def qkv(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(b, n, hv) -> q, k, v (b, heads/t, n, d), q and k rotated by patch row/column."""
+        """(1, N, hv) -> q, k, v (1, heads/t, N, d), q and k rotated by patch row/column (``positions`` unused)."""
+        if self.layout is None:
+            raise RuntimeError("VisionBlock.layout is not set: the tower or the vision chunk sets it per batch")
         b, n, _ = h.shape
-        q = self.q_proj(h).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        rows, cols = patch_positions(self.vit, h.device)
-        return rope_2d(q, rows, cols, self.theta), rope_2d(k, rows, cols, self.theta), v
+        q, k, v = (p(h).view(b, n, self.heads, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        lay = self.layout
+        return apply_rotary(q, lay.cos, lay.sin), apply_rotary(k, lay.cos, lay.sin), v
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Bidirectional attention over the image's patches and the out-projection (partial over TP)."""
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        """Bidirectional attention within each segment (frame or window) and the out-projection (partial over TP)."""
+        o = segment_attention(q, k, v, self.layout.segments(self.full_attention))
         b, _, n, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))  # (b, n, hv) partial
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+    def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.attn_core(q, k, v) + residual.detach() / self.tp
+
+    def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.cfg.kind == "qwen2_vl":
+            return (self.fc1(h),)
+        return self.gate_proj(h), self.up_proj(h)
+
+    def mlp_core(self, *acts: torch.Tensor) -> torch.Tensor:
+        if self.cfg.kind == "qwen2_vl":
+            return self.fc2(quick_gelu(acts[0]))
+        gate, up = acts
+        return self.down_proj(F.silu(gate) * up)
+
+    def mlp(self, *acts_and_residual: torch.Tensor) -> torch.Tensor:
+        *acts, residual = acts_and_residual
+        return self.mlp_core(*acts) + residual.detach() / self.tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Single-device forward (tp must be 1)."""
+        if self.tp != 1:
+            raise ValueError("VisionBlock.forward is the single-device path; a TP shard runs through the chunk runner")
+        x = self.attn_core(*self.qkv(self.norm1(x))) + x
+        return self.mlp_core(*self.gate_up(self.norm2(x))) + x
 
 
 def parallelize_block(block: VisionBlock, tp_rank: int, tp_size: int) -> VisionBlock:
-    """The TP shard of a ViT block (heads and FFN split, norms replicated), copied."""
-    cfg = block.vit.block_config()
-    shard = parallelize_layer(block, cfg, tp_rank, tp_size)
-    out = VisionBlock(block.vit, cfg.heads // tp_size, cfg.ffn // tp_size, tp=tp_size)
-    for name, child in shard.named_children():
-        setattr(out, name, child)
+    """The TP shard of a ViT block (heads and MLP split, norms replicated), copied."""
+    cfg = block.cfg
+    for what, n in (("ViT heads", cfg.heads), ("ViT ffn", cfg.ffn)):
+        if n % tp_size:
+            raise ValueError(f"{what} ({n}) not divisible by tp={tp_size}")
+    out = VisionBlock(cfg, block.index, cfg.heads // tp_size, cfg.ffn // tp_size, tp=tp_size)
+    out.norm1, out.norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
+    rows = _head_rows(cfg.heads, cfg.head_dim, tp_rank, tp_size)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(out, name, ColumnParallelLinear.from_full(getattr(block, name), tp_rank, tp_size, rows))
+    out.o_proj = RowParallelLinear.from_full(block.o_proj, tp_rank, tp_size)
+    cols = ("fc1",) if cfg.kind == "qwen2_vl" else ("gate_proj", "up_proj")
+    for name in cols:
+        setattr(out, name, ColumnParallelLinear.from_full(getattr(block, name), tp_rank, tp_size))
+    down = "fc2" if cfg.kind == "qwen2_vl" else "down_proj"
+    setattr(out, down, RowParallelLinear.from_full(getattr(block, down), tp_rank, tp_size))
     return out
 
 
 class PatchMerger(nn.Module):
-    """Norm, group 2x2 patches, MLP ``4*hv -> 4*hv -> lm_hidden`` (GELU): one visual token per group."""
+    """Norm, group ``merge x merge`` patches, MLP ``4*hv -> 4*hv -> lm_hidden`` (exact GELU): one token per group."""
 
     def __init__(self, vit: ViTConfig, lm_hidden: int) -> None:
         super().__init__()
         self.vit = vit
         wide = vit.hidden * vit.merge * vit.merge
-        self.ln_q = RMSNorm(vit.hidden, vit.rms_eps)
+        self.ln_q = nn.LayerNorm(vit.hidden, eps=vit.eps) if vit.kind == "qwen2_vl" else RMSNorm(vit.hidden, vit.eps)
         self.fc1 = nn.Linear(wide, wide, bias=True)
         self.fc2 = nn.Linear(wide, lm_hidden, bias=True)
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
-        """(b, n, hv) -> (b, n/4, 4*hv): normalised, neighbouring patches side by side."""
+        """(1, N, hv) -> (1, N/4, 4*hv): normalised, the patches of one merge block side by side."""
         b, n, hv = x.shape
         return self.ln_q(x).reshape(b, n // (self.vit.merge ** 2), hv * self.vit.merge ** 2)
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
-        """(b, nv, 4*hv) -> (b, nv, lm_hidden); partial over TP when fc1/fc2 are column/row-parallel."""
+        """(1, nv, 4*hv) -> (1, nv, lm_hidden); partial over TP when fc1/fc2 are column/row-parallel."""
         return self.fc2(F.gelu(self.fc1(h)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,18 +395,33 @@ class PatchMerger(nn.Module):
 
 
 class VisionTower(nn.Module):
-    """Patch embedding, ViT blocks and patch merger on one device: pixels -> visual tokens."""
+    """Patch embedding, ViT blocks and patch merger on one device: HF ``pixel_values`` -> visual tokens."""
 
     def __init__(self, vit: ViTConfig, lm_hidden: int) -> None:
         super().__init__()
         self.cfg = vit
         self.patch_embed = nn.Linear(vit.patch_dim, vit.hidden, bias=False)
-        self.blocks = nn.ModuleList(VisionBlock(vit) for _ in range(vit.layers))
+        self.blocks = nn.ModuleList(VisionBlock(vit, i) for i in range(vit.layers))
         self.merger = PatchMerger(vit, lm_hidden)
+        self.vl_cfg: object | None = None  # the Qwen2VLConfig of the model holding the tower (set by Qwen2VLModel)
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """(b, c, H, W) -> (b, visual_tokens, lm_hidden)."""
-        x = self.patch_embed(patchify(pixels, self.cfg))  # (b, n, hv)
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """``pixel_values`` (N, patch_dim), ``grid_thw`` (images, 3) -> (N / merge**2, lm_hidden) in image order."""
+        check_pixels(pixel_values, grid_thw, self.cfg)
+        layout = vision_layout(grid_thw, self.cfg)
+        unit = self.cfg.merge ** 2
+        x = self.patch_embed(layout.reorder(pixel_values.to(self.patch_embed.weight.dtype), unit)).unsqueeze(0)
         for blk in self.blocks:
+            blk.layout = layout
             x = blk(x)
-        return self.merger(x)
+            blk.layout = None
+        out = self.merger(x)[0]
+        return out if layout.reverse is None else out[layout.reverse]
+
+
+def check_pixels(pixel_values: torch.Tensor, grid_thw: torch.Tensor, cfg: ViTConfig) -> None:
+    """One clear error when ``pixel_values`` do not match the grids or the patch size."""
+    n = int(grid_thw.prod(-1).sum())
+    if pixel_values.dim() != 2 or pixel_values.shape != (n, cfg.patch_dim):
+        raise ValueError(f"pixel_values of shape {tuple(pixel_values.shape)}; image_grid_thw {grid_thw.tolist()} "
+                         f"needs ({n}, {cfg.patch_dim}) (channels*temporal_patch*patch^2)")
