@@ -33,7 +33,7 @@ from braid.models.sequence_parallel import SequenceParallel
 from braid.models.tied import Tie, mark, tie_of
 from braid.partition import chunk_specs, layer_offset
 from braid.tp.embedding import VocabParallelEmbedding
-from braid.tp.layers import ColumnParallelLinear
+from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 TIED_KEY = "embed_tokens.weight"
 
@@ -152,10 +152,50 @@ def build_chunk(
             if p is not None:
                 mark(p, Tie(TIED_KEY, (0,)))
     vocab_start = tp_rank * (cfg.vocab_size // tp_size)
-    return ModelChunk(
+    chunk = ModelChunk(
         spec, layers, embed, norm, lm_head,
         num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start, sp=sp,
     )
+    chunk.first_layer = first_layer
+    return chunk
+
+
+def _split_dim(module: nn.Module, pname: str) -> int | None:
+    """The dimension a chunk parameter is split along over TP (None: replicated, or held by TP rank 0 only)."""
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return 0
+    if isinstance(module, RowParallelLinear):
+        return 1 if pname == "weight" else None
+    return None
+
+
+def chunk_state(chunk: ModelChunk, tp_group: dist.ProcessGroup | None = None, *, tied: bool = False) -> dict[str, torch.Tensor]:
+    """The chunk's parameters under their single-device model names, TP shards joined (the inverse of :func:`build_chunk`).
+
+    Collective over ``tp_group`` (every TP rank of the chunk calls it and gets the same
+    tensors). ``tied``: the model ties its head to the embedding, so the head's copy is
+    left out (the first stage's embedding carries the matrix).
+    """
+    out: dict[str, torch.Tensor] = {}
+    first = chunk.first_layer
+    for mod_name, module in chunk.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{pname}"
+            if name.startswith("layers."):
+                _, j, rest = name.split(".", 2)
+                name = f"layers.{first + int(j)}.{rest}"
+            elif name.startswith("embed."):
+                name = "embed_tokens." + name.removeprefix("embed.")
+            elif tied and name.startswith("lm_head."):
+                continue
+            dim = _split_dim(module, pname)
+            t = p.detach()
+            if dim is not None and tp_group is not None and dist.get_world_size(tp_group) > 1:
+                parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                t = torch.cat(parts, dim=dim)
+            out[name] = t
+    return out
 
 
 def tied_holders(plan: Plan) -> tuple[int, ...]:
