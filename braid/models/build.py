@@ -90,9 +90,16 @@ def materialize(model: nn.Module) -> nn.Module:
     source = _source(model)
     if source is None:
         return model
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters: to_empty gives each use its own tensor
+    for module in model.modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                shared.setdefault(id(p), []).append((module, pname))
     model.to_empty(device=source.device)
-    if getattr(model.cfg, "tie_embeddings", False):  # to_empty gives each module its own tensor
-        model.lm_head.weight = model.embed_tokens.weight
+    for uses in shared.values():
+        first = getattr(uses[0][0], uses[0][1])
+        for module, pname in uses[1:]:
+            setattr(module, pname, first)
     with torch.no_grad():
         for name, p in model.named_parameters():
             source.fill(p, name)
