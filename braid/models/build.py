@@ -28,7 +28,7 @@ from braid.braiding import ChunkSpec
 from braid.ir import Plan
 from braid.models.chunk import ModelChunk
 from braid.models.init import init_tensor
-from braid.models.seam import StageModel
+from braid.models.seam import StageModel, UnitLayer
 from braid.models.sequence_parallel import SequenceParallel
 from braid.models.tied import Tie, mark, tie_of
 from braid.partition import chunk_specs, layer_offset
@@ -145,6 +145,9 @@ def build_chunk(
     layers = []
     for i in range(first_layer, first_layer + spec.layers):
         lay = model.shard_layer(_real(model.layers[i], source, f"layers.{i}."), tp_rank, tp_size)
+        if not isinstance(lay, UnitLayer):
+            raise TypeError(f"{type(model).__name__}.shard_layer returned a {type(lay).__name__}, which lacks the "
+                            "unit methods of braid.models.seam.UnitLayer (unit_norm, unit_forward, unit_weights)")
         lay.sp = sp
         layers.append(lay)
     embed = norm = lm_head = None
