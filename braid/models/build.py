@@ -59,6 +59,21 @@ class InitSource:
         init_tensor(t, self.seed, name, self.std)
 
 
+@dataclass(frozen=True, slots=True)
+class Prefixed:
+    """``inner``'s values under ``prefix + name``: the source of a sub-model (e.g. a VLM's ``lm.``) built on its own."""
+
+    inner: ParamSource
+    prefix: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def fill(self, t: torch.Tensor, name: str) -> None:
+        self.inner.fill(t, self.prefix + name)
+
+
 def on_meta(model_cls: type, cfg: object, source: ParamSource, dtype: torch.dtype = torch.float32) -> nn.Module:
     """``model_cls(cfg)`` on the meta device (no storage); its parameters come from ``source``
     when :func:`build_chunk` or :func:`materialize` makes them real."""
