@@ -55,10 +55,16 @@ class LlamaLayer(Qwen2Layer):
                  tp: int = 1) -> None:
         super().__init__(cfg, heads, kv_heads, ffn, tp)
         scaling = getattr(cfg, "llama3_rope", None)
-        self._inv_freq = None if scaling is None else llama3_inv_freq(cfg.rope_theta, self.head_dim, scaling)
+        # Plain tensors (not buffers: to_empty would blank them), one copy per device, made once.
+        self._inv_freq = None if scaling is None else {torch.device("cpu"): llama3_inv_freq(cfg.rope_theta, self.head_dim, scaling)}
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        return rope(x, self.theta, positions, self._inv_freq)
+        if self._inv_freq is None:
+            return rope(x, self.theta, positions)
+        inv = self._inv_freq.get(x.device)
+        if inv is None:
+            inv = self._inv_freq[x.device] = self._inv_freq[torch.device("cpu")].to(x.device)
+        return rope(x, self.theta, positions, inv)
 
 
 class LlamaModel(Qwen2Model):
