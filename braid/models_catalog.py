@@ -146,8 +146,13 @@ def from_hf_config(path: str | os.PathLike) -> ModelConfig:
     if not hasattr(cfg, "vocab_size"):
         raise ValueError(f"{path}: the {family.name} family has no cost-model shape (only decoder LMs are read here)")
     name = d.get("_name_or_path") or (p.parent.name if p.is_file() else p.name) or family.name
-    return ModelConfig(str(name), layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn,
-                       vocab=cfg.vocab_size, family=family.name, tie_embeddings=cfg.tie_embeddings)
+    return from_decoder_config(str(name), cfg, family.name)
+
+
+def from_decoder_config(name: str, cfg: Any, family: str = "qwen2", **changes: Any) -> ModelConfig:
+    """The cost-model shape of a runnable decoder config (the inverse of :func:`decoder_config`)."""
+    return ModelConfig(name, layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn,
+                       vocab=cfg.vocab_size, family=family, tie_embeddings=cfg.tie_embeddings, **changes)
 
 
 def decoder_config(model: ModelConfig, **changes: Any) -> Any:

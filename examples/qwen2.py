@@ -61,9 +61,10 @@ def _chunks(model, plan, pp_rank, stage_layers, tp_rank, tp_size, tp_group, sp=N
 
 def _flops(model, args) -> float:
     from braid.costs import model_forward_flops
-    from braid.models_catalog import get_model
+    from braid.models.registry import family_of
+    from braid.models_catalog import from_decoder_config
 
-    return 3 * model_forward_flops(get_model(args.model).with_(seq=args.seq, micro_batch_size=1))
+    return 3 * model_forward_flops(from_decoder_config("lm", model.cfg, family_of(model).name, seq=args.seq, micro_batch_size=1))
 
 
 TASK = Task(

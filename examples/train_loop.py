@@ -99,6 +99,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                      help="layers fewer on the last virtual stage (heavy LM head; default: 2, 0 for --model tiny)")
     run = p.add_argument_group("batch and model")
     run.add_argument("--model", default="tiny", choices=["tiny", "small", "7b", "15b"], help="size preset (default: %(default)s)")
+    run.add_argument("--hf", metavar="DIR", help="start from a local Hugging Face checkpoint (config.json + safetensors) "
+                                                 "instead of --model; each rank reads only its chunks' tensors")
     run.add_argument("--mbs", type=int, default=None, help="micro-batches per step (default: 2*pp)")
     run.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default: %(default)s)")
     run.add_argument("--seq", type=int, default=task.default_seq,
@@ -120,6 +122,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     out.add_argument("--save", metavar="DIR", help="checkpoint at the end (and every --save-every steps)")
     out.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
     out.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written with the same layout")
+    out.add_argument("--save-hf", metavar="DIR", help="at the end, write the trained model as a Hugging Face checkpoint "
+                                                      "(a new directory; each pipeline rank writes its stages)")
     out.add_argument("--peak-tflops", type=float, default=None,
                      help="per-device peak for MFU (default: 989 on H100/H200, 0 = not reported on CPU)")
     out.add_argument("--reference", action="store_true",
@@ -201,13 +205,15 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             raise UsageError(f"--schedule {n}: unknown; valid: {', '.join(valid)}")
     if len(set(names)) != len(names):
         raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
-    if len(names) > 1 and (args.save or args.resume or args.trace):
-        raise UsageError("--save, --resume and --trace take one --schedule (several schedules compare fresh runs)")
+    if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf):
+        raise UsageError("--save, --save-hf, --resume and --trace take one --schedule (several schedules compare fresh runs)")
+    if args.save_hf and Path(args.save_hf).exists() and (not Path(args.save_hf).is_dir() or any(Path(args.save_hf).iterdir())):
+        raise UsageError(f"--save-hf {args.save_hf}: exists and is not an empty directory; give a new directory")
     if args.reference and (args.resume or args.cp > 1):
         raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
     torch_names = [n for n in names if n in TORCH_SCHEDULES]
-    if torch_names and (args.save or args.resume):
-        raise UsageError(f"--save/--resume checkpoint braid's schedules, not {torch_names[0]}")
+    if torch_names and (args.save or args.resume or args.save_hf):
+        raise UsageError(f"--save/--save-hf/--resume checkpoint braid's schedules, not {torch_names[0]}")
     if torch_names and (args.dp != 1 or args.cp != 1):
         raise UsageError(f"{torch_names[0]} runs tp x pp layouts only: use --dp 1 --cp 1 (world size = tp * pp)")
     try:
@@ -219,7 +225,16 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
                 raise ValueError(f"--offload-alpha {args.offload_alpha}: needs --schedule braided_v_offload and a value in [0, 1]")
             opts = {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
         torch.manual_seed(args.seed)
-        model = task.build_model(args)
+        if args.hf:
+            import braid.hf
+
+            model = braid.hf.load_meta(args.hf, device=_device(args))  # materialised chunk by chunk
+        else:
+            model = task.build_model(args)
+        if args.save_hf:
+            from braid.models.registry import family_of
+
+            family_of(model)  # a model no registered family can write is refused before training
         runs = []
         for n in names:
             plan = None if n in TORCH_SCHEDULES else schedules.build(n, args.pp, args.mbs, **(opts if n == "braided_v_offload" else {}))
@@ -513,7 +528,7 @@ def _train(task: Task, setup: Setup, run: Run, d: Any, groups: Any, source: Any,
             metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": samples,
                                       "tokens_per_s": tokens, "mfu": mfu, "peak_memory_bytes": mems.tolist(),
                                       "schedule": run.name, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                                      "model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", "")}) + "\n")
+                                      "model": args.hf or args.model, "device": str(device), "dtype": str(dtype).replace("torch.", "")}) + "\n")
             metrics.flush()
         if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
             progress = {"step": torch.tensor(step), "pos": torch.tensor(pos)}
@@ -521,6 +536,13 @@ def _train(task: Task, setup: Setup, run: Run, d: Any, groups: Any, source: Any,
     bar.close()
     if metrics is not None:
         metrics.close()
+    if args.save_hf:
+        import braid.hf
+        from braid.models.registry import family_of
+
+        braid.hf.save_chunks(runner.chunks, setup.model.cfg, family_of(setup.model), args.save_hf, groups)
+        if setup.rank == 0:
+            log.info("saved a Hugging Face checkpoint to %s", args.save_hf)
     if args.trace and runner.res is not None:
         _write_trace(runner.res.trace, setup.rank, setup.world, args, Trace, dump_traces)
     del runner, opt
@@ -550,7 +572,7 @@ def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref:
     flops = task.flops_per_sample(setup.model, args)
     peak = _peak_flops(args, device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    lines = [f"# {task.prog} --model {args.model}: tp={args.tp} pp={args.pp} dp={args.dp} m={args.mbs} "
+    lines = [f"# {task.prog} {f'--hf {args.hf}' if args.hf else f'--model {args.model}'}: tp={args.tp} pp={args.pp} dp={args.dp} m={args.mbs} "
              f"micro-batch {args.micro_batch_size} x {seq} tokens, {args.steps} steps on {setup.world} x {where} "
              f"({str(dtype).replace('torch.', '')}); step time = median after the first step"]
     head = f"{'schedule':<18} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'last loss':>10}"

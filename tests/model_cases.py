@@ -68,3 +68,28 @@ def family_equivalence(ctx, family: str, tie: bool, pp: int, tp: int, schedules_
                 torch.testing.assert_close(p.detach(), want[n].detach(), rtol=tol[0], atol=tol[1], msg=lambda s: f"{where} param {ci}.{n}: {s}")
         ran.append(f"{name} m={m}")
     return ran
+
+
+def save_distributed(ctx, family: str, tie: bool, pp: int, tp: int, schedule: str, path: str) -> bool:
+    """Chunks of a pp x tp layout saved with braid.hf.save_chunks load back as the single-device model."""
+    import braid.hf as bhf
+    from braid import schedules
+    from braid.models.build import build_rank_chunks
+    from braid.models.registry import get_family
+    from braid.partition import split_layers
+    from braid.topology import Topology
+
+    fam = get_family(family)
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, tp=tp))
+    c = groups.coords
+    plan = schedules.build(schedule, pp, 2 * pp)
+    layers = split_layers(2 * plan.num_stages - 1, plan.num_stages)
+    cfg = fam.config_cls(layers=sum(layers), tie_embeddings=tie, **CFG_KW)
+    model = fam.model_cls(cfg).init_weights(seed=5)
+    chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+    bhf.save_chunks(chunks, cfg, fam, path, groups)
+    back = bhf.load(path)
+    assert type(back) is type(model) and back.cfg == cfg
+    for (n, p), (_, q) in zip(model.named_parameters(), back.named_parameters()):
+        assert torch.equal(p, q), n
+    return True

@@ -10,7 +10,6 @@ chunks read only their own tensors.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -120,3 +120,19 @@ def test_tied_and_llama_pipelines_match_single_process(pools) -> None:
     pool.run(cases.family_equivalence, "llama", False, 2, 1, [("1f1b_i", 4)], True, timeout_s=300)
     # One stage split over tp=2: both copies in one chunk, vocabulary rows sharded alike.
     pool.run(cases.family_equivalence, "qwen2", True, 1, 2, [("gpipe", 2)], timeout_s=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_meta_chunks_on_cuda_equal_the_single_device_model_on_cuda() -> None:
+    plan = schedules.build("braided_v", 2, 4)
+    layers = (1, 1, 1, 1)
+    cfg = Qwen2Config(layers=4, tie_embeddings=True)
+    full = Qwen2Model(cfg).to("cuda").init_weights(seed=9)
+    for pp_rank in range(2):
+        got = build_rank_chunks(meta_model(Qwen2Model, cfg, seed=9, device="cuda"), plan, pp_rank, layers, tp_rank=1, tp_size=2)
+        want = build_rank_chunks(full, plan, pp_rank, layers, tp_rank=1, tp_size=2)
+        for c in want:
+            w = dict(want[c].named_parameters())
+            for n, p in got[c].named_parameters():
+                assert p.is_cuda and torch.equal(p, w[n]), f"rank {pp_rank} chunk {c} {n}"

@@ -127,7 +127,8 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: to
     missing = sorted(want - source.reader.keys())
     if missing:
         raise ValueError(f"{str(path)!r}: checkpoint lacks {len(missing)} tensor(s) of a {family.name} model, e.g. {missing[:3]}")
-    extra = sorted(source.reader.keys() - want - ({"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()))
+    every_use = {family.hf_key(n) for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied copy may be stored too
+    extra = sorted(source.reader.keys() - every_use)
     if extra:
         raise ValueError(f"{str(path)!r}: {len(extra)} checkpoint tensor(s) not used by a {family.name} model, e.g. {extra[:3]}")
     return materialize(model)

@@ -28,12 +28,12 @@ from braid.braiding import ChunkSpec
 from braid.ir import Plan
 from braid.models.chunk import ModelChunk
 from braid.models.init import init_tensor
-from braid.models.seam import StageModel
+from braid.models.seam import StageModel, UnitLayer
 from braid.models.sequence_parallel import SequenceParallel
 from braid.models.tied import Tie, mark, tie_of
 from braid.partition import chunk_specs, layer_offset
 from braid.tp.embedding import VocabParallelEmbedding
-from braid.tp.layers import ColumnParallelLinear
+from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 TIED_KEY = "embed_tokens.weight"
 
@@ -57,6 +57,21 @@ class InitSource:
 
     def fill(self, t: torch.Tensor, name: str) -> None:
         init_tensor(t, self.seed, name, self.std)
+
+
+@dataclass(frozen=True, slots=True)
+class Prefixed:
+    """``inner``'s values under ``prefix + name``: the source of a sub-model (e.g. a VLM's ``lm.``) built on its own."""
+
+    inner: ParamSource
+    prefix: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def fill(self, t: torch.Tensor, name: str) -> None:
+        self.inner.fill(t, self.prefix + name)
 
 
 def on_meta(model_cls: type, cfg: object, source: ParamSource, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -90,9 +105,16 @@ def materialize(model: nn.Module) -> nn.Module:
     source = _source(model)
     if source is None:
         return model
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}  # tied parameters: to_empty gives each use its own tensor
+    for module in model.modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                shared.setdefault(id(p), []).append((module, pname))
     model.to_empty(device=source.device)
-    if getattr(model.cfg, "tie_embeddings", False):  # to_empty gives each module its own tensor
-        model.lm_head.weight = model.embed_tokens.weight
+    for uses in shared.values():
+        first = getattr(uses[0][0], uses[0][1])
+        for module, pname in uses[1:]:
+            setattr(module, pname, first)
     with torch.no_grad():
         for name, p in model.named_parameters():
             source.fill(p, name)
@@ -138,6 +160,9 @@ def build_chunk(
     layers = []
     for i in range(first_layer, first_layer + spec.layers):
         lay = model.shard_layer(_real(model.layers[i], source, f"layers.{i}."), tp_rank, tp_size)
+        if not isinstance(lay, UnitLayer):
+            raise TypeError(f"{type(model).__name__}.shard_layer returned a {type(lay).__name__}, which lacks the "
+                            "unit methods of braid.models.seam.UnitLayer (unit_norm, unit_forward, unit_weights)")
         lay.sp = sp
         layers.append(lay)
     embed = norm = lm_head = None
@@ -152,10 +177,50 @@ def build_chunk(
             if p is not None:
                 mark(p, Tie(TIED_KEY, (0,)))
     vocab_start = tp_rank * (cfg.vocab_size // tp_size)
-    return ModelChunk(
+    chunk = ModelChunk(
         spec, layers, embed, norm, lm_head,
         num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start, sp=sp,
     )
+    chunk.first_layer = first_layer
+    return chunk
+
+
+def _split_dim(module: nn.Module, pname: str) -> int | None:
+    """The dimension a chunk parameter is split along over TP (None: replicated, or held by TP rank 0 only)."""
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+        return 0
+    if isinstance(module, RowParallelLinear):
+        return 1 if pname == "weight" else None
+    return None
+
+
+def chunk_state(chunk: ModelChunk, tp_group: dist.ProcessGroup | None = None, *, tied: bool = False) -> dict[str, torch.Tensor]:
+    """The chunk's parameters under their single-device model names, TP shards joined (the inverse of :func:`build_chunk`).
+
+    Collective over ``tp_group`` (every TP rank of the chunk calls it and gets the same
+    tensors). ``tied``: the model ties its head to the embedding, so the head's copy is
+    left out (the first stage's embedding carries the matrix).
+    """
+    out: dict[str, torch.Tensor] = {}
+    first = chunk.first_layer
+    for mod_name, module in chunk.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{pname}"
+            if name.startswith("layers."):
+                _, j, rest = name.split(".", 2)
+                name = f"layers.{first + int(j)}.{rest}"
+            elif name.startswith("embed."):
+                name = "embed_tokens." + name.removeprefix("embed.")
+            elif tied and name.startswith("lm_head."):
+                continue
+            dim = _split_dim(module, pname)
+            t = p.detach()
+            if dim is not None and tp_group is not None and dist.get_world_size(tp_group) > 1:
+                parts = [torch.empty_like(t) for _ in range(dist.get_world_size(tp_group))]
+                dist.all_gather(parts, t.contiguous(), group=tp_group)
+                t = torch.cat(parts, dim=dim)
+            out[name] = t
+    return out
 
 
 def tied_holders(plan: Plan) -> tuple[int, ...]:

@@ -55,7 +55,16 @@ class LlamaLayer(Qwen2Layer):
                  tp: int = 1) -> None:
         super().__init__(cfg, heads, kv_heads, ffn, tp)
         scaling = getattr(cfg, "llama3_rope", None)
-        self._inv_freq = None if scaling is None else llama3_inv_freq(cfg.rope_theta, self.head_dim, scaling)
+        # Plain tensors (not buffers: to_empty would blank them), one copy per device, made once.
+        self._inv_freq = None if scaling is None else {torch.device("cpu"): llama3_inv_freq(cfg.rope_theta, self.head_dim, scaling)}
+
+    def rope_freqs(self, device: torch.device) -> torch.Tensor | None:
+        if self._inv_freq is None:
+            return None
+        inv = self._inv_freq.get(device)
+        if inv is None:
+            inv = self._inv_freq[device] = self._inv_freq[torch.device("cpu")].to(device)
+        return inv
 
 
 class LlamaModel(Qwen2Model):

@@ -149,7 +149,6 @@ class Qwen2Layer(nn.Module):
     qkv_bias: bool = True
 
     fns: UnitFns = EAGER  # the pure tensor functions of the units (eager or compiled)
-    _inv_freq: torch.Tensor | None = None  # RoPE frequencies of a family with scaled RoPE (None: base theta)
 
     def __init__(self, cfg: Qwen2Config, heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None, tp: int = 1) -> None:
         super().__init__()
@@ -178,13 +177,17 @@ class Qwen2Layer(nn.Module):
         q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.fns.rope_qk(q, k, self.theta, positions, self._inv_freq)
+        q, k = self.fns.rope_qk(q, k, self.theta, positions, self.rope_freqs(q.device))
         return q, k, v
 
+    def rope_freqs(self, device: torch.device) -> torch.Tensor | None:
+        """RoPE's inverse frequencies on ``device``: None for plain base ``theta``; a family
+        with scaled frequencies (Llama-3.1) overrides this."""
+        return None
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """RoPE of q or k (b, heads, s, d), with the family's frequencies (``_inv_freq``: a
-        family with scaled frequencies sets them; None: plain base ``theta``)."""
-        return rope(x, self.theta, positions, self._inv_freq)
+        """RoPE of q or k (b, heads, s, d), with the family's frequencies."""
+        return rope(x, self.theta, positions, self.rope_freqs(x.device))
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal GQA attention and the out-projection: (b, H/t, s, d) -> (b, s, h) partial over TP.
