@@ -24,7 +24,7 @@ from torch import nn
 
 from braid.files import atomic_write_text
 from braid.models.build import materialize, on_meta
-from braid.models.registry import Family, family_for_hf, family_of
+from braid.models.registry import Family, HFWeights, family_for_hf, family_of
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -92,15 +92,22 @@ class CheckpointSource:
     reader: CheckpointReader
     family: Family
     device: torch.device
+    weights: HFWeights
     read: list[str] = field(default_factory=list)
 
-    def fill(self, t: torch.Tensor, name: str) -> None:
-        key = self.family.hf_key(name)
-        src = self.reader.tensor(key)
-        if tuple(src.shape) != tuple(t.shape):
-            raise ValueError(f"{self.reader.path}: tensor {key!r} has shape {tuple(src.shape)}, the model expects {tuple(t.shape)}")
-        t.copy_(src)
+    def _tensor(self, key: str) -> torch.Tensor:
         self.read.append(key)
+        return self.reader.tensor(key)
+
+    def fill(self, t: torch.Tensor, name: str) -> None:
+        try:
+            src = self.weights.read(name, self._tensor)
+        except RuntimeError as err:  # a fused tensor that does not split or reshape to the parameter
+            raise ValueError(f"{self.reader.path}: tensor {self.weights.key(name)!r} does not fit parameter {name!r} ({err})") from None
+        if tuple(src.shape) != tuple(t.shape):
+            raise ValueError(f"{self.reader.path}: tensor {self.weights.key(name)!r} gives shape {tuple(src.shape)} for "
+                             f"{name!r}, the model expects {tuple(t.shape)}")
+        t.copy_(src)
 
 
 def load_meta(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
@@ -111,23 +118,26 @@ def load_meta(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     d = read_config(path)
     family = family_for_hf(d["model_type"])
     cfg = family.from_hf(d)
-    return on_meta(family.model_cls, cfg, CheckpointSource(CheckpointReader(path), family, torch.device(device)), dtype)
+    reader = CheckpointReader(path)
+    source = CheckpointSource(reader, family, torch.device(device), family.weights(cfg, reader.keys()))
+    return on_meta(family.model_cls, cfg, source, dtype)
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
     """The single-device braid model of a local HF checkpoint directory (``config.json`` + safetensors).
 
     Every checkpoint tensor must be used (a tied checkpoint may also carry ``lm_head.weight``);
-    a missing or unused tensor is a ``ValueError`` naming it. LMs have ``logits(input_ids)``.
+    a missing or unused tensor is a ``ValueError`` naming it. LMs have ``logits(input_ids)``, VLMs
+    ``logits(input_ids, pixel_values=..., image_grid_thw=...)`` (what HF's processor gives).
     """
     model = load_meta(path, dtype, device)
     source: CheckpointSource = model.braid_source
-    family = source.family
-    want = {family.hf_key(n) for n, _ in model.named_parameters()}
+    family, key = source.family, source.weights.key
+    want = {key(n) for n, _ in model.named_parameters()}
     missing = sorted(want - source.reader.keys())
     if missing:
         raise ValueError(f"{str(path)!r}: checkpoint lacks {len(missing)} tensor(s) of a {family.name} model, e.g. {missing[:3]}")
-    every_use = {family.hf_key(n) for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied copy may be stored too
+    every_use = {key(n) for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied copy may be stored too
     extra = sorted(source.reader.keys() - every_use)
     if extra:
         raise ValueError(f"{str(path)!r}: {len(extra)} checkpoint tensor(s) not used by a {family.name} model, e.g. {extra[:3]}")
@@ -154,7 +164,7 @@ def save(model: nn.Module, path: str | os.PathLike, max_shard_size: str | int = 
     params = dict(model.named_parameters())  # a tied head appears once, as the embedding
     dtype = next(iter(params.values())).dtype
     config = {**family.to_hf(model.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
-    state = {family.hf_key(n): p.detach().to("cpu").contiguous() for n, p in params.items()}
+    state = {k: t.contiguous() for k, t in family.weights(model.cfg).write({n: p.detach().to("cpu") for n, p in params.items()}).items()}
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
     try:
         save_torch_state_dict(state, tmp, max_shard_size=max_shard_size)

@@ -58,7 +58,7 @@ def save_chunks(chunks: dict[int, Any], cfg: Any, family: Family, path: str | os
     fname = f"model-{c.pp + 1:05d}-of-{p:05d}.safetensors"
     mine = None
     if writer:
-        tensors = {family.hf_key(n): t.to("cpu").contiguous() for n, t in state.items()}
+        tensors = {k: t.contiguous() for k, t in family.weights(cfg).write({n: t.to("cpu") for n, t in state.items()}).items()}
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         mine = (fname, sorted(tensors), sum(t.numel() * t.element_size() for t in tensors.values()))
     listing: list[Any] = [None] * dist.get_world_size()

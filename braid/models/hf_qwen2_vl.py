@@ -15,17 +15,21 @@ dict; reading and writing them belongs to the caller):
   ``model.language_model.*`` and the released ``visual.*`` / ``model.*``); the recent one
   is written.
 
-Tied word embeddings (Qwen2-VL-2B, Qwen2.5-VL-3B) are refused for now: braid's Qwen2 LM
-keeps the embedding and the head apart.
+The family's registry entry (:mod:`braid.models.registry`, HF ``model_type`` ``qwen2_vl`` and
+``qwen2_5_vl``) is here too: :func:`braid.hf.load` / :func:`braid.hf.save` read and write
+these checkpoints through :class:`VLWeights`. Tied word embeddings (Qwen2-VL-2B,
+Qwen2.5-VL-3B) are read and written.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Collection
 
 import torch
 
-from braid.models.qwen2 import Qwen2Config
+from braid.models.qwen2 import Qwen2Config, decoder_hf_key
+from braid.models.registry import Family, register
 from braid.models.qwen2_vl import Qwen2VLConfig, Qwen2VLModel
 from braid.models.vit import ViTConfig
 
@@ -52,15 +56,14 @@ def config_from_hf(cfg: dict[str, Any]) -> Qwen2VLConfig:
     if kind not in MODEL_TYPES:
         raise ValueError(f"model_type {kind!r} is not a Qwen2-VL family model ({', '.join(MODEL_TYPES)})")
     text, vis = _text(cfg), cfg["vision_config"]
-    if cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
-        raise ValueError("tied word embeddings are not supported for Qwen2-VL models yet (use a checkpoint with a separate lm_head)")
+    tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     if text.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window) is not supported")
     theta, section = _rope(text)
     heads = text["num_attention_heads"]
     lm = Qwen2Config(vocab_size=text["vocab_size"], hidden=text["hidden_size"], layers=text["num_hidden_layers"],
                      heads=heads, kv_heads=text.get("num_key_value_heads") or heads, ffn=text["intermediate_size"],
-                     rope_theta=theta, rms_eps=text.get("rms_norm_eps", 1e-6))
+                     rope_theta=theta, rms_eps=text.get("rms_norm_eps", 1e-6), tie_embeddings=tied)
     if lm.head_dim != text.get("head_dim", lm.head_dim):
         raise ValueError(f"head_dim {text['head_dim']} != hidden_size / num_attention_heads = {lm.head_dim} is not supported")
     vrope = (vis.get("rope_parameters") or {}).get("rope_theta", 10_000.0)
@@ -106,108 +109,135 @@ def config_to_hf(cfg: Qwen2VLConfig) -> dict[str, Any]:
                    window_size=v.window, fullatt_block_indexes=list(v.full_attention_blocks))
     return {"model_type": v.kind, "architectures": ["Qwen2VLForConditionalGeneration" if v.kind == "qwen2_vl" else
                                                     "Qwen2_5_VLForConditionalGeneration"],
-            "text_config": text, "vision_config": vis, "tie_word_embeddings": False,
+            "text_config": {**text, "tie_word_embeddings": lm.tie_embeddings}, "vision_config": vis,
+            "tie_word_embeddings": lm.tie_embeddings,
             "image_token_id": cfg.image_token_id, "vision_start_token_id": cfg.vision_start_token_id,
             "vision_end_token_id": cfg.vision_end_token_id}
 
 
 # -- weights -----------------------------------------------------------------------------------
-_LM_LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias",
-             "self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias",
-             "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_BLOCK_MODULES = {"norm1": "norm1", "norm2": "norm2", "q_proj": "attn.qkv", "k_proj": "attn.qkv", "v_proj": "attn.qkv",
+                  "o_proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2", "gate_proj": "mlp.gate_proj",
+                  "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj"}
+_MERGER_MODULES = {"ln_q": "ln_q", "fc1": "mlp.0", "fc2": "mlp.2"}
+_QKV = ("q_proj", "k_proj", "v_proj")
+RECENT, RELEASED = ("model.visual.", "model.language_model."), ("visual.", "model.")
 
 
-def _vision_block_names(kind: str, norm_bias: bool) -> dict[str, str]:
-    """braid block parameter -> HF block parameter (q/k/v handled apart: HF fuses them)."""
-    names = {"norm1.weight": "norm1.weight", "norm2.weight": "norm2.weight",
-             "o_proj.weight": "attn.proj.weight", "o_proj.bias": "attn.proj.bias"}
-    if norm_bias:
-        names.update({"norm1.bias": "norm1.bias", "norm2.bias": "norm2.bias"})
-    mlp = ("fc1", "fc2") if kind == "qwen2_vl" else ("gate_proj", "up_proj", "down_proj")
-    for n in mlp:
-        names.update({f"{n}.weight": f"mlp.{n}.weight", f"{n}.bias": f"mlp.{n}.bias"})
-    return names
+def hf_key(name: str, released: bool = False) -> str:
+    """A braid parameter name -> the HF tensor it lives in (q/k/v: the fused ``qkv``).
+
+    ``released``: the ``visual.*`` / ``model.*`` layout of the published checkpoints; else
+    the ``model.visual.*`` / ``model.language_model.*`` one recent ``transformers`` write.
+    """
+    vis, lm = RELEASED if released else RECENT
+    if name.startswith("visual."):
+        rest = name.removeprefix("visual.")
+        if rest == "patch_embed.weight":
+            return f"{vis}patch_embed.proj.weight"
+        top, *parts = rest.split(".")
+        if top == "merger" and len(parts) == 2 and parts[0] in _MERGER_MODULES:
+            return f"{vis}merger.{_MERGER_MODULES[parts[0]]}.{parts[1]}"
+        if top == "blocks" and len(parts) == 3 and parts[1] in _BLOCK_MODULES:
+            return f"{vis}blocks.{parts[0]}.{_BLOCK_MODULES[parts[1]]}.{parts[2]}"
+    elif name.startswith("lm."):
+        rest = name.removeprefix("lm.")
+        key = decoder_hf_key(rest)
+        return key if rest.startswith("lm_head.") else lm + key.removeprefix("model.")
+    raise ValueError(f"{name!r} is not a parameter of braid's Qwen2-VL model")
 
 
-def _hf_prefixes(tensors: dict[str, torch.Tensor]) -> tuple[str, str]:
-    """(vision prefix, LM prefix) of an HF state dict: the recent layout or the released one."""
-    if any(k.startswith("model.visual.") for k in tensors):
-        return "model.visual.", "model.language_model."
-    if any(k.startswith("visual.") for k in tensors):
-        return "visual.", "model."
-    raise ValueError("no vision tower weights (model.visual.* or visual.*) in the state dict: is this a Qwen2-VL checkpoint?")
+@dataclass(frozen=True, slots=True)
+class VLWeights:
+    """The :class:`braid.models.registry.HFWeights` of a Qwen2-VL / Qwen2.5-VL checkpoint: the vision
+    attention's q/k/v are thirds of HF's fused ``qkv``, the patch embedding is HF's ``Conv3d`` kernel flattened."""
+
+    cfg: Qwen2VLConfig
+    released: bool = False
+
+    def key(self, name: str) -> str:
+        return hf_key(name, self.released)
+
+    def read(self, name: str, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        t = tensor(self.key(name))
+        module = name.split(".")[-2]
+        if name.startswith("visual.blocks.") and module in _QKV:
+            return t.chunk(3, dim=0)[_QKV.index(module)]
+        if name == "visual.patch_embed.weight":
+            return t.reshape(self.cfg.vit.hidden, self.cfg.vit.patch_dim)
+        return t
+
+    def write(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        v = self.cfg.vit
+        out: dict[str, torch.Tensor] = {}
+        for name, t in state.items():
+            module = name.split(".")[-2]
+            if name.startswith("visual.blocks.") and module in _QKV:
+                if module != "q_proj":
+                    continue
+                parts = [name.replace(".q_proj.", f".{p}.") for p in _QKV]
+                missing = [n for n in parts if n not in state]
+                if missing:
+                    raise ValueError(f"{missing[0]!r} must be written with {name!r} (HF fuses them into one qkv tensor)")
+                t = torch.cat([state[n] for n in parts], dim=0)
+            elif name == "visual.patch_embed.weight":
+                t = t.reshape(v.hidden, v.channels, v.temporal_patch, v.patch, v.patch)
+            out[self.key(name)] = t
+        return out
 
 
-def _name_pairs(cfg: Qwen2VLConfig, vis: str, lm: str) -> list[tuple[str, str]]:
-    """(braid name, HF name) for every parameter copied one to one."""
-    v = cfg.vit
-    pairs = [("visual.merger.fc1.weight", f"{vis}merger.mlp.0.weight"), ("visual.merger.fc1.bias", f"{vis}merger.mlp.0.bias"),
-             ("visual.merger.fc2.weight", f"{vis}merger.mlp.2.weight"), ("visual.merger.fc2.bias", f"{vis}merger.mlp.2.bias"),
-             ("visual.merger.ln_q.weight", f"{vis}merger.ln_q.weight"),
-             ("lm.embed_tokens.weight", f"{lm}embed_tokens.weight"), ("lm.norm.weight", f"{lm}norm.weight"),
-             ("lm.lm_head.weight", "lm_head.weight")]
-    if v.kind == "qwen2_vl":
-        pairs.append(("visual.merger.ln_q.bias", f"{vis}merger.ln_q.bias"))
-    block = _vision_block_names(v.kind, norm_bias=v.kind == "qwen2_vl")
-    for i in range(v.layers):
-        pairs += [(f"visual.blocks.{i}.{b}", f"{vis}blocks.{i}.{h}") for b, h in block.items()]
-    for i in range(cfg.lm.layers):
-        pairs += [(f"lm.layers.{i}.{n.split('.', 1)[1] if n.startswith(('self_attn.', 'mlp.')) else n}", f"{lm}layers.{i}.{n}")
-                  for n in _LM_LAYER]
-    return pairs
+def hf_weights(cfg: Qwen2VLConfig, keys: Collection[str] | None = None) -> VLWeights:
+    """The layout of a checkpoint holding tensors ``keys`` (None: the recent one, which braid writes)."""
+    if keys is None:
+        return VLWeights(cfg)
+    if any(k.startswith(RECENT[0]) for k in keys):
+        return VLWeights(cfg)
+    if any(k.startswith(RELEASED[0]) for k in keys):
+        return VLWeights(cfg, released=True)
+    raise ValueError("no vision tower weights (model.visual.* or visual.*) in the checkpoint: is this a Qwen2-VL checkpoint?")
+
+
+def _param_names(cfg: Qwen2VLConfig) -> list[str]:
+    with torch.device("meta"):
+        return [n for n, _ in Qwen2VLModel(cfg).named_parameters()]
 
 
 def weight_map(cfg: Qwen2VLConfig, released: bool = False) -> dict[str, str]:
     """braid parameter name -> the HF tensor it is read from (a slice of the fused ``qkv`` for q/k/v), so a
     loader can read only the tensors of the parameters it needs. ``released``: the ``visual.*`` / ``model.*`` layout."""
-    vis, lm = ("visual.", "model.") if released else ("model.visual.", "model.language_model.")
-    out = dict(_name_pairs(cfg, vis, lm))
-    out["visual.patch_embed.weight"] = f"{vis}patch_embed.proj.weight"
-    for i in range(cfg.vit.layers):
-        for p in ("q", "k", "v"):
-            for part in ("weight", "bias"):
-                out[f"visual.blocks.{i}.{p}_proj.{part}"] = f"{vis}blocks.{i}.attn.qkv.{part}"
-    return out
+    return {n: hf_key(n, released) for n in _param_names(cfg)}
 
 
 def state_dict_from_hf(cfg: Qwen2VLConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """braid's state dict (for :class:`~braid.models.qwen2_vl.Qwen2VLModel`) from HF weights; missing or
-    unused HF tensors are one clear error."""
-    vis, lm = _hf_prefixes(tensors)
-    v = cfg.vit
+    unused HF tensors are one clear error (a tied model's checkpoint may also hold ``lm_head.weight``)."""
+    weights = hf_weights(cfg, tensors.keys())
     used: set[str] = set()
 
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ValueError(f"HF weight {name!r} missing from the checkpoint")
-        used.add(name)
-        return tensors[name]
+    def take(key: str) -> torch.Tensor:
+        if key not in tensors:
+            raise ValueError(f"HF weight {key!r} missing from the checkpoint")
+        used.add(key)
+        return tensors[key]
 
-    out = {b: take(h) for b, h in _name_pairs(cfg, vis, lm)}
-    out["visual.patch_embed.weight"] = take(f"{vis}patch_embed.proj.weight").reshape(v.hidden, v.patch_dim)
-    for i in range(v.layers):
-        for part in ("weight", "bias"):
-            q, k, val = take(f"{vis}blocks.{i}.attn.qkv.{part}").chunk(3, dim=0)
-            out.update({f"visual.blocks.{i}.q_proj.{part}": q, f"visual.blocks.{i}.k_proj.{part}": k,
-                        f"visual.blocks.{i}.v_proj.{part}": val})
+    out = {n: weights.read(n, take).contiguous() for n in _param_names(cfg)}
+    if cfg.lm.tie_embeddings:
+        used.add("lm_head.weight")
     extra = sorted(k for k in tensors if k not in used)
     if extra:
         raise ValueError(f"{len(extra)} HF weights have no place in braid's model, e.g. {extra[:3]}")
-    return {k: t.contiguous() for k, t in out.items()}
+    if cfg.lm.tie_embeddings:
+        out["lm.lm_head.weight"] = out["lm.embed_tokens.weight"]
+    return out
 
 
 def state_dict_to_hf(cfg: Qwen2VLConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF weights (the recent ``model.visual.*`` / ``model.language_model.*`` layout) from braid's state dict."""
-    vis, lm = "model.visual.", "model.language_model."
-    v = cfg.vit
-    out = {h: state[b] for b, h in _name_pairs(cfg, vis, lm)}
-    out[f"{vis}patch_embed.proj.weight"] = state["visual.patch_embed.weight"].reshape(
-        v.hidden, v.channels, v.temporal_patch, v.patch, v.patch)
-    for i in range(v.layers):
-        for part in ("weight", "bias"):
-            out[f"{vis}blocks.{i}.attn.qkv.{part}"] = torch.cat(
-                [state[f"visual.blocks.{i}.{p}_proj.{part}"] for p in ("q", "k", "v")], dim=0)
-    return {k: t.detach().contiguous() for k, t in out.items()}
+    """HF weights (the recent ``model.visual.*`` / ``model.language_model.*`` layout) from braid's state dict.
+
+    A tied model's head is left out (HF ties ``lm_head.weight`` to the embedding on load)."""
+    if cfg.lm.tie_embeddings:
+        state = {n: t for n, t in state.items() if n != "lm.lm_head.weight"}
+    return {k: t.detach().contiguous() for k, t in VLWeights(cfg).write(state).items()}
 
 
 def model_from_hf(config: dict[str, Any], tensors: dict[str, torch.Tensor], *, dtype: torch.dtype | None = None,
@@ -219,4 +249,13 @@ def model_from_hf(config: dict[str, Any], tensors: dict[str, torch.Tensor], *, d
     state = {k: t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
              for k, t in state_dict_from_hf(cfg, tensors).items()}
     model.load_state_dict(state, strict=True, assign=True)
+    if cfg.lm.tie_embeddings:
+        model.lm.lm_head.weight = model.lm.embed_tokens.weight
     return model
+
+
+register(Family(
+    "qwen2_vl", Qwen2VLModel, Qwen2VLConfig, MODEL_TYPES, config_from_hf, config_to_hf, hf_key,
+    "Qwen2-VL / Qwen2.5-VL: vision tower (window attention for 2.5), M-RoPE Qwen2 LM; optionally tied head",
+    hf_weights=hf_weights,
+))

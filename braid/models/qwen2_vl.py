@@ -59,6 +59,11 @@ class Qwen2VLConfig:
             raise ValueError(f"vision token ids {ids} must lie in the vocabulary (size {self.lm.vocab_size})")
 
     @property
+    def tie_embeddings(self) -> bool:
+        """Whether the LM head reuses the text embedding (Qwen2-VL-2B, Qwen2.5-VL-3B)."""
+        return self.lm.tie_embeddings
+
+    @property
     def visual_tokens(self) -> int:
         """Merged tokens of one ``vit.image_size`` image."""
         return self.vit.visual_tokens

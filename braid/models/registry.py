@@ -5,19 +5,60 @@ A family is one module that implements the model seam (:mod:`braid.models.seam`)
 reads from and writes to a Hugging Face ``config.json``, and how its parameter names map to
 checkpoint tensor names. :mod:`braid.hf` dispatches on ``config["model_type"]`` through
 :func:`family_for_hf`. Adding a family is its module plus one line in ``_MODULES``.
+
+Most families store each parameter as one checkpoint tensor of the same shape (``hf_key``
+is all they give). A family whose checkpoint fuses or reshapes tensors (Qwen2-VL's fused
+vision ``qkv``, its ``Conv3d`` patch embedding) also gives ``hf_weights``: an
+:class:`HFWeights` per configuration and checkpoint.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Protocol
+
+import torch
 
 # One line per family module; importing it registers the family.
 _MODULES: tuple[str, ...] = (
     "braid.models.qwen2",
     "braid.models.llama",
+    "braid.models.hf_qwen2_vl",
 )
+
+
+class HFWeights(Protocol):
+    """How a family's parameters (single-device model names) sit in one checkpoint layout."""
+
+    def key(self, name: str) -> str:
+        """The checkpoint tensor parameter ``name`` is read from."""
+        ...
+
+    def read(self, name: str, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """Parameter ``name``'s values, given ``tensor(key)`` that reads one checkpoint tensor."""
+        ...
+
+    def write(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checkpoint tensors of ``state`` (parameter name -> tensor; a part of the model is fine
+        as long as tensors stored together are all in it)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class OneToOne:
+    """Each parameter is one checkpoint tensor of the same shape, named by ``hf_key``."""
+
+    hf_key: Callable[[str], str]
+
+    def key(self, name: str) -> str:
+        return self.hf_key(name)
+
+    def read(self, name: str, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        return tensor(self.hf_key(name))
+
+    def write(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.hf_key(n): t for n, t in state.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +70,8 @@ class Family:
     ``config.json`` ``model_type`` values it reads; ``from_hf(config_dict)`` -> braid
     config (``ValueError`` naming what is unsupported); ``to_hf(cfg)`` -> ``config.json``
     dict (``architectures`` and ``model_type`` included); ``hf_key(name)``: a braid
-    parameter name -> the checkpoint tensor name.
+    parameter name -> the checkpoint tensor name; ``hf_weights(cfg, keys)`` (optional): the
+    :class:`HFWeights` of a checkpoint holding tensors ``keys`` (None: the layout written).
     """
 
     name: str
@@ -40,6 +82,11 @@ class Family:
     to_hf: Callable[[Any], dict[str, Any]]
     hf_key: Callable[[str], str]
     description: str = ""
+    hf_weights: Callable[[Any, Collection[str] | None], HFWeights] | None = None
+
+    def weights(self, cfg: Any, keys: Collection[str] | None = None) -> HFWeights:
+        """The checkpoint layout of ``cfg``'s model (read: the one ``keys`` show; None: the one written)."""
+        return OneToOne(self.hf_key) if self.hf_weights is None else self.hf_weights(cfg, keys)
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -35,10 +35,12 @@ import torch.distributed as dist
 
 from braid.braiding import LAYER_UNITS, ChunkSpec, Unit
 from braid.ir import Plan
-from braid.models.chunk import ChunkStateError, ModelChunk, _Backward, _leaf, _Piece, build_chunk
+from braid.models.build import TIED_KEY, Prefixed, _real, _source, build_chunk, lm_global_name, tied_holders
+from braid.models.chunk import ChunkStateError, ModelChunk, _Backward, _leaf, _Piece
 from braid.models.qwen2_vl import (MRopeLayer, Qwen2VLConfig, Qwen2VLModel, check_image_tokens, rope_index, scatter_visual,
                                    split_item)
 from braid.models.vit import PatchMerger, VisionBlock, VisionLayout, check_pixels, parallelize_block, vision_layout
+from braid.models.tied import Tie, mark
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, RowParallelLinear, _check_split, split_weight_grads
 
@@ -67,6 +69,18 @@ class VisionChunk(ModelChunk):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ids: list[torch.Tensor] = []
         self.layouts: list[VisionLayout] = []
+
+    def global_name(self, local: str, tied: bool = False) -> str:
+        """This chunk's parameter name -> the single-device :class:`Qwen2VLModel`'s (for :func:`braid.models.build.chunk_state`)."""
+        if local.startswith("embed."):
+            return "visual.patch_embed." + local.removeprefix("embed.")
+        if local.startswith("layers."):
+            return "visual.blocks." + local.removeprefix("layers.")
+        if local.startswith("merger."):
+            return "visual." + local
+        if local.startswith("text_embed."):
+            return "lm.embed_tokens." + local.removeprefix("text_embed.")
+        raise ValueError(f"vision chunk parameter {local!r} has no place in the single-device model")
 
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
         """Per micro-batch: the patches in the tower's order (window order for Qwen2.5-VL), this TP rank's
@@ -149,6 +163,11 @@ class MRopeChunk(ModelChunk):
         self.cfg = cfg
         self.mrope: list[torch.Tensor] = []
 
+    def global_name(self, local: str, tied: bool = False) -> str | None:
+        """As an LM chunk's, under the single-device model's ``lm.``."""
+        name = lm_global_name(local, self.first_layer, tied)
+        return None if name is None else "lm." + name
+
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
         """Micro-batch items as the vision chunk's; this chunk reads their ``input_ids`` and image grids."""
         self.mrope = []
@@ -166,18 +185,23 @@ class MRopeChunk(ModelChunk):
 def build_vision_chunk(
     model: Qwen2VLModel, spec: ChunkSpec, *, tp_rank: int = 0, tp_size: int = 1, num_microbatches: int = 1
 ) -> VisionChunk:
-    """The TP shard of the whole vision tower plus the text embedding (copied from ``model``)."""
+    """The TP shard of the whole vision tower plus the text embedding (copied from ``model``).
+
+    ``model`` may live on the meta device (:func:`braid.models.build.meta_model`,
+    :func:`braid.hf.load_meta`): only the tower and the text embedding are then made real.
+    """
     vit = model.cfg.vit
     if spec.layers != vit.layers:
         raise ValueError(f"the vision stage holds all {vit.layers} ViT blocks, spec has {spec.layers}")
     _check_split(vit.patch_dim, tp_size, tp_rank, f"patch features (channels*temporal_patch*patch^2 = {vit.patch_dim})")
-    tower = model.visual
-    patch_embed = RowParallelLinear.from_full(tower.patch_embed, tp_rank, tp_size)
-    blocks = [parallelize_block(b, tp_rank, tp_size) for b in tower.blocks]
-    merger = copy.deepcopy(tower.merger)
-    merger.fc1 = ColumnParallelLinear.from_full(tower.merger.fc1, tp_rank, tp_size)
-    merger.fc2 = RowParallelLinear.from_full(tower.merger.fc2, tp_rank, tp_size)
-    text_embed = VocabParallelEmbedding.from_full(model.lm.embed_tokens, tp_rank, tp_size)
+    source, tower = _source(model), model.visual
+    patch_embed = RowParallelLinear.from_full(_real(tower.patch_embed, source, "visual.patch_embed."), tp_rank, tp_size)
+    blocks = [parallelize_block(_real(b, source, f"visual.blocks.{i}."), tp_rank, tp_size) for i, b in enumerate(tower.blocks)]
+    full_merger = _real(tower.merger, source, "visual.merger.")
+    merger = copy.deepcopy(full_merger)
+    merger.fc1 = ColumnParallelLinear.from_full(full_merger.fc1, tp_rank, tp_size)
+    merger.fc2 = RowParallelLinear.from_full(full_merger.fc2, tp_rank, tp_size)
+    text_embed = VocabParallelEmbedding.from_full(_real(model.lm.embed_tokens, source, "lm.embed_tokens."), tp_rank, tp_size)
     return VisionChunk(spec, model.cfg, patch_embed, blocks, merger, text_embed,
                        num_microbatches=num_microbatches, tp_rank=tp_rank, tp_size=tp_size)
 
@@ -204,19 +228,32 @@ def build_vlm_rank_chunks(
     """The local chunks of ``pp_rank``: the vision chunk where stage 0 lives, M-RoPE LM chunks elsewhere.
 
     ``stage_layers`` as from :func:`braid.models.qwen2_vl.vlm_stage_layers` (stage 0 counts ViT
-    blocks, the others LM layers).
+    blocks, the others LM layers). ``model`` may live on the meta device: this rank then
+    materialises only its own chunks' parameters. A tied model's text embedding (vision
+    chunk) and head (last chunk) are marked as copies whose gradients
+    :func:`braid.runtime.distributed.reduce_gradients` sums.
     """
     specs = vlm_chunk_specs(stage_layers, plan)
+    source = _source(model)
+    lm = model.lm
+    if source is not None:
+        lm = copy.copy(model.lm)  # the same meta modules, read under the model's "lm." names
+        lm.braid_source = Prefixed(source, "lm.")
+    tie = Tie(TIED_KEY, tied_holders(plan)) if model.cfg.lm.tie_embeddings else None
     out: dict[int, ModelChunk] = {}
     for c in range(plan.v):
         stage = plan.stage_of(pp_rank, c)
         if stage == 0:
             out[c] = build_vision_chunk(model, specs[0], tp_rank=tp_rank, tp_size=tp_size, num_microbatches=plan.m)
             out[c].first_layer = 0
+            if tie is not None:
+                mark(out[c].text_embed.weight, tie)
             continue
         first = sum(stage_layers[1:stage])  # LM layer index
-        base = build_chunk(model.lm, specs[stage], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
+        base = build_chunk(lm, specs[stage], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
                            num_microbatches=plan.m)
         out[c] = MRopeChunk(base, model.cfg)
         out[c].first_layer = first
+        if tie is not None and base.lm_head is not None:
+            mark(out[c].lm_head.weight, tie)
     return out
