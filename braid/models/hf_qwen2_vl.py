@@ -187,9 +187,10 @@ class VLWeights:
 
 
 def hf_weights(cfg: Qwen2VLConfig, keys: Collection[str] | None = None) -> VLWeights:
-    """The layout of a checkpoint holding tensors ``keys`` (None: the recent one, which braid writes)."""
+    """The layout of a checkpoint holding tensors ``keys``; None: the one :func:`braid.hf.save` writes --
+    the released layout, which ``save_pretrained`` writes too and every ``transformers`` version reads."""
     if keys is None:
-        return VLWeights(cfg)
+        return VLWeights(cfg, released=True)
     if any(k.startswith(RECENT[0]) for k in keys):
         return VLWeights(cfg)
     if any(k.startswith(RELEASED[0]) for k in keys):
