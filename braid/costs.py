@@ -170,7 +170,8 @@ class CostModel:
 # ----------------------------------------------------------------------------------------
 def _layer_units(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: int, gated: bool, causal: bool,
                  t: int, dtype: int, hw: Hardware, ar: float) -> dict[Unit, UnitCost]:
-    """Per-unit costs of one transformer layer (LM: SwiGLU + causal; ViT: GELU + full)."""
+    """Per-unit costs of one transformer layer (LM: SwiGLU + causal; ViT: GELU (Qwen2-VL) or SwiGLU (Qwen2.5-VL),
+    full attention over the image -- Qwen2.5-VL's window blocks are counted as full, an upper bound)."""
     hd = h // heads
     qkv_out = h + 2 * kv_heads * hd
     mm = lambda flops: flops / hw.matmul_flops  # noqa: E731
@@ -229,8 +230,10 @@ def model_forward_flops(model: ModelConfig) -> float:
     if model.vit is not None:
         v = model.vit
         tok = v.patches * model.micro_batch_size
-        vit = _layer_units(tok, v.patches, v.hidden, v.heads, v.heads, v.ffn, False, False, 1, model.dtype_bytes, _UNIT_RATE, 0.0)
-        total += v.layers * sum(u.f for u in vit.values()) + 2 * tok * v.patch_pixels * v.hidden
+        vit = _layer_units(tok, v.patches, v.hidden, v.heads, v.heads, v.ffn, v.gated, False, 1, model.dtype_bytes, _UNIT_RATE, 0.0)
+        wide = v.hidden * v.merge ** 2
+        merger = 2 * (tok // v.merge ** 2) * (wide * wide + wide * model.hidden)
+        total += v.layers * sum(u.f for u in vit.values()) + 2 * tok * v.patch_pixels * v.hidden + merger
     return total
 
 
@@ -285,13 +288,13 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         v = model.vit
         vtok = v.patches * model.micro_batch_size
         ar_v = _allreduce_time(vtok * v.hidden * d, t, hw)
-        vit_units = _layer_units(vtok, v.patches, v.hidden, v.heads, v.heads, v.ffn, False, False, t, d, hw, ar_v)
+        vit_units = _layer_units(vtok, v.patches, v.hidden, v.heads, v.heads, v.ffn, v.gated, False, t, d, hw, ar_v)
         f_patch = 2 * vtok * v.patch_pixels * v.hidden / hw.matmul_flops
         embed = UnitCost(f_patch, f_patch, f_patch, ar_lm, 0.0, vtok * v.patch_pixels * d, vtok * v.patch_pixels * d)
         # Patch merger (2x2 -> one LM token): norm, column-parallel fc1 (4hv -> 4hv), GELU, row-parallel fc2
         # (4hv -> h); joined with the text embedding by the AR of the LM-sized output; backward ends with
         # the AR of fc1's input gradient (ViT-sized).
-        mtok, wide = vtok // 4, 4 * v.hidden
+        mtok, wide = vtok // v.merge ** 2, v.hidden * v.merge ** 2
         f_merge = 2 * mtok * (wide * wide + wide * h) / t / hw.matmul_flops
         merge = UnitCost(f_merge, f_merge, f_merge, ar_lm, ar_v, mtok * wide * d * (2 + 2 / t), mtok * wide * d * (1 + 1 / t))
     p2p = hw.p2p_latency_s + tok * h * d / hw.p2p_bytes_per_s

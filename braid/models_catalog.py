@@ -1,6 +1,6 @@
 """Model size presets -- the one list, used by the cost model, the profiler and the examples (paper Sec. 5).
 
-Names: ``<family>-<size>`` (``qwen2-7b``, ``qwen2-vl-15b``, ``llama3-8b``). The examples'
+Names: ``<family>-<size>`` (``qwen2-7b``, ``qwen2-vl-15b``, ``qwen2.5-vl-7b``, ``llama3-8b``). The examples'
 short names (``tiny``, ``small``, ``7b``, ``15b``) are accepted with the family prefix the
 caller gives (:func:`get_model`'s ``prefix``: ``qwen2-`` by default, ``qwen2-vl-`` for
 the VLM example), and so is the path of a Hugging Face ``config.json`` (or of the
@@ -13,7 +13,11 @@ embedding and head). ``qwen2-12b`` and
 not in the text we have, so they are Qwen2-family shapes (hidden 4096, 32 heads, 8 KV
 heads) whose layer counts and FFN width give 12.1B and 14.9B parameters. The MLLMs carry
 the Qwen2-VL ViT (32 layers, hidden 1280, 16 heads, MLP 5120, 14x14 patches, 2x2 merge),
-which the partition puts on the first virtual stage.
+which the partition puts on the first virtual stage. ``qwen2-vl-2b``/``-7b`` and
+``qwen2.5-vl-3b``/``-7b`` are the published shapes (Qwen2.5-VL: SwiGLU tower with window
+attention; the cost model counts every ViT block as full attention over the image, an upper
+bound for its window blocks). The vision-language presets are also the VLM example's
+(:func:`braid.models.qwen2_vl.vl_config` makes them runnable).
 """
 
 from __future__ import annotations
@@ -26,14 +30,37 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class ViTConfig:
-    """Vision encoder: ``patches`` per sample before the 2x2 merge into LM tokens."""
+    """Vision tower (Qwen2-VL's, or Qwen2.5-VL's with ``kind="qwen2_5_vl"``): the cost model's shape and what
+    :func:`braid.models.qwen2_vl.vl_config` builds the runnable tower from (same field names as
+    :class:`braid.models.vit.ViTConfig`). ``image_size``: the image side the presets assume
+    (``patches`` per sample before the ``merge x merge`` merge into LM tokens)."""
 
     layers: int = 32
     hidden: int = 1280
     heads: int = 16
     ffn: int = 5120
-    patch_pixels: int = 14 * 14 * 3 * 2  # temporal patch of 2 frames, RGB
-    patches: int = 1024
+    kind: str = "qwen2_vl"
+    patch: int = 14
+    temporal_patch: int = 2
+    merge: int = 2
+    channels: int = 3
+    image_size: int = 448
+    window: int = 0
+    full_attention_blocks: tuple[int, ...] = ()
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU MLP (Qwen2.5-VL) rather than fc1 -> QuickGELU -> fc2 (Qwen2-VL)."""
+        return self.kind == "qwen2_5_vl"
+
+    @property
+    def patch_pixels(self) -> int:
+        """Features of one flattened patch (channels x temporal patch x patch x patch)."""
+        return self.channels * self.temporal_patch * self.patch * self.patch
+
+    @property
+    def patches(self) -> int:
+        return (self.image_size // self.patch) ** 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,27 +117,43 @@ class ModelConfig:
         n = self.layers * self.lm_layer_params() + (1 if self.tie_embeddings else 2) * self.vocab * self.hidden
         if self.vit is not None:
             v = self.vit
-            n += v.layers * (4 * v.hidden * v.hidden + 2 * v.hidden * v.ffn) + v.patch_pixels * v.hidden
-            n += 4 * v.hidden * 4 * v.hidden + 4 * v.hidden * self.hidden  # patch merger MLP
+            n += v.layers * (4 * v.hidden * v.hidden + (3 if v.gated else 2) * v.hidden * v.ffn) + v.patch_pixels * v.hidden
+            wide = v.hidden * v.merge ** 2
+            n += wide * wide + wide * self.hidden  # patch merger MLP
         return n
 
 
 _QWEN2_VOCAB = 152064
 
 _QWEN2_15B_LM = dict(layers=57, hidden=4096, heads=32, kv_heads=8, ffn=14976, vocab=_QWEN2_VOCAB)  # the 14.9B MLLM's LM
+_QWEN2_7B_LM = dict(layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=_QWEN2_VOCAB)
+_TINY_LM = dict(layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=32, seq=32)
+_SMALL_LM = dict(layers=16, hidden=1024, heads=16, kv_heads=4, ffn=2816, vocab=32768)
+_TINY_VIT = dict(layers=2, hidden=32, heads=4, ffn=64, patch=4, image_size=16)  # CPU tests: 16 px images, 4 visual tokens
+# Qwen2.5-VL's tower: RMSNorm, SwiGLU, 112 px windows, full attention in blocks 7, 15, 23, 31
+_QWEN25_VIT = ViTConfig(ffn=3420, kind="qwen2_5_vl", window=112, full_attention_blocks=(7, 15, 23, 31))
 
 MODELS: dict[str, ModelConfig] = {
-    "qwen2-tiny": ModelConfig("qwen2-tiny", layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=32, seq=32),
+    "qwen2-tiny": ModelConfig("qwen2-tiny", **_TINY_LM),
     "qwen2-toy": ModelConfig("qwen2-toy", layers=32, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=64),
-    "qwen2-small": ModelConfig("qwen2-small", layers=16, hidden=1024, heads=16, kv_heads=4, ffn=2816, vocab=32768),
+    "qwen2-small": ModelConfig("qwen2-small", **_SMALL_LM),
     "qwen2-1.5b": ModelConfig("qwen2-1.5b", layers=28, hidden=1536, heads=12, kv_heads=2, ffn=8960, vocab=151936,
                               tie_embeddings=True),
-    "qwen2-7b": ModelConfig("qwen2-7b", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=_QWEN2_VOCAB),
+    "qwen2-7b": ModelConfig("qwen2-7b", **_QWEN2_7B_LM),
     "qwen2-12b": ModelConfig("qwen2-12b", layers=48, hidden=4096, heads=32, kv_heads=8, ffn=14976, vocab=_QWEN2_VOCAB),
     "qwen2-15b": ModelConfig("qwen2-15b", **_QWEN2_15B_LM),
-    "qwen2-vl-7b": ModelConfig("qwen2-vl-7b", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944,
-                               vocab=_QWEN2_VOCAB, vit=ViTConfig()),
+    "qwen2-vl-tiny": ModelConfig("qwen2-vl-tiny", **_TINY_LM, vit=ViTConfig(**_TINY_VIT)),
+    "qwen2-vl-small": ModelConfig("qwen2-vl-small", **_SMALL_LM,
+                                  vit=ViTConfig(layers=8, hidden=512, heads=8, ffn=1536, image_size=224)),
+    "qwen2-vl-2b": ModelConfig("qwen2-vl-2b", layers=28, hidden=1536, heads=12, kv_heads=2, ffn=8960, vocab=151936,
+                               tie_embeddings=True, vit=ViTConfig()),
+    "qwen2-vl-7b": ModelConfig("qwen2-vl-7b", **_QWEN2_7B_LM, vit=ViTConfig()),
     "qwen2-vl-15b": ModelConfig("qwen2-vl-15b", **_QWEN2_15B_LM, vit=ViTConfig()),
+    "qwen2.5-vl-tiny": ModelConfig("qwen2.5-vl-tiny", **_TINY_LM,
+                                   vit=ViTConfig(**_TINY_VIT, kind="qwen2_5_vl", window=16, full_attention_blocks=(1,))),
+    "qwen2.5-vl-3b": ModelConfig("qwen2.5-vl-3b", layers=36, hidden=2048, heads=16, kv_heads=2, ffn=11008, vocab=151936,
+                                 tie_embeddings=True, vit=_QWEN25_VIT),
+    "qwen2.5-vl-7b": ModelConfig("qwen2.5-vl-7b", **_QWEN2_7B_LM, vit=_QWEN25_VIT),
     "llama3-8b": ModelConfig("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
                              family="llama"),
 }
@@ -143,10 +186,14 @@ def from_hf_config(path: str | os.PathLike) -> ModelConfig:
     d = read_config(p.parent if p.is_file() or p.suffix == ".json" else p)
     family = family_for_hf(d["model_type"])
     cfg = family.from_hf(d)
+    name = str(d.get("_name_or_path") or (p.parent.name if p.is_file() else p.name) or family.name)
+    if hasattr(cfg, "vit") and hasattr(cfg, "lm"):  # a vision-language model: its LM and its tower
+        v = cfg.vit
+        vit = ViTConfig(**{f: getattr(v, f) for f in ViTConfig.__dataclass_fields__})
+        return from_decoder_config(name, cfg.lm, "qwen2", vit=vit)
     if not hasattr(cfg, "vocab_size"):
-        raise ValueError(f"{path}: the {family.name} family has no cost-model shape (only decoder LMs are read here)")
-    name = d.get("_name_or_path") or (p.parent.name if p.is_file() else p.name) or family.name
-    return from_decoder_config(str(name), cfg, family.name)
+        raise ValueError(f"{path}: the {family.name} family has no cost-model shape")
+    return from_decoder_config(name, cfg, family.name)
 
 
 def from_decoder_config(name: str, cfg: Any, family: str = "qwen2", **changes: Any) -> ModelConfig:

@@ -21,13 +21,16 @@ the text embedding is the first virtual stage (on device 0), the LM's layers are
 over the others, the last one ``last_stage_lighter`` layers lighter.
 :func:`vlm_stage_layers` gives that split; :mod:`braid.models.vision_chunk` builds the chunks.
 
-Size presets: ``tiny`` (CPU tests), ``small`` (one GPU), ``7b`` (Qwen2-VL-7B shapes),
-``15b`` (the paper-sized MLLM of :mod:`braid.models_catalog`: a 14B LM with a 0.6B ViT).
+Size presets live in :mod:`braid.models_catalog` (the one list): ``qwen2-vl-tiny`` (CPU
+tests), ``-small`` (one GPU), ``-2b``/``-7b`` (Qwen2-VL's shapes), ``-15b`` (the paper-sized
+MLLM: a 14B LM with a 0.6B ViT), and ``qwen2.5-vl-tiny``/``-3b``/``-7b`` (Qwen2.5-VL's
+tower); :func:`vlm_preset` and :func:`vl_config` make them runnable.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +39,9 @@ from torch import nn
 from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model
 from braid.models.vit import ViTConfig, VisionTower, patchify
 from braid.partition import split_layers
+
+if TYPE_CHECKING:
+    from braid.models_catalog import ModelConfig
 
 IGNORE_INDEX = -100
 
@@ -74,45 +80,74 @@ class Qwen2VLConfig:
         return [self.vision_start_token_id] + [self.image_token_id] * n + [self.vision_end_token_id]
 
 
-def _synthetic(lm: Qwen2Config, vit: ViTConfig, section: tuple[int, int, int]) -> Qwen2VLConfig:
-    v = lm.vocab_size
-    return Qwen2VLConfig(lm, vit, section, image_token_id=v - 1, vision_start_token_id=v - 3, vision_end_token_id=v - 2)
+# Qwen2-VL's vision token ids in its 151k vocabulary; smaller (synthetic) vocabularies use their last three ids.
+_VISION_TOKEN_IDS = (151655, 151652, 151653)  # image pad, vision start, vision end
+VL_PREFIX = "qwen2-vl-"  # the family prefix of the examples' short preset names (tiny, small, 2b, 7b, 15b)
 
 
-_QWEN2_VL_7B_VIT = ViTConfig(hidden=1280, layers=32, heads=16, ffn=5120, patch=14, image_size=448)
-PRESETS: dict[str, Qwen2VLConfig] = {
-    "tiny": _synthetic(Qwen2Config(vocab_size=32, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64),
-                       ViTConfig(hidden=32, layers=2, heads=4, ffn=64, patch=4, image_size=16, window=16), (2, 1, 1)),
-    "small": _synthetic(Qwen2Config(vocab_size=32768, hidden=1024, layers=16, heads=16, kv_heads=4, ffn=2816),
-                        ViTConfig(hidden=512, layers=8, heads=8, ffn=1536, patch=14, image_size=224, window=112), (8, 12, 12)),
-    "7b": Qwen2VLConfig(Qwen2Config(vocab_size=152064, hidden=3584, layers=28, heads=28, kv_heads=4, ffn=18944),
-                        _QWEN2_VL_7B_VIT, (16, 24, 24), 151655, 151652, 151653),
-    # as qwen2-vl-15b in braid.models_catalog
-    "15b": Qwen2VLConfig(Qwen2Config(vocab_size=152064, hidden=4096, layers=57, heads=32, kv_heads=8, ffn=14976),
-                         _QWEN2_VL_7B_VIT, (16, 24, 24), 151655, 151652, 151653),
-}
+def _mrope_section(head_dim: int) -> tuple[int, int, int]:
+    """Qwen2-VL's split of a head's rotary frequencies over (time, row, column): 2:3:3 ((16, 24, 24) at head
+    size 128), or as near as a small head allows."""
+    half = head_dim // 2
+    if half % 8 == 0:
+        return half // 4, 3 * half // 8, 3 * half // 8
+    return half - 2 * (half // 4), half // 4, half // 4
 
-LM_PRESETS: dict[str, Qwen2Config] = {name: cfg.lm for name, cfg in PRESETS.items()}  # the LLM example's presets
+
+def vl_config(model: "ModelConfig", image_size: int | None = None) -> Qwen2VLConfig:
+    """The runnable config of a vision-language preset of :mod:`braid.models_catalog` (the one preset list).
+
+    ``image_size`` overrides the preset's image side (the examples' images; FLOP counts).
+    """
+    from braid.models_catalog import decoder_config
+
+    if model.vit is None:
+        raise ValueError(f"model {model.name!r} has no vision tower; pick a vision-language preset ({', '.join(vl_names())})")
+    lm = decoder_config(model)
+    v = model.vit
+    vit = ViTConfig(kind=v.kind, hidden=v.hidden, layers=v.layers, heads=v.heads, ffn=v.ffn, patch=v.patch,
+                      temporal_patch=v.temporal_patch, merge=v.merge, channels=v.channels, window=v.window,
+                      full_attention_blocks=v.full_attention_blocks, image_size=image_size or v.image_size)
+    ids = _VISION_TOKEN_IDS if lm.vocab_size > max(_VISION_TOKEN_IDS) else (lm.vocab_size - 1, lm.vocab_size - 3, lm.vocab_size - 2)
+    return Qwen2VLConfig(lm, vit, _mrope_section(lm.head_dim), *ids)
+
+
+def vl_names() -> list[str]:
+    """The vision-language presets of :mod:`braid.models_catalog`."""
+    from braid.models_catalog import MODELS
+
+    return [n for n, m in MODELS.items() if m.vit is not None]
 
 
 def vlm_preset(name: str, image_size: int | None = None, kind: str | None = None) -> Qwen2VLConfig:
-    """A preset by name (``tiny``, ``small``, ``7b``, ``15b``).
+    """A vision-language preset of :mod:`braid.models_catalog` by name: ``qwen2-vl-7b``, ``qwen2.5-vl-7b``, ...,
+    or short (``tiny``, ``small``, ``2b``, ``7b``, ``15b`` mean ``qwen2-vl-*``).
 
     ``image_size`` overrides the examples' image side; ``kind="qwen2_5_vl"`` gives the
     Qwen2.5-VL tower (RMSNorm, SwiGLU, window attention; full attention in every eighth
     block from the eighth, as Qwen2.5-VL's [7, 15, 23, 31]) of the same widths.
     """
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(PRESETS)}")
-    cfg = PRESETS[name]
+    from braid.models_catalog import MODELS
+
+    full = name if name in MODELS else VL_PREFIX + name
+    if full not in MODELS or MODELS[full].vit is None:
+        raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(vl_names())} "
+                         f"(or short: {', '.join(n.removeprefix(VL_PREFIX) for n in vl_names() if n.startswith(VL_PREFIX))})")
+    cfg = vl_config(MODELS[full], image_size)
     vit = cfg.vit
-    if image_size is not None:
-        vit = replace(vit, image_size=image_size)
     if kind is not None and kind != vit.kind:
-        window = vit.window or 112
-        full = tuple(range(min(7, vit.layers - 1), vit.layers, 8)) if kind == "qwen2_5_vl" else ()
-        vit = replace(vit, kind=kind, window=window, full_attention_blocks=full)
+        window = vit.window or min(112, vit.image_size)
+        full_blocks = tuple(range(min(7, vit.layers - 1), vit.layers, 8)) if kind == "qwen2_5_vl" else ()
+        vit = replace(vit, kind=kind, window=window, full_attention_blocks=full_blocks)
     return replace(cfg, vit=vit)
+
+
+def __getattr__(name: str) -> object:
+    """``PRESETS`` / ``LM_PRESETS``: the short-named Qwen2-VL presets (and their LMs), read from the catalog."""
+    if name in ("PRESETS", "LM_PRESETS"):
+        presets = {n: vlm_preset(n) for n in ("tiny", "small", "7b", "15b")}
+        return presets if name == "PRESETS" else {n: c.lm for n, c in presets.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- positions ---------------------------------------------------------------------------------
@@ -334,30 +369,33 @@ def vlm_stage_layers(cfg: Qwen2VLConfig, num_stages: int, last_stage_lighter: in
     return (cfg.vit.layers,) + lm[1:]
 
 
-def vit_forward_flops(v: ViTConfig, lm_hidden: int, patches: int) -> float:
-    """Forward FLOPs of the vision tower over one image of ``patches`` patches (full attention per frame;
-    Qwen2.5-VL's window blocks attend over at most ``(window / patch)**2`` patches)."""
-    mlp = 2 * v.hidden * v.ffn if v.kind == "qwen2_vl" else 3 * v.hidden * v.ffn
-    win = min(patches, (v.window // v.patch) ** 2) if v.kind == "qwen2_5_vl" else patches
-    attn = sum(4 * patches * (patches if v.full_attention(i) else win) * v.hidden for i in range(v.layers))
-    wide = v.hidden * v.merge ** 2
-    merger = 2 * (patches // v.merge ** 2) * (wide * wide + wide * lm_hidden)
-    return 2 * patches * v.patch_dim * v.hidden + v.layers * 2 * patches * (4 * v.hidden * v.hidden + mlp) + attn + merger
-
-
 def vlm_train_flops_per_sample(cfg: Qwen2VLConfig, text_seq: int) -> float:
-    """Model FLOPs of forward + backward of one sample with one ``image_size`` image (3x forward; no recompute), for MFU."""
-    v = cfg.vit
-    seq = cfg.visual_tokens + 2 + text_seq
-    return 3 * (vit_forward_flops(v, cfg.lm.hidden, v.patches) + lm_forward_flops(cfg.lm, seq))
+    """Model FLOPs of forward + backward of one sample with one ``image_size`` image (3x forward; no recompute), for MFU.
+
+    Counted by the cost model (:func:`braid.costs.model_forward_flops`; Qwen2.5-VL's window
+    blocks as full attention, an upper bound).
+    """
+    from braid.costs import model_forward_flops
+
+    return 3 * model_forward_flops(catalog_shape(cfg, seq=cfg.visual_tokens + 2 + text_seq))
 
 
 def lm_forward_flops(lm: Qwen2Config, seq: int) -> float:
-    """Forward FLOPs of one sequence through the LM (matmuls, causal attention, head)."""
-    kv = lm.kv_heads * lm.head_dim
-    layer = 2 * seq * (lm.hidden * (2 * lm.hidden + 2 * kv) + 3 * lm.hidden * lm.ffn) + 2 * seq * seq * lm.hidden
-    return lm.layers * layer + 2 * seq * lm.hidden * lm.vocab_size
+    """Forward FLOPs of one sequence through the LM (matmuls, causal attention, head), by the cost model."""
+    from braid.costs import model_forward_flops
+    from braid.models_catalog import from_decoder_config
+
+    return model_forward_flops(from_decoder_config("lm", lm, seq=seq, micro_batch_size=1))
 
 
-__all__ = ["IGNORE_INDEX", "LM_PRESETS", "MRopeLayer", "PRESETS", "Qwen2VLConfig", "Qwen2VLModel", "mrope", "rope_index",
-           "shift_labels", "split_item", "vision_inputs", "vlm_preset", "vlm_stage_layers", "vlm_train_flops_per_sample"]
+def catalog_shape(cfg: Qwen2VLConfig, name: str = "qwen2-vl", **changes: object) -> "ModelConfig":
+    """The cost model's shape (:class:`braid.models_catalog.ModelConfig`) of ``cfg`` (one sample per micro-batch)."""
+    from braid.models_catalog import ViTConfig as ShapeConfig, from_decoder_config
+
+    vit = ShapeConfig(**{f: getattr(cfg.vit, f) for f in ShapeConfig.__dataclass_fields__})
+    return from_decoder_config(name, cfg.lm, "qwen2", vit=vit, **{"micro_batch_size": 1, **changes})
+
+
+__all__ = ["IGNORE_INDEX", "MRopeLayer", "Qwen2VLConfig", "Qwen2VLModel", "catalog_shape", "mrope", "rope_index",
+           "shift_labels", "split_item", "vision_inputs", "vl_config", "vlm_preset", "vlm_stage_layers",
+           "vlm_train_flops_per_sample"]

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Collection, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # One line per family module; importing it registers the family.
 _MODULES: tuple[str, ...] = (
