@@ -48,7 +48,7 @@ class Task:
     raises ``ValueError`` for layouts the model cannot take; ``build_chunks(model, plan,
     pp_rank, stage_layers, tp_rank, tp_size, tp_group)``; ``source(model, args)`` the data;
     ``inputs(model, batch) -> (tokens_item, labels)`` per micro-batch; ``seq_len(model, args)``
-    the LM sequence; ``flops_per_sample(model, args)`` for MFU.
+    the LM sequence; ``flops_per_sample(model, args)`` for MFU; ``models``: the ``--model`` presets.
     """
 
     prog: str
@@ -63,6 +63,7 @@ class Task:
     flops_per_sample: Callable[..., float]
     default_seq: int
     vision: bool = False
+    models: tuple[str, ...] = ("tiny", "small", "7b", "15b")
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -98,7 +99,7 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     lay.add_argument("--last-stage-lighter", type=int, default=None,
                      help="layers fewer on the last virtual stage (heavy LM head; default: 2, 0 for --model tiny)")
     run = p.add_argument_group("batch and model")
-    run.add_argument("--model", default="tiny", choices=["tiny", "small", "7b", "15b"], help="size preset (default: %(default)s)")
+    run.add_argument("--model", default="tiny", choices=list(task.models), help="size preset (default: %(default)s)")
     run.add_argument("--hf", metavar="DIR", help="start from a local Hugging Face checkpoint (config.json + safetensors) "
                                                  "instead of --model; each rank reads only its chunks' tensors")
     run.add_argument("--mbs", type=int, default=None, help="micro-batches per step (default: 2*pp)")
@@ -193,7 +194,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     if args.mbs is None:
         args.mbs = 2 * args.pp
     if args.last_stage_lighter is None:
-        args.last_stage_lighter = 0 if args.model == "tiny" else 2
+        args.last_stage_lighter = 0 if args.model.endswith("tiny") else 2
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
     if args.resume and not Path(args.resume, ".metadata").is_file():
