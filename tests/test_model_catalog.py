@@ -64,3 +64,50 @@ def test_simulate_reads_a_hf_config(tmp_path, capsys) -> None:
     assert err.value.code == 2
     msg = capsys.readouterr().err.strip()
     assert len(msg.splitlines()) == 1 and "unsupported HF model_type 'gpt2'" in msg
+
+
+def test_vision_language_presets_are_the_catalogs() -> None:
+    from braid.models.qwen2_vl import LM_PRESETS, PRESETS, vlm_preset
+
+    assert get_model("tiny", prefix="qwen2-vl-") is MODELS["qwen2-vl-tiny"]
+    for short in ("tiny", "small", "7b", "15b"):
+        cfg, shape = PRESETS[short], MODELS[f"qwen2-vl-{short}"]
+        assert cfg == vlm_preset(short) == vlm_preset(f"qwen2-vl-{short}") and LM_PRESETS[short] == cfg.lm
+        assert cfg.lm == decoder_config(shape) and (cfg.vit.hidden, cfg.vit.layers, cfg.vit.ffn) == (
+            shape.vit.hidden, shape.vit.layers, shape.vit.ffn)
+    q25 = vlm_preset("qwen2.5-vl-7b")
+    assert q25.vit.kind == "qwen2_5_vl" and q25.vit.full_attention_blocks == (7, 15, 23, 31) and q25.vit.window == 112
+    assert q25.mrope_section == (16, 24, 24) and q25.image_token_id == 151655
+    assert vlm_preset("qwen2.5-vl-3b").tie_embeddings and vlm_preset("2b").tie_embeddings
+    # published sizes (norms and biases aside)
+    for name, n in (("qwen2-vl-2b", 2.21e9), ("qwen2-vl-7b", 8.29e9), ("qwen2.5-vl-3b", 3.75e9), ("qwen2.5-vl-7b", 8.29e9)):
+        assert get_model(name).params() == pytest.approx(n, rel=0.01), name
+    with pytest.raises(ValueError, match="unknown model preset 'qwen2-7b'"):
+        vlm_preset("qwen2-7b")  # an LM, no vision tower
+
+
+def test_vlm_flops_are_the_cost_models() -> None:
+    from braid.costs import model_forward_flops
+    from braid.models.qwen2_vl import vlm_preset, vlm_train_flops_per_sample
+
+    for name in ("qwen2-vl-7b", "qwen2.5-vl-7b"):
+        cfg = vlm_preset(name)
+        seq = cfg.visual_tokens + 2 + 512
+        assert vlm_train_flops_per_sample(cfg, 512) == 3 * model_forward_flops(get_model(name).with_(seq=seq))
+    # the SwiGLU tower of Qwen2.5-VL (ffn 3420) against Qwen2-VL's fc1/fc2 (ffn 5120), same LM
+    assert vlm_train_flops_per_sample(vlm_preset("qwen2.5-vl-7b"), 512) != vlm_train_flops_per_sample(vlm_preset("7b"), 512)
+
+
+def test_simulate_runs_a_qwen25_vl_preset_and_its_config_json(tmp_path) -> None:
+    from braid.models.hf_qwen2_vl import config_to_hf
+    from braid.models.qwen2_vl import vlm_preset
+
+    out = tmp_path / "r.json"
+    args = ["--pp", "4", "--tp", "4", "--mbs", "8", "--schedule", "braided_v", "--json", str(out)]
+    assert main([*args, "--model", "qwen2.5-vl-7b"]) == 0
+    preset = json.loads(out.read_text())["schedules"]["braided_v"]["step_time_s"]
+    assert preset > 0
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config_to_hf(vlm_preset("qwen2.5-vl-7b"))))
+    assert main([*args, "--model", str(tmp_path / "ckpt")]) == 0
+    assert json.loads(out.read_text())["schedules"]["braided_v"]["step_time_s"] == preset

@@ -2,7 +2,8 @@
 
 ``load`` dispatches on ``config.json``'s ``model_type`` through the model registry
 (:mod:`braid.models.registry`): Qwen2 / Qwen2.5 (``qwen2``) and Llama-style (``llama``)
-decoders, tied heads included. ``load_meta`` gives the model on the meta device so that
+decoders, and Qwen2-VL / Qwen2.5-VL (``qwen2_vl``, ``qwen2_5_vl``: ``logits(input_ids,
+pixel_values=..., image_grid_thw=...)``), tied heads included. ``load_meta`` gives the model on the meta device so that
 each rank's chunks read only their own tensors; ``save_chunks`` writes a pipelined,
 tensor-parallel model as one checkpoint, each stage from its rank. Labels: HF shifts them inside its loss,
 braid expects them shifted -- :func:`shift_labels`. Needs ``pip install 'braid[hf]'``.

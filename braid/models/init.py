@@ -26,9 +26,10 @@ def param_seed(seed: int, name: str) -> int:
 
 
 def is_norm_weight(name: str) -> bool:
-    """Whether ``name`` is the weight of a normalisation layer (its module's name contains ``norm``)."""
+    """Whether ``name`` is the weight of a normalisation layer (its module's name contains ``norm``, or is
+    ``ln_*`` as the vision merger's ``ln_q``)."""
     parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and "norm" in parts[-2]
+    return len(parts) >= 2 and parts[-1] == "weight" and ("norm" in parts[-2] or parts[-2].startswith("ln_"))
 
 
 @torch.no_grad()
