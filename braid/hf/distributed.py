@@ -1,4 +1,4 @@
-"""Write a pipelined, tensor-parallel LM as one Hugging Face checkpoint, each stage from its rank.
+"""Write a pipelined, tensor-parallel model (LM or VLM) as one Hugging Face checkpoint, each stage from its rank.
 
 :func:`save_chunks` is collective over the job: every rank joins its chunks' TP shards
 (:func:`braid.models.build.chunk_state`), then one rank per pipeline rank (TP, data- and
@@ -26,7 +26,8 @@ from braid.models.registry import Family
 
 
 def save_chunks(chunks: dict[int, Any], cfg: Any, family: Family, path: str | os.PathLike, groups: Any) -> Path:
-    """Save this rank's part of the model in ``chunks`` (built by ``build_rank_chunks``) into one checkpoint at ``path``.
+    """Save this rank's part of the model in ``chunks`` (built by ``build_rank_chunks`` or
+    ``build_vlm_rank_chunks``) into one checkpoint at ``path``.
 
     ``cfg``: the single-device model's config; ``family``: its :class:`braid.models.registry.Family`;
     ``groups``: the job's :class:`braid.runtime.distributed.ProcessGroups`. Every rank calls it.

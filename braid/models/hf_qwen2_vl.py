@@ -7,13 +7,15 @@ dict; reading and writing them belongs to the caller):
   ``qwen2_5_vl``; flat configs (the released ``config.json`` files: text fields at the top,
   ``rope_scaling.mrope_section``) and nested ones (``text_config``, ``rope_parameters``:
   what recent ``transformers`` write) are both read;
-* :func:`weight_map` -- which HF tensor each braid parameter comes from (for sharded reads);
-* :func:`model_from_hf` -- both at once: the model, its weights assigned (meta-device build);
-* :func:`state_dict_from_hf` / :func:`state_dict_to_hf` -- weight names and shapes: the
-  vision attention's fused ``qkv`` is split into q/k/v, the ``Conv3d`` patch embedding is
-  braid's linear over flattened patches. Both HF layouts are read (``model.visual.*`` /
-  ``model.language_model.*`` and the released ``visual.*`` / ``model.*``); the recent one
-  is written.
+* :func:`hf_key` / :func:`weight_map` -- which HF tensor each braid parameter comes from
+  (for sharded reads); :class:`VLWeights` -- names and shapes, one place: the vision
+  attention's fused ``qkv`` is split into q/k/v, the ``Conv3d`` patch embedding is braid's
+  linear over flattened patches. Both HF layouts are read (``model.visual.*`` /
+  ``model.language_model.*``, the names of transformers' modules, and the released
+  ``visual.*`` / ``model.*``, which ``save_pretrained`` writes);
+* :func:`state_dict_from_hf` / :func:`state_dict_to_hf` -- whole state dicts
+  (``state_dict_to_hf`` gives the module names, for ``load_state_dict``);
+* :func:`model_from_hf` -- the model, its weights assigned (meta-device build).
 
 The family's registry entry (:mod:`braid.models.registry`, HF ``model_type`` ``qwen2_vl`` and
 ``qwen2_5_vl``) is here too: :func:`braid.hf.load` / :func:`braid.hf.save` read and write

@@ -19,6 +19,12 @@ TP (paper Sec. 3 operators f and g, applied to the vision stage):
   all-reduce, and the merger norm's backward runs at the start of the next unit (the last
   ViT block's ``mlp``), as for LM layers.
 
+Built from a meta-device model (:func:`braid.models.build.meta_model`,
+:func:`braid.hf.load_meta`), a rank materialises only its own chunks: the vision chunk the
+tower and the text embedding, an LM chunk its layers (read under the model's ``lm.`` names).
+Both chunks name their parameters as the single-device model does (``global_name``), so
+:func:`braid.hf.save_chunks` writes them.
+
 A micro-batch item is ``(pixel_values, input_ids, image_grid_thw)`` or ``(images,
 input_ids)`` (:func:`braid.models.qwen2_vl.split_item`); every micro-batch must have the
 same ``input_ids`` shape (the activation between stages has a fixed shape: pad on the right).
