@@ -228,8 +228,12 @@ def create_store(rank: int, world_size: int, addr: str, port: int, timeout: date
     if _is_loopback(addr):
         fd = _loopback_listener(addr, port)
         # the process group's own rendezvous waits for the ranks; the store need not
-        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=fd)
+        kw = dict(is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd)
+        try:
+            return dist.TCPStore(addr, port, world_size, **kw)
+        except (RuntimeError, ValueError):  # a libuv store that cannot adopt a socket: the classic one can
+            log.debug("TCPStore(use_libuv=True) refused the loopback socket; using the classic backend", exc_info=True)
+            return dist.TCPStore(addr, port, world_size, use_libuv=False, **kw)
     return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout)
 
 
