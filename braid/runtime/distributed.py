@@ -190,7 +190,7 @@ class Abort:
                             f"exited or was killed; see that rank's log): {line}")
         if any(w in text for w in _TIMEOUT_WORDS) or elapsed_s >= 0.95 * self.timeout_s:
             return CommTimeout(f"rank {self.rank}: communication did not finish within {self.timeout_s:g} s "
-                               f"(a peer is alive but did not send or join; raise --timeout if it is slow): {line}")
+                               f"(a peer is alive but did not send or join; raise the timeout if it is only slow): {line}")
         return RuntimeError(f"rank {self.rank}: communication failed after {elapsed_s:.1f} s: {line}")
 
 
