@@ -62,7 +62,7 @@ CASES: dict[str, tuple[list[str], dict[str, str], str]] = {
     "simulate-layers-cannot-fill": (["braid.simulate", "--pp", "32", "--mbs", "256"], {}, "48 layers cannot fill"),
     "simulate-tp-heads": (["braid.simulate", "--tp", "3"], {}, "tp=3 must divide the 32 attention heads"),
     "simulate-too-few-mbs": (["braid.simulate", "--pp", "4", "--mbs", "3", "--schedule", "braided_v", "--schedule",
-                              "dualpipe_v"], {}, "no selected schedule accepts --pp 4 --mbs 3 (see the notes above; raise --mbs)"),
+                              "dualpipe_v"], {}, "accepts --pp 4 --mbs 3 (see the notes above; raise --mbs)"),
     # --- programs
     "programs-schedule": (["braid.programs", "nope"], {}, "unknown schedule 'nope'"),
     "programs-pp0": (["braid.programs", "gpipe", "--pp", "0"], {}, "--pp must be a positive integer"),
