@@ -212,6 +212,24 @@ def test_launch_report_leads_with_the_first_failure() -> None:
     assert "--- rank 0 ---" in str(info.value) and "PeerFailure" in str(info.value)
 
 
+def _killed_on_rank_one(d) -> None:
+    if d.rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _raise_wait(d, 1)
+
+
+@pytest.mark.timeout(240)
+def test_launch_names_a_killed_rank_and_does_not_wait_for_it() -> None:
+    from braid.profile import launch
+
+    with pytest.raises(RuntimeError) as info:
+        launch(2, "cpu", _killed_on_rank_one)
+    text = str(info.value)
+    assert text.splitlines()[0] == "rank 1 died first: its process was killed by SIGKILL without a report", text
+    assert "PeerLost" in text and "closed its connection" in text  # rank 0's own report
+
+
 # ----------------------------------------------------------------------------------------
 # The record and the classification, in one process
 # ----------------------------------------------------------------------------------------
