@@ -143,10 +143,14 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
 _GRACE_AFTER_DEATH_S = 30.0
 
 
+class JobFailed(RuntimeError):
+    """A spawned job failed: the first line names the cause, the rest holds each failed rank's traceback."""
+
+
 def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
     """Run ``fn(dist, *args)`` on ``world`` spawned ranks (``fn`` module-level); results by rank.
 
-    A failure becomes a ``RuntimeError`` here whose first line names the rank that failed
+    A failure becomes a :class:`JobFailed` here whose first line names the rank that failed
     first and its exception text (or the rank whose process died without a report, e.g.
     killed), followed by every failed rank's traceback. A dead rank never makes this wait
     for ``timeout_s``: the others fail fast (:class:`~braid.runtime.distributed.PeerLost`).
@@ -192,7 +196,7 @@ def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float =
                     died[r] = f"was stopped {_GRACE_AFTER_DEATH_S:g} s after rank {first} died"
             if now > deadline:
                 missing = sorted(set(range(world)) - set(got) - set(died))
-                raise RuntimeError(f"ranks {missing} did not finish within {timeout_s} s")
+                raise JobFailed(f"ranks {missing} did not finish within {timeout_s} s")
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -211,7 +215,7 @@ def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float =
             head = f"ranks {sorted(failed)} failed"
         body = [f"--- rank {r} ---\n{tb}" for r, (tb, _) in failed.items()]
         body += [f"--- rank {r} ---\nits process {how}" for r, how in sorted(died.items())]
-        raise RuntimeError(head + "\n" + "\n".join(body))
+        raise JobFailed(head + "\n" + "\n".join(body))
     return [got[r][1] for r in range(world)]
 
 
@@ -649,7 +653,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     pc = config_from_args(ap, args)
     check_outputs(ap, [("-o", args.output)])
-    doc = profile(pc)
+    try:
+        doc = profile(pc)
+    except JobFailed as err:
+        print(f"{ap.prog}: error: {err}", file=sys.stderr)
+        return 1
     atomic_write_text(args.output, json.dumps(doc, indent=1))
     c = doc["meta"]["comm"]
     log.info("wrote %s: %d stages on %s; all-reduce %.3g ms, ar_slowdown %.3f, ar_stretch %.2f, P2P %.3g ms, "

@@ -203,9 +203,9 @@ def _raise_wait(d, src: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_launch_report_leads_with_the_first_failure() -> None:
-    from braid.profile import launch
+    from braid.profile import JobFailed, launch
 
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(JobFailed) as info:
         launch(2, "cpu", _fails_on_rank_one)
     first_line = str(info.value).splitlines()[0]
     assert first_line == f"rank 1 failed first: ValueError: {FIRST_ERROR}"
@@ -221,9 +221,9 @@ def _killed_on_rank_one(d) -> None:
 
 @pytest.mark.timeout(240)
 def test_launch_names_a_killed_rank_and_does_not_wait_for_it() -> None:
-    from braid.profile import launch
+    from braid.profile import JobFailed, launch
 
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(JobFailed) as info:
         launch(2, "cpu", _killed_on_rank_one)
     text = str(info.value)
     assert text.splitlines()[0] == "rank 1 died first: its process was killed by SIGKILL without a report", text
