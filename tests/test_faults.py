@@ -266,6 +266,13 @@ def test_peer_failure_is_not_recorded_as_a_new_failure() -> None:
     assert a.first_failure() == (2, "PeerLost: rank 2: a peer closed its connection")
 
 
+def test_a_raw_closed_connection_is_recorded_as_a_lost_peer() -> None:
+    a = Abort(dist.HashStore(), 3)
+    assert a.fail(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically ..."))
+    rank, reason = a.first_failure()
+    assert rank == 3 and reason.startswith("PeerLost: rank 3: a peer closed its connection (its process exited")
+
+
 @pytest.mark.parametrize("text,elapsed,expected", [
     ("[pair.cc:553] Connection closed by peer [127.0.0.1]:18608. This is typically caused by a remote worker crashing.",
      0.6, PeerLost),
