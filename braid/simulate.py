@@ -97,7 +97,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs}, "schedules": {}}
     traces, notes, reports = [], [], []
-    doc["skipped"] = {}  # name -> (plan's v, "layers" when the model cannot fill its stages, else "schedule")
+    # name -> (plan's v, why): "layers" (the model cannot fill its stages), "m" (too few micro-batches), "schedule"
+    doc["skipped"] = {}
     for name in schedule_names:
         try:
             plan = schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
             raise
         except (ScheduleError, ValueError) as err:
             notes.append(f"skipped {name}: {err}")
-            doc["skipped"].setdefault(name, (0, "schedule"))
+            doc["skipped"].setdefault(name, (0, "m" if "needs m" in str(err) else "schedule"))
             continue
         doc["skipped"].pop(name, None)
         res = simulate(programs, costs, name=name, record=bool(args.trace or args.html))
@@ -148,7 +149,8 @@ def _nothing_ran(args: argparse.Namespace, skipped: dict[str, tuple[int, str]]) 
         fits = ", ".join(f"--pp {_max_pp(model, v, args.pp)} for {v} chunk{'s' if v > 1 else ''} per rank" for v in vs)
         return (f"the model's {layers} layers cannot fill {stages} virtual stages (--pp {args.pp} x chunks per rank); "
                 f"use at most {fits}, or a model with more layers")
-    return "no selected schedule accepts this configuration (see the notes above; e.g. raise --mbs)"
+    hint = "; raise --mbs" if skipped and all(kind == "m" for _, kind in skipped.values()) else ""
+    return f"no selected schedule accepts --pp {args.pp} --mbs {args.mbs} (see the notes above{hint})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(err))
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
+    try:  # the model, hardware and tp on their own (one stage), before any schedule
+        analytic_costs(get_model(args.model), get_hardware(args.hardware), Layout(args.tp, 1, 1))
+    except ValueError as err:
+        ap.error(str(err))
     check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],
                   inputs=[args.costs] if args.costs else [])
     if args.html:
