@@ -65,12 +65,14 @@ def test_unreadable_cost_files(tmp_path: Path, text: str | bytes, match: str) ->
 def test_every_preset_cost_model_reads_back(tmp_path: Path, model: str) -> None:
     """The ranges admit every figure braid itself produces (all presets, on every hardware)."""
     m = get_model(model)
-    lay = Layout(2, 4, 2, "v")
+    # p=4, v=2 where the model has layers enough for 8 stages (smaller presets: fewer ranks)
+    lay = Layout(2, 4 if m.layers >= 16 else 2 if m.layers >= 8 else 1, 2, "v")
     for hw in HARDWARE:
         costs = analytic_costs(m, get_hardware(hw), lay)
         write_costs(costs, tmp_path / f"{hw}.json")
         back = read_costs(tmp_path / f"{hw}.json", lay, {k: c.spec for k, c in costs.chunks.items()})
-        assert back.chunks[(1, 0)].total("f") == pytest.approx(costs.chunks[(1, 0)].total("f"))
+        key = (lay.p - 1, 0)
+        assert back.chunks[key].total("f") == pytest.approx(costs.chunks[key].total("f"))
         assert back.pcie_bytes_per_s == costs.pcie_bytes_per_s and back.peak_flops == costs.peak_flops
 
 
