@@ -3,10 +3,13 @@
 Spawns two processes (NCCL on GPUs, gloo on CPU). Program, m micro-batches:
 braided ``F0 F1&BW0 F2&BW1 ... BW(m-1)``; plain ``F0 F1 BW0 F2 BW1 ... BW(m-1)`` -- the
 same units, without interleaving. Prints the step-time ratio and the all-reduce wait time
-left exposed on the compute stream (from the measured trace) for both.
+left exposed on the compute stream (from the measured trace) for both, per TP communication
+backend (:mod:`braid.tp.comm`), with the backend's GEMM slowdown (GEMMs with its
+all-reduce beside them over the same GEMMs alone, ``braid.profile``'s measurement).
 
-    python benchmarks/bench_braided_overlap.py                 # GPU: Qwen2-7B-sized layers, seq 4096, bf16
-    python benchmarks/bench_braided_overlap.py --tiny          # CPU smoke test
+    python benchmarks/bench_braided_overlap.py                             # GPU: Qwen2-7B-sized layers, seq 4096, bf16
+    python benchmarks/bench_braided_overlap.py --tp-backend all            # every CUDA backend, side by side
+    python benchmarks/bench_braided_overlap.py --tiny                      # CPU smoke test
 """
 
 from __future__ import annotations
@@ -24,6 +27,16 @@ def _programs(m: int) -> dict[str, str]:
     return {"braided": "\n".join(braided), "plain": "\n".join(plain)}
 
 
+def _time(fn, device: torch.device) -> float:
+    torch.cuda.synchronize(device)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     from braid.braiding import ChunkSpec
     from braid.ir import Plan, Program, ScheduleConfig
@@ -32,6 +45,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     from braid.runtime.distributed import Dist, ProcessGroups
     from braid.runtime.executor import Executor
     from braid.topology import Topology
+
+    from braid.tp.comm import CUDA_BACKENDS, TPBackendError, make_tp_comm
 
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() and not args.tiny else "cpu")
     d = Dist.init(rank, 2, master_port=port, device=device, timeout_s=300)
@@ -49,33 +64,51 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     chunk = build_chunk(model, spec, 0, tp_rank=rank, tp_size=2, tp_group=groups.tp, num_microbatches=args.mbs).to(device)
     del model
     toks = [torch.randint(0, cfg.vocab_size, (1, seq), device=device) for _ in range(args.mbs)]
+    backends = ["gloo"] if device.type != "cuda" else (list(CUDA_BACKENDS) if args.tp_backend == ["all"] else args.tp_backend)
     results = {}
     progs = _programs(args.mbs)
     order = ["plain", "braided"] if args.plain_first else ["braided", "plain"]
-    for name in order:
-        text = progs[name]
-        prog = Program.from_text(0, text)
-        plan = Plan(name, ScheduleConfig(1, args.mbs), "loop", ((),))
-        ex = Executor(plan, prog, {0: chunk}, pp_ranks=[rank], act_shape=(1, seq, cfg.hidden), dtype=dtype,
-                      device=device, tp_group=groups.tp, abort=d.abort)
-        times, exposed = [], []
-        for it in range(args.warmup + args.iters):
-            chunk.zero_grad(set_to_none=True)
-            res = ex.run(toks, toks)
-            if it >= args.warmup:
-                times.append(res.trace.step_time)
-                exposed.append(res.trace.meta["summary"]["exposed_ar_s"])
-        results[name] = (statistics.median(times), statistics.median(exposed), res.counts)
-        if args.profile and device.type == "cuda":
-            from torch.profiler import ProfilerActivity, profile
+    for backend in backends:
+        try:
+            comm = make_tp_comm(groups, backend, None if args.tp_max_ctas == 0 else args.tp_max_ctas)
+        except (TPBackendError, RuntimeError) as err:
+            results[backend] = {"error": str(err).splitlines()[0]}
+            continue
+        row = {}
+        for name in order:
+            text = progs[name]
+            prog = Program.from_text(0, text)
+            plan = Plan(name, ScheduleConfig(1, args.mbs), "loop", ((),))
+            ex = Executor(plan, prog, {0: chunk}, pp_ranks=[rank], act_shape=(1, seq, cfg.hidden), dtype=dtype,
+                          device=device, tp_group=groups.tp, abort=d.abort, tp_comm=comm)
+            times, exposed = [], []
+            for it in range(args.warmup + args.iters):
+                chunk.zero_grad(set_to_none=True)
+                res = ex.run(toks, toks)
+                if it >= args.warmup:
+                    times.append(res.trace.step_time)
+                    exposed.append(res.trace.meta["summary"]["exposed_ar_s"])
+            row[name] = (statistics.median(times), statistics.median(exposed), res.counts)
+            if args.profile and device.type == "cuda":
+                from torch.profiler import ProfilerActivity, profile
 
-            chunk.zero_grad(set_to_none=True)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                ex.run(toks, toks)
-                torch.cuda.synchronize(device)
-            if rank == 0:
-                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-                print(f"== profile of one {name} step (rank 0) ==\n{table}", flush=True)
+                chunk.zero_grad(set_to_none=True)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    ex.run(toks, toks)
+                    torch.cuda.synchronize(device)
+                if rank == 0:
+                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+                    print(f"== profile of one {name} step, {backend} (rank 0) ==\n{table}", flush=True)
+        if device.type == "cuda":
+            from braid.profile import _ar_stretch
+
+            x = torch.randn(1, seq, cfg.hidden, dtype=dtype, device=device)
+            a = torch.randn(seq, cfg.hidden, dtype=dtype, device=device)
+            b = torch.randn(cfg.hidden, cfg.ffn // 2, dtype=dtype, device=device)
+            ar = statistics.median(_time(lambda: comm.all_reduce(x).wait(), device) for _ in range(6))
+            one = statistics.median(_time(lambda: a @ b, device) for _ in range(6))
+            row["overlap"] = _ar_stretch(x, groups.tp, a, b, ar, one, device, 6, comm.all_reduce)
+        results[backend] = row
     if rank == 0:
         out.put(results)
     d.close()
@@ -90,17 +123,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--tp-max-ctas", type=int, default=4, help="NCCL CTA cap of the TP group (0: NCCL default; default 4)")
+    ap.add_argument("--tp-backend", nargs="+", default=["nccl-capped"], metavar="NAME",
+                    help="TP all-reduce backends to compare (braid.tp.comm), or 'all' (default nccl-capped; CPU: gloo)")
     ap.add_argument("--plain-first", action="store_true", help="measure the plain program first")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table of one step of each (GPU)")
     args = ap.parse_args(argv)
     if not args.tiny and torch.cuda.device_count() < 2:
         ap.error("needs 2 GPUs (or --tiny for the CPU smoke test)")
+    from braid.tp.comm import CUDA_BACKENDS
+
+    bad = [b for b in args.tp_backend if b not in (*CUDA_BACKENDS, "all")]
+    if bad:
+        ap.error(f"unknown TP backend {bad[0]!r}; choose from all, {', '.join(CUDA_BACKENDS)}")
     (res,) = spawn_two(_worker, args)
-    (tb, eb, cb), (tp_, ep, _) = res["braided"], res["plain"]
-    print(f"braided blocks per step: {cb['braided']}, all-reduces per step: {cb['AR']}")
-    print(f"step time  plain {tp_ * 1e3:9.2f} ms   braided {tb * 1e3:9.2f} ms   ratio braided/plain {tb / tp_:.3f}")
-    print(f"exposed AR plain {ep * 1e3:9.2f} ms   braided {eb * 1e3:9.2f} ms   "
-          f"fraction of plain's exposed AR time hidden by braiding {1 - eb / ep if ep > 0 else float('nan'):.2%}")
+    print(f"{'TP backend':<15}{'plain ms':>10}{'braided ms':>12}{'braided/plain':>15}{'exposed AR plain->braided ms':>30}"
+          f"{'AR hidden':>11}{'GEMM slowdown':>15}{'AR stretch':>12}")
+    for backend, row in res.items():
+        if "error" in row:
+            print(f"{backend:<15}  not available: {row['error']}")
+            continue
+        (tb, eb, cb), (tp_, ep, _) = row["braided"], row["plain"]
+        ov = row.get("overlap")
+        slow = f"{ov['gemm_slowdown']:.3f}" if ov else "-"
+        stretch = f"{ov['ar_stretch']:.2f}" if ov else "-"
+        hidden = f"{1 - eb / ep:.1%}" if ep > 0 else "-"
+        print(f"{backend:<15}{tp_ * 1e3:>10.2f}{tb * 1e3:>12.2f}{tb / tp_:>15.3f}{f'{ep * 1e3:.2f} -> {eb * 1e3:.2f}':>30}"
+              f"{hidden:>11}{slow:>15}{stretch:>12}")
+    ran = [row for row in res.values() if "error" not in row]
+    if ran:
+        counts = ran[-1]["braided"][2]
+        print(f"braided blocks per step: {counts['braided']}, all-reduces per step: {counts['AR']}")
     return 0
 
 

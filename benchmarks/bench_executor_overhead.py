@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 MODES = ("units", "instructions", "off")
+FLOOR = "floor"
 
 
 def _setup(args: argparse.Namespace):
@@ -56,6 +57,85 @@ def _units(program, chunks) -> int:
     from braid.ir import Braided, Compute
 
     return sum(len(steps(i, lambda c: chunks[c].spec)) for i in program.instructions if isinstance(i, (Compute, Braided)))
+
+
+def _floor_step(chunks, toks, labs, m: int) -> None:
+    """The floor: the same unit tasks as direct autograd calls of the same unit functions.
+
+    Per micro-batch, chunk by chunk in stage order: each unit's forward on detached leaf
+    inputs; then in reverse each unit's activation backward (``torch.autograd.grad``, weight
+    gradients split off as the executor does) followed by its weight backward. No executor,
+    no chunk bookkeeping, no saved-tensor hooks: what any unit-granular runtime must pay.
+    """
+    from braid.models.chunk import _masked_mean
+    from braid.tp.embedding import vocab_parallel_cross_entropy
+    from braid.tp.layers import split_weight_grads
+
+    grad = torch.autograd.grad
+    leaf = lambda t: t.detach().requires_grad_()  # noqa: E731
+
+    def weights(mods, mb):
+        for mod in mods:
+            mod.weight_backward(mb)
+
+    def norm_bw(x, h, w, dh, extra):
+        dx, dw = grad(h, (x, w), dh)
+        w.grad = dw if w.grad is None else w.grad.add_(dw)
+        return dx if extra is None else dx + extra
+
+    for mb in range(m):
+        back = []  # closures, run in reverse: (input grad -> input grad)
+        x = None
+        for ch in chunks:
+            if ch.embed is not None:
+                e = ch.embed(toks[mb])
+                x = e.detach()
+
+                def bw(g, e=e, ch=ch, mb=mb):
+                    with split_weight_grads((ch.embed,), mb):
+                        torch.autograd.backward(e, g, inputs=[ch.embed.weight])
+                    weights((ch.embed,), mb)
+                back.append(bw)
+            for lay in ch.layers:
+                for norm, proj, core, mods_pre, mods_core in (
+                    (lay.input_layernorm, lambda hl, lay=lay: lay.qkv(hl), lambda a, r, lay=lay: lay.attn(*a, r),
+                     (lay.q_proj, lay.k_proj, lay.v_proj), (lay.o_proj,)),
+                    (lay.post_attention_layernorm, lambda hl, lay=lay: lay.gate_up(hl), lambda a, r, lay=lay: lay.mlp(*a, r),
+                     (lay.gate_proj, lay.up_proj), (lay.down_proj,)),
+                ):
+                    x0 = leaf(x)
+                    h = norm(x0)
+                    hl = leaf(h)
+                    acts = proj(hl)
+                    ins = tuple(leaf(a) for a in acts)
+                    out = core(ins, x0)
+                    x = out.detach()
+
+                    def bw(g, x0=x0, h=h, hl=hl, acts=acts, ins=ins, out=out, norm=norm, mods_pre=mods_pre,
+                           mods_core=mods_core, mb=mb):
+                        with split_weight_grads(mods_core, mb):
+                            da = grad(out, ins, g)
+                        weights(mods_core, mb)
+                        with split_weight_grads(mods_pre, mb):
+                            (dh,) = grad(acts, hl, da)
+                        weights(mods_pre, mb)
+                        return norm_bw(x0, h, norm.weight, dh, g)
+                    back.append(bw)
+            if ch.lm_head is not None:
+                x0 = leaf(x)
+                h = ch.norm(x0)
+                hl = leaf(h)
+                loss = _masked_mean(vocab_parallel_cross_entropy(ch.lm_head(hl), labs[mb]), labs[mb]) / m
+
+                def bw(g, x0=x0, h=h, hl=hl, loss=loss, ch=ch, mb=mb):
+                    with split_weight_grads((ch.lm_head,), mb):
+                        (dh,) = grad(loss, hl)
+                    weights((ch.lm_head,), mb)
+                    return norm_bw(x0, h, ch.norm.weight, dh, None)
+                back.append(bw)
+        g = None
+        for bw in reversed(back):
+            g = bw(g)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,29 +166,44 @@ def main(argv: list[str] | None = None) -> None:
         n = _units(program, chunks)
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
+        ordered = [chunks[c] for c in sorted(chunks, key=lambda c: plan.stage_of(0, c))]
+
         def step(mode: str) -> float:
             for ch in chunks.values():
                 ch.zero_grad(set_to_none=True)
             sync()
             t0 = time.perf_counter()
-            exs[mode].run(toks, toks)
+            if mode == FLOOR:
+                _floor_step(ordered, toks, toks, args.m)
+            else:
+                exs[mode].run(toks, toks)
             sync()
             return time.perf_counter() - t0
 
+        # The floor computes what the executor computes (same gradients, to rounding).
+        grads = {}
+        for mode in (FLOOR, modes[0]):
+            step(mode)
+            grads[mode] = [p.grad.clone() for ch in chunks.values() for p in ch.parameters()]
+        for a, b in zip(grads[FLOOR], grads[modes[0]]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        runs = [FLOOR, *modes]
         for _ in range(args.warmup):
-            for mode in modes:
+            for mode in runs:
                 step(mode)
-        times: dict[str, list[float]] = {m: [] for m in modes}
+        times: dict[str, list[float]] = {m: [] for m in runs}
         for _ in range(args.steps):
-            for mode in modes:
+            for mode in runs:
                 times[mode].append(step(mode))
         print(f"device {args.device}, braided_v p=1 m={args.m}, 2 chunks x {args.layers} layers, hidden {cfg.hidden}, "
-              f"seq {args.seq}: {n} unit tasks per step, median of {args.steps} steps")
-        base = statistics.median(times[modes[0]])
+              f"seq {args.seq}: {n} unit tasks per step, median of {args.steps} steps (runs interleaved)")
+        floor = statistics.median(times[FLOOR])
+        print(f"  {'floor':<20} {floor * 1e3:8.2f} ms/step  {n / floor:9.0f} unit tasks/s  {floor / n * 1e6:7.1f} us/unit task"
+              f"  (direct autograd calls of the unit functions)")
         for mode in modes:
             t = statistics.median(times[mode])
             print(f"  record={mode:<13} {t * 1e3:8.2f} ms/step  {n / t:9.0f} unit tasks/s  {t / n * 1e6:7.1f} us/unit task"
-                  f"  ({base / t:.2f}x of {modes[0]})")
+                  f"  {t / floor:5.2f}x the floor")
         if args.profile:
             mode = modes[-1]
             prof = cProfile.Profile()

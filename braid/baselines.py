@@ -129,6 +129,9 @@ class TorchPipeline:
         cls = getattr(pipe, cls_name, None)
         if cls is None:
             raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.pipelining.{cls_name}; use torch >= 2.8")
+        if getattr(getattr(lm, "cfg", None), "tie_embeddings", False):
+            raise ValueError(f"{name}: the torch baselines do not sum a tied embedding's gradients across stages; "
+                             "use an untied model or braid's schedules")
         topo = groups.topo
         if topo.dp != 1 or topo.cp != 1:
             raise ValueError(f"the torch baselines run tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import json
 import logging
 import statistics
@@ -41,7 +42,9 @@ import torch
 import torch.distributed as dist
 
 from braid.baselines import TORCH_SCHEDULES
-from braid.costs import Layout, costs_from_dict
+from braid.cli import Parser, check_output_dir, check_outputs, run_main
+from braid.costs import CostFileError, Layout, costs_from_dict, load_cost_json
+from braid.files import atomic_write_text
 from braid.profile import (
     ProfileConfig,
     Progress,
@@ -50,6 +53,7 @@ from braid.profile import (
     config_from_args,
     launch,
     measure_rank,
+    tp_comm_for,
 )
 from braid.trace import Trace
 
@@ -160,8 +164,10 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     the pipeline over the isolated unit times (caches, launch gaps, a busy neighbour; the
     phases differ: a backward overlaps its launches better than a short forward unit) --
     then the one communication figure that explains the rest of the measured step: the
-    effective P2P time (pp > 1; it absorbs the per-transfer latency of a loaded machine)
-    or, with pp=1 and tp > 1, a scale of the all-reduce times.
+    effective P2P time (pp > 1; it absorbs the per-transfer latency of a loaded machine),
+    with pp=1 and tp > 1 a scale of the all-reduce times, and with pp=1 and tp=1 the host
+    time per unit task (``host_task_s``, the simulator's host lane: at pp=1 nothing but the
+    host can leave the device idle).
     """
     import copy
 
@@ -188,10 +194,14 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
         for c in out["chunks"].values():
             c[key] *= scale[ph]
     cal: dict[str, Any] = {"probe": f"{plan.name} p={plan.p} m={plan.m}", "measured_step_s": measured_step_s,
+                           "profiled_host_task_s": float(doc.get("host_task_s", 0.0)),
                            "compute_scale": k_all, "compute_scale_per_phase": scale}
 
     def with_knob(x: float) -> dict[str, Any]:
         d = copy.deepcopy(out)
+        if pc.pp == 1 and pc.tp == 1:
+            d["host_task_s"] = x
+            return d
         for c, base in zip(d["chunks"].values(), doc["chunks"].values()):
             if pc.pp > 1:
                 c["T_P2P"] = x
@@ -205,6 +215,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     elif pc.tp > 1:
         x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 2.0)
         out, cal["ar_scale"] = with_knob(x), x
+    else:
+        x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 1e-3)
+        out, cal["host_task_s"] = with_knob(x), x
     cal["predicted_step_s"] = sim(out).report.step_time_s
     out["meta"] = {**out.get("meta", {}), "calibration": cal}
     return out
@@ -261,7 +274,8 @@ def _busy_by_phase(trace: Trace) -> dict[str, float]:
     return out
 
 
-def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None) -> dict[str, Any]:
+def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
+                  comm=None) -> dict[str, Any]:
     from braid import schedules
     from braid.compiler import compile_plan
     from braid.runtime.executor import Executor, build_rank_chunks
@@ -277,7 +291,9 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     chunks = {c: ch.to(dev) for c, ch in chunks.items()}
     from braid.profile import _DTYPES
 
-    ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=_DTYPES[pc.dtype], device=dev)
+    kw = {} if comm is None else {"tp_comm": comm}
+    ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=_DTYPES[pc.dtype],
+                              device=dev, compile=pc.compile, **kw)
     toks, labs = _data(pc, m, dev)
 
     def step():
@@ -320,23 +336,27 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     from braid.topology import Topology
 
     pc = bc.profile
-    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp))
+    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
+                                  tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)
     lead = d.rank == 0
     doc = bc.costs
+    raw_doc = None
+    # The TP all-reduce every run uses: the flag's backend, or with 'all' the profile's pick.
+    comm, choice = tp_comm_for(pc, groups, d.device)
     if doc is None:
-        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device))
+        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device), comm, choice)
         gathered: list[Any] = [None] * pc.world_size
         dist.all_gather_object(gathered, res)
-        doc = profile_to_dict(assemble(pc, gathered))
+        doc = raw_doc = profile_to_dict(assemble(pc, gathered))
     torch.manual_seed(1234)
     with torch.device("cpu"):
         model = Qwen2Model(pc.full_model()).to(_DTYPES[pc.dtype])
-    if bc.costs is None and bc.calibrate and (pc.pp > 1 or pc.tp > 1):
+    if bc.costs is None and bc.calibrate:
         # The probe is short (m = 2p): more steps than a benchmarked run, medians of the step
         # time and of each phase's busy time, so one slow step on a shared machine does not
         # land in the fitted communication figure.
         plan = probe_plan(pc.pp, 2 * pc.pp, pc.v)
-        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps))
+        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps), comm=comm)
         gathered = [None] * pc.world_size
         dist.all_gather_object(gathered, out)
         if lead:
@@ -352,7 +372,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     progress = Progress(len(jobs) + len(ext), "bench", enabled=lead)
     for name, m in jobs:
         try:
-            out = _run_schedule(d, bc, groups, model, name, m)
+            out = _run_schedule(d, bc, groups, model, name, m, comm=comm)
         except ValueError as err:
             notes.append(f"skipped {name} m={m}: {err}")
             progress.step(f"{name} m={m} skipped")
@@ -376,7 +396,13 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         else:
             external.append({"schedule": f"torch:{TORCH_SCHEDULES[name]}", "m": m, "ranks": [o for o, _ in gathered]})
         progress.step(f"{TORCH_SCHEDULES[name]} m={m}")
-    return {"profile": doc, "runs": runs, "external": external, "notes": notes} if lead else None
+    # The uncalibrated profile travels too: its predictions are reported beside the calibrated
+    # ones, so the raw model's error stays visible.
+    raw = raw_doc if raw_doc is not doc else None
+    if pc.tp > 1:
+        notes.append(f"TP all-reduce backend: {comm.backend}"
+                     + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
+    return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes} if lead else None
 
 
 # ----------------------------------------------------------------------------------------
@@ -406,11 +432,16 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
         sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)
         pred = sim.report.step_time_s
+        raw_pred = None
+        if raw.get("raw_profile") is not None:
+            raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)[0].report.step_time_s
         mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
         out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s,
                          "step_s_all": [max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"]))],
                          "tokens_per_s": r["m"] * tokens / step_s, "mfu": mfu, "peak_bytes": peaks,
                          "predicted_step_s": pred, "step_err": rel_err(pred, step_s), "predicted_peak_bytes": pred_peaks,
+                         "raw_predicted_step_s": raw_pred,
+                         "raw_step_err": rel_err(raw_pred, step_s) if raw_pred is not None else None,
                          "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None)})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
@@ -435,31 +466,55 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
 
 def format_report(summary: dict[str, Any]) -> str:
     """The text table: one line per run, measured next to predicted."""
-    head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'tokens/s':>11}{'MFU %':>7}"
+    head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'raw %':>8}{'tokens/s':>11}{'MFU %':>7}"
             f"  peak MiB per rank (measured / predicted)")
     lines = [head, "-" * len(head)]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     for r in summary["runs"]:
         peaks = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["peak_bytes"], r["predicted_peak_bytes"]))
+        raw_err = f"{100 * r['raw_step_err']:>+8.1f}" if r.get("raw_step_err") is not None else f"{'-':>8}"
         lines.append(f"{r['schedule']:<28}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
-                     f"{100 * r['step_err']:>+8.1f}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}  {peaks}")
+                     f"{100 * r['step_err']:>+8.1f}{raw_err}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}  {peaks}")
     for e in summary["external"]:
         if "error" in e:
             lines.append(f"{e['schedule']:<28}{e['m']:>3}  could not run: {e['error']}")
         else:
             peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
-            lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{e['tokens_per_s']:>11.0f}"
+            lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
                          f"{'-':>7}  {peaks}")
+    cal = summary["profile"].get("meta", {}).get("calibration")
+    if cal:
+        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}
+        scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
+        lines.append(f"calibration ({cal['probe']}): compute scale {scales}; "
+                     f"host time per unit task profiled {cal.get('profiled_host_task_s', 0.0) * 1e6:.0f} us; "
+                     + (", ".join(f"{k}={v:.4g}" for k, v in fitted.items()) or "no communication figure")
+                     + "; 'raw %' is the uncalibrated profile's error")
     lines += [f"note: {n}" for n in summary["notes"]]
     return "\n".join(lines)
 
 
-def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
-    """Add (or replace) the set ``name`` in a stored-measurements file (``braid-measurements/1``)."""
+def read_measurements(path: str | Path) -> dict[str, Any]:
+    """A stored-measurements file (``braid-measurements/1``), or an empty one if ``path`` does not exist;
+    a file that is not one is a ``ValueError`` naming it."""
     p = Path(path)
-    doc = json.loads(p.read_text()) if p.is_file() else {"format": MEASUREMENTS_FORMAT, "sets": []}
-    if doc.get("format") != MEASUREMENTS_FORMAT:
-        raise ValueError(f"{p}: not a measurements file (format={doc.get('format')!r}, expected {MEASUREMENTS_FORMAT!r})")
+    if not p.exists():
+        return {"format": MEASUREMENTS_FORMAT, "sets": []}
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"{p}: not a readable measurements file ({type(err).__name__}: {err})"[:400]) from None
+    fmt = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+    if fmt != MEASUREMENTS_FORMAT or not isinstance(doc.get("sets"), list):
+        raise ValueError(f"{p}: not a measurements file (format={fmt!r}, expected {MEASUREMENTS_FORMAT!r} with a 'sets' list)")
+    return doc
+
+
+def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
+    """Add (or replace) the set ``name`` in a stored-measurements file (``braid-measurements/1``),
+    written atomically: a run killed while capturing leaves the previous file whole."""
+    p = Path(path)
+    doc = read_measurements(p)
     cfg = summary["config"]
     import os
 
@@ -473,7 +528,7 @@ def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
              "profile": summary["profile"]}
     doc["sets"] = [s for s in doc["sets"] if s.get("name") != name] + [entry]
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(doc, indent=1))
+    atomic_write_text(p, json.dumps(doc, indent=1))
 
 
 def run_bench(bc: BenchConfig) -> dict[str, Any]:
@@ -482,11 +537,41 @@ def run_bench(bc: BenchConfig) -> dict[str, Any]:
     return summarize(bc, raw)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def planned_runs(bc: BenchConfig) -> tuple[list[tuple[str, int, Any]], list[str]]:
+    """The ``(schedule, m, plan)`` runs the layout accepts, and a note for each it does not."""
     from braid import schedules
 
-    ap = argparse.ArgumentParser(prog="python -m braid.bench", description=__doc__.split("\n\n")[1],
-                                 epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    pc = bc.profile
+    runs, notes = [], []
+    for name in bc.schedules:
+        for m in bc.mbs:
+            try:
+                plan = schedules.build(name, pc.pp, m)
+            except ValueError as err:
+                notes.append(f"{name} m={m}: {err}")
+                continue
+            if plan.num_stages != len(pc.layers_per_stage):
+                notes.append(f"{name} m={m}: {plan.num_stages} virtual stages, but the layout has "
+                             f"{len(pc.layers_per_stage)} (--pp x --chunks)")
+                continue
+            runs.append((name, m, plan))
+    return runs, notes
+
+
+def _check_costs(doc: dict[str, Any], where: str, pc: ProfileConfig, runs: list[tuple[str, int, Any]]) -> None:
+    """Read ``doc`` against every planned run's layout, as the predictions will (CostFileError if it does not fit)."""
+    from braid.partition import chunk_specs
+
+    for placement, v in sorted({(plan.placement, plan.v) for _, _, plan in runs}):
+        costs_from_dict(doc, Layout(pc.tp, pc.pp, v, placement), chunk_specs(pc.layers_per_stage, pc.pp, placement), where=where)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; bad input is one line on stderr and exit 2, before any process starts."""
+    from braid import schedules
+
+    ap = Parser(prog="python -m braid.bench", description=__doc__.split("\n\n")[1],
+                epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("--schedule", nargs="+", default=list(DEFAULT_SCHEDULES), help=f"schedules (default {' '.join(DEFAULT_SCHEDULES)})")
     ap.add_argument("--mbs", type=int, nargs="+", default=[4, 8], help="micro-batch counts m (default 4 8)")
@@ -508,21 +593,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0:
         ap.error("--mbs and --steps must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
-    costs = None
+    check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
+    check_output_dir(ap, "--trace-dir", args.trace_dir)
+    bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
+                     not args.no_calibrate)
+    runs, skipped = planned_runs(bc)
+    if not runs:
+        ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))
     if args.costs:
         try:
-            costs = json.loads(Path(args.costs).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            ap.error(f"--costs {args.costs}: {err}")
-    bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, costs, not args.no_external,
-                     not args.no_calibrate)
+            costs = load_cost_json(args.costs)
+            _check_costs(costs, args.costs, pc, runs)
+        except CostFileError as err:
+            ap.error(str(err))
+        bc = dataclasses.replace(bc, costs=costs)
+    if args.capture:
+        try:
+            read_measurements(args.capture)
+        except ValueError as err:
+            ap.error(f"--capture {err}")
     summary = run_bench(bc)
     traces = summary.pop("_traces")
     print(f"# {args.preset}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
           f"seq={pc.seq} on {summary['device']} ({pc.dtype})")
     print(format_report(summary))
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        atomic_write_text(args.json, json.dumps(summary, indent=1))
     if args.trace_dir:
         from braid.trace import dump_traces
 
@@ -530,10 +626,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for key, pair in traces.items():
             dump_traces(list(pair), out / f"{key}.json")
+    if not summary["runs"]:
+        print(f"{ap.prog}: error: every run was skipped (see the notes above)", file=sys.stderr)
+        return 1
     if args.capture:
         capture(summary, args.capture, args.capture_name or f"{pc.device}-tp{pc.tp}-pp{pc.pp}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

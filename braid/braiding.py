@@ -61,9 +61,10 @@ class Unit(str, enum.Enum):
 
 
 LAYER_UNITS: tuple[Unit, ...] = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)
-# Units that end with a TP all-reduce, per phase.
-_AR_FORWARD = frozenset({Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE})
-_AR_BACKWARD = frozenset({Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD, Unit.MERGE})
+# Units that end with a TP all-reduce, per phase: defined here once and imported by the
+# chunk runner, the cost model and the profiler.
+AR_FORWARD: frozenset[Unit] = frozenset({Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE})
+AR_BACKWARD: frozenset[Unit] = frozenset({Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD, Unit.MERGE})
 
 
 class Phase(str, enum.Enum):
@@ -120,7 +121,7 @@ def _forward_tasks(spec: ChunkSpec) -> list[UnitTask]:
     if spec.embed:
         out.append(UnitTask(Phase.F, Unit.EMBED, -1, True))
     for layer in range(spec.layers):
-        out += [UnitTask(Phase.F, u, layer, u in _AR_FORWARD) for u in LAYER_UNITS]
+        out += [UnitTask(Phase.F, u, layer, u in AR_FORWARD) for u in LAYER_UNITS]
     if spec.merge:
         out.append(UnitTask(Phase.F, Unit.MERGE, -1, True))
     if spec.head:
@@ -147,13 +148,13 @@ def unit_tasks(kind: OpKind, spec: ChunkSpec) -> list[UnitTask]:
         return _forward_tasks(spec)
     units = _backward_units(spec)
     if kind is OpKind.B:
-        return [UnitTask(Phase.B, u, l, u in _AR_BACKWARD) for u, l in units]
+        return [UnitTask(Phase.B, u, l, u in AR_BACKWARD) for u, l in units]
     if kind is OpKind.W:
         return [UnitTask(Phase.W, u, l, False) for u, l in units]
     # BW: each unit's weight gradient right after its activation gradient.
     out = []
     for u, l in units:
-        out.append(UnitTask(Phase.B, u, l, u in _AR_BACKWARD))
+        out.append(UnitTask(Phase.B, u, l, u in AR_BACKWARD))
         out.append(UnitTask(Phase.W, u, l, False))
     return out
 

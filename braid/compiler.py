@@ -120,14 +120,22 @@ def _check_plan_ops(plan: Plan) -> None:
                 if key in seen:
                     raise ScheduleError("unique-op", f"{op} appears twice (first at op {seen[key]})", rank, idx, str(instr))
                 seen[key] = idx
+        if not seen and m * v > 0:
+            raise ScheduleError("op-counts", f"this rank has no compute ops; each rank runs F and a backward (BW, or B "
+                                f"and W) of every (micro-batch, chunk): {m} x {v} here", rank)
         for mb in range(m):
             for chunk in range(v):
                 has = {k for k in OpKind if (k, mb, chunk) in seen}
                 if has not in ({OpKind.F, OpKind.BW}, {OpKind.F, OpKind.B, OpKind.W}):
-                    missing = "F" if OpKind.F not in has else ("BW, or B and W" if not has - {OpKind.F} else
-                                                              "a consistent backward (BW alone, or B with W)")
-                    raise ScheduleError("op-counts", f"(mb {mb}, chunk {chunk}) has {sorted(k.value for k in has)}; "
-                                        f"needs F and {missing}", rank)
+                    if not has:
+                        need = "no ops; it needs F and a backward (BW, or B and W)"
+                    elif OpKind.F not in has:
+                        need = f"{sorted(k.value for k in has)} but no F; it needs F too"
+                    elif has == {OpKind.F}:
+                        need = "only F; it needs a backward too (BW, or B and W)"
+                    else:
+                        need = f"{sorted(k.value for k in has)}; it needs F and one backward (BW alone, or B with W)"
+                    raise ScheduleError("op-counts", f"(mb {mb}, chunk {chunk}) has {need}", rank)
     if p < 1:
         raise ScheduleError("ranks", "plan has no ranks")
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from braid.braiding import ChunkSpec, Unit
+from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit
 from braid.hardware import Hardware
 from braid.ir import Placement
 from braid.models_catalog import ModelConfig
@@ -122,6 +122,11 @@ class CostModel:
     ``ar_stretch``: the factor a TP all-reduce's time is multiplied by when compute runs
     beside it (the next unit task does not wait for it): the two share SMs and memory
     bandwidth, so a hidden all-reduce takes longer than an exposed one (1 = no contention).
+    ``host_task_s``: host time the executor spends issuing one unit task (Python, autograd,
+    kernel launches). It is the simulator's *host lane*: a rank's host issues its unit tasks
+    one after another, never waiting for the device, and a unit cannot start on the device
+    before the host has issued it. Measured by ``braid.profile`` on GPU; 0 on CPU, where a
+    unit's measured time already includes its host time.
     """
 
     layout: Layout
@@ -138,6 +143,7 @@ class CostModel:
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
     copy_duplex_slowdown: float = 2.0
     ar_stretch: float = 1.0
+    host_task_s: float = 0.0
 
     def __post_init__(self) -> None:
         want = {(r, c) for r in range(self.layout.p) for c in range(self.layout.v)}
@@ -148,6 +154,8 @@ class CostModel:
             raise ValueError(f"ar_slowdown must be >= 1 (a slowdown factor), got {self.ar_slowdown}")
         if not 1.0 <= self.ar_stretch <= 4.0:
             raise ValueError(f"ar_stretch must be in [1, 4] (an all-reduce's slowdown beside compute), got {self.ar_stretch}")
+        if not 0.0 <= self.host_task_s <= 1.0:
+            raise ValueError(f"host_task_s must be in [0, 1] s (host time to issue one unit task), got {self.host_task_s}")
         if not 1.0 <= self.copy_duplex_slowdown <= 2.0:
             raise ValueError(f"copy_duplex_slowdown must be in [1, 2] (1 = full duplex, 2 = shared link), "
                              f"got {self.copy_duplex_slowdown}")
@@ -312,21 +320,45 @@ def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **
 _CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P", "activation_bytes", "w_residual_bytes", "unit_split",
                "unit_workspace")
 _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "pcie_bytes_per_s", "p2p_over_pcie",
-                "copy_duplex_slowdown", "ar_stretch", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
+                "copy_duplex_slowdown", "ar_stretch", "host_task_s", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
 _SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res"}
-_AR_F_UNITS = (Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE)
-_AR_B_UNITS = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD, Unit.MERGE)
 
 
-def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
+# Upper bounds of a cost-file figure: far above any real machine, low enough that sums and
+# products over a step stay finite (1e308 per chunk would make the step time inf).
+_MAX_SECONDS = 1e6
+_MAX_BYTES = 1e18
+_MAX_RATE = 1e18  # bytes/s or FLOP/s
+_MAX_FLOPS = 1e24
+_LIMITS: dict[str, tuple[float, float]] = {
+    **{k: (0.0, _MAX_SECONDS) for k in ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P")},
+    **{k: (0.0, _MAX_BYTES) for k in ("activation_bytes", "w_residual_bytes", "M_a_bytes")},
+    "W_residual": (0.0, 16.0), "pcie_bytes_per_s": (1.0, _MAX_RATE), "peak_flops": (0.0, _MAX_RATE),
+    "model_flops_per_sample": (0.0, _MAX_FLOPS), "samples_per_microbatch": (1.0, 1e9), "tokens_per_sample": (1.0, 1e12),
+    "ar_slowdown": (1.0, 100.0), "ar_stretch": (1.0, 4.0), "copy_duplex_slowdown": (1.0, 2.0),
+}
+_INT_KEYS = ("samples_per_microbatch", "tokens_per_sample")
+
+
+def _num(d: Mapping[str, Any], key: str, where: str, default: float | None = None, limits: tuple[float, float] | None = None) -> float:
+    """``d[key]`` as a float in its range (``_LIMITS``; workspace bytes: ``[0, _MAX_BYTES]``)."""
     if key not in d:
         if default is None:
             raise CostFileError(f"{where}: missing {key!r} (needed: T_F, T_B, T_W, T_AR; optional T_AR_B, T_P2P, ...)")
         return default
     val = d[key]
-    if isinstance(val, bool) or not isinstance(val, (int, float)) or not val >= 0 or val == float("inf"):
-        raise CostFileError(f"{where}: {key!r} must be a finite number >= 0, got {val!r}")
+    lo, hi = limits or _LIMITS.get(key, (0.0, _MAX_BYTES))
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or not lo <= val <= hi:
+        raise CostFileError(f"{where}: {key!r} must be a finite number in [{lo:g}, {hi:g}], got {val!r}")
+    if key in _INT_KEYS and val != int(val):
+        raise CostFileError(f"{where}: {key!r} must be a whole number, got {val!r}")
+    return float(val)
+
+
+def _weight(val: Any, where: str, key: str, unit: str) -> float:
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 <= val <= 1e12:
+        raise CostFileError(f"{where}: unit_split[{key!r}][{unit!r}] must be a number in [0, 1e12], got {val!r}")
     return float(val)
 
 
@@ -345,19 +377,17 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
     inst = probe.instances()
     vals: dict[Unit, dict[str, float]] = {u: {} for u in sorted(set(inst), key=list(Unit).index)}
     for key, attr in _SPLITS.items():
-        eligible = set(_AR_F_UNITS if key == "AR" else _AR_B_UNITS if key == "AR_B" else Unit)
+        eligible = set(AR_FORWARD if key == "AR" else AR_BACKWARD if key == "AR_B" else Unit)
         weights = split.get(key)
         if weights is None:
             w = {u: 1.0 if u in eligible else 0.0 for u in vals}
         else:
-            try:
-                w = {u: float(weights[u.value]) if u in eligible else 0.0 for u in vals}
-            except KeyError as err:
-                raise CostFileError(f"{where}: unit_split[{key!r}] lacks unit {err.args[0]!r} of this chunk") from None
-            except (TypeError, ValueError):
-                raise CostFileError(f"{where}: unit_split[{key!r}] weights must be numbers") from None
-            if any(x < 0 for x in w.values()):
-                raise CostFileError(f"{where}: unit_split[{key!r}] weights must be >= 0")
+            if not isinstance(weights, Mapping):
+                raise CostFileError(f"{where}: unit_split[{key!r}] must be an object {{unit: weight}}, got {weights!r}"[:300])
+            missing = [u.value for u in vals if u in eligible and u.value not in weights]
+            if missing:
+                raise CostFileError(f"{where}: unit_split[{key!r}] lacks unit {missing[0]!r} of this chunk")
+            w = {u: _weight(weights[u.value], where, key, u.value) if u in eligible else 0.0 for u in vals}
         norm = sum(w[u] for u in inst)
         for u in vals:
             vals[u][attr] = totals[key] * w[u] / norm if norm > 0 else 0.0
@@ -367,7 +397,7 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
     if not isinstance(work, dict) or set(work) - {u.value for u in vals}:
         raise CostFileError(f"{where}: 'unit_workspace' must map units of this chunk ({', '.join(u.value for u in vals)}) to bytes")
     for u in vals:
-        vals[u]["tmp"] = _num(work, u.value, f"{where}: unit_workspace", 0.0)
+        vals[u]["tmp"] = _num(work, u.value, f"{where}: unit_workspace", 0.0, (0.0, _MAX_BYTES))
     units = {u: UnitCost(**v) for u, v in vals.items()}
     return ChunkCosts(spec, units, _num(d, "T_P2P", where, 0.0))
 
@@ -389,6 +419,11 @@ def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[i
         raise CostFileError(f"{where}: unknown keys {unknown}; valid: {', '.join(_CHUNK_KEYS + _GLOBAL_KEYS)}")
     from braid.ir import rank_chunk_of
 
+    for key, kind in (("chunks", Mapping), ("meta", Mapping), ("layout", Mapping), ("unit_split", Mapping),
+                      ("unit_workspace", Mapping), ("p2p_over_pcie", bool)):
+        if d.get(key) is not None and not isinstance(d[key], kind):
+            want = "an object" if kind is Mapping else "true or false"
+            raise CostFileError(f"{where}: {key!r} must be {want}, got {type(d[key]).__name__}")
     defaults = {k: v for k, v in d.items() if k in _CHUNK_KEYS}
     per_chunk: dict[tuple[int, int], Mapping[str, Any]] = {}
     for key, entry in (d.get("chunks") or {}).items():
@@ -424,7 +459,8 @@ def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[i
             _num(d, "peak_flops", where, b.peak_flops if b else 0.0),
             "file", dict(d.get("meta") or {}),
             _num(d, "copy_duplex_slowdown", where, b.copy_duplex_slowdown if b else 2.0),
-            _num(d, "ar_stretch", where, b.ar_stretch if b else 1.0))
+            _num(d, "ar_stretch", where, b.ar_stretch if b else 1.0),
+            _num(d, "host_task_s", where, b.host_task_s if b else 0.0))
     except ValueError as err:
         if isinstance(err, CostFileError):
             raise
@@ -448,7 +484,7 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
         "format": FORMAT, "layout": {"tp": costs.layout.tp, "p": costs.layout.p, "v": costs.layout.v,
                                      "placement": costs.layout.placement},
         "M_a_bytes": costs.ma_bytes, "ar_slowdown": costs.ar_slowdown, "ar_stretch": costs.ar_stretch,
-        "pcie_bytes_per_s": costs.pcie_bytes_per_s,
+        "host_task_s": costs.host_task_s, "pcie_bytes_per_s": costs.pcie_bytes_per_s,
         "p2p_over_pcie": costs.p2p_over_pcie, "copy_duplex_slowdown": costs.copy_duplex_slowdown,
         "samples_per_microbatch": costs.samples_per_microbatch,
         "tokens_per_sample": costs.tokens_per_sample, "model_flops_per_sample": costs.model_flops_per_sample,
@@ -457,18 +493,34 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
 
 
 def write_costs(costs: CostModel, path: str | Path) -> None:
-    """Write ``costs`` as a cost file (the format a profiler writes and :func:`read_costs` reads)."""
-    Path(path).write_text(json.dumps(costs_to_dict(costs), indent=1))
+    """Write ``costs`` as a cost file (the format a profiler writes and :func:`read_costs` reads), atomically."""
+    from braid.files import atomic_write_text
+
+    atomic_write_text(path, json.dumps(costs_to_dict(costs), indent=1))
 
 
 def read_costs(path: str | Path, layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec],
                base: CostModel | None = None) -> CostModel:
     """Read a cost file; any problem is one :class:`CostFileError` naming the file and the key."""
     p = Path(path)
+    return costs_from_dict(load_cost_json(p), layout, specs, base, where=str(p))
+
+
+def load_cost_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object of a cost file, before it is checked against a layout; any problem
+    reading it (missing, unreadable, not JSON, nested too deeply, not an object) is one
+    :class:`CostFileError`."""
+    p = Path(path)
     if not p.is_file():
         raise CostFileError(f"{p}: no such cost file")
     try:
         d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except OSError as err:
+        raise CostFileError(f"{p}: cannot read ({err.strerror or err})") from None
+    except RecursionError:
+        raise CostFileError(f"{p}: JSON nested too deeply to be a cost file") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, or an integer literal too long
         raise CostFileError(f"{p}: not valid JSON ({err})") from None
-    return costs_from_dict(d, layout, specs, base, where=str(p))
+    if not isinstance(d, dict):
+        raise CostFileError(f"{p}: expected a JSON object, got {type(d).__name__}")
+    return d

@@ -1,6 +1,14 @@
-"""Model size presets for the cost model: Qwen2 LLMs and Qwen2-VL MLLMs (paper Sec. 5).
+"""Model size presets -- the one list, used by the cost model, the profiler and the examples (paper Sec. 5).
 
-``qwen2-1.5b`` and ``qwen2-7b`` use the published Qwen2 configurations. ``qwen2-12b`` and
+Names: ``<family>-<size>`` (``qwen2-7b``, ``qwen2-vl-15b``, ``llama3-8b``). The examples'
+short names (``tiny``, ``small``, ``7b``, ``15b``) are accepted with the family prefix the
+caller gives (:func:`get_model`'s ``prefix``: ``qwen2-`` by default, ``qwen2-vl-`` for
+the VLM example), and so is the path of a Hugging Face ``config.json`` (or of the
+checkpoint directory holding it). :func:`decoder_config` turns a preset into the runnable
+model's config of its family (:mod:`braid.models.registry`).
+
+``qwen2-1.5b`` and ``qwen2-7b`` use the published Qwen2 configurations (1.5B ties its
+embedding and head). ``qwen2-12b`` and
 ``qwen2-vl-15b`` stand for the paper's 12.1B LLM and 14.9B MLLM: the paper's Table 2 is
 not in the text we have, so they are Qwen2-family shapes (hidden 4096, 32 heads, 8 KV
 heads) whose layer counts and FFN width give 12.1B and 14.9B parameters. The MLLMs carry
@@ -10,7 +18,10 @@ which the partition puts on the first virtual stage.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +41,9 @@ class ModelConfig:
     """A decoder-only LM (SwiGLU MLP, GQA, causal), optionally with a ViT in front.
 
     ``seq``: tokens per sample; ``micro_batch_size``: samples per micro-batch;
-    ``dtype_bytes``: activation/weight element size (2 for bf16).
+    ``dtype_bytes``: activation/weight element size (2 for bf16); ``family``: the model
+    family that runs it (:mod:`braid.models.registry`); ``tie_embeddings``: the LM head
+    reuses the embedding matrix.
     """
 
     name: str
@@ -44,6 +57,8 @@ class ModelConfig:
     micro_batch_size: int = 1
     dtype_bytes: int = 2
     vit: ViTConfig | None = None
+    family: str = "qwen2"
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         bad = [f"{n}={getattr(self, n)}" for n in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "micro_batch_size", "dtype_bytes")
@@ -71,8 +86,8 @@ class ModelConfig:
         return h * (h + 2 * kv) + h * h + 3 * h * self.ffn
 
     def params(self) -> int:
-        """Parameter count (untied embedding and head; norms and biases ignored)."""
-        n = self.layers * self.lm_layer_params() + 2 * self.vocab * self.hidden
+        """Parameter count (norms and biases ignored; a tied head counted once)."""
+        n = self.layers * self.lm_layer_params() + (1 if self.tie_embeddings else 2) * self.vocab * self.hidden
         if self.vit is not None:
             v = self.vit
             n += v.layers * (4 * v.hidden * v.hidden + 2 * v.hidden * v.ffn) + v.patch_pixels * v.hidden
@@ -82,21 +97,63 @@ class ModelConfig:
 
 _QWEN2_VOCAB = 152064
 
+_QWEN2_15B_LM = dict(layers=57, hidden=4096, heads=32, kv_heads=8, ffn=14976, vocab=_QWEN2_VOCAB)  # the 14.9B MLLM's LM
+
 MODELS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig("tiny", layers=32, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=64),
-    "qwen2-1.5b": ModelConfig("qwen2-1.5b", layers=28, hidden=1536, heads=12, kv_heads=2, ffn=8960, vocab=151936),
+    "qwen2-tiny": ModelConfig("qwen2-tiny", layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=32, seq=32),
+    "qwen2-toy": ModelConfig("qwen2-toy", layers=32, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=64),
+    "qwen2-small": ModelConfig("qwen2-small", layers=16, hidden=1024, heads=16, kv_heads=4, ffn=2816, vocab=32768),
+    "qwen2-1.5b": ModelConfig("qwen2-1.5b", layers=28, hidden=1536, heads=12, kv_heads=2, ffn=8960, vocab=151936,
+                              tie_embeddings=True),
     "qwen2-7b": ModelConfig("qwen2-7b", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944, vocab=_QWEN2_VOCAB),
     "qwen2-12b": ModelConfig("qwen2-12b", layers=48, hidden=4096, heads=32, kv_heads=8, ffn=14976, vocab=_QWEN2_VOCAB),
+    "qwen2-15b": ModelConfig("qwen2-15b", **_QWEN2_15B_LM),
     "qwen2-vl-7b": ModelConfig("qwen2-vl-7b", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944,
                                vocab=_QWEN2_VOCAB, vit=ViTConfig()),
-    "qwen2-vl-15b": ModelConfig("qwen2-vl-15b", layers=57, hidden=4096, heads=32, kv_heads=8, ffn=14976,
-                                vocab=_QWEN2_VOCAB, vit=ViTConfig()),
+    "qwen2-vl-15b": ModelConfig("qwen2-vl-15b", **_QWEN2_15B_LM, vit=ViTConfig()),
+    "llama3-8b": ModelConfig("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                             family="llama"),
 }
 
 
-def get_model(name: str) -> ModelConfig:
-    """The preset called ``name``; ``ValueError`` listing the valid names otherwise."""
-    try:
+def _is_path(name: str) -> bool:
+    return name.endswith(".json") or os.sep in name or Path(name).is_dir()
+
+
+def get_model(name: str, *, prefix: str = "qwen2-") -> ModelConfig:
+    """The preset called ``name`` (or ``prefix + name``), or the shape of a HF ``config.json``
+    path; ``ValueError`` listing the valid names otherwise."""
+    if name in MODELS:
         return MODELS[name]
-    except KeyError:
-        raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)}") from None
+    if prefix + name in MODELS:
+        return MODELS[prefix + name]
+    if _is_path(name):
+        return from_hf_config(name)
+    short = sorted({n.removeprefix(prefix) for n in MODELS if n.startswith(prefix) and "-" not in n.removeprefix(prefix)})
+    raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)} (or short: {', '.join(short)}), "
+                     "or the path of a Hugging Face config.json")
+
+
+def from_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """The shape of a Hugging Face checkpoint's ``config.json`` (a file path or its directory)."""
+    from braid.hf.checkpoint import read_config
+    from braid.models.registry import family_for_hf
+
+    p = Path(path)
+    d = read_config(p.parent if p.is_file() or p.suffix == ".json" else p)
+    family = family_for_hf(d["model_type"])
+    cfg = family.from_hf(d)
+    if not hasattr(cfg, "vocab_size"):
+        raise ValueError(f"{path}: the {family.name} family has no cost-model shape (only decoder LMs are read here)")
+    name = d.get("_name_or_path") or (p.parent.name if p.is_file() else p.name) or family.name
+    return ModelConfig(str(name), layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn,
+                       vocab=cfg.vocab_size, family=family.name, tie_embeddings=cfg.tie_embeddings)
+
+
+def decoder_config(model: ModelConfig, **changes: Any) -> Any:
+    """The runnable LM config of ``model``'s family (e.g. :class:`braid.models.qwen2.Qwen2Config`), fields overridden by ``changes``."""
+    from braid.models.registry import get_family
+
+    fields = dict(vocab_size=model.vocab, hidden=model.hidden, layers=model.layers, heads=model.heads,
+                  kv_heads=model.kv_heads, ffn=model.ffn, tie_embeddings=model.tie_embeddings)
+    return get_family(model.family).config_cls(**{**fields, **changes})

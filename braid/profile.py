@@ -2,10 +2,11 @@
 
 The simulator is only as good as its costs. This profiler builds the executor's own model
 chunks (:func:`braid.runtime.executor.build_rank_chunks`) for a layout (tp, pp, chunks,
-layers per stage) and times every unit task of every chunk in isolation, through the very
-call the executor makes (``ModelChunk.run(mb, UnitTask)``): forward, activation-backward
-and weight-backward, median of ``--iters`` runs (CUDA events on GPU, ``perf_counter`` on
-CPU). It also measures the TP all-reduce of a boundary activation alone and overlapped
+layers per stage) and times every unit task of every chunk back to back, as the executor
+runs them, through the very call the executor makes (``ModelChunk.run(mb, UnitTask)``):
+forward, activation-backward and weight-backward, median of ``--iters`` runs (CUDA events
+recorded between the tasks without synchronising on GPU, ``perf_counter`` on CPU), and on
+GPU the host time to issue one unit task (``host_task_s``, the simulator's host lane). It also measures the TP all-reduce of a boundary activation alone and overlapped
 with a GEMM (-> ``ar_slowdown``, paper Appendix F) and, on GPU, how much longer it takes
 while GEMMs run beside it (-> ``ar_stretch``), the P2P time of the stage-boundary
 activation, the host-copy bandwidth (pinned host<->device on GPU, a memcpy on CPU), and
@@ -34,27 +35,29 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from braid.braiding import ChunkSpec, Unit, unit_tasks
+from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
+from braid.cli import Parser, check_outputs, check_range, run_main
 from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
+from braid.files import atomic_write_text
 from braid.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
 from braid.models.qwen2 import Qwen2Config
+from braid.models_catalog import decoder_config, get_model
 from braid.partition import chunk_specs
 
 log = logging.getLogger(__name__)
 
+# Per-layer shapes from the one preset list (braid.models_catalog); the profiler's own
+# choices are one layer (--layers-per-stage sets the count) and the vocabulary of its head.
 PRESETS: dict[str, Qwen2Config] = {
-    "tiny": Qwen2Config(vocab_size=128, hidden=64, layers=1, heads=4, kv_heads=2, ffn=128),
-    "small": Qwen2Config(vocab_size=8192, hidden=1024, layers=1, heads=16, kv_heads=4, ffn=2816),
-    "7b-layer": Qwen2Config(vocab_size=32768, hidden=3584, layers=1, heads=28, kv_heads=4, ffn=18944),
+    "tiny": decoder_config(get_model("qwen2-toy"), layers=1, vocab_size=128),
+    "small": decoder_config(get_model("qwen2-small"), layers=1, vocab_size=8192),
+    "7b-layer": decoder_config(get_model("qwen2-7b"), layers=1, vocab_size=32768),
 }
-_AR_F = (Unit.EMBED, Unit.ATTN, Unit.MLP)
-_AR_B = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -79,9 +82,15 @@ class ProfileConfig:
     iters: int = 5
     warmup: int = 1
     peak_flops: float = 0.0
+    compile: bool | None = None  # compiled units (:mod:`braid.runtime.compiled`); None: on with CUDA
+    tp_backend: str = "auto"  # braid.tp.comm backend, or "all": measure each and pick the best
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
+        if self.tp_backend != "all":
+            from braid.tp.comm import resolve_tp_backend
+
+            resolve_tp_backend(self.tp_backend, self.device)  # one clear error for a backend that cannot run here
         if len(self.layers_per_stage) != self.pp * self.v:
             raise ValueError(f"layers_per_stage has {len(self.layers_per_stage)} entries; pp*v = {self.pp * self.v} stages need one each")
         if any(n < 1 for n in self.layers_per_stage):
@@ -127,8 +136,14 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
         import traceback
 
-        d.abort.signal(f"{type(err).__name__}: {err}")
-        out.put((rank, False, traceback.format_exc()))
+        from braid.runtime.distributed import PeerFailure
+
+        d.abort.fail(err)
+        try:
+            first = d.abort.first_failure()
+        except PeerFailure:  # the store went with rank 0
+            first = None
+        out.put((rank, False, (traceback.format_exc(), first)))
     finally:
         d.close()
 
@@ -136,7 +151,8 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
 def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
     """Run ``fn(dist, *args)`` on ``world`` spawned ranks (``fn`` module-level); results by rank.
 
-    A failing rank's traceback becomes a ``RuntimeError`` here.
+    A failure becomes a ``RuntimeError`` here whose first line names the rank that failed
+    first and its exception text, followed by every failed rank's traceback.
     """
     import queue
 
@@ -165,9 +181,11 @@ def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float =
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
-    if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    failed = {r: v for r, (ok, v) in sorted(got.items()) if not ok}
+    if failed:
+        firsts = [first for _, first in failed.values() if first is not None]
+        head = f"rank {firsts[0][0]} failed first: {firsts[0][1]}" if firsts else f"ranks {sorted(failed)} failed"
+        raise RuntimeError(head + "\n" + "\n".join(f"--- rank {r} ---\n{tb}" for r, (tb, _) in failed.items()))
     return [got[r][1] for r in range(world)]
 
 
@@ -191,15 +209,41 @@ class Progress:
 # Measurements on one rank
 # ----------------------------------------------------------------------------------------
 class _Timer:
-    """Times one callable: CUDA events on GPU (after a sync), ``perf_counter`` on CPU."""
+    """Times callables: CUDA events on GPU, ``perf_counter`` on CPU.
+
+    :meth:`time` times one callable alone (a sync before and after). Unit tasks are timed
+    *back to back* instead, as the executor runs them: :meth:`lap_start` / :meth:`lap_end`
+    record events around each task without synchronising, so the host runs ahead and the
+    device sees the same queue it sees in a pipeline (timing a unit alone adds its launch
+    gaps: 1.1-1.7x on H200); :meth:`seconds` resolves a lap after :meth:`sync`.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.device = device
+        self._cycles_per_s: float | None = None
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+    def hold(self, seconds: float) -> None:
+        """GPU: keep the device busy for about ``seconds`` (a spin kernel), so that the host
+        queues the work issued next before the device reaches it; the events recorded between
+        those tasks then time the device alone, back to back, and the host's own time to issue
+        them is measured apart (the host lane). No-op on CPU."""
+        if not self.cuda or seconds <= 0:
+            return
+        if self._cycles_per_s is None:
+            self.sync()
+            n = 10_000_000
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(n)
+            b.record()
+            b.synchronize()
+            self._cycles_per_s = n / max(a.elapsed_time(b) / 1e3, 1e-6)
+        torch.cuda._sleep(int(seconds * self._cycles_per_s))
 
     def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
         self.sync()
@@ -213,6 +257,26 @@ class _Timer:
         t = time.perf_counter()
         out = fn()
         return time.perf_counter() - t, out
+
+    def lap_start(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def lap_end(self, start: Any) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return (start, e)
+        return time.perf_counter() - start
+
+    def seconds(self, lap: Any) -> float:
+        """Duration of a finished lap (on GPU, call :meth:`sync` first)."""
+        if self.cuda:
+            return lap[0].elapsed_time(lap[1]) / 1e3
+        return lap
 
     def memory(self, chunk) -> int:
         return torch.cuda.memory_allocated(self.device) if self.cuda else chunk.live_bytes()
@@ -238,6 +302,8 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
     mem: dict[tuple[str, str, int], int] = {}
     work: dict[tuple[str, str, int], int] = {}
     ar = lambda out, task: dist.all_reduce(out, group=tp_group) if (task.ar and out is not None and tp_group is not None) else None  # noqa: E731
+    host: list[float] = []
+    issue_s: dict[OpKind, float] = {}  # host time to issue each phase, from the last iteration
     for it in range(pc.warmup + pc.iters):
         keep = it >= pc.warmup
         if not spec.embed:
@@ -246,22 +312,35 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
             tasks = unit_tasks(phase, spec)
             if phase is OpKind.B and not spec.head:
                 chunk.set_output_grad(0, torch.randn(pc.act_shape(), dtype=dtype, device=dev) * 1e-3)
+            timer.sync()
+            # Fill the device queue: the host issues the whole phase while the device spins.
+            timer.hold(2.0 * issue_s.get(phase, 0.025) + 0.005)
+            laps = []
+            p0 = time.perf_counter()
             for i, task in enumerate(tasks):
                 key = (task.phase.value, task.unit.value, task.layer)
                 before = timer.memory(chunk)
                 timer.reset_peak()
-                dt, out = timer.time(lambda: chunk.run(0, task))
-                ar(out, task)
+                start = timer.lap_start()
+                h0 = time.perf_counter()
+                out = chunk.run(0, task)
+                h1 = time.perf_counter()
                 if phase is OpKind.B and i == len(tasks) - 1:
                     # The norm backward left for the end of the op (ModelChunk.end_backward) is
                     # real compute of this op: charge it to its last unit.
-                    dt_end, _ = timer.time(lambda: chunk.end_backward(0))
-                    dt += dt_end
+                    chunk.end_backward(0)
+                lap = timer.lap_end(start)
+                ar(out, task)  # outside the lap; the next unit's start waits for it, as in the executor
                 if keep:
-                    times.setdefault(key, []).append(dt)
+                    laps.append((key, lap))
+                    host.append(h1 - h0)
                     after = timer.memory(chunk)
                     mem[key] = after - before
                     work[key] = max(work.get(key, 0), timer.workspace(before, after))
+            issue_s[phase] = time.perf_counter() - p0
+            timer.sync()
+            for key, lap in laps:
+                times.setdefault(key, []).append(timer.seconds(lap))
             if phase is OpKind.F:
                 chunk.end_forward(0)
                 if not spec.head:
@@ -270,7 +349,10 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
                 chunk.pop_input_grad(0)
         progress.step(f"stage units {it + 1}/{pc.warmup + pc.iters}")
     return {"times": [[*k, statistics.median(v)] for k, v in times.items()], "mem": [[*k, b] for k, b in mem.items()],
-            "work": [[*k, b] for k, b in work.items()]}
+            "work": [[*k, b] for k, b in work.items()],
+            # Host time to issue one unit task (GPU: the host runs ahead of the device; on CPU
+            # the unit times already hold it, so the host lane is off).
+            "host_s": statistics.median(host) if (host and timer.cuda) else 0.0}
 
 
 def _median_time(timer: _Timer, fn: Callable[[], Any], n: int) -> float:
@@ -278,15 +360,22 @@ def _median_time(timer: _Timer, fn: Callable[[], Any], n: int) -> float:
     return statistics.median(timer.time(fn)[0] for _ in range(n))
 
 
-def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -> dict[str, float]:
-    """All-reduce alone and its slowdown of a concurrent GEMM; P2P of a boundary tensor; copy bandwidth."""
+def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device, comm=None) -> dict[str, float]:
+    """All-reduce alone and its slowdown of a concurrent GEMM; P2P of a boundary tensor; copy bandwidth.
+
+    ``comm``: the TP all-reduce to measure (:class:`braid.tp.comm.TPComm`; default the groups')."""
+    comm = comm if comm is not None else groups.tp_comm
+
+    def all_reduce(t: torch.Tensor):
+        return comm.all_reduce(t)
+
     dtype = _DTYPES[pc.dtype]
     n = max(5, 2 * pc.iters)
     x = torch.randn(pc.act_shape(), dtype=dtype, device=dev)
     out: dict[str, float] = {"ar_s": 0.0, "ar_slowdown": 1.0, "gemm_s": 0.0, "gemm_overlapped_s": 0.0, "p2p_s": 0.0,
                              "ar_stretch": 1.0}
     if pc.tp > 1:
-        out["ar_s"] = ar = _median_time(timer, lambda: dist.all_reduce(x, group=groups.tp), n)
+        out["ar_s"] = ar = _median_time(timer, lambda: all_reduce(x).wait(), n)
         tokens = pc.micro_batch_size * pc.seq
         a = torch.randn(tokens, pc.model.hidden, dtype=dtype, device=dev)
         b = torch.randn(pc.model.hidden, pc.model.ffn // pc.tp, dtype=dtype, device=dev)
@@ -302,7 +391,7 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
         for _ in range(n + 1):
             timer.sync()
             dist.barrier(group=groups.tp)
-            work = dist.all_reduce(x, group=groups.tp, async_op=True)
+            work = all_reduce(x)
             over.append(timer.time(gemm)[0])
             work.wait()
         d = statistics.median(over[1:])
@@ -314,7 +403,7 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
             f = ar / max(ar + alone - d, ar / 2.0)
         out.update(ar_slowdown=min(2.0, max(1.0, f)), gemm_s=alone, gemm_overlapped_s=d)
         if timer.cuda:
-            out.update(_ar_stretch(x, groups.tp, a, b, ar, one, dev, n))
+            out.update(_ar_stretch(x, groups.tp, a, b, ar, one, dev, n, all_reduce))
     if pc.pp > 1:
         me = groups.coords.pp
         nxt, prv = groups.pp_ranks[(me + 1) % pc.pp], groups.pp_ranks[(me - 1) % pc.pp]
@@ -335,40 +424,90 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device) -
 
 
 def _ar_stretch(x: torch.Tensor, group, a: torch.Tensor, b: torch.Tensor, ar: float, one: float,
-                dev: torch.device, n: int) -> dict[str, float]:
-    """How much longer an all-reduce takes while compute runs beside it (CUDA; ``ar_stretch``).
+                dev: torch.device, n: int, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, float]:
+    """How much longer an all-reduce takes while compute runs beside it (CUDA; ``ar_stretch``),
+    and how much longer the compute takes beside it (``gemm_slowdown``).
 
     Both ranks start together (a barrier, then a sync); the all-reduce is issued, then GEMMs
     that outlast it go to another stream, as the next unit task of a braided block would; the
     all-reduce's time is from its issue to its end on the issuing stream. Alone: the same
-    without the GEMMs. The ratio of the medians, clamped to [1, 4].
+    without the GEMMs. The ratio of the medians, clamped to [1, 4]. The GEMMs' own time on
+    their stream, over the same GEMMs alone, is the slowdown the all-reduce causes; the time
+    until both are done (``together_s``) is what a braided block pays for the pair.
     """
+    if all_reduce is None:
+        all_reduce = lambda t: dist.all_reduce(t, group=group, async_op=True)  # noqa: E731
     side = torch.cuda.Stream(device=dev)
     reps = max(1, int(3 * ar / one)) if one > 0 else 1
 
-    def timed(with_gemm: bool) -> float:
-        vals = []
+    def timed(with_ar: bool, with_gemm: bool) -> tuple[float, float, float]:
+        ar_t, gemm_t, both_t = [], [], []
         for _ in range(n + 1):
             torch.cuda.synchronize(dev)
             dist.barrier(group=group)
             torch.cuda.synchronize(dev)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            gs, ge = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            work = dist.all_reduce(x, group=group, async_op=True)
+            work = all_reduce(x) if with_ar else None
             if with_gemm:
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):
+                    gs.record(side)
                     for _ in range(reps):
                         a @ b
-            work.wait()
+                    ge.record(side)
+            if work is not None:
+                work.wait()
             e.record()
-            e.synchronize()
-            vals.append(s.elapsed_time(e) / 1e3)
-        torch.cuda.synchronize(dev)
-        return statistics.median(vals[1:])
+            torch.cuda.synchronize(dev)
+            ar_t.append(s.elapsed_time(e) / 1e3 if with_ar else 0.0)
+            gemm_t.append(gs.elapsed_time(ge) / 1e3 if with_gemm else 0.0)
+            both_t.append(max(s.elapsed_time(e), s.elapsed_time(ge) if with_gemm else 0.0) / 1e3)
+        return tuple(statistics.median(v[1:]) for v in (ar_t, gemm_t, both_t))  # type: ignore[return-value]
 
-    alone, beside = timed(False), timed(True)
-    return {"ar_alone_s": alone, "ar_beside_s": beside, "ar_stretch": min(4.0, max(1.0, beside / alone)) if alone > 0 else 1.0}
+    alone = timed(True, False)[0]
+    gemm_alone = timed(False, True)[1]
+    beside, gemm_beside, together = timed(True, True)
+    return {"ar_alone_s": alone, "ar_beside_s": beside, "ar_stretch": min(4.0, max(1.0, beside / alone)) if alone > 0 else 1.0,
+            "gemm_alone_s": gemm_alone, "gemm_beside_s": gemm_beside,
+            "gemm_slowdown": gemm_beside / gemm_alone if gemm_alone > 0 else 1.0, "together_s": together}
+
+
+def compare_tp_backends(pc: ProfileConfig, groups, dev: torch.device, backends: Sequence[str] | None = None) -> dict[str, Any]:
+    """Each available TP backend alone and beside GEMMs (collective); the best for braiding.
+
+    For every backend of :mod:`braid.tp.comm` that can run here: the all-reduce of a boundary
+    activation alone, its stretch beside GEMMs that outlast it, the GEMMs' slowdown, and the
+    time until both are done. The best backend for braided execution is the one whose
+    all-reduce plus the compute beside it finish first (``together_s``): a braided block
+    hides the all-reduce, so what counts is what it costs the GEMMs and how long it still
+    sticks out. Backends that cannot be created here are listed with the reason.
+    """
+    from braid.tp.comm import CUDA_BACKENDS, TPBackendError, make_tp_comm
+
+    if dev.type != "cuda" or pc.tp == 1:
+        return {"chosen": "gloo" if dev.type != "cuda" else groups.tp_backend, "backends": {}}
+    dtype = _DTYPES[pc.dtype]
+    n = max(5, 2 * pc.iters)
+    x = torch.randn(pc.act_shape(), dtype=dtype, device=dev)
+    tokens = pc.micro_batch_size * pc.seq
+    a = torch.randn(tokens, pc.model.hidden, dtype=dtype, device=dev)
+    b = torch.randn(pc.model.hidden, pc.model.ffn // pc.tp, dtype=dtype, device=dev)
+    timer = _Timer(dev)
+    one = _median_time(timer, lambda: a @ b, n)
+    figures: dict[str, Any] = {}
+    for name in backends or CUDA_BACKENDS:
+        try:
+            comm = make_tp_comm(groups, name)
+            ar = _median_time(timer, lambda: comm.all_reduce(x).wait(), n)
+            figures[name] = {"ar_s": ar, **_ar_stretch(x, groups.tp, a, b, ar, one, dev, n, comm.all_reduce)}
+        except (TPBackendError, RuntimeError) as err:  # not available with this torch / NCCL / machine
+            figures[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        dist.barrier()
+    usable = {k: v for k, v in figures.items() if "error" not in v}
+    chosen = min(usable, key=lambda k: usable[k]["together_s"]) if usable else groups.tp_backend
+    return {"chosen": chosen, "backends": figures}
 
 
 def measure_host_link(device: torch.device, nbytes: int | None = None, iters: int = 5) -> tuple[float, float]:
@@ -420,12 +559,32 @@ def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan:
     tp_group = groups.tp if pc.tp > 1 else None
     chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
                                tp_size=pc.tp, tp_group=tp_group)
+    from braid.runtime.compiled import resolve, set_compiled
+
+    set_compiled(chunks.values(), resolve(pc.compile, dev))  # units timed as the executor runs them
     return {c: ch.to(dev) for c, ch in chunks.items()}
 
 
-def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None) -> dict[str, Any]:
-    """Everything this rank measures (collective: every rank of the layout calls it)."""
+def tp_comm_for(pc: ProfileConfig, groups, dev: torch.device) -> tuple[Any, dict[str, Any] | None]:
+    """The TP all-reduce a run of ``pc`` uses (collective): ``pc.tp_backend``, or with ``"all"``
+    the best of :func:`compare_tp_backends` (returned with the comparison)."""
+    from braid.tp.comm import make_tp_comm, resolve_tp_backend
+
+    if pc.tp_backend == "all":
+        choice = compare_tp_backends(pc, groups, dev)
+        return make_tp_comm(groups, choice["chosen"]), choice
+    return make_tp_comm(groups, resolve_tp_backend(pc.tp_backend, dev)), None
+
+
+def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=None,
+                 choice: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything this rank measures (collective: every rank of the layout calls it).
+
+    ``comm``: the TP all-reduce to measure (default: :func:`tp_comm_for`); ``choice``: the
+    backend comparison it came from, if any (written to the cost file's meta)."""
     dev = d.device
+    if comm is None:
+        comm, choice = tp_comm_for(pc, groups, dev)
     timer = _Timer(dev)
     chunks = chunks if chunks is not None else build_chunks(pc, groups, dev)
     progress = Progress(pc.v * (pc.warmup + pc.iters), "profile", enabled=d.rank == 0)
@@ -434,7 +593,8 @@ def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None) -> di
         stage = stage_of(pc.placement, pc.pp, groups.coords.pp, c)
         stages[stage] = _profile_chunk(ch, ch.spec, pc, timer, groups.tp if pc.tp > 1 else None, dev, progress)
         ch.zero_grad(set_to_none=True)
-    return {"rank": d.rank, "stages": stages, "comm": _comm_figures(pc, groups, timer, dev)}
+    return {"rank": d.rank, "stages": stages, "comm": _comm_figures(pc, groups, timer, dev, comm),
+            "tp_backend": comm.backend, "tp_backends": choice}
 
 
 # ----------------------------------------------------------------------------------------
@@ -467,7 +627,7 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
     for u in units:
         unit = Unit(u)
         out[unit] = UnitCost(mean(t, ("F", u)), mean(t, ("B", u)), mean(t, ("W", u)),
-                             ar_s if unit in _AR_F else 0.0, ar_s if unit in _AR_B else 0.0, act[u], w_res[u],
+                             ar_s if unit in AR_FORWARD else 0.0, ar_s if unit in AR_BACKWARD else 0.0, act[u], w_res[u],
                              work.get(u, 0.0))
     return out
 
@@ -490,12 +650,16 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
     mc = ModelConfig("profiled", sum(pc.layers_per_stage), mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
                      mcfg.vocab_size, pc.seq, pc.micro_batch_size, torch.finfo(_DTYPES[pc.dtype]).bits // 8)
     meta = {"config": {**asdict(pc), "model": asdict(pc.model)}, "device": _device_name(pc.device),
-            "torch": torch.__version__, "comm": {k: statistics.fmean(c[k] for c in comm) for k in comm[0]}}
+            "torch": torch.__version__, "comm": {k: statistics.fmean(c[k] for c in comm) for k in comm[0]},
+            "tp_backend": results[0].get("tp_backend", "gloo")}
+    if results[0].get("tp_backends"):
+        meta["tp_backends"] = results[0]["tp_backends"]
     return CostModel(pc.layout, chunks, ma, statistics.fmean(c["copy_bytes_per_s"] for c in comm), False,
                      max(c["ar_slowdown"] for c in comm), pc.micro_batch_size, pc.seq,
                      3 * model_forward_flops(mc) / pc.micro_batch_size, pc.peak_flops, "profile", meta,
                      copy_duplex_slowdown=max(c["copy_duplex_slowdown"] for c in comm),
-                     ar_stretch=max(c["ar_stretch"] for c in comm))
+                     ar_stretch=max(c["ar_stretch"] for c in comm),
+                     host_task_s=statistics.fmean(st.get("host_s", 0.0) for r in results for st in r["stages"].values()))
 
 
 def profile_to_dict(costs: CostModel) -> dict[str, Any]:
@@ -516,7 +680,8 @@ def _profile_job(d, pc: ProfileConfig) -> dict[str, Any] | None:
     from braid.runtime.distributed import ProcessGroups
     from braid.topology import Topology
 
-    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp))
+    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
+                                  tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)
     res = measure_rank(d, pc, groups)
     gathered: list[Any] = [None] * pc.world_size
     dist.all_gather_object(gathered, res)
@@ -546,12 +711,22 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--iters", type=int, default=5, help="measured repetitions per unit (median; default 5)")
     ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator per device (default: 989e12 on cuda, 0 on cpu)")
+    ap.add_argument("--tp-backend", default="auto",
+                    help="how TP all-reduces run (braid.tp.comm): auto, nccl-capped, nccl, nccl-zero-cta, symm-mem, gloo; "
+                         "or 'all': measure each available one alone and beside a GEMM and use the best (default auto)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
 
 
 def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, placement: Placement = "v") -> ProfileConfig:
     """A :class:`ProfileConfig` from the shared flags; bad values exit with one line (code 2)."""
     if args.preset not in PRESETS:
         ap.error(f"unknown preset {args.preset!r}; valid names: {', '.join(PRESETS)}")
+    for flag in ("hidden", "heads", "kv_heads", "ffn", "vocab", "tp", "pp", "chunks", "seq", "micro_batch_size", "iters"):
+        val = getattr(args, flag)
+        if val is not None and val < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {val}")
+    check_range(ap, "--peak-flops", args.peak_flops, 0.0, 1e18)
     base = asdict(PRESETS[args.preset])
     for flag, key in (("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"), ("ffn", "ffn"), ("vocab", "vocab_size")):
         if getattr(args, flag) is not None:
@@ -560,8 +735,14 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu")
     if device == "cuda" and torch.cuda.device_count() < world:
         ap.error(f"--device cuda with tp*pp = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
+    from braid.runtime.compiled import resolve as resolve_compile
+
     try:
-        lps = [int(x) for x in str(args.layers_per_stage).split(",")]
+        try:
+            lps = [int(x) for x in str(args.layers_per_stage).split(",")]
+        except ValueError:
+            raise ValueError(f"--layers-per-stage must be a whole number or a comma list of them, "
+                             f"got {args.layers_per_stage!r}") from None
         stages = args.pp * args.chunks
         if len(lps) == 1:
             lps = lps * stages
@@ -569,22 +750,23 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         peak = args.peak_flops if args.peak_flops is not None else (989e12 if device == "cuda" else 0.0)
         return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-                             device, args.iters, 1, peak)
+                             device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m braid.profile", description=__doc__.split("\n\n")[1],
-                                 epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="python -m braid.profile", description=__doc__.split("\n\n")[1],
+                epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("-o", "--output", default="costs.json", help="cost file to write (default costs.json)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     pc = config_from_args(ap, args)
+    check_outputs(ap, [("-o", args.output)])
     doc = profile(pc)
-    Path(args.output).write_text(json.dumps(doc, indent=1))
+    atomic_write_text(args.output, json.dumps(doc, indent=1))
     c = doc["meta"]["comm"]
     log.info("wrote %s: %d stages on %s; all-reduce %.3g ms, ar_slowdown %.3f, ar_stretch %.2f, P2P %.3g ms, "
              "copy %.3g GB/s (x%.2f with both directions at once)", args.output, len(doc["chunks"]), doc["meta"]["device"],
@@ -594,4 +776,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -17,20 +17,23 @@ compiles it (see :mod:`braid.torch_format`).
 
 from __future__ import annotations
 
-import argparse
 import sys
+from typing import Sequence
 
+from braid.cli import Parser, check_outputs, run_main
 from braid.compiler import ScheduleError, compile_plan, format_grid, peak_activations
-from braid.files import OutputPathError, atomic_write_text, check_output_path
+from braid.files import atomic_write_text
 from braid.ir import programs_to_json
 from braid.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print (and with ``--json`` write) the compiled programs; bad input: one line, exit 2."""
     from braid import schedules
 
-    ap = argparse.ArgumentParser(prog="python -m braid.programs", description=__doc__.split("\n\n")[0])
-    ap.add_argument("schedule", nargs="?", help=f"schedule name: {', '.join(schedules.names())}")
+    names = schedules.names()
+    ap = Parser(prog="python -m braid.programs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("schedule", nargs="?", help=f"schedule name: {', '.join(names)}")
     ap.add_argument("--pp", type=int, default=4, help="pipeline ranks p (default 4)")
     ap.add_argument("--mbs", type=int, default=12, help="micro-batches per step m (default 12)")
     ap.add_argument("--chunks", type=int, default=None, help="chunks per rank v (schedule default if omitted)")
@@ -46,10 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if (args.schedule is None) == (args.import_torch_csv is None):
         ap.error("give a schedule name or --import-torch-csv FILE (one of them)")
+    if args.schedule is not None and args.schedule not in names:
+        ap.error(f"unknown schedule {args.schedule!r}; valid names: {', '.join(names)}")
+    for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--chunks", args.chunks)):
+        if val is not None and val < 1:
+            ap.error(f"{flag} must be a positive integer, got {val}")
+    if args.output and args.format != "torch-csv":
+        ap.error("-o writes the torch CSV: use it with --format torch-csv (or --json FILE for the programs)")
+    check_outputs(ap, [("-o", args.output), ("--json", args.json)],
+                  inputs=tuple(x for x in (args.import_torch_csv,) if x))
     try:
-        for path, what in ((args.output, "-o"), (args.json, "--json")):
-            if path:
-                check_output_path(path, what=what, inputs=tuple(x for x in (args.import_torch_csv,) if x))
         if args.import_torch_csv:
             try:
                 with open(args.import_torch_csv) as f:
@@ -61,21 +70,21 @@ def main(argv: list[str] | None = None) -> int:
             plan = schedules.build(args.schedule, args.pp, args.mbs, v=args.chunks)
         programs = compile_plan(plan)
     except ScheduleError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # a generator that emits an invalid plan: a bug, shown with its grid (exit 1)
+        print(f"{ap.prog}: error: {err}", file=sys.stderr)
         if err.grid:
             print(err.grid, file=sys.stderr)
         return 1
-    except (ValueError, OutputPathError, TorchFormatError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except (ValueError, TorchFormatError) as err:  # a configuration the schedule does not accept, a bad CSV
+        ap.error(str(err))
+    if args.json:  # before printing: a reader that stops early (| head) must not cost the file
+        atomic_write_text(args.json, programs_to_json(plan, programs))
     if args.format == "torch-csv":
         text = to_torch_csv(plan)
         if args.output:
             atomic_write_text(args.output, text)
         else:
             sys.stdout.write(text)
-        if args.json:
-            atomic_write_text(args.json, programs_to_json(plan, programs))
         return 0
     rows = list(plan.ranks) if args.plan_only else [p.instructions for p in programs]
     print(f"# {plan.name}: p={plan.p} m={plan.m} v={plan.v} placement={plan.placement}")
@@ -85,10 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         for rank, row in enumerate(rows):
             peak = peak_activations(row)
             print(f"rank {rank} (peak {peak} chunk-activations): " + " ".join(str(i) for i in row))
-    if args.json:
-        atomic_write_text(args.json, programs_to_json(plan, programs))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -29,16 +29,14 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from braid.costs import CostFileError, CostModel, Layout, analytic_costs, read_costs
+from braid.cli import Parser as _Parser
+from braid.cli import check_outputs, run_main
+from braid.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
+from braid.files import atomic_write_text
 from braid.hardware import HARDWARE, get_hardware
-from braid.models_catalog import MODELS, get_model
+from braid.models_catalog import MODELS, ModelConfig, get_model
 
 log = logging.getLogger(__name__)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit code 2
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
@@ -51,7 +49,9 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size t (default 2, so TP comm matters)")
     ap.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: the model's, 4096)")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default 1)")
-    ap.add_argument("--model", default="qwen2-12b", help=f"model preset (default qwen2-12b): {', '.join(MODELS)}")
+    ap.add_argument("--model", default="qwen2-12b", metavar="NAME|CONFIG",
+                    help=f"model preset (default qwen2-12b): {', '.join(MODELS)}; short names (7b) mean qwen2-*; "
+                         "or a Hugging Face config.json (or its checkpoint directory)")
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
     ap.add_argument("--costs", metavar="FILE", help="cost file replacing the analytic timings (schema: docs/costs.md)")
     ap.add_argument("--offload-alpha", default="auto", metavar="A|auto",
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     from braid.offload import tune_offload
     from braid.simulator import simulate
 
-    model = get_model(args.model)
+    model = args.model if isinstance(args.model, ModelConfig) else get_model(args.model)
     changes = {k: v for k, v in (("seq", args.seq), ("micro_batch_size", args.micro_batch_size)) if v is not None}
     model = model.with_(**changes) if changes else model
     hw = get_hardware(args.hardware)
@@ -97,9 +97,12 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs}, "schedules": {}}
     traces, notes, reports = [], [], []
+    doc["skipped"] = {}  # name -> (plan's v, "layers" when the model cannot fill its stages, else "schedule")
     for name in schedule_names:
         try:
             plan = schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
+            if _max_pp(model, plan.v, args.pp) < args.pp:
+                doc["skipped"][name] = (plan.v, "layers")
             costs = _costs_for(args, model, hw, plan)
             if name == "braided_v_offload" and args.offload_alpha == "auto":
                 choice = tune_offload(plan, costs, max_slowdown=args.offload_budget)
@@ -110,7 +113,9 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
             raise
         except (ScheduleError, ValueError) as err:
             notes.append(f"skipped {name}: {err}")
+            doc["skipped"].setdefault(name, (0, "schedule"))
             continue
+        doc["skipped"].pop(name, None)
         res = simulate(programs, costs, name=name, record=bool(args.trace or args.html))
         reports.append(res.report)
         traces.append(res.trace)
@@ -120,6 +125,30 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     # fastest first, as in the table, so the viewer opens on the winner
     traces.sort(key=lambda t: t.step_time)
     return doc, traces, notes
+
+
+def _max_pp(model, v: int, upto: int) -> int:
+    """The most pipeline ranks (at most ``upto``) whose ``upto * v`` virtual stages the model's layers fill."""
+    for p in range(upto, 0, -1):
+        try:
+            model_stage_layers(model, Layout(1, p, v))
+            return p
+        except ValueError:
+            continue
+    return 0
+
+
+def _nothing_ran(args: argparse.Namespace, skipped: dict[str, tuple[int, str]]) -> str:
+    """Why no selected schedule ran, and what to change."""
+    if skipped and all(kind == "layers" for _, kind in skipped.values()):
+        model = get_model(args.model)
+        layers = model.layers + (model.vit.layers if model.vit is not None else 0)
+        vs = sorted({v for v, _ in skipped.values()})
+        stages = " or ".join(f"{args.pp * v}" for v in vs)
+        fits = ", ".join(f"--pp {_max_pp(model, v, args.pp)} for {v} chunk{'s' if v > 1 else ''} per rank" for v in vs)
+        return (f"the model's {layers} layers cannot fill {stages} virtual stages (--pp {args.pp} x chunks per rank); "
+                f"use at most {fits}, or a model with more layers")
+    return "no selected schedule accepts this configuration (see the notes above; e.g. raise --mbs)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -146,15 +175,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error("--offload-alpha must be a number in [0, 1] or 'auto'")
     if not 0.0 <= args.offload_budget < 1.0:
         ap.error(f"--offload-budget must be a fraction in [0, 1), e.g. 0.03 for 3%, got {args.offload_budget}")
-    if args.model not in MODELS:
-        ap.error(f"unknown model {args.model!r}; valid names: {', '.join(MODELS)}")
+    try:
+        args.model = get_model(args.model)
+    except ValueError as err:
+        ap.error(str(err))
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
+    check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],
+                  inputs=[args.costs] if args.costs else [])
+    if args.html:
+        try:
+            import plotly  # noqa: F401
+        except ImportError as err:
+            ap.error(f"--html needs plotly ({err}); pip install plotly")
+    try:
+        if args.costs:
+            load_cost_json(args.costs)  # an unreadable file is one line before any simulation
+    except CostFileError as err:
+        ap.error(str(err))
     try:
         doc, traces, notes = run(args, chosen)
     except CostFileError as err:
         ap.error(str(err))
     reports = doc.pop("reports")
+    skipped = doc.pop("skipped")
     cfg = doc["config"]
     print(f"# {cfg['model']} on {cfg['hardware']}: tp={cfg['tp']} pp={cfg['pp']} m={cfg['mbs']} "
           f"seq={cfg['seq']} micro-batch={cfg['micro_batch_size']}" + (f" costs={cfg['costs']}" if cfg["costs"] else ""))
@@ -163,26 +207,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for n in notes:
         print(f"note: {n}")
     if not reports:
-        print("python -m braid.simulate: error: no selected schedule accepts this configuration "
-              "(see the notes above; e.g. raise --mbs)", file=sys.stderr)
+        print(f"{ap.prog}: error: {_nothing_ran(args, skipped)}", file=sys.stderr)
         return 2
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        atomic_write_text(args.json, json.dumps(doc, indent=1))
     if args.trace:
         from braid.trace import dump_traces
 
         dump_traces(traces, args.trace)
     if args.html:
-        try:
-            import plotly  # noqa: F401
-            from braid import viz
-        except ImportError as err:
-            print(f"error: --html needs plotly and the viewer ({err}); pip install plotly", file=sys.stderr)
-            return 1
+        from braid import viz
+
         viz.render_html(traces, args.html)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

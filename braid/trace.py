@@ -87,31 +87,76 @@ class Trace:
     def from_dict(d: Any, where: str = "trace") -> "Trace":
         if not isinstance(d, dict) or "events" not in d or not isinstance(d["events"], list):
             raise TraceError(f"{where}: expected an object with an 'events' list")
-        events = []
-        for i, e in enumerate(d["events"]):
-            try:
-                ev = Event(**e)
-            except TypeError as err:
-                raise TraceError(f"{where}: event {i} does not match the schema ({err})") from None
-            if ev.lane not in LANES:
-                raise TraceError(f"{where}: event {i} has lane {ev.lane!r}; valid lanes: {', '.join(LANES)}")
-            if ev.kind not in KINDS:
-                raise TraceError(f"{where}: event {i} has kind {ev.kind!r}; valid kinds: {', '.join(KINDS)}")
-            if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (ev.start, ev.dur)) or ev.dur < 0:
-                raise TraceError(f"{where}: event {i} needs finite numeric start and non-negative dur")
-            events.append(ev)
+        for key in ("meta", "memory"):
+            if d.get(key) is not None and not isinstance(d[key], dict):
+                raise TraceError(f"{where}: {key!r} must be an object, got {type(d[key]).__name__}")
+        events = [_event(e, f"{where}: event {i}") for i, e in enumerate(d["events"])]
         memory: dict[int, list[tuple[float, int]]] = {}
         for r, series in (d.get("memory") or {}).items():
-            try:
-                memory[int(r)] = [(float(t), int(b)) for t, b in series]
-            except (TypeError, ValueError):
-                raise TraceError(f"{where}: memory series of rank {r!r} must be [[time, bytes], ...]") from None
+            rank = _int_text(r)
+            if rank is None or not isinstance(series, list):
+                raise TraceError(f"{where}: memory must map a rank (a whole number >= 0) to [[time, bytes], ...], "
+                                 f"got {r!r}")
+            points = []
+            for point in series:
+                if (not isinstance(point, list) or len(point) != 2 or not all(_finite(x) for x in point)
+                        or point[1] != int(point[1])):
+                    raise TraceError(f"{where}: memory series of rank {r!r} must be [[time, bytes], ...] of finite "
+                                     f"numbers, got {point!r}"[:300])
+                points.append((float(point[0]), int(point[1])))
+            memory[rank] = points
         return Trace(dict(d.get("meta") or {}), events, memory)
 
 
+_INT_FIELDS = ("mb", "chunk", "op_index", "peer")
+_TEXT_FIELDS = ("unit", "block")
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int_text(x: Any) -> int | None:
+    """A rank key of the memory map ("3"), or None if it is not a whole number >= 0."""
+    return int(x) if isinstance(x, str) and x.isdigit() else None
+
+
+def _event(e: Any, where: str) -> Event:
+    """One event of a trace file, checked field by field."""
+    if not isinstance(e, dict):
+        raise TraceError(f"{where} must be an object, got {type(e).__name__}")
+    try:
+        ev = Event(**e)
+    except TypeError as err:
+        raise TraceError(f"{where} does not match the schema ({err})") from None
+    if not _is_int(ev.rank) or ev.rank < 0:
+        raise TraceError(f"{where} has rank {ev.rank!r}; a rank is a whole number >= 0")
+    if ev.lane not in LANES:
+        raise TraceError(f"{where} has lane {ev.lane!r}; valid lanes: {', '.join(LANES)}")
+    if ev.kind not in KINDS:
+        raise TraceError(f"{where} has kind {ev.kind!r}; valid kinds: {', '.join(KINDS)}")
+    if not isinstance(ev.name, str):
+        raise TraceError(f"{where} has name {ev.name!r}; a name is text")
+    if not (_finite(ev.start) and _finite(ev.dur)) or ev.dur < 0:
+        raise TraceError(f"{where} needs finite numeric start and non-negative dur")
+    for f in _INT_FIELDS:
+        if getattr(ev, f) is not None and not _is_int(getattr(ev, f)):
+            raise TraceError(f"{where} has {f} {getattr(ev, f)!r}; expected a whole number or null")
+    for f in _TEXT_FIELDS:
+        if getattr(ev, f) is not None and not isinstance(getattr(ev, f), str):
+            raise TraceError(f"{where} has {f} {getattr(ev, f)!r}; expected text or null")
+    return ev
+
+
 def dump_traces(traces: Iterable[Trace], path: str | Path) -> None:
-    """Write one or more traces to a JSON file."""
-    Path(path).write_text(json.dumps({"format": FORMAT, "traces": [t.to_dict() for t in traces]}))
+    """Write one or more traces to a JSON file (atomically: the old file or the new one, never half)."""
+    from braid.files import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"format": FORMAT, "traces": [t.to_dict() for t in traces]}))
 
 
 def load_traces(path: str | Path) -> list[Trace]:
@@ -121,7 +166,11 @@ def load_traces(path: str | Path) -> list[Trace]:
         raise TraceError(f"{p}: no such trace file")
     try:
         d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except OSError as err:
+        raise TraceError(f"{p}: cannot read ({err.strerror or err})") from None
+    except RecursionError:
+        raise TraceError(f"{p}: JSON nested too deeply to be a trace") from None
+    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, or an integer literal too long
         raise TraceError(f"{p}: not valid JSON ({err})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         got = d.get("format") if isinstance(d, dict) else type(d).__name__

@@ -21,12 +21,16 @@ from train_loop import Task, main  # noqa: E402
 
 
 def _build(args):
-    from braid.models.qwen2 import Qwen2Model
-    from braid.models.qwen2_vl import LM_PRESETS
+    """The preset's model on the meta device: each rank materialises only its chunks
+    (by-name initialisation on its device, so the unsplit reference gets the same weights)."""
+    from braid.models.build import meta_model
+    from braid.models.registry import get_family
+    from braid.models_catalog import decoder_config, get_model
+    from train_loop import _device
 
-    model = Qwen2Model(LM_PRESETS[args.model])
-    model.reset_parameters(args.init_std)
-    return model
+    preset = get_model(args.model)
+    return meta_model(get_family(preset.family).model_cls, decoder_config(preset), seed=args.seed, std=args.init_std,
+                      device=_device(args))
 
 
 def _stage_layers(model, num_stages: int, args) -> tuple[int, ...]:
@@ -56,9 +60,10 @@ def _chunks(model, plan, pp_rank, stage_layers, tp_rank, tp_size, tp_group, sp=N
 
 
 def _flops(model, args) -> float:
-    from braid.models.qwen2_vl import lm_forward_flops
+    from braid.costs import model_forward_flops
+    from braid.models_catalog import get_model
 
-    return 3 * lm_forward_flops(model.cfg, args.seq)
+    return 3 * model_forward_flops(get_model(args.model).with_(seq=args.seq, micro_batch_size=1))
 
 
 TASK = Task(

@@ -112,6 +112,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="model and data seed (default: %(default)s)")
     run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                      help="auto: cuda if available (bf16), else cpu (fp32) (default: %(default)s)")
+    run.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
     out = p.add_argument_group("outputs")
     out.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (rank 0 writes)")
     out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m braid.viz)")
@@ -353,7 +355,9 @@ def _reference(task: Task, setup: Setup, source: Any, device: torch.device, dtyp
     args = setup.args
     losses: list[float] = []
     if setup.rank == 0:
-        model = copy.deepcopy(setup.model).to(device=device, dtype=dtype)
+        from braid.models.build import materialize
+
+        model = materialize(copy.deepcopy(setup.model)).to(device=device, dtype=dtype)  # a meta-device model made whole
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         n, b = args.dp * args.mbs, args.micro_batch_size
         for step in range(args.steps):
@@ -398,7 +402,8 @@ class _BraidRunner:
         hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
         local_seq = sp.local_len(seq) if sp is not None else seq
         self.ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], self.chunks, groups, d.abort,
-                                       act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device)
+                                       act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device,
+                                       compile=args.compile)
         self.params = [p for ch in self.chunks.values() for p in ch.parameters()]
         self.groups, self.abort, self.device = groups, d.abort, device
         self.state_bytes = sum(p.numel() * p.element_size() * 4 for p in self.params)  # weights, grads, two AdamW moments
@@ -424,7 +429,9 @@ class _TorchRunner:
     def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
         from braid.baselines import TorchPipeline
 
-        model, layers = setup.model, run.stage_layers
+        from braid.models.build import materialize
+
+        model, layers = materialize(setup.model), run.stage_layers  # the baselines split the whole model themselves
         lm, vision = (model.lm, model.visual) if task.vision else (model, None)
         lm_layers = (0,) + layers[1:] if task.vision else layers  # the VLM's stage 0 holds the vision tower
         self.pipe = TorchPipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,

@@ -10,8 +10,11 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
   done (the tail wait is exposed too). Compute that runs while an all-reduce is in flight
   on the rank is slowed by ``CostModel.ar_slowdown``, and an all-reduce that the next task
-  does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer. A
-  compute instruction involves no other rank, so it is timed in one pass over a
+  does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer.
+  The *host lane*: the rank's host issues unit tasks one after another, ``host_task_s``
+  each, never waiting for the device (the executor's host runs ahead of the GPU); a task
+  cannot start before the host has issued it, so units shorter than their host time leave
+  the device idle. A compute instruction involves no other rank, so it is timed in one pass over a
   precomputed step table, without the heap.
 * **P2P** is asynchronous, like the executor's ``isend``/``irecv``: a ``SEND`` or ``RECV``
   is *posted* when the rank reaches it and the rank goes on. A send and its receive
@@ -81,6 +84,7 @@ class _Rank:
     prog: tuple[Instruction, ...]
     pc: int = 0
     t: float = 0.0
+    host: float = 0.0  # host lane: when the host has issued the rank's last unit task
     posting: bool = False  # parked in the heap until its comm run's post time
     expected: set = field(default_factory=set)  # (comm, mb, chunk) of receives posted, not yet consumed
     arrived: dict = field(default_factory=dict)  # (comm, mb, chunk) -> transfer end
@@ -286,9 +290,14 @@ class Engine:
         block = str(instr) if who is not None and isinstance(instr, Braided) else None
         ev = self.events.append
         busy = exposed = 0.0
+        host, host_s = rs.host, self.costs.host_task_s
         # The hot loop of the simulator, one pass per unit task: locals only.
         for k in range(first, stop):
             member, dur, ar, waits, label, phase, dmem, tmp = rows[k]
+            if host_s:
+                host += host_s  # the host issues this task
+                if host > t:
+                    t = host
             if waits and pend[member] > t:
                 exposed += pend[member] - t
                 t = pend[member]
@@ -317,6 +326,7 @@ class Engine:
                 if who is not None:
                     ev(Event(rank, "tp-comm", name, "AR", s, ar, mb, chunk, label, block, idx))
             t = end
+        rs.host = host
         st = rs.stats
         st.compute_s += busy
         st.tp_exposed_s += exposed

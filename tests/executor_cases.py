@@ -64,6 +64,16 @@ def _expected_counts(program, chunks):
     return braided, w, ar
 
 
+def _tp_comm(ctx, groups, backend: str):
+    """A TPComm over a TP group created (once per backend) with that backend's options."""
+    from braid.tp.comm import make_tp_comm
+
+    key = ("tp_comm", backend, tuple(groups.tp_ranks))
+    if key not in ctx.groups:
+        ctx.groups[key] = make_tp_comm(groups, backend)
+    return ctx.groups[key]
+
+
 def _check_carried_overlap(program, chunks, trace, where: str) -> None:
     """Every carried all-reduce is in flight, in the measured trace, while the next compute
     instruction's first unit task runs (:func:`braid.braiding.carries`)."""
@@ -80,8 +90,12 @@ def _check_carried_overlap(program, chunks, trace, where: str) -> None:
             f"{where}: the carried all-reduce of op {i} ({ar[0]}) does not span op {carry.into}'s first unit ({first})")
 
 
-def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol: tuple[float, float] = (1e-4, 1e-5)) -> list[tuple[str, int, dict]]:
-    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference."""
+def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol: tuple[float, float] = (1e-4, 1e-5),
+                tp_backend: str | None = None) -> list[tuple[str, int, dict]]:
+    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference.
+
+    ``tp_backend``: run the TP all-reduces through this :mod:`braid.tp.comm` backend (over a
+    TP group created with its options) instead of the groups' default."""
     from braid import schedules
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
@@ -114,8 +128,9 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
         chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
-        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev)
-        where = f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank}"
+        kw = {} if tp_backend is None else {"tp_comm": _tp_comm(ctx, groups, tp_backend)}
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev, **kw)
+        where = f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} tp_backend={tp_backend or groups.tp_backend}"
         for step, (toks, labs) in enumerate(steps_data):
             opt.zero_grad(set_to_none=True)
             res = ex.run(toks, labs)

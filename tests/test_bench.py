@@ -55,6 +55,32 @@ def test_calibration_recovers_per_phase_compute_scales_and_the_allreduce_scale()
     assert cal["predicted_step_s"] == pytest.approx(measured.report.step_time_s, rel=1e-6)
 
 
+def test_calibration_at_pp1_tp1_recovers_the_host_time_per_unit_task() -> None:
+    # One device, no communication: what the compute scales leave unexplained is the host lane.
+    cfg = ProfileConfig(Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64), (2, 2),
+                        seq=8, pp=1, tp=1)
+    stage = {"T_F": 1.0, "T_B": 1.2, "T_W": 0.8, "T_AR": 0.0}
+    doc = {"format": "braid-costs/1", "chunks": {"0": dict(stage), "1": dict(stage)}}
+    plan = probe_plan(1, 2, 2)
+    progs = compile_plan(plan)
+    lay, specs = Layout(1, 1, 2, plan.placement), chunk_specs((2, 2), 1, plan.placement)
+    # a host slower than the short units: 0.2 s per task against decoder units of 1/8 .. 0.3 s
+    true_doc = {**doc, "host_task_s": 0.2,
+                "chunks": {k: {**c, "T_F": c["T_F"] * 1.1} for k, c in doc["chunks"].items()}}
+    measured = simulate(progs, costs_from_dict(true_doc, lay, specs), name="probe")
+    busy: dict[str, float] = {}
+    for e in measured.trace.events:
+        if e.lane == "compute":
+            busy[e.kind] = busy.get(e.kind, 0.0) + e.dur
+    assert measured.report.step_time_s > sum(busy.values()) * 1.01  # the host left the device idle
+    out = calibrate(doc, cfg, plan, measured.report.step_time_s, busy)
+    cal = out["meta"]["calibration"]
+    assert cal["compute_scale_per_phase"]["F"] == pytest.approx(1.1, rel=1e-6)
+    assert cal["host_task_s"] == pytest.approx(0.2, rel=1e-4)
+    assert out["host_task_s"] == pytest.approx(0.2, rel=1e-4)
+    assert cal["predicted_step_s"] == pytest.approx(measured.report.step_time_s, rel=1e-6)
+
+
 @pytest.mark.slow
 def test_cpu_bench_measures_and_predicts(tmp_path) -> None:
     cfg = ProfileConfig(Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64), (1, 1, 1, 1),

@@ -95,8 +95,8 @@ def test_uniform_form_spreads_evenly_and_stage_keys_override():
     ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "chunks": {"a": {}}}, "'rank,chunk' or a stage"),
     ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "unit_split": {"F": {"attn": 1}}}, "lacks unit 'pre_attn'"),
     ({"format": "other", "T_F": 1}, "format"),
-    ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "copy_duplex_slowdown": 3}, "copy_duplex_slowdown must be in"),
-    ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "ar_stretch": 0.5}, "ar_stretch must be in"),
+    ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "copy_duplex_slowdown": 3}, r"'copy_duplex_slowdown' must be a finite number in \[1, 2\]"),
+    ({"T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "ar_stretch": 0.5}, r"'ar_stretch' must be a finite number in \[1, 4\]"),
 ])
 def test_bad_cost_files_get_one_clear_error(bad, match):
     with pytest.raises(CostFileError, match=match):

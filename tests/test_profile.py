@@ -20,6 +20,8 @@ def test_bad_configs_say_what_to_change() -> None:
         ProfileConfig(TINY, (1, 1), tp=3, pp=1)
     with pytest.raises(ValueError, match="dtype"):
         ProfileConfig(TINY, (1, 1), pp=1, dtype="fp8")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        ProfileConfig(TINY, (1, 1), pp=1, tp=2, tp_backend="symm-mem")
     with pytest.raises(SystemExit) as ex:
         main(["--preset", "huge"])
     assert ex.value.code == 2
@@ -54,6 +56,7 @@ def test_cpu_profile_is_a_cost_file_for_any_placement() -> None:
     assert doc["meta"]["comm"]["p2p_s"] > 0 and doc["pcie_bytes_per_s"] > 0
     assert doc["copy_duplex_slowdown"] == 1.0  # CPU copies are synchronous: they never overlap
     assert doc["ar_stretch"] == 1.0  # measured on GPU only
+    assert doc["meta"]["tp_backend"] == "gloo" and doc["host_task_s"] == 0.0  # host lane: GPU only
     for placement in ("v", "loop"):
         specs = chunk_specs(cfg.layers_per_stage, 2, placement)
         costs = costs_from_dict(doc, Layout(1, 2, 2, placement), specs)

@@ -216,6 +216,28 @@ def test_an_allreduce_with_compute_beside_it_takes_ar_stretch_longer(stretch):
         assert res.report.ranks[0].end_s >= base.end_s - 1e-12
 
 
+@pytest.mark.parametrize("host_over_unit", [0.0, 0.5, 2.0])
+def test_host_lane_delays_units_the_host_has_not_issued_yet(host_over_unit):
+    # tp=1, one F of a 2-layer chunk: each unit task is issued host_task_s after the previous one.
+    base = _one_rank("F0c0", tp=1)
+    units = [e for e in base.trace.events if e.lane == "compute"]
+    d = units[1].dur  # a decoder unit's time (uniform split)
+    host = host_over_unit * d
+    res = _one_rank("F0c0", tp=1, host_task_s=host)
+    got = [e for e in res.trace.events if e.lane == "compute"]
+    issued, t = 0.0, 0.0
+    for e, ref in zip(got, units):  # replay the rule: start = max(device free, issued by the host)
+        issued += host
+        t = max(t, issued)
+        assert e.start == pytest.approx(t), e
+        t += ref.dur
+    assert res.report.ranks[0].end_s == pytest.approx(t)
+    if host_over_unit == 0.0:
+        assert res.report.ranks[0].end_s == pytest.approx(base.report.ranks[0].end_s)
+    else:
+        assert res.report.ranks[0].end_s > base.report.ranks[0].end_s
+
+
 def test_tp1_has_no_allreduce_events():
     res = _one_rank("F0c0\nBW0c0", tp=1)
     assert res.report.ranks[0].tp_exposed_s == 0.0

@@ -367,9 +367,11 @@ def test_cli_bad_trace_file_exits_2_with_one_line(tmp_path: Path, content: str |
     path = tmp_path / "bad.json"
     if content is not None:
         path.write_text(content)
-    assert cli_main([str(path), "-o", str(tmp_path / "x.html")]) == 2
+    with pytest.raises(SystemExit) as info:
+        cli_main([str(path), "-o", str(tmp_path / "x.html")])
+    assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "bad.json" in err and len(err.splitlines()) == 1
+    assert err.startswith("python -m braid.viz: error: ") and "bad.json" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "x.html").exists()
 
 

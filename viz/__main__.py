@@ -3,7 +3,8 @@
 Renders every trace of the given files into one interactive HTML timeline (a dropdown when
 there are several; a simulated and a measured trace of one schedule are laid side by side)
 and, with ``--chrome``, writes the first trace as Chrome-trace JSON for Perfetto. A missing,
-corrupt or wrong-schema trace file is one line on stderr and exit code 2.
+corrupt, wrong-schema or empty trace file, an output that cannot be written or that names
+an input is one line on stderr and exit code 2, before anything is rendered.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from braid.cli import Parser, check_outputs, run_main
+from braid.files import atomic_write_text
 from braid.trace import TraceError, load_traces
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m braid.viz",
         description="Render braid traces (simulated or measured) as an interactive timeline in one HTML file.",
     )
@@ -34,28 +37,39 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Render the traces; bad input is one line on stderr and exit code 2."""
+    ap = _parser()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    check_outputs(ap, [("-o", args.output), ("--chrome", args.chrome)], inputs=args.traces)
+    from braid.viz.timeline import PlotlyMissingError, require_plotly
+
     try:
-        traces = [t for path in args.traces for t in load_traces(path)]
+        require_plotly()
+    except PlotlyMissingError as err:
+        ap.error(str(err))
+    try:
+        traces = []
+        for path in args.traces:
+            for i, t in enumerate(load_traces(path)):
+                if not t.events:
+                    raise TraceError(f"{path}: trace {i} has no events; nothing to render")
+                traces.append(t)
     except TraceError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        ap.error(str(err))
     from braid.viz.chrome import to_chrome_trace
     from braid.viz.html import render_html
-    from braid.viz.timeline import PlotlyMissingError
 
     try:
         out = render_html(traces, args.output, plotlyjs=args.plotlyjs, title=args.title)
-    except (PlotlyMissingError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:
+        ap.error(str(err))
     print(f"wrote {out}")
     if args.chrome is not None:
-        args.chrome.write_text(json.dumps(to_chrome_trace(traces[0])))
+        atomic_write_text(args.chrome, json.dumps(to_chrome_trace(traces[0])))
         print(f"wrote {args.chrome}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

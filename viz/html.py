@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import Literal, Sequence
 
+from braid.files import atomic_write_text
 from braid.trace import Trace
 from braid.viz.timeline import WEBGL_THRESHOLD, assemble, require_plotly
 
@@ -98,7 +99,7 @@ def _plotly_script(mode: str, path: Path) -> str:
     if mode == "directory":
         js = path.parent / "plotly.min.js"
         if not js.exists():
-            js.write_text(plotly.offline.get_plotlyjs(), encoding="utf-8")
+            atomic_write_text(js, plotly.offline.get_plotlyjs())
         return '<script src="plotly.min.js" charset="utf-8"></script>'
     raise ValueError(f"plotlyjs must be one of inline, cdn, directory; got {mode!r}")
 
@@ -134,6 +135,6 @@ def render_html(
         figure=_script_safe(plotly.io.to_json(fig, validate=False)),
         payload=_script_safe(json.dumps(payload.to_dict(), separators=(",", ":"))),
     )
-    out.write_text(page, encoding="utf-8")
+    atomic_write_text(out, page)
     log.info("wrote %s (%d traces, %.1f kB)", out, len(fig.data), len(page) / 1e3)
     return out

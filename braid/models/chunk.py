@@ -25,19 +25,20 @@ memory, for any fraction of a micro-batch's saved bytes.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge
 
 from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
-from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, parallelize_layer
+from braid.autograd_calls import edge, fast_apply, grad
+from braid.models.qwen2 import EAGER, UnitFns
+from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
-from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from braid.tp.embedding import VocabParallelEmbedding
 from braid.runtime.offload import ActivationOffloader, Parked
 from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, split_weight_grads
 
@@ -69,11 +70,10 @@ class _Entry(torch.autograd.Function):
         return grad, None
 
 
+_enter_apply = fast_apply(_Entry)
+
 Handle = torch.Tensor | GradientEdge  # a piece's input/output: an edge, or (the loss) a tensor
-
-
-def _edge(t: torch.Tensor) -> GradientEdge:
-    return get_gradient_edge(t)
+_edge = edge
 
 
 def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
@@ -139,12 +139,14 @@ class ModelChunk(nn.Module):
     local tokens' loss sum over the micro-batch's *global* number of target tokens.
     """
 
+    fns: UnitFns = EAGER  # the head's loss function (eager or compiled, see braid.runtime.compiled)
+
     def __init__(
         self,
         spec: ChunkSpec,
-        layers: Sequence[Qwen2Layer],
+        layers: Sequence[UnitLayer],
         embed: VocabParallelEmbedding | None,
-        norm: RMSNorm | None,
+        norm: nn.Module | None,
         lm_head: ColumnParallelLinear | None,
         *,
         num_microbatches: int,
@@ -275,7 +277,7 @@ class ModelChunk(nn.Module):
         anchor = self._anchors.get(t.device)
         if anchor is None:
             anchor = self._anchors[t.device] = torch.zeros((), device=t.device, requires_grad=True)
-        return _Entry.apply(t.detach(), anchor)
+        return _enter_apply(t.detach(), anchor)
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "ModelChunk":
         self._ptrs = None  # .to()/.cuda()/.half() may move the parameters
@@ -323,13 +325,13 @@ class ModelChunk(nn.Module):
         with self._saving(*key):
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
                 x = self._enter(state[0])
-                norm = self.norm if unit is Unit.HEAD else self._norm_of(unit, layer)
+                norm = self.norm if unit is Unit.HEAD else self.layers[layer].unit_norm(unit)
                 h = norm(x)
                 hl = self._enter(h)
                 if unit is Unit.HEAD:
                     logits = self.lm_head(hl)  # (b, s, V/t)
                     labels = self.labels[mb]
-                    ce = vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp_group)
+                    ce = self.fns.cross_entropy(logits, labels, self.vocab_start, self.tp_group)
                     if self.sp is None:
                         loss = _masked_mean(ce, labels) / self.m
                     else:  # this rank's share of the micro-batch's mean: SP ranks' losses add up to it
@@ -337,16 +339,14 @@ class ModelChunk(nn.Module):
                     outs: tuple[torch.Tensor, ...] = (loss,)
                     self.losses[mb] = loss.detach()
                 else:
-                    lay = self.layers[layer]
-                    outs = tuple(lay.qkv(hl, self.positions) if unit is Unit.PRE_ATTN else lay.gate_up(hl))
+                    outs = tuple(self.layers[layer].unit_forward(unit, hl, positions=self.positions))
                 ends = outs if unit is Unit.HEAD else tuple(_edge(o) for o in outs)  # the loss: a 0-dim tensor
                 self._saved[key] = [_Piece((_edge(x),), (_edge(h),), (norm.weight,)), _Piece((_edge(hl),), ends)]
                 self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
                 return None
             *acts, residual = state
             leaves = tuple(self._enter(a) for a in acts)
-            lay = self.layers[layer]
-            out = lay.attn(*leaves, residual) if unit is Unit.ATTN else lay.mlp(*leaves, residual)  # partial over TP
+            out = self.layers[layer].unit_forward(unit, *leaves, residual=residual)  # partial over TP
         self._saved[key] = [_Piece(tuple(_edge(t) for t in leaves), (_edge(out),))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]
@@ -356,7 +356,7 @@ class ModelChunk(nn.Module):
         """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
-        dx, *dps = torch.autograd.grad(piece.outputs, piece.inputs + piece.params, (dh,))
+        dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
         for p, g in zip(piece.params, dps):
             _accumulate(p, g)
         self._boxes.pop(box_key, None)
@@ -384,7 +384,7 @@ class ModelChunk(nn.Module):
                 return dh  # partial over TP: all-reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
                 (hl,) = pieces[1].inputs
-                (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,), st.grads)
+                (dh,) = grad(pieces[1].outputs, (hl,), st.grads)
                 st.pending = (pieces[0], dh, st.residual, key)
                 st.grads, st.residual = (), None
                 return dh
@@ -393,16 +393,12 @@ class ModelChunk(nn.Module):
                 torch.autograd.backward(pieces[0].outputs, (g,), inputs=[self.embed.weight])
                 self._boxes.pop(key, None)
                 return None
-            st.grads = torch.autograd.grad(pieces[0].outputs, pieces[0].inputs, (g,))
+            st.grads = grad(pieces[0].outputs, pieces[0].inputs, (g,))
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             self._boxes.pop(key, None)
             return None
 
     # -- modules per unit ----------------------------------------------------------------
-    def _norm_of(self, unit: Unit, layer: int) -> RMSNorm:
-        lay = self.layers[layer]
-        return lay.input_layernorm if unit is Unit.PRE_ATTN else lay.post_attention_layernorm
-
     def _deferred(self, unit: Unit, layer: int) -> Sequence[DeferredWeightGrad]:
         got = self._unit_mods.get((unit, layer))
         if got is not None:
@@ -412,13 +408,7 @@ class ModelChunk(nn.Module):
         elif unit is Unit.HEAD:
             mods = (self.lm_head,)
         else:
-            lay = self.layers[layer]
-            mods = {
-                Unit.PRE_ATTN: (lay.q_proj, lay.k_proj, lay.v_proj),
-                Unit.ATTN: (lay.o_proj,),
-                Unit.PRE_MLP: (lay.gate_proj, lay.up_proj),
-                Unit.MLP: (lay.down_proj,),
-            }[unit]
+            mods = tuple(self.layers[layer].unit_weights(unit))  # type: ignore[arg-type]
         self._unit_mods[(unit, layer)] = mods
         return mods
 
@@ -470,36 +460,11 @@ class ModelChunk(nn.Module):
         return n
 
 
-def build_chunk(
-    model: Qwen2Model,
-    spec: ChunkSpec,
-    first_layer: int,
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    tp_group: dist.ProcessGroup | None = None,
-    num_microbatches: int = 1,
-    sp: SequenceParallel | None = None,
-    seq_len: int | None = None,
-) -> ModelChunk:
-    """The TP shard of layers ``[first_layer, first_layer + spec.layers)`` of a single-device model (copied).
 
-    ``sp``: sequence-parallel context; its degrees are checked against the heads (and
-    ``seq_len`` when given) here, and the layers run 2D-Attention on sequence shards.
-    """
-    cfg: Qwen2Config = model.cfg
-    if sp is not None:
-        sp.config.check_model(heads=cfg.heads, kv_heads=cfg.kv_heads, tp=tp_size, seq_len=seq_len)
-    layers = [parallelize_layer(model.layers[i], cfg, tp_rank, tp_size) for i in range(first_layer, first_layer + spec.layers)]
-    for lay in layers:
-        lay.sp = sp
-    embed = VocabParallelEmbedding.from_full(model.embed_tokens, tp_rank, tp_size) if spec.embed else None
-    norm = lm_head = None
-    if spec.head:
-        norm = copy.deepcopy(model.norm)  # keeps the model's dtype and device
-        lm_head = ColumnParallelLinear.from_full(model.lm_head, tp_rank, tp_size)
-    vocab_start = tp_rank * (cfg.vocab_size // tp_size)
-    return ModelChunk(
-        spec, layers, embed, norm, lm_head,
-        num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start, sp=sp,
-    )
+def __getattr__(name: str) -> Any:
+    # build_chunk moved to braid.models.build (it imports this module); kept importable here.
+    if name == "build_chunk":
+        from braid.models.build import build_chunk
+
+        return build_chunk
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

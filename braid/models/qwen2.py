@@ -9,19 +9,25 @@ explicitly in backward by the chunk runner. With ``tp == 1`` (the reference mode
 all-reduce is the identity and the code is plain single-device Qwen2.
 
 Tensor parallelism is applied from outside: :func:`parallelize_layer` builds the TP shard
-of a layer from the single-device layer by slicing its weights.
+of a layer from the single-device layer by slicing its weights. The layer implements
+:class:`braid.models.seam.UnitLayer` and the model :class:`braid.models.seam.StageModel`;
+other decoder families (:mod:`braid.models.llama`) derive from these classes.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from braid.braiding import Unit
+from braid.models.init import init_by_name
+from braid.models.registry import Family, register
+from braid.tp.embedding import vocab_parallel_cross_entropy
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -30,7 +36,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Qwen2Config:
-    """Model shape. Defaults are a tiny model for tests; Qwen2-7B: hidden 3584, 28 layers, 28/4 heads, ffn 18944."""
+    """Model shape. Defaults are a tiny model for tests; Qwen2-7B: hidden 3584, 28 layers, 28/4 heads, ffn 18944.
+
+    ``tie_embeddings``: the LM head reuses the embedding matrix (Qwen2-0.5B/1.5B, Qwen2.5
+    up to 3B); pipeline stages then hold one copy each and sum their gradients.
+    """
 
     vocab_size: int = 128
     hidden: int = 32
@@ -47,34 +57,33 @@ class Qwen2Config:
             raise ValueError(f"hidden ({self.hidden}) not divisible by heads ({self.heads})")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) not divisible by kv_heads ({self.kv_heads})")
-        if self.tie_embeddings:
-            raise ValueError("tied embeddings are not supported (first and last stage live on different ranks)")
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x`` over its last dimension, computed in fp32, scaled by ``weight``."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
 
 
-def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(theta: float, d: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """RoPE's inverse frequencies for head dimension ``d`` (fp32, d/2 values)."""
+    return 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+
+
+def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding of ``x`` (b, heads, s, d) at ``positions`` (s,), default 0..s-1 (Qwen2's rotate-half form).
 
     Under sequence parallelism a rank holds tokens of scattered (zigzag) positions; RoPE
-    must rotate each by its position in the full sequence.
+    must rotate each by its position in the full sequence. ``inv_freq`` overrides the
+    frequencies of base ``theta`` (a family's RoPE scaling).
     """
     s, d = x.shape[-2], x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    inv = rope_inv_freq(theta, d, x.device) if inv_freq is None else inv_freq.to(x.device)
     pos = torch.arange(s, device=x.device) if positions is None else positions.to(x.device)
     ang = torch.outer(pos.to(torch.float32), inv)
     ang = torch.cat([ang, ang], dim=-1)
@@ -83,8 +92,64 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, theta: float, positions: torch.Tensor | None = None,
+            inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope` of the queries and the keys (one function, so a compiler fuses both)."""
+    return rope(q, theta, positions, inv_freq), rope(k, theta, positions, inv_freq)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU gate ``silu(gate) * up`` (b, s, ffn/t)."""
+    return F.silu(gate) * up
+
+
+def add_residual(out: torch.Tensor, residual: torch.Tensor, tp: int) -> torch.Tensor:
+    """The fused residual of a unit that ends with the TP all-reduce: ``out + residual / tp``
+    (the caller passes the residual detached: its +1 gradient is added by the chunk runner)."""
+    return out + residual / tp
+
+
+class UnitFns(NamedTuple):
+    """The pure tensor functions the units call between their linears and attention kernels.
+
+    :data:`EAGER` by default; :mod:`braid.runtime.compiled` swaps in ``torch.compile``d
+    versions per module (the linears, with their deferred weight gradients, and the
+    attention kernels stay outside: they already are single kernels).
+    """
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rope_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    add_residual: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    cross_entropy: Callable[..., torch.Tensor]  # per-token loss of the head: (logits, labels, vocab_start, tp_group)
+
+
+EAGER = UnitFns(rms_norm, rope_qk, swiglu, add_residual, vocab_parallel_cross_entropy)
+
+
+class RMSNorm(nn.Module):
+    fns: UnitFns = EAGER
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fns.rms_norm(x, self.weight, self.eps)
+
+
 class Qwen2Layer(nn.Module):
-    """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size."""
+    """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size.
+
+    ``qkv_bias``: Qwen2 has biases on the Q/K/V projections (a family without them, as
+    Llama, sets it False in a subclass).
+    """
+
+    qkv_bias: bool = True
+
+    fns: UnitFns = EAGER  # the pure tensor functions of the units (eager or compiled)
+    _inv_freq: torch.Tensor | None = None  # RoPE frequencies of a family with scaled RoPE (None: base theta)
 
     def __init__(self, cfg: Qwen2Config, heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None, tp: int = 1) -> None:
         super().__init__()
@@ -94,9 +159,9 @@ class Qwen2Layer(nn.Module):
         self.sp: SequenceParallel | None = None  # set by the chunk builder: attention runs as 2D-Attention
         f = ffn or cfg.ffn
         self.input_layernorm = RMSNorm(h, cfg.rms_eps)
-        self.q_proj = nn.Linear(h, self.heads * hd, bias=True)
-        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=True)
-        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=True)
+        self.q_proj = nn.Linear(h, self.heads * hd, bias=self.qkv_bias)
+        self.k_proj = nn.Linear(h, self.kv_heads * hd, bias=self.qkv_bias)
+        self.v_proj = nn.Linear(h, self.kv_heads * hd, bias=self.qkv_bias)
         self.o_proj = nn.Linear(self.heads * hd, h, bias=False)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_eps)
         self.gate_proj = nn.Linear(h, f, bias=False)
@@ -113,7 +178,13 @@ class Qwen2Layer(nn.Module):
         q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rope(q, self.theta, positions), rope(k, self.theta, positions), v
+        q, k = self.fns.rope_qk(q, k, self.theta, positions, self._inv_freq)
+        return q, k, v
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """RoPE of q or k (b, heads, s, d), with the family's frequencies (``_inv_freq``: a
+        family with scaled frequencies sets them; None: plain base ``theta``)."""
+        return rope(x, self.theta, positions, self._inv_freq)
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal GQA attention and the out-projection: (b, H/t, s, d) -> (b, s, h) partial over TP.
@@ -131,7 +202,7 @@ class Qwen2Layer(nn.Module):
 
     def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Attn unit: attention, out-projection and the fused residual ``detach(x)/t`` (partial over TP)."""
-        return self.attn_core(q, k, v) + residual.detach() / self.tp
+        return self.fns.add_residual(self.attn_core(q, k, v), residual.detach(), self.tp)
 
     def norm2(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm(x)
@@ -140,11 +211,33 @@ class Qwen2Layer(nn.Module):
         return self.gate_proj(h), self.up_proj(h)  # (b, s, ffn/t) each
 
     def mlp_core(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.fns.swiglu(gate, up))
 
     def mlp(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP)."""
-        return self.mlp_core(gate, up) + residual.detach() / self.tp
+        return self.fns.add_residual(self.mlp_core(gate, up), residual.detach(), self.tp)
+
+    # -- the model seam (braid.models.seam.UnitLayer) ------------------------------------
+    def unit_norm(self, unit: Unit) -> RMSNorm:
+        return self.input_layernorm if unit is Unit.PRE_ATTN else self.post_attention_layernorm
+
+    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        if unit is Unit.PRE_ATTN:
+            return self.qkv(inputs[0], positions)
+        if unit is Unit.PRE_MLP:
+            return self.gate_up(inputs[0])
+        if residual is None:
+            raise ValueError(f"unit {unit.value} needs the residual")
+        return self.attn(*inputs, residual) if unit is Unit.ATTN else self.mlp(*inputs, residual)
+
+    def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
+        return {
+            Unit.PRE_ATTN: (self.q_proj, self.k_proj, self.v_proj),
+            Unit.ATTN: (self.o_proj,),
+            Unit.PRE_MLP: (self.gate_proj, self.up_proj),
+            Unit.MLP: (self.down_proj,),
+        }[unit]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Single-device forward (tp must be 1): the residual flows through autograd normally."""
@@ -155,16 +248,44 @@ class Qwen2Layer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    """Embedding, decoder layers, final norm and LM head, on one device."""
+    """Embedding, decoder layers, final norm and LM head, on one device.
+
+    Built under ``torch.device("meta")`` it holds no storage: the chunk builder then
+    materialises only the layers a rank runs (:mod:`braid.models.build`), initialised by
+    :meth:`init_weights`'s rule.
+    """
+
+    layer_cls: type[Qwen2Layer] = Qwen2Layer
 
     def __init__(self, cfg: Qwen2Config) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(Qwen2Layer(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if self.embed_tokens.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def init_weights(self, seed: int, std: float = 0.2) -> "Qwen2Model":
+        """Initialise every parameter from ``seed`` and its name alone (:func:`braid.models.init.init_by_name`).
+
+        A chunk built from a meta-device model gets the same values for its layers.
+        """
+        init_by_name(self, seed, std)
+        return self
+
+    def shard_layer(self, layer: nn.Module, tp_rank: int, tp_size: int) -> Qwen2Layer:
+        return parallelize_layer(layer, self.cfg, tp_rank, tp_size, self.layer_cls)  # type: ignore[arg-type]
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(b, s) token ids -> (b, s, vocab) logits in fp32."""
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x)).float()
 
     def reset_parameters(self, std: float = 0.2) -> None:
         """Deterministic init under the caller's seed; norms perturbed so their gradients matter."""
@@ -176,11 +297,9 @@ class Qwen2Model(nn.Module):
                     p.normal_(0.0, std)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy of next-token ``labels`` (b, s)."""
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.lm_head(self.norm(x)).float()
+        """Mean token cross-entropy of next-token ``labels`` (b, s), already shifted
+        (``labels[:, i]`` is the token after ``tokens[:, i]``; see :func:`braid.hf.shift_labels`)."""
+        logits = self.logits(tokens)
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
@@ -189,16 +308,19 @@ def _head_rows(n_heads: int, head_dim: int, tp_rank: int, tp_size: int) -> torch
     return torch.arange(tp_rank * per * head_dim, (tp_rank + 1) * per * head_dim)
 
 
-def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size: int) -> Qwen2Layer:
+def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size: int,
+                      layer_cls: type[Qwen2Layer] = Qwen2Layer) -> Qwen2Layer:
     """The TP shard of ``layer`` for ``tp_rank``: heads, KV heads and FFN split over ``tp_size`` ranks.
 
     Q/K/V and gate/up become column-parallel, out- and down-projections row-parallel; the
     norms are replicated. The shard copies its slices, so it can be trained independently.
+    ``layer_cls``: the shard's class (a family's layer class; its constructor takes Qwen2Layer's arguments).
     """
     for what, n in (("heads", cfg.heads), ("KV heads", cfg.kv_heads), ("ffn", cfg.ffn)):
         if n % tp_size:
             raise ValueError(f"{what} ({n}) not divisible by tp={tp_size}")
-    out = Qwen2Layer(cfg, cfg.heads // tp_size, cfg.kv_heads // tp_size, cfg.ffn // tp_size, tp=tp_size)
+    with torch.device("meta"):  # a skeleton: every parameter is replaced below
+        out = layer_cls(cfg, cfg.heads // tp_size, cfg.kv_heads // tp_size, cfg.ffn // tp_size, tp=tp_size)
     out.input_layernorm = copy.deepcopy(layer.input_layernorm)
     out.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm)
     hd = cfg.head_dim
@@ -210,3 +332,71 @@ def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size
     out.up_proj = ColumnParallelLinear.from_full(layer.up_proj, tp_rank, tp_size)
     out.down_proj = RowParallelLinear.from_full(layer.down_proj, tp_rank, tp_size)
     return out
+
+
+# -- Hugging Face names and config (the family's registry entry) ------------------------------
+_HF_LAYER_MODULES = {
+    "input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm",
+    "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "down_proj": "mlp.down_proj",
+}
+
+
+def decoder_hf_key(name: str) -> str:
+    """A decoder LM's parameter name -> its tensor name in a HF ``*ForCausalLM`` checkpoint."""
+    if name.startswith("layers."):
+        _, index, module, rest = name.split(".", 3)
+        return f"model.layers.{index}.{_HF_LAYER_MODULES[module]}.{rest}"
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def rope_theta_from_hf(d: dict[str, Any], default: float) -> float:
+    """``rope_theta`` of a HF config (top level, or ``rope_parameters`` since transformers 5); only plain RoPE."""
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        raise ValueError(f"RoPE scaling {scaling!r} is not supported (plain RoPE only)")
+    return float(d.get("rope_theta", params.get("rope_theta", default)))
+
+
+def decoder_fields_from_hf(d: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    """The shape fields every decoder config shares, read from a HF ``config.json`` dict."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (SwiGLU with silu only)")
+    heads = int(d["num_attention_heads"])
+    head_dim = d.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != int(d["hidden_size"]):
+        raise ValueError(f"head_dim {head_dim} x {heads} heads != hidden_size {d['hidden_size']} is not supported")
+    return dict(
+        vocab_size=int(d["vocab_size"]), hidden=int(d["hidden_size"]), layers=int(d["num_hidden_layers"]), heads=heads,
+        kv_heads=int(d.get("num_key_value_heads") or heads), ffn=int(d["intermediate_size"]),
+        rope_theta=rope_theta_from_hf(d, default_theta), rms_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+    )
+
+
+def decoder_fields_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
+    return {
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.ffn,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "max_position_embeddings": 32768,
+    }
+
+
+def qwen2_from_hf(d: dict[str, Any]) -> Qwen2Config:
+    """Qwen2 / Qwen2.5 (``model_type`` ``qwen2``): full attention only."""
+    if d.get("use_sliding_window"):
+        raise ValueError("use_sliding_window=true is not supported (full attention only)")
+    return Qwen2Config(**decoder_fields_from_hf(d, 1_000_000.0))
+
+
+def qwen2_to_hf(cfg: Qwen2Config) -> dict[str, Any]:
+    return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **decoder_fields_to_hf(cfg), "use_sliding_window": False}
+
+
+register(Family(
+    "qwen2", Qwen2Model, Qwen2Config, ("qwen2",), qwen2_from_hf, qwen2_to_hf, decoder_hf_key,
+    "Qwen2 / Qwen2.5 decoder: GQA with QKV biases, SwiGLU, RMSNorm, RoPE; optionally tied head",
+))

@@ -1,39 +1,76 @@
-"""Process-group setup, with timeouts and failure propagation between ranks.
+"""Process-group setup, with timeouts and failure reports between ranks.
 
 :class:`ProcessGroups` owns the pp, tp, dp, cp and dp x cp groups of a
 :class:`braid.topology.Topology` (no module-level state: the object travels to whoever
 needs a group). The backend follows the device: gloo on CPU, NCCL on CUDA.
 
-Failure propagation. A rank that raises sets an abort key in the job's TCPStore
-(:meth:`Abort.signal`). Every wait of the executor on a communication handle checks that
-key before blocking and waits at most ``timeout_s`` (:meth:`Abort.wait`), so the other
-ranks raise :class:`PeerFailure` at their next wait, or after the timeout, instead of
-hanging in a receive or an all-reduce whose peer is gone. Collectives the executor does
-not wait on itself (the loss's small all-reduces) are
-bounded by the process-group ``timeout`` too. A rank blocked in a receive from a dead peer
-therefore fails within ``timeout_s`` and its error names the rank that failed first. On CUDA, waits are stream-ordered and the NCCL
-watchdog (same timeout) is the backstop.
+Failure reports. A rank that raises records its exception in the job's store
+(:meth:`Abort.fail`). The record is claimed with one ``compare_set`` on an absent key, so
+the *first* failing rank wins it and ranks that fail afterwards (often because of the
+first) never overwrite it. Every wait of the executor on a communication handle checks
+the record before blocking and waits at most ``timeout_s`` (:meth:`Abort.wait`), so the
+other ranks raise :class:`PeerFailure` naming the first failing rank and its exception
+text instead of hanging in a receive or an all-reduce whose peer is gone. A wait that
+fails with no record is told apart by what happened: a peer that closed its connection
+(its process exited or was killed; gloo notices at once) raises :class:`PeerLost`, a wait
+that ran out of time raises :class:`CommTimeout`. Collectives the executor does not wait
+on itself (the loss's small all-reduces) are bounded by the process-group ``timeout``
+too. On CUDA, waits are stream-ordered and the NCCL watchdog (same timeout) is the
+backstop.
+
+Stores. Without torchrun the job's store listens on the loopback interface only (or, for
+one process, lives in the process); a job whose ``MASTER_ADDR`` is not a loopback address
+asked for a multi-host rendezvous and gets a store on every interface. Under torchrun the
+agent's store is joined as a client.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import ipaddress
+import json
 import logging
 import os
+import socket
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from braid.models.tied import reduce_tied_gradients
 from braid.topology import RankCoords, Topology
+
+if TYPE_CHECKING:
+    from braid.tp.comm import TPComm
 
 log = logging.getLogger(__name__)
 
 ABORT_KEY = "braid/abort"
+_MAX_REASON = 2000
 
 
 class PeerFailure(RuntimeError):
-    """Another rank failed; this rank stops instead of waiting forever."""
+    """Another rank failed; this rank stops instead of waiting forever.
+
+    ``failed_rank`` and ``reason``: the rank that failed first and its exception text
+    (None when unknown, e.g. the store is gone with the rank that hosted it).
+    """
+
+    def __init__(self, message: str, failed_rank: int | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.failed_rank, self.reason = failed_rank, reason
+
+
+class PeerLost(PeerFailure):
+    """A peer closed its connection (its process exited or was killed) before any rank recorded why."""
+
+
+class CommTimeout(TimeoutError):
+    """A communication did not finish within the job's timeout (peers alive but silent)."""
 
 
 def backend_for(device: torch.device) -> str:
@@ -41,37 +78,99 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def describe_exception(err: BaseException) -> str:
+    """``"ValueError: the message"`` -- the text a failure record carries."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+_CLOSED_WORDS = ("closed by peer", "connection reset", "connection closed", "broken pipe", "connection refused",
+                 "got 0 bytes", "remote server shutdown", "socket closed", "connection was likely closed")
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
 @dataclass(slots=True)
 class Abort:
-    """A job-wide abort flag in the TCPStore, consulted around every communication wait."""
+    """A job-wide failure record in the store, consulted around every communication wait."""
 
     store: dist.Store
     rank: int
     timeout_s: float = 120.0
     cuda: bool = False  # stream-ordered waits (NCCL): the watchdog bounds them
 
-    def signal(self, reason: str) -> None:
-        """Tell every rank that this one failed (idempotent, never raises)."""
+    def signal(self, reason: str) -> bool:
+        """Record that this rank failed with ``reason``, unless another rank already did.
+
+        Returns True when this rank's record is the one kept (it failed first). Never
+        raises: the store itself may be gone.
+        """
+        record = json.dumps({"rank": self.rank, "reason": reason[:_MAX_REASON]})
         try:
-            self.store.set(ABORT_KEY, f"rank {self.rank}: {reason}"[:2000])
-        except Exception:  # the store itself may be gone; nothing more to do
-            log.exception("could not set the abort flag")
+            # compare_set on an absent key with expected "" sets it; on a present key it
+            # leaves the value and returns it: an atomic "first writer wins".
+            kept = self.store.compare_set(ABORT_KEY, "", record)
+        except Exception:  # noqa: BLE001 - the store may be gone with the rank that hosted it
+            log.debug("rank %d could not record its failure", self.rank, exc_info=True)
+            return False
+        return kept.decode(errors="replace") == record
+
+    def fail(self, err: BaseException) -> bool:
+        """Record ``err`` as this rank's failure (first writer wins); a :class:`PeerFailure`
+        is a report of another rank's failure and is recorded only when it is a
+        :class:`PeerLost` (a peer that vanished without a record). Returns :meth:`signal`'s answer."""
+        if isinstance(err, PeerFailure) and not isinstance(err, PeerLost):
+            return False
+        return self.signal(describe_exception(err))
+
+    @contextlib.contextmanager
+    def on_failure(self) -> Iterator[None]:
+        """Record any exception raised inside the block (:meth:`fail`) and re-raise it."""
+        try:
+            yield
+        except BaseException as err:
+            self.fail(err)
+            raise
 
     def clear(self) -> None:
         """Forget an earlier failure (tests that reuse a job after a failure case)."""
         self.store.delete_key(ABORT_KEY)
 
+    def first_failure(self) -> tuple[int, str] | None:
+        """``(rank, exception text)`` of the rank that failed first, or None if none has.
+
+        Raises :class:`PeerLost` when the store cannot be reached (its host has exited).
+        """
+        try:
+            if not self.store.check([ABORT_KEY]):
+                return None
+            raw = self.store.get(ABORT_KEY).decode(errors="replace")
+        except Exception as err:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError by version
+            raise PeerLost(f"rank {self.rank} stops: the job's store cannot be reached (the rank that hosts it, "
+                           f"rank 0, has exited or was killed): {_first_line(err)}") from err
+        try:
+            rec = json.loads(raw)
+            return int(rec["rank"]), str(rec["reason"])
+        except (ValueError, KeyError, TypeError):
+            return -1, raw
+
     def check(self) -> None:
-        """Raise :class:`PeerFailure` if any rank has signalled a failure."""
-        if self.store.check([ABORT_KEY]):
-            raise PeerFailure(f"rank {self.rank} stops because {self.store.get(ABORT_KEY).decode(errors='replace')}")
+        """Raise :class:`PeerFailure` naming the first failing rank if any rank has recorded one."""
+        first = self.first_failure()
+        if first is not None:
+            r, reason = first
+            raise PeerFailure(f"rank {self.rank} stops: rank {r} failed first: {reason}", r, reason)
 
     def wait(self, work: dist.Work | None) -> None:
-        """Wait for an async work handle at most ``timeout_s``; a peer's failure becomes :class:`PeerFailure`.
+        """Wait for an async work handle at most ``timeout_s``.
 
-        gloo send/recv handles cannot be polled (``is_completed`` stays false until
-        ``wait``), so the flag is checked before blocking, and after a timed-out wait to
-        name the rank that failed.
+        A recorded failure of another rank becomes :class:`PeerFailure`; otherwise a closed
+        connection becomes :class:`PeerLost` and an expired wait :class:`CommTimeout`. gloo
+        send/recv handles cannot be polled (``is_completed`` stays false until ``wait``),
+        so the record is checked before blocking, and again when the wait fails.
         """
         if work is None:
             return
@@ -79,16 +178,69 @@ class Abort:
             work.wait()
             return
         self.check()
+        t0 = time.monotonic()
         try:
             work.wait(datetime.timedelta(seconds=self.timeout_s))
         except RuntimeError as err:
+            elapsed = time.monotonic() - t0
             self.check()
-            raise TimeoutError(f"rank {self.rank}: communication did not finish within {self.timeout_s} s ({err})") from err
+            raise self.classify(err, elapsed) from err
+
+    def classify(self, err: BaseException, elapsed_s: float) -> Exception:
+        """The exception a failed communication of this rank becomes (see :meth:`wait`)."""
+        text = str(err).lower()
+        line = _first_line(err)
+        if any(w in text for w in _CLOSED_WORDS):
+            return PeerLost(f"rank {self.rank}: a peer closed its connection after {elapsed_s:.1f} s (its process "
+                            f"exited or was killed; see that rank's log): {line}")
+        if any(w in text for w in _TIMEOUT_WORDS) or elapsed_s >= 0.95 * self.timeout_s:
+            return CommTimeout(f"rank {self.rank}: communication did not finish within {self.timeout_s:g} s "
+                               f"(a peer is alive but did not send or join; raise --timeout if it is slow): {line}")
+        return RuntimeError(f"rank {self.rank}: communication failed after {elapsed_s:.1f} s: {line}")
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _loopback_listener(addr: str, port: int) -> int:
+    """A socket listening on ``addr`` (a loopback address) only; returns its file descriptor."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(512)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot listen on {addr}:{port} for the job's store: {err.strerror or err}") from err
+    return sock.detach()
+
+
+def create_store(rank: int, world_size: int, addr: str, port: int, timeout: datetime.timedelta) -> dist.Store:
+    """The job's store (see the module doc): torchrun's agent store as a client; one process:
+    an in-process store; rank 0 of a local job: a TCPStore on the loopback interface only."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    if world_size == 1:
+        return dist.HashStore()
+    if rank != 0:
+        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    if _is_loopback(addr):
+        fd = _loopback_listener(addr, port)
+        # the process group's own rendezvous waits for the ranks; the store need not
+        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=fd)
+    return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout)
 
 
 @dataclass(slots=True)
 class Dist:
-    """An initialised job: rank, world size, device, store, abort flag and timeout."""
+    """An initialised job: rank, world size, device, store, abort record and timeout."""
 
     rank: int
     world_size: int
@@ -107,7 +259,7 @@ class Dist:
         device: torch.device | str = "cpu",
         timeout_s: float = 120.0,
     ) -> "Dist":
-        """Create the TCPStore and the default process group (backend from the device).
+        """Create the store (:func:`create_store`) and the default process group (backend from the device).
 
         ``master_port``/``master_addr`` default to ``MASTER_PORT``/``MASTER_ADDR``; under
         torchrun the agent's store is joined as a client.
@@ -118,8 +270,7 @@ class Dist:
         port = int(master_port if master_port is not None else os.environ.get("MASTER_PORT", "29500"))
         addr = os.environ.get("MASTER_ADDR", master_addr) if master_port is None else master_addr
         timeout = datetime.timedelta(seconds=timeout_s)
-        is_master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        store = dist.TCPStore(addr, port, world_size, is_master=is_master, timeout=timeout)
+        store = create_store(rank, world_size, addr, port, timeout)
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout)
         return Dist(rank, world_size, device, store, Abort(store, rank, timeout_s, device.type == "cuda"), timeout_s)
 
@@ -155,13 +306,22 @@ class ProcessGroups:
     pp_ranks: list[int]
     tp_ranks: list[int]
     dp_cp_ranks: list[int]
+    tp_backend: str = "gloo"  # how the TP all-reduce runs (braid.tp.comm)
+
+    @property
+    def tp_comm(self) -> "TPComm":
+        """The TP all-reduce of this rank under :attr:`tp_backend`."""
+        from braid.tp.comm import TPComm
+
+        return TPComm(self.tp_backend, self.tp if self.topo.tp > 1 else None)
 
     @staticmethod
     def create(topo: Topology, rank: int | None = None, timeout_s: float = 120.0,
-               tp_max_ctas: int | None = TP_MAX_CTAS) -> "ProcessGroups":
+               tp_max_ctas: int | None = TP_MAX_CTAS, tp_backend: str = "auto") -> "ProcessGroups":
         """Create every group of the layout (collective: all ranks call it, same order).
 
-        ``tp_max_ctas`` caps the thread blocks NCCL gives the TP group's all-reduces. A
+        ``tp_backend``: how the TP all-reduce runs (:mod:`braid.tp.comm`; ``"auto"`` is
+        ``nccl-capped`` on CUDA and ``gloo`` on CPU). ``tp_max_ctas`` caps the thread blocks NCCL gives the TP group's all-reduces. A
         braided block runs each all-reduce *while* the other micro-batch's GEMMs run; an
         uncapped NCCL kernel holds its SMs while it waits for the peer and slows those
         GEMMs. Measured on 2 H200s (``benchmarks/bench_braided_overlap.py``, Qwen2-7B-sized
@@ -175,29 +335,25 @@ class ProcessGroups:
         world = dist.get_world_size()
         if world != topo.world_size:
             raise ValueError(f"topology is for {topo.world_size} ranks but {world} processes were started")
+        from braid.tp.comm import nccl_group_options, resolve_tp_backend
+
         rank = dist.get_rank() if rank is None else rank
+        backend = resolve_tp_backend(tp_backend, "cuda" if dist.get_backend() == "nccl" else "cpu")
+        if backend == "nccl-capped" and tp_max_ctas is None:
+            backend = "nccl"
         timeout = datetime.timedelta(seconds=timeout_s)
         mine: dict[str, dist.ProcessGroup] = {}
         ranks_of: dict[str, list[int]] = {}
         for dim in ("pp", "tp", "dp", "cp", "dp_cp"):
-            opts = _nccl_options(tp_max_ctas) if dim == "tp" else None
+            opts = nccl_group_options(backend, tp_max_ctas) if dim == "tp" else None
             for ranks in topo.groups(dim):
                 g = dist.new_group(ranks, timeout=timeout, pg_options=opts)
                 if rank in ranks:
                     mine[dim], ranks_of[dim] = g, ranks
         return ProcessGroups(
             topo, rank, topo.coords(rank), mine["pp"], mine["tp"], mine["dp"], mine["cp"], mine["dp_cp"],
-            ranks_of["pp"], ranks_of["tp"], ranks_of["dp_cp"],
+            ranks_of["pp"], ranks_of["tp"], ranks_of["dp_cp"], backend,
         )
-
-
-def _nccl_options(max_ctas: int | None) -> object | None:
-    """NCCL process-group options capping CTAs, or None (gloo, or no cap asked for)."""
-    if max_ctas is None or dist.get_backend() != "nccl":
-        return None
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.config.max_ctas = int(max_ctas)
-    return opts
 
 
 def reduce_gradients(params: list[torch.nn.Parameter], groups: ProcessGroups, abort: Abort) -> None:
@@ -206,8 +362,12 @@ def reduce_gradients(params: list[torch.nn.Parameter], groups: ProcessGroups, ab
     Averaged over the ``dp`` data-parallel replicas, *summed* over the ``cp``
     sequence-parallel ranks: under sequence parallelism each rank's loss is its tokens'
     share of the global mean (:mod:`braid.models.sequence_parallel`), so its gradient is
-    a share of the true gradient, not an estimate of it.
+    a share of the true gradient, not an estimate of it. First, the copies of a tied
+    embedding (first and last pipeline stage) get the sum of their gradients
+    (:func:`braid.models.tied.reduce_tied_gradients`).
     """
+    params = list(params)
+    reduce_tied_gradients(params, groups.pp_ranks, groups.coords.pp, abort)
     if len(groups.dp_cp_ranks) == 1:
         return
     n = groups.topo.dp

@@ -44,13 +44,13 @@ import torch.distributed as dist
 from braid.braiding import ChunkSpec, UnitTask, carries
 from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
 from braid.braiding import steps as braid_steps
-from braid.models.chunk import ChunkStateError, ModelChunk, build_chunk
-from braid.models.qwen2 import Qwen2Model
-from braid.models.sequence_parallel import SequenceParallel
-from braid.partition import chunk_specs, layer_offset
+from braid.models.build import build_rank_chunks  # noqa: F401 - moved to braid.models.build; callers import it from here too
+from braid.models.chunk import ChunkStateError, ModelChunk
+from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
+from braid.tp.comm import TPComm
 from braid.tp.layers import StashError
 from braid.trace import Event, Trace
 
@@ -121,38 +121,6 @@ class StepResult:
 _Bound = tuple[int, Compute, UnitTask, bool, bool, str, str, str]
 
 
-def build_rank_chunks(
-    model: Qwen2Model,
-    plan: Plan,
-    pp_rank: int,
-    layers_per_stage: Sequence[int],
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    tp_group: dist.ProcessGroup | None = None,
-    sp: SequenceParallel | None = None,
-    seq_len: int | None = None,
-) -> dict[int, ModelChunk]:
-    """The local chunks of ``pp_rank`` (TP shards, copied out of the single-device ``model``).
-
-    ``sp``: this rank's sequence-parallel context (LoongTrain 2D-Attention), checked against
-    the model's heads and ``seq_len`` here, at build time.
-    """
-    if len(layers_per_stage) != plan.num_stages:
-        raise ValueError(f"{len(layers_per_stage)} layer counts for {plan.num_stages} virtual stages")
-    specs = chunk_specs(tuple(layers_per_stage), plan.p, plan.placement)
-    out = {}
-    for c in range(plan.v):
-        stage = plan.stage_of(pp_rank, c)
-        first = layer_offset(tuple(layers_per_stage), stage)
-        out[c] = build_chunk(
-            model, specs[(pp_rank, c)], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, num_microbatches=plan.m,
-            sp=sp, seq_len=seq_len,
-        )
-        out[c].first_layer = first
-    return out
-
-
 class Executor:
     """Runs one rank's program over its local model chunks.
 
@@ -162,7 +130,9 @@ class Executor:
     which the last stage sums its ranks' loss shares (``None``: no sequence parallelism).
     ``record``: what the trace of each step holds by default (``"units"``,
     ``"instructions"`` or ``"off"``, see the module docstring); :meth:`run` can override it
-    per step, e.g. to trace only the last step of a training run.
+    per step, e.g. to trace only the last step of a training run. ``compile``: run the units'
+    element-wise functions under ``torch.compile`` (:mod:`braid.runtime.compiled`; it switches
+    the given chunks' modules); ``None`` means on for CUDA with Triton, off on CPU.
     """
 
     def __init__(
@@ -179,6 +149,8 @@ class Executor:
         abort: Abort | None = None,
         sp_group: dist.ProcessGroup | None = None,
         record: Record = "units",
+        tp_comm: TPComm | None = None,
+        compile: bool | None = None,
     ) -> None:
         if set(chunks) != set(range(plan.v)):
             raise ValueError(f"rank {program.rank}: chunks {sorted(chunks)} for v={plan.v}")
@@ -187,11 +159,15 @@ class Executor:
         self.pp_ranks = list(pp_ranks)
         self.act_shape, self.dtype, self.device = tuple(act_shape), dtype, torch.device(device)
         self.tp_group = tp_group
+        # How the TP all-reduces run (braid.tp.comm); a plain async all-reduce by default.
+        self.tp_comm = tp_comm if tp_comm is not None else TPComm("gloo", tp_group)
         self.sp_group = sp_group
         self.abort = abort
         # One per rank and executor: its pinned host buffers are reused by every step.
         self.offloader = ActivationOffloader(self.device)
         self.record = _check_record(record)
+        self.compiled = compiled.resolve(compile, self.device)
+        compiled.set_compiled(chunks.values(), self.compiled)
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
@@ -201,6 +177,7 @@ class Executor:
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
         tp = groups.tp if groups.topo.tp > 1 else None
         sp = groups.cp if groups.topo.cp > 1 else None
+        kw.setdefault("tp_comm", groups.tp_comm)
         return Executor(plan, program, chunks, pp_ranks=groups.pp_ranks, tp_group=tp, sp_group=sp, abort=abort, **kw)
 
     # -- helpers -------------------------------------------------------------------------
@@ -269,8 +246,8 @@ class Executor:
             if leftover:
                 raise ExecutionError(f"rank {self.rank}: program ended with work left: {'; '.join(leftover[:8])}")
         except Exception as err:
-            if self.abort is not None and not type(err).__name__ == "PeerFailure":
-                self.abort.signal(f"{type(err).__name__}: {err}")
+            if self.abort is not None:
+                self.abort.fail(err)  # first failing rank wins the record; a PeerFailure is not recorded
             raise
         losses = [v for c in self.chunks.values() if c.spec.head for v in c.losses.values()]
         if any(c.spec.head for c in self.chunks.values()) and len(losses) != self.plan.m:
@@ -386,7 +363,7 @@ class Executor:
                 e = None
             if ar and out is not None and tp is not None:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
-                pending[member] = _Pending(dist.all_reduce(out, group=tp, async_op=True), e, op, unit, block, idx)
+                pending[member] = _Pending(self.tp_comm.all_reduce(out), e, op, unit, block, idx)
                 self.counts["AR"] += 1
 
     def _wait_pending(self, p: _Pending) -> None:

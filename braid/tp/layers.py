@@ -24,6 +24,8 @@ from typing import Hashable, Iterable, Iterator
 import torch
 from torch import nn
 
+from braid.autograd_calls import fast_apply
+
 
 class StashError(KeyError):
     """A weight-gradient pass asked for a stash that the backward never produced."""
@@ -124,6 +126,9 @@ class _LinearFn(torch.autograd.Function):
         return grad_x, dw, db, None
 
 
+_linear = fast_apply(_LinearFn)  # the C++ apply: a linear is called once per unit task and more
+
+
 class _ParallelLinear(DeferredWeightGrad):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -132,7 +137,7 @@ class _ParallelLinear(DeferredWeightGrad):
         self._init_deferred()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _LinearFn.apply(x, self.weight, self.bias, self)
+        return _linear(x, self.weight, self.bias, self)
 
     def _deferred_params(self) -> list[nn.Parameter | None]:
         return [self.weight] if self.bias is None else [self.weight, self.bias]

@@ -1,0 +1,275 @@
+"""The executor at the single-device limit: braid at pp=1 against plain loops of the same model.
+
+One process, one device. The same model (seeded; ``--layers-per-stage`` layers on each of
+two chunks, embedding and LM head) trains one step after another -- forward and backward
+of ``--m`` micro-batches, then an AdamW step (``foreach``) -- under each contender:
+
+* ``braid_<schedule>``: braid's executor at pp=1 (two V-placed chunks on the one rank) for
+  ``braided_v``, ``1f1b_i``, ``zb_v`` (``--schedule``), with compiled units unless
+  ``--no-compile`` (:mod:`braid.runtime.compiled`); with compiling on, ``braided_v`` is also
+  run eager (``braid_braided_v_eager``) so the gain is visible;
+* ``eager``: the plain loop over the single-device ``Qwen2Model`` (loss / m, backward per
+  micro-batch);
+* ``eager_compiled``: the same loop with the model under ``torch.compile``;
+* ``torch_<schedule>``: ``torch.distributed.pipelining``'s schedules on the same two chunks
+  (:mod:`braid.baselines`); the best of them is ``torch_pp_best``.
+
+Contenders run one after another in one process (each builds its copy of the weights and
+frees it after), warm-up steps first (compiling happens there), then the median of
+``--steps`` step times. Printed: step time, tokens/s, and every contender's speed as a
+ratio to braid's best schedule; written (atomically) to
+``benchmarks/results/executor_limit_<gpu>.json`` (``--out`` overrides)::
+
+    {"device": ..., "tokens_per_s": {"braid_braided_v": ..., "eager": ..., "eager_compiled": ...,
+     "torch_pp_best": ..., ...}, "step_s": {...}, "config": {...}}
+
+The issue-20 setting on one GPU (4 Qwen2-7B-shaped layers, 32K vocabulary, seq 4096,
+8 micro-batches of 1, bf16)::
+
+    PYTHONPATH=. python benchmarks/bench_executor_limit.py --preset 7b-layer --layers-per-stage 2 --seq 4096 --m 8
+
+A CPU smoke run (seconds; compiled contenders off)::
+
+    PYTHONPATH=. python benchmarks/bench_executor_limit.py --preset tiny --device cpu --seq 16 --m 4 --steps 2 \\
+        --skip eager_compiled --out /tmp/limit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import re
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
+KINDS = ("braid", "braid_eager", "eager", "eager_compiled", "torch_pp")
+
+
+def gpu_slug(device: torch.device) -> str:
+    """A short name for the results file: ``h100``, ``h200``, ``a100``... or ``cpu``."""
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    m = re.search(r"\b([a-z]\d{2,4}[a-z]?)\b", name)
+    return m.group(1) if m else re.sub(r"[^a-z0-9]+", "_", name).strip("_")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _timed(step: Callable[[], Any], device: torch.device, warmup: int, steps: int) -> tuple[list[float], Any]:
+    times, out = [], None
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = step()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times, out
+
+
+def _adamw(params: list[torch.nn.Parameter], device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=1e-5, foreach=device.type == "cuda")
+
+
+def run_braid(model, schedule: str, args, device, dtype, compile: bool) -> tuple[list[float], float]:
+    """braid's executor at pp=1 over two V-placed chunks of ``model``; one step = program + AdamW."""
+    from braid import schedules
+    from braid.compiler import compile_plan
+    from braid.runtime.executor import Executor, build_rank_chunks
+
+    plan = schedules.build(schedule, 1, args.m)
+    chunks = build_rank_chunks(model, plan, 0, (args.layers_per_stage,) * plan.num_stages)
+    chunks = {c: ch.to(device=device, dtype=dtype) for c, ch in chunks.items()}
+    ex = Executor(plan, compile_plan(plan)[0], chunks, pp_ranks=[0], act_shape=(args.micro_batch_size, args.seq, model.cfg.hidden),
+                  dtype=dtype, device=device, record="off", compile=compile)
+    params = [p for ch in chunks.values() for p in ch.parameters()]
+    opt = _adamw(params, device)
+    toks, labs = args.data
+
+    def step() -> float | None:
+        res = ex.run(toks, labs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return res.loss
+
+    times, loss = _timed(step, device, args.warmup, args.steps)
+    return times, loss
+
+
+def run_loop(model, args, device, dtype, compiled: bool) -> tuple[list[float], float]:
+    """The plain training loop of the single-device model (optionally under ``torch.compile``)."""
+    import copy
+
+    ref = copy.deepcopy(model).to(device=device, dtype=dtype)
+    fwd = torch.compile(ref) if compiled else ref
+    opt = _adamw(list(ref.parameters()), device)
+    toks, labs = args.data
+
+    def step() -> float:
+        total = torch.zeros((), device=device)
+        for t, lab in zip(toks, labs):
+            loss = fwd(t, lab) / args.m
+            loss.backward()
+            total += loss.detach().float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total)
+
+    return _timed(step, device, args.warmup, args.steps)
+
+
+def run_torch_pp(model, name: str, args, device, dtype, groups) -> tuple[list[float], float | None]:
+    """A ``torch.distributed.pipelining`` schedule on the same two chunks (:class:`braid.baselines.TorchPipeline`)."""
+    from braid.baselines import TorchPipeline
+
+    pipe = TorchPipeline(name, model, (args.layers_per_stage,) * 2, args.m, groups=groups, device=device, dtype=dtype)
+    opt = _adamw(pipe.parameters(), device)
+    toks, labs = args.data
+    x, y = torch.cat(toks), torch.cat(labs)
+
+    def step() -> float | None:
+        loss = pipe.step((x,), y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return _timed(step, device, args.warmup, args.steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from braid.baselines import TORCH_SCHEDULES
+    from braid.files import OutputPathError, atomic_write_text, check_output_path
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.profile import PRESETS
+    from braid.runtime import compiled as compiled_units
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("::", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="7b-layer", choices=sorted(PRESETS), help="layer shape (default 7b-layer)")
+    ap.add_argument("--layers-per-stage", type=int, default=2, help="decoder layers per chunk; 2 chunks (default 2)")
+    ap.add_argument("--seq", type=int, default=4096, help="tokens per sample (default 4096)")
+    ap.add_argument("--m", type=int, default=8, help="micro-batches per step (default 8)")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
+    ap.add_argument("--schedule", nargs="+", default=list(SCHEDULES), help=f"braid schedules (default {' '.join(SCHEDULES)})")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="braid's compiled units (default: on with CUDA, off on CPU)")
+    ap.add_argument("--skip", nargs="+", default=[], choices=KINDS, help="contenders to leave out")
+    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per contender; the median is reported (default 10)")
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/executor_limit_<gpu>.json)")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    bad = [s for s in args.schedule if s not in SCHEDULES]
+    if bad:
+        ap.error(f"--schedule {bad[0]!r}: pp=1 runs {', '.join(SCHEDULES)}")
+    if min(args.seq, args.m, args.micro_batch_size, args.layers_per_stage, args.steps) < 1 or args.warmup < 0:
+        ap.error("--seq, --m, --micro-batch-size, --layers-per-stage and --steps must be >= 1, --warmup >= 0")
+    try:
+        compile_units = compiled_units.resolve(args.compile, device)
+        out = check_output_path(args.out or f"benchmarks/results/executor_limit_{gpu_slug(device)}.json", what="--out")
+    except (ValueError, OutputPathError) as err:
+        ap.error(str(err))
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    from dataclasses import asdict
+
+    cfg = Qwen2Config(**{**asdict(PRESETS[args.preset]), "layers": 2 * args.layers_per_stage})
+    torch.manual_seed(1234)
+    model = Qwen2Model(cfg).to(dtype)  # the master copy, on the host; every contender copies it
+    g = torch.Generator().manual_seed(7)
+    shape = (args.micro_batch_size, args.seq)
+    args.data = tuple([torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.m)] for _ in range(2))
+
+    from braid.runtime.distributed import ProcessGroups
+    from braid.topology import Topology
+
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        groups = ProcessGroups.create(Topology(1, pp=1, tp=1))
+        jobs: list[tuple[str, Callable[[], tuple[list[float], Any]]]] = []
+        if "braid" not in args.skip:
+            jobs += [(f"braid_{s}", lambda s=s: run_braid(model, s, args, device, dtype, compile_units)) for s in args.schedule]
+        if compile_units and "braid_eager" not in args.skip and "braided_v" in args.schedule:
+            jobs.append(("braid_braided_v_eager", lambda: run_braid(model, "braided_v", args, device, dtype, False)))
+        if "eager" not in args.skip:
+            jobs.append(("eager", lambda: run_loop(model, args, device, dtype, False)))
+        if "eager_compiled" not in args.skip:
+            jobs.append(("eager_compiled", lambda: run_loop(model, args, device, dtype, True)))
+        if "torch_pp" not in args.skip:
+            jobs += [(n, lambda n=n: run_torch_pp(model, n, args, device, dtype, groups)) for n in TORCH_SCHEDULES]
+        for name, job in jobs:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            try:
+                times, loss = job()
+            except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
+                results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            else:
+                step = statistics.median(times)
+                results[name] = {"step_s": step, "step_s_all": times, "loss": loss,
+                                 "tokens_per_s": args.m * args.micro_batch_size * args.seq / step}
+            _free(device)
+    finally:
+        dist.destroy_process_group()
+
+    tps = {k: v["tokens_per_s"] for k, v in results.items() if "tokens_per_s" in v}
+    torch_runs = {k: v for k, v in tps.items() if k in TORCH_SCHEDULES}
+    if torch_runs:
+        best = max(torch_runs, key=torch_runs.get)
+        tps["torch_pp_best"] = torch_runs[best]
+    braid_runs = {k: v for k, v in tps.items() if k.startswith("braid_") and not k.endswith("_eager")}
+    ref_name = max(braid_runs, key=braid_runs.get) if braid_runs else None
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"# {dev_name}, torch {torch.__version__}, {args.preset} x {2 * args.layers_per_stage} layers, seq {args.seq}, "
+          f"m={args.m} x {args.micro_batch_size}, {str(dtype).removeprefix('torch.')}, braid compiled units: {compile_units}")
+    head = f"{'contender':<26}{'step ms':>10}{'tokens/s':>12}{'vs braid best':>15}"
+    print(head + "\n" + "-" * len(head))
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<26}  could not run: {r['error']}")
+            continue
+        ratio = f"{r['tokens_per_s'] / tps[ref_name]:.3f}" if ref_name else "-"
+        print(f"{name:<26}{r['step_s'] * 1e3:>10.2f}{r['tokens_per_s']:>12.0f}{ratio:>15}")
+    if ref_name:
+        for other in ("eager", "eager_compiled", "torch_pp_best"):
+            if other in tps:
+                print(f"{ref_name} / {other}: {tps[ref_name] / tps[other]:.3f}x")
+    doc = {"device": dev_name, "torch": torch.__version__, "tokens_per_s": tps,
+           "step_s": {k: v["step_s"] for k, v in results.items() if "step_s" in v},
+           "errors": {k: v["error"] for k, v in results.items() if "error" in v},
+           "losses": {k: v["loss"] for k, v in results.items() if "loss" in v},
+           "config": {"preset": args.preset, "layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "vocab": cfg.vocab_size,
+                      "seq": args.seq, "m": args.m, "micro_batch_size": args.micro_batch_size, "dtype": str(dtype),
+                      "compiled_units": compile_units, "warmup": args.warmup, "steps": args.steps}}
+    atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The chunk runner's autograd calls, without the per-call Python of the public wrappers.
+
+A unit task runs one to three autograd calls on tiny graphs; at small model sizes the
+Python around them is the task's cost. Measured per call on CPU (torch 2.13):
+``torch.autograd.grad`` on gradient edges ~110 us, of which ~65 us is its argument
+handling (``_make_grads`` compares every output's shape symbolically), against ~45 us for
+the engine call it ends in; ``get_gradient_edge`` ~8 us against ~1 us for building the
+edge from ``grad_fn``; ``Function.apply`` ~12 us against ~8 us for the C++ ``apply`` it
+wraps. These helpers make the same calls with what the runner already guarantees
+(explicit output gradients of the right shapes, no functorch transforms, non-leaf
+outputs) and fall back to the public functions where the private entry points are missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+try:  # torch >= 2.3: the engine call of torch.autograd.grad/backward (keeps its context stash for compiled backward)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - older torch
+    _engine_run_backward = None
+
+
+def edge(t: torch.Tensor) -> GradientEdge:
+    """The autograd edge of ``t``'s gradient: ``get_gradient_edge(t)`` without its checks for non-leaf tensors."""
+    fn = t.grad_fn
+    return GradientEdge(fn, t.output_nr) if fn is not None else get_gradient_edge(t)
+
+
+def grad(outputs: Sequence[torch.Tensor | GradientEdge], inputs: Sequence[torch.Tensor | GradientEdge],
+         grad_outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)`` as one engine call.
+
+    ``grad_outputs`` must hold one gradient per output, of its shape and dtype (not
+    checked here: the runner passes what the next unit's backward returned).
+    """
+    if _engine_run_backward is None:  # pragma: no cover - older torch
+        return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+    return _engine_run_backward(tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True, accumulate_grad=False)
+
+
+def fast_apply(fn: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``fn.apply`` without ``Function.apply``'s Python wrapper (default-argument binding for
+    ``setup_context`` and unwrapping of dead functorch wrappers: the runner never runs under
+    functorch transforms, and ``fn`` must have no ``setup_context``)."""
+    if "setup_context" in fn.__dict__:
+        raise TypeError(f"{fn.__name__} defines setup_context: use its apply")
+    return super(torch.autograd.Function, fn).apply  # type: ignore[misc]

@@ -1,0 +1,85 @@
+"""What every braid command line shares: one line and exit code 2 for bad input, output
+paths checked before the work, quiet ends when the reader of stdout goes away.
+
+* :class:`Parser` -- an ``argparse`` parser whose errors are one line
+  (``prog: error: ...``, exit 2) instead of the usage block.
+* :func:`check_outputs` -- :func:`braid.files.check_output_path` on every output argument
+  before any work; a bad one is a parser error.
+* :func:`run_main` -- runs a ``main(argv) -> int`` so that ``python -m braid.programs ... |
+  head`` ends quietly (exit 0) instead of in a ``BrokenPipeError`` traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from braid.files import OutputPathError, check_output_path
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def check_outputs(ap: argparse.ArgumentParser, outputs: Sequence[tuple[str, str | os.PathLike | None]],
+                  inputs: Sequence[str | os.PathLike] = ()) -> None:
+    """Check each ``(flag, path)`` output that is set (and that no two are the same file);
+    the first bad one is a parser error (one line, exit 2)."""
+    seen: dict[str, str] = {}
+    for flag, path in outputs:
+        if path is None:
+            continue
+        try:
+            p = check_output_path(path, what=flag, inputs=tuple(inputs))
+        except OutputPathError as err:
+            ap.error(str(err))
+        key = os.path.realpath(p)
+        if key in seen:
+            ap.error(f"{flag} and {seen[key]} name the same file {str(path)!r}; give each its own")
+        seen[key] = flag
+
+
+def check_output_dir(ap: argparse.ArgumentParser, flag: str, path: str | os.PathLike | None) -> None:
+    """A parser error unless ``path`` (when given) is a directory that exists or can be created."""
+    if path is None:
+        return
+    d = Path(path)
+    if d.exists() and not d.is_dir():
+        ap.error(f"{flag} {str(path)!r} exists and is not a directory")
+    ancestor = d
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not os.access(ancestor if str(ancestor) else ".", os.W_OK | os.X_OK):
+        ap.error(f"{flag} {str(path)!r}: directory {str(ancestor)!r} is not writable")
+
+
+def check_range(ap: argparse.ArgumentParser, flag: str, value: float | None, lo: float | None = None,
+                hi: float | None = None, *, what: str = "a number") -> None:
+    """A parser error unless ``value`` (when given) is finite and in ``[lo, hi]``."""
+    if value is None:
+        return
+    ok = value == value and value not in (float("inf"), float("-inf"))
+    ok = ok and (lo is None or value >= lo) and (hi is None or value <= hi)
+    if not ok:
+        bounds = f">= {lo:g}" if hi is None else f"<= {hi:g}" if lo is None else f"in [{lo:g}, {hi:g}]"
+        ap.error(f"{flag} must be {what} {bounds}, got {value:g}")
+
+
+def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """``main(argv)``, with a closed stdout (``| head``) ending the command quietly, exit 0."""
+    try:
+        rc = main(argv)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # Python flushes stdout again at exit; point it at /dev/null so that flush is silent.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0

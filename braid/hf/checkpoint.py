@@ -1,0 +1,167 @@
+"""Hugging Face checkpoints (``config.json`` + ``*.safetensors``) in and out of braid's models.
+
+:func:`load` reads a local directory into the single-device model of the family that
+``config.json``'s ``model_type`` names (:func:`braid.models.registry.family_for_hf`);
+:func:`load_meta` returns the same model on the meta device, whose chunks
+(:func:`braid.models.build.build_rank_chunks`) read only their own tensors from the files,
+one ``safe_open`` per tensor; :func:`save` writes a directory ``transformers``'
+``from_pretrained`` loads. Needs the ``safetensors`` package (extra ``hf``), and
+``huggingface_hub`` for :func:`save`'s sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from braid.files import atomic_write_text
+from braid.models.build import materialize, on_meta
+from braid.models.registry import Family, family_for_hf, family_of
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors  # noqa: F401
+        from safetensors import safe_open
+    except ImportError:
+        raise ImportError("braid.hf needs the safetensors package: pip install 'braid[hf]' (or pip install safetensors)") from None
+    return safe_open
+
+
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint directory as a dict (``ValueError`` if absent or not JSON)."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: no config.json in it")
+    try:
+        d = json.loads(f.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{f}: not valid JSON ({err})") from None
+    if "model_type" not in d:
+        raise ValueError(f"{f}: no model_type")
+    return d
+
+
+class CheckpointReader:
+    """Tensor names of a checkpoint and where each lives; reads one tensor at a time.
+
+    Sharded checkpoints are read through their ``model.safetensors.index.json``.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._safe_open = _safetensors()
+        if (self.path / INDEX).is_file():
+            self.files = {k: self.path / f for k, f in json.loads((self.path / INDEX).read_text())["weight_map"].items()}
+        elif (self.path / SINGLE).is_file():
+            with self._safe_open(self.path / SINGLE, framework="pt") as f:
+                self.files = {k: self.path / SINGLE for k in f.keys()}
+        else:
+            raise ValueError(f"{str(path)!r}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read)")
+
+    def keys(self) -> set[str]:
+        return set(self.files)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` on the CPU, as stored."""
+        if key not in self.files:
+            raise KeyError(f"{self.path}: checkpoint has no tensor {key!r}")
+        with self._safe_open(self.files[key], framework="pt", device="cpu") as f:
+            return f.get_tensor(key)
+
+
+@dataclass
+class CheckpointSource:
+    """A :class:`braid.models.build.ParamSource` reading parameters from a checkpoint by name.
+
+    ``read`` lists the checkpoint tensors read so far (tests check that a rank reads
+    only its chunks' tensors).
+    """
+
+    reader: CheckpointReader
+    family: Family
+    device: torch.device
+    read: list[str] = field(default_factory=list)
+
+    def fill(self, t: torch.Tensor, name: str) -> None:
+        key = self.family.hf_key(name)
+        src = self.reader.tensor(key)
+        if tuple(src.shape) != tuple(t.shape):
+            raise ValueError(f"{self.reader.path}: tensor {key!r} has shape {tuple(src.shape)}, the model expects {tuple(t.shape)}")
+        t.copy_(src)
+        self.read.append(key)
+
+
+def load_meta(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+    """The checkpoint's model on the meta device: chunks built from it read only their tensors.
+
+    :func:`braid.models.build.materialize` reads all of it (as :func:`load`).
+    """
+    d = read_config(path)
+    family = family_for_hf(d["model_type"])
+    cfg = family.from_hf(d)
+    return on_meta(family.model_cls, cfg, CheckpointSource(CheckpointReader(path), family, torch.device(device)), dtype)
+
+
+def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+    """The single-device braid model of a local HF checkpoint directory (``config.json`` + safetensors).
+
+    Every checkpoint tensor must be used (a tied checkpoint may also carry ``lm_head.weight``);
+    a missing or unused tensor is a ``ValueError`` naming it. LMs have ``logits(input_ids)``.
+    """
+    model = load_meta(path, dtype, device)
+    source: CheckpointSource = model.braid_source
+    family = source.family
+    want = {family.hf_key(n) for n, _ in model.named_parameters()}
+    missing = sorted(want - source.reader.keys())
+    if missing:
+        raise ValueError(f"{str(path)!r}: checkpoint lacks {len(missing)} tensor(s) of a {family.name} model, e.g. {missing[:3]}")
+    extra = sorted(source.reader.keys() - want - ({"lm_head.weight"} if getattr(model.cfg, "tie_embeddings", False) else set()))
+    if extra:
+        raise ValueError(f"{str(path)!r}: {len(extra)} checkpoint tensor(s) not used by a {family.name} model, e.g. {extra[:3]}")
+    return materialize(model)
+
+
+def save(model: nn.Module, path: str | os.PathLike, max_shard_size: str | int = "5GB") -> Path:
+    """Write ``model`` as a HF checkpoint directory (``config.json`` + safetensors shards) at ``path``.
+
+    ``path`` must not exist or be an empty directory; it appears whole or not at all.
+    """
+    family = family_of(model)
+    _safetensors()
+    try:
+        from huggingface_hub import save_torch_state_dict
+    except ImportError:
+        raise ImportError("braid.hf.save needs huggingface_hub: pip install 'braid[hf]'") from None
+    target = Path(path)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"{str(path)!r} exists and is not an empty directory; give a new directory")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{str(path)!r}: directory {str(parent)!r} does not exist")
+    params = dict(model.named_parameters())  # a tied head appears once, as the embedding
+    dtype = next(iter(params.values())).dtype
+    config = {**family.to_hf(model.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
+    state = {family.hf_key(n): p.detach().to("cpu").contiguous() for n, p in params.items()}
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
+    try:
+        save_torch_state_dict(state, tmp, max_shard_size=max_shard_size)
+        atomic_write_text(tmp / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if target.exists():
+            target.rmdir()
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

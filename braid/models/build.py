@@ -1,0 +1,201 @@
+"""Chunk building: a rank's model chunks (TP shards of its pipeline stages) from a single-device model.
+
+Works for any family that implements :class:`braid.models.seam.StageModel`. The model may
+live on the meta device (:func:`meta_model`, :func:`on_meta`): a rank then materialises only the layers of its
+own chunks, one full layer at a time, with values from the model's
+:class:`ParamSource` -- initialised by name (:func:`braid.models.init.init_tensor`: the
+values the single-device model gets from ``init_weights`` with the same seed), or read
+from a checkpoint (:func:`braid.hf.load_meta`: only the chunks' tensors) -- and slices
+its TP shard from it. So a
+7B/15B preset starts in seconds and no rank holds another rank's layers.
+
+Tied embeddings: the first stage's embedding and the last stage's head are separate
+copies marked with a :class:`braid.models.tied.Tie`; their gradients are summed by
+:func:`braid.runtime.distributed.reduce_gradients`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from braid.braiding import ChunkSpec
+from braid.ir import Plan
+from braid.models.chunk import ModelChunk
+from braid.models.init import init_tensor
+from braid.models.seam import StageModel
+from braid.models.sequence_parallel import SequenceParallel
+from braid.models.tied import Tie, mark, tie_of
+from braid.partition import chunk_specs, layer_offset
+from braid.tp.embedding import VocabParallelEmbedding
+from braid.tp.layers import ColumnParallelLinear
+
+TIED_KEY = "embed_tokens.weight"
+
+
+class ParamSource(Protocol):
+    """Where a meta-device model's parameters get their values: ``fill(t, name)`` writes the
+    values of the parameter with global (single-device model) name ``name`` into ``t``."""
+
+    device: torch.device
+
+    def fill(self, t: torch.Tensor, name: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class InitSource:
+    """Deterministic by-name initialisation (:func:`braid.models.init.init_tensor`) under ``seed``."""
+
+    seed: int
+    std: float
+    device: torch.device
+
+    def fill(self, t: torch.Tensor, name: str) -> None:
+        init_tensor(t, self.seed, name, self.std)
+
+
+def on_meta(model_cls: type, cfg: object, source: ParamSource, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``model_cls(cfg)`` on the meta device (no storage); its parameters come from ``source``
+    when :func:`build_chunk` or :func:`materialize` makes them real."""
+    with torch.device("meta"):
+        model = model_cls(cfg).to(dtype)
+    model.braid_source = source
+    return model
+
+
+def meta_model(model_cls: type, cfg: object, *, seed: int, std: float = 0.2, device: torch.device | str = "cpu",
+               dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``model_cls(cfg)`` on the meta device, to be materialised chunk by chunk with the values
+    ``model_cls(cfg).init_weights(seed, std)`` has on ``device``."""
+    return on_meta(model_cls, cfg, InitSource(seed, std, torch.device(device)), dtype)
+
+
+def _source(model: nn.Module) -> ParamSource | None:
+    if next(model.parameters()).device.type != "meta":
+        return None
+    source = getattr(model, "braid_source", None)
+    if source is None:
+        raise ValueError("a meta-device model needs a source for its values: build it with braid.models.build.meta_model")
+    return source
+
+
+def materialize(model: nn.Module) -> nn.Module:
+    """Make a meta-device model (:func:`on_meta`) real, whole, on its source's device, in place;
+    a model that is already real is returned unchanged."""
+    source = _source(model)
+    if source is None:
+        return model
+    model.to_empty(device=source.device)
+    if getattr(model.cfg, "tie_embeddings", False):  # to_empty gives each module its own tensor
+        model.lm_head.weight = model.embed_tokens.weight
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            source.fill(p, name)
+    del model.braid_source
+    return model
+
+
+def _real(module: nn.Module, source: ParamSource | None, prefix: str, name_of: dict[str, str] | None = None) -> nn.Module:
+    """``module`` itself, or (meta model) a materialised copy whose parameter ``n`` has global name
+    ``prefix + n`` (or ``name_of[n]``)."""
+    if source is None:
+        return module
+    out = copy.deepcopy(module).to_empty(device=source.device)
+    with torch.no_grad():
+        for n, p in out.named_parameters():
+            source.fill(p, name_of[n] if name_of is not None else prefix + n)
+    return out
+
+
+def build_chunk(
+    model: StageModel,
+    spec: ChunkSpec,
+    first_layer: int,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: dist.ProcessGroup | None = None,
+    num_microbatches: int = 1,
+    sp: SequenceParallel | None = None,
+    seq_len: int | None = None,
+) -> ModelChunk:
+    """The TP shard of layers ``[first_layer, first_layer + spec.layers)`` of a single-device model (copied).
+
+    ``sp``: sequence-parallel context; its degrees are checked against the heads (and
+    ``seq_len`` when given) here, and the layers run 2D-Attention on sequence shards.
+    A tied model's embedding and head copies are marked as held by pipeline rank 0
+    (:func:`build_rank_chunks` marks the real holders).
+    """
+    cfg = model.cfg
+    if sp is not None:
+        sp.config.check_model(heads=cfg.heads, kv_heads=cfg.kv_heads, tp=tp_size, seq_len=seq_len)
+    source = _source(model)
+    layers = []
+    for i in range(first_layer, first_layer + spec.layers):
+        lay = model.shard_layer(_real(model.layers[i], source, f"layers.{i}."), tp_rank, tp_size)
+        lay.sp = sp
+        layers.append(lay)
+    embed = norm = lm_head = None
+    if spec.embed:
+        embed = VocabParallelEmbedding.from_full(_real(model.embed_tokens, source, "embed_tokens."), tp_rank, tp_size)
+    if spec.head:
+        norm = copy.deepcopy(_real(model.norm, source, "norm."))  # keeps the model's dtype and device
+        head_name = TIED_KEY if getattr(cfg, "tie_embeddings", False) else "lm_head.weight"
+        lm_head = ColumnParallelLinear.from_full(_real(model.lm_head, source, "", {"weight": head_name}), tp_rank, tp_size)
+    if getattr(cfg, "tie_embeddings", False):
+        for p in (embed.weight if embed is not None else None, lm_head.weight if lm_head is not None else None):
+            if p is not None:
+                mark(p, Tie(TIED_KEY, (0,)))
+    vocab_start = tp_rank * (cfg.vocab_size // tp_size)
+    return ModelChunk(
+        spec, layers, embed, norm, lm_head,
+        num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start, sp=sp,
+    )
+
+
+def tied_holders(plan: Plan) -> tuple[int, ...]:
+    """Pipeline ranks holding the first or the last virtual stage (the copies of a tied embedding)."""
+    return tuple(sorted({plan.rank_chunk_of(0)[0], plan.rank_chunk_of(plan.num_stages - 1)[0]}))
+
+
+def build_rank_chunks(
+    model: StageModel,
+    plan: Plan,
+    pp_rank: int,
+    layers_per_stage: Sequence[int],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: dist.ProcessGroup | None = None,
+    sp: SequenceParallel | None = None,
+    seq_len: int | None = None,
+) -> dict[int, ModelChunk]:
+    """The local chunks of ``pp_rank`` (TP shards, copied out of the single-device ``model``).
+
+    ``model`` may be a :func:`meta_model`: only this rank's layers are then materialised.
+    ``sp``: this rank's sequence-parallel context (LoongTrain 2D-Attention), checked against
+    the model's heads and ``seq_len`` here, at build time.
+    """
+    if len(layers_per_stage) != plan.num_stages:
+        raise ValueError(f"{len(layers_per_stage)} layer counts for {plan.num_stages} virtual stages")
+    specs = chunk_specs(tuple(layers_per_stage), plan.p, plan.placement)
+    holders = tied_holders(plan)
+    out = {}
+    for c in range(plan.v):
+        stage = plan.stage_of(pp_rank, c)
+        first = layer_offset(tuple(layers_per_stage), stage)
+        out[c] = build_chunk(
+            model, specs[(pp_rank, c)], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, num_microbatches=plan.m,
+            sp=sp, seq_len=seq_len,
+        )
+        out[c].first_layer = first
+        if getattr(model.cfg, "tie_embeddings", False):
+            for p in out[c].parameters():
+                if tie_of(p) is not None:
+                    mark(p, Tie(TIED_KEY, holders))
+    return out

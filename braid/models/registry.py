@@ -1,0 +1,94 @@
+"""Model families by name, like the schedule registry (:mod:`braid.schedules.registry`).
+
+A family is one module that implements the model seam (:mod:`braid.models.seam`) and calls
+:func:`register` at import with a :class:`Family`: its model class, how its configuration
+reads from and writes to a Hugging Face ``config.json``, and how its parameter names map to
+checkpoint tensor names. :mod:`braid.hf` dispatches on ``config["model_type"]`` through
+:func:`family_for_hf`. Adding a family is its module plus one line in ``_MODULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# One line per family module; importing it registers the family.
+_MODULES: tuple[str, ...] = (
+    "braid.models.qwen2",
+    "braid.models.llama",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What the runtime and :mod:`braid.hf` need to know about a model family.
+
+    ``model_cls(cfg)`` builds the single-device model (it implements
+    :class:`braid.models.seam.StageModel` for LMs); ``hf_model_types``: the
+    ``config.json`` ``model_type`` values it reads; ``from_hf(config_dict)`` -> braid
+    config (``ValueError`` naming what is unsupported); ``to_hf(cfg)`` -> ``config.json``
+    dict (``architectures`` and ``model_type`` included); ``hf_key(name)``: a braid
+    parameter name -> the checkpoint tensor name.
+    """
+
+    name: str
+    model_cls: type
+    config_cls: type
+    hf_model_types: tuple[str, ...]
+    from_hf: Callable[[dict[str, Any]], Any]
+    to_hf: Callable[[Any], dict[str, Any]]
+    hf_key: Callable[[str], str]
+    description: str = ""
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` (its name and its HF model types must be new)."""
+    if family.name in _FAMILIES:
+        raise ValueError(f"model family {family.name!r} registered twice")
+    taken = {t: f.name for f in _FAMILIES.values() for t in f.hf_model_types}
+    for t in family.hf_model_types:
+        if t in taken:
+            raise ValueError(f"HF model_type {t!r} of {family.name!r} already read by {taken[t]!r}")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def _load() -> None:
+    for mod in _MODULES:
+        importlib.import_module(mod)
+
+
+def names() -> list[str]:
+    _load()
+    return list(_FAMILIES)
+
+
+def get_family(name: str) -> Family:
+    _load()
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown model family {name!r}; valid names: {', '.join(_FAMILIES)}") from None
+
+
+def family_for_hf(model_type: str) -> Family:
+    """The family that reads a ``config.json`` of ``model_type``."""
+    _load()
+    for f in _FAMILIES.values():
+        if model_type in f.hf_model_types:
+            return f
+    known = sorted(t for f in _FAMILIES.values() for t in f.hf_model_types)
+    raise ValueError(f"unsupported HF model_type {model_type!r}; braid reads: {', '.join(known)}")
+
+
+def family_of(model: object) -> Family:
+    """The family whose model class ``model`` is (the most derived match)."""
+    _load()
+    for f in sorted(_FAMILIES.values(), key=lambda f: -len(f.model_cls.__mro__)):
+        if isinstance(model, f.model_cls):
+            return f
+    raise ValueError(f"{type(model).__name__} belongs to no registered model family ({', '.join(_FAMILIES)})")

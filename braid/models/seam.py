@@ -1,0 +1,72 @@
+"""The model seam: what the chunk runner and the executor need from a model, declared once.
+
+A model family is written for one device (as torchtitan's models are); the runtime never
+reads its attribute names. It asks a *layer* for its four units (:mod:`braid.braiding`:
+pre_attn, attn, pre_mlp, mlp) through :class:`UnitLayer`, and a *model* for the pieces a
+pipeline stage is cut from through :class:`StageModel`. A new family implements these two
+protocols in one module and registers itself in :mod:`braid.models.registry`; the chunk
+runner (:mod:`braid.models.chunk`), the chunk builder (:mod:`braid.models.build`), the
+profiler and the cost model need no edit.
+
+Unit contract (paper Sec. 3, Fig. 2-3). ``pre_attn`` / ``pre_mlp`` are a norm
+(:meth:`UnitLayer.unit_norm`, run by the chunk runner so that its backward can be finished
+after the all-reduce) followed by ``unit_forward(unit, h, positions=...)``, which returns the
+tuple of tensors handed to the next unit. ``attn`` / ``mlp`` take that tuple and the layer
+input ``residual`` and return one tensor *partial over TP* with ``detach(residual)/tp``
+already added (the fused residual; its +1 gradient is added by the runner). Which units end
+with a TP all-reduce is :data:`braid.braiding.AR_FORWARD` / :data:`braid.braiding.AR_BACKWARD`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from braid.braiding import Unit
+
+
+@runtime_checkable
+class UnitLayer(Protocol):
+    """One decoder layer (a TP shard or the full layer) seen as four units."""
+
+    sp: Any  # sequence-parallel context (:class:`braid.models.sequence_parallel.SequenceParallel`) or None
+
+    def unit_norm(self, unit: Unit) -> nn.Module:
+        """The norm that starts ``pre_attn`` / ``pre_mlp`` (a module with a ``weight``)."""
+        ...
+
+    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """``pre_*``: normed input -> tuple of activations; ``attn``/``mlp``: those -> output + residual/tp."""
+        ...
+
+    def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
+        """The linear modules of ``unit`` whose weight gradients a W task computes (TP shards split them off)."""
+        ...
+
+
+@runtime_checkable
+class StageModel(Protocol):
+    """A single-device decoder LM that the chunk builder cuts into pipeline stages.
+
+    ``lm_head.weight is embed_tokens.weight`` when the family ties them
+    (``cfg.tie_embeddings``); the builder then gives the first and the last stage their own
+    copy, marked so that :func:`braid.runtime.distributed.reduce_gradients` sums their
+    gradients (:mod:`braid.models.tied`).
+    """
+
+    cfg: Any
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Linear
+
+    def shard_layer(self, layer: nn.Module, tp_rank: int, tp_size: int) -> UnitLayer:
+        """The TP shard of ``layer`` (one of ``self.layers``, or its materialised copy), copied."""
+        ...
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(b, s) token ids -> (b, s, vocab) float logits."""
+        ...

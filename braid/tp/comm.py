@@ -1,0 +1,167 @@
+"""TP communication backends: how the tensor-parallel all-reduce of a unit is carried out.
+
+A braided block runs each TP all-reduce *beside* the other micro-batch's GEMMs, so what
+matters is not the all-reduce's own speed but what it takes from the compute beside it.
+cuBLAS's bf16 GEMMs on Hopper are persistent kernels holding every SM; an NCCL kernel
+issued beside one waits for SMs, and once running it spins on SMs the GEMMs need. The
+backends differ in exactly that:
+
+``nccl-capped``
+    NCCL with the TP communicator's CTAs capped (``max_ctas``, default 4): few SMs taken,
+    some bandwidth lost. The default on CUDA.
+``nccl``
+    NCCL's defaults (fastest alone, most contention).
+``nccl-zero-cta``
+    NCCL's zero-CTA policy (``NCCL_CTA_POLICY_ZERO``, NCCL >= 2.28): collectives driven by
+    the copy engines where NCCL can; needs a torch whose NCCL config exposes ``cta_policy``.
+``symm-mem``
+    A copy-engine all-reduce over torch's symmetric memory: the low-contention
+    reduce-scatter then the low-contention all-gather of ``torch.ops.symm_mem`` (peer
+    copies on the copy engines; only the reduction and one local copy use SMs). Single
+    node (NVLink peers), any TP size that divides the node.
+``gloo``
+    CPU (tests, CI): a plain all-reduce.
+
+Every backend computes the same sum (``tests/test_tp_comm.py``; bitwise where the
+reduction order is the same). ``python -m braid.profile --tp-backend all`` measures each
+available one alone and beside a GEMM and picks the best for braided execution.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "symm-mem", "gloo"]
+TP_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "symm-mem", "gloo")
+CUDA_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "symm-mem")
+DEFAULT_MAX_CTAS = 4
+NCCL_CTA_POLICY_ZERO = 0x02  # nccl.h: NCCL_CTA_POLICY_DEFAULT 0, _EFFICIENCY 1, _ZERO 2
+
+
+class TPBackendError(ValueError):
+    """A TP backend that cannot run here; the message says what to use instead."""
+
+
+def resolve_tp_backend(name: str, device: torch.device | str) -> str:
+    """The backend ``name`` means on ``device`` (``"auto"``: nccl-capped on CUDA, gloo on CPU),
+    or one clear :class:`TPBackendError`."""
+    dev = torch.device(device)
+    if name == "auto":
+        return "nccl-capped" if dev.type == "cuda" else "gloo"
+    if name not in TP_BACKENDS:
+        raise TPBackendError(f"unknown TP backend {name!r}; choose one of auto, {', '.join(TP_BACKENDS)}")
+    if dev.type == "cuda" and name == "gloo":
+        raise TPBackendError("TP backend gloo is the CPU backend; on CUDA choose one of " + ", ".join(CUDA_BACKENDS))
+    if dev.type != "cuda" and name != "gloo":
+        raise TPBackendError(f"TP backend {name!r} needs CUDA GPUs; on CPU use gloo (or auto)")
+    return name
+
+
+def nccl_group_options(backend: str, max_ctas: int | None = DEFAULT_MAX_CTAS) -> object | None:
+    """``pg_options`` for the TP group's NCCL communicator under ``backend`` (None: defaults)."""
+    if backend in ("gloo", "nccl", "symm-mem") or dist.get_backend() != "nccl":
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    if backend == "nccl-capped":
+        if max_ctas is None:
+            return None
+        opts.config.max_ctas = int(max_ctas)
+    elif backend == "nccl-zero-cta":
+        version = torch.cuda.nccl.version()
+        if tuple(version) < (2, 28, 0):
+            raise TPBackendError(f"nccl-zero-cta needs NCCL >= 2.28 (this torch has {'.'.join(map(str, version))}); "
+                                 "use symm-mem or nccl-capped")
+        if not hasattr(opts.config, "cta_policy"):
+            raise TPBackendError("nccl-zero-cta: this torch's NCCL config has no cta_policy field; use symm-mem or nccl-capped")
+        opts.config.cta_policy = NCCL_CTA_POLICY_ZERO
+    return opts
+
+
+class _EventWork:
+    """A work handle for an all-reduce that ran on a side stream: ``wait`` makes the
+    current stream wait for it (stream-ordered, like NCCL's)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self, timeout: object | None = None) -> bool:  # noqa: ARG002 - same signature as dist.Work.wait
+        self.event.wait(torch.cuda.current_stream())
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+@functools.lru_cache(maxsize=None)
+def _enable_symm_mem(group_name: str) -> None:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        enable(group_name)
+
+
+def _symm_mem_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> _EventWork:
+    """Sum ``t`` in place over ``group`` with copy-engine peer copies (see the module doc)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    name = group.group_name
+    _enable_symm_mem(name)
+    world = dist.get_world_size(group)
+    flat = t.reshape(-1)
+    n = flat.numel()
+    pad = (-n) % world
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    rs = torch.ops.symm_mem._low_contention_reduce_scatter(flat, "sum", name)
+    ag = torch.ops.symm_mem._low_contention_all_gather(rs, name)
+    # Both ops ran on symmetric memory's backend stream; copy back there, then hand the
+    # caller an event to wait on, as NCCL's work handles do.
+    side = symm_mem._get_backend_stream()
+    with torch.cuda.stream(side):
+        t.view(-1).copy_(ag[:n])
+        ev = torch.cuda.Event()
+        ev.record(side)
+    t.record_stream(side)
+    return _EventWork(ev)
+
+
+def make_tp_comm(groups, backend: str, max_ctas: int | None = DEFAULT_MAX_CTAS) -> "TPComm":
+    """A :class:`TPComm` for ``backend`` over this rank's TP group, created anew with the
+    backend's NCCL options (collective: every rank calls it, and every TP group of the
+    layout is created on every rank, as ``new_group`` requires). Reuses the groups' own TP
+    group when its backend is already ``backend``."""
+    if backend == groups.tp_backend or groups.topo.tp == 1:
+        return TPComm(backend, groups.tp if groups.topo.tp > 1 else None)
+    opts = nccl_group_options(backend, max_ctas)
+    mine = None
+    for ranks in groups.topo.groups("tp"):
+        g = dist.new_group(ranks, pg_options=opts)
+        if groups.rank in ranks:
+            mine = g
+    return TPComm(backend, mine)
+
+
+class TPComm:
+    """The TP all-reduce of one rank under a backend: ``all_reduce(t)`` sums ``t`` in place
+    over the TP group and returns a handle whose ``wait()`` orders the caller after it."""
+
+    def __init__(self, backend: str, group: dist.ProcessGroup | None) -> None:
+        if backend not in TP_BACKENDS:
+            raise TPBackendError(f"unknown TP backend {backend!r}; choose one of {', '.join(TP_BACKENDS)}")
+        self.backend = backend
+        self.group = group
+
+    def all_reduce(self, t: torch.Tensor):
+        if self.backend == "symm-mem":
+            return _symm_mem_all_reduce(t, self.group)
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def __repr__(self) -> str:
+        return f"TPComm({self.backend})"

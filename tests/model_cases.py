@@ -1,0 +1,70 @@
+"""Cases run inside the gloo processes of ``test_model_seam.py`` (module-level so they pickle by name)."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_cases import EPS, LR, MBS, SEQ, _as_model, _data, _reference
+
+CFG_KW = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn=64)
+
+
+def family_equivalence(ctx, family: str, tie: bool, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
+                       meta: bool = False, tol: tuple[float, float] = (1e-4, 1e-5)) -> list[str]:
+    """Two AdamW steps of each (schedule, m) against the single-process model of ``family``:
+    losses, every gradient (the tied embedding's is the sum of its two uses) and the parameters.
+
+    ``meta``: build the chunks from a meta-device model (by-name init), the reference from
+    the same rule on one device.
+    """
+    from braid import schedules
+    from braid.compiler import compile_plan
+    from braid.models.build import build_rank_chunks, meta_model
+    from braid.models.registry import get_family
+    from braid.models.tied import tie_of
+    from braid.partition import split_layers
+    from braid.runtime.distributed import reduce_gradients
+    from braid.runtime.executor import Executor
+    from braid.topology import Topology
+
+    fam = get_family(family)
+    topo = Topology(ctx.world_size, pp=pp, tp=tp)
+    groups = ctx.process_groups(topo)
+    c = groups.coords
+    ran = []
+    for name, m in schedules_ms:
+        plan = schedules.build(name, pp, m)
+        stages = plan.num_stages
+        layers = split_layers(2 * stages - 1, stages) if stages > 1 else (2,)
+        cfg = fam.config_cls(layers=sum(layers), tie_embeddings=tie, **CFG_KW)
+        model = fam.model_cls(cfg).init_weights(seed=7)
+        steps_data = [tuple(list(x) for x in _data(cfg, m, seed=s)) for s in range(2)]
+        ref, ref_losses, ref_grads = _reference(model, steps_data)
+        src = meta_model(fam.model_cls, cfg, seed=7) if meta else model
+        chunks = build_rank_chunks(src, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+        params = [p for ch in chunks.values() for p in ch.parameters()]
+        assert sum(tie_of(p) is not None for p in params) == (sum(ch.spec.embed + ch.spec.head for ch in chunks.values()) if tie else 0)
+        opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
+        ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden))
+        where = f"{family} tie={tie} {name} pp={pp} tp={tp} m={m} rank={ctx.rank}"
+        for step, (toks, labs) in enumerate(steps_data):
+            opt.zero_grad(set_to_none=True)
+            res = ex.run(toks, labs)
+            reduce_gradients(params, groups, ctx.dist.abort)
+            if res.loss is not None:
+                torch.testing.assert_close(res.loss, ref_losses[step], rtol=tol[0] / 10, atol=tol[1] / 10, msg=lambda s: f"{where} loss: {s}")
+            if step == 0:
+                want_chunks = build_rank_chunks(_as_model(model, ref_grads), plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
+                for ci, ch in chunks.items():
+                    want = dict(want_chunks[ci].named_parameters())
+                    for n, p in ch.named_parameters():
+                        assert p.grad is not None, f"{where}: chunk {ci} {n} has no gradient"
+                        torch.testing.assert_close(p.grad, want[n].detach(), rtol=tol[0], atol=tol[1], msg=lambda s: f"{where} grad {ci}.{n}: {s}")
+            opt.step()
+        final = build_rank_chunks(ref, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
+        for ci, ch in chunks.items():
+            want = dict(final[ci].named_parameters())
+            for n, p in ch.named_parameters():
+                torch.testing.assert_close(p.detach(), want[n].detach(), rtol=tol[0], atol=tol[1], msg=lambda s: f"{where} param {ci}.{n}: {s}")
+        ran.append(f"{name} m={m}")
+    return ran

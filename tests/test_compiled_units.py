@@ -1,0 +1,189 @@
+"""Compiled units (``torch.compile`` of the units' element-wise functions), on CPU.
+
+Inductor's C++ backend compiles for CPU, so the contract is checked here on a tiny model
+(compiling costs seconds per shape; the rest of the suite stays eager):
+
+* each compiled function gives the eager values and gradients (to rounding);
+* the executor with compiled units equals the single-device reference (loss, every
+  gradient) for a braided schedule and a zero-bubble one (B/W split: W units ran), and the
+  eager executor to rounding;
+* what a compiled function saves for its backward goes through the chunk's saved-tensor
+  boxes: offloading every micro-batch after its forward and reloading it before its
+  backward gives bitwise the gradients of the run without offload, and a backward whose
+  activations are still on the host is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from braid import schedules
+from braid.braiding import ChunkSpec, Phase, Unit, UnitTask, steps
+from braid.compiler import compile_plan
+from braid.ir import OpKind, parse_instruction
+from braid.models.chunk import ChunkStateError, build_chunk
+from braid.models.qwen2 import EAGER, Qwen2Config, Qwen2Model
+from braid.runtime import compiled
+from braid.runtime.executor import Executor, build_rank_chunks
+
+pytestmark = pytest.mark.skipif(not compiled.available("cpu"), reason="torch.compile on CPU needs a C++ compiler")
+
+CFG = Qwen2Config(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64)
+MBS, SEQ = 2, 8
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _data(m: int, seed: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    toks = [torch.randint(0, CFG.vocab_size, (MBS, SEQ), generator=g) for _ in range(m)]
+    labs = [torch.randint(0, CFG.vocab_size, (MBS, SEQ), generator=g) for _ in range(m)]
+    return toks, labs
+
+
+def _model() -> Qwen2Model:
+    torch.manual_seed(0)
+    return Qwen2Model(CFG)
+
+
+def test_each_compiled_function_gives_the_eager_values_and_gradients() -> None:
+    fast = compiled.compiled_fns()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(MBS, SEQ, CFG.hidden, generator=g)
+    w = torch.randn(CFG.hidden, generator=g)
+    q = torch.randn(MBS, 4, SEQ, 8, generator=g)
+    k = torch.randn(MBS, 2, SEQ, 8, generator=g)
+    gate, up = torch.randn(MBS, SEQ, 64, generator=g), torch.randn(MBS, SEQ, 64, generator=g)
+    pos = torch.arange(SEQ).flip(0)
+    cases = {
+        "rms_norm": ((x, w), (1e-6,)),
+        "rope_qk": ((q, k), (1e6, None)),
+        "rope_qk at positions": ((q, k), (1e6, pos)),
+        "swiglu": ((gate, up), ()),
+        "add_residual": ((gate, up), (2,)),
+    }
+    for name, (tensors, rest) in cases.items():
+        fn = name.split()[0]
+        outs = {}
+        for which, fns in (("eager", EAGER), ("compiled", fast)):
+            leaves = [t.clone().requires_grad_() for t in tensors]
+            out = getattr(fns, fn)(*leaves, *rest)
+            out = out if isinstance(out, tuple) else (out,)
+            grads = torch.autograd.grad(out, leaves, [torch.ones_like(o) for o in out])
+            outs[which] = (out, grads)
+        for a, b in zip(*(outs[w][0] + outs[w][1] for w in ("eager", "compiled"))):
+            torch.testing.assert_close(b, a, **TOL, msg=lambda s: f"{name}: {s}")
+    # The head's loss at tp=1: per-token values where labels count (ignored ones are masked by the head).
+    logits = torch.randn(MBS, SEQ, CFG.vocab_size, generator=g)
+    labels = torch.randint(0, CFG.vocab_size, (MBS, SEQ), generator=g)
+    labels[0, :3] = -100
+    keep = (labels != -100).float()
+    got = {}
+    for which, fns in (("eager", EAGER), ("compiled", fast)):
+        leaf = logits.clone().requires_grad_()
+        ce = fns.cross_entropy(leaf, labels, 0, None)
+        got[which] = (ce * keep, torch.autograd.grad((ce * keep).sum(), leaf)[0])
+    for a, b in zip(got["eager"], got["compiled"]):
+        torch.testing.assert_close(b, a, **TOL)
+
+
+def _executor_run(schedule: str, m: int, compile: bool, data) -> tuple[float, dict[str, torch.Tensor], dict]:
+    plan = schedules.build(schedule, 1, m)
+    chunks = build_rank_chunks(_model(), plan, 0, (1, 1))
+    ex = Executor(plan, compile_plan(plan)[0], chunks, pp_ranks=[0], act_shape=(MBS, SEQ, CFG.hidden), compile=compile)
+    assert ex.compiled is compile and all(compiled.is_compiled(ch) is compile for ch in chunks.values())
+    res = ex.run(*data)
+    grads = {f"{c}.{n}": p.grad for c, ch in chunks.items() for n, p in ch.named_parameters()}
+    return res.loss, grads, res.counts
+
+
+def test_executor_with_compiled_units_equals_the_reference() -> None:
+    m = 3
+    data = _data(m)
+    ref = _model()
+    total = 0.0
+    for t, lab in zip(*data):
+        loss = ref(t, lab) / m
+        loss.backward()
+        total += loss.item()
+    plan = schedules.build("braided_v", 1, m)
+    # The reference gradients, sharded as the chunks are (tp=1: copied), by chunk parameter name.
+    grad_model = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p, r in zip(grad_model.parameters(), ref.parameters()):
+            p.copy_(r.grad)
+    want = {f"{c}.{n}": p for c, ch in build_rank_chunks(grad_model, plan, 0, (1, 1)).items() for n, p in ch.named_parameters()}
+    for schedule in ("braided_v", "zb_v"):
+        loss, grads, counts = _executor_run(schedule, m, True, data)
+        eager_loss, eager_grads, _ = _executor_run(schedule, m, False, data)
+        torch.testing.assert_close(loss, total, **TOL)
+        torch.testing.assert_close(loss, eager_loss, **TOL)
+        assert grads.keys() == want.keys()
+        for n, g in grads.items():
+            torch.testing.assert_close(g, want[n].detach(), **TOL, msg=lambda s: f"{schedule} {n}: {s}")
+            torch.testing.assert_close(g, eager_grads[n], **TOL, msg=lambda s: f"{schedule} {n} vs eager: {s}")
+        assert counts["W"] > 0 and (schedule != "braided_v" or counts["braided"] > 0), counts
+
+
+def _chunk_program(program: list[str], offload: bool) -> tuple[list[torch.Tensor], int]:
+    m = 3
+    spec = ChunkSpec(CFG.layers, embed=True, head=True)
+    ch = build_chunk(_model(), spec, 0, num_microbatches=m)
+    compiled.set_compiled([ch], True)
+    ch.set_batch(*_data(m))
+    moved = 0
+    for text in program:
+        ins = parse_instruction(text)
+        ops = getattr(ins, "ops", (ins,))
+        if offload:
+            for op in ops:
+                if op.kind in (OpKind.B, OpKind.BW):
+                    ch.reload(op.mb)
+        for st in steps(ins, lambda c: spec):
+            ch.run(st.op.mb, st.task)
+        for op in ops:
+            if op.kind is OpKind.F:
+                ch.end_forward(op.mb)
+                if offload:
+                    moved += ch.offload(op.mb)
+            elif op.kind in (OpKind.B, OpKind.BW):
+                ch.end_backward(op.mb)
+    assert ch.pending_work() == [] and ch.live_bytes() == 0
+    return [p.grad for p in ch.parameters()], moved
+
+
+def test_compiled_saved_activations_live_in_the_boxes_and_offload_bitwise() -> None:
+    program = ["F0c0", "F1c0", "BW0c0", "F2c0", "B1c0", "W1c0", "BW2c0"]  # one B/W split
+    plain, _ = _chunk_program(program, offload=False)
+    moved_grads, moved = _chunk_program(program, offload=True)
+    assert moved > 0
+    for a, b in zip(plain, moved_grads):
+        assert torch.equal(a, b)
+    # What the compiled norm alone saves goes into the unit's box: parked, its backward is refused.
+    ch = build_chunk(_model(), ChunkSpec(1), 0, num_microbatches=1)
+    compiled.set_compiled([ch], True)
+    x = torch.randn(MBS, SEQ, CFG.hidden, requires_grad=True)
+    with ch._saving(0, Unit.PRE_ATTN, 0):
+        y = ch.layers[0].norm1(x)
+    assert ch._boxes[(0, Unit.PRE_ATTN, 0)].tensors, "the compiled norm saved nothing through the hooks"
+    assert ch.offload(0) > 0
+    with pytest.raises(ChunkStateError, match="on the host"):
+        torch.autograd.grad(y, x, torch.ones_like(y))
+    ch.reload(0)
+    torch.testing.assert_close(torch.autograd.grad(y, x, torch.ones_like(y))[0],
+                               torch.autograd.grad(EAGER.rms_norm(x, ch.layers[0].input_layernorm.weight, CFG.rms_eps), x,
+                                                   torch.ones_like(y))[0], **TOL)
+
+
+def test_compile_switch() -> None:
+    assert compiled.resolve(None, "cpu") is False
+    assert compiled.resolve(False, "cpu") is False and compiled.resolve(True, "cpu") is True
+    with pytest.raises(ValueError, match="--no-compile"):
+        compiled.resolve(True, "meta")
+    model = _model()
+    assert compiled.set_compiled([model], True) == 2 * CFG.layers + CFG.layers + 1  # layers, their 2 norms, the final norm
+    assert compiled.is_compiled(model)
+    compiled.set_compiled([model], False)
+    assert not compiled.is_compiled(model)

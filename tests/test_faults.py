@@ -1,0 +1,307 @@
+"""Failure reports between ranks, with real gloo processes on CPU that raise, get killed or stall.
+
+Each scenario starts its own 2-3 processes (a killed rank cannot serve a shared pool) and
+collects what every surviving rank reports: the class and text of the exception its
+communication wait raised, and the job's failure record. The first failing rank must be
+named with its own exception text by every other rank, whichever ranks fail after it; a
+killed peer must be reported as a closed connection, not as a timeout; a peer that is
+alive but silent must be reported as a timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from braid.runtime.distributed import (
+    ABORT_KEY,
+    Abort,
+    CommTimeout,
+    PeerFailure,
+    PeerLost,
+    create_store,
+    describe_exception,
+)
+from distributed_utils import free_port
+
+FIRST_ERROR = "rank one exploded at step 3"
+
+
+# ----------------------------------------------------------------------------------------
+# Processes
+# ----------------------------------------------------------------------------------------
+def _report(err: BaseException) -> tuple[str, str]:
+    return type(err).__name__, str(err)
+
+
+def _recv_from(d, src: int) -> tuple[str, str] | None:
+    """Post a receive from ``src`` and wait on it through the abort record; the exception it ends in."""
+    t = torch.zeros(4)
+    try:
+        d.abort.wait(dist.irecv(t, src=src))
+    except Exception as err:  # noqa: BLE001 - the report is what the test checks
+        return _report(err)
+    return None
+
+
+def _scenario(rank: int, world: int, port: int, case: str, timeout_s: float, out) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    from braid.runtime.distributed import Dist
+
+    d = Dist.init(rank, world, master_port=port, timeout_s=timeout_s)
+    dist.barrier()
+    result: dict = {"rank": rank}
+    if case == "raise":
+        # rank 1 fails first; rank 2 fails later with its own error; 0 and 2 wait on rank 1.
+        if rank == 1:
+            try:
+                with d.abort.on_failure():
+                    time.sleep(0.3)
+                    raise ValueError(FIRST_ERROR)
+            except ValueError as err:
+                result["own"] = _report(err)
+            out.put(result)
+            d.store.set("done/1", "1")
+            d.close()
+            return
+        result["wait"] = _recv_from(d, 1)
+        if rank == 2:
+            result["later_kept"] = d.abort.fail(RuntimeError("a later failure on rank 2"))
+        result["record"] = d.abort.first_failure()
+    elif case == "kill":
+        # rank 2 (not the store's host) is killed; 0 and 1 were waiting on it.
+        if rank == 2:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        result["wait"] = _recv_from(d, 2)
+        try:
+            d.abort.check()
+            result["check"] = None
+        except PeerFailure as err:
+            result["check"] = _report(err)
+    elif case == "kill_store_host":
+        if rank == 0:
+            time.sleep(0.3)
+            os.kill(os.getpid(), signal.SIGKILL)
+        result["wait"] = _recv_from(d, 0)
+    elif case == "timeout":
+        # rank 1 stays alive but never sends: rank 0's wait runs out of time.
+        if rank == 1:
+            d.store.wait(["rank0/done"], datetime.timedelta(seconds=120))
+            out.put(result)
+            d.close()
+            return
+        result["wait"] = _recv_from(d, 1)
+        out.put(result)
+        d.store.set("rank0/done", "1")
+        d.close()
+        return
+    out.put(result)
+    if rank == 0 and case != "kill_store_host":
+        # rank 0 hosts the store: keep it until the other survivors have read the record.
+        others = [r for r in range(1, world) if not (case == "kill" and r == 2)]
+        d.store.wait([f"done/{r}" for r in others], datetime.timedelta(seconds=120))
+    else:
+        try:
+            d.store.set(f"done/{rank}", "1")
+        except Exception:  # noqa: BLE001 - the store host may be gone (kill_store_host)
+            pass
+    out.close()
+    out.join_thread()  # flush the report before the hard exit below
+    os._exit(0)  # the peers are gone or failed: skip a destroy that would wait on them
+
+
+def _run(case: str, world: int, timeout_s: float = 60.0) -> dict[int, dict]:
+    """Run ``case`` on ``world`` spawned ranks; the results of the ranks that reported, by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_scenario, args=(r, world, port, case, timeout_s, out), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    expected = world - (1 if case in ("kill", "kill_store_host") else 0)
+    got: dict[int, dict] = {}
+    try:
+        while len(got) < expected:
+            try:
+                res = out.get(timeout=90)
+            except queue.Empty:
+                pytest.fail(f"{case}: ranks {sorted(set(range(world)) - set(got))} hung (no report in 90 s)")
+            got[res["rank"]] = res
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got
+
+
+# ----------------------------------------------------------------------------------------
+# Scenarios
+# ----------------------------------------------------------------------------------------
+@pytest.mark.timeout(240)
+def test_first_failing_rank_is_named_by_every_rank() -> None:
+    got = _run("raise", 3)
+    assert got[1]["own"] == ("ValueError", FIRST_ERROR)
+    for r in (0, 2):
+        kind, text = got[r]["wait"]
+        assert kind == "PeerFailure", got[r]
+        assert "rank 1 failed first" in text and f"ValueError: {FIRST_ERROR}" in text, text
+        assert got[r]["record"] == (1, f"ValueError: {FIRST_ERROR}")
+    # rank 2's own, later failure did not overwrite the record
+    assert got[2]["later_kept"] is False
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_is_a_closed_peer_not_a_timeout() -> None:
+    got = _run("kill", 3, timeout_s=60.0)
+    assert set(got) == {0, 1}
+    for r in (0, 1):
+        kind, text = got[r]["wait"]
+        assert kind == "PeerLost", got[r]
+        assert "closed its connection" in text and "did not finish within" not in text, text
+        # nobody recorded a failure: no rank blames another
+        assert got[r]["check"] is None
+
+
+@pytest.mark.timeout(240)
+def test_killed_store_host_is_a_lost_peer() -> None:
+    got = _run("kill_store_host", 2, timeout_s=60.0)
+    kind, text = got[1]["wait"]
+    assert kind == "PeerLost", got[1]
+    assert "did not finish within" not in text and ("closed its connection" in text or "store cannot be reached" in text)
+
+
+@pytest.mark.timeout(240)
+def test_silent_peer_is_a_timeout() -> None:
+    got = _run("timeout", 2, timeout_s=2.0)
+    kind, text = got[0]["wait"]
+    assert kind == "CommTimeout", got[0]
+    assert "did not finish within 2 s" in text, text
+
+
+def _fails_on_rank_one(d) -> None:
+    if d.rank == 1:
+        raise ValueError(FIRST_ERROR)
+    _raise_wait(d, 1)
+
+
+def _raise_wait(d, src: int) -> None:
+    d.abort.wait(dist.irecv(torch.zeros(4), src=src))
+
+
+@pytest.mark.timeout(240)
+def test_launch_report_leads_with_the_first_failure() -> None:
+    from braid.profile import launch
+
+    with pytest.raises(RuntimeError) as info:
+        launch(2, "cpu", _fails_on_rank_one)
+    first_line = str(info.value).splitlines()[0]
+    assert first_line == f"rank 1 failed first: ValueError: {FIRST_ERROR}"
+    assert "--- rank 0 ---" in str(info.value) and "PeerFailure" in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------
+# The record and the classification, in one process
+# ----------------------------------------------------------------------------------------
+def test_first_writer_wins_among_racing_ranks() -> None:
+    store = create_store(0, 2, "127.0.0.1", free_port(), datetime.timedelta(seconds=10))
+    aborts = [Abort(store, r, 5.0) for r in range(8)]
+    won: list[int] = []
+    barrier = threading.Barrier(len(aborts))
+
+    def go(a: Abort) -> None:
+        barrier.wait()
+        if a.fail(ValueError(f"failure of rank {a.rank}")):
+            won.append(a.rank)
+
+    threads = [threading.Thread(target=go, args=(a,)) for a in aborts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(won) == 1
+    first = aborts[3].first_failure()
+    assert first == (won[0], f"ValueError: failure of rank {won[0]}")
+    with pytest.raises(PeerFailure, match=f"rank 5 stops: rank {won[0]} failed first: ValueError: failure of rank {won[0]}"):
+        aborts[5].check()
+    aborts[0].clear()
+    assert not store.check([ABORT_KEY]) and aborts[0].first_failure() is None
+
+
+def test_peer_failure_is_not_recorded_as_a_new_failure() -> None:
+    a = Abort(dist.HashStore(), 2)
+    assert a.fail(PeerFailure("rank 2 stops: rank 1 failed first: x", 1, "x")) is False
+    assert a.first_failure() is None
+    assert a.fail(PeerLost("rank 2: a peer closed its connection")) is True
+    assert a.first_failure() == (2, "PeerLost: rank 2: a peer closed its connection")
+
+
+@pytest.mark.parametrize("text,elapsed,expected", [
+    ("[pair.cc:553] Connection closed by peer [127.0.0.1]:18608. This is typically caused by a remote worker crashing.",
+     0.6, PeerLost),
+    ("Connection reset by peer", 0.6, PeerLost),
+    ("Failed to recv, got 0 bytes. Connection was likely closed.", 0.1, PeerLost),
+    ("[unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete", 3.0, CommTimeout),
+    ("Application timeout caused pair closure", 3.0, CommTimeout),
+    ("something else entirely", 5.0, CommTimeout),  # ran the whole timeout
+    ("something else entirely", 0.2, RuntimeError),
+])
+def test_classify(text: str, elapsed: float, expected: type) -> None:
+    got = Abort(dist.HashStore(), 0, timeout_s=5.0).classify(RuntimeError(text), elapsed)
+    assert type(got) is expected
+    if expected is PeerLost:
+        assert "did not finish within" not in str(got) and f"after {elapsed:.1f} s" in str(got)
+    if expected is CommTimeout:
+        assert "did not finish within 5 s" in str(got)
+
+
+def test_describe_exception() -> None:
+    assert describe_exception(ValueError("bad thing")) == "ValueError: bad thing"
+    assert describe_exception(KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
+# ----------------------------------------------------------------------------------------
+# Stores stay on this machine
+# ----------------------------------------------------------------------------------------
+def _listening_addresses(port: int) -> set[str]:
+    """Local addresses with a socket listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    out = set()
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(name).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:
+                out.add(addr)
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc/net/tcp (Linux)")
+def test_local_store_listens_on_loopback_only() -> None:
+    port = free_port()
+    store = create_store(0, 2, "127.0.0.1", port, datetime.timedelta(seconds=10))
+    addrs = _listening_addresses(port)
+    assert addrs == {"0100007F"}, addrs  # 127.0.0.1, little-endian hex; not 0.0.0.0 or ::
+    store.set("k", "v")
+    client = create_store(1, 2, "127.0.0.1", port, datetime.timedelta(seconds=10))
+    assert client.get("k") == b"v"
+
+
+def test_single_process_store_opens_no_port() -> None:
+    store = create_store(0, 1, "127.0.0.1", free_port(), datetime.timedelta(seconds=10))
+    assert isinstance(store, dist.HashStore)
