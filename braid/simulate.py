@@ -19,6 +19,7 @@ Examples::
     python -m braid.simulate --pp 4 --mbs 12 --schedule braided_v --schedule zb_v --html timeline.html
     python -m braid.simulate --pp 2 --mbs 8 --schedule braided_v --schedule braided_v_offload --offload-alpha 0.5
     python -m braid.simulate --pp 4 --mbs 12 --costs uniform.json --json report.json --trace trace.json
+    python -m braid.simulate --pp 4 --mbs 12 --torch-csv dualpipev.csv --schedule dualpipe_v
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--offload-budget", type=float, default=0.01, metavar="F",
                     help="--offload-alpha auto: step-time slowdown allowed for a lower peak, as a fraction "
                          "(default 0.01 = 1%%)")
+    ap.add_argument("--torch-csv", action="append", metavar="FILE",
+                    help="also simulate a schedule torch.distributed.pipelining dumped as a compute-only CSV "
+                         "(repeatable; its ranks and micro-batches must match --pp and --mbs; alone, without "
+                         "--schedule, only these run)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -82,8 +87,9 @@ def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
     return {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
 
 
-def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[str, Any], list, list[str]]:
-    """Simulate the selected schedules; returns (json document, traces, notes)."""
+def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence[Any] = ()) -> tuple[dict[str, Any], list, list[str]]:
+    """Simulate the selected schedules and the given ready-made ``plans`` (e.g. read from torch
+    CSVs); returns (json document, traces, notes)."""
     from braid import schedules
     from braid.compiler import ScheduleError, compile_plan
     from braid.offload import tune_offload
@@ -99,9 +105,10 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     traces, notes, reports = [], [], []
     # name -> (plan's v, why): "layers" (the model cannot fill its stages), "m" (too few micro-batches), "schedule"
     doc["skipped"] = {}
-    for name in schedule_names:
+    given = {p.name: p for p in plans}
+    for name in list(schedule_names) + list(given):
         try:
-            plan = schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
+            plan = given[name] if name in given else schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
             if _max_pp(model, plan.v, args.pp) < args.pp:
                 doc["skipped"][name] = (plan.v, "layers")
             costs = _costs_for(args, model, hw, plan)
@@ -160,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = schedules.names()
     ap = _parser(names)
     args = ap.parse_args(argv)
-    chosen = args.schedule or names
+    chosen = args.schedule or ([] if args.torch_csv else names)
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
@@ -188,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         ap.error(str(err))
     check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],
-                  inputs=[args.costs] if args.costs else [])
+                  inputs=([args.costs] if args.costs else []) + list(args.torch_csv or []))
     if args.html:
         try:
             import plotly  # noqa: F401
@@ -199,8 +206,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_cost_json(args.costs)  # an unreadable file is one line before any simulation
     except CostFileError as err:
         ap.error(str(err))
+    plans = []
+    for path in args.torch_csv or []:
+        from braid.torch_format import TorchFormatError, from_torch_csv
+
+        try:
+            with open(path) as f:
+                plan = from_torch_csv(f.read(), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
+        except OSError as err:
+            ap.error(f"--torch-csv: cannot read {path!r} ({err.strerror})")
+        except TorchFormatError as err:
+            ap.error(f"--torch-csv {path}: {err}")
+        if (plan.p, plan.m) != (args.pp, args.mbs):
+            ap.error(f"--torch-csv {path} has {plan.p} ranks and {plan.m} micro-batches: pass --pp {plan.p} --mbs {plan.m}")
+        plans.append(plan)
     try:
-        doc, traces, notes = run(args, chosen)
+        doc, traces, notes = run(args, chosen, plans)
     except CostFileError as err:
         ap.error(str(err))
     reports = doc.pop("reports")

@@ -5,7 +5,8 @@ the first and the last stage. Braided blocks interleave the units of two ops so 
 all-reduce of one is in flight while the other computes (:mod:`braid.braiding`). Three kinds
 appear, in the order of the authors' published step structure:
 
-* F&F -- two chunk-0 forwards of consecutive micro-batches (warm-up),
+* F&F -- two chunk-0 forwards of consecutive micro-batches (warm-up), and once per rank a
+  chunk-0 forward with the chunk-1 forward before it (end of warm-up),
 * F&W -- a chunk-0 forward with a deferred weight gradient (end of warm-up),
 * F&B -- forward and backward of the *same* chunk, forward micro-batch later than the
   backward one; ``B`` (weight gradient split off) while gradients must move downstream
@@ -15,7 +16,8 @@ Phases for rank r (closed-form counts; ``split`` = weight gradient deferred to a
 
 1. ``2(p-r-1)`` forwards of chunk 0,
 2. ``r+1`` pairs F0, F1,
-3. ``a`` more chunk-0 forwards -- one single F when ``a`` is odd, then F&F blocks.
+3. ``a`` more chunk-0 forwards -- one single F when ``a`` is odd (braided with phase 2's
+   last forward, of chunk 1: a cross-chunk F&F block), then F&F blocks.
    ``a = r+1`` fills rank r with the maximum number of in-flight micro-batches (Fig. 11c);
    the memory-efficient warm-up (Appendix A/B, Fig. 11b, "Ours^") takes ``a = 1``: just the
    one extra forward that lets the first F&B block pair a later forward with an earlier
@@ -113,10 +115,16 @@ def _rank_ops(p: int, m: int, r: int, lowmem: bool) -> list:
     for _ in range(r + 1):
         rb.f(0)
         rb.f(1)
-    # Phase 3: extra chunk-0 forwards, a single one first if odd, then F&F blocks.
+    # Phase 3: extra chunk-0 forwards, a single one first if odd, then F&F blocks. The single
+    # one braids with phase 2's last forward (of chunk 1, so they do not depend on each
+    # other): one more warm-up forward's all-reduces hide, at no cost in step time on uniform
+    # costs (the memory-efficient variant keeps its lone forward).
     extra = min(1 if lowmem else r + 1, m - rb.fwd[0])
-    if extra % 2 == 1:
+    if extra % 2 == 1 and lowmem:
         rb.f(0)
+    elif extra % 2 == 1:
+        last = rb.ops.pop()  # F(r) of chunk 1
+        rb.braid(rb.next_f(0), last)
     for _ in range(extra // 2):
         rb.braid(rb.next_f(0), rb.next_f(0))
     # Phase 4: n(F1&B1, F0&W) -- split backwards push gradients downstream fast.
