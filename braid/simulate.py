@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
     try:  # the model, hardware and tp on their own (one stage), before any schedule
-        analytic_costs(get_model(args.model), get_hardware(args.hardware), Layout(args.tp, 1, 1))
+        analytic_costs(args.model, get_hardware(args.hardware), Layout(args.tp, 1, 1))
     except ValueError as err:
         ap.error(str(err))
     check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],
