@@ -64,8 +64,10 @@ def _expected_counts(program, chunks):
     return braided, w, ar
 
 
-def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol: tuple[float, float] = (1e-4, 1e-5)) -> list[tuple[str, int, dict]]:
-    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference."""
+def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol: tuple[float, float] = (1e-4, 1e-5),
+                compile: bool | None = None) -> list[tuple[str, int, dict]]:
+    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference
+    (``compile``: the executor's compiled-units switch)."""
     from braid import schedules
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
@@ -98,8 +100,9 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
         chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
-        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev)
-        where = f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank}"
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev,
+                                  compile=compile)
+        where = f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled}"
         for step, (toks, labs) in enumerate(steps_data):
             opt.zero_grad(set_to_none=True)
             res = ex.run(toks, labs)

@@ -162,6 +162,18 @@ def _chunk_program(program: list[str], offload: bool, device: str = "cpu") -> tu
     return [p.grad for p in ch.parameters()], moved
 
 
+@pytest.mark.slow
+def test_compiled_units_under_tp_and_pp_equal_the_reference(pools) -> None:
+    """Two gloo ranks: TP=2 (all-reduces in place on compiled unit outputs, the vocab-parallel loss
+    stays eager) and PP=2 (compiled outputs sent to the next stage); two AdamW steps each."""
+    import executor_cases as cases
+
+    for pp, tp in ((1, 2), (2, 1)):
+        combos = [("braided_v", 2 * pp + 1), ("zb_h1", 2 * pp + 1)]
+        ran = pools(2).run(cases.equivalence, pp, tp, combos, (1e-4, 1e-5), True, timeout_s=600)
+        assert {(n, m) for n, m, _ in ran[0]} == set(combos), ran
+
+
 PROGRAM = ["F0c0", "F1c0", "BW0c0", "F2c0", "B1c0", "W1c0", "BW2c0"]  # one B/W split
 
 
