@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one mode's steps, print the top N functions")
+    ap.add_argument("--compile", action="store_true", help="compiled units (executor and floor alike; default: eager)")
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.exit(2, "--device cuda: no CUDA device here\n")
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         has_record = "record" in inspect.signature(Executor).parameters
         modes = args.modes if has_record else ["units"]
         kw = dict(pp_ranks=[0], act_shape=(1, args.seq, cfg.hidden), device=args.device)
+        if "compile" in inspect.signature(Executor).parameters:
+            kw["compile"] = args.compile
         exs = {m: Executor(plan, program, chunks, **kw, **({"record": m} if has_record else {})) for m in modes}
         n = _units(program, chunks)
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
