@@ -32,14 +32,15 @@ def edge(t: torch.Tensor) -> GradientEdge:
 
 def grad(outputs: Sequence[torch.Tensor | GradientEdge], inputs: Sequence[torch.Tensor | GradientEdge],
          grad_outputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
-    """``torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)`` as one engine call.
+    """``torch.autograd.grad(outputs, inputs, grad_outputs)`` as one engine call (an input the
+    outputs do not depend on is an error, as there).
 
     ``grad_outputs`` must hold one gradient per output, of its shape and dtype (not
     checked here: the runner passes what the next unit's backward returned).
     """
     if _engine_run_backward is None:  # pragma: no cover - older torch
-        return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
-    return _engine_run_backward(tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True, accumulate_grad=False)
+        return torch.autograd.grad(outputs, inputs, grad_outputs)
+    return _engine_run_backward(tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), False, accumulate_grad=False)
 
 
 def fast_apply(fn: type[torch.autograd.Function]) -> Callable[..., Any]:
