@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from train_cli import Run, Setup, Task, sp_config
+from train_cli import NonFiniteError, Run, Setup, Task, sp_config
 
 log = logging.getLogger("braid.examples")
 
@@ -159,17 +160,45 @@ class StepOut:
     mem: int
 
 
-def train_step(runner: BraidRunner | TorchRunner, opt: torch.optim.Optimizer, toks: list, labs: list, traced: bool,
-               dp: int, device: torch.device) -> StepOut:
-    """One step: forward + backward of every micro-batch, the loss summed over ranks, the optimizer update."""
+def train_step(runner: BraidRunner | TorchRunner, opt: Any, toks: list, labs: list, *, traced: bool, step: int,
+               topo: Any, rank: int, device: torch.device) -> StepOut:
+    """Step ``step`` (1-based): forward + backward of every micro-batch, the loss summed over ranks, the update.
+
+    A non-finite loss or local gradient on any rank stops every rank *before* the update
+    (:class:`NonFiniteError` naming the step and the first such rank), so no damaged
+    weights are trained on or saved.
+    """
     import torch.distributed as dist
 
     opt.zero_grad(set_to_none=True)
     local_loss, mem = runner.step(toks, labs, traced)
+    world = topo.world_size
+    # One all-reduce: the loss, then per rank a flag for a non-finite loss and one for a non-finite gradient.
+    buf = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
+    if local_loss is not None:
+        buf[0] = local_loss
+        buf[1 + rank] = not math.isfinite(local_loss)
+    buf[1 + world + rank] = not _grads_finite(runner)
+    dist.all_reduce(buf)
+    flags = buf[1:].tolist()
+    if any(flags):
+        what, first = ("loss", flags.index(1.0)) if any(flags[:world]) else ("gradient", flags.index(1.0, world) - world)
+        raise NonFiniteError(f"non-finite {what} at step {step} (first on rank {first}); stopped before the optimizer "
+                             "update, nothing saved from this step on -- lower --lr or --init-std")
     opt.step()
-    loss_t = torch.tensor([local_loss if local_loss is not None else 0.0], dtype=torch.float64, device=device)
-    dist.all_reduce(loss_t)
-    return StepOut(float(loss_t) / dp, mem)
+    return StepOut(float(buf[0]) / topo.dp, mem)
+
+
+def _grads_finite(runner: BraidRunner | TorchRunner) -> bool:
+    """Whether this rank's gradients are finite (braid's plain tensors; the torch baselines' DTensors are not read)."""
+    if not isinstance(runner, BraidRunner):
+        return True
+    grads = [p.grad for p in runner.params if p.grad is not None]
+    if not grads:
+        return True
+    total = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    norm = total(grads) if total is not None else torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    return bool(torch.isfinite(norm))
 
 
 def train_reference(task: Task, setup: Setup, source: Any, device: torch.device, dtype: torch.dtype) -> list[float]:
