@@ -102,7 +102,16 @@ def verify_resume(step_dir: Path, rank: int, world: int) -> None:
 
 
 class TrainState:
-    """What a checkpoint holds for one schedule's run: model, optimizer, progress (step, next sample)."""
+    """What a checkpoint holds for one schedule's run: model, optimizer, progress (step, next sample).
+
+    The optimizer's state is saved under global parameter names too: a ``torch.optim``
+    optimizer over the runner's parameters through ``get_optimizer_state_dict``
+    (:class:`braid.sharded_state.OptimizerState`). An optimizer that keeps its state
+    elsewhere (fp32 master weights, shards over data-parallel ranks) provides
+    ``checkpoint_state(params: ShardedParams) -> Stateful`` whose ``state_dict()`` is keyed by
+    global names (``params.by_name``; TP blocks via ``params.to_global``) -- resharding over
+    tp, pp and dp then stays DCP's job.
+    """
 
     def __init__(self, task: Task, runner: Any, optimizer: Any, groups: Any) -> None:
         from braid.models.global_names import check_shards, chunk_shards
@@ -112,12 +121,8 @@ class TrainState:
         shards = chunk_shards(runner.chunks, groups.coords.tp, topo.tp, vlm=task.vision)
         self.params = ShardedParams(shards, groups.tp if topo.tp > 1 else None)
         self.model = ModelState(self.params)
-        # An optimizer that checkpoints itself under global names (Stateful, not a torch.optim
-        # optimizer over the local parameters) is saved as it is.
-        if isinstance(optimizer, torch.optim.Optimizer):
-            self.optim: Any = OptimizerState(self.params, optimizer)
-        else:
-            self.optim = optimizer
+        own = getattr(optimizer, "checkpoint_state", None)
+        self.optim: Any = own(self.params) if callable(own) else OptimizerState(self.params, optimizer)
         self._check = lambda model: check_shards(shards, model)
 
     def check_against(self, model: torch.nn.Module) -> None:

@@ -184,9 +184,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
     from braid import schedules
     from braid.baselines import TORCH_SCHEDULES
-    from braid.topology import Topology
-
     from braid.runconfig import ConfigError, config_argv
+    from braid.topology import Topology
 
     parser = build_parser(task)
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -58,6 +58,16 @@ def to_device(item: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return item.to(device=device, dtype=dtype if item.is_floating_point() else item.dtype)
 
 
+def local_tensors(params: list) -> list[torch.Tensor]:
+    """This rank's part of each parameter (a DTensor's local block)."""
+    return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+
+def model_state_bytes(params: list) -> int:
+    """Bytes of this rank's model state: weights, gradients and AdamW's two moments, in the parameters' dtype."""
+    return sum(4 * t.numel() * t.element_size() for t in local_tensors(params))
+
+
 class BraidRunner:
     """A braid schedule: this rank's chunks under the executor, data-parallel gradient reduction."""
 
@@ -84,7 +94,7 @@ class BraidRunner:
                                        act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device)
         self.params = [p for ch in self.chunks.values() for p in ch.parameters()]
         self.groups, self.abort, self.device = groups, d.abort, device
-        self.state_bytes = sum(p.numel() * p.element_size() * 4 for p in self.params)  # weights, grads, two AdamW moments
+        self.state_bytes = model_state_bytes(self.params)
         self.res = None
 
     def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
@@ -113,6 +123,7 @@ class TorchRunner:
         self.pipe = TorchPipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
                                   vision=vision, timeout_s=setup.args.timeout)
         self.params = self.pipe.parameters()
+        self.state_bytes = model_state_bytes(self.params)
         self.tp_rank = groups.coords.tp
         self.res = None
 
