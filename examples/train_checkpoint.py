@@ -52,9 +52,16 @@ def layout_record(task: Task, setup: Setup, run: Run, pos: int) -> dict[str, Any
             "torch": torch.__version__}
 
 
-def check_resume(task: Task, setup: Setup) -> Path:
-    """The step folder ``--resume`` names, its record read and its model compared with this run's (:class:`UsageError`)."""
+def check_resume(task: Task, setup: Setup) -> Path | None:
+    """The step folder ``--resume`` names, its record read and its model compared with this run's (:class:`UsageError`).
+
+    None: ``--resume`` is the run's own ``--save`` directory and holds no checkpoint yet.
+    """
     a = setup.args
+    if _nothing_saved_yet(a.resume, a.save):
+        if setup.rank == 0:
+            log.info("--resume %s: no complete checkpoint there yet (the --save directory); starting at step 0", a.resume)
+        return None
     try:
         step_dir = checkpoint.resolve(a.resume)
         rec = checkpoint.read_layout(step_dir)
@@ -79,6 +86,20 @@ def check_resume(task: Task, setup: Setup) -> Path:
                     "the data continues at the saved sample, but the run is not the one that was saved", step_dir,
                     saved_per_step, per_step)
     return step_dir
+
+
+def _nothing_saved_yet(resume: str, save: str | None) -> bool:
+    """``--resume DIR --save DIR`` before DIR holds any checkpoint: the same command starts and restarts a run.
+
+    Only for the run's own --save directory (a mistyped --resume elsewhere stays an error),
+    and only when nothing there could be a checkpoint (no step folder, no ``latest``).
+    """
+    r = Path(resume)
+    if not save or r.resolve() != Path(save).resolve():
+        return False
+    if not r.exists():
+        return True
+    return r.is_dir() and not checkpoint.step_folders(r) and not any((r / n).exists() for n in (checkpoint.LATEST, ".metadata"))
 
 
 def _first_difference(saved: Any, want: Any) -> str:

@@ -100,12 +100,12 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
     opt = make_optimizer(args, runner)
     _banner(task, setup, run, runner, dtype)
     state = None
-    if args.save or args.resume:
+    if args.save or setup.resume_dir is not None:
         state = TrainState(task, runner, opt, groups)
         state.check_against(setup.model)
     per_step = args.dp * args.mbs * args.micro_batch_size
     step, pos = 0, 0
-    if args.resume:
+    if setup.resume_dir is not None:
         verify_resume(setup.resume_dir, setup.rank, setup.world)
         step, pos = state.load(setup.resume_dir)
         if setup.rank == 0:
@@ -116,7 +116,7 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
     flops = task.flops_per_sample(setup.model, args)
     peak = peak_flops(args, device)
     bar = Progress(args.steps, setup.rank == 0)
-    metrics = MetricsLog(args, step if args.resume else None) if setup.rank == 0 else None
+    metrics = MetricsLog(args, step if args.resume else None) if setup.rank == 0 else None  # step 0: a fresh start
     if setup.rank == 0 and args.save:
         _write_config(setup, Path(args.save) / "config.toml")
     stats = RunStats(run.name, [], [], [0] * setup.world)

@@ -112,14 +112,16 @@ def test_single_process_killed_at_random_moments_and_during_saves_resumes_exactl
     ref = tmp_path / "ref.jsonl"
     _ok(_python(LLM, *COMMON, "--steps", str(steps), "--metrics", str(ref)))
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    base = [LLM, *COMMON, "--steps", str(steps), "--save", str(ckpt), "--save-every", "1", "--metrics", str(metrics)]
+    # One command starts and restarts the run: --resume names the run's own --save directory.
+    base = [LLM, *COMMON, "--steps", str(steps), "--save", str(ckpt), "--save-every", "1", "--metrics", str(metrics),
+            "--resume", str(ckpt)]
     rng = random.Random(17)
     kills, saved = 0, 0
     for attempt in range(5):
-        resume = ["--resume", str(ckpt)] if (ckpt / "latest").exists() else []
-        proc = _start(base + resume)
+        proc = _start(base)
         during_save = attempt % 2 == 0
-        if not _kill_after(proc, metrics, ckpt, saved + rng.randint(1, 2), during_save, delay=rng.uniform(0.0, 0.3)):
+        step = 1 if attempt == 0 else saved + rng.randint(1, 2)  # first: during the very first save
+        if not _kill_after(proc, metrics, ckpt, step, during_save, delay=rng.uniform(0.0, 0.3)):
             break
         kills += 1
         if (ckpt / "latest").exists():  # whatever the moment, latest names a complete, sound checkpoint
@@ -127,7 +129,7 @@ def test_single_process_killed_at_random_moments_and_during_saves_resumes_exactl
             assert checkpoint.verify(folder) == [], attempt
             saved = checkpoint.read_layout(folder)["step"]
     assert kills >= 3 and saved > 0  # really interrupted, several times, saves included
-    final = _python(*base, "--resume", str(ckpt))
+    final = _python(*base)
     _ok(final)
     assert f"at step {saved} " in final.stderr  # continued where the last complete save stopped
     assert _losses(metrics) == _losses(ref)  # same layout, same arithmetic: exact
@@ -328,6 +330,16 @@ def test_resume_with_another_model_is_one_line(saved: Path) -> None:
     proc = _python(LLM, "--model", "small", "--steps", "2", "--resume", str(saved))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [line for line in proc.stderr.strip().splitlines() if "saved for another model" in line]
+
+
+def test_resume_of_the_own_save_directory_before_any_save_starts_fresh(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "ckpt").mkdir()
+    (ckpt / ".step_00000001.partial").mkdir()  # a first save that was killed
+    proc = _python(LLM, *COMMON, "--steps", "1", "--save", str(ckpt), "--resume", str(ckpt))
+    _ok(proc)
+    assert "no complete checkpoint there yet" in proc.stderr
+    assert (ckpt / "latest").read_text().strip() == "step_00000001" and not list(ckpt.glob(".step_*"))
 
 
 def test_help_prints_once_under_torchrun() -> None:
