@@ -1,6 +1,7 @@
 """Model size presets for the cost model: Qwen2 LLMs and Qwen2-VL MLLMs (paper Sec. 5).
 
-``qwen2-1.5b`` and ``qwen2-7b`` use the published Qwen2 configurations. ``qwen2-12b`` and
+``qwen2-1.5b``, ``qwen2-7b``, ``qwen2-72b`` and ``qwen2-vl-72b`` use the published Qwen2 and
+Qwen2-VL configurations (the 72B MLLM: the Qwen2-72B language model behind the same ViT). ``qwen2-12b`` and
 ``qwen2-vl-15b`` stand for the paper's 12.1B LLM and 14.9B MLLM: the paper's Table 2 is
 not in the text we have, so they are Qwen2-family shapes (hidden 4096, 32 heads, 8 KV
 heads) whose layer counts and FFN width give 12.1B and 14.9B parameters. The MLLMs carry
@@ -90,6 +91,9 @@ MODELS: dict[str, ModelConfig] = {
     "qwen2-vl-7b": ModelConfig("qwen2-vl-7b", layers=28, hidden=3584, heads=28, kv_heads=4, ffn=18944,
                                vocab=_QWEN2_VOCAB, vit=ViTConfig()),
     "qwen2-vl-15b": ModelConfig("qwen2-vl-15b", layers=57, hidden=4096, heads=32, kv_heads=8, ffn=14976,
+                                vocab=_QWEN2_VOCAB, vit=ViTConfig()),
+    "qwen2-72b": ModelConfig("qwen2-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568, vocab=_QWEN2_VOCAB),
+    "qwen2-vl-72b": ModelConfig("qwen2-vl-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568,
                                 vocab=_QWEN2_VOCAB, vit=ViTConfig()),
 }
 
