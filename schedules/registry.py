@@ -5,7 +5,8 @@ options it accepts (``schedules.build(name, p, m, **options)``), each with the v
 search should try -- and the micro-batch counts it accepts (``m_step``: m must be a
 multiple of it; ``min_m``: the least m as a multiple of p) and ``steady_m``: the m (as a
 multiple of p) from which one more micro-batch adds the same time and no peak memory (used
-by the simulator's extrapolation, :mod:`braid.simulator.fast`, which checks it). Tools read
+by the simulator's extrapolation, :mod:`braid.simulator.fast`, which checks it), and
+``saves_memory_of``: the schedule it is a memory-saving variant of. Tools read
 these declarations instead of special-casing schedule names.
 """
 
@@ -39,6 +40,7 @@ class ScheduleSpec:
     min_m: int = 1  # m >= min_m * p
     m_step: str = "1"  # "1": any m; "p": m a multiple of p
     steady_m: int = 2  # m >= steady_m * p: fixed time and no memory per extra micro-batch; 0: never
+    saves_memory_of: str | None = None  # a variant that trades time for memory (a search tries it when that one does not fit)
 
     def knob(self, name: str) -> Knob | None:
         """The knob called ``name``, or None when the schedule has no such option."""
@@ -53,7 +55,7 @@ _SCHEDULES: dict[str, ScheduleSpec] = {}
 
 
 def register(name: str, *, v: int, placement: Placement, description: str, knobs: tuple[Knob, ...] = (),
-             min_m: int = 1, m_step: str = "1", steady_m: int = 2) -> Callable[[Generator], Generator]:
+             min_m: int = 1, m_step: str = "1", steady_m: int = 2, saves_memory_of: str | None = None) -> Callable[[Generator], Generator]:
     """Decorator that registers a generator under ``name`` (see :class:`ScheduleSpec`)."""
     if m_step not in ("1", "p"):
         raise ValueError(f"schedule {name!r}: m_step must be '1' or 'p', got {m_step!r}")
@@ -61,7 +63,8 @@ def register(name: str, *, v: int, placement: Placement, description: str, knobs
     def deco(fn: Generator) -> Generator:
         if name in _SCHEDULES:
             raise ValueError(f"schedule {name!r} registered twice")
-        _SCHEDULES[name] = ScheduleSpec(name, fn, v, placement, description, tuple(knobs), min_m, m_step, steady_m)
+        _SCHEDULES[name] = ScheduleSpec(name, fn, v, placement, description, tuple(knobs), min_m, m_step, steady_m,
+                                         saves_memory_of)
         return fn
 
     return deco

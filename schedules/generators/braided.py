@@ -68,6 +68,7 @@ def braided_v(cfg: ScheduleConfig) -> Plan:
     description="Braided V schedule with the memory-efficient warm-up (paper Appendix B, Ours^)",
     min_m=2,
     steady_m=3,
+    saves_memory_of="braided_v",
 )
 def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
     """Braided V schedule with one extra forward before the first braided block; lower peak memory."""
@@ -83,6 +84,7 @@ def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
            Knob("offload_alpha_warmup", (), "warm-up fraction (default: half of offload_alpha)")),
     min_m=2,
     steady_m=3,
+    saves_memory_of="braided_v",
 )
 def braided_v_offload(cfg: ScheduleConfig) -> Plan:
     """braided_v whose chunk-0 activations are offloaded to host memory (paper Sec. 4.4, Fig. 6).
