@@ -29,7 +29,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from braid.cluster import Cluster, Parallel, dp_tail, job_costs, reduce_time, static_bytes
 from braid.costs import CostModel, Layout, model_forward_flops, stage_lighter
@@ -240,8 +240,14 @@ def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bou
                       busiest.pp_bubble_s / step, comm / step, max(opts), res.method, bound)
 
 
-def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0) -> SearchResult:
-    """The ``top`` fastest candidates that fit ``prob.memory_bytes`` (see the module doc)."""
+def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0,
+           only: Callable[[Candidate], bool] | None = None,
+           costs_fn: Callable[[Candidate], CostModel] | None = None) -> SearchResult:
+    """The ``top`` fastest candidates that fit ``prob.memory_bytes`` (see the module doc).
+
+    ``only`` restricts the candidates (e.g. to one measured layout); ``costs_fn`` replaces the
+    analytic job costs (e.g. with a profiled cost file) for every candidate.
+    """
     t0 = time.perf_counter()
     out = SearchResult([])
     queue: list[tuple[float, int, Candidate, CostModel]] = []
@@ -250,9 +256,11 @@ def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0) -> Sear
     def push(cands: Iterator[Candidate]) -> None:
         nonlocal seq
         for cand in cands:
+            if only is not None and not only(cand):
+                continue
             out.enumerated += 1
             try:
-                costs = costs_of(prob, cand)
+                costs = costs_fn(cand) if costs_fn is not None else costs_of(prob, cand)
             except ValueError:
                 continue
             if min_memory(prob, cand, costs) > prob.memory_bytes:
