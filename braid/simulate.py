@@ -8,6 +8,12 @@ and the worst rank's peak activation memory in GiB and in M_a (one micro-batch's
 activations on one chunk). Schedules that reject the configuration (e.g. ``m < 2p`` for
 ``braided_v``) are skipped with a note.
 
+``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--ffn`` and ``--vocab`` change the
+preset's shape. Without ``--trace``/``--html`` the simulator's fast path runs
+(:mod:`braid.simulator.fast`: long runs extrapolated from short ones where that is checked
+exact; programs compiled once, not re-validated) and ``--offload-alpha auto`` tunes on the
+schedule's shortest steady-state run.
+
 Defaults: the paper's 12.1B Qwen2 LLM on H200, TP=2 (so TP all-reduces matter, which is
 what braided schedules hide), sequence 4096, micro-batch size 1. ``--costs FILE`` replaces
 the analytic model with measured or hand-written per-chunk costs (``docs/costs.md``).
@@ -19,6 +25,7 @@ Examples::
     python -m braid.simulate --pp 4 --mbs 12 --schedule braided_v --schedule zb_v --html timeline.html
     python -m braid.simulate --pp 2 --mbs 8 --schedule braided_v --schedule braided_v_offload --offload-alpha 0.5
     python -m braid.simulate --pp 4 --mbs 12 --costs uniform.json --json report.json --trace trace.json
+    python -m braid.simulate --model qwen2-72b --pp 32 --mbs 256
 """
 
 from __future__ import annotations
@@ -34,6 +41,11 @@ from braid.hardware import HARDWARE, get_hardware
 from braid.models_catalog import MODELS, get_model
 
 log = logging.getLogger(__name__)
+
+
+# ModelConfig field -> what it is (``--layers 80`` etc. replace the preset's value)
+_OVERRIDES = {"layers": "LM layers", "hidden": "hidden size", "heads": "attention heads", "kv_heads": "key/value heads",
+              "ffn": "MLP width", "vocab": "vocabulary size"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,12 +64,14 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=None, help="sequence length in tokens (default: the model's, 4096)")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="samples per micro-batch (default 1)")
     ap.add_argument("--model", default="qwen2-12b", help=f"model preset (default qwen2-12b): {', '.join(MODELS)}")
+    for flag, what in _OVERRIDES.items():
+        ap.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, metavar="N", help=f"override the preset's {what}")
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
     ap.add_argument("--costs", metavar="FILE", help="cost file replacing the analytic timings (schema: docs/costs.md)")
     ap.add_argument("--offload-alpha", default="auto", metavar="A|auto",
                     help="braided_v_offload: fraction of chunk-0 activations offloaded (0..1), or 'auto' (default): "
                          "the lowest predicted peak within --offload-budget of braided_v's step time "
-                         "(braid.offload.tune_offload; ~100 simulations: seconds at p=8, m=64)")
+                         "(braid.offload_tune.tune_offload; ~100 simulations of the shortest steady run)")
     ap.add_argument("--offload-budget", type=float, default=0.01, metavar="F",
                     help="--offload-alpha auto: step-time slowdown allowed for a lower peak, as a fraction "
                          "(default 0.01 = 1%%)")
@@ -77,21 +91,30 @@ def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
 
 
 def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
-    if name != "braided_v_offload" or args.offload_alpha == "auto":
+    from braid import schedules
+
+    if schedules.get_schedule(name).knob("offload_alpha") is None or args.offload_alpha == "auto":
         return {}
     return {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
+
+
+def model_from_args(args: argparse.Namespace):
+    """The preset with ``--seq``, ``--micro-batch-size`` and the size overrides applied."""
+    model = get_model(args.model)
+    changes = {k: getattr(args, k) for k in ("seq", "micro_batch_size", *_OVERRIDES) if getattr(args, k, None) is not None}
+    return model.with_(**changes) if changes else model
 
 
 def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[str, Any], list, list[str]]:
     """Simulate the selected schedules; returns (json document, traces, notes)."""
     from braid import schedules
     from braid.compiler import ScheduleError, compile_plan
-    from braid.offload import tune_offload
+    from braid.offload_tune import tune_offload
     from braid.simulator import simulate
+    from braid.simulator.fast import simulate_schedule
 
-    model = get_model(args.model)
-    changes = {k: v for k, v in (("seq", args.seq), ("micro_batch_size", args.micro_batch_size)) if v is not None}
-    model = model.with_(**changes) if changes else model
+    model = model_from_args(args)
+    record = bool(args.trace or args.html)
     hw = get_hardware(args.hardware)
     doc: dict[str, Any] = {"config": {"pp": args.pp, "mbs": args.mbs, "tp": args.tp, "seq": model.seq,
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
@@ -99,23 +122,29 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     traces, notes, reports = [], [], []
     for name in schedule_names:
         try:
-            plan = schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
+            options = _offload_options(args, name)
+            plan = schedules.build(name, args.pp, args.mbs, **options)
             costs = _costs_for(args, model, hw, plan)
-            if name == "braided_v_offload" and args.offload_alpha == "auto":
-                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget)
-                plan = schedules.build(name, args.pp, args.mbs, **choice.options())
-                notes.append(f"braided_v_offload: auto offload {choice.describe()}")
-            programs = compile_plan(plan)
+            if schedules.get_schedule(name).knob("offload_alpha") is not None and args.offload_alpha == "auto":
+                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True)
+                options = choice.options()
+                notes.append(f"{name}: auto offload {choice.describe()}"
+                             + (f" (tuned at m={choice.m})" if choice.m != args.mbs else ""))
+            if record:
+                res = simulate(compile_plan(schedules.build(name, args.pp, args.mbs, **options)), costs, name=name)
+                traces.append(res.trace)
+                report = res.report
+            else:
+                report = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items()))).report
         except CostFileError:
             raise
         except (ScheduleError, ValueError) as err:
             notes.append(f"skipped {name}: {err}")
             continue
-        res = simulate(programs, costs, name=name, record=bool(args.trace or args.html))
-        reports.append(res.report)
-        traces.append(res.trace)
-        doc["schedules"][name] = res.report.to_dict()
-        doc["schedules"][name]["peak_memory_gib"] = res.report.worst_peak.peak_activation_bytes / 2**30
+        reports.append(report)
+        res_report = report
+        doc["schedules"][name] = res_report.to_dict()
+        doc["schedules"][name]["peak_memory_gib"] = res_report.worst_peak.peak_activation_bytes / 2**30
     doc["reports"] = reports
     # fastest first, as in the table, so the viewer opens on the winner
     traces.sort(key=lambda t: t.step_time)
@@ -134,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
     for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--tp", args.tp), ("--seq", args.seq),
-                      ("--micro-batch-size", args.micro_batch_size)):
+                      ("--micro-batch-size", args.micro_batch_size),
+                      *((f"--{k.replace('_', '-')}", getattr(args, k)) for k in _OVERRIDES)):
         if val is not None and val < 1:
             ap.error(f"{flag} must be a positive integer, got {val}")
     if args.offload_alpha != "auto":
@@ -150,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown model {args.model!r}; valid names: {', '.join(MODELS)}")
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
+    try:
+        model_from_args(args)
+    except ValueError as err:
+        ap.error(str(err))
     try:
         doc, traces, notes = run(args, chosen)
     except CostFileError as err:

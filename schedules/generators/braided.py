@@ -92,12 +92,12 @@ def braided_v_offload(cfg: ScheduleConfig) -> Plan:
     Options: ``offload_alpha`` (steady-phase fraction, default 0.5), ``offload_alpha_warmup``
     (warm-up fraction, default half of alpha, so warm-up copies stay under T_F). The
     compiler's offload pass (:mod:`braid.offload`) inserts the OFFLOAD/RELOAD instructions.
-    ``"auto"`` needs a cost model: pick the values with :func:`braid.offload.tune_offload`
+    ``"auto"`` needs a cost model: pick the values with :func:`braid.offload_tune.tune_offload`
     (``python -m braid.simulate --offload-alpha auto`` does).
     """
     if "auto" in (cfg.option("offload_alpha"), cfg.option("offload_alpha_warmup")):
         raise ValueError("braided_v_offload: offload_alpha='auto' needs a cost model; build the plan with numbers "
-                         "from braid.offload.tune_offload(plan, costs).options() (python -m braid.simulate does this)")
+                         "from braid.offload_tune.tune_offload(plan, costs).options() (python -m braid.simulate does this)")
     alpha = float(cfg.option("offload_alpha", 0.5))
     warm = float(cfg.option("offload_alpha_warmup", alpha / 2))
     opts = dict(cfg.options) | {"offload_alpha": alpha, "offload_alpha_warmup": warm}
