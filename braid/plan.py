@@ -33,7 +33,7 @@ from braid.models_catalog import MODELS, get_model
 from braid.plan_search import Evaluation, Problem, SearchResult, search
 
 # catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
-_EXAMPLE_PRESETS = {"qwen2-7b": "7b", "qwen2-vl-7b": "7b", "qwen2-vl-15b": "15b", "tiny": "tiny"}
+_EXAMPLE_PRESETS = {"qwen2-7b": "7b", "qwen2-vl-7b": "7b", "qwen2-vl-15b": "15b"}
 
 
 class _Parser(argparse.ArgumentParser):

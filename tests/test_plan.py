@@ -175,3 +175,46 @@ def test_extrapolation_error_on_a_long_deep_pipeline_is_small() -> None:
     assert fast.method.startswith("extrapolated")
     assert fast.report.step_time_s == pytest.approx(full.report.step_time_s, rel=2e-4)
     assert [r.peak_activation_bytes for r in fast.report.ranks] == [r.peak_activation_bytes for r in full.report.ranks]
+
+
+# -- command line ----------------------------------------------------------------------------------
+def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
+    from braid.plan import main
+
+    out = tmp_path / "plan.json"
+    assert main(["--model", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--global-batch", "16", "--seq", "64",
+                 "--top", "4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    ranked = doc["ranked"]
+    assert len(ranked) == 4 and [r["rank"] for r in ranked] == [1, 2, 3, 4]
+    assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
+    for r in ranked:
+        assert r["command"].startswith("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d ")
+        assert " examples/qwen2.py --model tiny " in r["command"]
+        assert f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --mbs {r['m']}" in r["command"]
+        assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
+    assert ranked[0]["command"] in text and doc["search"]["complete"]
+    assert "examples/ have no --model tiny preset" in text  # the catalog's tiny is not the examples' tiny
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "nope", "--gpus", "8"], "unknown model 'nope'"),
+    (["--model", "tiny", "--gpus", "0"], "--gpus must be a positive integer"),
+    (["--model", "tiny", "--gpus", "8", "--memory", "-1"], "--memory must be a positive number"),
+    (["--model", "tiny", "--gpus", "8", "--json", "/nonexistent/x.json"], "does not exist"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(args, message, capsys) -> None:
+    from braid.plan import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and message in err[0]
+
+
+def test_cli_nothing_fits_is_exit_2(capsys) -> None:
+    from braid.plan import main
+
+    assert main(["--model", "qwen2-72b", "--gpus", "2", "--global-batch", "2", "--memory", "10"]) == 2
+    assert "no configuration fits" in capsys.readouterr().err
