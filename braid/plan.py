@@ -4,8 +4,8 @@ Enumerates every valid (tp, pp, dp, cp = hp x ring, SP placement, schedule and i
 micro-batch count and size, recomputation) for ``--gpus`` GPUs in nodes of
 ``--gpus-per-node``, prunes by memory first (weights, gradients, optimizer states), then
 simulates candidates in order of a lower bound of their step time (the simulator's fast
-path plus the data-parallel tail) until no unsimulated one can beat the ``--top``-th best,
-or ``--time-budget`` runs out (then the output says so). Prints the ranking (predicted
+path plus the data-parallel tail) until ``--top`` fit and no unsimulated one can beat the
+first, or ``--time-budget`` runs out (then the output says so). Prints the ranking (predicted
 tokens/s, MFU, step time, peak memory per GPU, bubble of the busiest rank, exposed
 communication) and the ``torchrun`` command line of the best configuration.
 (:mod:`braid.plan_search` explains the search, :mod:`braid.cluster` the job cost model.)
@@ -113,7 +113,7 @@ def document(prob: Problem, res: SearchResult, hw_name: str) -> dict[str, Any]:
                     "hardware": hw_name, "memory_gib": prob.memory_bytes / 2**30, "global_batch": prob.global_batch,
                     "seq": prob.model.seq, "optimizer": prob.optimizer},
         "search": {"enumerated": res.enumerated, "memory_pruned": res.memory_pruned, "simulated": len(res.evaluated),
-                   "bound_pruned": res.bound_pruned, "complete": res.complete, "elapsed_s": res.elapsed_s},
+                   "bound_pruned": res.bound_pruned, "best_proven": res.complete, "elapsed_s": res.elapsed_s},
         "ranked": ranked,
         "simulated": [ev.to_dict() for ev in res.evaluated],
     }
@@ -196,7 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"cap {cap / 2**30:.0f} GiB per GPU, optimizer {args.optimizer}")
     print(f"# {res.enumerated} candidates, {res.memory_pruned} pruned by memory, {len(res.evaluated)} simulated, "
           f"{res.bound_pruned} left by the bound, in {res.elapsed_s:.1f} s"
-          + ("" if res.complete else f" -- stopped at --time-budget {args.time_budget:g} s: the ranking covers what was simulated"))
+          + ("; no unsimulated candidate can beat #1" if res.complete else
+             f" -- stopped at --time-budget {args.time_budget:g} s: the ranking covers what was simulated"))
     if not res.best:
         print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.0f} GiB per GPU; use more GPUs, a shorter --seq "
               "or --optimizer zero1", file=sys.stderr)

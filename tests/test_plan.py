@@ -194,7 +194,7 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
         assert " examples/qwen2.py --model tiny " in r["command"]
         assert f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --mbs {r['m']}" in r["command"]
         assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
-    assert ranked[0]["command"] in text and doc["search"]["complete"]
+    assert ranked[0]["command"] in text and doc["search"]["best_proven"]
     assert "examples/ have no --model tiny preset" in text  # the catalog's tiny is not the examples' tiny
 
 
