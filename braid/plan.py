@@ -198,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{res.bound_pruned} left by the bound, in {res.elapsed_s:.1f} s"
           + ("; no unsimulated candidate can beat #1" if res.complete else
              f" -- stopped at --time-budget {args.time_budget:g} s: the ranking covers what was simulated"))
+    if not res.best and not res.complete:
+        print(f"{ap.prog}: error: --time-budget {args.time_budget:g} s ran out before a configuration that fits was "
+              "simulated; raise it", file=sys.stderr)
+        return 2
     if not res.best:
         print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.0f} GiB per GPU; use more GPUs, a shorter --seq "
               "or --optimizer zero1", file=sys.stderr)

@@ -6,7 +6,8 @@ dp, cp = hp x ring, SP placement), micro-batch size and count, schedule and its 
 the memory cap:
 
 1. **Enumerate** (:func:`candidates`): tp dividing the heads (at most a node), cp dividing the
-   sequence (LLMs only: the VLM example runs no SP), pp whose stages each get a layer, dp the
+   sequence into shards of at least ``MIN_LOCAL_SEQ`` tokens (LLMs only: the VLM example runs
+   no SP), pp whose stages each get a layer, dp the
    rest, micro-batch sizes that split the per-replica batch, every registered schedule that
    accepts (p, m). Memory-saving variants (a schedule's ``saves_memory_of``, recomputation)
    are tried only for layouts whose plain form does not fit.
@@ -39,6 +40,7 @@ from braid.models_catalog import ModelConfig
 
 RESERVE_BYTES = 2 * 2**30  # CUDA context, allocator slack and communication buffers per GPU
 MICRO_BATCH_SIZES = (1, 2, 4)
+MIN_LOCAL_SEQ = 1024  # sequence parallelism stops where a rank would hold fewer tokens (attention blocks too small)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +128,7 @@ def layouts(prob: Problem) -> Iterator[Parallel]:
         if mdl.heads % tp or (mdl.kv_heads % tp and tp % mdl.kv_heads):
             continue
         for cp in ([1] if mdl.vit is not None else _pow2_upto(prob.gpus // tp)):
-            if mdl.seq % (2 * cp) and cp > 1:
+            if cp > 1 and (mdl.seq % (2 * cp) or mdl.seq // cp < MIN_LOCAL_SEQ):
                 continue
             for sp in _sp_options(mdl, tp, cp, g):
                 for pp in _divisors(prob.gpus // (tp * cp)):
@@ -181,35 +183,51 @@ def schedule_candidates(prob: Problem, par: Parallel, plain: bool) -> Iterator[C
                 yield Candidate(par, name, m, ((k.name, val),))
 
 
-@lru_cache(maxsize=1024)
+@lru_cache(maxsize=4096)
 def _costs(prob: Problem, par: Parallel, v: int, placement: str) -> CostModel:
     return job_costs(prob.model, prob.cluster, par, Layout(par.tp, par.pp, v, placement))  # type: ignore[arg-type]
 
 
 def costs_of(prob: Problem, cand: Candidate) -> CostModel:
+    """The pipeline's cost model (it does not depend on dp or the optimizer: those share one)."""
+    from dataclasses import replace
+
     from braid import schedules
 
     spec = schedules.get_schedule(cand.schedule)
-    return _costs(prob, cand.par, spec.v, spec.placement)
+    return _costs(prob, replace(cand.par, dp=1, optimizer="replicated"), spec.v, spec.placement)
+
+
+_TERMS: dict[int, tuple[CostModel, list[tuple[float, float]]]] = {}
+
+
+def _pipeline_terms(costs: CostModel) -> list[tuple[float, float]]:
+    """Per rank: (forwards + activation backwards of the stages below its first one, own compute per micro-batch)."""
+    from braid.ir import rank_chunk_of
+
+    hit = _TERMS.get(id(costs))
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    lay = costs.layout
+    owner = [rank_chunk_of(lay.placement, lay.p, s) for s in range(lay.num_stages)]
+    fb = [costs.chunks[rc].total("f") + costs.chunks[rc].total("b") for rc in owner]
+    out = []
+    for r in range(lay.p):
+        first = next(s for s, rc in enumerate(owner) if rc[0] == r)
+        own = sum(costs.chunks[(r, c)].total(a) for c in range(lay.v) for a in ("f", "b", "w"))
+        out.append((sum(fb[:first]), own))
+    _TERMS[id(costs)] = (costs, out)
+    return out
 
 
 def lower_bound(prob: Problem, cand: Candidate, costs: CostModel) -> float:
     """A step time no schedule of this layout beats (see the module doc, step 3)."""
-    from braid.ir import rank_chunk_of
-
     lay = costs.layout
-    f_stage, b_stage = [], []
-    for s in range(lay.num_stages):
-        cc = costs.chunks[rank_chunk_of(lay.placement, lay.p, s)]
-        f_stage.append(cc.total("f"))
-        b_stage.append(cc.total("b"))
-    # the gradient reduction of the chunk a rank computes last cannot start before the rank ends
     best = 0.0
-    for r in range(lay.p):
-        own = sum(costs.chunks[(r, c)].total(a) for c in range(lay.v) for a in ("f", "b", "w"))
-        first = min(s for s in range(lay.num_stages) if rank_chunk_of(lay.placement, lay.p, s)[0] == r)
+    for r, (around, own) in enumerate(_pipeline_terms(costs)):
+        # the gradient reduction of the chunk a rank computes last cannot start before the rank ends
         tail = min(reduce_time(prob.model, costs, prob.cluster, cand.par, r, c) for c in range(lay.v))
-        best = max(best, sum(f_stage[:first]) + cand.m * own + sum(b_stage[:first]) + tail)
+        best = max(best, around + cand.m * own + tail)
     _, opts = dp_tail(prob.model, costs, prob.cluster, cand.par, [0.0] * lay.p, {})
     return best + max(opts)
 
@@ -274,6 +292,9 @@ def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0,
             heapq.heappush(queue, (lower_bound(prob, cand, costs), seq, cand, costs))
 
     for par in layouts(prob):
+        if time.perf_counter() - t0 > time_budget_s:
+            out.complete = False
+            break
         push(schedule_candidates(prob, par, plain=True))
     best: list[tuple[float, int, Evaluation]] = []  # max-heap by step (negated): the top fastest that fit
     first = float("inf")  # the fastest that fits
