@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from braid.compiler import compile_plan
 from braid.ir import Plan, ScheduleConfig
 from braid.offload import OFFLOAD_OPTIONS, OffloadPolicy, insert_offload
-from braid.simulator import simulate
+from braid.simulator.fast import run_programs
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +77,8 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
     base = compile_plan(bare)
 
     def run(pol: OffloadPolicy) -> tuple[float, tuple[int, ...]]:
-        rep = simulate(insert_offload(base, pol) if pol.alpha or pol.alpha_warmup else base, costs, record=False).report
+        progs = insert_offload(base, pol) if pol.alpha or pol.alpha_warmup else base
+        rep = run_programs(progs, costs, plan.name, bare.config.m).report
         return rep.step_time_s, tuple(r.peak_activation_bytes for r in rep.ranks)
 
     base_step, base_peak = run(OffloadPolicy(0.0, 0.0))

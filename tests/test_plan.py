@@ -218,3 +218,31 @@ def test_cli_nothing_fits_is_exit_2(capsys) -> None:
 
     assert main(["--model", "qwen2-72b", "--gpus", "2", "--global-batch", "2", "--memory", "10"]) == 2
     assert "no configuration fits" in capsys.readouterr().err
+
+
+def test_sequence_parallel_placement_decides_which_traffic_crosses_nodes() -> None:
+    from braid.braiding import Unit
+
+    lay = Layout(2, 1, 1, "loop")
+    model = SMALL.with_(seq=16384)
+    cl = Cluster(H200, 8)
+    head = job_costs(model, cl, Parallel(2, 1, 1, cp=8, hp=2, sp_placement="head_first"), lay)
+    ctx = job_costs(model, cl, Parallel(2, 1, 1, cp=8, hp=2, sp_placement="context_first"), lay)
+    assert Parallel(2, 1, 1, cp=8, hp=2).sp_strides() == (2, 4)
+    assert Parallel(2, 1, 1, cp=8, hp=2, sp_placement="context_first").sp_strides() == (8, 2)
+    # head_first keeps the all-to-alls in the node (the ring crosses), context_first the reverse
+    assert head.chunks[(0, 0)].units[Unit.ATTN].f != ctx.chunks[(0, 0)].units[Unit.ATTN].f
+
+
+def test_gradient_reduction_overlaps_the_cool_down() -> None:
+    from braid.cluster import dp_tail, reduce_time
+
+    par = Parallel(1, 2, 8)
+    costs = job_costs(SMALL, Cluster(H200, 4), par, Layout(1, 2, 2, "v"))
+    ends = [1.0, 1.0]
+    late, _ = dp_tail(SMALL, costs, Cluster(H200, 4), par, ends, {(r, c): 1.0 for r in range(2) for c in range(2)})
+    early, _ = dp_tail(SMALL, costs, Cluster(H200, 4), par, ends, {(r, 0): 1.0 for r in range(2)} | {(r, 1): 0.5 for r in range(2)})
+    both = [reduce_time(SMALL, costs, Cluster(H200, 4), par, r, 0) + reduce_time(SMALL, costs, Cluster(H200, 4), par, r, 1)
+            for r in range(2)]
+    assert late == pytest.approx(both)  # nothing to hide behind
+    assert all(0 < e < b for e, b in zip(early, both))  # chunk 1's reduction ran during the rest of the step
