@@ -78,7 +78,7 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
 
     def run(pol: OffloadPolicy) -> tuple[float, tuple[int, ...]]:
         progs = insert_offload(base, pol) if pol.alpha or pol.alpha_warmup else base
-        rep = run_programs(progs, costs, plan.name, bare.config.m).report
+        rep = run_programs(progs, costs, plan.name, bare.config.m, grad_ready=False).report
         return rep.step_time_s, tuple(r.peak_activation_bytes for r in rep.ranks)
 
     base_step, base_peak = run(OffloadPolicy(0.0, 0.0))

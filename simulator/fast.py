@@ -79,9 +79,11 @@ def compiled(name: str, p: int, m: int, options: tuple[tuple[str, Any], ...] = (
     return tuple(compile_plan(schedules.build(name, p, m, **dict(options)), validate=False))
 
 
-def run_programs(programs: list[Program] | tuple[Program, ...], costs: CostModel, name: str, m: int) -> FastResult:
-    """Simulate ``programs`` in full (no trace) and return the report with gradient-ready times."""
-    eng = _GradEngine(list(programs), costs)
+def run_programs(programs: list[Program] | tuple[Program, ...], costs: CostModel, name: str, m: int,
+                 *, grad_ready: bool = True) -> FastResult:
+    """Simulate ``programs`` in full (no trace) and return the report with gradient-ready times
+    (``grad_ready=False``: without them, a little faster)."""
+    eng = _GradEngine(list(programs), costs) if grad_ready else Engine(list(programs), costs, record=False)
     stats = eng.run()
     step = max((st.end_s for st in stats), default=0.0)
     ranks = []
@@ -89,7 +91,7 @@ def run_programs(programs: list[Program] | tuple[Program, ...], costs: CostModel
         peak = _peak(st.mem)
         ranks.append(RankReport(r, st.compute_s, st.tp_exposed_s, max(0.0, step - st.compute_s - st.tp_exposed_s), peak,
                                 peak / costs.ma_bytes if costs.ma_bytes else 0.0, st.end_s, st.nominal_compute_s))
-    return FastResult(_report(name, costs, m, step, ranks), eng.grad_ready, "full")
+    return FastResult(_report(name, costs, m, step, ranks), getattr(eng, "grad_ready", {}), "full")
 
 
 def _peak(deltas: list[tuple[float, float]]) -> int:
