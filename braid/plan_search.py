@@ -14,10 +14,11 @@ the memory cap:
 2. **Prune by memory**: weights, gradients and optimizer states (:func:`braid.cluster.static_bytes`)
    plus the smallest activation any schedule keeps (one micro-batch of one chunk) above the
    cap -> dropped unsimulated.
-3. **Bound**: a valid lower bound of the step time per candidate: on every rank, the forwards
-   of the stages below its first one (micro-batch 0) must run before it can start, all its
-   own compute, and the activation backwards of those stages after it ends, plus the
-   optimizer step. Nothing is faster than its bound.
+3. **Bound**: a lower bound of the step time per candidate (:func:`lower_bound`): on every
+   rank, the forwards of the stages below its lowest one must run before it can start; then
+   all its own compute and its last chunk's gradient reduction; and the activation backwards
+   of the stages below follow its last activation backward; plus the optimizer step. The
+   simulated step is never below it (compute only slows down beside all-reduces, waits add).
 4. **Simulate** in order of the bound (:func:`braid.simulator.fast.simulate_schedule`, plus the
    data-parallel tail :func:`braid.cluster.dp_tail`), keeping the ``top`` fastest that fit;
    stop once ``top`` fit and the next bound is no less than the fastest step time found: then
@@ -201,8 +202,9 @@ def costs_of(prob: Problem, cand: Candidate) -> CostModel:
 _TERMS: dict[int, tuple[CostModel, list[tuple[float, float]]]] = {}
 
 
-def _pipeline_terms(costs: CostModel) -> list[tuple[float, float]]:
-    """Per rank: (forwards + activation backwards of the stages below its first one, own compute per micro-batch)."""
+def _pipeline_terms(costs: CostModel) -> list[tuple[float, float, float, float]]:
+    """Per rank: forwards and activation backwards of the stages below its lowest one (one
+    micro-batch each), its own compute per micro-batch, and its forwards + activation backwards."""
     from braid.ir import rank_chunk_of
 
     hit = _TERMS.get(id(costs))
@@ -210,24 +212,32 @@ def _pipeline_terms(costs: CostModel) -> list[tuple[float, float]]:
         return hit[1]
     lay = costs.layout
     owner = [rank_chunk_of(lay.placement, lay.p, s) for s in range(lay.num_stages)]
-    fb = [costs.chunks[rc].total("f") + costs.chunks[rc].total("b") for rc in owner]
+    f = [costs.chunks[rc].total("f") for rc in owner]
+    b = [costs.chunks[rc].total("b") for rc in owner]
     out = []
     for r in range(lay.p):
         first = next(s for s, rc in enumerate(owner) if rc[0] == r)
-        own = sum(costs.chunks[(r, c)].total(a) for c in range(lay.v) for a in ("f", "b", "w"))
-        out.append((sum(fb[:first]), own))
+        fb = sum(costs.chunks[(r, c)].total(a) for c in range(lay.v) for a in ("f", "b"))
+        own = fb + sum(costs.chunks[(r, c)].total("w") for c in range(lay.v))
+        out.append((sum(f[:first]), sum(b[:first]), own, fb))
     _TERMS[id(costs)] = (costs, out)
     return out
 
 
 def lower_bound(prob: Problem, cand: Candidate, costs: CostModel) -> float:
-    """A step time no schedule of this layout beats (see the module doc, step 3)."""
+    """A step time no schedule of this layout beats (see the module doc, step 3).
+
+    Rank r starts no earlier than the forwards of the stages below its lowest one (micro-batch
+    0); it then computes everything it owns, and the gradient reduction of the chunk it
+    computes last follows. Its last activation backward (of its lowest stage: the others'
+    precede it) comes after all its forwards and activation backwards, and the activation
+    backwards of the stages below follow it (weight gradients may be deferred past it).
+    """
     lay = costs.layout
     best = 0.0
-    for r, (around, own) in enumerate(_pipeline_terms(costs)):
-        # the gradient reduction of the chunk a rank computes last cannot start before the rank ends
+    for r, (f_below, b_below, own, fb) in enumerate(_pipeline_terms(costs)):
         tail = min(reduce_time(prob.model, costs, prob.cluster, cand.par, r, c) for c in range(lay.v))
-        best = max(best, around + cand.m * own + tail)
+        best = max(best, f_below + cand.m * own + tail, f_below + cand.m * fb + b_below)
     _, opts = dp_tail(prob.model, costs, prob.cluster, cand.par, [0.0] * lay.p, {})
     return best + max(opts)
 

@@ -113,6 +113,7 @@ def test_search_best_equals_exhaustive_search(cap_gib: float) -> None:
     assert res.complete and ref is not None
     assert res.best[0].step_s == pytest.approx(ref.step_s, rel=1e-12)
     assert len(res.evaluated) < res.enumerated  # the bound and the memory prune saved simulations
+    assert all(e.step_s >= e.lower_bound_s > 0 for e in res.evaluated)  # the bound is one
 
 
 def test_a_tight_cap_forces_memory_savers() -> None:
