@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     doc: dict[str, Any] = {"config": {"pp": args.pp, "mbs": args.mbs, "tp": args.tp, "seq": model.seq,
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs}, "schedules": {}}
-    traces, notes, reports = [], [], []
+    traces, notes, reports, extrapolated = [], [], [], []
     for name in schedule_names:
         try:
             options = _offload_options(args, name)
@@ -135,7 +135,10 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
                 traces.append(res.trace)
                 report = res.report
             else:
-                report = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items()))).report
+                fast = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items())))
+                report = fast.report
+                if fast.method != "full":
+                    extrapolated.append(name)
         except CostFileError:
             raise
         except (ScheduleError, ValueError) as err:
@@ -145,6 +148,9 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
         res_report = report
         doc["schedules"][name] = res_report.to_dict()
         doc["schedules"][name]["peak_memory_gib"] = res_report.worst_peak.peak_activation_bytes / 2**30
+    if extrapolated:
+        notes.append(f"{', '.join(extrapolated)}: extrapolated from short runs (braid.simulator.fast; "
+                     "a full simulation with --trace or --html)")
     doc["reports"] = reports
     # fastest first, as in the table, so the viewer opens on the winner
     traces.sort(key=lambda t: t.step_time)
