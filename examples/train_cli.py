@@ -234,8 +234,10 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
         opts = {}
         if args.offload_alpha is not None:
-            if "braided_v_offload" not in names or not 0.0 <= args.offload_alpha <= 1.0:
-                raise ValueError(f"--offload-alpha {args.offload_alpha}: needs --schedule braided_v_offload and a value in [0, 1]")
+            takes = [n for n in names if n not in TORCH_SCHEDULES and schedules.get_schedule(n).knob("offload_alpha")]
+            if not takes or not 0.0 <= args.offload_alpha <= 1.0:
+                raise ValueError(f"--offload-alpha {args.offload_alpha}: needs a schedule with that knob "
+                                 f"(--schedule braided_v_offload) and a value in [0, 1]")
             opts = {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
         torch.manual_seed(args.seed)
         if args.hf:
@@ -251,7 +253,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             family_of(model)  # a model no registered family can write is refused before training
         runs = []
         for n in names:
-            plan = None if n in TORCH_SCHEDULES else schedules.build(n, args.pp, args.mbs, **(opts if n == "braided_v_offload" else {}))
+            knobs = {} if n in TORCH_SCHEDULES else {k: v for k, v in opts.items() if schedules.get_schedule(n).knob(k)}
+            plan = None if n in TORCH_SCHEDULES else schedules.build(n, args.pp, args.mbs, **knobs)
             n_stages = 2 * args.pp if plan is None else plan.num_stages
             task.check(model, topo, n_stages, args)
             runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))

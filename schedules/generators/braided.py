@@ -53,10 +53,11 @@ from __future__ import annotations
 
 from braid.ir import Plan, ScheduleConfig
 from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
-from braid.schedules.registry import register
+from braid.schedules.registry import Knob, register
 
 
-@register("braided_v", v=2, placement="v", description="Braided TP/PP V schedule (paper Fig. 5): F&F, F&W and F&B blocks")
+@register("braided_v", v=2, placement="v", description="Braided TP/PP V schedule (paper Fig. 5): F&F, F&W and F&B blocks",
+          min_m=2, steady_m=3)
 def braided_v(cfg: ScheduleConfig) -> Plan:
     """The paper's braided schedule for m >= 2p (throughput-efficient warm-up)."""
     return _braided("braided_v", cfg, lowmem=False)
@@ -67,6 +68,9 @@ def braided_v(cfg: ScheduleConfig) -> Plan:
     v=2,
     placement="v",
     description="Braided V schedule with the memory-efficient warm-up (paper Appendix B, Ours^)",
+    min_m=2,
+    steady_m=3,
+    saves_memory_of="braided_v",
 )
 def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
     """Braided V schedule with one extra forward before the first braided block; lower peak memory."""
@@ -78,6 +82,11 @@ def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
     v=2,
     placement="v",
     description="Braided V schedule with async activation offload of chunk 0 (paper Sec. 4.4)",
+    knobs=(Knob("offload_alpha", (0.25, 0.5, 1.0), "steady-phase fraction of chunk-0 activations moved to host memory"),
+           Knob("offload_alpha_warmup", (), "warm-up fraction (default: half of offload_alpha)")),
+    min_m=2,
+    steady_m=3,
+    saves_memory_of="braided_v",
 )
 def braided_v_offload(cfg: ScheduleConfig) -> Plan:
     """braided_v whose chunk-0 activations are offloaded to host memory (paper Sec. 4.4, Fig. 6).
@@ -85,12 +94,12 @@ def braided_v_offload(cfg: ScheduleConfig) -> Plan:
     Options: ``offload_alpha`` (steady-phase fraction, default 0.5), ``offload_alpha_warmup``
     (warm-up fraction, default half of alpha, so warm-up copies stay under T_F). The
     compiler's offload pass (:mod:`braid.offload`) inserts the OFFLOAD/RELOAD instructions.
-    ``"auto"`` needs a cost model: pick the values with :func:`braid.offload.tune_offload`
+    ``"auto"`` needs a cost model: pick the values with :func:`braid.offload_tune.tune_offload`
     (``python -m braid.simulate --offload-alpha auto`` does).
     """
     if "auto" in (cfg.option("offload_alpha"), cfg.option("offload_alpha_warmup")):
         raise ValueError("braided_v_offload: offload_alpha='auto' needs a cost model; build the plan with numbers "
-                         "from braid.offload.tune_offload(plan, costs).options() (python -m braid.simulate does this)")
+                         "from braid.offload_tune.tune_offload(plan, costs).options() (python -m braid.simulate does this)")
     alpha = float(cfg.option("offload_alpha", 0.5))
     warm = float(cfg.option("offload_alpha_warmup", alpha / 2))
     opts = dict(cfg.options) | {"offload_alpha": alpha, "offload_alpha_warmup": warm}
