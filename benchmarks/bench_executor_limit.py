@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(err))
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
 

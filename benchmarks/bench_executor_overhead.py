@@ -4,16 +4,21 @@ One process (world 1): gloo on CPU, NCCL with ``--device cuda``. A hidden-64 Qwe
 on the two V-shaped chunks of one rank runs the braided_v program of ``p=1`` (forwards,
 braided F&BW blocks, full backwards), so every unit task costs mostly Python: the loop
 in :class:`braid.runtime.executor.Executor`, :meth:`braid.models.chunk.ModelChunk.run`
-and autograd's per-call setup. Prints unit tasks per second and microseconds per unit
-task for each trace-recording mode, measured side by side in one run (modes
-interleaved step by step, median over steps).
+and autograd's per-call setup.
 
-    python benchmarks/bench_executor_overhead.py                    # CPU, every recording mode
-    python benchmarks/bench_executor_overhead.py --device cuda      # one GPU (CUDA-event clock)
-    python benchmarks/bench_executor_overhead.py --profile 25       # cProfile: top 25 functions (cumulative)
+Next to it runs the *floor*: the same unit tasks (every unit's forward, activation
+backward with the weight gradients split off, weight backward) as direct autograd calls
+of the same unit functions on the same modules, with no executor and no chunk
+bookkeeping (:func:`_floor_step`; its gradients are checked against the executor's
+first). Printed per recording mode: microseconds per unit task and the ratio to the
+floor, by wall clock and by this process's CPU time (steadier on a shared machine),
+measured side by side in one run (runs interleaved step by step, median over steps).
 
-With an executor that has no ``record`` argument (an older checkout) only ``units`` runs,
-so the same command gives a before/after figure.
+    PYTHONPATH=. python benchmarks/bench_executor_overhead.py                 # CPU, every recording mode
+    PYTHONPATH=. python benchmarks/bench_executor_overhead.py --device cuda   # one GPU (CUDA-event clock)
+    PYTHONPATH=. python benchmarks/bench_executor_overhead.py --profile 25    # cProfile: top 25 functions (own time)
+
+With an executor that has no ``record`` argument (an older checkout) only ``units`` runs.
 """
 
 from __future__ import annotations
@@ -148,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one mode's steps, print the top N functions")
+    ap.add_argument("--compile", action="store_true", help="compiled units (executor and floor alike; default: eager)")
     args = ap.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.exit(2, "--device cuda: no CUDA device here\n")
@@ -162,23 +168,26 @@ def main(argv: list[str] | None = None) -> None:
         has_record = "record" in inspect.signature(Executor).parameters
         modes = args.modes if has_record else ["units"]
         kw = dict(pp_ranks=[0], act_shape=(1, args.seq, cfg.hidden), device=args.device)
+        if "compile" in inspect.signature(Executor).parameters:
+            kw["compile"] = args.compile
         exs = {m: Executor(plan, program, chunks, **kw, **({"record": m} if has_record else {})) for m in modes}
         n = _units(program, chunks)
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
         ordered = [chunks[c] for c in sorted(chunks, key=lambda c: plan.stage_of(0, c))]
 
-        def step(mode: str) -> float:
+        def step(mode: str) -> tuple[float, float]:
+            """(wall seconds, CPU seconds of this process) of one step."""
             for ch in chunks.values():
                 ch.zero_grad(set_to_none=True)
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if mode == FLOOR:
                 _floor_step(ordered, toks, toks, args.m)
             else:
                 exs[mode].run(toks, toks)
             sync()
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
 
         # The floor computes what the executor computes (same gradients, to rounding).
         grads = {}
@@ -191,19 +200,21 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.warmup):
             for mode in runs:
                 step(mode)
-        times: dict[str, list[float]] = {m: [] for m in runs}
+        times: dict[str, list[tuple[float, float]]] = {m: [] for m in runs}
         for _ in range(args.steps):
             for mode in runs:
                 times[mode].append(step(mode))
         print(f"device {args.device}, braided_v p=1 m={args.m}, 2 chunks x {args.layers} layers, hidden {cfg.hidden}, "
               f"seq {args.seq}: {n} unit tasks per step, median of {args.steps} steps (runs interleaved)")
-        floor = statistics.median(times[FLOOR])
-        print(f"  {'floor':<20} {floor * 1e3:8.2f} ms/step  {n / floor:9.0f} unit tasks/s  {floor / n * 1e6:7.1f} us/unit task"
+        print("  wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine; one torch thread)")
+        med = {mode: [statistics.median(t[i] for t in times[mode]) for i in (0, 1)] for mode in runs}
+        (fw, fc) = med[FLOOR]
+        print(f"  {'floor':<20} {fw * 1e3:8.2f} ms/step  {fw / n * 1e6:7.1f} us/unit task wall  {fc / n * 1e6:7.1f} us cpu"
               f"  (direct autograd calls of the unit functions)")
         for mode in modes:
-            t = statistics.median(times[mode])
-            print(f"  record={mode:<13} {t * 1e3:8.2f} ms/step  {n / t:9.0f} unit tasks/s  {t / n * 1e6:7.1f} us/unit task"
-                  f"  {t / floor:5.2f}x the floor")
+            w, c = med[mode]
+            print(f"  record={mode:<13} {w * 1e3:8.2f} ms/step  {w / n * 1e6:7.1f} us/unit task wall  {c / n * 1e6:7.1f} us cpu"
+                  f"  {w / fw:5.2f}x the floor (wall), {c / fc:5.2f}x (cpu)")
         if args.profile:
             mode = modes[-1]
             prof = cProfile.Profile()

@@ -46,6 +46,7 @@ from braid.cli import Parser, check_output_dir, check_outputs, run_main
 from braid.costs import CostFileError, Layout, costs_from_dict, load_cost_json
 from braid.files import atomic_write_text
 from braid.profile import (
+    JobFailed,
     ProfileConfig,
     Progress,
     add_model_args,
@@ -612,7 +613,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             read_measurements(args.capture)
         except ValueError as err:
             ap.error(f"--capture {err}")
-    summary = run_bench(bc)
+    try:
+        summary = run_bench(bc)
+    except JobFailed as err:
+        print(f"{ap.prog}: error: {err}", file=sys.stderr)
+        return 1
     traces = summary.pop("_traces")
     print(f"# {args.preset}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
           f"seq={pc.seq} on {summary['device']} ({pc.dtype})")

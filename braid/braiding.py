@@ -26,7 +26,9 @@ embedding: AR in forward; AR of fc1's input gradient in backward). A ``W`` op ha
 its output on the communication stream as it ends. The next F or B task *of the same op*
 waits for that all-reduce before it starts (W tasks never wait: they read stashed
 tensors, not the reduced result). Every all-reduce of an instruction is complete when the
-instruction ends. With ``tp == 1`` there are no all-reduces.
+instruction ends -- except one that :func:`carries` carries into the next compute
+instruction, whose first unit task then runs beside it. With ``tp == 1`` there are no
+all-reduces.
 
 **Segments and braiding.** An op's task list is cut into *segments*: after every task that
 starts an all-reduce, and for W every two units (half a layer, matching the forward's

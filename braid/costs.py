@@ -242,10 +242,29 @@ _UNIT_RATE = Hardware("flops", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0)
 
 
 def model_stage_layers(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
-    """Layers per virtual stage as the paper splits them (Sec. 5): last stage two lighter;
-    an MLLM's ViT alone on the first stage."""
-    n = layout.num_stages
-    lighter = 2 if n > 1 else 0
+    """Layers per virtual stage as the paper splits them (Sec. 5): last stage two lighter
+    (fewer when the layers are too few for that, see :func:`stage_lighter`); an MLLM's ViT
+    alone on the first stage."""
+    return _split(model, layout.num_stages, stage_lighter(model, layout.num_stages))
+
+
+def stage_lighter(model: ModelConfig, num_stages: int) -> int:
+    """How many layers lighter the last virtual stage is: 2 (the paper's split), or 1 or 0
+    when the LM layers are too few to give every stage one with 2 (80 layers on 64 stages).
+    Raises ``ValueError`` when even an even split leaves a stage without a layer."""
+    if num_stages < 2:
+        return 0
+    for lighter in (2, 1):
+        try:
+            _split(model, num_stages, lighter)
+            return lighter
+        except ValueError:
+            pass
+    _split(model, num_stages, 0)  # raises with the reason
+    return 0
+
+
+def _split(model: ModelConfig, n: int, lighter: int) -> tuple[int, ...]:
     if model.vit is None:
         return split_layers(model.layers, n, last_stage_lighter=lighter)
     if n < 2:
@@ -339,7 +358,7 @@ _LIMITS: dict[str, tuple[float, float]] = {
     **{k: (0.0, _MAX_BYTES) for k in ("activation_bytes", "w_residual_bytes", "M_a_bytes")},
     "W_residual": (0.0, 16.0), "pcie_bytes_per_s": (1.0, _MAX_RATE), "peak_flops": (0.0, _MAX_RATE),
     "model_flops_per_sample": (0.0, _MAX_FLOPS), "samples_per_microbatch": (1.0, 1e9), "tokens_per_sample": (1.0, 1e12),
-    "ar_slowdown": (1.0, 100.0), "ar_stretch": (1.0, 4.0), "copy_duplex_slowdown": (1.0, 2.0),
+    "ar_slowdown": (1.0, 100.0), "ar_stretch": (1.0, 4.0), "copy_duplex_slowdown": (1.0, 2.0), "host_task_s": (0.0, 1.0),
 }
 _INT_KEYS = ("samples_per_microbatch", "tokens_per_sample")
 

@@ -27,6 +27,9 @@ class Hardware:
     copy takes while one in the other direction runs (1 = full duplex, 2 = one shared link;
     ``python -m braid.profile`` measures it); ``p2p_over_pcie``: pipeline traffic shares
     the PCIe link with host copies (PCIe-only boxes); ``memory_bytes``: device memory.
+    ``inter_node_bytes_per_s``/``inter_node_latency_s``: what one GPU gets between nodes (its
+    InfiniBand/RoCE NIC; collectives and P2P that cross nodes run at this rate);
+    ``hbm_bytes_per_s``: achievable device-memory bandwidth (the optimizer step is bound by it).
     """
 
     name: str
@@ -41,9 +44,13 @@ class Hardware:
     memory_bytes: int
     p2p_over_pcie: bool = False
     pcie_duplex_slowdown: float = 2.0
+    inter_node_bytes_per_s: float = 40e9
+    inter_node_latency_s: float = 20e-6
+    hbm_bytes_per_s: float = 2.5e12
 
     def __post_init__(self) -> None:
-        rates = ("matmul_flops", "attn_flops", "peak_flops", "ar_bus_bytes_per_s", "p2p_bytes_per_s", "pcie_bytes_per_s")
+        rates = ("matmul_flops", "attn_flops", "peak_flops", "ar_bus_bytes_per_s", "p2p_bytes_per_s", "pcie_bytes_per_s",
+                 "inter_node_bytes_per_s", "hbm_bytes_per_s")
         bad = [n for n in rates if not getattr(self, n) > 0]
         if bad:
             raise ValueError(f"hardware {self.name!r}: rates must be positive, check {', '.join(bad)}")
@@ -54,23 +61,29 @@ class Hardware:
 GB = 1e9
 GIB = 1 << 30
 
+# Between nodes: one 400 Gb/s NIC per GPU (H100/H200/H20 NDR, A800 200 Gb/s), ~80% achievable;
+# HBM: ~85% of the datasheet bandwidth (H200 4.8 TB/s, H100 3.35, A800 2.0, H20 4.0).
 # pcie_duplex_slowdown: `python -m braid.profile` on an H200 host measured 54.7 GB/s per direction
 # and x1.10 with both directions at once (PCIe Gen5, as on H100 SXM hosts); other presets keep 2.
 HARDWARE: dict[str, Hardware] = {
     "h200": Hardware("h200", matmul_flops=622e12, attn_flops=450e12, peak_flops=989e12,
                      ar_bus_bytes_per_s=267 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
-                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=141 * GIB, pcie_duplex_slowdown=1.1),
+                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=141 * GIB, pcie_duplex_slowdown=1.1,
+                     inter_node_bytes_per_s=40 * GB, hbm_bytes_per_s=4.1e12),
     "h100": Hardware("h100", matmul_flops=600e12, attn_flops=420e12, peak_flops=989e12,
                      ar_bus_bytes_per_s=260 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
-                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=80 * GIB, pcie_duplex_slowdown=1.1),
+                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=80 * GIB, pcie_duplex_slowdown=1.1,
+                     inter_node_bytes_per_s=40 * GB, hbm_bytes_per_s=2.85e12),
     # A800: A100 compute, NVLink capped at 400 GB/s -> TP comm is relatively expensive.
     "a800": Hardware("a800", matmul_flops=230e12, attn_flops=170e12, peak_flops=312e12,
                      ar_bus_bytes_per_s=150 * GB, ar_latency_s=12e-6, p2p_bytes_per_s=100 * GB,
-                     p2p_latency_s=20e-6, pcie_bytes_per_s=25 * GB, memory_bytes=80 * GIB),
+                     p2p_latency_s=20e-6, pcie_bytes_per_s=25 * GB, memory_bytes=80 * GIB,
+                     inter_node_bytes_per_s=20 * GB, hbm_bytes_per_s=1.7e12),
     # H20: low bf16 FLOPs, full NVLink -> TP comm is relatively cheap (paper Appendix, Table 8).
     "h20": Hardware("h20", matmul_flops=120e12, attn_flops=100e12, peak_flops=148e12,
                     ar_bus_bytes_per_s=267 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
-                    p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=96 * GIB),
+                    p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=96 * GIB,
+                    inter_node_bytes_per_s=40 * GB, hbm_bytes_per_s=3.4e12),
 }
 
 

@@ -7,8 +7,9 @@ the VLM example), and so is the path of a Hugging Face ``config.json`` (or of th
 checkpoint directory holding it). :func:`decoder_config` turns a preset into the runnable
 model's config of its family (:mod:`braid.models.registry`).
 
-``qwen2-1.5b`` and ``qwen2-7b`` use the published Qwen2 configurations (1.5B ties its
-embedding and head). ``qwen2-12b`` and
+``qwen2-1.5b``, ``qwen2-7b``, ``qwen2-72b`` and ``qwen2-vl-72b`` use the published Qwen2 and
+Qwen2-VL configurations (1.5B ties its embedding and head; the 72B MLLM: the Qwen2-72B
+language model behind the same ViT). ``qwen2-12b`` and
 ``qwen2-vl-15b`` stand for the paper's 12.1B LLM and 14.9B MLLM: the paper's Table 2 is
 not in the text we have, so they are Qwen2-family shapes (hidden 4096, 32 heads, 8 KV
 heads) whose layer counts and FFN width give 12.1B and 14.9B parameters. The MLLMs carry
@@ -156,6 +157,9 @@ MODELS: dict[str, ModelConfig] = {
     "qwen2.5-vl-7b": ModelConfig("qwen2.5-vl-7b", **_QWEN2_7B_LM, vit=_QWEN25_VIT),
     "llama3-8b": ModelConfig("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
                              family="llama"),
+    "qwen2-72b": ModelConfig("qwen2-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568, vocab=_QWEN2_VOCAB),
+    "qwen2-vl-72b": ModelConfig("qwen2-vl-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568,
+                                vocab=_QWEN2_VOCAB, vit=ViTConfig()),
 }
 
 

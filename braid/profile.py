@@ -148,11 +148,20 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
         d.close()
 
 
+_GRACE_AFTER_DEATH_S = 30.0
+
+
+class JobFailed(RuntimeError):
+    """A spawned job failed: the first line names the cause, the rest holds each failed rank's traceback."""
+
+
 def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float = 3600.0) -> list[Any]:
     """Run ``fn(dist, *args)`` on ``world`` spawned ranks (``fn`` module-level); results by rank.
 
-    A failure becomes a ``RuntimeError`` here whose first line names the rank that failed
-    first and its exception text, followed by every failed rank's traceback.
+    A failure becomes a :class:`JobFailed` here whose first line names the rank that failed
+    first and its exception text (or the rank whose process died without a report, e.g.
+    killed), followed by every failed rank's traceback. A dead rank never makes this wait
+    for ``timeout_s``: the others fail fast (:class:`~braid.runtime.distributed.PeerLost`).
     """
     import queue
 
@@ -169,24 +178,65 @@ def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float =
     for p in procs:
         p.start()
     got: dict[int, tuple[bool, Any]] = {}
+    died: dict[int, str] = {}  # rank -> how its process ended without a report
+    dead_since: dict[int, float] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        while len(got) < world:
+        while len(got) + len(died) < world:
             try:
-                r, ok, val = out.get(timeout=timeout_s)
+                r, ok, val = out.get(timeout=1.0)
+                got[r] = (ok, val)
+                continue
             except queue.Empty:
-                raise RuntimeError(f"ranks {sorted(set(range(world)) - set(got))} did not finish within {timeout_s} s") from None
-            got[r] = (ok, val)
+                pass
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r in got or r in died or p.is_alive():
+                    continue
+                # a report put just before exiting may still be in the pipe: give it a moment
+                if now - dead_since.setdefault(r, now) > 5.0:
+                    died[r] = _exit_text(p.exitcode)
+            if died and now - min(dead_since.values()) > _GRACE_AFTER_DEATH_S:
+                # the job cannot finish without the dead rank; the others had time to fail on their own
+                first = min((r for r in died if r in dead_since), key=dead_since.get)
+                for r in sorted(set(range(world)) - set(got) - set(died)):
+                    procs[r].kill()
+                    died[r] = f"was stopped {_GRACE_AFTER_DEATH_S:g} s after rank {first} died"
+            if now > deadline:
+                missing = sorted(set(range(world)) - set(got) - set(died))
+                raise JobFailed(f"ranks {missing} did not finish within {timeout_s} s")
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
     failed = {r: v for r, (ok, v) in sorted(got.items()) if not ok}
-    if failed:
+    if failed or died:
         firsts = [first for _, first in failed.values() if first is not None]
-        head = f"rank {firsts[0][0]} failed first: {firsts[0][1]}" if firsts else f"ranks {sorted(failed)} failed"
-        raise RuntimeError(head + "\n" + "\n".join(f"--- rank {r} ---\n{tb}" for r, (tb, _) in failed.items()))
+        lost = not firsts or firsts[0][1].startswith("PeerLost")
+        if died and lost:  # nobody recorded why: the rank that died is the cause
+            r = min((r for r in died if r in dead_since), key=dead_since.get)
+            head = f"rank {r} died first: its process {died[r]} without a report"
+        elif firsts:
+            head = f"rank {firsts[0][0]} failed first: {firsts[0][1]}"
+        else:
+            head = f"ranks {sorted(failed)} failed"
+        body = [f"--- rank {r} ---\n{tb}" for r, (tb, _) in failed.items()]
+        body += [f"--- rank {r} ---\nits process {how}" for r, how in sorted(died.items())]
+        raise JobFailed(head + "\n" + "\n".join(body))
     return [got[r][1] for r in range(world)]
+
+
+def _exit_text(code: int | None) -> str:
+    """How a process ended, from its exit code (negative: the signal that killed it)."""
+    import signal
+
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class Progress:
@@ -765,7 +815,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     pc = config_from_args(ap, args)
     check_outputs(ap, [("-o", args.output)])
-    doc = profile(pc)
+    try:
+        doc = profile(pc)
+    except JobFailed as err:
+        print(f"{ap.prog}: error: {err}", file=sys.stderr)
+        return 1
     atomic_write_text(args.output, json.dumps(doc, indent=1))
     c = doc["meta"]["comm"]
     log.info("wrote %s: %d stages on %s; all-reduce %.3g ms, ar_slowdown %.3f, ar_stretch %.2f, P2P %.3g ms, "

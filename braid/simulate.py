@@ -8,6 +8,12 @@ and the worst rank's peak activation memory in GiB and in M_a (one micro-batch's
 activations on one chunk). Schedules that reject the configuration (e.g. ``m < 2p`` for
 ``braided_v``) are skipped with a note.
 
+``--layers``, ``--hidden``, ``--heads``, ``--kv-heads``, ``--ffn`` and ``--vocab`` change the
+preset's shape. Without ``--trace``/``--html`` the simulator's fast path runs
+(:mod:`braid.simulator.fast`: long runs extrapolated from short ones where that is checked
+exact; programs compiled once, not re-validated) and ``--offload-alpha auto`` tunes on the
+schedule's shortest steady-state run.
+
 Defaults: the paper's 12.1B Qwen2 LLM on H200, TP=2 (so TP all-reduces matter, which is
 what braided schedules hide), sequence 4096, micro-batch size 1. ``--costs FILE`` replaces
 the analytic model with measured or hand-written per-chunk costs (``docs/costs.md``).
@@ -19,6 +25,8 @@ Examples::
     python -m braid.simulate --pp 4 --mbs 12 --schedule braided_v --schedule zb_v --html timeline.html
     python -m braid.simulate --pp 2 --mbs 8 --schedule braided_v --schedule braided_v_offload --offload-alpha 0.5
     python -m braid.simulate --pp 4 --mbs 12 --costs uniform.json --json report.json --trace trace.json
+    python -m braid.simulate --pp 4 --mbs 12 --torch-csv dualpipev.csv --schedule dualpipe_v
+    python -m braid.simulate --model qwen2-72b --pp 32 --mbs 256
 """
 
 from __future__ import annotations
@@ -39,6 +47,11 @@ from braid.models_catalog import MODELS, ModelConfig, get_model
 log = logging.getLogger(__name__)
 
 
+# ModelConfig field -> what it is (``--layers 80`` etc. replace the preset's value)
+_OVERRIDES = {"layers": "LM layers", "hidden": "hidden size", "heads": "attention heads", "kv_heads": "key/value heads",
+              "ffn": "MLP width", "vocab": "vocabulary size"}
+
+
 def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m braid.simulate", description=__doc__.split("\n\n")[1] + "\n\n" + __doc__.split("\n\n")[2],
                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n\n".join(__doc__.split("\n\n")[3:]))
@@ -52,15 +65,21 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--model", default="qwen2-12b", metavar="NAME|CONFIG",
                     help=f"model preset (default qwen2-12b): {', '.join(MODELS)}; short names (7b) mean qwen2-*; "
                          "or a Hugging Face config.json (or its checkpoint directory)")
+    for flag, what in _OVERRIDES.items():
+        ap.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, metavar="N", help=f"override the preset's {what}")
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
     ap.add_argument("--costs", metavar="FILE", help="cost file replacing the analytic timings (schema: docs/costs.md)")
     ap.add_argument("--offload-alpha", default="auto", metavar="A|auto",
                     help="braided_v_offload: fraction of chunk-0 activations offloaded (0..1), or 'auto' (default): "
                          "the lowest predicted peak within --offload-budget of braided_v's step time "
-                         "(braid.offload.tune_offload; ~100 simulations: seconds at p=8, m=64)")
+                         "(braid.offload_tune.tune_offload; ~100 simulations of the shortest steady run)")
     ap.add_argument("--offload-budget", type=float, default=0.01, metavar="F",
                     help="--offload-alpha auto: step-time slowdown allowed for a lower peak, as a fraction "
                          "(default 0.01 = 1%%)")
+    ap.add_argument("--torch-csv", action="append", metavar="FILE",
+                    help="also simulate a schedule torch.distributed.pipelining dumped as a compute-only CSV "
+                         "(repeatable; its ranks and micro-batches must match --pp and --mbs; alone, without "
+                         "--schedule, only these run)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -77,50 +96,75 @@ def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
 
 
 def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
-    if name != "braided_v_offload" or args.offload_alpha == "auto":
+    from braid import schedules
+
+    if schedules.get_schedule(name).knob("offload_alpha") is None or args.offload_alpha == "auto":
         return {}
     return {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
 
 
-def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[str, Any], list, list[str]]:
-    """Simulate the selected schedules; returns (json document, traces, notes)."""
+def model_from_args(args: argparse.Namespace):
+    """The preset (or config.json) with ``--seq``, ``--micro-batch-size`` and the size overrides applied."""
+    model = args.model if isinstance(args.model, ModelConfig) else get_model(args.model)
+    changes = {k: getattr(args, k) for k in ("seq", "micro_batch_size", *_OVERRIDES) if getattr(args, k, None) is not None}
+    return model.with_(**changes) if changes else model
+
+
+def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence[Any] = ()) -> tuple[dict[str, Any], list, list[str]]:
+    """Simulate the selected schedules and the given ready-made ``plans`` (e.g. read from torch
+    CSVs); returns (json document, traces, notes)."""
     from braid import schedules
     from braid.compiler import ScheduleError, compile_plan
-    from braid.offload import tune_offload
+    from braid.offload_tune import tune_offload
     from braid.simulator import simulate
+    from braid.simulator.fast import simulate_schedule
 
-    model = args.model if isinstance(args.model, ModelConfig) else get_model(args.model)
-    changes = {k: v for k, v in (("seq", args.seq), ("micro_batch_size", args.micro_batch_size)) if v is not None}
-    model = model.with_(**changes) if changes else model
+    model = model_from_args(args)
+    record = bool(args.trace or args.html)
     hw = get_hardware(args.hardware)
     doc: dict[str, Any] = {"config": {"pp": args.pp, "mbs": args.mbs, "tp": args.tp, "seq": model.seq,
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs}, "schedules": {}}
-    traces, notes, reports = [], [], []
-    doc["skipped"] = {}  # name -> (plan's v, "layers" when the model cannot fill its stages, else "schedule")
-    for name in schedule_names:
+    traces, notes, reports, extrapolated = [], [], [], []
+    # name -> (plan's v, why): "layers" (the model cannot fill its stages), "m" (too few micro-batches), "schedule"
+    doc["skipped"] = {}
+    given = {p.name: p for p in plans}
+    for name in list(schedule_names) + list(given):
         try:
-            plan = schedules.build(name, args.pp, args.mbs, **_offload_options(args, name))
+            options = {} if name in given else _offload_options(args, name)
+            plan = given[name] if name in given else schedules.build(name, args.pp, args.mbs, **options)
             if _max_pp(model, plan.v, args.pp) < args.pp:
                 doc["skipped"][name] = (plan.v, "layers")
             costs = _costs_for(args, model, hw, plan)
-            if name == "braided_v_offload" and args.offload_alpha == "auto":
-                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget)
-                plan = schedules.build(name, args.pp, args.mbs, **choice.options())
-                notes.append(f"braided_v_offload: auto offload {choice.describe()}")
-            programs = compile_plan(plan)
+            if name not in given and schedules.get_schedule(name).knob("offload_alpha") is not None and args.offload_alpha == "auto":
+                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True)
+                options = choice.options()
+                notes.append(f"{name}: auto offload {choice.describe()}"
+                             + (f" (tuned at m={choice.m})" if choice.m != args.mbs else ""))
+            if record or name in given:
+                full = plan if name in given else schedules.build(name, args.pp, args.mbs, **options)
+                res = simulate(compile_plan(full), costs, name=name, record=record)
+                if record:
+                    traces.append(res.trace)
+                report = res.report
+            else:
+                fast = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items())))
+                report = fast.report
+                if fast.method != "full":
+                    extrapolated.append(name)
         except CostFileError:
             raise
         except (ScheduleError, ValueError) as err:
             notes.append(f"skipped {name}: {err}")
-            doc["skipped"].setdefault(name, (0, "schedule"))
+            doc["skipped"].setdefault(name, (0, "m" if "needs m" in str(err) else "schedule"))
             continue
         doc["skipped"].pop(name, None)
-        res = simulate(programs, costs, name=name, record=bool(args.trace or args.html))
-        reports.append(res.report)
-        traces.append(res.trace)
-        doc["schedules"][name] = res.report.to_dict()
-        doc["schedules"][name]["peak_memory_gib"] = res.report.worst_peak.peak_activation_bytes / 2**30
+        reports.append(report)
+        doc["schedules"][name] = report.to_dict()
+        doc["schedules"][name]["peak_memory_gib"] = report.worst_peak.peak_activation_bytes / 2**30
+    if extrapolated:
+        notes.append(f"{', '.join(extrapolated)}: extrapolated from short runs (braid.simulator.fast; "
+                     "a full simulation with --trace or --html)")
     doc["reports"] = reports
     # fastest first, as in the table, so the viewer opens on the winner
     traces.sort(key=lambda t: t.step_time)
@@ -148,7 +192,8 @@ def _nothing_ran(args: argparse.Namespace, skipped: dict[str, tuple[int, str]]) 
         fits = ", ".join(f"--pp {_max_pp(model, v, args.pp)} for {v} chunk{'s' if v > 1 else ''} per rank" for v in vs)
         return (f"the model's {layers} layers cannot fill {stages} virtual stages (--pp {args.pp} x chunks per rank); "
                 f"use at most {fits}, or a model with more layers")
-    return "no selected schedule accepts this configuration (see the notes above; e.g. raise --mbs)"
+    hint = "; raise --mbs" if skipped and all(kind == "m" for _, kind in skipped.values()) else ""
+    return f"no selected schedule accepts --pp {args.pp} --mbs {args.mbs} (see the notes above{hint})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,12 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = schedules.names()
     ap = _parser(names)
     args = ap.parse_args(argv)
-    chosen = args.schedule or names
+    chosen = args.schedule or ([] if args.torch_csv else names)
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
     for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--tp", args.tp), ("--seq", args.seq),
-                      ("--micro-batch-size", args.micro_batch_size)):
+                      ("--micro-batch-size", args.micro_batch_size),
+                      *((f"--{k.replace('_', '-')}", getattr(args, k)) for k in _OVERRIDES)):
         if val is not None and val < 1:
             ap.error(f"{flag} must be a positive integer, got {val}")
     if args.offload_alpha != "auto":
@@ -181,8 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(err))
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
+    try:  # the model, hardware and tp on their own (one stage), before any schedule
+        analytic_costs(model_from_args(args), get_hardware(args.hardware), Layout(args.tp, 1, 1))
+    except ValueError as err:
+        ap.error(str(err))
     check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],
-                  inputs=[args.costs] if args.costs else [])
+                  inputs=([args.costs] if args.costs else []) + list(args.torch_csv or []))
     if args.html:
         try:
             import plotly  # noqa: F401
@@ -193,8 +243,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_cost_json(args.costs)  # an unreadable file is one line before any simulation
     except CostFileError as err:
         ap.error(str(err))
+    plans = []
+    for path in args.torch_csv or []:
+        from braid.torch_format import TorchFormatError, from_torch_csv
+
+        try:
+            with open(path) as f:
+                plan = from_torch_csv(f.read(), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
+        except OSError as err:
+            ap.error(f"--torch-csv: cannot read {path!r} ({err.strerror})")
+        except TorchFormatError as err:
+            ap.error(f"--torch-csv {path}: {err}")
+        if (plan.p, plan.m) != (args.pp, args.mbs):
+            ap.error(f"--torch-csv {path} has {plan.p} ranks and {plan.m} micro-batches: pass --pp {plan.p} --mbs {plan.m}")
+        plans.append(plan)
     try:
-        doc, traces, notes = run(args, chosen)
+        model_from_args(args)
+    except ValueError as err:
+        ap.error(str(err))
+    try:
+        doc, traces, notes = run(args, chosen, plans)
     except CostFileError as err:
         ap.error(str(err))
     reports = doc.pop("reports")

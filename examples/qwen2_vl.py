@@ -42,9 +42,9 @@ def _build(args):
     (by-name initialisation on its device, so the unsplit reference gets the same weights)."""
     from braid.models.build import meta_model
     from braid.models.qwen2_vl import Qwen2VLModel, vlm_preset
-    from train_loop import _device
+    from train_step import pick_device
 
-    return meta_model(Qwen2VLModel, vlm_preset(args.model), seed=args.seed, std=args.init_std, device=_device(args))
+    return meta_model(Qwen2VLModel, vlm_preset(args.model), seed=args.seed, std=args.init_std, device=pick_device(args))
 
 
 def _cfg(model, args):

@@ -4,4 +4,4 @@ Use :func:`build` (``build("braided_v", p=4, m=12)``) or :func:`get_schedule`; t
 are listed by :func:`names`.
 """
 
-from braid.schedules.registry import ScheduleSpec, build, get_schedule, names, register  # noqa: F401
+from braid.schedules.registry import Knob, ScheduleSpec, build, get_schedule, names, register  # noqa: F401

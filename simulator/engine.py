@@ -8,7 +8,9 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   A task with ``ar`` (and tp > 1) starts an all-reduce on the TP stream when it ends
   (queued behind earlier ones); the next task of the same op with ``waits_ar`` waits for
   it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
-  done (the tail wait is exposed too). Compute that runs while an all-reduce is in flight
+  done (the tail wait is exposed too), except an all-reduce carried into the next compute
+  instruction (:func:`braid.braiding.carries`): that one's first unit task runs beside it
+  before the Send/Recv run in between is posted, then the carried all-reduce is waited for. Compute that runs while an all-reduce is in flight
   on the rank is slowed by ``CostModel.ar_slowdown``, and an all-reduce that the next task
   does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer.
   The *host lane*: the rank's host issues unit tasks one after another, ``host_task_s``

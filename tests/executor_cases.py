@@ -91,11 +91,11 @@ def _check_carried_overlap(program, chunks, trace, where: str) -> None:
 
 
 def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol: tuple[float, float] = (1e-4, 1e-5),
-                tp_backend: str | None = None) -> list[tuple[str, int, dict]]:
-    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference.
-
-    ``tp_backend``: run the TP all-reduces through this :mod:`braid.tp.comm` backend (over a
-    TP group created with its options) instead of the groups' default."""
+                compile: bool | None = None, tp_backend: str | None = None) -> list[tuple[str, int, dict]]:
+    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference
+    (``compile``: the executor's compiled-units switch; ``tp_backend``: run the TP all-reduces
+    through this :mod:`braid.tp.comm` backend, over a TP group created with its options,
+    instead of the groups' default)."""
     from braid import schedules
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
@@ -129,8 +129,10 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         kw = {} if tp_backend is None else {"tp_comm": _tp_comm(ctx, groups, tp_backend)}
-        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev, **kw)
-        where = f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} tp_backend={tp_backend or groups.tp_backend}"
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev,
+                                  compile=compile, **kw)
+        where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} "
+                 f"tp_backend={tp_backend or groups.tp_backend}")
         for step, (toks, labs) in enumerate(steps_data):
             opt.zero_grad(set_to_none=True)
             res = ex.run(toks, labs)

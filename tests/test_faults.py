@@ -203,13 +203,31 @@ def _raise_wait(d, src: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_launch_report_leads_with_the_first_failure() -> None:
-    from braid.profile import launch
+    from braid.profile import JobFailed, launch
 
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(JobFailed) as info:
         launch(2, "cpu", _fails_on_rank_one)
     first_line = str(info.value).splitlines()[0]
     assert first_line == f"rank 1 failed first: ValueError: {FIRST_ERROR}"
     assert "--- rank 0 ---" in str(info.value) and "PeerFailure" in str(info.value)
+
+
+def _killed_on_rank_one(d) -> None:
+    if d.rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _raise_wait(d, 1)
+
+
+@pytest.mark.timeout(240)
+def test_launch_names_a_killed_rank_and_does_not_wait_for_it() -> None:
+    from braid.profile import JobFailed, launch
+
+    with pytest.raises(JobFailed) as info:
+        launch(2, "cpu", _killed_on_rank_one)
+    text = str(info.value)
+    assert text.splitlines()[0] == "rank 1 died first: its process was killed by SIGKILL without a report", text
+    assert "PeerLost" in text and "closed its connection" in text  # rank 0's own report
 
 
 # ----------------------------------------------------------------------------------------
@@ -246,6 +264,13 @@ def test_peer_failure_is_not_recorded_as_a_new_failure() -> None:
     assert a.first_failure() is None
     assert a.fail(PeerLost("rank 2: a peer closed its connection")) is True
     assert a.first_failure() == (2, "PeerLost: rank 2: a peer closed its connection")
+
+
+def test_a_raw_closed_connection_is_recorded_as_a_lost_peer() -> None:
+    a = Abort(dist.HashStore(), 3)
+    assert a.fail(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically ..."))
+    rank, reason = a.first_failure()
+    assert rank == 3 and reason.startswith("PeerLost: rank 3: a peer closed its connection (its process exited")
 
 
 @pytest.mark.parametrize("text,elapsed,expected", [

@@ -82,6 +82,24 @@ def test_carried_allreduces_never_lengthen_braided_v_nor_expose_more(monkeypatch
     assert all(a.tp_exposed_s <= b.tp_exposed_s + 1e-9 for a, b in zip(with_carry.ranks, without.ranks))
 
 
+@pytest.mark.parametrize("p,m,t_ar", [(p, m, t) for t in (0.25, 0.5) for p in (2, 4) for m in (3 * p, 4 * p)])
+def test_braided_v_on_a_12b_partition_exposes_at_most_2p_plus_1_allreduces(p, m, t_ar):
+    # Uniform times on the 12B model's partition (5-7 layers a chunk, embedding and head on
+    # rank 0), as `python -m braid.simulate --costs` runs them; at p=8 (3 layers a chunk) each
+    # middle F&B block's trailing all-reduce weighs more and the worst rank exposes 19.5*T_AR.
+    from braid.costs import analytic_costs, costs_from_dict
+    from braid.hardware import get_hardware
+    from braid.models_catalog import get_model
+
+    plan = schedules.build("braided_v", p, m)
+    layout = Layout(2, p, plan.v, plan.placement)
+    base = analytic_costs(get_model("qwen2-12b"), get_hardware("h200"), layout)
+    costs = costs_from_dict({"format": "braid-costs/1", "T_F": 1.0, "T_B": 1.0, "T_W": 1.0, "T_AR": t_ar, "T_P2P": 0.0},
+                            layout, {k: c.spec for k, c in base.chunks.items()}, base=base)
+    report = simulate(compile_plan(plan), costs, name="braided_v", record=False).report
+    assert report.max_tp_exposed_s <= (2 * p + 1) * t_ar + 1e-9
+
+
 # -- PP bubble (Table 1, column 1) -------------------------------------------------------
 @pytest.mark.parametrize("p,m", [(3, 6), (4, 8), (4, 12), (6, 18)])
 def test_bubble_of_1f1b_i_matches_table1_without_tp_comm(p, m):

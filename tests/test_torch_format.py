@@ -142,6 +142,25 @@ def test_torch_multi_stage_schedules_import_compile_and_simulate(tmp_path, cls, 
                                                for row in sch.pipeline_order.values()]
 
 
+def test_simulate_cli_runs_a_torch_csv_beside_braids_schedule(tmp_path, capsys):
+    import json
+
+    from braid.simulate import main as simulate_main
+
+    sch, _ = _torch_order(tsched.ScheduleDualPipeV, 2, 6, "v")
+    csv_path, costs, out = tmp_path / "torch_dpv.csv", tmp_path / "u.json", tmp_path / "r.json"
+    sch._dump_csv(str(csv_path), format="compute_only")
+    costs.write_text(json.dumps({"format": "braid-costs/1", "T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0.25, "T_P2P": 0}))
+    argv = ["--pp", "2", "--mbs", "6", "--model", "qwen2-small", "--costs", str(costs), "--schedule", "dualpipe_v",
+            "--torch-csv", str(csv_path), "--json", str(out)]
+    assert simulate_main(argv) == 0
+    rep = json.loads(out.read_text())["schedules"]
+    assert rep["torch_dpv"]["step_time_s"] == pytest.approx(rep["dualpipe_v"]["step_time_s"], abs=1e-12)
+    with pytest.raises(SystemExit) as e:  # p and m come from the file; a mismatch is one line
+        simulate_main(["--pp", "4", "--mbs", "6", "--torch-csv", str(csv_path)])
+    assert e.value.code == 2 and "pass --pp 2 --mbs 6" in capsys.readouterr().err
+
+
 def test_torch_zbv_matches_braids_zb_v():
     sch, _ = _torch_order(tsched.ScheduleZBVZeroBubble, 4, 12, "v")
     rows = [[str(a) for a in row if a is not None] for row in sch.pipeline_order.values()]

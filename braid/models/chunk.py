@@ -115,7 +115,12 @@ class _Box:
 
     def storages(self) -> dict[int, int]:
         """Device storages the box holds: data pointer -> bytes (each storage once)."""
-        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.tensors if isinstance(t, torch.Tensor)}
+        out = {}
+        for t in self.tensors:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()  # one storage object per tensor (sampled after every instruction on CPU)
+                out[st.data_ptr()] = st.nbytes()
+        return out
 
     def live_bytes(self) -> int:
         return sum(self.storages().values())

@@ -106,7 +106,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def add_residual(out: torch.Tensor, residual: torch.Tensor, tp: int) -> torch.Tensor:
     """The fused residual of a unit that ends with the TP all-reduce: ``out + residual / tp``
     (the caller passes the residual detached: its +1 gradient is added by the chunk runner)."""
-    return out + residual / tp
+    return out + residual if tp == 1 else out + residual / tp  # x / 1 == x: no division kernel at tp=1
 
 
 class UnitFns(NamedTuple):

@@ -4,11 +4,12 @@ A unit (Pre-Attn, Attn, Pre-MLP, MLP; paper Sec. 3, Fig. 2) is linears and an at
 kernel -- one kernel each -- glued by element-wise math that eager PyTorch runs as a string
 of small kernels: RMSNorm (cast, square, mean, rsqrt, two products), RoPE of the queries
 and keys (slices, a negation, a concatenation, products, cos/sin tables), the SwiGLU gate
-and the fused residual ``out + residual / t``; and the head's loss reads and writes the fp32
-logits several times over. At 7B-shaped layers those strings cost about as much memory
-traffic as a GEMM. Here each glue function (:class:`braid.models.qwen2.UnitFns`) is
-compiled on its own: forward and backward become one or two fused kernels each (the loss
-only at tp=1, where it needs no all-reduce inside).
+and the head's loss, which reads and writes the fp32 logits several times over. At
+7B-shaped layers those strings cost about as much memory traffic as a GEMM. Here each glue
+function (:class:`braid.models.qwen2.UnitFns`) is compiled on its own: forward and
+backward become one or two fused kernels each (the loss only at tp=1, where it needs no
+all-reduce inside). The fused residual ``out + residual / t`` stays eager: it is one
+kernel either way (no division at t=1), and a compiled call costs host time.
 
 What is *not* compiled, and why the unit contract survives:
 
@@ -89,8 +90,14 @@ def _cross_entropy(compiled_ce):
 @functools.cache
 def compiled_fns() -> UnitFns:
     """The unit functions under ``torch.compile`` (built once per process; compiled lazily, at first call)."""
-    pure = (torch.compile(fn, dynamic=False, fullgraph=True) for fn in EAGER[:4])
-    return UnitFns(*pure, _cross_entropy(torch.compile(token_cross_entropy, dynamic=False, fullgraph=True)))
+    def jit(fn):
+        return torch.compile(fn, dynamic=False, fullgraph=True)
+
+    return UnitFns(rms_norm=jit(EAGER.rms_norm), rope_qk=jit(EAGER.rope_qk), swiglu=jit(EAGER.swiglu),
+                   # one add (and a division at tp > 1) is one kernel in eager mode too; compiled, it
+                   # would only add a compiled call's host time to every unit
+                   add_residual=EAGER.add_residual,
+                   cross_entropy=_cross_entropy(jit(token_cross_entropy)))
 
 
 def set_compiled(modules: Iterable[nn.Module], enabled: bool) -> int:

@@ -89,6 +89,11 @@ _CLOSED_WORDS = ("closed by peer", "connection reset", "connection closed", "bro
 _TIMEOUT_WORDS = ("timed out", "timeout")
 
 
+def _mentions_closed(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(w in text for w in _CLOSED_WORDS)
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
@@ -124,6 +129,9 @@ class Abort:
         :class:`PeerLost` (a peer that vanished without a record). Returns :meth:`signal`'s answer."""
         if isinstance(err, PeerFailure) and not isinstance(err, PeerLost):
             return False
+        if not isinstance(err, (PeerLost, CommTimeout)) and _mentions_closed(err):
+            # a collective outside :meth:`wait` (a barrier, an all_gather_object) met a dead peer
+            err = self._lost(err, None)
         return self.signal(describe_exception(err))
 
     @contextlib.contextmanager
@@ -190,13 +198,17 @@ class Abort:
         """The exception a failed communication of this rank becomes (see :meth:`wait`)."""
         text = str(err).lower()
         line = _first_line(err)
-        if any(w in text for w in _CLOSED_WORDS):
-            return PeerLost(f"rank {self.rank}: a peer closed its connection after {elapsed_s:.1f} s (its process "
-                            f"exited or was killed; see that rank's log): {line}")
+        if _mentions_closed(err):
+            return self._lost(err, elapsed_s)
         if any(w in text for w in _TIMEOUT_WORDS) or elapsed_s >= 0.95 * self.timeout_s:
             return CommTimeout(f"rank {self.rank}: communication did not finish within {self.timeout_s:g} s "
-                               f"(a peer is alive but did not send or join; raise --timeout if it is slow): {line}")
+                               f"(a peer is alive but did not send or join; raise the timeout if it is only slow): {line}")
         return RuntimeError(f"rank {self.rank}: communication failed after {elapsed_s:.1f} s: {line}")
+
+    def _lost(self, err: BaseException, elapsed_s: float | None) -> PeerLost:
+        after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
+        return PeerLost(f"rank {self.rank}: a peer closed its connection{after} (its process exited or was killed; "
+                        f"see that rank's log): {_first_line(err)}")
 
 
 def _is_loopback(addr: str) -> bool:
@@ -233,8 +245,12 @@ def create_store(rank: int, world_size: int, addr: str, port: int, timeout: date
     if _is_loopback(addr):
         fd = _loopback_listener(addr, port)
         # the process group's own rendezvous waits for the ranks; the store need not
-        return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=fd)
+        kw = dict(is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd)
+        try:
+            return dist.TCPStore(addr, port, world_size, **kw)
+        except (RuntimeError, ValueError):  # a libuv store that cannot adopt a socket: the classic one can
+            log.debug("TCPStore(use_libuv=True) refused the loopback socket; using the classic backend", exc_info=True)
+            return dist.TCPStore(addr, port, world_size, use_libuv=False, **kw)
     return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout)
 
 

@@ -86,13 +86,17 @@ class DeferredWeightGrad(nn.Module):
         # ``.grad`` tensors that require grad.
         with torch.no_grad():
             for inp, grad_out in items:
-                for p, g in zip(params, self._weight_grads(inp, grad_out)):
-                    if p is None or g is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad += g
+                self._accumulate_weight_grads(params, inp, grad_out)
+
+    def _accumulate_weight_grads(self, params: list[nn.Parameter | None], inp: torch.Tensor, grad_out: torch.Tensor) -> None:
+        """``p.grad += g`` for each deferred parameter (set when ``p.grad`` is None)."""
+        for p, g in zip(params, self._weight_grads(inp, grad_out)):
+            if p is None or g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
 
 
 @contextlib.contextmanager
@@ -146,6 +150,21 @@ class _ParallelLinear(DeferredWeightGrad):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
         dw = g2.t().matmul(inp.reshape(-1, inp.shape[-1]))  # (out, in)
         return [dw] if self.bias is None else [dw, g2.sum(0)]
+
+    def _accumulate_weight_grads(self, params: list[nn.Parameter | None], inp: torch.Tensor, grad_out: torch.Tensor) -> None:
+        # Into an existing gradient the GEMM accumulates itself (beta=1): no temporary dW of the
+        # weight's size and no separate add over it (a W task of a 7B-sized MLP moves ~0.5 GB less).
+        if self.weight.grad is None:
+            super()._accumulate_weight_grads(params, inp, grad_out)
+            return
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
+        self.weight.grad.addmm_(g2.t(), inp.reshape(-1, inp.shape[-1]))
+        if self.bias is not None:
+            db = g2.sum(0)
+            if self.bias.grad is None:
+                self.bias.grad = db
+            else:
+                self.bias.grad += db
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}"

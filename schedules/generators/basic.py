@@ -14,7 +14,8 @@ from braid.schedules.generators._common import RankBuilder, check_chunks, make_p
 from braid.schedules.registry import register
 
 
-@register("gpipe", v=1, placement="loop", description="GPipe: all forwards, then all full backwards")
+@register("gpipe", v=1, placement="loop", description="GPipe: all forwards, then all full backwards",
+          steady_m=0)
 def gpipe(cfg: ScheduleConfig) -> Plan:
     """All m forwards, then all m full backwards, on every rank (peak m activations)."""
     check_chunks("gpipe", cfg, 1)

@@ -5,7 +5,8 @@ the first and the last stage. Braided blocks interleave the units of two ops so 
 all-reduce of one is in flight while the other computes (:mod:`braid.braiding`). Three kinds
 appear, in the order of the authors' published step structure:
 
-* F&F -- two chunk-0 forwards of consecutive micro-batches (warm-up),
+* F&F -- two chunk-0 forwards of consecutive micro-batches (warm-up), and once per rank a
+  chunk-0 forward with the chunk-1 forward before it (end of warm-up),
 * F&W -- a chunk-0 forward with a deferred weight gradient (end of warm-up),
 * F&B -- forward and backward of the *same* chunk, forward micro-batch later than the
   backward one; ``B`` (weight gradient split off) while gradients must move downstream
@@ -15,7 +16,8 @@ Phases for rank r (closed-form counts; ``split`` = weight gradient deferred to a
 
 1. ``2(p-r-1)`` forwards of chunk 0,
 2. ``r+1`` pairs F0, F1,
-3. ``a`` more chunk-0 forwards -- one single F when ``a`` is odd, then F&F blocks.
+3. ``a`` more chunk-0 forwards -- one single F when ``a`` is odd (braided with phase 2's
+   last forward, of chunk 1: a cross-chunk F&F block), then F&F blocks.
    ``a = r+1`` fills rank r with the maximum number of in-flight micro-batches (Fig. 11c);
    the memory-efficient warm-up (Appendix A/B, Fig. 11b, "Ours^") takes ``a = 1``: just the
    one extra forward that lets the first F&B block pair a later forward with an earlier
@@ -51,10 +53,11 @@ from __future__ import annotations
 
 from braid.ir import Plan, ScheduleConfig
 from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
-from braid.schedules.registry import register
+from braid.schedules.registry import Knob, register
 
 
-@register("braided_v", v=2, placement="v", description="Braided TP/PP V schedule (paper Fig. 5): F&F, F&W and F&B blocks")
+@register("braided_v", v=2, placement="v", description="Braided TP/PP V schedule (paper Fig. 5): F&F, F&W and F&B blocks",
+          min_m=2, steady_m=3)
 def braided_v(cfg: ScheduleConfig) -> Plan:
     """The paper's braided schedule for m >= 2p (throughput-efficient warm-up)."""
     return _braided("braided_v", cfg, lowmem=False)
@@ -65,6 +68,9 @@ def braided_v(cfg: ScheduleConfig) -> Plan:
     v=2,
     placement="v",
     description="Braided V schedule with the memory-efficient warm-up (paper Appendix B, Ours^)",
+    min_m=2,
+    steady_m=3,
+    saves_memory_of="braided_v",
 )
 def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
     """Braided V schedule with one extra forward before the first braided block; lower peak memory."""
@@ -76,6 +82,11 @@ def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
     v=2,
     placement="v",
     description="Braided V schedule with async activation offload of chunk 0 (paper Sec. 4.4)",
+    knobs=(Knob("offload_alpha", (0.25, 0.5, 1.0), "steady-phase fraction of chunk-0 activations moved to host memory"),
+           Knob("offload_alpha_warmup", (), "warm-up fraction (default: half of offload_alpha)")),
+    min_m=2,
+    steady_m=3,
+    saves_memory_of="braided_v",
 )
 def braided_v_offload(cfg: ScheduleConfig) -> Plan:
     """braided_v whose chunk-0 activations are offloaded to host memory (paper Sec. 4.4, Fig. 6).
@@ -83,12 +94,12 @@ def braided_v_offload(cfg: ScheduleConfig) -> Plan:
     Options: ``offload_alpha`` (steady-phase fraction, default 0.5), ``offload_alpha_warmup``
     (warm-up fraction, default half of alpha, so warm-up copies stay under T_F). The
     compiler's offload pass (:mod:`braid.offload`) inserts the OFFLOAD/RELOAD instructions.
-    ``"auto"`` needs a cost model: pick the values with :func:`braid.offload.tune_offload`
+    ``"auto"`` needs a cost model: pick the values with :func:`braid.offload_tune.tune_offload`
     (``python -m braid.simulate --offload-alpha auto`` does).
     """
     if "auto" in (cfg.option("offload_alpha"), cfg.option("offload_alpha_warmup")):
         raise ValueError("braided_v_offload: offload_alpha='auto' needs a cost model; build the plan with numbers "
-                         "from braid.offload.tune_offload(plan, costs).options() (python -m braid.simulate does this)")
+                         "from braid.offload_tune.tune_offload(plan, costs).options() (python -m braid.simulate does this)")
     alpha = float(cfg.option("offload_alpha", 0.5))
     warm = float(cfg.option("offload_alpha_warmup", alpha / 2))
     opts = dict(cfg.options) | {"offload_alpha": alpha, "offload_alpha_warmup": warm}
@@ -113,10 +124,16 @@ def _rank_ops(p: int, m: int, r: int, lowmem: bool) -> list:
     for _ in range(r + 1):
         rb.f(0)
         rb.f(1)
-    # Phase 3: extra chunk-0 forwards, a single one first if odd, then F&F blocks.
+    # Phase 3: extra chunk-0 forwards, a single one first if odd, then F&F blocks. The single
+    # one braids with phase 2's last forward (of chunk 1, so they do not depend on each
+    # other): one more warm-up forward's all-reduces hide, at no cost in step time on uniform
+    # costs (the memory-efficient variant keeps its lone forward).
     extra = min(1 if lowmem else r + 1, m - rb.fwd[0])
-    if extra % 2 == 1:
+    if extra % 2 == 1 and lowmem:
         rb.f(0)
+    elif extra % 2 == 1:
+        last = rb.ops.pop()  # F(r) of chunk 1
+        rb.braid(rb.next_f(0), last)
     for _ in range(extra // 2):
         rb.braid(rb.next_f(0), rb.next_f(0))
     # Phase 4: n(F1&B1, F0&W) -- split backwards push gradients downstream fast.

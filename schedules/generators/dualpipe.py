@@ -17,7 +17,8 @@ from braid.schedules.generators._common import RankBuilder, check_chunks, make_p
 from braid.schedules.registry import register
 
 
-@register("dualpipe_v", v=2, placement="v", description="DeepSeek DualPipeV: V placement, overlapped F/B pairs as cross-chunk braided blocks")
+@register("dualpipe_v", v=2, placement="v", description="DeepSeek DualPipeV: V placement, overlapped F/B pairs as cross-chunk braided blocks",
+          min_m=2)
 def dualpipe_v(cfg: ScheduleConfig) -> Plan:
     """DualPipeV for m >= 2p."""
     check_chunks("dualpipe_v", cfg, 2)

@@ -27,7 +27,8 @@ def _virtual(k: int, p: int, v: int, backward: bool) -> tuple[int, int]:
     return (k // (p * v)) * p + k % p, chunk
 
 
-@register("1f1b_i", v=2, placement="loop", description="Megatron interleaved 1F1B (v chunks per rank, loop placement)")
+@register("1f1b_i", v=2, placement="loop", description="Megatron interleaved 1F1B (v chunks per rank, loop placement)",
+          m_step="p")
 def interleaved_1f1b(cfg: ScheduleConfig) -> Plan:
     """Interleaved 1F1B with ``cfg.v`` chunks per rank; needs m % p == 0."""
     p, m, v = cfg.p, cfg.m, cfg.v

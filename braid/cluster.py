@@ -1,0 +1,261 @@
+"""Costs of a whole job: nodes, data and sequence parallelism, on top of the per-chunk cost model.
+
+:func:`braid.costs.analytic_costs` prices one pipeline (tp x pp) on one NVLink island. A
+job of ``tp * cp * pp * dp`` GPUs adds (all priced by the links they cross):
+
+* **Nodes** (:class:`Cluster`): ranks are laid out as :class:`braid.topology.Topology`'s
+  grid ``(dp, pp, cp, tp)``, tensor parallel fastest, ``gpus_per_node`` consecutive ranks per
+  node. A group of ``size`` ranks ``stride`` apart stays inside a node when
+  ``stride * size <= gpus_per_node``; otherwise its ring runs at the NIC rate
+  (``Hardware.inter_node_bytes_per_s``, ``inter_node_latency_s``). Pipeline P2P between two
+  stages on different nodes goes over the NIC too. Ring collectives: all-reduce moves
+  ``2(n-1)/n`` of the bytes, reduce-scatter, all-gather and all-to-all ``(n-1)/n``.
+* **Sequence parallelism** ``cp = hp x (cp / hp)`` (LoongTrain 2D-Attention,
+  :mod:`braid.attention`): every rank holds ``seq / cp`` tokens; per layer the Attn unit adds
+  four all-to-alls over the HP group in forward (q, k, v in; output back) and four in
+  backward, and a (double) ring over the CP ranks whose K/V hops hide behind the attention
+  blocks: only ``max(0, hop - block)`` per hop is exposed; the inner rings of ``w`` ranks
+  and the outer ring are priced by their own links. ``head_first`` places the HP ranks
+  next to each other (stride ``tp``), ``context_first`` the CP ranks.
+* **Recomputation** (``recompute=True``, full per layer): backward re-runs the forward of
+  every LM layer unit; only each layer's input (``tokens * hidden`` elements) stays saved.
+
+The data-parallel gradient reduction and the optimizer step come after the pipeline:
+:func:`dp_tail` (per rank, the gradient of each chunk is reduced over the dp x cp group as
+soon as its last weight gradient is done, one chunk after another on a communication stream
+beside the cool-down; then the optimizer step, sharded with ZeRO-1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from braid.braiding import Unit
+from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, analytic_costs
+from braid.hardware import Hardware
+from braid.ir import rank_chunk_of
+from braid.models_catalog import ModelConfig
+
+SpPlacement = Literal["head_first", "context_first"]
+Optimizer = Literal["replicated", "zero1"]
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Nodes of ``gpus_per_node`` GPUs of one hardware preset."""
+
+    hw: Hardware
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+
+    def crosses(self, stride: int, size: int) -> bool:
+        """Whether a group of ``size`` ranks ``stride`` apart spans more than one node."""
+        return size > 1 and stride * size > self.gpus_per_node
+
+    def _link(self, stride: int, size: int) -> tuple[float, float]:
+        if self.crosses(stride, size):
+            return self.hw.inter_node_bytes_per_s, self.hw.inter_node_latency_s
+        return self.hw.ar_bus_bytes_per_s, self.hw.ar_latency_s
+
+    def all_reduce(self, nbytes: float, size: int, stride: int) -> float:
+        if size == 1:
+            return 0.0
+        bw, lat = self._link(stride, size)
+        return lat + 2 * (size - 1) / size * nbytes / bw
+
+    def reduce_scatter(self, nbytes: float, size: int, stride: int) -> float:
+        """Also the time of an all-gather or an all-to-all of ``nbytes`` per rank."""
+        if size == 1:
+            return 0.0
+        bw, lat = self._link(stride, size)
+        return lat + (size - 1) / size * nbytes / bw
+
+    def p2p(self, nbytes: float, cross_node: bool) -> float:
+        if cross_node:
+            return self.hw.inter_node_latency_s + nbytes / self.hw.inter_node_bytes_per_s
+        return self.hw.p2p_latency_s + nbytes / self.hw.p2p_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class Parallel:
+    """Degrees and options of one job layout (world = tp * cp * pp * dp).
+
+    ``cp``: sequence-parallel degree d_sp = hp x (cp / hp); ``ring``: inner ring size w of
+    the double ring (dividing cp / hp; None = one ring); ``sp_placement``: which SP group is
+    on adjacent ranks; ``micro_batch_size``: samples per micro-batch.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    hp: int = 1
+    ring: int | None = None
+    sp_placement: SpPlacement = "head_first"
+    micro_batch_size: int = 1
+    recompute: bool = False
+    optimizer: Optimizer = "replicated"
+
+    def __post_init__(self) -> None:
+        if self.cp % self.hp or (self.ring is not None and (self.cp // self.hp) % self.ring):
+            raise ValueError(f"hp={self.hp} must divide cp={self.cp} and ring={self.ring} must divide cp/hp")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def sp_strides(self) -> tuple[int, int]:
+        """Rank strides of the HP group and of the CP (ring) group."""
+        ring_ranks = self.cp // self.hp
+        if self.sp_placement == "head_first":
+            return self.tp, self.tp * self.hp
+        return self.tp * ring_ranks, self.tp
+
+
+def job_costs(model: ModelConfig, cluster: Cluster, par: Parallel, layout: Layout) -> CostModel:
+    """The cost model of one pipeline of the job (see the module doc); ``model.seq`` is the full sequence."""
+    hw, t, d = cluster.hw, par.tp, model.dtype_bytes
+    if model.seq % par.cp:
+        raise ValueError(f"cp={par.cp} must divide the sequence length {model.seq}")
+    local = model.with_(seq=model.seq // par.cp, micro_batch_size=par.micro_batch_size)
+    tp_bw, tp_lat = cluster._link(1, t)
+    base = analytic_costs(local, replace(hw, ar_bus_bytes_per_s=tp_bw, ar_latency_s=tp_lat), layout)
+    lm = _lm_units(base, local, model.seq, cluster, par)
+    boundary = local.tokens * model.hidden * d
+    chunks = {}
+    for (r, c), cc in base.chunks.items():
+        units = dict(cc.units)
+        if lm is not None and not (model.vit is not None and cc.spec.embed):
+            units.update(lm)
+        stage = _stage_of(layout, r, c)
+        nxt = stage + 1 if stage + 1 < layout.num_stages else stage - 1
+        rn = rank_chunk_of(layout.placement, layout.p, nxt)[0] if layout.num_stages > 1 else r
+        stride = t * par.cp
+        cross = (r * stride) // cluster.gpus_per_node != (rn * stride) // cluster.gpus_per_node
+        chunks[(r, c)] = ChunkCosts(cc.spec, units, cluster.p2p(boundary, cross))
+    return replace(base, chunks=chunks, model_flops_per_sample=base.model_flops_per_sample,
+                   meta={**base.meta, "cp": par.cp, "hp": par.hp, "gpus_per_node": cluster.gpus_per_node})
+
+
+def _stage_of(layout: Layout, rank: int, chunk: int) -> int:
+    for s in range(layout.num_stages):
+        if rank_chunk_of(layout.placement, layout.p, s) == (rank, chunk):
+            return s
+    raise ValueError(f"no stage on rank {rank} chunk {chunk}")
+
+
+def _lm_units(base: CostModel, local: ModelConfig, seq: int, cluster: Cluster, par: Parallel) -> dict[Unit, UnitCost] | None:
+    """The LM layer units with sequence-parallel attention and recomputation folded in (None: unchanged)."""
+    if par.cp == 1 and not par.recompute:
+        return None
+    hw, t, d = cluster.hw, par.tp, local.dtype_bytes
+    some = next(cc for cc in base.chunks.values() if cc.spec.layers and not (local.vit is not None and cc.spec.embed))
+    units = {u: some.units[u] for u in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)}
+    if par.cp > 1:
+        hd, tok = local.head_dim, local.tokens
+        heads_t = local.heads // t
+        kv_t = max(local.kv_heads // t, 1)
+        core_local = 4 * tok * local.seq * hd * heads_t * 0.5 / hw.attn_flops
+        core_full = core_local * par.cp  # local queries against the whole sequence's keys
+        hp_stride, cp_stride = par.sp_strides()
+        a2a_in = cluster.reduce_scatter(tok * (heads_t + 2 * kv_t) * hd * d, par.hp, hp_stride)
+        a2a_out = cluster.reduce_scatter(tok * heads_t * hd * d, par.hp, hp_stride)
+        ring = _ring_exposed(cluster, par, cp_stride, tok * par.hp * 2 * max(kv_t // par.hp, 1) * hd * d,
+                             core_full / (par.cp // par.hp))
+        att = units[Unit.ATTN]
+        units[Unit.ATTN] = replace(att, f=att.f + core_full - core_local + a2a_in + a2a_out + ring,
+                                   b=att.b + 2 * (core_full - core_local) + a2a_in + a2a_out + 2 * ring)
+    if par.recompute:
+        sbh = local.tokens * local.hidden * d
+        units = {u: replace(c, b=c.b + c.f, act=sbh if u is Unit.PRE_ATTN else 0.0) for u, c in units.items()}
+    return units
+
+
+def _ring_exposed(cluster: Cluster, par: Parallel, stride: int, kv_bytes: float, block_s: float) -> float:
+    """Exposed time of a (double) ring over the CP ranks: each K/V hop beyond its attention block."""
+    n = par.cp // par.hp
+    if n == 1:
+        return 0.0
+    w = par.ring or n
+    inner = cluster.p2p(kv_bytes, cluster.crosses(stride, w))
+    outer = cluster.p2p(kv_bytes, cluster.crosses(stride, n)) if n > w else 0.0
+    hops_inner = (w - 1) * (n // w)
+    hops_outer = n // w - 1
+    return hops_inner * max(0.0, inner - block_s) + hops_outer * max(0.0, outer - block_s)
+
+
+# ----------------------------------------------------------------------------------------
+# Parameters, static memory, data-parallel reduction and optimizer step
+# ----------------------------------------------------------------------------------------
+def chunk_params(model: ModelConfig, costs: CostModel, rank: int, chunk: int) -> float:
+    """Parameters of one (rank, chunk) on one TP rank (embedding and head vocabulary-split)."""
+    spec, t = costs.chunks[(rank, chunk)].spec, costs.layout.tp
+    n = 0.0
+    if model.vit is not None and spec.embed:
+        v = model.vit
+        n += spec.layers * (4 * v.hidden * v.hidden + 2 * v.hidden * v.ffn) / t + v.patch_pixels * v.hidden
+        n += (16 * v.hidden * v.hidden + 4 * v.hidden * model.hidden) / t  # patch merger
+    else:
+        n += spec.layers * model.lm_layer_params() / t
+    n += (spec.embed + spec.head) * model.vocab * model.hidden / t
+    return n
+
+
+def rank_params(model: ModelConfig, costs: CostModel, rank: int) -> float:
+    return sum(chunk_params(model, costs, rank, c) for c in range(costs.layout.v))
+
+
+def static_bytes(model: ModelConfig, costs: CostModel, par: Parallel, rank: int) -> float:
+    """Weights, gradients and optimizer states of one rank.
+
+    ``replicated`` (what ``examples/train_loop.py`` runs: bf16 weights, gradients and AdamW
+    moments, all-reduced gradients): 8 bytes per parameter. ``zero1``: bf16 weights, fp32
+    gradients, fp32 master weights and moments sharded over the dp x cp group: 6 + 12/(dp*cp).
+    """
+    n = rank_params(model, costs, rank)
+    if par.optimizer == "zero1":
+        return n * (2 + 4 + 12 / (par.dp * par.cp))
+    return n * 8
+
+
+def _dp_link(par: Parallel) -> tuple[int, int]:
+    """(size, stride) of the gradient-reduction group (dp x cp), by its widest part."""
+    if par.dp > 1:
+        return par.dp * par.cp, par.tp * par.cp * par.pp
+    return par.cp, par.tp
+
+
+def reduce_time(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel, rank: int, chunk: int) -> float:
+    """Time to reduce one chunk's bf16 gradients over the dp x cp group (all-reduce, or reduce-scatter for zero1)."""
+    size, stride = _dp_link(par)
+    nbytes = 2 * chunk_params(model, costs, rank, chunk)
+    return (cluster.reduce_scatter if par.optimizer == "zero1" else cluster.all_reduce)(nbytes, size, stride)
+
+
+def dp_tail(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel, end_s: list[float],
+            grad_ready: dict[tuple[int, int], float]) -> tuple[list[float], list[float]]:
+    """Per rank: exposed gradient-reduction time after the rank's pipeline end, and optimizer-step time.
+
+    Gradients of each chunk (bf16) are all-reduced (``replicated``) or reduce-scattered
+    (``zero1``) over the dp x cp group once the chunk's last weight gradient is done, one chunk
+    after another; the step then updates the rank's (shard of the) parameters at HBM speed,
+    and ``zero1`` all-gathers the updated bf16 weights.
+    """
+    size, stride = _dp_link(par)
+    hbm = cluster.hw.hbm_bytes_per_s
+    tails, opts = [], []
+    for r in range(costs.layout.p):
+        free = 0.0
+        for c in sorted(range(costs.layout.v), key=lambda c: grad_ready.get((r, c), 0.0)):
+            free = max(free, grad_ready.get((r, c), 0.0)) + reduce_time(model, costs, cluster, par, r, c)
+        tails.append(max(0.0, free - end_s[r]))
+        n = rank_params(model, costs, r)
+        if par.optimizer == "zero1":
+            opts.append(30 * n / (par.dp * par.cp) / hbm + cluster.reduce_scatter(2 * n, size, stride))
+        else:
+            opts.append(14 * n / hbm)
+    return tails, opts

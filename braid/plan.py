@@ -1,0 +1,226 @@
+"""``python -m braid.plan``: the fastest layout and schedule for N GPUs under a memory cap.
+
+Enumerates every valid (tp, pp, dp, cp = hp x ring, SP placement, schedule and its knobs,
+micro-batch count and size, recomputation) for ``--gpus`` GPUs in nodes of
+``--gpus-per-node``, prunes by memory first (weights, gradients, optimizer states), then
+simulates candidates in order of a lower bound of their step time (the simulator's fast
+path plus the data-parallel tail) until ``--top`` fit and no unsimulated one can beat the
+first, or ``--time-budget`` runs out (then the output says so). Prints the ranking (predicted
+tokens/s, MFU, step time, peak memory per GPU, bubble of the busiest rank, exposed
+communication) and the ``torchrun`` command line of the best configuration.
+(:mod:`braid.plan_search` explains the search, :mod:`braid.cluster` the job cost model.)
+
+Examples::
+
+    python -m braid.plan --model qwen2-vl-72b --gpus 1024 --gpus-per-node 8 --hardware h200 \\
+        --global-batch 2048 --seq 8192 --json plan.json --html plan.html
+    python -m braid.plan --model qwen2-72b --gpus 64 --seq 32768 --global-batch 128 --optimizer zero1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from braid.cluster import Cluster
+from braid.costs import stage_lighter
+from braid.hardware import HARDWARE, get_hardware
+from braid.models_catalog import MODELS, get_model
+from braid.plan_search import Evaluation, Problem, SearchResult, search
+
+# catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
+_EXAMPLE_PRESETS = {"qwen2-7b": "7b", "qwen2-vl-7b": "7b", "qwen2-vl-15b": "15b"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parts = __doc__.split("\n\n")
+    ap = _Parser(prog="python -m braid.plan", description=parts[1], epilog="\n\n".join(parts[2:]),
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help=f"model preset: {', '.join(MODELS)}")
+    ap.add_argument("--gpus", type=int, required=True, help="GPUs of the job (world size)")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
+    ap.add_argument("--memory", type=float, default=None, metavar="GiB",
+                    help="memory cap per GPU in GiB (default: the hardware's, 141 GB on h200)")
+    ap.add_argument("--global-batch", type=int, default=None, metavar="B", help="samples per step (default: 2 per GPU)")
+    ap.add_argument("--seq", type=int, default=None, help="LM tokens per sample (default: the model's, 4096)")
+    ap.add_argument("--optimizer", default="replicated", choices=["replicated", "zero1"],
+                    help="replicated: AdamW state on every data-parallel replica, gradients all-reduced (what "
+                         "examples/train_loop.py runs; default); zero1: fp32 state sharded, reduce-scatter + all-gather")
+    ap.add_argument("--top", type=int, default=10, metavar="K", help="configurations to rank (default 10)")
+    ap.add_argument("--time-budget", type=float, default=40.0, metavar="S",
+                    help="seconds of simulation before the search stops with what it has (default 40)")
+    ap.add_argument("--json", metavar="F", help="write every ranked configuration with its command as JSON")
+    ap.add_argument("--html", metavar="F", help="Plotly page: throughput vs memory of every simulated candidate, "
+                                                "and the best one's timeline (F with .timeline.html; needs plotly)")
+    return ap
+
+
+def torchrun_command(prob: Problem, ev: Evaluation) -> str:
+    """The command line that trains ``ev``'s configuration with the example scripts."""
+    from braid import schedules
+
+    c, p, mdl = ev.cand, ev.cand.par, prob.model
+    g = prob.cluster.gpus_per_node
+    nodes = max(1, prob.gpus // g)
+    vision = mdl.vit is not None
+    script = "examples/qwen2_vl.py" if vision else "examples/qwen2.py"
+    spec = schedules.get_schedule(c.schedule)
+    args = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={min(g, prob.gpus)}"]
+    if nodes > 1:
+        args += ["--rdzv-backend=c10d", "--rdzv-endpoint=$MASTER_ADDR:29500"]
+    seq = mdl.seq - (mdl.vit.patches // 4 if vision else 0)  # the VLM script's --seq counts caption tokens
+    args += [script, "--model", _EXAMPLE_PRESETS.get(mdl.name, mdl.name), "--schedule", c.schedule,
+             "--tp", str(p.tp), "--pp", str(p.pp), "--dp", str(p.dp), "--mbs", str(c.m),
+             "--micro-batch-size", str(p.micro_batch_size), "--seq", str(seq),
+             "--last-stage-lighter", str(stage_lighter(mdl, p.pp * spec.v))]
+    if p.cp > 1:
+        args += ["--cp", str(p.cp), "--hp", str(p.hp), "--placement", p.sp_placement]
+        if p.ring:
+            args += ["--ring-size", str(p.ring)]
+    for name, val in c.options:
+        args += [f"--{name.replace('_', '-')}", f"{val:g}" if isinstance(val, float) else str(val)]
+    return " ".join(a if a.startswith("--rdzv-endpoint") else shlex.quote(a) for a in args)
+
+
+def _notes(prob: Problem, ev: Evaluation) -> list[str]:
+    notes = []
+    if prob.model.name not in _EXAMPLE_PRESETS:
+        notes.append(f"examples/ have no --model {prob.model.name} preset yet; add one with this shape to run it")
+    if ev.cand.par.recompute:
+        notes.append("needs activation recomputation, which examples/train_loop.py has no flag for")
+    if prob.optimizer == "zero1":
+        notes.append("predicted with a ZeRO-1 optimizer; examples/train_loop.py keeps replicated AdamW state")
+    return notes
+
+
+def document(prob: Problem, res: SearchResult, hw_name: str) -> dict[str, Any]:
+    """The JSON document: problem, search statistics, ranked configurations with their commands."""
+    ranked = []
+    for i, ev in enumerate(res.best, 1):
+        ranked.append({"rank": i, **ev.to_dict(), "command": torchrun_command(prob, ev), "notes": _notes(prob, ev)})
+    return {
+        "problem": {"model": prob.model.name, "gpus": prob.gpus, "gpus_per_node": prob.cluster.gpus_per_node,
+                    "hardware": hw_name, "memory_gib": prob.memory_bytes / 2**30, "global_batch": prob.global_batch,
+                    "seq": prob.model.seq, "optimizer": prob.optimizer},
+        "search": {"enumerated": res.enumerated, "memory_pruned": res.memory_pruned, "simulated": len(res.evaluated),
+                   "bound_pruned": res.bound_pruned, "best_proven": res.complete, "elapsed_s": res.elapsed_s},
+        "ranked": ranked,
+        "simulated": [ev.to_dict() for ev in res.evaluated],
+    }
+
+
+def format_ranking(res: SearchResult) -> str:
+    head = (f"{'#':>3} {'tokens/s':>11} {'MFU %':>6} {'step s':>8} {'peak GiB':>9} {'bubble %':>9} {'comm %':>7}  configuration")
+    lines = [head, "-" * len(head)]
+    for i, ev in enumerate(res.best, 1):
+        lines.append(f"{i:>3} {ev.tokens_s:>11.0f} {100 * ev.mfu:>6.1f} {ev.step_s:>8.3f} {ev.peak_bytes / 2**30:>9.1f} "
+                     f"{100 * ev.bubble_frac:>9.1f} {100 * ev.exposed_comm_frac:>7.1f}  {ev.cand.describe()}")
+    return "\n".join(lines)
+
+
+def _write_html(prob: Problem, res: SearchResult, path: str) -> None:
+    import plotly.graph_objects as go
+
+    from braid import viz
+    from braid.files import atomic_write_text
+    from braid.plan_search import costs_of
+    from braid.simulator import simulate
+    from braid.simulator.fast import compiled
+
+    best = res.best[0]
+    fits = [e for e in res.evaluated if e.peak_bytes <= prob.memory_bytes]
+    over = [e for e in res.evaluated if e.peak_bytes > prob.memory_bytes]
+    fig = go.Figure()
+    for evs, name in ((fits, "fits"), (over, "over the memory cap"), ([best], "chosen")):
+        fig.add_trace(go.Scatter(x=[e.peak_bytes / 2**30 for e in evs], y=[e.tokens_s for e in evs], mode="markers",
+                                 name=name, text=[e.cand.describe() for e in evs], hovertemplate="%{text}<br>%{x:.1f} GiB, %{y:.0f} tokens/s",
+                                 marker={"size": 14 if name == "chosen" else 7, "symbol": "star" if name == "chosen" else "circle"}))
+    fig.add_vline(x=prob.memory_bytes / 2**30, line_dash="dash", annotation_text="memory cap")
+    fig.update_layout(title=f"{prob.model.name} on {prob.gpus} GPUs: throughput vs peak memory per GPU",
+                      xaxis_title="peak memory per GPU (GiB)", yaxis_title="tokens/s")
+    timeline = Path(path).with_suffix(".timeline.html")
+    cand = best.cand
+    trace = simulate(compiled(cand.schedule, cand.par.pp, cand.m, cand.options), costs_of(prob, cand), name=cand.schedule).trace
+    viz.render_html(trace, timeline, title=f"best: {cand.describe()}")
+    body = fig.to_html(full_html=False, include_plotlyjs="inline")
+    atomic_write_text(path, f"<!doctype html><html><head><meta charset='utf-8'><title>braid plan</title></head><body>{body}"
+                            f"<p>Timeline of the chosen configuration: <a href='{timeline.name}'>{timeline.name}</a></p></body></html>")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from braid.files import OutputPathError, atomic_write_text, check_output_path
+
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.model not in MODELS:
+        ap.error(f"unknown model {args.model!r}; valid names: {', '.join(MODELS)}")
+    if args.hardware not in HARDWARE:
+        ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
+    for flag, val in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--global-batch", args.global_batch),
+                      ("--seq", args.seq), ("--top", args.top)):
+        if val is not None and val < 1:
+            ap.error(f"{flag} must be a positive integer, got {val}")
+    if args.memory is not None and not args.memory > 0:
+        ap.error(f"--memory must be a positive number of GiB, got {args.memory}")
+    if not args.time_budget > 0:
+        ap.error(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
+    try:
+        for out in (args.json, args.html):
+            if out:
+                check_output_path(out)
+    except OutputPathError as err:
+        ap.error(str(err))
+    if args.html:
+        try:
+            import plotly  # noqa: F401
+        except ImportError:
+            ap.error("--html needs plotly (pip install plotly)")
+    hw = get_hardware(args.hardware)
+    model = get_model(args.model)
+    model = model.with_(seq=args.seq) if args.seq else model
+    gb = args.global_batch or 2 * args.gpus
+    cap = args.memory * 2**30 if args.memory else hw.memory_bytes
+    prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer)
+    res = search(prob, top=args.top, time_budget_s=args.time_budget)
+    print(f"# {model.name} on {args.gpus} x {hw.name} ({args.gpus_per_node} per node), global batch {gb} x {model.seq} tokens, "
+          f"cap {cap / 2**30:.0f} GiB per GPU, optimizer {args.optimizer}")
+    print(f"# {res.enumerated} candidates, {res.memory_pruned} pruned by memory, {len(res.evaluated)} simulated, "
+          f"{res.bound_pruned} left by the bound, in {res.elapsed_s:.1f} s"
+          + ("; no unsimulated candidate can beat #1" if res.complete else
+             f" -- stopped at --time-budget {args.time_budget:g} s: the ranking covers what was simulated"))
+    if not res.best and not res.complete:
+        print(f"{ap.prog}: error: --time-budget {args.time_budget:g} s ran out before a configuration that fits was "
+              "simulated; raise it", file=sys.stderr)
+        return 2
+    if not res.best:
+        print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.0f} GiB per GPU; use more GPUs, a shorter --seq "
+              "or --optimizer zero1", file=sys.stderr)
+        return 2
+    print(format_ranking(res))
+    from braid import schedules
+    from braid.compiler import compile_plan
+
+    best = res.best[0]
+    compile_plan(schedules.build(best.cand.schedule, best.cand.par.pp, best.cand.m, **dict(best.cand.options)))  # validates
+    print("\nbest (compiled and validated):\n  " + torchrun_command(prob, best))
+    for n in _notes(prob, best):
+        print(f"note: {n}")
+    if args.json:
+        atomic_write_text(args.json, json.dumps(document(prob, res, hw.name), indent=1))
+    if args.html:
+        _write_html(prob, res, args.html)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The planner's search: every valid job layout and schedule, memory first, then simulation.
+
+A :class:`Candidate` is one way to run a training step on ``gpus`` GPUs: degrees (tp, pp,
+dp, cp = hp x ring, SP placement), micro-batch size and count, schedule and its knob values
+(:class:`braid.schedules.Knob`), recomputation. :func:`search` finds the fastest ones that fit
+the memory cap:
+
+1. **Enumerate** (:func:`candidates`): tp dividing the heads (at most a node), cp dividing the
+   sequence into shards of at least ``MIN_LOCAL_SEQ`` tokens (LLMs only: the VLM example runs
+   no SP), pp whose stages each get a layer, dp the
+   rest, micro-batch sizes that split the per-replica batch, every registered schedule that
+   accepts (p, m). Memory-saving variants (a schedule's ``saves_memory_of``, recomputation)
+   are tried only for layouts whose plain form does not fit.
+2. **Prune by memory**: weights, gradients and optimizer states (:func:`braid.cluster.static_bytes`)
+   plus the smallest activation any schedule keeps (one micro-batch of one chunk) above the
+   cap -> dropped unsimulated.
+3. **Bound**: a lower bound of the step time per candidate (:func:`lower_bound`): on every
+   rank, the forwards of the stages below its lowest one must run before it can start; then
+   all its own compute and its last chunk's gradient reduction; and the activation backwards
+   of the stages below follow its last activation backward; plus the optimizer step. The
+   simulated step is never below it (compute only slows down beside all-reduces, waits add).
+4. **Simulate** in order of the bound (:func:`braid.simulator.fast.simulate_schedule`, plus the
+   data-parallel tail :func:`braid.cluster.dp_tail`), keeping the ``top`` fastest that fit;
+   stop once ``top`` fit and the next bound is no less than the fastest step time found: then
+   the first is the exhaustive search's best (``SearchResult.complete``), and places 2..top
+   are the fastest of the candidates simulated by then. ``time_budget_s`` stops the search
+   earlier (``complete`` False: the ranking covers what was simulated).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Iterator
+
+from braid.cluster import Cluster, Parallel, dp_tail, job_costs, reduce_time, static_bytes
+from braid.costs import CostModel, Layout, model_forward_flops, stage_lighter
+from braid.models_catalog import ModelConfig
+
+RESERVE_BYTES = 2 * 2**30  # CUDA context, allocator slack and communication buffers per GPU
+MICRO_BATCH_SIZES = (1, 2, 4)
+MIN_LOCAL_SEQ = 1024  # sequence parallelism stops where a rank would hold fewer tokens (attention blocks too small)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    par: Parallel
+    schedule: str
+    m: int
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        p = self.par
+        sp = f" cp={p.cp} hp={p.hp}" + (f" ring={p.ring}" if p.ring else "") + f" {p.sp_placement}" if p.cp > 1 else ""
+        opts = "".join(f" {k}={v:g}" if isinstance(v, float) else f" {k}={v}" for k, v in self.options)
+        return (f"tp={p.tp} pp={p.pp} dp={p.dp}{sp} {self.schedule}{opts} m={self.m} mbs={p.micro_batch_size}"
+                + (" recompute" if p.recompute else ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """A simulated candidate: predicted step and memory (worst rank), and where the time goes."""
+
+    cand: Candidate
+    step_s: float
+    tokens_s: float
+    mfu: float
+    peak_bytes: float
+    static_bytes: float
+    bubble_frac: float  # idle share of the busiest rank (waiting on the pipeline)
+    exposed_comm_frac: float  # exposed TP all-reduce and data-parallel reduction after the pipeline
+    optimizer_s: float
+    method: str
+    lower_bound_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.cand.par
+        return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "cp": p.cp, "hp": p.hp, "ring": p.ring, "sp_placement": p.sp_placement,
+                "schedule": self.cand.schedule, "options": dict(self.cand.options), "m": self.cand.m,
+                "micro_batch_size": p.micro_batch_size, "recompute": p.recompute, "optimizer": p.optimizer,
+                "step_s": self.step_s, "tokens_per_s": self.tokens_s, "mfu": self.mfu,
+                "peak_memory_gib": self.peak_bytes / 2**30, "static_memory_gib": self.static_bytes / 2**30,
+                "bubble": self.bubble_frac, "exposed_comm": self.exposed_comm_frac,
+                "optimizer_s": self.optimizer_s, "simulation": self.method,
+                "lower_bound_s": self.lower_bound_s}
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """What to plan for: the model (``seq`` = LM tokens per sample), GPUs, batch and memory cap."""
+
+    model: ModelConfig  # seq = the LM sequence of one sample
+    gpus: int
+    cluster: Cluster
+    global_batch: int
+    memory_bytes: float
+    optimizer: str = "replicated"
+
+
+@dataclass(slots=True)
+class SearchResult:
+    best: list[Evaluation]
+    evaluated: list[Evaluation] = field(default_factory=list)  # every simulated candidate (fits or not)
+    enumerated: int = 0
+    memory_pruned: int = 0
+    bound_pruned: int = 0
+    complete: bool = True
+    elapsed_s: float = 0.0
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(prob: Problem) -> Iterator[Parallel]:
+    """Every (tp, cp, hp, ring, placement, pp, dp, micro-batch size) that fits the GPUs and the model."""
+    mdl, g = prob.model, prob.cluster.gpus_per_node
+    for tp in _pow2_upto(min(g, prob.gpus)):
+        if mdl.heads % tp or (mdl.kv_heads % tp and tp % mdl.kv_heads):
+            continue
+        for cp in ([1] if mdl.vit is not None else _pow2_upto(prob.gpus // tp)):
+            if cp > 1 and (mdl.seq % (2 * cp) or mdl.seq // cp < MIN_LOCAL_SEQ):
+                continue
+            for sp in _sp_options(mdl, tp, cp, g):
+                for pp in _divisors(prob.gpus // (tp * cp)):
+                    dp = prob.gpus // (tp * cp * pp)
+                    if prob.global_batch % dp or pp > mdl.layers:
+                        continue
+                    for mbs in MICRO_BATCH_SIZES:
+                        if (prob.global_batch // dp) % mbs == 0:
+                            yield Parallel(tp, pp, dp, cp, sp[0], sp[1], sp[2], mbs, False, prob.optimizer)  # type: ignore[arg-type]
+
+
+def _sp_options(mdl: ModelConfig, tp: int, cp: int, g: int) -> list[tuple[int, int | None, str]]:
+    if cp == 1:
+        return [(1, None, "head_first")]
+    heads_t, kv_t = mdl.heads // tp, max(mdl.kv_heads // tp, 1)
+    out = []
+    for hp in _divisors(cp):
+        if heads_t % hp or (kv_t % hp and hp % kv_t):
+            continue
+        ring_ranks = cp // hp
+        rings: list[int | None] = [None]
+        inner = g // (tp * (hp if hp > 1 else 1))  # ranks of one ring that fit a node next to each other
+        if 1 < inner < ring_ranks and ring_ranks % inner == 0:
+            rings.append(inner)
+        placements = ["head_first", "context_first"] if hp > 1 and ring_ranks > 1 else ["head_first"]
+        out += [(hp, w, pl) for w in rings for pl in placements]
+    return out
+
+
+def schedule_candidates(prob: Problem, par: Parallel, plain: bool) -> Iterator[Candidate]:
+    """Schedules (and knob values) that accept the layout; ``plain``: no memory-saving variants."""
+    from braid import schedules
+
+    m = prob.global_batch // par.dp // par.micro_batch_size
+    for name in schedules.names():
+        spec = schedules.get_schedule(name)
+        if (spec.saves_memory_of is not None) == plain or not spec.accepts_m(par.pp, m):
+            continue
+        stages = par.pp * spec.v
+        if stages > prob.model.layers + (prob.model.vit is not None) or (prob.model.vit is not None and stages < 2):
+            continue
+        try:
+            stage_lighter(prob.model, stages)
+        except ValueError:
+            continue
+        searched = [k for k in spec.knobs if k.search]
+        if not searched:
+            yield Candidate(par, name, m)
+            continue
+        for k in searched:  # one knob at a time, the others at their defaults
+            for val in k.search:
+                yield Candidate(par, name, m, ((k.name, val),))
+
+
+@lru_cache(maxsize=4096)
+def _costs(prob: Problem, par: Parallel, v: int, placement: str) -> CostModel:
+    return job_costs(prob.model, prob.cluster, par, Layout(par.tp, par.pp, v, placement))  # type: ignore[arg-type]
+
+
+def costs_of(prob: Problem, cand: Candidate) -> CostModel:
+    """The pipeline's cost model (it does not depend on dp or the optimizer: those share one)."""
+    from dataclasses import replace
+
+    from braid import schedules
+
+    spec = schedules.get_schedule(cand.schedule)
+    return _costs(prob, replace(cand.par, dp=1, optimizer="replicated"), spec.v, spec.placement)
+
+
+_TERMS: dict[int, tuple[CostModel, list[tuple[float, float]]]] = {}
+
+
+def _pipeline_terms(costs: CostModel) -> list[tuple[float, float, float, float]]:
+    """Per rank: forwards and activation backwards of the stages below its lowest one (one
+    micro-batch each), its own compute per micro-batch, and its forwards + activation backwards."""
+    from braid.ir import rank_chunk_of
+
+    hit = _TERMS.get(id(costs))
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    lay = costs.layout
+    owner = [rank_chunk_of(lay.placement, lay.p, s) for s in range(lay.num_stages)]
+    f = [costs.chunks[rc].total("f") for rc in owner]
+    b = [costs.chunks[rc].total("b") for rc in owner]
+    out = []
+    for r in range(lay.p):
+        first = next(s for s, rc in enumerate(owner) if rc[0] == r)
+        fb = sum(costs.chunks[(r, c)].total(a) for c in range(lay.v) for a in ("f", "b"))
+        own = fb + sum(costs.chunks[(r, c)].total("w") for c in range(lay.v))
+        out.append((sum(f[:first]), sum(b[:first]), own, fb))
+    _TERMS[id(costs)] = (costs, out)
+    return out
+
+
+def lower_bound(prob: Problem, cand: Candidate, costs: CostModel) -> float:
+    """A step time no schedule of this layout beats (see the module doc, step 3).
+
+    Rank r starts no earlier than the forwards of the stages below its lowest one (micro-batch
+    0); it then computes everything it owns, and the gradient reduction of the chunk it
+    computes last follows. Its last activation backward (of its lowest stage: the others'
+    precede it) comes after all its forwards and activation backwards, and the activation
+    backwards of the stages below follow it (weight gradients may be deferred past it).
+    """
+    lay = costs.layout
+    best = 0.0
+    for r, (f_below, b_below, own, fb) in enumerate(_pipeline_terms(costs)):
+        tail = min(reduce_time(prob.model, costs, prob.cluster, cand.par, r, c) for c in range(lay.v))
+        best = max(best, f_below + cand.m * own + tail, f_below + cand.m * fb + b_below)
+    _, opts = dp_tail(prob.model, costs, prob.cluster, cand.par, [0.0] * lay.p, {})
+    return best + max(opts)
+
+
+def min_memory(prob: Problem, cand: Candidate, costs: CostModel) -> float:
+    """Static bytes of the fullest rank plus one micro-batch's activations of one chunk: a floor."""
+    lay = costs.layout
+    act = max(cc.total("act") for cc in costs.chunks.values())
+    return max(static_bytes(prob.model, costs, cand.par, r) for r in range(lay.p)) + act + RESERVE_BYTES
+
+
+def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bound: float = 0.0) -> Evaluation:
+    """Simulate one candidate (fast path) and add the data-parallel tail and optimizer step."""
+    from braid.simulator.fast import simulate_schedule
+
+    costs = costs or costs_of(prob, cand)
+    res = simulate_schedule(cand.schedule, cand.par.pp, cand.m, costs, cand.options)
+    rep = res.report
+    ends = [r.end_s for r in rep.ranks]
+    tails, opts = dp_tail(prob.model, costs, prob.cluster, cand.par, ends, res.grad_ready)
+    step = max(e + t for e, t in zip(ends, tails)) + max(opts)
+    peak = max(static_bytes(prob.model, costs, cand.par, r.rank) + r.peak_activation_bytes for r in rep.ranks) + RESERVE_BYTES
+    stat = max(static_bytes(prob.model, costs, cand.par, r) for r in range(costs.layout.p))
+    tokens = prob.global_batch * prob.model.seq
+    flops = 3 * model_forward_flops(prob.model.with_(micro_batch_size=1)) * prob.global_batch
+    hw = prob.cluster.hw
+    comm = max(r.tp_exposed_s for r in rep.ranks) + max(tails)
+    busiest = max(rep.ranks, key=lambda r: r.compute_s)  # its idle time is the pipeline's cost
+    return Evaluation(cand, step, tokens / step, flops / (step * prob.gpus * hw.peak_flops), peak, stat,
+                      busiest.pp_bubble_s / step, comm / step, max(opts), res.method, bound)
+
+
+def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0,
+           only: Callable[[Candidate], bool] | None = None,
+           costs_fn: Callable[[Candidate], CostModel] | None = None) -> SearchResult:
+    """The fastest candidate that fits ``prob.memory_bytes``, and up to ``top - 1`` runners-up (module doc).
+
+    ``only`` restricts the candidates (e.g. to one measured layout); ``costs_fn`` replaces the
+    analytic job costs (e.g. with a profiled cost file) for every candidate.
+    """
+    t0 = time.perf_counter()
+    out = SearchResult([])
+    queue: list[tuple[float, int, Candidate, CostModel]] = []
+    seq = 0
+
+    def push(cands: Iterator[Candidate]) -> None:
+        nonlocal seq
+        for cand in cands:
+            if only is not None and not only(cand):
+                continue
+            out.enumerated += 1
+            try:
+                costs = costs_fn(cand) if costs_fn is not None else costs_of(prob, cand)
+            except ValueError:
+                continue
+            if min_memory(prob, cand, costs) > prob.memory_bytes:
+                out.memory_pruned += 1
+                if not cand.par.recompute:
+                    push(_savers(prob, cand))
+                continue
+            seq += 1
+            heapq.heappush(queue, (lower_bound(prob, cand, costs), seq, cand, costs))
+
+    for par in layouts(prob):
+        if time.perf_counter() - t0 > time_budget_s:
+            out.complete = False
+            break
+        push(schedule_candidates(prob, par, plain=True))
+    best: list[tuple[float, int, Evaluation]] = []  # max-heap by step (negated): the top fastest that fit
+    first = float("inf")  # the fastest that fits
+    while queue:
+        bound, _, cand, costs = heapq.heappop(queue)
+        if len(best) >= top and bound >= first:  # nothing left can beat the best one
+            out.bound_pruned += len(queue) + 1
+            break
+        if time.perf_counter() - t0 > time_budget_s:
+            out.complete = False
+            break
+        try:
+            ev = evaluate(prob, cand, costs, bound)
+        except ValueError:
+            continue
+        out.evaluated.append(ev)
+        if ev.peak_bytes > prob.memory_bytes:
+            push(_savers(prob, cand))
+            continue
+        first = min(first, ev.step_s)
+        heapq.heappush(best, (-ev.step_s, id(ev), ev))
+        if len(best) > top:
+            heapq.heappop(best)
+    out.best = sorted((e for _, _, e in best), key=lambda e: e.step_s)
+    out.elapsed_s = time.perf_counter() - t0
+    return out
+
+
+def _savers(prob: Problem, cand: Candidate) -> Iterator[Candidate]:
+    """Memory-saving variants of a plain candidate that does not fit: schedule variants, recomputation."""
+    from dataclasses import replace
+
+    from braid import schedules
+
+    if cand.par.recompute or schedules.get_schedule(cand.schedule).saves_memory_of is not None:
+        return
+    for c in schedule_candidates(prob, cand.par, plain=False):
+        if schedules.get_schedule(c.schedule).saves_memory_of == cand.schedule:
+            yield c
+    yield replace(cand, par=replace(cand.par, recompute=True))

@@ -1,0 +1,345 @@
+"""Command line of the example training scripts: the flags, and every check made before any process group exists.
+
+:func:`prepare` parses and validates (every rank reaches the same verdict, so a bad flag
+stops all ranks before any communication) and builds the single-device model and the
+schedules; :class:`Task` is what a script (``qwen2.py``, ``qwen2_vl.py``) plugs in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class UsageError(ValueError):
+    """A flag or a layout that cannot work: exit code 2 with one line."""
+
+
+class RunError(RuntimeError):
+    """A run stopped on purpose (every rank reaches the same verdict): one line, ``exit_code``."""
+
+    exit_code = 1
+
+
+class NonFiniteError(RunError):
+    """The loss or a gradient became NaN or infinite: the run stops before the update (and any save)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a training script plugs into the loop.
+
+    ``build_model(args) -> nn.Module`` (single-device, under the caller's seed);
+    ``stage_layers(model, num_stages, args) -> tuple``; ``check(model, topo, num_stages, args)``
+    raises ``ValueError`` for layouts the model cannot take; ``build_chunks(model, plan,
+    pp_rank, stage_layers, tp_rank, tp_size, tp_group)``; ``source(model, args)`` the data;
+    ``inputs(model, batch) -> (tokens_item, labels)`` per micro-batch; ``seq_len(model, args)``
+    the LM sequence; ``flops_per_sample(model, args)`` for MFU; ``models``: the ``--model`` presets.
+    """
+
+    prog: str
+    description: str
+    build_model: Callable[[argparse.Namespace], torch.nn.Module]
+    stage_layers: Callable[..., tuple[int, ...]]
+    check: Callable[..., None]
+    build_chunks: Callable[..., dict]
+    source: Callable[..., Any]
+    inputs: Callable[..., tuple[Any, torch.Tensor]]
+    seq_len: Callable[..., int]
+    flops_per_sample: Callable[..., float]
+    default_seq: int
+    vision: bool = False
+    models: tuple[str, ...] = ("tiny", "small", "7b", "15b")
+
+
+# -- command line ----------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2 (argparse's default prints usage too)
+        raise UsageError(message)
+
+    def print_help(self, file: Any = None) -> None:  # under torchrun, once (rank 0) rather than once per rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            super().print_help(file)
+
+
+def build_parser(task: Task) -> argparse.ArgumentParser:
+    from braid import schedules
+    from braid.baselines import TORCH_SCHEDULES
+
+    p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=_EPILOG.format(prog=task.prog))
+    lay = p.add_argument_group("layout (world size = dp * pp * tp)")
+    lay.add_argument("--schedule", nargs="+", default=["braided_v"], metavar="NAME",
+                     help="pipeline schedule: " + ", ".join(schedules.names()) + "; or torch.distributed.pipelining's "
+                          + ", ".join(TORCH_SCHEDULES) + ". Several: each trains --steps steps from the same "
+                          "weights and data, then one table compares them (default: braided_v)")
+    lay.add_argument("--offload-alpha", type=float, default=None, metavar="A",
+                     help="braided_v_offload: fraction of chunk-0 activations moved to host memory, 0..1 (default: "
+                          "0.5 steady, half in warm-up; python -m braid.simulate --offload-alpha auto picks one)")
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
+    lay.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: %(default)s)")
+    lay.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / (tp*pp))")
+    lay.add_argument("--cp", type=int, default=1,
+                     help="sequence-parallel degree d_sp = d_hp x d_cp (LoongTrain 2D-Attention; default: %(default)s)")
+    lay.add_argument("--hp", type=int, default=1, help="head-parallel part d_hp of --cp (default: %(default)s)")
+    lay.add_argument("--ring-size", type=int, default=None,
+                     help="inner ring size w of Double-Ring-Attention, dividing d_cp = cp/hp (default: one ring of d_cp)")
+    lay.add_argument("--placement", default="head_first", choices=["head_first", "context_first"],
+                     help="put the head-parallel (head_first) or the context-parallel group on adjacent ranks")
+    lay.add_argument("--last-stage-lighter", type=int, default=None,
+                     help="layers fewer on the last virtual stage (heavy LM head; default: 2, 0 for --model tiny)")
+    run = p.add_argument_group("batch and model")
+    run.add_argument("--model", default="tiny", choices=list(task.models), help="size preset (default: %(default)s)")
+    run.add_argument("--hf", metavar="DIR", help="start from a local Hugging Face checkpoint (config.json + safetensors) "
+                                                 "instead of --model; each rank reads only its chunks' tensors")
+    run.add_argument("--mbs", type=int, default=None, help="micro-batches per step (default: 2*pp)")
+    run.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default: %(default)s)")
+    run.add_argument("--seq", type=int, default=task.default_seq,
+                     help=("caption tokens per sample; the LM sees visual tokens + these" if task.vision else "tokens per sample")
+                     + " (default: %(default)s)")
+    if task.vision:
+        run.add_argument("--image-size", type=int, default=None, help="image side in pixels (default: the preset's)")
+    run.add_argument("--steps", type=int, default=40, help="training steps in total, counting resumed ones (default: %(default)s)")
+    run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    run.add_argument("--init-std", type=float, default=0.02, help="std of the random initialisation (default: %(default)s)")
+    run.add_argument("--seed", type=int, default=0, help="model and data seed (default: %(default)s)")
+    run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="auto: cuda if available (bf16), else cpu (fp32) (default: %(default)s)")
+    run.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                     help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
+    p.add_argument("--config", metavar="RUN.toml",
+                   help="read flags from a TOML run file (long flag names as keys: tp = 2, schedule = [\"zb_v\"]); "
+                        "flags on the command line override it. Each run writes its effective configuration beside "
+                        "its checkpoints (DIR/config.toml) and metrics (FILE.toml)")
+    out = p.add_argument_group("outputs")
+    out.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (rank 0 writes)")
+    out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m braid.viz)")
+    out.add_argument("--tensorboard", metavar="DIR", help="also write the per-step metrics as TensorBoard events (needs tensorboard)")
+    out.add_argument("--save", metavar="DIR",
+                     help="checkpoint at the end (and every --save-every steps) into DIR/step_N/, DIR/latest naming the newest")
+    out.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
+    out.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="step folders kept in --save DIR (default: %(default)s)")
+    out.add_argument("--resume", metavar="DIR",
+                     help="continue from DIR's latest checkpoint (or a step folder): any tp, pp, dp and schedule; the same "
+                          "model. With --save DIR too, a DIR without a checkpoint yet starts at step 0 (one command starts "
+                          "and restarts a run). Checksums are verified first, but resume only from directories you trust: "
+                          "torch's checkpoint reader unpickles DIR's .metadata")
+    out.add_argument("--save-hf", metavar="DIR", help="at the end, write the trained model as a Hugging Face checkpoint "
+                                                      "(a new directory; each pipeline rank writes its stages)")
+    out.add_argument("--peak-tflops", type=float, default=None,
+                     help="per-device peak for MFU (default: 989 on H100/H200, 0 = not reported on CPU)")
+    out.add_argument("--reference", action="store_true",
+                     help="also train the unsplit model on rank 0's device (same weights, data, AdamW) and compare "
+                          "every schedule's per-step losses with it; exit code 1 beyond --reference-rtol")
+    out.add_argument("--reference-rtol", type=float, default=None, metavar="R",
+                     help="relative loss tolerance of --reference (default: 1e-4 in float32, 2e-2 in bfloat16)")
+    out.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck communication fails the run")
+    return p
+
+
+_EPILOG = """\
+examples:
+  python {prog} --steps 40                                   # one process, CPU or one GPU
+  torchrun --nproc-per-node 4 {prog} --schedule braided_v --tp 2 --pp 2
+  torchrun --nproc-per-node 2 {prog} --pp 2 --metrics m.jsonl --trace t.json
+  torchrun --nproc-per-node 4 {prog} --tp 2 --pp 2 --steps 6 --reference \
+      --schedule braided_v braided_v_offload 1f1b_i zb_v torch_1f1b_i torch_zb_v torch_dualpipe_v
+  python {prog} --steps 2 --save ckpt && python {prog} --steps 4 --resume ckpt
+
+Bad flags, or a layout the world size or the model cannot take, exit with code 2 and one
+line on rank 0 (every rank stops before any communication)."""
+
+
+@dataclass
+class Setup:
+    """Everything decided before any process group exists (same on every rank)."""
+
+    args: argparse.Namespace
+    world: int
+    rank: int
+    topo: Any
+    runs: list["Run"]
+    model: torch.nn.Module
+    parser: argparse.ArgumentParser | None = None
+    resume_dir: Path | None = None  # the step folder --resume names (checked)
+
+    @property
+    def plan(self) -> Any:
+        return self.runs[0].plan
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return self.runs[0].stage_layers
+
+
+@dataclass(frozen=True)
+class Run:
+    """One schedule of the job: braid's (``plan`` set) or a torch.distributed.pipelining baseline (``plan`` None)."""
+
+    name: str
+    plan: Any
+    stage_layers: tuple[int, ...]
+
+
+def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
+    """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
+    from braid import schedules
+    from braid.baselines import TORCH_SCHEDULES
+    from braid.runconfig import ConfigError, config_argv
+    from braid.topology import Topology
+
+    parser = build_parser(task)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(config_argv(parser, argv))
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    check_values(args)
+    if args.dp is None:
+        args.dp = max(1, world // (args.tp * args.pp * args.cp))
+    if args.mbs is None:
+        args.mbs = 2 * args.pp
+    if args.last_stage_lighter is None:
+        args.last_stage_lighter = 0 if args.model.endswith("tiny") else 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
+    check_outputs(args)
+    names = args.schedule
+    valid = list(schedules.names()) + list(TORCH_SCHEDULES)
+    for n in names:
+        if n not in valid:
+            raise UsageError(f"--schedule {n}: unknown; valid: {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
+    if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf):
+        raise UsageError("--save, --save-hf, --resume and --trace take one --schedule (several schedules compare fresh runs)")
+    if args.save_hf and Path(args.save_hf).exists() and (not Path(args.save_hf).is_dir() or any(Path(args.save_hf).iterdir())):
+        raise UsageError(f"--save-hf {args.save_hf}: exists and is not an empty directory; give a new directory")
+    if args.reference and (args.resume or args.cp > 1):
+        raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
+    torch_names = [n for n in names if n in TORCH_SCHEDULES]
+    if torch_names and (args.save or args.resume or args.save_hf):
+        raise UsageError(f"--save/--save-hf/--resume checkpoint braid's schedules, not {torch_names[0]}")
+    if torch_names and (args.dp != 1 or args.cp != 1):
+        raise UsageError(f"{torch_names[0]} runs tp x pp layouts only: use --dp 1 --cp 1 (world size = tp * pp)")
+    try:
+        sp = sp_config(task, args)
+        topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
+        opts = {}
+        if args.offload_alpha is not None:
+            takes = [n for n in names if n not in TORCH_SCHEDULES and schedules.get_schedule(n).knob("offload_alpha")]
+            if not takes or not 0.0 <= args.offload_alpha <= 1.0:
+                raise ValueError(f"--offload-alpha {args.offload_alpha}: needs a schedule with that knob "
+                                 f"(--schedule braided_v_offload) and a value in [0, 1]")
+            opts = {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
+        torch.manual_seed(args.seed)
+        if args.hf:
+            import braid.hf
+            from train_step import pick_device
+
+            model = braid.hf.load_meta(args.hf, device=pick_device(args))  # materialised chunk by chunk
+        else:
+            model = task.build_model(args)
+        if args.save_hf:
+            from braid.models.registry import family_of
+
+            family_of(model)  # a model no registered family can write is refused before training
+        runs = []
+        for n in names:
+            knobs = {} if n in TORCH_SCHEDULES else {k: v for k, v in opts.items() if schedules.get_schedule(n).knob(k)}
+            plan = None if n in TORCH_SCHEDULES else schedules.build(n, args.pp, args.mbs, **knobs)
+            n_stages = 2 * args.pp if plan is None else plan.num_stages
+            task.check(model, topo, n_stages, args)
+            runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
+        if sp is not None:
+            sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
+    except ValueError as err:
+        raise UsageError(str(err).splitlines()[0]) from None
+    setup = Setup(args, world, rank, topo, runs, model, parser)
+    if args.resume:
+        from train_checkpoint import check_resume
+
+        setup.resume_dir = check_resume(task, setup)
+    return setup
+
+
+def check_values(args: argparse.Namespace) -> None:
+    """Ranges of the numeric flags (NaN is refused everywhere: it passes no comparison)."""
+    for name in ("tp", "pp", "cp", "hp", "micro_batch_size", "seq", "steps", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("dp", "mbs", "image_size"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be >= 0 (0: only at the end), got {args.save_every}")
+    positive = {"lr": args.lr, "init_std": args.init_std, "timeout": args.timeout}
+    at_least_zero = {"reference_rtol": args.reference_rtol, "peak_tflops": args.peak_tflops}
+    for name, value in positive.items():
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+    for name, value in at_least_zero.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every output path can be written, checked before any work (files and the directories made later)."""
+    from braid.files import OutputPathError, check_output_path
+
+    files = {"--metrics": args.metrics, "--trace": args.trace}
+    if args.metrics:
+        files["the metrics' run file"] = str(Path(args.metrics).with_suffix(".toml"))
+    try:
+        for what, path in files.items():
+            if path:
+                check_output_path(path, what=what, inputs=tuple(p for w, p in files.items() if p and w != what))
+    except OutputPathError as err:
+        raise UsageError(str(err)) from None
+    for what, path in (("--save", args.save), ("--tensorboard", args.tensorboard)):
+        if path:
+            check_output_dir(what, path)
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+
+
+def check_output_dir(what: str, path: str) -> None:
+    """A directory that exists and is writable, or whose nearest existing parent is."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{what} {path!r} is a file; give a directory")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path!r}: directory {str(probe)!r} is not writable")
+
+
+def sp_config(task: Task, args: argparse.Namespace) -> Any:
+    """The sequence-parallel degrees from the flags, or None without sequence parallelism."""
+    from braid.models.sequence_parallel import SPConfig
+
+    if args.cp == 1:
+        if args.hp != 1 or args.ring_size is not None:
+            raise UsageError("--hp and --ring-size need --cp > 1 (the sequence-parallel degree)")
+        return None
+    if task.vision:
+        raise UsageError("--cp > 1 is not supported by the vision-language example (the ViT stage is not "
+                         "sequence-parallel); use examples/qwen2.py for long-sequence runs")
+    if args.cp % args.hp:
+        raise UsageError(f"--hp {args.hp} must divide --cp {args.cp}")
+    return SPConfig(d_sp=args.cp, d_hp=args.hp, w=args.ring_size, placement=args.placement)
+
+
