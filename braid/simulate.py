@@ -227,8 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(err))
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
-    try:  # the model, hardware and tp on their own (one stage), before any schedule
-        analytic_costs(model_from_args(args), get_hardware(args.hardware), Layout(args.tp, 1, 1))
+    try:  # the model, hardware and tp on their own (one stage; an MLLM's ViT has its own), before any schedule
+        model = model_from_args(args)
+        analytic_costs(model, get_hardware(args.hardware), Layout(args.tp, 1, 1 if model.vit is None else 2))
     except ValueError as err:
         ap.error(str(err))
     check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],
