@@ -102,8 +102,22 @@ def chunk_shards(chunks: dict[int, ModelChunk], tp_rank: int, tp_size: int, *, v
     return out
 
 
+def _values(model: nn.Module, name: str, meta: torch.Tensor) -> torch.Tensor:
+    """The values parameter ``name`` of a meta-device ``model`` gets from its source (only that tensor is made)."""
+    source = getattr(model, "braid_source", None)
+    if source is None:
+        raise ValueError(f"{name!r} of the single-device model is on the meta device without a source to compare with")
+    out = torch.empty(meta.shape, dtype=meta.dtype, device=source.device)
+    with torch.no_grad():
+        source.fill(out, name)
+    return out
+
+
 def check_shards(shards: dict[nn.Parameter, ShardSpec], model: nn.Module) -> None:
-    """Raise ``ValueError`` unless every local parameter equals its block of ``model`` (same names, shapes, values)."""
+    """Raise ``ValueError`` unless every local parameter equals its block of ``model`` (same names, shapes, values).
+
+    ``model`` may live on the meta device: each compared tensor is then made from its source alone.
+    """
     full = dict(model.named_parameters())
     seen: set[str] = set()
     for p, spec in shards.items():
@@ -113,6 +127,8 @@ def check_shards(shards: dict[nn.Parameter, ShardSpec], model: nn.Module) -> Non
             raise ValueError(f"two chunk parameters of this rank map to {spec.name!r}")
         seen.add(spec.name)
         g = full[spec.name]
+        if g.is_meta:  # a meta-device model (braid.models.build.meta_model, braid.hf.load_meta): its values from its source
+            g = _values(model, spec.name, g)
         if spec.global_shape(p.shape) != tuple(g.shape) or not torch.equal(spec.block(g.detach()).to(p.device, p.dtype), p.detach()):
             raise ValueError(f"chunk parameter {spec.name!r} {tuple(p.shape)} is not block {spec.index} of "
                              f"{tuple(g.shape)} along dim {spec.dim}")
