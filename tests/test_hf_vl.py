@@ -22,6 +22,7 @@ import torch
 import braid.hf as bhf
 from braid import schedules
 from braid.models.build import chunk_state, materialize, meta_model
+from braid.models.global_names import check_shards, chunk_shards
 from braid.models.qwen2_vl import Qwen2VLModel, vlm_preset, vlm_stage_layers
 from braid.models.vision_chunk import build_vlm_rank_chunks
 from test_hf_qwen2_vl import IDS, TEXT, VISION, _batch, _hf_classes, _hf_forward
@@ -168,6 +169,9 @@ def test_meta_vlm_chunks_materialise_only_their_own_layers(kind: str) -> None:
             assert all(p.is_meta for p in meta.parameters())
             touched = set(rec.filled)
             assert touched == whole
+            shards = chunk_shards(got, tp_rank, tp, vlm=True)
+            check_shards(shards, meta)  # every local block equals the meta model's values, made from its source
+            assert {s.name for s in shards.values()} == {n for ch in got.values() for n in chunk_state(ch)}
             vision = {n for n in touched if n.startswith("visual.")}
             lm_layers = {int(m.group(1)) for n in touched if (m := re.match(r"lm\.layers\.(\d+)\.", n))}
             if pp_rank == 0:
