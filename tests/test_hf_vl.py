@@ -18,6 +18,7 @@ import re
 
 import pytest
 import torch
+from test_hf_qwen2_vl import IDS, TEXT, VISION, _batch, _hf_classes, _hf_forward
 
 import braid.hf as bhf
 from braid import schedules
@@ -25,7 +26,6 @@ from braid.models.build import chunk_state, materialize, meta_model
 from braid.models.global_names import check_shards, chunk_shards
 from braid.models.qwen2_vl import Qwen2VLModel, vlm_preset, vlm_stage_layers
 from braid.models.vision_chunk import build_vlm_rank_chunks
-from test_hf_qwen2_vl import IDS, TEXT, VISION, _batch, _hf_classes, _hf_forward
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

@@ -194,33 +194,21 @@ def _split_dim(module: nn.Module, pname: str) -> int | None:
     return None
 
 
-def lm_global_name(local: str, first_layer: int, tied: bool = False) -> str | None:
-    """An LM chunk's parameter name -> the single-device model's (None: a tied head, stored as the embedding)."""
-    if local.startswith("layers."):
-        _, j, rest = local.split(".", 2)
-        return f"layers.{first_layer + int(j)}.{rest}"
-    if local.startswith("embed."):
-        return "embed_tokens." + local.removeprefix("embed.")
-    if tied and local.startswith("lm_head."):
-        return None
-    return local
-
-
 def chunk_state(chunk: ModelChunk, tp_group: dist.ProcessGroup | None = None, *, tied: bool = False) -> dict[str, torch.Tensor]:
     """The chunk's parameters under their single-device model names, TP shards joined (the inverse of :func:`build_chunk`).
 
     Collective over ``tp_group`` (every TP rank of the chunk calls it and gets the same
     tensors). ``tied``: the model ties its head to the embedding, so the head's copy is
-    left out (the first stage's embedding carries the matrix). A chunk with a
-    ``global_name(local_name, tied)`` method names its parameters itself (the VLM's chunks).
+    left out (the first stage's embedding carries the matrix). Names as
+    :func:`braid.models.global_names.global_name` gives them (VLM chunks included).
     """
+    from braid.models.global_names import global_name
+
     out: dict[str, torch.Tensor] = {}
-    rename = getattr(chunk, "global_name", None)  # a chunk of another layout names its own parameters
     for mod_name, module in chunk.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            local = f"{mod_name}.{pname}"
-            name = rename(local, tied) if rename is not None else lm_global_name(local, chunk.first_layer, tied)
-            if name is None:
+            name = global_name(chunk, f"{mod_name}.{pname}")
+            if tied and name.removeprefix("lm.") == "lm_head.weight":
                 continue
             dim = _split_dim(module, pname)
             t = p.detach()

@@ -81,12 +81,12 @@ def global_name(chunk: ModelChunk, local: str, *, vlm: bool = False) -> str:
     the same under ``lm.``, and the vision chunk's blocks, patch embedding and merger under
     ``visual.`` (its text embedding is ``lm.embed_tokens``).
     """
-    from braid.models.vision_chunk import VisionChunk
+    from braid.models.vision_chunk import MRopeChunk, VisionChunk
 
     if isinstance(chunk, VisionChunk):
         head, _, rest = local.partition(".")
         return f"{_VISION[head]}.{rest}"
-    return _lm_name(chunk, local, "lm." if vlm else "")
+    return _lm_name(chunk, local, "lm." if vlm or isinstance(chunk, MRopeChunk) else "")
 
 
 def chunk_shards(chunks: dict[int, ModelChunk], tp_rank: int, tp_size: int, *, vlm: bool = False) -> dict[nn.Parameter, ShardSpec]:

@@ -31,8 +31,8 @@ from typing import Any, Callable, Collection
 import torch
 
 from braid.models.qwen2 import Qwen2Config, decoder_hf_key
-from braid.models.registry import Family, register
 from braid.models.qwen2_vl import Qwen2VLConfig, Qwen2VLModel
+from braid.models.registry import Family, register
 from braid.models.vit import ViTConfig
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")

@@ -22,8 +22,8 @@ TP (paper Sec. 3 operators f and g, applied to the vision stage):
 Built from a meta-device model (:func:`braid.models.build.meta_model`,
 :func:`braid.hf.load_meta`), a rank materialises only its own chunks: the vision chunk the
 tower and the text embedding, an LM chunk its layers (read under the model's ``lm.`` names).
-Both chunks name their parameters as the single-device model does (``global_name``), so
-:func:`braid.hf.save_chunks` writes them.
+:func:`braid.models.global_names.global_name` names their parameters as the single-device
+model does, so :func:`braid.hf.save_chunks` writes them.
 
 A micro-batch item is ``(pixel_values, input_ids, image_grid_thw)`` or ``(images,
 input_ids)`` (:func:`braid.models.qwen2_vl.split_item`); every micro-batch must have the
@@ -41,14 +41,41 @@ import torch.distributed as dist
 
 from braid.braiding import LAYER_UNITS, ChunkSpec, Unit
 from braid.ir import Plan
-from braid.models.build import TIED_KEY, Prefixed, _real, _source, build_chunk, lm_global_name, tied_holders
+from braid.models.build import (
+    TIED_KEY,
+    Prefixed,
+    _real,
+    _source,
+    build_chunk,
+    tied_holders,
+)
 from braid.models.chunk import ChunkStateError, ModelChunk, _Backward, _leaf, _Piece
-from braid.models.qwen2_vl import (MRopeLayer, Qwen2VLConfig, Qwen2VLModel, check_image_tokens, rope_index, scatter_visual,
-                                   split_item)
-from braid.models.vit import PatchMerger, VisionBlock, VisionLayout, check_pixels, parallelize_block, vision_layout
+from braid.models.qwen2_vl import (
+    MRopeLayer,
+    Qwen2VLConfig,
+    Qwen2VLModel,
+    check_image_tokens,
+    rope_index,
+    scatter_visual,
+    split_item,
+)
 from braid.models.tied import Tie, mark
+from braid.models.vit import (
+    PatchMerger,
+    VisionBlock,
+    VisionLayout,
+    check_pixels,
+    parallelize_block,
+    vision_layout,
+)
 from braid.tp.embedding import VocabParallelEmbedding
-from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, RowParallelLinear, _check_split, split_weight_grads
+from braid.tp.layers import (
+    ColumnParallelLinear,
+    DeferredWeightGrad,
+    RowParallelLinear,
+    _check_split,
+    split_weight_grads,
+)
 
 
 class VisionChunk(ModelChunk):
@@ -75,18 +102,6 @@ class VisionChunk(ModelChunk):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ids: list[torch.Tensor] = []
         self.layouts: list[VisionLayout] = []
-
-    def global_name(self, local: str, tied: bool = False) -> str:
-        """This chunk's parameter name -> the single-device :class:`Qwen2VLModel`'s (for :func:`braid.models.build.chunk_state`)."""
-        if local.startswith("embed."):
-            return "visual.patch_embed." + local.removeprefix("embed.")
-        if local.startswith("layers."):
-            return "visual.blocks." + local.removeprefix("layers.")
-        if local.startswith("merger."):
-            return "visual." + local
-        if local.startswith("text_embed."):
-            return "lm.embed_tokens." + local.removeprefix("text_embed.")
-        raise ValueError(f"vision chunk parameter {local!r} has no place in the single-device model")
 
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
         """Per micro-batch: the patches in the tower's order (window order for Qwen2.5-VL), this TP rank's
@@ -169,10 +184,6 @@ class MRopeChunk(ModelChunk):
         self.cfg = cfg
         self.mrope: list[torch.Tensor] = []
 
-    def global_name(self, local: str, tied: bool = False) -> str | None:
-        """As an LM chunk's, under the single-device model's ``lm.``."""
-        name = lm_global_name(local, self.first_layer, tied)
-        return None if name is None else "lm." + name
 
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
         """Micro-batch items as the vision chunk's; this chunk reads their ``input_ids`` and image grids."""
