@@ -229,3 +229,25 @@ def test_bad_shapes_are_clear_errors() -> None:
         model.logits(ids, torch.zeros(15, cfg.vit.patch_dim), torch.tensor([[1, 4, 4]]))
     with pytest.raises(ValueError, match="more images"):
         rope_index(cfg, torch.tensor([cfg.image_tokens() * 2]), torch.tensor([[1, 4, 4]]))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_meta_vlm_chunks_on_a_device_equal_the_materialised_model(device: str) -> None:
+    """Each rank's chunks made from the meta model on ``device`` hold the values the whole model gets there."""
+    from braid import schedules
+    from braid.models.build import materialize, meta_model
+    from braid.models.vision_chunk import build_vlm_rank_chunks
+
+    cfg = vlm_preset("tiny", kind="qwen2_5_vl")
+    plan = schedules.build("braided_v", 2, 4)  # rank 0: the vision stage and the head
+    layers = vlm_stage_layers(cfg, plan.num_stages, 0)
+    full = materialize(meta_model(Qwen2VLModel, cfg, seed=9, device=device))
+    for pp_rank in range(2):
+        meta = meta_model(Qwen2VLModel, cfg, seed=9, device=device)
+        got = build_vlm_rank_chunks(meta, plan, pp_rank, layers, tp_rank=1, tp_size=2)
+        want = build_vlm_rank_chunks(full, plan, pp_rank, layers, tp_rank=1, tp_size=2)
+        for c in want:
+            w = dict(want[c].named_parameters())
+            for n, p in got[c].named_parameters():
+                assert p.device.type == device and torch.equal(p, w[n]), f"rank {pp_rank} chunk {c} {n}"
