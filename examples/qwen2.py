@@ -26,11 +26,11 @@ def _build(args):
     from braid.models.build import meta_model
     from braid.models.registry import get_family
     from braid.models_catalog import decoder_config, get_model
-    from train_loop import _device
+    from train_step import pick_device
 
     preset = get_model(args.model)
     return meta_model(get_family(preset.family).model_cls, decoder_config(preset), seed=args.seed, std=args.init_std,
-                      device=_device(args))
+                      device=pick_device(args))
 
 
 def _stage_layers(model, num_stages: int, args) -> tuple[int, ...]:
