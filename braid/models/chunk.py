@@ -39,7 +39,7 @@ from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model, RMSNorm, par
 from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.tp.embedding import VocabParallelEmbedding, vocab_parallel_cross_entropy
 from braid.runtime.offload import ActivationOffloader, Parked
-from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, split_weight_grads
+from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, accumulate_grad, split_weight_grads
 
 
 class ChunkStateError(RuntimeError):
@@ -74,14 +74,6 @@ Handle = torch.Tensor | GradientEdge  # a piece's input/output: an edge, or (the
 
 def _edge(t: torch.Tensor) -> GradientEdge:
     return get_gradient_edge(t)
-
-
-def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
-    """``p.grad += g`` as autograd's ``AccumulateGrad`` would (same values, same add)."""
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad.add_(g)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -358,7 +350,7 @@ class ModelChunk(nn.Module):
         st.pending = None
         dx, *dps = torch.autograd.grad(piece.outputs, piece.inputs + piece.params, (dh,))
         for p, g in zip(piece.params, dps):
-            _accumulate(p, g)
+            accumulate_grad(p, g)
         self._boxes.pop(box_key, None)
         return dx if residual is None else dx + residual
 

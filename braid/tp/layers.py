@@ -85,12 +85,25 @@ class DeferredWeightGrad(nn.Module):
         with torch.no_grad():
             for inp, grad_out in items:
                 for p, g in zip(params, self._weight_grads(inp, grad_out)):
-                    if p is None or g is None:
-                        continue
-                    if p.grad is None:
-                        p.grad = g
-                    else:
-                        p.grad += g
+                    if p is not None and g is not None:
+                        accumulate_grad(p, g)
+
+
+def accumulate_grad(p: nn.Parameter, g: torch.Tensor) -> None:
+    """Add a gradient contribution to ``p``: into ``p.main_grad`` when it has one, else ``p.grad``.
+
+    ``main_grad`` is the fp32 accumulation buffer of a mixed-precision optimizer
+    (:class:`braid.training.optimizer.ShardedAdamW`): bf16 contributions of every
+    micro-batch are added in fp32 there, never rounded to bf16 in between. Without it,
+    this is autograd's ``AccumulateGrad`` (same values, same add).
+    """
+    main = getattr(p, "main_grad", None)
+    if main is not None:
+        main.add_(g)
+    elif p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
 
 
 @contextlib.contextmanager
