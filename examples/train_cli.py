@@ -1,0 +1,230 @@
+"""Command line of the example training scripts: the flags, and every check made before any process group exists.
+
+:func:`prepare` parses and validates (every rank reaches the same verdict, so a bad flag
+stops all ranks before any communication) and builds the single-device model and the
+schedules; :class:`Task` is what a script (``qwen2.py``, ``qwen2_vl.py``) plugs in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+class UsageError(ValueError):
+    """A flag or a layout that cannot work: exit code 2 with one line."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a training script plugs into the loop.
+
+    ``build_model(args) -> nn.Module`` (single-device, under the caller's seed);
+    ``stage_layers(model, num_stages, args) -> tuple``; ``check(model, topo, num_stages, args)``
+    raises ``ValueError`` for layouts the model cannot take; ``build_chunks(model, plan,
+    pp_rank, stage_layers, tp_rank, tp_size, tp_group)``; ``source(model, args)`` the data;
+    ``inputs(model, batch) -> (tokens_item, labels)`` per micro-batch; ``seq_len(model, args)``
+    the LM sequence; ``flops_per_sample(model, args)`` for MFU.
+    """
+
+    prog: str
+    description: str
+    build_model: Callable[[argparse.Namespace], torch.nn.Module]
+    stage_layers: Callable[..., tuple[int, ...]]
+    check: Callable[..., None]
+    build_chunks: Callable[..., dict]
+    source: Callable[..., Any]
+    inputs: Callable[..., tuple[Any, torch.Tensor]]
+    seq_len: Callable[..., int]
+    flops_per_sample: Callable[..., float]
+    default_seq: int
+    vision: bool = False
+
+
+# -- command line ----------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2 (argparse's default prints usage too)
+        raise UsageError(message)
+
+
+def build_parser(task: Task) -> argparse.ArgumentParser:
+    from braid import schedules
+    from braid.baselines import TORCH_SCHEDULES
+
+    p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=_EPILOG.format(prog=task.prog))
+    lay = p.add_argument_group("layout (world size = dp * pp * tp)")
+    lay.add_argument("--schedule", nargs="+", default=["braided_v"], metavar="NAME",
+                     help="pipeline schedule: " + ", ".join(schedules.names()) + "; or torch.distributed.pipelining's "
+                          + ", ".join(TORCH_SCHEDULES) + ". Several: each trains --steps steps from the same "
+                          "weights and data, then one table compares them (default: braided_v)")
+    lay.add_argument("--offload-alpha", type=float, default=None, metavar="A",
+                     help="braided_v_offload: fraction of chunk-0 activations moved to host memory, 0..1 (default: "
+                          "0.5 steady, half in warm-up; python -m braid.simulate --offload-alpha auto picks one)")
+    lay.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
+    lay.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: %(default)s)")
+    lay.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / (tp*pp))")
+    lay.add_argument("--cp", type=int, default=1,
+                     help="sequence-parallel degree d_sp = d_hp x d_cp (LoongTrain 2D-Attention; default: %(default)s)")
+    lay.add_argument("--hp", type=int, default=1, help="head-parallel part d_hp of --cp (default: %(default)s)")
+    lay.add_argument("--ring-size", type=int, default=None,
+                     help="inner ring size w of Double-Ring-Attention, dividing d_cp = cp/hp (default: one ring of d_cp)")
+    lay.add_argument("--placement", default="head_first", choices=["head_first", "context_first"],
+                     help="put the head-parallel (head_first) or the context-parallel group on adjacent ranks")
+    lay.add_argument("--last-stage-lighter", type=int, default=None,
+                     help="layers fewer on the last virtual stage (heavy LM head; default: 2, 0 for --model tiny)")
+    run = p.add_argument_group("batch and model")
+    run.add_argument("--model", default="tiny", choices=["tiny", "small", "7b", "15b"], help="size preset (default: %(default)s)")
+    run.add_argument("--mbs", type=int, default=None, help="micro-batches per step (default: 2*pp)")
+    run.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default: %(default)s)")
+    run.add_argument("--seq", type=int, default=task.default_seq,
+                     help=("caption tokens per sample; the LM sees visual tokens + these" if task.vision else "tokens per sample")
+                     + " (default: %(default)s)")
+    if task.vision:
+        run.add_argument("--image-size", type=int, default=None, help="image side in pixels (default: the preset's)")
+    run.add_argument("--steps", type=int, default=40, help="training steps in total, counting resumed ones (default: %(default)s)")
+    run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    run.add_argument("--init-std", type=float, default=0.02, help="std of the random initialisation (default: %(default)s)")
+    run.add_argument("--seed", type=int, default=0, help="model and data seed (default: %(default)s)")
+    run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="auto: cuda if available (bf16), else cpu (fp32) (default: %(default)s)")
+    out = p.add_argument_group("outputs")
+    out.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (rank 0 writes)")
+    out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m braid.viz)")
+    out.add_argument("--save", metavar="DIR", help="checkpoint at the end (and every --save-every steps)")
+    out.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
+    out.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written with the same layout")
+    out.add_argument("--peak-tflops", type=float, default=None,
+                     help="per-device peak for MFU (default: 989 on H100/H200, 0 = not reported on CPU)")
+    out.add_argument("--reference", action="store_true",
+                     help="also train the unsplit model on rank 0's device (same weights, data, AdamW) and compare "
+                          "every schedule's per-step losses with it; exit code 1 beyond --reference-rtol")
+    out.add_argument("--reference-rtol", type=float, default=None, metavar="R",
+                     help="relative loss tolerance of --reference (default: 1e-4 in float32, 2e-2 in bfloat16)")
+    out.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck communication fails the run")
+    return p
+
+
+_EPILOG = """\
+examples:
+  python {prog} --steps 40                                   # one process, CPU or one GPU
+  torchrun --nproc-per-node 4 {prog} --schedule braided_v --tp 2 --pp 2
+  torchrun --nproc-per-node 2 {prog} --pp 2 --metrics m.jsonl --trace t.json
+  torchrun --nproc-per-node 4 {prog} --tp 2 --pp 2 --steps 6 --reference \
+      --schedule braided_v braided_v_offload 1f1b_i zb_v torch_1f1b_i torch_zb_v torch_dualpipe_v
+  python {prog} --steps 2 --save ckpt && python {prog} --steps 4 --resume ckpt
+
+Bad flags, or a layout the world size or the model cannot take, exit with code 2 and one
+line on rank 0 (every rank stops before any communication)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything decided before any process group exists (same on every rank)."""
+
+    args: argparse.Namespace
+    world: int
+    rank: int
+    topo: Any
+    runs: list["Run"]
+    model: torch.nn.Module
+
+    @property
+    def plan(self) -> Any:
+        return self.runs[0].plan
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return self.runs[0].stage_layers
+
+
+@dataclass(frozen=True)
+class Run:
+    """One schedule of the job: braid's (``plan`` set) or a torch.distributed.pipelining baseline (``plan`` None)."""
+
+    name: str
+    plan: Any
+    stage_layers: tuple[int, ...]
+
+
+def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
+    """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
+    from braid import schedules
+    from braid.baselines import TORCH_SCHEDULES
+    from braid.topology import Topology
+
+    args = build_parser(task).parse_args(argv)
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    for name in ("tp", "pp", "cp", "hp", "micro_batch_size", "seq", "steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.dp is None:
+        args.dp = max(1, world // (args.tp * args.pp * args.cp))
+    if args.mbs is None:
+        args.mbs = 2 * args.pp
+    if args.last_stage_lighter is None:
+        args.last_stage_lighter = 0 if args.model == "tiny" else 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
+    if args.resume and not Path(args.resume, ".metadata").is_file():
+        raise UsageError(f"--resume {args.resume}: no checkpoint there (missing .metadata)")
+    names = args.schedule
+    valid = list(schedules.names()) + list(TORCH_SCHEDULES)
+    for n in names:
+        if n not in valid:
+            raise UsageError(f"--schedule {n}: unknown; valid: {', '.join(valid)}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
+    if len(names) > 1 and (args.save or args.resume or args.trace):
+        raise UsageError("--save, --resume and --trace take one --schedule (several schedules compare fresh runs)")
+    if args.reference and (args.resume or args.cp > 1):
+        raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
+    torch_names = [n for n in names if n in TORCH_SCHEDULES]
+    if torch_names and (args.save or args.resume):
+        raise UsageError(f"--save/--resume checkpoint braid's schedules, not {torch_names[0]}")
+    if torch_names and (args.dp != 1 or args.cp != 1):
+        raise UsageError(f"{torch_names[0]} runs tp x pp layouts only: use --dp 1 --cp 1 (world size = tp * pp)")
+    try:
+        sp = sp_config(task, args)
+        topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
+        opts = {}
+        if args.offload_alpha is not None:
+            if "braided_v_offload" not in names or not 0.0 <= args.offload_alpha <= 1.0:
+                raise ValueError(f"--offload-alpha {args.offload_alpha}: needs --schedule braided_v_offload and a value in [0, 1]")
+            opts = {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
+        torch.manual_seed(args.seed)
+        model = task.build_model(args)
+        runs = []
+        for n in names:
+            plan = None if n in TORCH_SCHEDULES else schedules.build(n, args.pp, args.mbs, **(opts if n == "braided_v_offload" else {}))
+            n_stages = 2 * args.pp if plan is None else plan.num_stages
+            task.check(model, topo, n_stages, args)
+            runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
+        if sp is not None:
+            sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
+    except ValueError as err:
+        raise UsageError(str(err).splitlines()[0]) from None
+    return Setup(args, world, rank, topo, runs, model)
+
+
+def sp_config(task: Task, args: argparse.Namespace) -> Any:
+    """The sequence-parallel degrees from the flags, or None without sequence parallelism."""
+    from braid.models.sequence_parallel import SPConfig
+
+    if args.cp == 1:
+        if args.hp != 1 or args.ring_size is not None:
+            raise UsageError("--hp and --ring-size need --cp > 1 (the sequence-parallel degree)")
+        return None
+    if task.vision:
+        raise UsageError("--cp > 1 is not supported by the vision-language example (the ViT stage is not "
+                         "sequence-parallel); use examples/qwen2.py for long-sequence runs")
+    if args.cp % args.hp:
+        raise UsageError(f"--hp {args.hp} must divide --cp {args.cp}")
+    return SPConfig(d_sp=args.cp, d_hp=args.hp, w=args.ring_size, placement=args.placement)
+
+

@@ -1,0 +1,203 @@
+"""One training step of the example loop: this rank's share of the model, its micro-batches, the optimizer.
+
+:class:`BraidRunner` runs a braid schedule (this rank's chunks under the executor, then the
+data-parallel gradient reduction); :class:`TorchRunner` a ``torch.distributed.pipelining``
+baseline on the same layers per stage. :func:`make_optimizer` is the seam where the
+optimizer is chosen; :func:`train_step` is one step (forward + backward of every
+micro-batch, the loss known on every rank) before the optimizer update.
+:func:`train_reference` trains the unsplit model on one device for ``--reference``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from train_cli import Run, Setup, Task, sp_config
+
+log = logging.getLogger("braid.examples")
+
+
+def pick_device(args: argparse.Namespace) -> torch.device:
+    """``--device``: cuda (this process's local rank) or cpu."""
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 on CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def peak_flops(args: argparse.Namespace, device: torch.device) -> float:
+    """Per-device peak FLOP/s for MFU (0: not reported)."""
+    if args.peak_tflops is not None:
+        return args.peak_tflops * 1e12
+    if device.type == "cuda" and any(k in torch.cuda.get_device_name(device) for k in ("H100", "H200", "H800", "H20 ")):
+        return 989e12
+    return 0.0
+
+
+def gather_batch(source: Any, first: int, count: int) -> dict[str, torch.Tensor]:
+    """Samples ``first .. first + count - 1`` of ``source`` stacked into one micro-batch."""
+    items = [source[first + k] for k in range(count)]
+    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+
+def to_device(item: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """A tensor (or tuple of tensors) on ``device``; floating-point ones in ``dtype``."""
+    if isinstance(item, tuple):
+        return tuple(to_device(x, device, dtype) for x in item)
+    return item.to(device=device, dtype=dtype if item.is_floating_point() else item.dtype)
+
+
+class BraidRunner:
+    """A braid schedule: this rank's chunks under the executor, data-parallel gradient reduction."""
+
+    def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
+        from braid.compiler import compile_plan
+        from braid.runtime.executor import Executor
+
+        args, topo, plan = setup.args, setup.topo, run.plan
+        c = groups.coords
+        sp = None
+        if topo.cp > 1:
+            from braid.models.sequence_parallel import SequenceParallel
+
+            sp = SequenceParallel.create(sp_config(task, args), groups)
+        model = setup.model
+        self.chunks = task.build_chunks(model, plan, c.pp, run.stage_layers, c.tp, topo.tp, groups.tp if topo.tp > 1 else None,
+                                        sp=sp, seq_len=task.seq_len(model, args))
+        for ch in self.chunks.values():
+            ch.to(device=device, dtype=dtype)
+        seq = task.seq_len(model, args)
+        hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
+        local_seq = sp.local_len(seq) if sp is not None else seq
+        self.ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], self.chunks, groups, d.abort,
+                                       act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device)
+        self.params = [p for ch in self.chunks.values() for p in ch.parameters()]
+        self.groups, self.abort, self.device = groups, d.abort, device
+        self.state_bytes = sum(p.numel() * p.element_size() * 4 for p in self.params)  # weights, grads, two AdamW moments
+        self.res = None
+
+    def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
+        """Forward + backward of the step's micro-batches; (loss this rank reports, CPU memory estimate)."""
+        from braid.runtime.distributed import reduce_gradients
+
+        cuda = self.device.type == "cuda"
+        # Unit-level timing costs host time per unit: only on the step whose trace is written.
+        # Other steps keep the per-instruction memory series on CPU (the memory figure).
+        self.res = res = self.ex.run(toks, labs, record="units" if traced else "off" if cuda else "instructions")
+        reduce_gradients(self.params, self.groups, self.abort)
+        c = self.groups.coords
+        mem = 0 if cuda else max((b for _, b in next(iter(res.trace.memory.values()), [])), default=0) + self.state_bytes
+        return (res.loss if res.loss is not None and c.tp == 0 and c.cp == 0 else None), mem  # the SP group already summed it
+
+
+class TorchRunner:
+    """A torch.distributed.pipelining baseline (:mod:`braid.baselines`) on the same layers per stage."""
+
+    def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
+        from braid.baselines import TorchPipeline
+
+        model, layers = setup.model, run.stage_layers
+        lm, vision = (model.lm, model.visual) if task.vision else (model, None)
+        lm_layers = (0,) + layers[1:] if task.vision else layers  # the VLM's stage 0 holds the vision tower
+        self.pipe = TorchPipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
+                                  vision=vision, timeout_s=setup.args.timeout)
+        self.params = self.pipe.parameters()
+        self.tp_rank = groups.coords.tp
+        self.res = None
+
+    def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
+        items = [t if isinstance(t, tuple) else (t,) for t in toks]
+        inputs = tuple(torch.cat([it[k] for it in items]) for k in range(len(items[0])))
+        loss = self.pipe.step(inputs, torch.cat(labs))
+        return (loss if self.tp_rank == 0 else None), 0
+
+
+def make_runner(task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device,
+                dtype: torch.dtype) -> BraidRunner | TorchRunner:
+    """The runner of ``run``: braid's executor, or the torch baseline when the schedule is torch's."""
+    return (TorchRunner if run.plan is None else BraidRunner)(task, setup, run, d, groups, device, dtype)
+
+
+def make_optimizer(args: argparse.Namespace, runner: BraidRunner | TorchRunner) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters (AdamW at ``--lr``)."""
+    if isinstance(runner, TorchRunner):
+        return runner.pipe.optimizer(lr=args.lr)
+    return torch.optim.AdamW(runner.params, lr=args.lr)
+
+
+def micro_batches(task: Task, setup: Setup, source: Any, pos: int, dp_rank: int, device: torch.device,
+                  dtype: torch.dtype) -> tuple[list, list]:
+    """This data-parallel replica's ``--mbs`` micro-batches of the step that starts at global sample ``pos``.
+
+    Replica ``r``'s micro-batch ``k`` is global micro-batch ``r * mbs + k``.
+    """
+    args = setup.args
+    first = pos + dp_rank * args.mbs * args.micro_batch_size
+    toks, labs = [], []
+    for i in range(args.mbs):
+        tok, lab = task.inputs(setup.model, gather_batch(source, first + i * args.micro_batch_size, args.micro_batch_size))
+        toks.append(to_device(tok, device, dtype))
+        labs.append(lab.to(device))
+    return toks, labs
+
+
+@dataclass
+class StepOut:
+    """What one step measured: the global loss (mean over replicas), this rank's peak memory (bytes)."""
+
+    loss: float
+    mem: int
+
+
+def train_step(runner: BraidRunner | TorchRunner, opt: torch.optim.Optimizer, toks: list, labs: list, traced: bool,
+               dp: int, device: torch.device) -> StepOut:
+    """One step: forward + backward of every micro-batch, the loss summed over ranks, the optimizer update."""
+    import torch.distributed as dist
+
+    opt.zero_grad(set_to_none=True)
+    local_loss, mem = runner.step(toks, labs, traced)
+    opt.step()
+    loss_t = torch.tensor([local_loss if local_loss is not None else 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(loss_t)
+    return StepOut(float(loss_t) / dp, mem)
+
+
+def train_reference(task: Task, setup: Setup, source: Any, device: torch.device, dtype: torch.dtype) -> list[float]:
+    """The unsplit model trained on rank 0's device (same weights, micro-batches, AdamW); losses broadcast to all ranks."""
+    import copy
+
+    import torch.distributed as dist
+
+    args = setup.args
+    losses: list[float] = []
+    if setup.rank == 0:
+        model = copy.deepcopy(setup.model).to(device=device, dtype=dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        n, b = args.dp * args.mbs, args.micro_batch_size
+        for step in range(args.steps):
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for i in range(n):  # replica r's micro-batch k is global micro-batch r * mbs + k
+                batch = {k: to_device(v, device, dtype) for k, v in gather_batch(source, (step * n + i) * b, b).items()}
+                loss = model(*((batch["pixels"],) if task.vision else ()), batch["tokens"], batch["labels"]) / n
+                loss.backward()
+                total += float(loss.detach())
+            opt.step()
+            losses.append(total)
+        del model, opt
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("reference (unsplit model, one device): losses %s", " ".join(f"{x:.4f}" for x in losses))
+    box = [losses]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
