@@ -152,3 +152,43 @@ def test_lr_schedule_rejects_bad_settings() -> None:
         LRSchedule(10, 2, "step")
     with pytest.raises(ValueError, match="warmup"):
         LRSchedule(10, 11)
+
+
+def test_reference_comparison_catches_a_scaled_gradient() -> None:
+    """A gradient 5x too large leaves AdamW's losses nearly unchanged; the norm comparison fails it."""
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.training.step import OptimConfig, Optimization, reference_mismatches
+
+    cfg = Qwen2Config(layers=2, **cases.CFG_KW)
+    torch.manual_seed(0)
+    model = Qwen2Model(cfg)
+    data = cases._steps_data(cfg, 2, 3)
+    runs = []
+    for mult in (1.0, 5.0):
+        m = __import__("copy").deepcopy(model)
+        opt = Optimization(OptimConfig(lr=1e-3, total_steps=3, weight_decay=0.0), list(m.named_parameters()), [m])
+        losses, norms = [], []
+        for toks, labs in data:
+            opt.zero_grad()
+            total = 0.0
+            for t, lab in zip(toks, labs):
+                loss = m(t, lab) / len(toks)
+                (loss * mult).backward()
+                total += loss.item()
+            norms.append(opt.step())
+            losses.append(total)
+        runs.append((losses, norms))
+    (ref_l, ref_n), (bad_l, bad_n) = runs
+    assert reference_mismatches(bad_l, [None] * 3, ref_l, ref_n, 1e-4) == [], "the losses alone must not tell (else the test shows nothing)"
+    found = reference_mismatches(bad_l, bad_n, ref_l, ref_n, 1e-4)
+    assert len(found) == 3 and all("gradient norm" in f for f in found), found
+    assert reference_mismatches(ref_l, ref_n, ref_l, ref_n, 1e-4) == []
+
+
+def test_optim_config_refuses_settings_that_cannot_work() -> None:
+    from braid.training.step import OptimConfig
+
+    for bad, match in [(dict(lr=0.0), "lr > 0"), (dict(lr=1e-3, min_lr=1e-2), "min_lr"), (dict(warmup=5, total_steps=3), "warm-up"),
+                       (dict(clip=0.0), "positive max norm"), (dict(weight_decay=-1.0), "weight decay")]:
+        with pytest.raises(ValueError, match=match):
+            OptimConfig(**bad).check()

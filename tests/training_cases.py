@@ -96,42 +96,34 @@ def optimizer_matches_reference(ctx, pp: int, tp: int, schedule: str, mode: str,
                                 weight_decay: float, warmup: int, decay: str) -> list[float]:
     """``mode``: "zero1" (sharded fp32 masters), "master" (fp32 masters, not sharded) or "plain"
     (torch AdamW on the parameters after the data-parallel all-reduce). Returns the norms."""
-    from braid.runtime.distributed import reduce_gradients
-    from braid.training.grads import clip_grads_, param_groups, replica_mask, tp_norm_mask
-    from braid.training.lr import build_scheduler
-    from braid.training.optimizer import ShardedAdamW
+    from braid.training.step import OptimConfig, Optimization
 
     topo, groups, plan, layers, model, data, chunks, ex, mine = _setup(ctx, pp, tp, schedule)
     c = groups.coords
     ref, ref_losses, ref_norms = _reference(model, data, weight_decay=weight_decay, clip=clip, warmup=warmup, decay=decay)
-    named = _named(chunks, c)
-    params = [p for _, p in named]
-    counted = tp_norm_mask(params, chunks.values(), c.tp)
-    if mode == "plain":
-        opt = torch.optim.AdamW(param_groups(params, weight_decay), lr=LR, eps=EPS)
-    else:
-        opt = ShardedAdamW(named, lr=LR, eps=EPS, weight_decay=weight_decay, group=groups.dp_cp, shard=mode == "zero1",
-                           grad_scale=1 / topo.dp, counted=counted, wait=ctx.dist.abort.wait)
-    sched = build_scheduler(opt, total=STEPS, warmup=warmup, decay=decay, lr=LR, min_lr=LR / 10)
+    cfg = OptimConfig(lr=LR, eps=EPS, total_steps=STEPS, warmup=warmup, decay=decay, min_lr=LR / 10, weight_decay=weight_decay,
+                      clip=clip, master_fp32=mode == "master", zero1=mode == "zero1")
+    opt = Optimization(cfg, _named(chunks, c), chunks.values(), groups=groups, abort=ctx.dist.abort)
+    assert opt.sharded == (mode != "plain")
     where = f"{schedule} pp={pp} tp={tp} dp={topo.dp} {mode} rank={ctx.rank}"
     norms = []
     for step, (toks, labs) in enumerate(mine):
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
         res = ex.run(toks, labs)
-        if mode == "plain":
-            reduce_gradients(params, groups, ctx.dist.abort)
-            norm = clip_grads_(params, replica_mask(counted, groups.dp_cp_ranks[0] == ctx.rank), clip)
-            opt.step()
-        else:
-            norm = opt.step(max_norm=clip)
-        sched.step()
+        norm = opt.step()
         norms.append(norm)
         assert abs(norm - ref_norms[step]) <= 1e-5 * ref_norms[step], f"{where} step {step}: norm {norm} vs single-process {ref_norms[step]}"
-        assert opt.param_groups[0]["lr"] > 0
         if res.loss is not None and topo.dp == 1:
             assert abs(float(res.loss) - ref_losses[step]) <= 1e-5 * abs(ref_losses[step]), f"{where} step {step} loss"
+    assert abs(opt.lr - _final_lr(decay)) <= 1e-12, where
     _expect_params(chunks, ref, plan, layers, c, tp, where)
+    opt.close()
     return norms
+
+
+def _final_lr(decay: str) -> float:
+    """The learning rate after STEPS steps (the floor, or the peak without decay)."""
+    return LR if decay == "constant" else LR / 10
 
 
 def state_dict_resumes(ctx, pp: int, tp: int, schedule: str, path: str) -> None:

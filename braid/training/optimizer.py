@@ -67,7 +67,8 @@ class ShardedAdamW(torch.optim.AdamW):
     ``None`` for a single rank. ``counted``: per parameter, whether this TP rank counts
     it in the global norm (:func:`braid.training.grads.tp_norm_mask`); default all.
     ``norm_group``: the group over which the norm's squares are summed (default: the
-    whole job). ``wait``: waits on async work handles (:meth:`Abort.wait`, bounded
+    whole job; with neither ``group`` nor ``norm_group``, none -- one process on its
+    own, e.g. a reference run on rank 0 of a job). ``wait``: waits on async work handles (:meth:`Abort.wait`, bounded
     waits that notice a failed peer); default ``Work.wait``.
     """
 
@@ -169,7 +170,7 @@ class ShardedAdamW(torch.optim.AdamW):
             for pc in self.pieces:
                 if self.counted[pc.index]:
                     sq += grads[pc.at:pc.at + pc.hi - pc.lo].double().square().sum()
-        if dist.is_initialized():
+        if self._group is not None or self.norm_group is not None:
             self._wait(dist.all_reduce(sq, group=self.norm_group, async_op=True))
         return sq.sqrt()
 
