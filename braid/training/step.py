@@ -102,8 +102,17 @@ class Optimization:
         """The learning rate the next step uses."""
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def resume_at(self, step: int) -> None:
+        """Put the schedule at ``step`` steps done (a resumed run: the schedule's state is the step count)."""
+        sched = self.scheduler
+        sched.last_epoch = step
+        lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        sched._last_lr = lrs
 
     def step(self) -> float:
         """Reduce, clip, update, advance the schedule; returns the global gradient norm before clipping."""
