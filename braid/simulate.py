@@ -61,6 +61,9 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--offload-budget", type=float, default=0.01, metavar="F",
                     help="--offload-alpha auto: step-time slowdown allowed for a lower peak, as a fraction "
                          "(default 0.01 = 1%%)")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective"],
+                    help="activation recomputation of the LM layers: 'selective' re-runs the attention core and the "
+                         "SwiGLU product in the backward (more backward time, fewer saved bytes; analytic costs)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -69,7 +72,7 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
 
 def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     layout = Layout(args.tp, plan.p, plan.v, plan.placement)
-    base = analytic_costs(model, hw, layout)
+    base = analytic_costs(model, hw, layout, recompute=args.recompute)
     if not args.costs:
         return base
     specs = {k: c.spec for k, c in base.chunks.items()}
@@ -95,7 +98,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str]) -> tuple[dict[s
     hw = get_hardware(args.hardware)
     doc: dict[str, Any] = {"config": {"pp": args.pp, "mbs": args.mbs, "tp": args.tp, "seq": model.seq,
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
-                                      "hardware": hw.name, "costs": args.costs}, "schedules": {}}
+                                      "hardware": hw.name, "costs": args.costs,
+                                      "recompute": args.recompute}, "schedules": {}}
     traces, notes, reports = [], [], []
     for name in schedule_names:
         try:

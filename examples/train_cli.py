@@ -106,6 +106,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                      help="fp32 master weights and fp32 gradient accumulation (the model computes in its dtype)")
     opt.add_argument("--zero1", action="store_true",
                      help="as --master-fp32, with the masters and AdamW states sharded over data-parallel ranks")
+    opt.add_argument("--recompute", default="none", choices=["none", "selective"],
+                     help="activation recomputation: 'selective' re-runs the attention core and the SwiGLU product in "
+                          "the backward instead of keeping their activations (default: %(default)s)")
     dat = p.add_argument_group("data (default: synthetic)")
     dat.add_argument("--data", metavar="FILE_OR_DIR", help="local .jsonl/.parquet text files, packed to --seq tokens "
                                                          "(needs --tokenizer and the data extra: datasets, tokenizers)")
@@ -206,7 +209,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     torch_names = [n for n in names if n in TORCH_SCHEDULES]
     if torch_names and optimizer_flags_set(args):
         raise UsageError(f"{torch_names[0]} trains with plain AdamW at --lr: drop --lr-schedule/--warmup/--clip-grad/"
-                         "--weight-decay/--master-fp32/--zero1 or use braid's schedules")
+                         "--weight-decay/--master-fp32/--zero1/--recompute or use braid's schedules")
     if torch_names and (args.save or args.resume):
         raise UsageError(f"--save/--resume checkpoint braid's schedules, not {torch_names[0]}")
     if torch_names and (args.dp != 1 or args.cp != 1):
@@ -265,7 +268,7 @@ def optim_config(args: argparse.Namespace) -> Any:
 def optimizer_flags_set(args: argparse.Namespace) -> bool:
     """Whether any optimizer flag differs from plain AdamW at a constant --lr."""
     return (args.lr_schedule != "constant" or args.warmup or args.clip_grad is not None or args.weight_decay
-            or args.master_fp32 or args.zero1)
+            or args.master_fp32 or args.zero1 or args.recompute != "none")
 
 
 def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int | None) -> None:
@@ -274,6 +277,8 @@ def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int 
         optim_config(args).check()
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if args.recompute != "none" and args.cp > 1:
+        raise UsageError("--recompute selective does not cover 2D-Attention's sequence-parallel core: use --cp 1")
     if args.data is None:
         if args.tokenizer is not None:
             raise UsageError("--tokenizer needs --data")

@@ -76,6 +76,8 @@ class BraidRunner:
                                         sp=sp, seq_len=task.seq_len(model, args))
         for ch in self.chunks.values():
             ch.to(device=device, dtype=dtype)
+            if hasattr(ch, "set_recompute"):  # the LM chunks (the VLM's vision chunk keeps its activations)
+                ch.set_recompute(args.recompute)
         seq = task.seq_len(model, args)
         hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
         local_seq = sp.local_len(seq) if sp is not None else seq

@@ -1,7 +1,8 @@
 """The example scripts with the optimizer and data flags, launched as a user would (gloo on CPU).
 
-* warm-up + cosine decay, clipping, weight decay and the sharded fp32-master optimizer at
-  dp=2 x pp=2: every schedule's losses *and gradient norms* equal the unsplit model's;
+* warm-up + cosine decay, clipping, weight decay, selective recomputation and the sharded
+  fp32-master optimizer at dp=2 x pp=2: every schedule's losses *and gradient norms*
+  equal the unsplit model's;
 * a sharded-optimizer run saved after step 2 and resumed gives the uninterrupted run's
   losses, gradient norms and learning rates;
 * ``--data`` over local jsonl files with a tokenizer built here trains and matches the
@@ -27,11 +28,11 @@ def _table_rows(stdout: str, names: list[str]) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_zero1_with_schedule_and_clipping_matches_the_unsplit_model(tmp_path) -> None:
+def test_zero1_with_schedule_clipping_and_recompute_matches_the_unsplit_model(tmp_path) -> None:
     names = ["braided_v", "zb_v"]
     metrics = tmp_path / "m.jsonl"
-    proc = _torchrun(4, LLM, *COMMON, "--pp", "2", "--dp", "2", "--steps", "3", *OPTIM, "--zero1", "--reference",
-                     "--metrics", str(metrics), "--schedule", *names)
+    proc = _torchrun(4, LLM, *COMMON, "--pp", "2", "--dp", "2", "--steps", "3", *OPTIM, "--zero1", "--recompute", "selective",
+                     "--reference", "--metrics", str(metrics), "--schedule", *names)
     _ok(proc)
     rows = _table_rows(proc.stdout, names)
     assert sorted(rows) == sorted(names), proc.stdout
@@ -88,6 +89,8 @@ def test_text_files_with_a_local_tokenizer_train_like_the_unsplit_model(corpus, 
     (["--tokenizer", "x"], "--tokenizer needs --data"),
     (["--data", "x"], "--data needs --tokenizer"),
     (["--zero1", "--schedule", "torch_1f1b_i", "--pp", "1"], "torch_1f1b_i trains with plain AdamW"),
+    (["--recompute", "selective", "--cp", "2"], "does not cover 2D-Attention"),
+    (["--recompute", "full"], "invalid choice: 'full'"),
 ])
 def test_bad_optimizer_and_data_flags_are_one_line(extra, message) -> None:
     proc = _python(LLM, *COMMON, "--steps", "2", *extra)

@@ -175,6 +175,17 @@ class ModelChunk(nn.Module):
         self._all_mods: list[DeferredWeightGrad] | None = None
         self._anchors: dict[torch.device, torch.Tensor] = {}
 
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation of every layer (:mod:`braid.models.recompute`): ``"none"`` or ``"selective"``."""
+        from braid.models.recompute import check_mode
+
+        check_mode(mode)
+        if mode != "none" and self.sp is not None:
+            raise ValueError("selective recomputation does not cover 2D-Attention's sequence-parallel core (--cp > 1); "
+                             "use --recompute none there")
+        for lay in self.layers:
+            lay.recompute = mode
+
     # -- data in and out -----------------------------------------------------------------
     def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
         """Micro-batches (b, s) of token ids (for the embedding) and labels (for the loss).

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from braid.models.recompute import recomputed, swiglu
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -84,7 +85,13 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None) -
 
 
 class Qwen2Layer(nn.Module):
-    """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size."""
+    """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size.
+
+    ``recompute``: ``"selective"`` recomputes the attention core and the SwiGLU product in
+    the backward instead of keeping their activations (:mod:`braid.models.recompute`).
+    """
+
+    recompute: str = "none"
 
     def __init__(self, cfg: Qwen2Config, heads: int | None = None, kv_heads: int | None = None, ffn: int | None = None, tp: int = 1) -> None:
         super().__init__()
@@ -123,11 +130,16 @@ class Qwen2Layer(nn.Module):
         """
         if self.sp is not None:
             o = self.sp.attention(q, k, v, causal=True)
+        elif self.recompute == "selective":
+            o = recomputed(self._sdpa, q, k, v)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+            o = self._sdpa(q, k, v)
         b, _, s, _ = o.shape
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, h/t)
         return self.o_proj(o)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
 
     def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Attn unit: attention, out-projection and the fused residual ``detach(x)/t`` (partial over TP)."""
@@ -140,7 +152,7 @@ class Qwen2Layer(nn.Module):
         return self.gate_proj(h), self.up_proj(h)  # (b, s, ffn/t) each
 
     def mlp_core(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(recomputed(swiglu, gate, up) if self.recompute == "selective" else swiglu(gate, up))
 
     def mlp(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP)."""
