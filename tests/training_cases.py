@@ -128,12 +128,16 @@ def _final_lr(decay: str) -> float:
 
 def state_dict_resumes(ctx, pp: int, tp: int, schedule: str, path: str) -> None:
     """Save the sharded optimizer with ``torch.distributed.checkpoint`` after step 2, load it into an
-    unsharded one (another layout of the optimizer state), run step 3: the same parameters."""
+    unsharded one (another layout of the optimizer state), run step 3: the same parameters. Small
+    all-gather buckets, so the weights and the state are gathered in many pieces."""
     import torch.distributed.checkpoint as dcp
 
     from braid.training.grads import tp_norm_mask
     from braid.training.optimizer import ShardedAdamW
 
+    import braid.training.optimizer as optimizer_module
+
+    optimizer_module.BUCKET, bucket = 37, optimizer_module.BUCKET  # many odd-sized all-gather buckets
     topo, groups, plan, layers, model, data, chunks, ex, mine = _setup(ctx, pp, tp, schedule)
     c = groups.coords
     named = _named(chunks, c)
@@ -168,6 +172,7 @@ def state_dict_resumes(ctx, pp: int, tp: int, schedule: str, path: str) -> None:
     for (n, p), want in zip(named, after):
         torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7, msg=lambda s: f"rank {ctx.rank} {n}: {s}")
     other.remove_hooks()
+    optimizer_module.BUCKET = bucket
 
 
 def nonfinite_norm_skips_update(ctx) -> None:

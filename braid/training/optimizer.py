@@ -29,6 +29,7 @@ count unchanged) and is returned, so the training loop can stop.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -37,6 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from braid.training.grads import clip_coefficient, decays
+
+
+BUCKET = 1 << 24  # elements per rank and all-gather: 32 MiB of bf16, 64 MiB of fp32
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
@@ -198,28 +202,61 @@ class ShardedAdamW(torch.optim.AdamW):
         """Write the masters into the model's parameters (cast to their dtype; all-gathered when sharded)."""
         dtype = self.params[0].dtype
         if self.shard_states and self.world > 1:
-            full = torch.empty(self.flat_len, dtype=dtype, device=self.master.device)
-            self._wait(_all_gather(full, self.master.to(dtype), self._group))
-            for p, s in zip(self.params, self.starts):
-                p.copy_(full[s:s + p.numel()].view_as(p))
+            self._gather_into([p.view(-1) for p in self.params], lambda o, n: self.master[o:o + n].to(dtype))
             return
         for pc in self.pieces:
             self.params[pc.index].view(-1)[pc.lo:pc.hi].copy_(self.master[pc.at:pc.at + pc.hi - pc.lo])
 
+    def _gather_into(self, targets: Sequence[torch.Tensor], piece: Callable[[int, int], torch.Tensor]) -> None:
+        """All-gather every rank's shard into ``targets`` (flat, one per parameter), in buckets of at most
+        ``BUCKET`` elements per rank: the transient buffer stays ``world * BUCKET`` elements, not the whole model.
+
+        ``piece(offset, n)``: elements ``[offset, offset + n)`` of this rank's shard (any device/dtype of the targets).
+        """
+        size, world = self.shard_len, self.world
+        bucket = max(1, min(size, BUCKET))
+        probe = piece(0, 0)
+        buf = torch.empty(world * bucket, dtype=probe.dtype, device=self.master.device)
+        for o in range(0, size, bucket):
+            n = min(bucket, size - o)
+            out = buf[:world * n]
+            self._wait(_all_gather(out, piece(o, n).to(buf.device).contiguous(), self._group))
+            for r in range(world):
+                self._scatter(r * size + o, out[r * n:(r + 1) * n], targets)
+
+    def _scatter(self, start: int, values: torch.Tensor, targets: Sequence[torch.Tensor]) -> None:
+        """Copy flat-buffer elements ``[start, start + len(values))`` into the parameters' flat ``targets``."""
+        end = start + values.numel()
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        while i < len(self.params) and self.starts[i] < end:
+            s, n = self.starts[i], self.params[i].numel()
+            lo, hi = max(s, start), min(s + n, end)
+            if lo < hi:
+                targets[i][lo - s:hi - s].copy_(values[lo - start:hi - start])
+            i += 1
+
     # -- checkpoints ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """Masters and moments per parameter name, whole (gathered over the group: collective), plus the step.
+        """Masters and moments per parameter name, whole, in host memory, plus the step (a collective when sharded).
 
         ``{"step": tensor, "lr": tensor, "params": {name: {"master", "exp_avg", "exp_avg_sq"}}}``,
-        fp32 tensors shaped like the parameters -- what ``torch.distributed.checkpoint``
-        saves as-is, and independent of the number of sharding ranks, so a run resumes
-        at another data-parallel size.
+        fp32 CPU tensors shaped like the parameters -- what ``torch.distributed.checkpoint``
+        saves as-is, and independent of the number of sharding ranks, so a run resumes at
+        another data-parallel size. Gathered bucket by bucket (little device memory), but
+        every rank then holds its model shard's whole optimizer state in host memory.
         """
-        flats = {k: self._gather(self._flat_state(k)) for k in ("master", "exp_avg", "exp_avg_sq")}
         out: dict[str, Any] = {"step": torch.tensor(self._step_count_value(), dtype=torch.float32),
-                               "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64), "params": {}}
-        for name, p, s in zip(self.names, self.params, self.starts):
-            out["params"][name] = {k: f[s:s + p.numel()].view(p.shape).clone() for k, f in flats.items()}
+                               "lr": torch.tensor(float(self.param_groups[0]["lr"]), dtype=torch.float64),
+                               "params": {n: {} for n in self.names}}
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            targets = [torch.zeros(p.numel(), dtype=torch.float32) for p in self.params]
+            flat = self._flat_state(key)
+            if self.shard_states and self.world > 1:
+                self._gather_into(targets, lambda o, n: flat[o:o + n])
+            else:
+                self._scatter(self.lo, flat, targets)
+            for name, p, t in zip(self.names, self.params, targets):
+                out["params"][name][key] = t.view(p.shape)
         return out
 
     @torch.no_grad()
@@ -251,13 +288,6 @@ class ShardedAdamW(torch.optim.AdamW):
         for pc, v in zip(self.pieces, self.views):
             flat[pc.at:pc.at + pc.hi - pc.lo] = v if key == "master" else self.state[v][key]
         return flat
-
-    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        if not self.shard_states or self.world == 1:
-            return shard
-        full = torch.empty(self.flat_len, dtype=shard.dtype, device=shard.device)
-        self._wait(_all_gather(full, shard, self._group))
-        return full
 
     def remove_hooks(self) -> None:
         """Detach the optimizer from the parameters (hooks and ``main_grad`` buffers)."""
