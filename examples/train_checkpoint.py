@@ -1,32 +1,189 @@
-"""Checkpoints of the example loop (``torch.distributed.checkpoint``): model shards, optimizer state, progress."""
+"""Checkpoints of the example loop: model, optimizer and progress under the single-device model's names.
+
+A checkpoint saved at one (tp, pp, dp, schedule) resumes at any other: parameters and
+optimizer state are keyed by global parameter names (:mod:`braid.sharded_state`), the data
+position (the next global sample index) and the step travel with them, and the directory
+protocol (step folders, ``latest``, layout record, checksums) is :mod:`braid.checkpoint`'s.
+
+:func:`check_resume` runs before any process group exists: it finds the step folder, reads
+its layout record and manifest and compares the saved model with the one this run builds,
+so a wrong directory or model costs one line. The checksums are verified once the ranks
+can share the reading (:func:`verify_resume`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from braid import checkpoint
+from train_cli import Run, Setup, Task, UsageError
 
-def checkpoint_state(chunks: dict, plan: Any, pp_rank: int, tp_rank: int, opt: torch.optim.Optimizer, progress: dict) -> dict:
-    """Checkpoint contents: keys name (stage, tp rank, parameter), so shards never collide across ranks.
+log = logging.getLogger("braid.examples")
 
-    ``opt``: a torch optimizer or a :class:`braid.training.step.Optimization`. A sharded one
-    (fp32 masters) contributes its state dict by parameter name -- whole tensors gathered
-    over the data-parallel ranks (a collective), loaded back with its ``load_state_dict``.
+
+def model_record(task: Task, setup: Setup) -> dict[str, Any]:
+    """What identifies the model: the script, its preset, its config and every global parameter's shape."""
+    cfg = setup.model.cfg
+    return {"task": task.prog, "preset": setup.args.model,
+            "config": json_safe(dataclasses.asdict(cfg)) if dataclasses.is_dataclass(cfg) else repr(cfg),
+            "params": {n: list(p.shape) for n, p in setup.model.named_parameters()}}
+
+
+def json_safe(value: Any) -> Any:
+    """Nested dataclass fields as JSON values (tuples as lists)."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def layout_record(task: Task, setup: Setup, run: Run, pos: int) -> dict[str, Any]:
+    """The layout record of a save: the model, how it was split and where the data stood."""
+    a = setup.args
+    return {"model": model_record(task, setup), "pos": pos,
+            "layout": {"world": setup.world, "tp": a.tp, "pp": a.pp, "dp": a.dp, "cp": a.cp, "schedule": run.name,
+                       "stage_layers": list(run.stage_layers), "micro_batches": a.mbs, "micro_batch_size": a.micro_batch_size},
+            "torch": torch.__version__}
+
+
+def check_resume(task: Task, setup: Setup) -> Path:
+    """The step folder ``--resume`` names, its record read and its model compared with this run's (:class:`UsageError`)."""
+    a = setup.args
+    try:
+        step_dir = checkpoint.resolve(a.resume)
+        rec = checkpoint.read_layout(step_dir)
+        checkpoint.read_manifest(step_dir)
+    except checkpoint.CheckpointError as err:
+        raise UsageError(f"--resume {err}") from None
+    want, got = model_record(task, setup), rec.get("model")
+    if not isinstance(got, dict):
+        raise UsageError(f"--resume {step_dir}: layout record without a model entry; the checkpoint is damaged")
+    if got.get("task") != want["task"]:
+        raise UsageError(f"--resume {step_dir}: saved by {got.get('task')}, not {want['task']}")
+    for key in ("config", "params"):
+        if got.get(key) != want[key]:
+            diff = _first_difference(got.get(key), want[key])
+            raise UsageError(f"--resume {step_dir}: saved for another model ({diff}; saved with --model "
+                             f"{got.get('preset')}, this run --model {a.model})")
+    per_step = a.dp * a.mbs * a.micro_batch_size
+    saved = rec.get("layout", {})
+    saved_per_step = saved.get("dp", 0) * saved.get("micro_batches", 0) * saved.get("micro_batch_size", 0)
+    if saved_per_step != per_step and setup.rank == 0:
+        log.warning("--resume %s: saved with %d samples per step (dp x mbs x micro-batch size), this run takes %d: "
+                    "the data continues at the saved sample, but the run is not the one that was saved", step_dir,
+                    saved_per_step, per_step)
+    return step_dir
+
+
+def _first_difference(saved: Any, want: Any) -> str:
+    if isinstance(saved, dict) and isinstance(want, dict):
+        for k in list(want) + [k for k in saved if k not in want]:
+            if saved.get(k) != want.get(k):
+                return f"{k}: saved {saved.get(k)}, this run {want.get(k)}"
+    return "records differ"
+
+
+def verify_resume(step_dir: Path, rank: int, world: int) -> None:
+    """Checksums of the step folder, the reading split over the ranks; every rank raises the same error."""
+    import torch.distributed as dist
+
+    mine = checkpoint.verify(step_dir, (rank, world))
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    problems = [p for lst in every for p in lst]
+    if problems:
+        raise checkpoint.CheckpointError(f"--resume {problems[0]}")
+
+
+class TrainState:
+    """What a checkpoint holds for one schedule's run: model, optimizer, progress (step, next sample)."""
+
+    def __init__(self, task: Task, runner: Any, optimizer: Any, groups: Any) -> None:
+        from braid.models.global_names import check_shards, chunk_shards
+        from braid.sharded_state import ModelState, OptimizerState, ShardedParams
+
+        topo = groups.topo
+        shards = chunk_shards(runner.chunks, groups.coords.tp, topo.tp, vlm=task.vision)
+        self.params = ShardedParams(shards, groups.tp if topo.tp > 1 else None)
+        self.model = ModelState(self.params)
+        from braid.training.optimizer import ShardedAdamW
+
+        # braid.training.step.Optimization wraps a torch AdamW over the parameters (saved as any
+        # torch optimizer) or a ShardedAdamW with fp32 masters (saved by its own state dict; the
+        # learning-rate schedule is the step count: Optimization.resume_at). Any other optimizer
+        # that checkpoints itself under global names (Stateful) is saved as it is.
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(inner, ShardedAdamW):
+            self.optim: Any = MasterState(self.params, inner)
+        elif isinstance(inner, torch.optim.Optimizer):
+            self.optim = OptimizerState(self.params, inner)
+        else:
+            self.optim = optimizer
+        self._check = lambda model: check_shards(shards, model)
+
+    def check_against(self, model: torch.nn.Module) -> None:
+        """Every local parameter is its block of the single-device ``model`` (names and values)."""
+        self._check(model)
+
+    def state(self, step: int, pos: int) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.optim,
+                "progress": {"step": torch.tensor(step, dtype=torch.int64), "pos": torch.tensor(pos, dtype=torch.int64)}}
+
+    def save(self, task: Task, setup: Setup, run: Run, step: int, pos: int, extra: dict[str, str]) -> Path:
+        import torch.distributed as dist
+
+        return checkpoint.save(setup.args.save, step, self.state(step, pos), layout_record(task, setup, run, pos),
+                               rank=setup.rank, barrier=dist.barrier, keep=setup.args.keep_checkpoints, extra=extra)
+
+    def load(self, step_dir: Path) -> tuple[int, int]:
+        """Load a verified step folder into the model and optimizer; returns (step, next sample)."""
+        sd = self.state(0, 0)
+        checkpoint.load(step_dir, sd)
+        return int(sd["progress"]["step"]), int(sd["progress"]["pos"])
+
+
+class MasterState:
+    """``Stateful`` state of a :class:`braid.training.optimizer.ShardedAdamW` under global names.
+
+    Its parameters are named by their global names (``BraidRunner.named``); the masters and
+    moments come whole per parameter (gathered over the data-parallel ranks), so a TP block
+    becomes a ``DTensor`` shard as the parameter does and any (tp, pp, dp) reads it back.
     """
-    from braid.training.optimizer import ShardedAdamW
 
-    opt = getattr(opt, "optimizer", opt)
-    model, optim = {}, {}
-    if isinstance(opt, ShardedAdamW):
-        model = {f"stage{plan.stage_of(pp_rank, c)}.tp{tp_rank}.{n}": p for c, ch in chunks.items() for n, p in ch.named_parameters()}
-        return {"model": model, "optim": opt.state_dict(), "progress": progress}
-    for c, ch in chunks.items():
-        for n, p in ch.named_parameters():
-            key = f"stage{plan.stage_of(pp_rank, c)}.tp{tp_rank}.{n}"
-            model[key] = p
-            st = opt.state[p]
-            if not st:  # before the first step: create AdamW's state so a load can fill it in place
-                st.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            optim[key] = {k: st[k] for k in ("step", "exp_avg", "exp_avg_sq")}
-    return {"model": model, "optim": optim, "progress": progress}
+    KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Any, optimizer: Any) -> None:
+        self.params, self.optimizer = params, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self.optimizer.state_dict()
+        device = self.optimizer.params[0].device
+        out: dict[str, Any] = {"step": sd["step"], "lr": sd["lr"]}
+        for name, entry in sd["params"].items():
+            for key in self.KEYS:
+                out[f"{name}.{key}"] = self.params.to_global(name, entry[key].to(device))
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from braid.sharded_state import _local
+
+        params = {name: {key: _local(sd[f"{name}.{key}"]) for key in self.KEYS} for name in self.optimizer.names}
+        self.optimizer.load_state_dict({"step": sd["step"], "lr": sd["lr"], "params": params})
+
+
+def describe_resume(step_dir: Path, setup: Setup, run: Run, step: int, pos: int) -> str:
+    """The log line of a resume, naming a change of layout."""
+    saved = checkpoint.read_layout(step_dir).get("layout", {})
+    a = setup.args
+    now = {"tp": a.tp, "pp": a.pp, "dp": a.dp, "cp": a.cp, "schedule": run.name}
+    line = f"resumed from {step_dir} at step {step} (sample {pos})"
+    if any(saved.get(k) != v for k, v in now.items()):
+        was = " ".join(f"{k}={saved.get(k)}" for k in now)
+        line += f"; saved at {was}, resharded to " + " ".join(f"{k}={v}" for k, v in now.items())
+    return line

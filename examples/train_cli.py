@@ -8,7 +8,9 @@ schedules; :class:`Task` is what a script (``qwen2.py``, ``qwen2_vl.py``) plugs 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -18,6 +20,16 @@ import torch
 
 class UsageError(ValueError):
     """A flag or a layout that cannot work: exit code 2 with one line."""
+
+
+class RunError(RuntimeError):
+    """A run stopped on purpose (every rank reaches the same verdict): one line, ``exit_code``."""
+
+    exit_code = 1
+
+
+class NonFiniteError(RunError):
+    """The loss or a gradient became NaN or infinite: the run stops before the update (and any save)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,10 @@ class Task:
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit code 2 (argparse's default prints usage too)
         raise UsageError(message)
+
+    def print_help(self, file: Any = None) -> None:  # under torchrun, once (rank 0) rather than once per rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            super().print_help(file)
 
 
 def build_parser(task: Task) -> argparse.ArgumentParser:
@@ -114,12 +130,22 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                                                          "(needs --tokenizer and the data extra: datasets, tokenizers)")
     dat.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (e.g. next to an HF checkpoint)")
     dat.add_argument("--text-field", default="text", help="field of --data that holds the text (default: %(default)s)")
+    p.add_argument("--config", metavar="RUN.toml",
+                   help="read flags from a TOML run file (long flag names as keys: tp = 2, schedule = [\"zb_v\"]); "
+                        "flags on the command line override it. Each run writes its effective configuration beside "
+                        "its checkpoints (DIR/config.toml) and metrics (FILE.toml)")
     out = p.add_argument_group("outputs")
     out.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (rank 0 writes)")
     out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m braid.viz)")
-    out.add_argument("--save", metavar="DIR", help="checkpoint at the end (and every --save-every steps)")
+    out.add_argument("--tensorboard", metavar="DIR", help="also write the per-step metrics as TensorBoard events (needs tensorboard)")
+    out.add_argument("--save", metavar="DIR",
+                     help="checkpoint at the end (and every --save-every steps) into DIR/step_N/, DIR/latest naming the newest")
     out.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
-    out.add_argument("--resume", metavar="DIR", help="continue from a checkpoint written with the same layout")
+    out.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="step folders kept in --save DIR (default: %(default)s)")
+    out.add_argument("--resume", metavar="DIR",
+                     help="continue from DIR's latest checkpoint (or a step folder): any tp, pp, dp and schedule; the same "
+                          "model. Checksums are verified first, but resume only from directories you trust: torch's "
+                          "checkpoint reader unpickles DIR's .metadata")
     out.add_argument("--peak-tflops", type=float, default=None,
                      help="per-device peak for MFU (default: 989 on H100/H200, 0 = not reported on CPU)")
     out.add_argument("--reference", action="store_true",
@@ -144,7 +170,7 @@ Bad flags, or a layout the world size or the model cannot take, exit with code 2
 line on rank 0 (every rank stops before any communication)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Setup:
     """Everything decided before any process group exists (same on every rank)."""
 
@@ -154,6 +180,8 @@ class Setup:
     topo: Any
     runs: list["Run"]
     model: torch.nn.Module
+    parser: argparse.ArgumentParser | None = None
+    resume_dir: Path | None = None  # the step folder --resume names (checked)
 
     @property
     def plan(self) -> Any:
@@ -179,11 +207,16 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     from braid.baselines import TORCH_SCHEDULES
     from braid.topology import Topology
 
-    args = build_parser(task).parse_args(argv)
+    from braid.runconfig import ConfigError, config_argv
+
+    parser = build_parser(task)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser.parse_args(config_argv(parser, argv))
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    for name in ("tp", "pp", "cp", "hp", "micro_batch_size", "seq", "steps"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_values(args)
     if args.dp is None:
         args.dp = max(1, world // (args.tp * args.pp * args.cp))
     if args.mbs is None:
@@ -192,8 +225,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         args.last_stage_lighter = 0 if args.model == "tiny" else 2
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
-    if args.resume and not Path(args.resume, ".metadata").is_file():
-        raise UsageError(f"--resume {args.resume}: no checkpoint there (missing .metadata)")
+    check_outputs(args)
     names = args.schedule
     valid = list(schedules.names()) + list(TORCH_SCHEDULES)
     for n in names:
@@ -235,7 +267,68 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
     except ValueError as err:
         raise UsageError(str(err).splitlines()[0]) from None
-    return Setup(args, world, rank, topo, runs, model)
+    setup = Setup(args, world, rank, topo, runs, model, parser)
+    if args.resume:
+        from train_checkpoint import check_resume
+
+        setup.resume_dir = check_resume(task, setup)
+    return setup
+
+
+def check_values(args: argparse.Namespace) -> None:
+    """Ranges of the numeric flags (NaN is refused everywhere: it passes no comparison)."""
+    for name in ("tp", "pp", "cp", "hp", "micro_batch_size", "seq", "steps", "keep_checkpoints"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("dp", "mbs", "image_size"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every must be >= 0 (0: only at the end), got {args.save_every}")
+    positive = {"lr": args.lr, "init_std": args.init_std, "timeout": args.timeout}
+    at_least_zero = {"reference_rtol": args.reference_rtol, "peak_tflops": args.peak_tflops}
+    for name, value in positive.items():
+        if not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number > 0, got {value}")
+    for name, value in at_least_zero.items():
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Every output path can be written, checked before any work (files and the directories made later)."""
+    from braid.files import OutputPathError, check_output_path
+
+    files = {"--metrics": args.metrics, "--trace": args.trace}
+    if args.metrics:
+        files["the metrics' run file"] = str(Path(args.metrics).with_suffix(".toml"))
+    try:
+        for what, path in files.items():
+            if path:
+                check_output_path(path, what=what, inputs=tuple(p for w, p in files.items() if p and w != what))
+    except OutputPathError as err:
+        raise UsageError(str(err)) from None
+    for what, path in (("--save", args.save), ("--tensorboard", args.tensorboard)):
+        if path:
+            check_output_dir(what, path)
+    if args.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError:
+            raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+
+
+def check_output_dir(what: str, path: str) -> None:
+    """A directory that exists and is writable, or whose nearest existing parent is."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{what} {path!r} is a file; give a directory")
+    probe = p
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path!r}: directory {str(probe)!r} is not writable")
 
 
 def sp_config(task: Task, args: argparse.Namespace) -> Any:

@@ -24,14 +24,15 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from braid.training.grads import check_finite
-from train_cli import Run, Setup, Task, UsageError, prepare
-from train_checkpoint import checkpoint_state
-from train_report import Progress, RunStats, format_comparison, max_norm_diff, max_rel_diff, reference_rtol, write_trace
+from braid.checkpoint import CheckpointError
+from train_checkpoint import TrainState, describe_resume, verify_resume
+from train_cli import Run, RunError, Setup, Task, UsageError, prepare
+from train_report import MetricsLog, Progress, RunStats, banner, format_comparison, max_norm_diff, max_rel_diff, reference_rtol, write_trace
 from train_step import (compute_dtype, make_optimizer, make_runner, micro_batches, peak_flops, pick_device, train_reference,
                         train_step)
 
@@ -69,6 +70,8 @@ def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStat
         if setup.rank == 0 and (len(stats) > 1 or ref is not None):
             print(format_comparison(task, setup, stats, ref, dtype), flush=True)
         return stats, ref
+    except (RunError, CheckpointError):
+        raise  # a verdict every rank reached together: nobody to abort
     except Exception:
         d.abort.signal("training loop failed")
         raise
@@ -79,84 +82,110 @@ def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStat
 def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, source: Any, device: torch.device,
                    dtype: torch.dtype) -> RunStats:
     """``--steps`` steps of one schedule; per-step log line, metrics, checkpoints and trace as asked."""
-    import json
-
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     args, topo = setup.args, setup.topo
     c = groups.coords
     runner = make_runner(task, setup, run, d, groups, device, dtype)
     opt = make_optimizer(args, runner)
+    _banner(task, setup, run, runner, dtype)
+    state = None
+    if args.save or args.resume:
+        state = TrainState(task, runner, opt, groups)
+        state.check_against(setup.model)
     per_step = args.dp * args.mbs * args.micro_batch_size
     step, pos = 0, 0
     if args.resume:
-        sd = checkpoint_state(runner.chunks, run.plan, c.pp, c.tp, opt,
-                              {"step": torch.zeros((), dtype=torch.int64), "pos": torch.zeros((), dtype=torch.int64)})
-        dcp.load(sd, checkpoint_id=args.resume)
-        step, pos = int(sd["progress"]["step"]), int(sd["progress"]["pos"])
-        if getattr(opt, "sharded", False):
-            opt.optimizer.load_state_dict(sd["optim"])  # masters and moments by name; the parameters get the masters
+        verify_resume(setup.resume_dir, setup.rank, setup.world)
+        step, pos = state.load(setup.resume_dir)
         if hasattr(opt, "resume_at"):
             opt.resume_at(step)  # the learning-rate schedule continues where the run stopped
         if setup.rank == 0:
-            log.info("resumed from %s at step %d (sample %d)", args.resume, step, pos)
+            log.info("%s", describe_resume(setup.resume_dir, setup, run, step, pos))
     seq = task.seq_len(setup.model, args)
     flops = task.flops_per_sample(setup.model, args)
     peak = peak_flops(args, device)
     bar = Progress(args.steps, setup.rank == 0)
-    metrics = open(args.metrics, "a") if args.metrics and setup.rank == 0 else None
+    metrics = MetricsLog(args, step if args.resume else None) if setup.rank == 0 else None
+    if setup.rank == 0 and args.save:
+        _write_config(setup, Path(args.save) / "config.toml")
     stats = RunStats(run.name, [], [], [0] * setup.world)
-    while step < args.steps:
-        toks, labs = micro_batches(task, setup, source, pos, c.dp, device, dtype)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            torch.cuda.synchronize(device)
-        lr = float(getattr(opt, "lr", args.lr))  # this step's learning rate (the schedule advances in the step)
-        t0 = time.perf_counter()
-        out = train_step(runner, opt, toks, labs, bool(args.trace) and step + 1 == args.steps, topo.dp, device)
-        mem = out.mem
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            mem = torch.cuda.max_memory_allocated(device)
-        dt = time.perf_counter() - t0
-        loss = out.loss
-        if out.grad_norm is not None:
-            check_finite(out.grad_norm, step + 1)
-        mems = torch.zeros(setup.world, dtype=torch.int64, device=device)
-        mems[setup.rank] = mem
-        dist.all_reduce(mems)
-        step += 1
-        pos += per_step
-        stats.losses.append(loss)
-        stats.grad_norms.append(out.grad_norm)
-        stats.step_times.append(dt)
-        stats.peak_bytes = [max(a, int(b)) for a, b in zip(stats.peak_bytes, mems.tolist())]
-        samples = per_step / dt
-        tokens = samples * seq
-        mfu = flops * samples / (setup.world * peak) if peak else 0.0
-        gn = "" if out.grad_norm is None else f"  grad norm {out.grad_norm:.3f}"
-        bar.update(step, f"{run.name}  step {step:>4}/{args.steps}  loss {loss:.4f}{gn}  {dt * 1e3:7.1f} ms  {tokens:,.0f} tok/s  "
-                         f"mfu {mfu:.3f}  peak mem {max(mems.tolist()) / 2**20:,.1f} MiB")
+    try:
+        while step < args.steps:
+            toks, labs = micro_batches(task, setup, source, pos, c.dp, device, dtype)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                torch.cuda.synchronize(device)
+            lr = float(getattr(opt, "lr", args.lr))  # this step's learning rate (the schedule advances in the step)
+            t0 = time.perf_counter()
+            out = train_step(runner, opt, toks, labs, traced=bool(args.trace) and step + 1 == args.steps, step=step + 1,
+                             topo=topo, rank=setup.rank, device=device)
+            mem = out.mem
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                mem = torch.cuda.max_memory_allocated(device)
+            dt = time.perf_counter() - t0
+            loss = out.loss
+            mems = torch.zeros(setup.world, dtype=torch.int64, device=device)
+            mems[setup.rank] = mem
+            dist.all_reduce(mems)
+            step += 1
+            pos += per_step
+            stats.losses.append(loss)
+            stats.grad_norms.append(out.grad_norm)
+            stats.step_times.append(dt)
+            stats.peak_bytes = [max(a, int(b)) for a, b in zip(stats.peak_bytes, mems.tolist())]
+            samples = per_step / dt
+            tokens = samples * seq
+            mfu = flops * samples / (setup.world * peak) if peak else 0.0
+            gn = "" if out.grad_norm is None else f"  grad norm {out.grad_norm:.3f}"
+            bar.update(step, f"{run.name}  step {step:>4}/{args.steps}  loss {loss:.4f}{gn}  {dt * 1e3:7.1f} ms  {tokens:,.0f} tok/s  "
+                             f"mfu {mfu:.3f}  peak mem {max(mems.tolist()) / 2**20:,.1f} MiB")
+            if metrics is not None:
+                metrics.write({"step": step, "loss": loss, "grad_norm": out.grad_norm, "lr": lr, "step_time_s": dt, "samples_per_s": samples,
+                               "tokens_per_s": tokens, "mfu": mfu, "peak_memory_bytes": mems.tolist(),
+                               "schedule": run.name, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+                               "model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", "")})
+            if state is not None and args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+                folder = state.save(task, setup, run, step, pos, {"config.toml": _config_text(setup)})
+                if setup.rank == 0:
+                    log.info("checkpoint: %s", folder)
+    finally:
+        bar.close()
         if metrics is not None:
-            metrics.write(json.dumps({"step": step, "loss": loss, "grad_norm": out.grad_norm,
-                                      "lr": lr, "step_time_s": dt, "samples_per_s": samples,
-                                      "tokens_per_s": tokens, "mfu": mfu, "peak_memory_bytes": mems.tolist(),
-                                      "schedule": run.name, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-                                      "model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", "")}) + "\n")
-            metrics.flush()
-        if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
-            progress = {"step": torch.tensor(step), "pos": torch.tensor(pos)}
-            dcp.save(checkpoint_state(runner.chunks, run.plan, c.pp, c.tp, opt, progress), checkpoint_id=args.save)
-    bar.close()
-    if metrics is not None:
-        metrics.close()
+            metrics.close()
     if args.trace and runner.res is not None:
         write_trace(runner.res.trace, setup.rank, setup.world, args)
-    del runner, opt
+    del runner, opt, state
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return stats
+
+
+def _banner(task: Task, setup: Setup, run: Run, runner: Any, dtype: torch.dtype) -> None:
+    import torch.distributed as dist
+
+    mine = (sum(p.numel() for p in runner.params), getattr(runner, "state_bytes", 0))
+    every: list[Any] = [None] * setup.world
+    dist.all_gather_object(every, mine)
+    if setup.rank == 0:
+        log.info("%s", banner(task, setup, run.name, [n for n, _ in every], [b for _, b in every], dtype))
+
+
+def _config_text(setup: Setup) -> str:
+    from braid.runconfig import dump_config
+
+    prog = setup.parser.prog if setup.parser is not None else "train"
+    return dump_config(setup.parser, setup.args, header=f"effective configuration of a {prog} run; "
+                                                       f"replay: python {prog} --config FILE")
+
+
+def _write_config(setup: Setup, path: Path) -> None:
+    """The run file of the effective configuration (atomically)."""
+    from braid.files import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, _config_text(setup))
 
 
 def _usage_barrier(rank: int) -> None:
@@ -184,7 +213,7 @@ def _usage_barrier(rank: int) -> None:
 
 
 def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> int:
-    """Entry point of the example scripts; returns the exit code (2 for bad flags or layouts)."""
+    """Entry point of the example scripts; returns the exit code (2 for bad flags, layouts or checkpoints, 1 for a failed run)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -194,12 +223,14 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
             print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
         _usage_barrier(rank)
         return 2
+    if rank == 0 and setup.args.metrics:
+        _write_config(setup, Path(setup.args.metrics).with_suffix(".toml"))
     try:
         stats, ref = run(task, setup, source)
-    except FloatingPointError as err:  # a non-finite gradient norm (every rank sees the same all-reduced norm)
+    except (RunError, CheckpointError, UsageError) as err:
         if rank == 0:
             print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
-        return 1
+        return err.exit_code if isinstance(err, RunError) else 2
     if ref is None:
         return 0
     dtype = compute_dtype(pick_device(setup.args))

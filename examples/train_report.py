@@ -1,4 +1,4 @@
-"""What the example loop reports: the progress line, the comparison table, the merged trace.
+"""What the example loop reports: the start-up banner, the progress line, the metrics, the comparison table, the trace.
 
 Rank 0 reports; :func:`write_trace` gathers every rank's measured trace of the last step
 and merges them into one file (events and memory keyed by global rank).
@@ -7,15 +7,18 @@ and merges them into one file (events and memory keyed by global rank).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import statistics
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from train_cli import Setup, Task
+from train_cli import Setup, Task, UsageError
 from train_step import peak_flops, pick_device
 
 log = logging.getLogger("braid.examples")
@@ -126,3 +129,86 @@ def write_trace(trace: Any, rank: int, world: int, args: argparse.Namespace) -> 
     dump_traces([merged], args.trace)
     log.info("trace of the last step: %s (%d events, %d ranks)", args.trace, len(merged.events), world)
 
+
+
+class MetricsLog:
+    """Rank 0's per-step records: ``--metrics`` (JSON lines) and ``--tensorboard`` (events).
+
+    Every line is strict JSON (a non-finite value is written as null). On resume the file
+    keeps only the records up to the resumed step -- the steps a killed run logged after
+    its last checkpoint are trained again -- and a torn last line is dropped, so the file
+    reads as one uninterrupted run. Lines are appended one whole write at a time.
+    """
+
+    def __init__(self, args: argparse.Namespace, resumed_step: int | None) -> None:
+        from braid.files import atomic_write_text
+
+        self.file = self.tb = None
+        if args.metrics:
+            path = Path(args.metrics)
+            if path.exists():
+                keep = [line for line in _records(path) if resumed_step is None or json.loads(line).get("step", 0) <= resumed_step]
+                atomic_write_text(path, "".join(line + "\n" for line in keep))
+            self.file = open(path, "a", encoding="utf-8")
+        if args.tensorboard:
+            self.tb = tensorboard_writer(args.tensorboard, purge_step=None if resumed_step is None else resumed_step + 1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: _finite_or_none(v) for k, v in record.items()}
+        if self.file is not None:
+            self.file.write(json.dumps(clean, allow_nan=False) + "\n")
+            self.file.flush()
+        if self.tb is not None:
+            for k in ("loss", "step_time_s", "tokens_per_s", "mfu"):
+                if isinstance(clean.get(k), (int, float)):
+                    self.tb.add_scalar(f"{record.get('schedule', 'run')}/{k}", clean[k], record["step"])
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def tensorboard_writer(log_dir: str, purge_step: int | None = None) -> Any:
+    """A ``torch.utils.tensorboard`` writer, or one clear error when ``tensorboard`` is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                         "(or pip install 'braid[tensorboard]')") from None
+    return SummaryWriter(log_dir=log_dir, purge_step=purge_step)
+
+
+def _records(path: Path) -> list[str]:
+    """The complete JSON lines of a metrics file (a torn or foreign line is dropped)."""
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            if isinstance(json.loads(line), dict):
+                out.append(line)
+        except ValueError:
+            continue
+    return out
+
+
+def _finite_or_none(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_finite_or_none(x) for x in v]
+    return v
+
+
+def banner(task: Task, setup: Setup, run_name: str, counts: list[int], state_bytes: list[int], dtype: torch.dtype) -> str:
+    """The start-up lines of rank 0: model, layout, parameters and model-state memory per rank."""
+    a, topo = setup.args, setup.topo
+    total = sum(p.numel() for p in setup.model.parameters())
+    run = next(r for r in setup.runs if r.name == run_name)
+    where = "cpu" if pick_device(a).type == "cpu" else torch.cuda.get_device_name(pick_device(a))
+    lines = [f"{task.prog} --model {a.model}: {total:,} parameters, {str(dtype).replace('torch.', '')} on {setup.world} x {where}",
+             f"layout tp={topo.tp} pp={topo.pp} dp={topo.dp} cp={topo.cp}, schedule {run_name}: {len(run.stage_layers)} "
+             f"virtual stages of {list(run.stage_layers)} layers; {a.mbs} micro-batches of {a.micro_batch_size} per replica",
+             "rank  parameters  model state MiB (weights, gradients, optimizer; activations not included)"]
+    lines += [f"{r:>4}  {n:>10,}  {b / 2**20:>14,.1f}" for r, (n, b) in enumerate(zip(counts, state_bytes))]
+    return "\n".join(lines)

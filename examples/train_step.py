@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from train_cli import Run, Setup, Task, optim_config, sp_config
+from train_cli import NonFiniteError, Run, Setup, Task, optim_config, sp_config
 
 log = logging.getLogger("braid.examples")
 
@@ -83,9 +84,11 @@ class BraidRunner:
         local_seq = sp.local_len(seq) if sp is not None else seq
         self.ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], self.chunks, groups, d.abort,
                                        act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device)
-        # Names unique per model shard and equal over data-parallel replicas: they key the sharded optimizer's state.
-        self.named = [(f"stage{plan.stage_of(c.pp, ci)}.tp{c.tp}.{n}", p)
-                      for ci, ch in self.chunks.items() for n, p in ch.named_parameters()]
+        # The single-device model's names: they key the sharded optimizer's state (train_checkpoint.MasterState).
+        from braid.models.global_names import chunk_shards
+
+        shards = chunk_shards(self.chunks, c.tp, topo.tp, vlm=task.vision)
+        self.named = [(shards[p].name, p) for ch in self.chunks.values() for p in ch.parameters()]
         self.params = [p for _, p in self.named]
         self.groups, self.abort, self.device = groups, d.abort, device
         from braid.training.optimizer import state_bytes_per_param
@@ -174,17 +177,49 @@ class StepOut:
     grad_norm: float | None = None
 
 
-def train_step(runner: BraidRunner | TorchRunner, opt: torch.optim.Optimizer, toks: list, labs: list, traced: bool,
-               dp: int, device: torch.device) -> StepOut:
-    """One step: forward + backward of every micro-batch, the loss summed over ranks, the optimizer update."""
+def train_step(runner: BraidRunner | TorchRunner, opt: Any, toks: list, labs: list, *, traced: bool, step: int,
+               topo: Any, rank: int, device: torch.device) -> StepOut:
+    """Step ``step`` (1-based): forward + backward of every micro-batch, the loss summed over ranks, the update.
+
+    A non-finite loss or local gradient on any rank stops every rank *before* the update
+    (:class:`NonFiniteError` naming the step and the first such rank), so no damaged
+    weights are trained on or saved.
+    """
     import torch.distributed as dist
 
     opt.zero_grad(set_to_none=True)
     local_loss, mem = runner.step(toks, labs, traced)
-    norm = opt.step()  # Optimization: the global gradient norm; a torch optimizer: None
-    loss_t = torch.tensor([local_loss if local_loss is not None else 0.0], dtype=torch.float64, device=device)
-    dist.all_reduce(loss_t)
-    return StepOut(float(loss_t) / dp, mem, norm)
+    world = topo.world_size
+    # One all-reduce: the loss, then per rank a flag for a non-finite loss and one for a non-finite gradient.
+    buf = torch.zeros(1 + 2 * world, dtype=torch.float64, device=device)
+    if local_loss is not None:
+        buf[0] = local_loss
+        buf[1 + rank] = not math.isfinite(local_loss)
+    buf[1 + world + rank] = not _grads_finite(runner)
+    dist.all_reduce(buf)
+    flags = buf[1:].tolist()
+    if any(flags):
+        what, first = ("loss", flags.index(1.0)) if any(flags[:world]) else ("gradient", flags.index(1.0, world) - world)
+        raise NonFiniteError(f"non-finite {what} at step {step} (first on rank {first}); stopped before the optimizer "
+                             "update, nothing saved from this step on -- lower --lr or --init-std")
+    norm = opt.step()  # Optimization: the global gradient norm (no update when it is not finite); a torch optimizer: None
+    if norm is not None and not math.isfinite(norm):
+        raise NonFiniteError(f"non-finite gradient norm ({norm}) at step {step}; stopped without the optimizer update, "
+                             "nothing saved from this step on -- lower --lr or --init-std, or set --clip-grad")
+    return StepOut(float(buf[0]) / topo.dp, mem, norm)
+
+
+def _grads_finite(runner: BraidRunner | TorchRunner) -> bool:
+    """Whether this rank's gradients are finite (braid's plain tensors or fp32 accumulation buffers; the torch
+    baselines' DTensors are not read)."""
+    if not isinstance(runner, BraidRunner):
+        return True
+    grads = [g for g in (getattr(p, "main_grad", p.grad) for p in runner.params) if g is not None]
+    if not grads:
+        return True
+    total = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+    norm = total(grads) if total is not None else torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    return bool(torch.isfinite(norm))
 
 
 def train_reference(task: Task, setup: Setup, source: Any, device: torch.device, dtype: torch.dtype) -> tuple[list[float], list[float]]:
