@@ -1,0 +1,335 @@
+"""The example training loop under faults, layout changes and bad input, with real processes (gloo, CPU).
+
+* killed with SIGKILL at random moments and during saves, then resumed from its
+  directory, a run continues where its last complete save stopped and ends with the
+  uninterrupted run's losses (one process: exactly; a killed torchrun worker: to 1e-5);
+* a checkpoint saved at tp=2 x pp=2 (braided_v) resumes at tp=1 x pp=2 (zb_v), at pp=4
+  (1f1b) and, for the VLM, at tp=1 x pp=2 x dp=2 and in one process: the resumed losses
+  equal the uninterrupted run's within 1e-5 relative;
+* a non-finite loss stops the run before the update and any save (exit 1, one line naming
+  the step and the rank), and the metrics stay strict JSON;
+* bad flags, output paths, run files and damaged checkpoints: one line, exit 2, no
+  traceback, nothing written; ``--help`` under torchrun prints once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LLM = str(ROOT / "examples" / "qwen2.py")
+VLM = str(ROOT / "examples" / "qwen2_vl.py")
+COMMON = ["--seq", "16", "--mbs", "4", "--seed", "1", "--device", "cpu"]
+RESHARD_RTOL = 1e-5  # fp32; another TP/PP split sums the same terms in another order
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _python(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _torchrun(n: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return _python("-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone", *args, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+def _strict(line: str) -> dict:
+    def refuse(name: str) -> None:
+        raise ValueError(f"non-JSON constant {name}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _losses(path: Path) -> list[float]:
+    return [_strict(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def _close(got: list[float], want: list[float], rtol: float) -> bool:
+    return len(got) == len(want) and all(math.isclose(a, b, rel_tol=rtol) for a, b in zip(got, want))
+
+
+# -- killed runs ----------------------------------------------------------------------------------
+def _start(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _kill_when(proc: subprocess.Popen, ckpt: Path, during_save: bool, delay: float, pids: callable = None) -> bool:
+    """SIGKILL the run (or one of ``pids()``) during a save (a partial folder exists) or after ``delay`` s; False if it ended first."""
+    end = time.monotonic() + (60 if during_save else delay)
+    while proc.poll() is None and time.monotonic() < end:
+        if during_save and any(ckpt.glob(".step_*.partial")):
+            break
+        time.sleep(0.001)
+    if proc.poll() is not None:
+        return False
+    targets = pids() if pids is not None else [proc.pid]
+    os.kill(targets[-1], signal.SIGKILL)
+    proc.wait(timeout=60)
+    return True
+
+
+def test_single_process_killed_at_random_moments_and_during_saves_resumes_exactly(tmp_path: Path) -> None:
+    steps = 8
+    ref = tmp_path / "ref.jsonl"
+    _ok(_python(LLM, *COMMON, "--steps", str(steps), "--metrics", str(ref)))
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    base = [LLM, *COMMON, "--steps", str(steps), "--save", str(ckpt), "--save-every", "1", "--metrics", str(metrics)]
+    rng = random.Random(17)
+    kills = 0
+    for attempt, during_save in enumerate([True, False, True, False, True]):
+        resume = ["--resume", str(ckpt)] if (ckpt / "latest").exists() else []
+        proc = _start(base + resume)
+        if not _kill_when(proc, ckpt, during_save, delay=rng.uniform(3.0, 7.0)):
+            break
+        kills += 1
+        if (ckpt / "latest").exists():  # whatever the moment, latest names a complete, sound checkpoint
+            from braid import checkpoint
+
+            assert checkpoint.verify(checkpoint.resolve(ckpt)) == [], attempt
+    assert kills >= 3  # the run was really interrupted, several times, saves included
+    final = _python(*base, "--resume", str(ckpt))
+    _ok(final)
+    assert _losses(metrics) == _losses(ref)  # same layout, same arithmetic: exact
+    assert [_strict(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, steps + 1))
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (torchrun's workers)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return sorted(out)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds torchrun's workers through /proc")
+def test_torchrun_worker_killed_during_a_save_resumes_where_the_last_save_stopped(tmp_path: Path) -> None:
+    steps = 5
+    ref = tmp_path / "ref.jsonl"
+    _ok(_python(LLM, *COMMON, "--steps", str(steps), "--metrics", str(ref)))
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    args = [LLM, *COMMON, "--pp", "2", "--schedule", "1f1b", "--steps", str(steps), "--save", str(ckpt), "--save-every", "1",
+            "--metrics", str(metrics)]
+    proc = _start(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", *args])
+    assert _kill_when(proc, ckpt, True, 0, pids=lambda: _children(proc.pid))
+    assert proc.returncode != 0
+    _ok(_torchrun(2, *args, "--resume", str(ckpt)))
+    assert _close(_losses(metrics), _losses(ref), RESHARD_RTOL), (_losses(metrics), _losses(ref))
+
+
+# -- resharding -------------------------------------------------------------------------------------
+def test_saved_at_tp2_pp2_resumes_at_tp1_pp2_and_at_pp4_with_the_uninterrupted_losses(tmp_path: Path) -> None:
+    steps = ["--steps", "4"]
+    full, first = tmp_path / "full.jsonl", tmp_path / "first.jsonl"
+    ckpt = tmp_path / "ckpt"
+    _ok(_torchrun(4, LLM, *COMMON, "--tp", "2", "--pp", "2", "--schedule", "braided_v", *steps, "--metrics", str(full)))
+    _ok(_torchrun(4, LLM, *COMMON, "--tp", "2", "--pp", "2", "--schedule", "braided_v", "--steps", "2", "--save", str(ckpt),
+                  "--metrics", str(first)))
+    want = _losses(full)
+    assert _losses(first) == want[:2]
+    for n, layout in ((2, ["--tp", "1", "--pp", "2", "--schedule", "zb_v"]), (4, ["--pp", "4", "--schedule", "1f1b"])):
+        out = tmp_path / f"resumed_{n}.jsonl"
+        proc = _torchrun(n, LLM, *COMMON, *layout, *steps, "--resume", str(ckpt), "--metrics", str(out))
+        _ok(proc)
+        assert "resharded to" in proc.stderr
+        assert _close(_losses(out), want[2:], RESHARD_RTOL), (layout, _losses(out), want[2:])
+
+
+def test_vlm_saved_at_tp2_pp2_resumes_at_dp2_and_in_one_process(tmp_path: Path) -> None:
+    common = ["--mbs", "4", "--seed", "1", "--device", "cpu"]
+    full, ckpt = tmp_path / "full.jsonl", tmp_path / "ckpt"
+    _ok(_python(VLM, *common, "--steps", "5", "--metrics", str(full)))
+    _ok(_torchrun(4, VLM, *common, "--tp", "2", "--pp", "2", "--schedule", "braided_v", "--steps", "2", "--save", str(ckpt)))
+    mid = tmp_path / "mid.jsonl"
+    _ok(_torchrun(4, VLM, "--seed", "1", "--device", "cpu", "--pp", "2", "--dp", "2", "--mbs", "2", "--schedule", "zb_v",
+                  "--steps", "4", "--resume", str(ckpt), "--save", str(ckpt), "--metrics", str(mid)))
+    last = tmp_path / "last.jsonl"
+    _ok(_python(VLM, *common, "--steps", "5", "--resume", str(ckpt), "--metrics", str(last)))
+    want = _losses(full)
+    assert _close(_losses(mid) + _losses(last), want[2:], RESHARD_RTOL), (_losses(mid), _losses(last), want)
+
+
+# -- non-finite loss -------------------------------------------------------------------------------
+def test_non_finite_loss_stops_before_any_save_naming_step_and_rank(tmp_path: Path) -> None:
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = _python(LLM, *COMMON, "--steps", "3", "--init-std", "1e30", "--save", str(ckpt), "--metrics", str(metrics))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["qwen2.py: error: non-finite loss at step 1 (first on rank 0); stopped before the optimizer update, "
+                      "nothing saved from this step on -- lower --lr or --init-std"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not list(ckpt.glob("step_*")) and metrics.read_text() == ""
+
+
+def test_diverging_run_keeps_its_earlier_checkpoints_and_strict_metrics(tmp_path: Path) -> None:
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    proc = _python(LLM, *COMMON, "--steps", "8", "--lr", "1e6", "--save", str(ckpt), "--save-every", "1",
+                   "--keep-checkpoints", "10", "--metrics", str(metrics))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("qwen2.py: error: non-finite") and "(first on rank 0)" in line, line
+    bad_step = int(line.split(" at step ")[1].split()[0])
+    assert bad_step > 1
+    assert (ckpt / "latest").read_text().strip() == f"step_{bad_step - 1:08d}"
+    assert [_strict(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, bad_step))
+
+
+def test_non_finite_loss_names_the_last_stage_rank_under_torchrun(tmp_path: Path) -> None:
+    proc = _torchrun(2, LLM, *COMMON, "--pp", "2", "--schedule", "1f1b", "--steps", "2", "--init-std", "1e30")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert out.count("error: non-finite loss at step 1 (first on rank 1)") == 1, out[-3000:]  # 1f1b: last stage on rank 1
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
+    _ok(_python(LLM, *COMMON, "--steps", "1", "--save", str(ckpt)))
+    return ckpt
+
+
+BAD_FLAGS = [
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr=-1e-3"], "--lr must be a finite number > 0"),
+    (["--init-std", "inf"], "--init-std must be a finite number > 0, got inf"),
+    (["--timeout", "0"], "--timeout must be a finite number > 0"),
+    (["--timeout", "nan"], "--timeout must be a finite number > 0"),
+    (["--save-every", "-1"], "--save-every must be >= 0"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1"),
+    (["--reference-rtol", "nan"], "--reference-rtol must be a finite number >= 0, got nan"),
+    (["--reference-rtol", "-1"], "--reference-rtol must be a finite number >= 0"),
+    (["--peak-tflops", "inf"], "--peak-tflops must be a finite number >= 0"),
+    (["--mbs", "0"], "--mbs must be >= 1"),
+    (["--dp", "0"], "--dp must be >= 1"),
+    (["--metrics", "{tmp}/missing/m.jsonl"], "directory '{tmp}/missing' does not exist"),
+    (["--metrics", "{tmp}"], "is a directory"),
+    (["--trace", "{tmp}/missing/t.json"], "does not exist"),
+    (["--metrics", "{tmp}/a.json", "--trace", "{tmp}/a.json"], "is also an input"),
+    (["--save", "{tmp}/file"], "is a file; give a directory"),
+    pytest.param(["--save", "{tmp}/ro/ckpt"], "is not writable",
+                 marks=pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")),
+    (["--tensorboard", "{tmp}/file"], "is a file; give a directory"),
+    (["--resume", "{tmp}/missing"], "no such directory"),
+    (["--resume", "{tmp}"], "no checkpoint there"),
+    (["--config", "{tmp}/missing.toml"], "cannot read it"),
+    (["--config", "{tmp}/bad.toml"], "not valid TOML"),
+    (["--config", "{tmp}/unknown.toml"], "unknown setting 'bogus'"),
+    (["--config", "{tmp}/wrong.toml"], "argument --tp: invalid int value: 'two'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_FLAGS, ids=[" ".join(getattr(c, "values", c)[0]) for c in BAD_FLAGS])
+def test_bad_input_is_one_line_exit_2_before_any_work(tmp_path: Path, capsys, monkeypatch, args: list[str], message: str) -> None:
+    """In-process (the checks run before any process group; the subprocess cases above and below cover the launch)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import qwen2
+    import train_loop
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    (tmp_path / "bad.toml").write_text("steps = = 2\n")
+    (tmp_path / "unknown.toml").write_text("bogus = 1\n")
+    (tmp_path / "wrong.toml").write_text('tp = "two"\n')
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    try:
+        code = train_loop.main(qwen2.TASK, [a.format(tmp=tmp_path) for a in args])
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qwen2.py: error:") and message.format(tmp=tmp_path) in lines[0], err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def _flip(p: Path) -> None:
+    b = bytearray(p.read_bytes())
+    for i in range(8):
+        b[(len(b) // 9) * (i + 1)] ^= 0xFF
+    p.write_bytes(bytes(b))
+
+
+DAMAGED = {
+    "truncated": (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:1000]), "truncated or damaged"),
+    "empty": (lambda d: (d / "__0_0.distcp").write_bytes(b""), "has 0 bytes"),
+    "flipped": (lambda d: _flip(d / "__0_0.distcp"), "does not match its checksum"),
+    "missing": (lambda d: (d / ".metadata").unlink(), ".metadata is missing"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_damaged_checkpoint_is_one_line_exit_2(saved: Path, tmp_path: Path, case: str) -> None:
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    damage, message = DAMAGED[case]
+    damage(ckpt / (ckpt / "latest").read_text().strip())
+    proc = _python(LLM, *COMMON, "--steps", "2", "--resume", str(ckpt))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_resume_with_another_model_is_one_line(saved: Path) -> None:
+    proc = _python(LLM, "--model", "small", "--steps", "2", "--resume", str(saved))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [line for line in proc.stderr.strip().splitlines() if "saved for another model" in line]
+
+
+def test_help_prints_once_under_torchrun() -> None:
+    proc = _torchrun(2, LLM, "--help", timeout=120)
+    _ok(proc)
+    assert proc.stdout.count("usage: qwen2.py") == 1, proc.stdout[-2000:]
+
+
+def test_run_file_with_command_line_override_and_replay(tmp_path: Path) -> None:
+    run_file, first, again = tmp_path / "run.toml", tmp_path / "first.jsonl", tmp_path / "again.jsonl"
+    run_file.write_text(f'seq = 16\nmbs = 4\nseed = 1\ndevice = "cpu"\nsteps = 3\nmetrics = "{first}"\n')
+    _ok(_python(LLM, "--config", str(run_file), "--steps", "2"))
+    assert [_strict(x)["step"] for x in first.read_text().splitlines()] == [1, 2]
+    effective = first.with_suffix(".toml")
+    assert "steps = 2" in effective.read_text()
+    _ok(_python(LLM, "--config", str(effective), "--metrics", str(again)))
+    assert _losses(again) == _losses(first)
+
+
+def test_tensorboard_events_beside_the_metrics(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    tb = tmp_path / "tb"
+    _ok(_python(LLM, *COMMON, "--steps", "2", "--tensorboard", str(tb)))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("braided_v/loss")] == [1, 2]
