@@ -58,6 +58,24 @@ def test_zero1_resume_continues_the_uninterrupted_run(tmp_path) -> None:
         assert [m[key] for m in got] == [m[key] for m in want], key  # exact: same layout, same arithmetic
 
 
+@pytest.mark.slow
+def test_zero1_checkpoint_resumes_at_another_layout(tmp_path) -> None:
+    """Saved at dp=2 x pp=2 (masters sharded over 2 ranks), resumed at tp=2 x pp=2, dp=1 (another schedule, the
+    same global batch): steps 3-4 give the uninterrupted run's losses and gradient norms."""
+    base = ["--model", "tiny", "--micro-batch-size", "2", "--seed", "1", "--device", "cpu", "--pp", "2", *OPTIM, "--zero1"]
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    saved = [*base, "--dp", "2", "--mbs", "4", "--schedule", "braided_v"]
+    _ok(_torchrun(4, LLM, *saved, "--steps", "4", "--metrics", str(whole)))
+    _ok(_torchrun(4, LLM, *saved, "--steps", "2", "--save", str(tmp_path / "ck")))
+    _ok(_torchrun(4, LLM, *base, "--tp", "2", "--dp", "1", "--mbs", "8", "--schedule", "zb_v", "--steps", "4",
+                  "--resume", str(tmp_path / "ck"), "--metrics", str(part)))
+    want, got = _metrics(whole)[2:], _metrics(part)
+    assert [m["step"] for m in got] == [3, 4]
+    for key in ("loss", "grad_norm", "lr"):
+        for a, b in zip(got, want):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (key, a, b)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, Path]:
     pytest.importorskip("datasets")
