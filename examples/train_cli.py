@@ -116,8 +116,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     opt.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay (default: %(default)s)")
     opt.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                      help="clip the gradients to this global norm over all ranks (default: no clipping)")
-    opt.add_argument("--weight-decay", type=float, default=0.0,
-                     help="decoupled weight decay of matrices; norms and biases take none (default: %(default)s)")
+    opt.add_argument("--weight-decay", type=float, default=0.01,
+                     help="decoupled weight decay of matrices; norms and biases take none (default: %(default)s, "
+                          "torch's AdamW default)")
     opt.add_argument("--master-fp32", action="store_true",
                      help="fp32 master weights and fp32 gradient accumulation (the model computes in its dtype)")
     opt.add_argument("--zero1", action="store_true",
@@ -360,7 +361,7 @@ def optim_config(args: argparse.Namespace) -> Any:
 
 def optimizer_flags_set(args: argparse.Namespace) -> bool:
     """Whether any optimizer flag differs from plain AdamW at a constant --lr."""
-    return (args.lr_schedule != "constant" or args.warmup or args.clip_grad is not None or args.weight_decay
+    return (args.lr_schedule != "constant" or args.warmup or args.clip_grad is not None or args.weight_decay != 0.01
             or args.master_fp32 or args.zero1 or args.recompute != "none")
 
 

@@ -100,6 +100,17 @@ def test_text_files_with_a_local_tokenizer_train_like_the_unsplit_model(corpus, 
     assert all(math.isfinite(m["loss"]) for m in _metrics(metrics))
 
 
+@pytest.mark.slow
+def test_text_data_resumes_at_the_same_sample(corpus, tmp_path) -> None:
+    data, tok = corpus
+    flags = [*COMMON, "--seq", "16", "--schedule", "1f1b", *OPTIM, "--data", str(data), "--tokenizer", str(tok)]
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    _ok(_python(LLM, *flags, "--steps", "4", "--metrics", str(whole)))
+    _ok(_python(LLM, *flags, "--steps", "2", "--save", str(tmp_path / "ck")))
+    _ok(_python(LLM, *flags, "--steps", "4", "--resume", str(tmp_path / "ck"), "--metrics", str(part)))
+    assert [m["loss"] for m in _metrics(part)] == [m["loss"] for m in _metrics(whole)[2:]]
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--warmup", "9"], "warm-up (9 steps) must lie within the run's 2 steps"),
     (["--clip-grad", "0"], "positive max norm"),

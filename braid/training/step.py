@@ -38,14 +38,15 @@ from braid.training.optimizer import ShardedAdamW
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """A run's optimizer choices. ``total_steps``: the schedule's length; ``clip``: max global norm (None: no clipping)."""
+    """A run's optimizer choices. ``total_steps``: the schedule's length; ``clip``: max global norm (None: no
+    clipping); ``weight_decay``: of matrices only, default torch AdamW's 0.01."""
 
     lr: float = 1e-3
     total_steps: int = 1
     warmup: int = 0
     decay: str = "constant"
     min_lr: float = 0.0
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01  # torch.optim.AdamW's default
     clip: float | None = None
     master_fp32: bool = False
     zero1: bool = False
