@@ -52,9 +52,16 @@ def layout_record(task: Task, setup: Setup, run: Run, pos: int) -> dict[str, Any
             "torch": torch.__version__}
 
 
-def check_resume(task: Task, setup: Setup) -> Path:
-    """The step folder ``--resume`` names, its record read and its model compared with this run's (:class:`UsageError`)."""
+def check_resume(task: Task, setup: Setup) -> Path | None:
+    """The step folder ``--resume`` names, its record read and its model compared with this run's (:class:`UsageError`).
+
+    None: ``--resume`` is the run's own ``--save`` directory and holds no checkpoint yet.
+    """
     a = setup.args
+    if _nothing_saved_yet(a.resume, a.save):
+        if setup.rank == 0:
+            log.info("--resume %s: no complete checkpoint there yet (the --save directory); starting at step 0", a.resume)
+        return None
     try:
         step_dir = checkpoint.resolve(a.resume)
         rec = checkpoint.read_layout(step_dir)
@@ -81,6 +88,20 @@ def check_resume(task: Task, setup: Setup) -> Path:
     return step_dir
 
 
+def _nothing_saved_yet(resume: str, save: str | None) -> bool:
+    """``--resume DIR --save DIR`` before DIR holds any checkpoint: the same command starts and restarts a run.
+
+    Only for the run's own --save directory (a mistyped --resume elsewhere stays an error),
+    and only when nothing there could be a checkpoint (no step folder, no ``latest``).
+    """
+    r = Path(resume)
+    if not save or r.resolve() != Path(save).resolve():
+        return False
+    if not r.exists():
+        return True
+    return r.is_dir() and not checkpoint.step_folders(r) and not any((r / n).exists() for n in (checkpoint.LATEST, ".metadata"))
+
+
 def _first_difference(saved: Any, want: Any) -> str:
     if isinstance(saved, dict) and isinstance(want, dict):
         for k in list(want) + [k for k in saved if k not in want]:
@@ -102,7 +123,16 @@ def verify_resume(step_dir: Path, rank: int, world: int) -> None:
 
 
 class TrainState:
-    """What a checkpoint holds for one schedule's run: model, optimizer, progress (step, next sample)."""
+    """What a checkpoint holds for one schedule's run: model, optimizer, progress (step, next sample).
+
+    The optimizer's state is saved under global parameter names too: a ``torch.optim``
+    optimizer over the runner's parameters through ``get_optimizer_state_dict``
+    (:class:`braid.sharded_state.OptimizerState`). An optimizer that keeps its state
+    elsewhere (fp32 master weights, shards over data-parallel ranks) provides
+    ``checkpoint_state(params: ShardedParams) -> Stateful`` whose ``state_dict()`` is keyed by
+    global names (``params.by_name``; TP blocks via ``params.to_global``) -- resharding over
+    tp, pp and dp then stays DCP's job.
+    """
 
     def __init__(self, task: Task, runner: Any, optimizer: Any, groups: Any) -> None:
         from braid.models.global_names import check_shards, chunk_shards
@@ -114,17 +144,18 @@ class TrainState:
         self.model = ModelState(self.params)
         from braid.training.optimizer import ShardedAdamW
 
+        # An optimizer that checkpoints itself under global names says so (checkpoint_state).
         # braid.training.step.Optimization wraps a torch AdamW over the parameters (saved as any
-        # torch optimizer) or a ShardedAdamW with fp32 masters (saved by its own state dict; the
-        # learning-rate schedule is the step count: Optimization.resume_at). Any other optimizer
-        # that checkpoints itself under global names (Stateful) is saved as it is.
+        # torch optimizer) or a ShardedAdamW with fp32 masters (MasterState); its learning-rate
+        # schedule is the step count (Optimization.resume_at).
+        own = getattr(optimizer, "checkpoint_state", None)
         inner = getattr(optimizer, "optimizer", optimizer)
-        if isinstance(inner, ShardedAdamW):
-            self.optim: Any = MasterState(self.params, inner)
-        elif isinstance(inner, torch.optim.Optimizer):
-            self.optim = OptimizerState(self.params, inner)
+        if callable(own):
+            self.optim: Any = own(self.params)
+        elif isinstance(inner, ShardedAdamW):
+            self.optim = MasterState(self.params, inner)
         else:
-            self.optim = optimizer
+            self.optim = OptimizerState(self.params, inner)
         self._check = lambda model: check_shards(shards, model)
 
     def check_against(self, model: torch.nn.Module) -> None:

@@ -145,8 +145,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     out.add_argument("--keep-checkpoints", type=int, default=2, metavar="K", help="step folders kept in --save DIR (default: %(default)s)")
     out.add_argument("--resume", metavar="DIR",
                      help="continue from DIR's latest checkpoint (or a step folder): any tp, pp, dp and schedule; the same "
-                          "model. Checksums are verified first, but resume only from directories you trust: torch's "
-                          "checkpoint reader unpickles DIR's .metadata")
+                          "model. With --save DIR too, a DIR without a checkpoint yet starts at step 0 (one command starts "
+                          "and restarts a run). Checksums are verified first, but resume only from directories you trust: "
+                          "torch's checkpoint reader unpickles DIR's .metadata")
     out.add_argument("--peak-tflops", type=float, default=None,
                      help="per-device peak for MFU (default: 989 on H100/H200, 0 = not reported on CPU)")
     out.add_argument("--reference", action="store_true",
@@ -206,9 +207,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
     from braid import schedules
     from braid.baselines import TORCH_SCHEDULES
-    from braid.topology import Topology
-
     from braid.runconfig import ConfigError, config_argv
+    from braid.topology import Topology
 
     parser = build_parser(task)
     argv = list(sys.argv[1:] if argv is None else argv)

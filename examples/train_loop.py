@@ -1,15 +1,25 @@
-"""The training loop shared by ``examples/qwen2.py`` (LLM) and ``examples/qwen2_vl.py`` (VLM).
+"""The training loop shared by ``examples/qwen2.py`` (LLM) and ``examples/qwen2_vl.py`` (VLM): the launcher.
 
 One process per rank (torchrun) or a single process (world size 1). Every rank builds the
 same single-device model from ``--seed``, keeps only its pipeline/TP shards, compiles the
 schedule, and runs ``--steps`` steps of: executor program (forward + backward of all
 micro-batches in the schedule's order), gradient all-reduce over data-parallel replicas,
-AdamW. A :class:`Task` says what differs between the two scripts (model, data, chunks).
+optimizer update. A :class:`Task` says what differs between the two scripts (model, data,
+chunks). The roles live in their own files:
 
-Outputs: one log line per step on rank 0 (and a progress bar on a terminal),
-``--metrics`` (JSON lines), ``--trace`` (the last step's measured trace, all ranks merged),
-``--save``/``--resume`` (``torch.distributed.checkpoint``: model shards, AdamW state,
-step and data position; resuming reproduces the uninterrupted run's losses exactly).
+* ``train_cli.py`` -- flags (and ``--config`` run files), every check made before any
+  process group exists;
+* ``train_step.py`` -- the runners, the optimizer (:func:`train_step.make_optimizer`),
+  one step (:func:`train_step.train_step`), the unsplit reference;
+* ``train_checkpoint.py`` -- checkpoints under global parameter names (any layout resumes);
+* ``train_report.py`` -- banner, progress, metrics (JSON lines, TensorBoard), table, trace;
+* this file -- :func:`run` (process groups, every schedule), the step loop, :func:`main`.
+
+Outputs: a start-up banner and one log line per step on rank 0, ``--metrics`` (JSON
+lines), ``--tensorboard``, ``--trace`` (the last step's measured trace, all ranks merged),
+``--save``/``--resume`` (``DIR/step_N`` folders, see ``train_checkpoint.py``; resuming
+reproduces the uninterrupted run's losses, exactly at the same layout). Exit codes: 2 for
+bad flags, layouts or checkpoints, 1 for a non-finite loss or a failed ``--reference``.
 
 Real data: give :func:`main` a ``source`` -- any :class:`data.SampleSource` returning
 ``tokens``/``labels`` (and ``pixels`` for the VLM) per global sample index; the loop
@@ -33,8 +43,8 @@ from braid.checkpoint import CheckpointError
 from train_checkpoint import TrainState, describe_resume, verify_resume
 from train_cli import Run, RunError, Setup, Task, UsageError, prepare
 from train_report import MetricsLog, Progress, RunStats, banner, format_comparison, max_norm_diff, max_rel_diff, reference_rtol, write_trace
-from train_step import (compute_dtype, make_optimizer, make_runner, micro_batches, peak_flops, pick_device, train_reference,
-                        train_step)
+from train_step import (compute_dtype, local_tensors, make_optimizer, make_runner, micro_batches, peak_flops, pick_device,
+                        train_reference, train_step)
 
 __all__ = ["Task", "main", "run"]
 
@@ -90,23 +100,25 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
     opt = make_optimizer(args, runner)
     _banner(task, setup, run, runner, dtype)
     state = None
-    if args.save or args.resume:
+    if args.save or setup.resume_dir is not None:
         state = TrainState(task, runner, opt, groups)
         state.check_against(setup.model)
     per_step = args.dp * args.mbs * args.micro_batch_size
     step, pos = 0, 0
-    if args.resume:
+    if setup.resume_dir is not None:
         verify_resume(setup.resume_dir, setup.rank, setup.world)
         step, pos = state.load(setup.resume_dir)
         if hasattr(opt, "resume_at"):
             opt.resume_at(step)  # the learning-rate schedule continues where the run stopped
         if setup.rank == 0:
             log.info("%s", describe_resume(setup.resume_dir, setup, run, step, pos))
+            if step >= args.steps:
+                log.info("nothing to train: the checkpoint is at step %d, --steps is %d", step, args.steps)
     seq = task.seq_len(setup.model, args)
     flops = task.flops_per_sample(setup.model, args)
     peak = peak_flops(args, device)
     bar = Progress(args.steps, setup.rank == 0)
-    metrics = MetricsLog(args, step if args.resume else None) if setup.rank == 0 else None
+    metrics = MetricsLog(args, step if args.resume else None) if setup.rank == 0 else None  # step 0: a fresh start
     if setup.rank == 0 and args.save:
         _write_config(setup, Path(args.save) / "config.toml")
     stats = RunStats(run.name, [], [], [0] * setup.world)
@@ -165,7 +177,7 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
 def _banner(task: Task, setup: Setup, run: Run, runner: Any, dtype: torch.dtype) -> None:
     import torch.distributed as dist
 
-    mine = (sum(p.numel() for p in runner.params), getattr(runner, "state_bytes", 0))
+    mine = (sum(p.numel() for p in local_tensors(runner.params)), runner.state_bytes)
     every: list[Any] = [None] * setup.world
     dist.all_gather_object(every, mine)
     if setup.rank == 0:

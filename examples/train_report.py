@@ -57,7 +57,6 @@ class Progress:
             sys.stderr.write("\n")
 
 
-
 def reference_rtol(args: argparse.Namespace, dtype: torch.dtype) -> float:
     """``--reference-rtol``, or the default for the dtype."""
     if args.reference_rtol is not None:
@@ -113,6 +112,7 @@ def write_trace(trace: Any, rank: int, world: int, args: argparse.Namespace) -> 
     """Gather every rank's trace to rank 0 and merge them (events and memory keyed by global rank)."""
     import torch.distributed as dist
 
+    from braid.files import atomic_path
     from braid.trace import Trace, dump_traces
 
     d = trace.to_dict()
@@ -126,7 +126,8 @@ def write_trace(trace: Any, rank: int, world: int, args: argparse.Namespace) -> 
     merged = Trace.from_dict({"meta": {**got[0]["meta"], "rank": None, "ranks": world, "tp": args.tp, "pp": args.pp, "dp": args.dp},
                               "events": [e for t in got for e in t["events"]],
                               "memory": {r: s for t in got for r, s in t["memory"].items()}})
-    dump_traces([merged], args.trace)
+    with atomic_path(args.trace) as tmp:  # whole or not at all
+        dump_traces([merged], tmp)
     log.info("trace of the last step: %s (%d events, %d ranks)", args.trace, len(merged.events), world)
 
 

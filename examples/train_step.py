@@ -58,6 +58,16 @@ def to_device(item: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return item.to(device=device, dtype=dtype if item.is_floating_point() else item.dtype)
 
 
+def local_tensors(params: list) -> list[torch.Tensor]:
+    """This rank's part of each parameter (a DTensor's local block)."""
+    return [p.to_local() if hasattr(p, "to_local") else p for p in params]
+
+
+def model_state_bytes(params: list) -> int:
+    """Bytes of this rank's model state: weights, gradients and AdamW's two moments, in the parameters' dtype."""
+    return sum(4 * t.numel() * t.element_size() for t in local_tensors(params))
+
+
 class BraidRunner:
     """A braid schedule: this rank's chunks under the executor, data-parallel gradient reduction."""
 
@@ -91,11 +101,12 @@ class BraidRunner:
         self.named = [(shards[p].name, p) for ch in self.chunks.values() for p in ch.parameters()]
         self.params = [p for _, p in self.named]
         self.groups, self.abort, self.device = groups, d.abort, device
-        from braid.training.optimizer import state_bytes_per_param
+        if args.master_fp32 or args.zero1:
+            from braid.training.optimizer import state_bytes_per_param
 
-        per_param = (state_bytes_per_param(dtype, topo.dp, args.zero1) if args.master_fp32 or args.zero1
-                     else 4 * torch.empty((), dtype=dtype).element_size())  # weights, grads, two AdamW moments
-        self.state_bytes = int(sum(p.numel() for p in self.params) * per_param)
+            self.state_bytes = int(sum(p.numel() for p in self.params) * state_bytes_per_param(dtype, topo.dp, args.zero1))
+        else:
+            self.state_bytes = model_state_bytes(self.params)
         self.res = None
 
     def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
@@ -124,6 +135,7 @@ class TorchRunner:
         self.pipe = TorchPipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
                                   vision=vision, timeout_s=setup.args.timeout)
         self.params = self.pipe.parameters()
+        self.state_bytes = model_state_bytes(self.params)
         self.tp_rank = groups.coords.tp
         self.res = None
 
