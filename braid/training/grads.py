@@ -51,10 +51,23 @@ def tp_sharded_ids(modules: Iterable[nn.Module]) -> set[int]:
     return out
 
 
-def tp_norm_mask(params: Sequence[nn.Parameter], modules: Iterable[nn.Module], tp_rank: int) -> list[bool]:
-    """Per parameter: does this TP rank count it in the global norm (TP shards: yes; replicated: TP rank 0 only)."""
+def tp_norm_mask(params: Sequence[nn.Parameter], modules: Iterable[nn.Module], tp_rank: int, pp_rank: int = 0) -> list[bool]:
+    """Per parameter: does this rank count it in the global norm (TP shards: yes; replicated:
+    TP rank 0 only; the copies of a tied embedding, which hold the same summed gradient
+    (:mod:`braid.models.tied`): one copy, on the first pipeline rank holding one)."""
+    from braid.models.tied import tie_of
+
     sharded = tp_sharded_ids(modules)
-    return [tp_rank == 0 or id(p) in sharded for p in params]
+    seen: set[str] = set()
+    out = []
+    for p in params:
+        counted = tp_rank == 0 or id(p) in sharded
+        tie = tie_of(p)
+        if tie is not None:
+            counted = counted and pp_rank == tie.pp_ranks[0] and tie.key not in seen
+            seen.add(tie.key)
+        out.append(counted)
+    return out
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

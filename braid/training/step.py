@@ -80,7 +80,8 @@ class Optimization:
         cfg.check()
         self.cfg, self.groups, self.abort = cfg, groups, abort
         self.params = [p for _, p in named_params]
-        self.counted = tp_norm_mask(self.params, modules, groups.coords.tp if groups is not None else 0)
+        self.counted = tp_norm_mask(self.params, modules, groups.coords.tp if groups is not None else 0,
+                                    groups.coords.pp if groups is not None else 0)
         if cfg.master_fp32 or cfg.zero1:
             self.optimizer: torch.optim.Optimizer = ShardedAdamW(
                 named_params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
