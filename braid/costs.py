@@ -214,6 +214,33 @@ def _runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: 
     }
 
 
+def selective_recompute(units: Mapping[Unit, UnitCost], tokens: int, seq: int, h: int, heads: int, ffn: int, t: int, d: int,
+                        hw: Hardware, activations: str = "runtime") -> dict[Unit, UnitCost]:
+    """LM layer units under selective recomputation (:mod:`braid.models.recompute`): the attention
+    core and the SwiGLU product run their forward again inside the backward, and keep only their inputs.
+
+    Attn: ``b`` grows by the core's forward time; its saved bytes lose the flash-attention
+    log-sum-exp (fp32 per head and token) -- q, k, v and the output are kept either way (the
+    output is the out-projection's input). MLP: ``b`` grows by the elementwise
+    ``silu(gate) * up`` (a few FLOPs per element, at matmul speed here: a small term); its
+    saved bytes lose ``silu(gate)``.
+
+    With ``activations="korthikanti"`` the saved bytes follow that formula's terms instead:
+    it already assumes flash attention (no softmax term), so Attn keeps its bytes, and the
+    MLP loses a quarter of its ffn-wide term (one of SwiGLU's four ffn-wide tensors).
+    """
+    f_core = 4 * tokens * seq * (h // heads) * heads / t * 0.5  # causal
+    attn, mlp = units[Unit.ATTN], units[Unit.MLP]
+    if activations == "runtime":
+        attn_saved, mlp_saved = tokens * 4 * heads / t, tokens * ffn / t * d
+    else:
+        attn_saved, mlp_saved = 0.0, tokens * h * d / 2 * 16 / t / 4
+    out = dict(units)
+    out[Unit.ATTN] = replace(attn, b=attn.b + f_core / hw.attn_flops, act=max(0.0, attn.act - attn_saved))
+    out[Unit.MLP] = replace(mlp, b=mlp.b + 5 * tokens * ffn / t / hw.matmul_flops, act=max(0.0, mlp.act - mlp_saved))
+    return out
+
+
 def _allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
     if t == 1:
         return 0.0
@@ -273,16 +300,19 @@ def _split(model: ModelConfig, n: int, lighter: int) -> tuple[int, ...]:
 
 
 def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown: float = AR_SLOWDOWN,
-                   activations: Literal["korthikanti", "runtime"] = "korthikanti") -> CostModel:
+                   activations: Literal["korthikanti", "runtime"] = "korthikanti", recompute: str = "none") -> CostModel:
     """The analytic cost model of ``model`` on ``hw`` under ``layout`` (see module doc).
 
     ``activations``: how the LM units' (and the head's, embedding's) saved bytes are
     counted -- Korthikanti's per-layer formula (the paper's yardstick), or ``"runtime"``:
     what braid's runtime really saves (:func:`_runtime_act`), for predictions that are
     compared with a measured activation peak (Sec. 4.4 offload benchmark).
+    ``recompute``: ``"selective"`` applies :func:`selective_recompute` to the LM layers.
     """
     if activations not in ("korthikanti", "runtime"):
         raise ValueError(f"activations must be 'korthikanti' or 'runtime', got {activations!r}")
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute must be 'none' or 'selective' (full recomputation is not modelled), got {recompute!r}")
     t, d = layout.tp, model.dtype_bytes
     if model.heads % t or model.kv_heads % t and t % model.kv_heads:
         raise ValueError(f"tp={t} must divide the {model.heads} attention heads of {model.name!r} (and match its {model.kv_heads} KV heads)")
@@ -302,6 +332,9 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         # norm, its output, fp32 logits of the vocab shard; labels copy and masks (11 bytes per token)
         head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + 4 * model.vocab // t + 11))
         embed = replace(embed, act=tok * 9)  # shifted token ids and the shard mask
+    layer_act = sum(u.act for u in lm.values())  # M_a counts the layer without recomputation (a fixed yardstick)
+    if recompute == "selective":
+        lm = selective_recompute(lm, tok, model.seq, h, model.heads, model.ffn, t, d, hw, activations)
     vit_units = None
     if model.vit is not None:
         v = model.vit
@@ -324,7 +357,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         if vit_units is not None:
             units[Unit.MERGE] = merge  # used by chunks whose spec has merge=True (the vision stage)
         chunks[key] = ChunkCosts(spec, units, p2p)
-    ma = model.layers / (2 * layout.p) * sum(u.act for u in lm.values())
+    ma = model.layers / (2 * layout.p) * layer_act
     return CostModel(layout, chunks, ma, hw.pcie_bytes_per_s, hw.p2p_over_pcie, ar_slowdown, model.micro_batch_size,
                      model.seq, 3 * model_forward_flops(model) / model.micro_batch_size, hw.peak_flops,
                      f"analytic:{model.name}@{hw.name}", {"model": model.name, "hardware": hw.name},

@@ -80,6 +80,9 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="also simulate a schedule torch.distributed.pipelining dumped as a compute-only CSV "
                          "(repeatable; its ranks and micro-batches must match --pp and --mbs; alone, without "
                          "--schedule, only these run)")
+    ap.add_argument("--recompute", default="none", choices=["none", "selective"],
+                    help="activation recomputation of the LM layers: 'selective' re-runs the attention core and the "
+                         "SwiGLU product in the backward (more backward time, fewer saved bytes; analytic costs)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -88,7 +91,7 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
 
 def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     layout = Layout(args.tp, plan.p, plan.v, plan.placement)
-    base = analytic_costs(model, hw, layout)
+    base = analytic_costs(model, hw, layout, recompute=args.recompute)
     if not args.costs:
         return base
     specs = {k: c.spec for k, c in base.chunks.items()}
@@ -124,7 +127,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     hw = get_hardware(args.hardware)
     doc: dict[str, Any] = {"config": {"pp": args.pp, "mbs": args.mbs, "tp": args.tp, "seq": model.seq,
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
-                                      "hardware": hw.name, "costs": args.costs}, "schedules": {}}
+                                      "hardware": hw.name, "costs": args.costs,
+                                      "recompute": args.recompute}, "schedules": {}}
     traces, notes, reports, extrapolated = [], [], [], []
     # name -> (plan's v, why): "layers" (the model cannot fill its stages), "m" (too few micro-batches), "schedule"
     doc["skipped"] = {}

@@ -3,7 +3,8 @@
 Layers are split evenly over the virtual stages, the last one ``--last-stage-lighter``
 layers lighter (its head over a large vocabulary is heavy; paper Sec. 5). Data: synthetic
 arithmetic progressions modulo the vocabulary (``examples/data.py``), deterministic by
-seed; the loss falls within tens of steps.
+seed, the loss falls within tens of steps; or ``--data`` text files with ``--tokenizer``
+(:mod:`braid.training.data`).
 
     python examples/qwen2.py --steps 40
     torchrun --nproc-per-node 2 examples/qwen2.py --schedule braided_v --pp 2
@@ -47,6 +48,11 @@ def _check(model, topo, num_stages: int, args) -> None:
 
 
 def _source(model, args):
+    if args.data:
+        from braid.training.data import PackedText
+
+        return PackedText(args.data, args.tokenizer, args.seq, vocab_size=model.cfg.vocab_size, seed=args.seed,
+                          text_field=args.text_field)
     from data import CountingText
 
     return CountingText(args.seq, model.cfg.vocab_size, seed=args.seed)

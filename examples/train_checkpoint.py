@@ -142,8 +142,20 @@ class TrainState:
         shards = chunk_shards(runner.chunks, groups.coords.tp, topo.tp, vlm=task.vision)
         self.params = ShardedParams(shards, groups.tp if topo.tp > 1 else None)
         self.model = ModelState(self.params)
+        from braid.training.optimizer import ShardedAdamW
+
+        # An optimizer that checkpoints itself under global names says so (checkpoint_state).
+        # braid.training.step.Optimization wraps a torch AdamW over the parameters (saved as any
+        # torch optimizer) or a ShardedAdamW with fp32 masters (MasterState); its learning-rate
+        # schedule is the step count (Optimization.resume_at).
         own = getattr(optimizer, "checkpoint_state", None)
-        self.optim: Any = own(self.params) if callable(own) else OptimizerState(self.params, optimizer)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if callable(own):
+            self.optim: Any = own(self.params)
+        elif isinstance(inner, ShardedAdamW):
+            self.optim = MasterState(self.params, inner)
+        else:
+            self.optim = OptimizerState(self.params, inner)
         self._check = lambda model: check_shards(shards, model)
 
     def check_against(self, model: torch.nn.Module) -> None:
@@ -165,6 +177,35 @@ class TrainState:
         sd = self.state(0, 0)
         checkpoint.load(step_dir, sd)
         return int(sd["progress"]["step"]), int(sd["progress"]["pos"])
+
+
+class MasterState:
+    """``Stateful`` state of a :class:`braid.training.optimizer.ShardedAdamW` under global names.
+
+    Its parameters are named by their global names (``BraidRunner.named``); the masters and
+    moments come whole per parameter (gathered over the data-parallel ranks), so a TP block
+    becomes a ``DTensor`` shard as the parameter does and any (tp, pp, dp) reads it back.
+    """
+
+    KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Any, optimizer: Any) -> None:
+        self.params, self.optimizer = params, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self.optimizer.state_dict()
+        device = self.optimizer.params[0].device
+        out: dict[str, Any] = {"step": sd["step"], "lr": sd["lr"]}
+        for name, entry in sd["params"].items():
+            for key in self.KEYS:
+                out[f"{name}.{key}"] = self.params.to_global(name, entry[key].to(device))
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from braid.sharded_state import _local
+
+        params = {name: {key: _local(sd[f"{name}.{key}"]) for key in self.KEYS} for name in self.optimizer.names}
+        self.optimizer.load_state_dict({"step": sd["step"], "lr": sd["lr"], "params": params})
 
 
 def describe_resume(step_dir: Path, setup: Setup, run: Run, step: int, pos: int) -> str:

@@ -114,6 +114,28 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                      help="auto: cuda if available (bf16), else cpu (fp32) (default: %(default)s)")
     run.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
+    opt = p.add_argument_group("optimizer (AdamW; braid's schedules)")
+    opt.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine", "linear"],
+                     help="decay after the warm-up, to --min-lr at the last step (default: %(default)s)")
+    opt.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warm-up steps (default: %(default)s)")
+    opt.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay (default: %(default)s)")
+    opt.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
+                     help="clip the gradients to this global norm over all ranks (default: no clipping)")
+    opt.add_argument("--weight-decay", type=float, default=0.01,
+                     help="decoupled weight decay of matrices; norms and biases take none (default: %(default)s, "
+                          "torch's AdamW default)")
+    opt.add_argument("--master-fp32", action="store_true",
+                     help="fp32 master weights and fp32 gradient accumulation (the model computes in its dtype)")
+    opt.add_argument("--zero1", action="store_true",
+                     help="as --master-fp32, with the masters and AdamW states sharded over data-parallel ranks")
+    opt.add_argument("--recompute", default="none", choices=["none", "selective"],
+                     help="activation recomputation: 'selective' re-runs the attention core and the SwiGLU product in "
+                          "the backward instead of keeping their activations (default: %(default)s)")
+    dat = p.add_argument_group("data (default: synthetic)")
+    dat.add_argument("--data", metavar="FILE_OR_DIR", help="local .jsonl/.parquet text files, packed to --seq tokens "
+                                                         "(needs --tokenizer and the data extra: datasets, tokenizers)")
+    dat.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json (e.g. next to an HF checkpoint)")
+    dat.add_argument("--text-field", default="text", help="field of --data that holds the text (default: %(default)s)")
     p.add_argument("--config", metavar="RUN.toml",
                    help="read flags from a TOML run file (long flag names as keys: tp = 2, schedule = [\"zb_v\"]); "
                         "flags on the command line override it. Each run writes its effective configuration beside "
@@ -225,7 +247,11 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError(f"--save-hf {args.save_hf}: exists and is not an empty directory; give a new directory")
     if args.reference and (args.resume or args.cp > 1):
         raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
+    check_training_flags(task, args, model_vocab=None)
     torch_names = [n for n in names if n in TORCH_SCHEDULES]
+    if torch_names and optimizer_flags_set(args):
+        raise UsageError(f"{torch_names[0]} trains with plain AdamW at --lr: drop --lr-schedule/--warmup/--clip-grad/"
+                         "--weight-decay/--master-fp32/--zero1/--recompute or use braid's schedules")
     if torch_names and (args.save or args.resume or args.save_hf):
         raise UsageError(f"--save/--save-hf/--resume checkpoint braid's schedules, not {torch_names[0]}")
     if torch_names and (args.dp != 1 or args.cp != 1):
@@ -259,6 +285,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             n_stages = 2 * args.pp if plan is None else plan.num_stages
             task.check(model, topo, n_stages, args)
             runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
+        check_training_flags(task, args, model_vocab=model.cfg.lm.vocab_size if task.vision else model.cfg.vocab_size)
         if sp is not None:
             sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
     except ValueError as err:
@@ -343,3 +370,48 @@ def sp_config(task: Task, args: argparse.Namespace) -> Any:
     return SPConfig(d_sp=args.cp, d_hp=args.hp, w=args.ring_size, placement=args.placement)
 
 
+
+
+def optim_config(args: argparse.Namespace) -> Any:
+    """The run's :class:`braid.training.step.OptimConfig` from the flags."""
+    from braid.training.step import OptimConfig
+
+    return OptimConfig(lr=args.lr, total_steps=args.steps, warmup=args.warmup, decay=args.lr_schedule, min_lr=args.min_lr,
+                       weight_decay=args.weight_decay, clip=args.clip_grad, master_fp32=args.master_fp32 or args.zero1,
+                       zero1=args.zero1)
+
+
+def optimizer_flags_set(args: argparse.Namespace) -> bool:
+    """Whether any optimizer flag differs from plain AdamW at a constant --lr."""
+    return (args.lr_schedule != "constant" or args.warmup or args.clip_grad is not None or args.weight_decay != 0.01
+            or args.master_fp32 or args.zero1 or args.recompute != "none")
+
+
+def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int | None) -> None:
+    """Optimizer and data flags; with ``model_vocab`` also the tokenizer against the model (raises :class:`UsageError`)."""
+    try:
+        optim_config(args).check()
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.recompute != "none" and args.cp > 1:
+        raise UsageError("--recompute selective does not cover 2D-Attention's sequence-parallel core: use --cp 1")
+    if args.data is None:
+        if args.tokenizer is not None:
+            raise UsageError("--tokenizer needs --data")
+        return
+    if task.vision:
+        raise UsageError("--data reads text; the vision-language example trains on its synthetic image-caption pairs")
+    if args.tokenizer is None:
+        raise UsageError("--data needs --tokenizer DIR (a directory with tokenizer.json)")
+    if model_vocab is None:
+        return
+    from braid.training.data import DataError, data_files, load_tokenizer
+
+    try:
+        data_files(args.data)
+        tok, _ = load_tokenizer(args.tokenizer)
+    except DataError as err:
+        raise UsageError(str(err)) from None
+    if tok.get_vocab_size() > model_vocab:
+        raise UsageError(f"--tokenizer has {tok.get_vocab_size()} tokens but --model {args.model}'s vocabulary is {model_vocab}; "
+                         "pick a larger model or a smaller tokenizer")

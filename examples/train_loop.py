@@ -42,7 +42,7 @@ import torch
 from braid.checkpoint import CheckpointError
 from train_checkpoint import TrainState, describe_resume, verify_resume
 from train_cli import Run, RunError, Setup, Task, UsageError, prepare
-from train_report import MetricsLog, Progress, RunStats, banner, format_comparison, max_rel_diff, reference_rtol, write_trace
+from train_report import MetricsLog, Progress, RunStats, banner, format_comparison, max_norm_diff, max_rel_diff, reference_rtol, write_trace
 from train_step import (compute_dtype, local_tensors, make_optimizer, make_runner, micro_batches, peak_flops, pick_device,
                         train_reference, train_step)
 
@@ -57,11 +57,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStats], list[float] | None]:
+def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStats], tuple[list[float], list[float]] | None]:
     """Train every schedule of the job from the same weights and data.
 
     Returns the stats by schedule name and, with ``--reference``, the unsplit model's
-    per-step losses (both on every rank).
+    per-step losses and gradient norms (both on every rank).
     """
     from braid.runtime.distributed import Dist, ProcessGroups
 
@@ -108,6 +108,8 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
     if setup.resume_dir is not None:
         verify_resume(setup.resume_dir, setup.rank, setup.world)
         step, pos = state.load(setup.resume_dir)
+        if hasattr(opt, "resume_at"):
+            opt.resume_at(step)  # the learning-rate schedule continues where the run stopped
         if setup.rank == 0:
             log.info("%s", describe_resume(setup.resume_dir, setup, run, step, pos))
             if step >= args.steps:
@@ -126,6 +128,7 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 torch.cuda.synchronize(device)
+            lr = float(getattr(opt, "lr", args.lr))  # this step's learning rate (the schedule advances in the step)
             t0 = time.perf_counter()
             out = train_step(runner, opt, toks, labs, traced=bool(args.trace) and step + 1 == args.steps, step=step + 1,
                              topo=topo, rank=setup.rank, device=device)
@@ -141,15 +144,17 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
             step += 1
             pos += per_step
             stats.losses.append(loss)
+            stats.grad_norms.append(out.grad_norm)
             stats.step_times.append(dt)
             stats.peak_bytes = [max(a, int(b)) for a, b in zip(stats.peak_bytes, mems.tolist())]
             samples = per_step / dt
             tokens = samples * seq
             mfu = flops * samples / (setup.world * peak) if peak else 0.0
-            bar.update(step, f"{run.name}  step {step:>4}/{args.steps}  loss {loss:.4f}  {dt * 1e3:7.1f} ms  {tokens:,.0f} tok/s  "
+            gn = "" if out.grad_norm is None else f"  grad norm {out.grad_norm:.3f}"
+            bar.update(step, f"{run.name}  step {step:>4}/{args.steps}  loss {loss:.4f}{gn}  {dt * 1e3:7.1f} ms  {tokens:,.0f} tok/s  "
                              f"mfu {mfu:.3f}  peak mem {max(mems.tolist()) / 2**20:,.1f} MiB")
             if metrics is not None:
-                metrics.write({"step": step, "loss": loss, "step_time_s": dt, "samples_per_s": samples,
+                metrics.write({"step": step, "loss": loss, "grad_norm": out.grad_norm, "lr": lr, "step_time_s": dt, "samples_per_s": samples,
                                "tokens_per_s": tokens, "mfu": mfu, "peak_memory_bytes": mems.tolist(),
                                "schedule": run.name, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
                                "model": args.hf or args.model, "device": str(device), "dtype": str(dtype).replace("torch.", "")})
@@ -249,9 +254,14 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
         return 0
     dtype = compute_dtype(pick_device(setup.args))
     tol = reference_rtol(setup.args, dtype)
-    bad = [f"{st.name} ({max_rel_diff(st.losses, ref):.2e})" for st in stats.values() if max_rel_diff(st.losses, ref) > tol]
-    if bad:
-        if rank == 0:
+    ref_losses, ref_norms = ref
+    bad = [f"{st.name} ({max_rel_diff(st.losses, ref_losses):.2e})" for st in stats.values() if max_rel_diff(st.losses, ref_losses) > tol]
+    bad_norm = [f"{st.name} ({max_norm_diff(st.grad_norms, ref_norms):.2e})" for st in stats.values()
+                if (max_norm_diff(st.grad_norms, ref_norms) or 0.0) > tol]
+    if rank == 0:
+        if bad:
             print(f"{task.prog}: losses differ from the unsplit model by more than {tol:.0e}: {', '.join(bad)}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        if bad_norm:
+            print(f"{task.prog}: gradient norms differ from the unsplit model by more than {tol:.0e}: {', '.join(bad_norm)}",
+                  file=sys.stderr, flush=True)
+    return 1 if bad or bad_norm else 0

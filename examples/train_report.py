@@ -12,7 +12,7 @@ import logging
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,6 +32,7 @@ class RunStats:
     losses: list[float]
     step_times: list[float]
     peak_bytes: list[int]
+    grad_norms: list[float | None] = field(default_factory=list)  # before clipping; None where not measured
 
 
 class Progress:
@@ -68,8 +69,15 @@ def max_rel_diff(losses: Sequence[float], ref: Sequence[float]) -> float:
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
 
 
-def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref: list[float] | None, dtype: torch.dtype) -> str:
-    """The side-by-side table: throughput, MFU, peak memory per rank, losses vs the unsplit model."""
+def max_norm_diff(norms: Sequence[float | None], ref: Sequence[float]) -> float | None:
+    """The largest per-step relative difference of the gradient norms from the reference's (None: not measured)."""
+    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(norms, ref) if a is not None]
+    return max(diffs) if diffs else None
+
+
+def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref: tuple[list[float], list[float]] | None,
+                      dtype: torch.dtype) -> str:
+    """The side-by-side table: throughput, MFU, peak memory per rank, losses and gradient norms vs the unsplit model."""
     args = setup.args
     device = pick_device(args)
     seq = task.seq_len(setup.model, args)
@@ -82,7 +90,7 @@ def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref:
              f"({str(dtype).replace('torch.', '')}); step time = median after the first step"]
     head = f"{'schedule':<18} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'last loss':>10}"
     if ref is not None:
-        head += f" {'max rel diff':>13}"
+        head += f" {'max rel diff':>13} {'norm diff':>10}"
     lines += [head + "  peak MiB per rank", "-" * (len(head) + 40)]
     for st in stats.values():
         times = st.step_times[1:] or st.step_times
@@ -91,11 +99,13 @@ def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref:
         mfu = f"{flops * per_step / dt / (setup.world * peak):6.3f}" if peak else f"{'-':>6}"
         row = f"{st.name:<18} {dt * 1e3:9.1f} {tok:11,.0f} {mfu} {st.losses[-1]:10.4f}"
         if ref is not None:
-            row += f" {max_rel_diff(st.losses, ref):13.2e}"
+            nd = max_norm_diff(st.grad_norms, ref[1])
+            row += f" {max_rel_diff(st.losses, ref[0]):13.2e} {'-' if nd is None else f'{nd:.2e}':>10}"
         mem = " ".join(f"{b / 2**20:,.1f}" if b else "-" for b in st.peak_bytes)
         lines.append(f"{row}  {mem}")
     if ref is not None:
-        lines.append(f"reference (unsplit model on one device): last loss {ref[-1]:.4f}; tolerance {reference_rtol(args, dtype):.0e} relative")
+        lines.append(f"reference (unsplit model on one device): last loss {ref[0][-1]:.4f}; tolerance {reference_rtol(args, dtype):.0e} "
+                     "relative, for losses and gradient norms (- : not measured)")
     return "\n".join(lines)
 
 def write_trace(trace: Any, rank: int, world: int, args: argparse.Namespace) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from train_cli import NonFiniteError, Run, Setup, Task, sp_config
+from train_cli import NonFiniteError, Run, Setup, Task, optim_config, sp_config
 
 log = logging.getLogger("braid.examples")
 
@@ -87,26 +87,38 @@ class BraidRunner:
                                         sp=sp, seq_len=task.seq_len(model, args))
         for ch in self.chunks.values():
             ch.to(device=device, dtype=dtype)
+            if hasattr(ch, "set_recompute"):  # the LM chunks (the VLM's vision chunk keeps its activations)
+                ch.set_recompute(args.recompute)
         seq = task.seq_len(model, args)
         hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
         local_seq = sp.local_len(seq) if sp is not None else seq
         self.ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], self.chunks, groups, d.abort,
                                        act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device,
                                        compile=args.compile)
-        self.params = [p for ch in self.chunks.values() for p in ch.parameters()]
+        # The single-device model's names: they key the sharded optimizer's state (train_checkpoint.MasterState).
+        from braid.models.global_names import chunk_shards
+
+        shards = chunk_shards(self.chunks, c.tp, topo.tp, vlm=task.vision)
+        self.named = [(shards[p].name, p) for ch in self.chunks.values() for p in ch.parameters()]
+        self.params = [p for _, p in self.named]
         self.groups, self.abort, self.device = groups, d.abort, device
-        self.state_bytes = model_state_bytes(self.params)
+        if args.master_fp32 or args.zero1:
+            from braid.training.optimizer import state_bytes_per_param
+
+            self.state_bytes = int(sum(p.numel() for p in self.params) * state_bytes_per_param(dtype, topo.dp, args.zero1))
+        else:
+            self.state_bytes = model_state_bytes(self.params)
         self.res = None
 
     def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
-        """Forward + backward of the step's micro-batches; (loss this rank reports, CPU memory estimate)."""
-        from braid.runtime.distributed import reduce_gradients
+        """Forward + backward of the step's micro-batches; (loss this rank reports, CPU memory estimate).
 
+        The gradients are reduced over data-parallel ranks by the optimizer step (:class:`Optimization`).
+        """
         cuda = self.device.type == "cuda"
         # Unit-level timing costs host time per unit: only on the step whose trace is written.
         # Other steps keep the per-instruction memory series on CPU (the memory figure).
         self.res = res = self.ex.run(toks, labs, record="units" if traced else "off" if cuda else "instructions")
-        reduce_gradients(self.params, self.groups, self.abort)
         c = self.groups.coords
         mem = 0 if cuda else max((b for _, b in next(iter(res.trace.memory.values()), [])), default=0) + self.state_bytes
         return (res.loss if res.loss is not None and c.tp == 0 and c.cp == 0 else None), mem  # the SP group already summed it
@@ -143,11 +155,15 @@ def make_runner(task: Task, setup: Setup, run: Run, d: Any, groups: Any, device:
     return (TorchRunner if run.plan is None else BraidRunner)(task, setup, run, d, groups, device, dtype)
 
 
-def make_optimizer(args: argparse.Namespace, runner: BraidRunner | TorchRunner) -> torch.optim.Optimizer:
-    """The optimizer over this rank's parameters (AdamW at ``--lr``)."""
+def make_optimizer(args: argparse.Namespace, runner: BraidRunner | TorchRunner) -> Any:
+    """The optimizer over this rank's parameters: braid's schedules get :class:`braid.training.step.Optimization`
+    (data-parallel reduction, schedule, clipping, weight decay, fp32 masters as the flags say); the torch
+    baselines their own AdamW at ``--lr``."""
     if isinstance(runner, TorchRunner):
         return runner.pipe.optimizer(lr=args.lr)
-    return torch.optim.AdamW(runner.params, lr=args.lr)
+    from braid.training.step import Optimization
+
+    return Optimization(optim_config(args), runner.named, runner.chunks.values(), groups=runner.groups, abort=runner.abort)
 
 
 def micro_batches(task: Task, setup: Setup, source: Any, pos: int, dp_rank: int, device: torch.device,
@@ -168,10 +184,12 @@ def micro_batches(task: Task, setup: Setup, source: Any, pos: int, dp_rank: int,
 
 @dataclass
 class StepOut:
-    """What one step measured: the global loss (mean over replicas), this rank's peak memory (bytes)."""
+    """What one step measured: the global loss (mean over replicas), this rank's peak memory (bytes), and the
+    global gradient norm before clipping (None: not measured -- the torch baselines)."""
 
     loss: float
     mem: int
+    grad_norm: float | None = None
 
 
 def train_step(runner: BraidRunner | TorchRunner, opt: Any, toks: list, labs: list, *, traced: bool, step: int,
@@ -199,15 +217,19 @@ def train_step(runner: BraidRunner | TorchRunner, opt: Any, toks: list, labs: li
         what, first = ("loss", flags.index(1.0)) if any(flags[:world]) else ("gradient", flags.index(1.0, world) - world)
         raise NonFiniteError(f"non-finite {what} at step {step} (first on rank {first}); stopped before the optimizer "
                              "update, nothing saved from this step on -- lower --lr or --init-std")
-    opt.step()
-    return StepOut(float(buf[0]) / topo.dp, mem)
+    norm = opt.step()  # Optimization: the global gradient norm (no update when it is not finite); a torch optimizer: None
+    if norm is not None and not math.isfinite(norm):
+        raise NonFiniteError(f"non-finite gradient norm ({norm}) at step {step}; stopped without the optimizer update, "
+                             "nothing saved from this step on -- lower --lr or --init-std, or set --clip-grad")
+    return StepOut(float(buf[0]) / topo.dp, mem, norm)
 
 
 def _grads_finite(runner: BraidRunner | TorchRunner) -> bool:
-    """Whether this rank's gradients are finite (braid's plain tensors; the torch baselines' DTensors are not read)."""
+    """Whether this rank's gradients are finite (braid's plain tensors or fp32 accumulation buffers; the torch
+    baselines' DTensors are not read)."""
     if not isinstance(runner, BraidRunner):
         return True
-    grads = [p.grad for p in runner.params if p.grad is not None]
+    grads = [g for g in (getattr(p, "main_grad", p.grad) for p in runner.params) if g is not None]
     if not grads:
         return True
     total = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
@@ -215,34 +237,40 @@ def _grads_finite(runner: BraidRunner | TorchRunner) -> bool:
     return bool(torch.isfinite(norm))
 
 
-def train_reference(task: Task, setup: Setup, source: Any, device: torch.device, dtype: torch.dtype) -> list[float]:
-    """The unsplit model trained on rank 0's device (same weights, micro-batches, AdamW); losses broadcast to all ranks."""
+def train_reference(task: Task, setup: Setup, source: Any, device: torch.device, dtype: torch.dtype) -> tuple[list[float], list[float]]:
+    """The unsplit model trained on rank 0's device (same weights, micro-batches, optimizer settings);
+    per-step losses and gradient norms (before clipping), broadcast to all ranks."""
     import copy
 
     import torch.distributed as dist
 
+    from braid.training.step import Optimization
+
     args = setup.args
     losses: list[float] = []
+    norms: list[float] = []
     if setup.rank == 0:
         from braid.models.build import materialize
 
         model = materialize(copy.deepcopy(setup.model)).to(device=device, dtype=dtype)  # a meta-device model made whole
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        opt = Optimization(optim_config(args), list(model.named_parameters()), [model])  # no groups: nothing leaves rank 0
         n, b = args.dp * args.mbs, args.micro_batch_size
         for step in range(args.steps):
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             total = 0.0
             for i in range(n):  # replica r's micro-batch k is global micro-batch r * mbs + k
                 batch = {k: to_device(v, device, dtype) for k, v in gather_batch(source, (step * n + i) * b, b).items()}
                 loss = model(*((batch["pixels"],) if task.vision else ()), batch["tokens"], batch["labels"]) / n
                 loss.backward()
                 total += float(loss.detach())
-            opt.step()
+            norms.append(opt.step())
             losses.append(total)
+        opt.close()
         del model, opt
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        log.info("reference (unsplit model, one device): losses %s", " ".join(f"{x:.4f}" for x in losses))
-    box = [losses]
+        log.info("reference (unsplit model, one device): losses %s; gradient norms %s", " ".join(f"{x:.4f}" for x in losses),
+                 " ".join(f"{x:.4f}" for x in norms))
+    box = [(losses, norms)]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from braid import schedules
-from braid.braiding import ChunkSpec, Phase, Unit, UnitTask, steps
+from braid.braiding import ChunkSpec, Unit, steps
 from braid.compiler import compile_plan
 from braid.ir import OpKind, parse_instruction
 from braid.models.chunk import ChunkStateError, build_chunk

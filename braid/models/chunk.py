@@ -40,7 +40,7 @@ from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.runtime.offload import ActivationOffloader, Parked
-from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, split_weight_grads
+from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, accumulate_grad, split_weight_grads
 
 
 class ChunkStateError(RuntimeError):
@@ -74,14 +74,6 @@ _enter_apply = fast_apply(_Entry)
 
 Handle = torch.Tensor | GradientEdge  # a piece's input/output: an edge, or (the loss) a tensor
 _edge = edge
-
-
-def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
-    """``p.grad += g`` as autograd's ``AccumulateGrad`` would (same values, same add)."""
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad.add_(g)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -189,6 +181,17 @@ class ModelChunk(nn.Module):
         self._unit_mods: dict[tuple[Unit, int], tuple[DeferredWeightGrad, ...]] = {}
         self._all_mods: list[DeferredWeightGrad] | None = None
         self._anchors: dict[torch.device, torch.Tensor] = {}
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation of every layer (:mod:`braid.models.recompute`): ``"none"`` or ``"selective"``."""
+        from braid.models.recompute import check_mode
+
+        check_mode(mode)
+        if mode != "none" and self.sp is not None:
+            raise ValueError("selective recomputation does not cover 2D-Attention's sequence-parallel core (--cp > 1); "
+                             "use --recompute none there")
+        for lay in self.layers:
+            lay.recompute = mode
 
     # -- data in and out -----------------------------------------------------------------
     def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
@@ -363,7 +366,7 @@ class ModelChunk(nn.Module):
         st.pending = None
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
         for p, g in zip(piece.params, dps):
-            _accumulate(p, g)
+            accumulate_grad(p, g)
         self._boxes.pop(box_key, None)
         return dx if residual is None else dx + residual
 

@@ -28,6 +28,7 @@ from braid.braiding import Unit
 from braid.models.init import init_by_name
 from braid.models.registry import Family, register
 from braid.tp.embedding import vocab_parallel_cross_entropy
+from braid.models.recompute import recomputed
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -143,10 +144,13 @@ class Qwen2Layer(nn.Module):
     """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size.
 
     ``qkv_bias``: Qwen2 has biases on the Q/K/V projections (a family without them, as
-    Llama, sets it False in a subclass).
+    Llama, sets it False in a subclass). ``recompute``: ``"selective"`` recomputes the
+    attention core and the SwiGLU product in the backward instead of keeping their
+    activations (:mod:`braid.models.recompute`).
     """
 
     qkv_bias: bool = True
+    recompute: str = "none"
 
     fns: UnitFns = EAGER  # the pure tensor functions of the units (eager or compiled)
 
@@ -197,11 +201,16 @@ class Qwen2Layer(nn.Module):
         """
         if self.sp is not None:
             o = self.sp.attention(q, k, v, causal=True)
+        elif self.recompute == "selective":
+            o = recomputed(self._sdpa, q, k, v)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+            o = self._sdpa(q, k, v)
         b, _, s, _ = o.shape
         o = o.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, h/t)
         return self.o_proj(o)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
 
     def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Attn unit: attention, out-projection and the fused residual ``detach(x)/t`` (partial over TP)."""
@@ -214,7 +223,8 @@ class Qwen2Layer(nn.Module):
         return self.gate_proj(h), self.up_proj(h)  # (b, s, ffn/t) each
 
     def mlp_core(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.fns.swiglu(gate, up))
+        swiglu_fn = self.fns.swiglu
+        return self.down_proj(recomputed(swiglu_fn, gate, up) if self.recompute == "selective" else swiglu_fn(gate, up))
 
     def mlp(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP)."""

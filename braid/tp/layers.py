@@ -89,14 +89,27 @@ class DeferredWeightGrad(nn.Module):
                 self._accumulate_weight_grads(params, inp, grad_out)
 
     def _accumulate_weight_grads(self, params: list[nn.Parameter | None], inp: torch.Tensor, grad_out: torch.Tensor) -> None:
-        """``p.grad += g`` for each deferred parameter (set when ``p.grad`` is None)."""
+        """:func:`accumulate_grad` of each deferred parameter's gradient."""
         for p, g in zip(params, self._weight_grads(inp, grad_out)):
-            if p is None or g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
+            if p is not None and g is not None:
+                accumulate_grad(p, g)
+
+
+def accumulate_grad(p: nn.Parameter, g: torch.Tensor) -> None:
+    """Add a gradient contribution to ``p``: into ``p.main_grad`` when it has one, else ``p.grad``.
+
+    ``main_grad`` is the fp32 accumulation buffer of a mixed-precision optimizer
+    (:class:`braid.training.optimizer.ShardedAdamW`): bf16 contributions of every
+    micro-batch are added in fp32 there, never rounded to bf16 in between. Without it,
+    this is autograd's ``AccumulateGrad`` (same values, same add).
+    """
+    main = getattr(p, "main_grad", None)
+    if main is not None:
+        main.add_(g)
+    elif p.grad is None:
+        p.grad = g
+    else:
+        p.grad.add_(g)
 
 
 @contextlib.contextmanager
@@ -154,17 +167,14 @@ class _ParallelLinear(DeferredWeightGrad):
     def _accumulate_weight_grads(self, params: list[nn.Parameter | None], inp: torch.Tensor, grad_out: torch.Tensor) -> None:
         # Into an existing gradient the GEMM accumulates itself (beta=1): no temporary dW of the
         # weight's size and no separate add over it (a W task of a 7B-sized MLP moves ~0.5 GB less).
-        if self.weight.grad is None:
+        # (An fp32 main_grad buffer takes the bf16 product through accumulate_grad instead.)
+        if self.weight.grad is None or getattr(self.weight, "main_grad", None) is not None:
             super()._accumulate_weight_grads(params, inp, grad_out)
             return
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
         self.weight.grad.addmm_(g2.t(), inp.reshape(-1, inp.shape[-1]))
         if self.bias is not None:
-            db = g2.sum(0)
-            if self.bias.grad is None:
-                self.bias.grad = db
-            else:
-                self.bias.grad += db
+            accumulate_grad(self.bias, g2.sum(0))
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}"

@@ -1,0 +1,123 @@
+"""Selective activation recomputation: the same loss and gradients (bitwise), fewer saved bytes,
+offload still moves the (fewer) saved tensors; the cost model's transform says the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.braiding import ChunkSpec, steps
+from braid.ir import OpKind, parse_instruction
+from braid.models.chunk import build_chunk
+from braid.models.qwen2 import Qwen2Config, Qwen2Model
+
+PROGRAM = ["F0c0", "F1c0", "B0c0", "F2c0&B1c0", "W1c0", "W0c0", "BW2c0"]  # braided block and split W included
+
+
+def _run(mode: str, offload_mb: int | None = None):
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden=32, layers=2, heads=4, kv_heads=2, ffn=64)
+    model = Qwen2Model(cfg)
+    g = torch.Generator().manual_seed(1)
+    toks = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(3)]
+    labs = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(3)]
+    spec = ChunkSpec(cfg.layers, embed=True, head=True)
+    ch = build_chunk(model, spec, 0, num_microbatches=len(toks))
+    ch.set_recompute(mode)
+    ch.set_batch(toks, labs)
+    peak, moved = 0, 0
+    for text in PROGRAM:
+        ins = parse_instruction(text)
+        for st in steps(ins, lambda c: spec):
+            ch.run(st.op.mb, st.task)
+            peak = max(peak, ch.live_bytes())
+        for op in getattr(ins, "ops", (ins,)):
+            if op.kind is OpKind.F:
+                ch.end_forward(op.mb)
+                if op.mb == offload_mb:
+                    moved = ch.offload(op.mb)
+            elif op.kind in (OpKind.B, OpKind.BW):
+                ch.end_backward(op.mb)
+        if offload_mb is not None and text == "F1c0":
+            assert ch.reload(offload_mb) == moved
+    assert ch.pending_work() == [] and ch.live_bytes() == 0
+    grads = {n: p.grad.clone() for n, p in ch.named_parameters()}
+    return sum(float(x) for x in ch.losses.values()), grads, peak, moved
+
+
+def test_selective_recomputation_keeps_loss_and_gradients_bitwise() -> None:
+    loss0, g0, peak0, _ = _run("none")
+    loss1, g1, peak1, _ = _run("selective")
+    assert loss0 == loss1 and loss0 > 0
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+    assert peak1 < peak0, (peak1, peak0)
+
+
+def test_recomputation_saves_what_the_attention_core_and_swiglu_kept() -> None:
+    """One forward of one layer: the saved bytes drop by the core's extra tensors and silu(gate)."""
+    from braid.braiding import Phase, Unit, UnitTask
+
+    sizes = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
+        ch = build_chunk(Qwen2Model(cfg), ChunkSpec(1, embed=True), 0, num_microbatches=1)
+        ch.set_recompute(mode)
+        ch.set_batch([torch.randint(0, 64, (2, 16))], [torch.randint(0, 64, (2, 16))])
+        got = {}
+        for unit in (Unit.EMBED, Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
+            before = ch.live_bytes()
+            ch.run(0, UnitTask(Phase.F, unit, -1 if unit is Unit.EMBED else 0, False))
+            got[unit] = ch.live_bytes() - before
+        sizes[mode] = got
+    none, sel = sizes["none"], sizes["selective"]
+    silu_bytes = 2 * 16 * 64 * 4  # silu(gate): (b, s, ffn) fp32
+    assert none[Unit.MLP] - sel[Unit.MLP] == silu_bytes
+    assert sel[Unit.ATTN] < none[Unit.ATTN]
+    assert none[Unit.PRE_ATTN] == sel[Unit.PRE_ATTN] and none[Unit.PRE_MLP] == sel[Unit.PRE_MLP]
+
+
+def test_offload_moves_the_recomputed_units_inputs_and_gradients_stay_bitwise() -> None:
+    _, g0, _, _ = _run("selective")
+    _, g1, _, moved = _run("selective", offload_mb=0)
+    assert moved > 0
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+
+
+def test_full_recomputation_is_refused_with_one_line() -> None:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
+    ch = build_chunk(Qwen2Model(cfg), ChunkSpec(1, embed=True), 0, num_microbatches=1)
+    with pytest.raises(ValueError, match="use one of none, selective"):
+        ch.set_recompute("full")
+
+
+def test_cost_model_transform_adds_backward_time_and_removes_saved_bytes() -> None:
+    from braid import schedules
+    from braid.braiding import Unit
+    from braid.compiler import compile_plan
+    from braid.costs import Layout, analytic_costs
+    from braid.hardware import get_hardware
+    from braid.models_catalog import get_model
+    from braid.simulator import simulate
+
+    model, hw = get_model("qwen2-7b"), get_hardware("h200")
+    plan = schedules.build("braided_v", 2, 8)
+    layout = Layout(2, plan.p, plan.v, plan.placement)
+    base = analytic_costs(model, hw, layout, activations="runtime")
+    sel = analytic_costs(model, hw, layout, activations="runtime", recompute="selective")
+    a, b = base.chunks[(0, 0)].units, sel.chunks[(0, 0)].units
+    assert b[Unit.ATTN].b > a[Unit.ATTN].b and b[Unit.MLP].b > a[Unit.MLP].b
+    assert b[Unit.ATTN].act < a[Unit.ATTN].act and b[Unit.MLP].act < a[Unit.MLP].act
+    assert b[Unit.ATTN].f == a[Unit.ATTN].f and b[Unit.PRE_ATTN] == a[Unit.PRE_ATTN]
+    assert sel.ma_bytes == base.ma_bytes  # the yardstick does not move
+    progs = compile_plan(plan)
+    r0, r1 = simulate(progs, base, name="none").report, simulate(progs, sel, name="selective").report
+    assert r1.step_time_s > r0.step_time_s
+    assert r1.worst_peak.peak_activation_bytes < r0.worst_peak.peak_activation_bytes
+    k0, k1 = (analytic_costs(model, hw, layout, recompute=r).chunks[(0, 0)].units for r in ("none", "selective"))
+    assert k1[Unit.ATTN].act == k0[Unit.ATTN].act and k1[Unit.MLP].act < k0[Unit.MLP].act  # Korthikanti: no softmax term
+    with pytest.raises(ValueError, match="full recomputation is not modelled"):
+        analytic_costs(model, hw, layout, recompute="full")
