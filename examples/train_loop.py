@@ -73,14 +73,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(task: Task) -> argparse.ArgumentParser:
     from braid import schedules
-    from braid.baselines import TORCH_SCHEDULES
+    from braid.baselines import BASELINES
 
     p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog=_EPILOG.format(prog=task.prog))
     lay = p.add_argument_group("layout (world size = dp * pp * tp)")
     lay.add_argument("--schedule", nargs="+", default=["braided_v"], metavar="NAME",
-                     help="pipeline schedule: " + ", ".join(schedules.names()) + "; or torch.distributed.pipelining's "
-                          + ", ".join(TORCH_SCHEDULES) + ". Several: each trains --steps steps from the same "
+                     help="pipeline schedule: " + ", ".join(schedules.names()) + "; or a baseline (torch.distributed.pipelining's, "
+                          "megatron-core's): " + ", ".join(BASELINES) + ". Several: each trains --steps steps from the same "
                           "weights and data, then one table compares them (default: braided_v)")
     lay.add_argument("--offload-alpha", type=float, default=None, metavar="A",
                      help="braided_v_offload: fraction of chunk-0 activations moved to host memory, 0..1 (default: "
@@ -180,7 +180,7 @@ class Run:
 def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
     from braid import schedules
-    from braid.baselines import TORCH_SCHEDULES
+    from braid.baselines import BASELINES
     from braid.topology import Topology
 
     args = build_parser(task).parse_args(argv)
@@ -199,10 +199,15 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     if args.resume and not Path(args.resume, ".metadata").is_file():
         raise UsageError(f"--resume {args.resume}: no checkpoint there (missing .metadata)")
     names = args.schedule
-    valid = list(schedules.names()) + list(TORCH_SCHEDULES)
+    valid = list(schedules.names()) + list(BASELINES)
     for n in names:
         if n not in valid:
             raise UsageError(f"--schedule {n}: unknown; valid: {', '.join(valid)}")
+        if n.startswith("mcore_"):
+            from braid import megatron
+
+            if not megatron.available():
+                raise UsageError(f"--schedule {n}: {megatron.INSTALL_HINT}")
     if len(set(names)) != len(names):
         raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
     if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf):
@@ -211,7 +216,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError(f"--save-hf {args.save_hf}: exists and is not an empty directory; give a new directory")
     if args.reference and (args.resume or args.cp > 1):
         raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
-    torch_names = [n for n in names if n in TORCH_SCHEDULES]
+    torch_names = [n for n in names if n in BASELINES]
     if torch_names and (args.save or args.resume or args.save_hf):
         raise UsageError(f"--save/--save-hf/--resume checkpoint braid's schedules, not {torch_names[0]}")
     if torch_names and (args.dp != 1 or args.cp != 1):
@@ -237,7 +242,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             family_of(model)  # a model no registered family can write is refused before training
         runs = []
         for n in names:
-            plan = None if n in TORCH_SCHEDULES else schedules.build(n, args.pp, args.mbs, **(opts if n == "braided_v_offload" else {}))
+            plan = None if n in BASELINES else schedules.build(n, args.pp, args.mbs, **(opts if n == "braided_v_offload" else {}))
             n_stages = 2 * args.pp if plan is None else plan.num_stages
             task.check(model, topo, n_stages, args)
             runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
@@ -442,15 +447,15 @@ class _TorchRunner:
     """A torch.distributed.pipelining baseline (:mod:`braid.baselines`) on the same layers per stage."""
 
     def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
-        from braid.baselines import TorchPipeline
+        from braid.baselines import baseline_pipeline
 
         from braid.models.build import materialize
 
         model, layers = materialize(setup.model), run.stage_layers  # the baselines split the whole model themselves
         lm, vision = (model.lm, model.visual) if task.vision else (model, None)
         lm_layers = (0,) + layers[1:] if task.vision else layers  # the VLM's stage 0 holds the vision tower
-        self.pipe = TorchPipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
-                                  vision=vision, timeout_s=setup.args.timeout)
+        self.pipe = baseline_pipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
+                                      vision=vision, seq_len=task.seq_len(setup.model, setup.args), timeout_s=setup.args.timeout)
         self.params = self.pipe.parameters()
         self.tp_rank = groups.coords.tp
         self.res = None

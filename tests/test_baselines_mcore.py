@@ -150,3 +150,21 @@ def test_mcore_1f1b_i_matches_reference(pool, tp, pp):
     assert reported, "no rank reported the loss"
     for losses, ref_losses in reported:
         assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)
+
+
+def test_example_runs_mcore_beside_braid_with_reference_losses(tmp_path):
+    """``--schedule braided_v mcore_1f1b_i`` at tp=2 x pp=1 (megatron-core's no-pipelining schedule with
+    its own TP): every per-step loss within 1e-4 of the unsplit model."""
+    from tests.test_examples import COMMON, LLM, _metrics, _ok, _torchrun
+
+    metrics = tmp_path / "m.jsonl"
+    names = ["braided_v", "mcore_1f1b_i"]
+    _ok(_torchrun(2, LLM, *COMMON, "--tp", "2", "--pp", "1", "--steps", "2", "--reference", "--metrics", str(metrics),
+                  "--schedule", *names))
+    got = _metrics(metrics)
+    assert [m["schedule"] for m in got] == [n for n in names for _ in range(2)]
+    by_step: dict[int, list[float]] = {}
+    for m in got:
+        by_step.setdefault(m["step"], []).append(m["loss"])
+    for losses in by_step.values():
+        assert max(losses) - min(losses) <= 1e-4 * max(losses)
