@@ -29,25 +29,6 @@ MCORE_SCHEDULES: dict[str, str] = {"mcore_1f1b_i": "megatron-core interleaved 1F
 IGNORE_INDEX = -100
 
 
-def init_parallel_state(tp: int, pp: int, vp: int | None, timeout_s: float = 120.0) -> None:
-    """megatron-core's ``parallel_state`` for a tp x pp job (collective; redone when the sizes change).
-
-    Its rank order (TP fastest, PP slowest) is braid's :class:`~braid.topology.Topology`
-    grid with dp = cp = 1, so both put a TP group on the same neighbouring ranks.
-    """
-    bm.require()
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        same = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size())
-        if same == (tp, pp, vp):
-            return
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp,
-                                 distributed_timeout_minutes=max(1, int(timeout_s // 60)))
-
-
 class McorePipeline:
     """megatron-core's interleaved 1F1B over this rank's virtual stages of ``lm`` (same interface as
     :class:`braid.baselines.TorchPipeline`: ``modules``, :meth:`parameters`, :meth:`optimizer`, :meth:`step`).
@@ -77,7 +58,7 @@ class McorePipeline:
         if sum(layers_per_stage) != cfg.layers:
             raise ValueError(f"{name}: {sum(layers_per_stage)} layers in the stages, the model has {cfg.layers}")
         vp = 2 if pp > 1 else None
-        init_parallel_state(topo.tp, pp, vp, timeout_s)
+        bm.ensure_parallel_state(topo.tp, pp, vp, timeout_s)
         from megatron.core import parallel_state as ps
 
         if device.type == "cuda":

@@ -45,6 +45,28 @@ def available() -> bool:
     return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
+def ensure_parallel_state(tp: int, pp: int, vp: int | None, timeout_s: float = 120.0) -> None:
+    """megatron-core's ``parallel_state`` for a tp x pp job (collective; redone when the sizes change).
+
+    Its rank order (TP fastest, PP slowest) is braid's :class:`~braid.topology.Topology`
+    grid with dp = cp = 1, so both put a TP group on the same neighbouring ranks.
+    """
+    require()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized():
+        raise RuntimeError("megatron-core models need torch.distributed initialised first (gloo or nccl, any world size)")
+    if ps.model_parallel_is_initialized():
+        same = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size())
+        if same == (tp, pp, vp):
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp,
+                                 distributed_timeout_minutes=max(1, int(timeout_s // 60)))
+
+
 # -- configuration -------------------------------------------------------------------------
 def check_config(cfg: Any) -> None:
     """Raise ``ValueError`` when megatron-core's GPT model cannot express ``cfg``."""
@@ -55,8 +77,11 @@ def check_config(cfg: Any) -> None:
 
 
 def qkv_bias(cfg: Any) -> bool:
-    """Whether the family has Q/K/V biases (Qwen2: yes; Llama: no)."""
+    """Whether the model has Q/K/V biases (Qwen2: yes; Llama: no; :class:`braid.models.mcore.McoreConfig`: its field)."""
     from braid.models import registry
+
+    if hasattr(cfg, "qkv_bias"):
+        return bool(cfg.qkv_bias)
 
     for name in registry.names():
         fam = registry.get_family(name)

@@ -69,9 +69,7 @@ def test_weight_conversion_round_trip():
 
 def _case_logits(ctx, family: str):
     from braid import megatron as bm
-    from braid.baselines_mcore import init_parallel_state
-
-    init_parallel_state(1, 1, None)
+    bm.ensure_parallel_state(1, 1, None)
     model = _model(family)
     gpt = bm.gpt_model(model.cfg, bm.transformer_config(model.cfg), seq_len=SEQ)
     gpt.load_state_dict(bm.to_mcore(model.state_dict(), model.cfg), strict=True)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 _MODULES: tuple[str, ...] = (
     "braid.models.qwen2",
     "braid.models.llama",
+    "braid.models.mcore",  # megatron-core's GPT model (imports megatron-core only when one is built)
 )
 
 
