@@ -208,6 +208,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
 
             if not megatron.available():
                 raise UsageError(f"--schedule {n}: {megatron.INSTALL_HINT}")
+            if task.vision:
+                raise UsageError(f"--schedule {n}: megatron-core's GPT model is a decoder LM; use a torch_* baseline for a VLM")
     if len(set(names)) != len(names):
         raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
     if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf):
@@ -246,6 +248,9 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             n_stages = 2 * args.pp if plan is None else plan.num_stages
             task.check(model, topo, n_stages, args)
             runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
+            if n.startswith("mcore_") and len(set(runs[-1].stage_layers)) != 1:
+                raise ValueError(f"{n}: megatron-core splits layers evenly, got {list(runs[-1].stage_layers)} per stage; "
+                                 "use --last-stage-lighter 0 and a layer count divisible by 2 * pp")
         if sp_config is not None:
             sp_config.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
     except ValueError as err:
