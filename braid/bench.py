@@ -414,7 +414,8 @@ def _megatron_line() -> str:
 
     if not megatron.available():
         return "megatron-core interleaved 1F1B: not installed (pip install -e '.[megatron]' to compare against it)"
-    return "megatron-core interleaved 1F1B (mcore:): megatron-core GPT model, local layer spec with SDPA attention, same weights"
+    return ("megatron-core interleaved 1F1B ('mcore:' rows): its GPT model (local layer spec, SDPA attention) "
+            "with the same weights; its no-pipelining schedule at pp=1")
 
 
 def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
