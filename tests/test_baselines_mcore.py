@@ -184,3 +184,17 @@ def test_mcore_1f1b_i_on_cuda_matches_reference(tp, pp):
     assert reported, "no rank reported the loss"
     for losses, ref_losses in reported:
         assert losses == pytest.approx(ref_losses, rel=1e-3, abs=1e-4)  # TF32/cuBLAS reductions vs the CPU reference
+
+
+@pytest.mark.slow
+def test_mcore_1f1b_i_tp2_pp2_matches_reference():
+    """tp=2 x pp=2 on 4 gloo ranks: megatron-core's TP inside its interleaved pipeline."""
+    pool = DistPool(4)
+    try:
+        res = pool.run(_case_pipeline, 2, 2, "qwen2", timeout_s=300)
+    finally:
+        pool.close()
+    reported = [r for r in res if r[0][0] is not None]
+    assert len(reported) == 2, "both TP ranks of the last stage report the loss"
+    for losses, ref_losses in reported:
+        assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5)

@@ -96,3 +96,9 @@ def _case_checkpoint(ctx) -> bool:
     sharded = gpt.sharded_state_dict()
     assert {k for k in gpt.state_dict() if not k.endswith("_extra_state")} <= set(sharded)
     return True
+
+
+@pytest.mark.slow
+def test_braided_v_on_megatron_model_tp2_pp2(pools) -> None:
+    runs = [("braided_v", 4)]
+    assert pools(4).run(cases.family_equivalence, "mcore_gpt", False, 2, 2, runs, timeout_s=300) == [["braided_v m=4"]] * 4
