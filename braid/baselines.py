@@ -15,7 +15,9 @@ which is what braided execution hides. Norms and the ViT's patch embedding/merge
 replicated. Gradients are scaled by ``1/m`` (``scale_grads``), as braid's executor does, so
 losses and gradients are comparable with the single-device model.
 
-Names: ``torch_1f1b_i``, ``torch_zb_v``, ``torch_dualpipe_v`` (:data:`TORCH_SCHEDULES`).
+Names: ``torch_1f1b_i``, ``torch_zb_v``, ``torch_dualpipe_v`` (:data:`TORCH_SCHEDULES`), and
+megatron-core's interleaved 1F1B, ``mcore_1f1b_i`` (:mod:`braid.baselines_mcore`, optional
+extra ``megatron``); :func:`baseline_pipeline` builds either.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from braid.baselines_mcore import MCORE_SCHEDULES
 from braid.ir import stage_of
 from braid.partition import layer_offset
 
@@ -38,7 +41,37 @@ TORCH_SCHEDULES: dict[str, str] = {
     "torch_zb_v": "ScheduleZBVZeroBubble",
     "torch_dualpipe_v": "ScheduleDualPipeV",
 }
+BASELINES: dict[str, str] = {**TORCH_SCHEDULES, **MCORE_SCHEDULES}  # every external schedule name -> what it is
 IGNORE_INDEX = -100
+
+
+def baseline_label(name: str) -> str:
+    """How reports name a baseline: ``torch:ScheduleInterleaved1F1B``, ``mcore:interleaved 1F1B``."""
+    return f"torch:{TORCH_SCHEDULES[name]}" if name in TORCH_SCHEDULES else f"mcore:{BASELINES[name].removeprefix('megatron-core ')}"
+
+
+def available_baselines() -> list[str]:
+    """The baseline names that can run here: torch's, and megatron-core's when it is installed."""
+    from braid import megatron
+
+    return list(TORCH_SCHEDULES) + (list(MCORE_SCHEDULES) if megatron.available() else [])
+
+
+def baseline_pipeline(name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
+                      device: torch.device, dtype: torch.dtype, vision: nn.Module | None = None,
+                      seq_len: int | None = None, timeout_s: float = 120.0) -> Any:
+    """The baseline ``name`` over this rank's stages (:class:`TorchPipeline` or
+    :class:`braid.baselines_mcore.McorePipeline`; both have ``modules``, ``parameters()``,
+    ``optimizer(lr)`` and ``step(inputs, labels)``). Collective."""
+    if name in MCORE_SCHEDULES:
+        from braid.baselines_mcore import McorePipeline
+
+        if vision is not None:
+            raise ValueError(f"{name} runs decoder LMs only (megatron-core's GPT model); use a torch_* baseline for a VLM")
+        return McorePipeline(name, lm, layers_per_stage, m, groups=groups, device=device, dtype=dtype, seq_len=seq_len,
+                             timeout_s=timeout_s)
+    return TorchPipeline(name, lm, layers_per_stage, m, groups=groups, device=device, dtype=dtype, vision=vision,
+                         timeout_s=timeout_s)
 
 
 def placement_of(cls_name: str) -> str:

@@ -9,8 +9,8 @@ by the simulator from the profile, and the relative error is printed beside it -
 programs). External baselines run on the same model in the same job:
 ``torch.distributed.pipelining`` (``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``,
 ``ScheduleDualPipeV``, via :mod:`braid.baselines`; tp > 1 with DTensor tensor
-parallelism) and megatron-core's interleaved 1F1B (reported as not
-installed when it is missing).
+parallelism) and megatron-core's interleaved 1F1B on a megatron-core GPT model with the
+same weights (:mod:`braid.baselines_mcore`; reported as not installed when it is missing).
 
 Peak memory: on GPU the allocator's peak during the step minus what was allocated before
 it; on CPU the largest live saved-activation bytes at instruction ends (the executor's
@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.baselines import TORCH_SCHEDULES
+from braid.baselines import available_baselines, baseline_label
 from braid.cli import Parser, check_output_dir, check_outputs, run_main
 from braid.costs import CostFileError, Layout, costs_from_dict, load_cost_json
 from braid.files import atomic_write_text
@@ -311,13 +311,14 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
 
 
 def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
-    """One ``torch.distributed.pipelining`` schedule on the same model split (:mod:`braid.baselines`)."""
-    from braid.baselines import TorchPipeline
+    """One external baseline (torch.distributed.pipelining, megatron-core) on the same model split (:mod:`braid.baselines`)."""
+    from braid.baselines import baseline_pipeline
     from braid.profile import _DTYPES
 
     pc = bc.profile
     dev = d.device
-    pipe = TorchPipeline(name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=_DTYPES[pc.dtype])
+    pipe = baseline_pipeline(name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=_DTYPES[pc.dtype],
+                             seq_len=pc.seq)
     toks, labs = _data(pc, m, dev)
     x, y = torch.cat(toks), torch.cat(labs)
 
@@ -369,7 +370,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             doc = calibrate(doc, pc, plan, step_s, busy)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
-    ext = [(c, m) for c in TORCH_SCHEDULES for m in bc.mbs] if bc.external else []
+    ext = [(c, m) for c in available_baselines() for m in bc.mbs] if bc.external else []
     progress = Progress(len(jobs) + len(ext), "bench", enabled=lead)
     for name, m in jobs:
         try:
@@ -393,10 +394,10 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         dist.all_gather_object(gathered, (out, err))
         errs = sorted({e for _, e in gathered if e})
         if errs:
-            external.append({"schedule": f"torch:{TORCH_SCHEDULES[name]}", "m": m, "error": errs[0]})
+            external.append({"schedule": baseline_label(name), "m": m, "error": errs[0]})
         else:
-            external.append({"schedule": f"torch:{TORCH_SCHEDULES[name]}", "m": m, "ranks": [o for o, _ in gathered]})
-        progress.step(f"{TORCH_SCHEDULES[name]} m={m}")
+            external.append({"schedule": baseline_label(name), "m": m, "ranks": [o for o, _ in gathered]})
+        progress.step(f"{baseline_label(name)} m={m}")
     # The uncalibrated profile travels too: its predictions are reported beside the calibrated
     # ones, so the raw model's error stays visible.
     raw = raw_doc if raw_doc is not doc else None
@@ -410,11 +411,12 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
 # Report
 # ----------------------------------------------------------------------------------------
 def _megatron_line() -> str:
-    import importlib.util
+    from braid import megatron
 
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        return "megatron-core interleaved 1F1B: not installed (pip install megatron-core to compare against it)"
-    return "megatron-core interleaved 1F1B: installed, but no braid adapter runs it yet (not measured)"
+    if not megatron.available():
+        return "megatron-core interleaved 1F1B: not installed (pip install -e '.[megatron]' to compare against it)"
+    return ("megatron-core interleaved 1F1B ('mcore:' rows): its GPT model (local layer spec, SDPA attention) "
+            "with the same weights; its no-pipelining schedule at pp=1")
 
 
 def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
@@ -580,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported (default 5)")
     ap.add_argument("--costs", metavar="FILE", help="predict from this cost file instead of a fresh profile")
     ap.add_argument("--no-calibrate", action="store_true", help="predict from the raw profile (no probe-run calibration)")
-    ap.add_argument("--no-external", action="store_true", help="skip the torch.distributed.pipelining baselines")
+    ap.add_argument("--no-external", action="store_true", help="skip the external baselines (torch.distributed.pipelining; megatron-core when installed)")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")

@@ -71,14 +71,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(task: Task) -> argparse.ArgumentParser:
     from braid import schedules
-    from braid.baselines import TORCH_SCHEDULES
+    from braid.baselines import BASELINES
 
     p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog=_EPILOG.format(prog=task.prog))
     lay = p.add_argument_group("layout (world size = dp * pp * tp)")
     lay.add_argument("--schedule", nargs="+", default=["braided_v"], metavar="NAME",
-                     help="pipeline schedule: " + ", ".join(schedules.names()) + "; or torch.distributed.pipelining's "
-                          + ", ".join(TORCH_SCHEDULES) + ". Several: each trains --steps steps from the same "
+                     help="pipeline schedule: " + ", ".join(schedules.names()) + "; or a baseline (torch.distributed.pipelining's, "
+                          "megatron-core's): " + ", ".join(BASELINES) + ". Several: each trains --steps steps from the same "
                           "weights and data, then one table compares them (default: braided_v)")
     lay.add_argument("--offload-alpha", type=float, default=None, metavar="A",
                      help="braided_v_offload: fraction of chunk-0 activations moved to host memory, 0..1 (default: "
@@ -213,7 +213,7 @@ class Run:
 def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
     from braid import schedules
-    from braid.baselines import TORCH_SCHEDULES
+    from braid.baselines import BASELINES
     from braid.runconfig import ConfigError, config_argv
     from braid.topology import Topology
 
@@ -235,10 +235,17 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
     check_outputs(args)
     names = args.schedule
-    valid = list(schedules.names()) + list(TORCH_SCHEDULES)
+    valid = list(schedules.names()) + list(BASELINES)
     for n in names:
         if n not in valid:
             raise UsageError(f"--schedule {n}: unknown; valid: {', '.join(valid)}")
+        if n.startswith("mcore_"):
+            from braid import megatron
+
+            if not megatron.available():
+                raise UsageError(f"--schedule {n}: {megatron.INSTALL_HINT}")
+            if task.vision:
+                raise UsageError(f"--schedule {n}: megatron-core's GPT model is a decoder LM; use a torch_* baseline for a VLM")
     if len(set(names)) != len(names):
         raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
     if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf):
@@ -248,7 +255,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     if args.reference and (args.resume or args.cp > 1):
         raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
     check_training_flags(task, args, model_vocab=None)
-    torch_names = [n for n in names if n in TORCH_SCHEDULES]
+    torch_names = [n for n in names if n in BASELINES]
     if torch_names and optimizer_flags_set(args):
         raise UsageError(f"{torch_names[0]} trains with plain AdamW at --lr: drop --lr-schedule/--warmup/--clip-grad/"
                          "--weight-decay/--master-fp32/--zero1/--recompute or use braid's schedules")
@@ -261,7 +268,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
         opts = {}
         if args.offload_alpha is not None:
-            takes = [n for n in names if n not in TORCH_SCHEDULES and schedules.get_schedule(n).knob("offload_alpha")]
+            takes = [n for n in names if n not in BASELINES and schedules.get_schedule(n).knob("offload_alpha")]
             if not takes or not 0.0 <= args.offload_alpha <= 1.0:
                 raise ValueError(f"--offload-alpha {args.offload_alpha}: needs a schedule with that knob "
                                  f"(--schedule braided_v_offload) and a value in [0, 1]")
@@ -280,11 +287,14 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             family_of(model)  # a model no registered family can write is refused before training
         runs = []
         for n in names:
-            knobs = {} if n in TORCH_SCHEDULES else {k: v for k, v in opts.items() if schedules.get_schedule(n).knob(k)}
-            plan = None if n in TORCH_SCHEDULES else schedules.build(n, args.pp, args.mbs, **knobs)
+            knobs = {} if n in BASELINES else {k: v for k, v in opts.items() if schedules.get_schedule(n).knob(k)}
+            plan = None if n in BASELINES else schedules.build(n, args.pp, args.mbs, **knobs)
             n_stages = 2 * args.pp if plan is None else plan.num_stages
             task.check(model, topo, n_stages, args)
             runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
+            if n.startswith("mcore_") and len(set(runs[-1].stage_layers)) != 1:
+                raise ValueError(f"{n}: megatron-core splits layers evenly, got {list(runs[-1].stage_layers)} per stage; "
+                                 "use --last-stage-lighter 0 and a layer count divisible by 2 * pp")
         check_training_flags(task, args, model_vocab=model.cfg.lm.vocab_size if task.vision else model.cfg.vocab_size)
         if sp is not None:
             sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))

@@ -128,15 +128,15 @@ class TorchRunner:
     """A torch.distributed.pipelining baseline (:mod:`braid.baselines`) on the same layers per stage."""
 
     def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
-        from braid.baselines import TorchPipeline
+        from braid.baselines import baseline_pipeline
 
         from braid.models.build import materialize
 
         model, layers = materialize(setup.model), run.stage_layers  # the baselines split the whole model themselves
         lm, vision = (model.lm, model.visual) if task.vision else (model, None)
         lm_layers = (0,) + layers[1:] if task.vision else layers  # the VLM's stage 0 holds the vision tower
-        self.pipe = TorchPipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
-                                  vision=vision, timeout_s=setup.args.timeout)
+        self.pipe = baseline_pipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
+                                      vision=vision, seq_len=task.seq_len(setup.model, setup.args), timeout_s=setup.args.timeout)
         self.params = self.pipe.parameters()
         self.state_bytes = model_state_bytes(self.params)
         self.tp_rank = groups.coords.tp

@@ -26,6 +26,7 @@ _MODULES: tuple[str, ...] = (
     "braid.models.qwen2",
     "braid.models.llama",
     "braid.models.hf_qwen2_vl",
+    "braid.models.mcore",  # megatron-core's GPT model (imports megatron-core only when one is built)
 )
 
 

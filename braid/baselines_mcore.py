@@ -1,0 +1,131 @@
+"""megatron-core's interleaved 1F1B on the same model, weights, data and layout as braid's schedules.
+
+Megatron-LM's interleaved 1F1B is the schedule the paper measures against. Each rank builds
+its virtual stages as megatron-core ``GPTModel`` chunks (:func:`braid.megatron.gpt_model`:
+the local layer spec, braid's decoder shapes) holding the single-device model's weights
+(:func:`braid.megatron.to_mcore`), and runs ``get_forward_backward_func()`` over them.
+Tensor parallelism is megatron-core's own (its all-reduces inside autograd, exposed); at
+``pp == 1`` megatron-core runs its no-pipelining schedule (gradient accumulation over the
+micro-batches), as Megatron-LM does. Losses are mean token cross-entropies per micro-batch,
+gradients scaled by ``1/m`` (megatron-core divides each micro-batch loss by ``m``), as
+braid's executor does.
+
+Name: ``mcore_1f1b_i`` (:data:`MCORE_SCHEDULES`), beside :data:`braid.baselines.TORCH_SCHEDULES`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from braid import megatron as bm
+from braid.ir import stage_of
+from braid.partition import layer_offset
+
+MCORE_SCHEDULES: dict[str, str] = {"mcore_1f1b_i": "megatron-core interleaved 1F1B"}
+IGNORE_INDEX = -100
+
+
+class McorePipeline:
+    """megatron-core's interleaved 1F1B over this rank's virtual stages of ``lm`` (same interface as
+    :class:`braid.baselines.TorchPipeline`: ``modules``, :meth:`parameters`, :meth:`optimizer`, :meth:`step`).
+
+    ``layers_per_stage``: decoder layers of each virtual stage (``2 * pp`` stages, equal
+    counts: megatron-core splits layers evenly); ``groups``: this rank's
+    :class:`~braid.runtime.distributed.ProcessGroups` (only its topology is read; megatron-core
+    creates its own groups). Collective: every rank of the job constructs it.
+    """
+
+    def __init__(self, name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
+                 device: torch.device, dtype: torch.dtype, seq_len: int | None = None, timeout_s: float = 120.0) -> None:
+        if name not in MCORE_SCHEDULES:
+            raise ValueError(f"unknown megatron-core baseline {name!r}; valid: {', '.join(MCORE_SCHEDULES)}")
+        bm.require()
+        bm.allow_cpu()
+        cfg = lm.cfg
+        bm.check_config(cfg)
+        topo = groups.topo
+        if topo.dp != 1 or topo.cp != 1:
+            raise ValueError(f"{name} runs tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")
+        pp, n_stages = topo.pp, len(layers_per_stage)
+        if n_stages != 2 * pp:
+            raise ValueError(f"{name} runs 2 virtual stages per rank: {n_stages} stages for pp={pp}")
+        if len(set(layers_per_stage)) != 1:
+            raise ValueError(f"{name}: megatron-core splits layers evenly over stages; got {list(layers_per_stage)}")
+        if sum(layers_per_stage) != cfg.layers:
+            raise ValueError(f"{name}: {sum(layers_per_stage)} layers in the stages, the model has {cfg.layers}")
+        vp = 2 if pp > 1 else None
+        bm.ensure_parallel_state(topo.tp, pp, vp, timeout_s)
+        from megatron.core import parallel_state as ps
+
+        if device.type == "cuda":
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(1234)
+        self.name, self.m, self.tp, self.pp = name, m, topo.tp, pp
+        self.seq_len = seq_len
+        tconf = bm.transformer_config(cfg, tp=topo.tp, pp=pp, vp=vp, dtype=dtype, device=device)
+        state = bm.tp_shard(bm.to_mcore({k: v.detach() for k, v in lm.state_dict().items()}, cfg), groups.coords.tp, topo.tp)
+        pp_rank = groups.coords.pp
+        self.modules: list[nn.Module] = []
+        # pp == 1: one model of all layers (megatron-core's no-pipelining schedule); else 2 chunks, looped placement.
+        chunks = [(0, cfg.layers, True, True, None)] if pp == 1 else [
+            (layer_offset(layers_per_stage, s), layers_per_stage[s], s == 0, s == n_stages - 1, c)
+            for c, s in ((c, stage_of("loop", pp, pp_rank, c)) for c in range(2))
+        ]
+        for first, n, embed, head, vp_stage in chunks:
+            mod = bm.gpt_model(cfg, tconf, seq_len=seq_len or 4096, pre_process=embed, post_process=head, vp_stage=vp_stage)
+            own = bm.chunk_state(state, first, n, embed=embed, head=head)
+            mod.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=True)
+            self.modules.append(mod.to(device=device, dtype=dtype))
+        self.is_last = pp == 1 or ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for mod in self.modules for p in mod.parameters()]
+
+    def optimizer(self, lr: float, **kwargs: Any) -> torch.optim.AdamW:
+        """AdamW over this rank's parameters (megatron-core's TP shards are plain tensors)."""
+        return torch.optim.AdamW(self.parameters(), lr=lr, foreach=self.device.type == "cuda", **kwargs)
+
+    def step(self, inputs: Sequence[torch.Tensor], labels: torch.Tensor) -> float | None:
+        """One forward + backward of all ``m`` micro-batches (``inputs[0]``: token ids, batched along dim 0).
+
+        Returns the mean micro-batch loss on the ranks holding the last stage, None elsewhere.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if len(inputs) != 1:
+            raise ValueError(f"{self.name} runs decoder LMs on token ids only (got {len(inputs)} inputs)")
+        tokens, labels = inputs[0].to(self.device), labels.to(self.device)
+        if tokens.shape[0] % self.m:
+            raise ValueError(f"batch of {tokens.shape[0]} samples is not {self.m} equal micro-batches")
+        micro = list(zip(tokens.chunk(self.m), labels.chunk(self.m)))
+        b, s = micro[0][0].shape
+        pos = torch.arange(s, device=self.device).expand(b, s)
+
+        def forward_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor, Any]:
+            tok, lab = next(data_iterator)
+            keep = lab != IGNORE_INDEX
+            out = model(tok, pos, None, labels=torch.where(keep, lab, torch.zeros_like(lab)))
+
+            def loss_fn(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                mask = keep.to(per_token.dtype)
+                loss = (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+                return loss, {"loss": loss.detach().clone()}  # the schedule divides ``loss`` by m in place
+
+            return out, loss_fn
+
+        iters: Any = [iter(micro) for _ in self.modules] if len(self.modules) > 1 else iter(micro)
+        model: Any = self.modules if len(self.modules) > 1 else self.modules[0]
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters, model=model, num_microbatches=self.m,
+            seq_length=s, micro_batch_size=b, forward_only=False,
+        )
+        if not self.is_last:
+            return None
+        return sum(float(x["loss"]) for x in losses) / len(losses)
