@@ -33,7 +33,11 @@ from braid.models_catalog import MODELS, get_model
 from braid.plan_search import Evaluation, Problem, SearchResult, search
 
 # catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
-_EXAMPLE_PRESETS = {"qwen2-7b": "7b", "qwen2-vl-7b": "7b", "qwen2-vl-15b": "15b"}
+# catalog name -> the examples' --model preset of the same shape (examples/qwen2.py: qwen2-*,
+# examples/qwen2_vl.py: the catalog's VL names)
+_EXAMPLE_PRESETS = {"qwen2-tiny": "tiny", "qwen2-small": "small", "qwen2-7b": "7b", "qwen2-15b": "15b",
+                    **{n: n for n in ("qwen2-vl-tiny", "qwen2-vl-small", "qwen2-vl-2b", "qwen2-vl-7b", "qwen2-vl-15b",
+                                      "qwen2-vl-72b", "qwen2.5-vl-tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b")}}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     parts = __doc__.split("\n\n")
     ap = _Parser(prog="python -m braid.plan", description=parts[1], epilog="\n\n".join(parts[2:]),
                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help=f"model preset: {', '.join(MODELS)}")
+    ap.add_argument("--model", required=True, metavar="NAME|CONFIG",
+                    help=f"model preset: {', '.join(MODELS)}; or a Hugging Face config.json (or its checkpoint directory)")
     ap.add_argument("--gpus", type=int, required=True, help="GPUs of the job (world size)")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
@@ -162,8 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ap = _parser()
     args = ap.parse_args(argv)
-    if args.model not in MODELS:
-        ap.error(f"unknown model {args.model!r}; valid names: {', '.join(MODELS)}")
+    try:
+        get_model(args.model)
+    except ValueError as err:
+        ap.error(str(err))
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
     for flag, val in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--global-batch", args.global_batch),

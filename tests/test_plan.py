@@ -183,7 +183,7 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
     from braid.plan import main
 
     out = tmp_path / "plan.json"
-    assert main(["--model", "tiny", "--gpus", "8", "--gpus-per-node", "4", "--global-batch", "16", "--seq", "64",
+    assert main(["--model", "qwen2-toy", "--gpus", "8", "--gpus-per-node", "4", "--global-batch", "16", "--seq", "64",
                  "--top", "4", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     doc = json.loads(out.read_text())
@@ -192,18 +192,18 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     for r in ranked:
         assert r["command"].startswith("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d ")
-        assert " examples/qwen2.py --model tiny " in r["command"]
+        assert " examples/qwen2.py --model qwen2-toy " in r["command"]
         assert f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --mbs {r['m']}" in r["command"]
         assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
     assert ranked[0]["command"] in text and doc["search"]["best_proven"]
-    assert "examples/ have no --model tiny preset" in text  # the catalog's tiny is not the examples' tiny
+    assert "examples/ have no --model qwen2-toy preset" in text  # a catalog shape the examples do not build
 
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "nope", "--gpus", "8"], "unknown model 'nope'"),
-    (["--model", "tiny", "--gpus", "0"], "--gpus must be a positive integer"),
-    (["--model", "tiny", "--gpus", "8", "--memory", "-1"], "--memory must be a positive number"),
-    (["--model", "tiny", "--gpus", "8", "--json", "/nonexistent/x.json"], "does not exist"),
+    (["--model", "qwen2-toy", "--gpus", "0"], "--gpus must be a positive integer"),
+    (["--model", "qwen2-toy", "--gpus", "8", "--memory", "-1"], "--memory must be a positive number"),
+    (["--model", "qwen2-toy", "--gpus", "8", "--json", "/nonexistent/x.json"], "does not exist"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, capsys) -> None:
     from braid.plan import main
