@@ -42,7 +42,8 @@ import torch
 from braid.checkpoint import CheckpointError
 from train_checkpoint import TrainState, describe_resume, verify_resume
 from train_cli import Run, RunError, Setup, Task, UsageError, prepare
-from train_report import MetricsLog, Progress, RunStats, banner, format_comparison, max_norm_diff, max_rel_diff, reference_rtol, write_trace
+from train_report import (MetricsLog, Progress, RunStats, banner, format_comparison, max_norm_diff, max_rel_diff,  # noqa: E501
+                          reference_norm_rtol, reference_rtol, write_trace)
 from train_step import (compute_dtype, local_tensors, make_optimizer, make_runner, micro_batches, peak_flops, pick_device,
                         train_reference, train_step)
 
@@ -256,12 +257,13 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
     tol = reference_rtol(setup.args, dtype)
     ref_losses, ref_norms = ref
     bad = [f"{st.name} ({max_rel_diff(st.losses, ref_losses):.2e})" for st in stats.values() if max_rel_diff(st.losses, ref_losses) > tol]
+    norm_tol = reference_norm_rtol(setup.args, dtype)
     bad_norm = [f"{st.name} ({max_norm_diff(st.grad_norms, ref_norms):.2e})" for st in stats.values()
-                if (max_norm_diff(st.grad_norms, ref_norms) or 0.0) > tol]
+                if (max_norm_diff(st.grad_norms, ref_norms) or 0.0) > norm_tol]
     if rank == 0:
         if bad:
             print(f"{task.prog}: losses differ from the unsplit model by more than {tol:.0e}: {', '.join(bad)}", file=sys.stderr, flush=True)
         if bad_norm:
-            print(f"{task.prog}: gradient norms differ from the unsplit model by more than {tol:.0e}: {', '.join(bad_norm)}",
+            print(f"{task.prog}: gradient norms differ from the unsplit model by more than {norm_tol:.0e}: {', '.join(bad_norm)}",
                   file=sys.stderr, flush=True)
     return 1 if bad or bad_norm else 0

@@ -64,6 +64,16 @@ def reference_rtol(args: argparse.Namespace, dtype: torch.dtype) -> float:
     return 2e-2 if dtype == torch.bfloat16 else 1e-4
 
 
+def reference_norm_rtol(args: argparse.Namespace, dtype: torch.dtype) -> float:
+    """Tolerance of the per-step gradient-norm comparison: ``--reference-rtol`` (or the loss
+    default) in float32; in bfloat16 at least 0.15. Measured on one H100 (bf16, the small
+    preset, 6 steps, every schedule and optimizer setting): the norms of the split and the
+    unsplit runs differed by 4-9% while their losses agreed to 1e-4 -- bf16 gradients summed
+    in another order. 0.15 still fails the scaled gradients the check is there for (5x, 0.5x)."""
+    tol = reference_rtol(args, dtype)
+    return max(tol, 0.15) if dtype == torch.bfloat16 else tol
+
+
 def max_rel_diff(losses: Sequence[float], ref: Sequence[float]) -> float:
     """The largest per-step relative difference of ``losses`` from ``ref``."""
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
@@ -105,6 +115,7 @@ def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref:
         lines.append(f"{row}  {mem}")
     if ref is not None:
         lines.append(f"reference (unsplit model on one device): last loss {ref[0][-1]:.4f}; tolerance {reference_rtol(args, dtype):.0e} "
+                     f"(gradient norms {reference_norm_rtol(args, dtype):.0e}) "
                      "relative, for losses and gradient norms (- : not measured)")
     return "\n".join(lines)
 
