@@ -189,7 +189,7 @@ def _max_pp(model, v: int, upto: int) -> int:
 def _nothing_ran(args: argparse.Namespace, skipped: dict[str, tuple[int, str]]) -> str:
     """Why no selected schedule ran, and what to change."""
     if skipped and all(kind == "layers" for _, kind in skipped.values()):
-        model = get_model(args.model)
+        model = model_from_args(args)
         layers = model.layers + (model.vit.layers if model.vit is not None else 0)
         vs = sorted({v for v, _ in skipped.values()})
         stages = " or ".join(f"{args.pp * v}" for v in vs)

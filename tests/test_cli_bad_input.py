@@ -59,7 +59,7 @@ CASES: dict[str, tuple[list[str], dict[str, str], str]] = {
     "simulate-costs-1e308": (["braid.simulate", "--costs", "c.json"], {"c.json": json.dumps({**_COSTS, "T_F": 1e308})},
                              "'T_F' must be a finite number"),
     "simulate-costs-not-object": (["braid.simulate", "--costs", "c.json"], {"c.json": "[1, 2]"}, "expected a JSON object"),
-    "simulate-layers-cannot-fill": (["braid.simulate", "--pp", "32", "--mbs", "256"], {}, "48 layers cannot fill"),
+    "simulate-layers-cannot-fill": (["braid.simulate", "--pp", "64", "--mbs", "256"], {}, "48 layers cannot fill"),
     "simulate-tp-heads": (["braid.simulate", "--tp", "3"], {}, "tp=3 must divide the 32 attention heads"),
     "simulate-too-few-mbs": (["braid.simulate", "--pp", "4", "--mbs", "3", "--schedule", "braided_v", "--schedule",
                               "dualpipe_v"], {}, "accepts --pp 4 --mbs 3 (see the notes above; raise --mbs)"),
@@ -131,11 +131,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, name: str) -> None:
 
 
 def test_simulate_names_the_stage_count_and_what_fits(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "braid.simulate", "--pp", "32", "--mbs", "256"], cwd=tmp_path, env=_env(),
+    # 48 layers: --pp 32 runs the one-chunk schedules (the two-chunk ones are skipped with a note);
+    # --pp 64 fits none of them
+    out = subprocess.run([sys.executable, "-m", "braid.simulate", "--pp", "64", "--mbs", "256"], cwd=tmp_path, env=_env(),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     line = out.stderr.strip()
-    assert "64 virtual stages" in line and "--pp 12 for 2 chunks per rank" in line and "raise --mbs" not in line, line
+    assert "64 or 128 virtual stages" in line and "--pp 24 for 2 chunks per rank" in line and "raise --mbs" not in line, line
 
 
 def test_programs_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
