@@ -46,8 +46,11 @@ class OffloadChoice:
                 f"step {self.step_s / self.base_step_s - 1:+.1%} vs no offload")
 
 
+COARSE_GRID = (0.0, 0.5, 1.0)  # alpha and warm-up fractions of the coarse search, at one lead
+
+
 def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[int, ...] = (1, 2, 3),
-                 min_gap: int = 1, proxy: bool = False) -> OffloadChoice:
+                 min_gap: int = 1, proxy: bool = False, coarse: bool = False) -> OffloadChoice:
     """Pick (alpha, alpha_warmup, lead) for ``plan`` from the cost model (``offload_alpha="auto"``).
 
     Simulates ``plan``'s programs without offload, then with the offload pass for a grid of
@@ -59,7 +62,9 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
     made concrete by the simulator, which models copy bandwidth, contention and reload waits.
     ``costs`` must be built for the plan's layout. Raises ``ValueError`` for a negative
     ``max_slowdown``. ``proxy``: tune on the steady-state proxy (module doc) when it is
-    shorter than the plan; the returned figures are then the proxy's.
+    shorter than the plan; the returned figures are then the proxy's. ``coarse``: only the
+    :data:`COARSE_GRID` fractions at the middle lead, no refinement (9 simulations instead
+    of ~100: for long plans, where each simulation costs most of a second).
     """
     if max_slowdown < 0:
         raise ValueError(f"max_slowdown must be >= 0, got {max_slowdown}")
@@ -93,12 +98,12 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
                 feasible[pol] = (max(peak), step, pol.alpha + pol.alpha_warmup)
         return pol
 
-    grid = [0.0, 0.25, 0.5, 0.75, 1.0]
-    for lead in leads:
+    grid = list(COARSE_GRID) if coarse else [0.0, 0.25, 0.5, 0.75, 1.0]
+    for lead in ((leads[len(leads) // 2],) if coarse else leads):
         for a in grid:
             for w in grid:
                 consider(a, w, lead)
-    for start in sorted(feasible, key=feasible.__getitem__)[:3]:
+    for start in ([] if coarse else sorted(feasible, key=feasible.__getitem__)[:3]):
         pol = start
         for step in (0.1, 0.05):
             for da in (-step, 0.0, step):

@@ -98,6 +98,9 @@ def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     return read_costs(args.costs, layout, specs, base=base)
 
 
+COARSE_PM = 4096  # p*m from which --offload-alpha auto searches the coarse grid (braid.offload_tune)
+
+
 def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
     from braid import schedules
 
@@ -141,10 +144,13 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                 doc["skipped"][name] = (plan.v, "layers")
             costs = _costs_for(args, model, hw, plan)
             if name not in given and schedules.get_schedule(name).knob("offload_alpha") is not None and args.offload_alpha == "auto":
-                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True)
+                # long plans (p*m >= COARSE_PM) get the coarse search: each simulation costs most of a second there
+                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True,
+                                      coarse=args.pp * args.mbs >= COARSE_PM)
                 options = choice.options()
                 notes.append(f"{name}: auto offload {choice.describe()}"
-                             + (f" (tuned at m={choice.m})" if choice.m != args.mbs else ""))
+                             + (f" (tuned at m={choice.m})" if choice.m != args.mbs else "")
+                             + (" (coarse search)" if args.pp * args.mbs >= COARSE_PM else ""))
             if record or name in given:
                 full = plan if name in given else schedules.build(name, args.pp, args.mbs, **options)
                 res = simulate(compile_plan(full), costs, name=name, record=record)

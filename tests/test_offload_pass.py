@@ -90,6 +90,21 @@ def test_tune_offload_lowers_the_peak_within_the_slowdown_budget():
     assert max(tune_offload(plan, costs, max_slowdown=0.05).peak_bytes) <= max(choice.peak_bytes)
 
 
+def test_coarse_tune_offload_searches_the_coarse_grid_within_the_budget():
+    from braid import schedules
+    from braid.offload_tune import COARSE_GRID
+
+    plan = schedules.build("braided_v_offload", 2, 8)
+    costs = _costs(55e9)
+    coarse = tune_offload(plan, costs, max_slowdown=0.01, coarse=True)
+    fine = tune_offload(plan, costs, max_slowdown=0.01)
+    pol = coarse.policy
+    assert pol.alpha in COARSE_GRID and pol.alpha_warmup in COARSE_GRID and pol.lead == 2
+    assert coarse.step_s <= coarse.base_step_s * 1.01
+    # the full search looks at every coarse policy too, so it is never worse
+    assert max(fine.peak_bytes) <= max(coarse.peak_bytes) <= max(coarse.base_peak_bytes)
+
+
 def test_tune_offload_offloads_nothing_when_copies_cannot_hide():
     from braid import schedules
 
