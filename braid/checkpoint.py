@@ -26,7 +26,6 @@ rewrite the manifest too, and ``torch.distributed.checkpoint``'s reader unpickle
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -35,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from braid.files import atomic_write_text
+from braid.files import atomic_write_text, fsync_dir
 
 FORMAT = "braid-checkpoint/1"
 LAYOUT, MANIFEST, LATEST = "layout.json", "manifest.json", "latest"
@@ -168,11 +167,11 @@ def save(directory: str | os.PathLike, step: int, state: dict[str, Any], layout:
             atomic_write_text(tmp / name, text)
         files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
         atomic_write_text(tmp / MANIFEST, json.dumps({"format": FORMAT, "files": files}, indent=1) + "\n")
-        _fsync(tmp)
+        fsync_dir(tmp)
         if final.exists():  # a step folder newer than the one this run resumed from
             final.rename(d / f".trash-{final.name}")
         os.replace(tmp, final)
-        _fsync(d)
+        fsync_dir(d)
         atomic_write_text(d / LATEST, final.name + "\n")
         prune(d, keep)
     barrier()
@@ -213,11 +212,3 @@ def _clear_trash(directory: Path) -> None:
     for trash in directory.glob(".trash-*"):
         shutil.rmtree(trash, ignore_errors=True)
 
-
-def _fsync(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -65,7 +65,7 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
         os.umask(umask)
         os.chmod(tmp_path, 0o666 & ~umask)
         os.replace(tmp_path, target)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp_path.unlink()
@@ -83,7 +83,8 @@ def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8
     atomic_write_bytes(path, text.encode(encoding))
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename into it) to disk; best effort."""
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:
