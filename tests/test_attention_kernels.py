@@ -81,6 +81,16 @@ def test_get_kernel_errors(device: str, backend: str, match: str) -> None:
         get_kernel(device, backend)  # type: ignore[arg-type]
 
 
+def test_flash_attn_backend_without_the_package_is_one_clear_error(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails as when it is not installed
+    assert not flash_attn_available()
+    with pytest.raises(ValueError, match=r"flash-attn package is not installed: pip install 'braid\[flash\]'"):
+        get_kernel("cuda", "flash_attn")
+    assert isinstance(get_kernel("cpu"), TorchCPUKernel)  # the default backend needs no flash-attn
+
+
 def test_kernel_rejects_bad_shapes() -> None:
     q = torch.zeros(1, 3, 8, 16)
     with pytest.raises(ValueError, match="multiple of key/value heads"):

@@ -84,6 +84,28 @@ def test_module_level_imports_are_declared(pkg, folder):
                 f"dependency: add it to [project] dependencies, or import it inside the function that needs it")
 
 
+def _all_extras() -> set[str]:
+    out: set[str] = set()
+    for extra in PYPROJECT["project"]["optional-dependencies"]:
+        out |= _declared(extra)
+    return out
+
+
+@pytest.mark.parametrize("pkg,folder", _package_dirs(), ids=[n for n, _ in _package_dirs()])
+def test_every_import_is_declared_somewhere(pkg, folder):
+    """Lazy and guarded imports too: an optional package belongs to an extra (``pip install 'braid[x]'``)."""
+    declared = _declared() | _all_extras() | {"braid"}
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for name in (n.split(".")[0] for n in names):
+                if name in sys.stdlib_module_names or name == "__future__":
+                    continue
+                assert name in declared, (f"{path.relative_to(ROOT)} imports {name!r}, which no dependency or extra "
+                                          "declares: add it to pyproject.toml")
+
+
 def test_no_code_imports_the_bare_folder_names():
     """``schedules``/``simulator``/``viz`` are generic names other distributions install too."""
     pattern = re.compile(r"^\s*(from|import)\s+(schedules|simulator|viz)\b", re.M)

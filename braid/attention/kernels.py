@@ -182,9 +182,10 @@ def get_kernel(device: torch.device | str, backend: Backend = "auto") -> BlockKe
     dev = torch.device(device)
     if backend == "flash_attn":
         if dev.type != "cuda":
-            raise ValueError("the flash_attn backend needs a CUDA device; use backend='torch' on CPU")
+            raise ValueError("the flash_attn backend needs a CUDA device; use backend='auto' on CPU")
         if not flash_attn_available():
-            raise ValueError("backend='flash_attn' but the flash-attn package is not installed; use 'torch'")
+            raise ValueError("backend='flash_attn' but the flash-attn package is not installed: "
+                             "pip install 'braid[flash]', or use backend='auto'")
         return FlashAttnKernel()
     if dev.type == "cuda":
         return TorchCUDAKernel() if backend == "torch_flash" else TorchCuDNNKernel()
