@@ -27,6 +27,7 @@ from torch import nn
 from braid.braiding import Unit
 from braid.models.init import init_by_name
 from braid.models.registry import Family, register
+from braid.models.seam import UnitMethods
 from braid.tp.embedding import vocab_parallel_cross_entropy
 from braid.models.recompute import recomputed
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
@@ -140,7 +141,7 @@ class RMSNorm(nn.Module):
         return self.fns.rms_norm(x, self.weight, self.eps)
 
 
-class Qwen2Layer(nn.Module):
+class Qwen2Layer(UnitMethods, nn.Module):
     """One decoder layer. ``heads``/``kv_heads`` are the *local* counts and ``tp`` the TP size.
 
     ``qkv_bias``: Qwen2 has biases on the Q/K/V projections (a family without them, as
@@ -233,16 +234,6 @@ class Qwen2Layer(nn.Module):
     # -- the model seam (braid.models.seam.UnitLayer) ------------------------------------
     def unit_norm(self, unit: Unit) -> RMSNorm:
         return self.input_layernorm if unit is Unit.PRE_ATTN else self.post_attention_layernorm
-
-    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
-                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
-        if unit is Unit.PRE_ATTN:
-            return self.qkv(inputs[0], positions)
-        if unit is Unit.PRE_MLP:
-            return self.gate_up(inputs[0])
-        if residual is None:
-            raise ValueError(f"unit {unit.value} needs the residual")
-        return self.attn(*inputs, residual) if unit is Unit.ATTN else self.mlp(*inputs, residual)
 
     def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
         return {

@@ -27,6 +27,23 @@ from torch import nn
 from braid.braiding import Unit
 
 
+class UnitMethods:
+    """``unit_forward`` for a layer that names its units' forward pieces ``qkv(h, positions)``,
+    ``gate_up(h)``, ``attn(q, k, v, residual)`` and ``mlp(gate, up, residual)`` (Qwen2's
+    decoder layer, the ViT block): the dispatch written once."""
+
+    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """``pre_*``: normed input -> activations; ``attn``/``mlp``: activations -> output + residual/tp."""
+        if unit is Unit.PRE_ATTN:
+            return self.qkv(inputs[0], positions)
+        if unit is Unit.PRE_MLP:
+            return self.gate_up(inputs[0])
+        if residual is None:
+            raise ValueError(f"unit {unit.value} needs the residual")
+        return self.attn(*inputs, residual) if unit is Unit.ATTN else self.mlp(*inputs, residual)
+
+
 @runtime_checkable
 class UnitLayer(Protocol):
     """One decoder layer (a TP shard or the full layer) seen as four units."""

@@ -37,6 +37,7 @@ from torch import nn
 
 from braid.braiding import Unit
 from braid.models.qwen2 import RMSNorm, _head_rows
+from braid.models.seam import UnitMethods
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 VISION_KINDS = ("qwen2_vl", "qwen2_5_vl")
@@ -252,7 +253,7 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- blocks ------------------------------------------------------------------------------------
-class VisionBlock(nn.Module):
+class VisionBlock(UnitMethods, nn.Module):
     """One ViT block of ``cfg.kind``; ``heads``/``ffn`` are the *local* (TP shard) sizes, ``tp`` the TP size.
 
     The residual is fused into the Attn and MLP units as in :class:`~braid.models.qwen2.Qwen2Layer`.
@@ -287,17 +288,6 @@ class VisionBlock(nn.Module):
     def unit_norm(self, unit: Unit) -> nn.Module:
         """The norm that starts ``pre_attn`` / ``pre_mlp`` (Qwen2-VL: a LayerNorm, with a bias)."""
         return self.norm1 if unit is Unit.PRE_ATTN else self.norm2
-
-    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
-                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
-        """``pre_*``: normed input -> activations; ``attn``/``mlp``: activations -> output + residual/tp."""
-        if unit is Unit.PRE_ATTN:
-            return self.qkv(inputs[0], positions)
-        if unit is Unit.PRE_MLP:
-            return self.gate_up(inputs[0])
-        if residual is None:
-            raise ValueError(f"unit {unit.value} needs the residual")
-        return self.attn(*inputs, residual) if unit is Unit.ATTN else self.mlp(*inputs, residual)
 
     def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
         """The linear layers of ``unit`` (their weight gradients are the unit's W work)."""
