@@ -144,6 +144,7 @@ class ActivationOffloader:
         self.pool = pool if pool is not None else HostPool(pin=self.cuda)
         self._moved: dict[Hashable, _Moved] = {}
         self._d2h_pending: list[list[Any]] = []  # [completion event, device tensors, instructions left]
+        self._copied = False  # a copy stream was used since the last finish()
         if self.cuda:
             self.d2h = torch.cuda.Stream(self.device)
             self.h2d = torch.cuda.Stream(self.device)
@@ -187,6 +188,7 @@ class ActivationOffloader:
         moved = _Moved(groups)
         start = end = None
         if self.cuda:
+            self._copied = True
             produced = torch.cuda.Event()
             produced.record()  # on the compute stream, after the forward that saved the tensors
             with torch.cuda.stream(self.d2h):
@@ -229,6 +231,7 @@ class ActivationOffloader:
         devs = [torch.empty(g.nbytes, dtype=torch.uint8, device=g.device) for g in moved.groups]
         start = end = None
         if self.cuda:
+            self._copied = True
             allocated = torch.cuda.Event()
             allocated.record()
             with torch.cuda.stream(self.h2d):
@@ -300,10 +303,13 @@ class ActivationOffloader:
         self._d2h_pending = keep
 
     def finish(self) -> list[Hashable]:
-        """End of a step: wait for the copy streams, free what they held; returns keys still on the host."""
-        if self.cuda:
+        """End of a step: wait for the copy streams, free what they held; returns keys still on the host.
+
+        A step that copied nothing waits for nothing: the host stays ahead of the device."""
+        if self.cuda and self._copied:
             self.d2h.synchronize()
             self.h2d.synchronize()
+        self._copied = False
         self._d2h_pending.clear()
         left = [k for k, m in self._moved.items() if not m.reloaded]
         for k in [k for k, m in self._moved.items() if m.reloaded]:

@@ -55,12 +55,15 @@ class VocabParallelEmbedding(DeferredWeightGrad):
         return [self.weight]
 
     def _weight_grads(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
-        # ``inp``: local ids with -1 for tokens of other shards.
+        # ``inp``: local ids with -1 for tokens of other shards. Their rows of the gradient are
+        # zeroed rather than dropped: selecting the kept rows (``g[keep]``) sizes a tensor by a
+        # count on the device, which stops the host until the device catches up, twice per
+        # micro-batch. embedding_dense_backward is what nn.Embedding's backward runs
+        # (deterministic, accumulated in fp32 on CUDA), so tp=1 matches the unsharded model.
         ids = inp.reshape(-1)
-        keep = ids >= 0
-        g = grad_out.reshape(-1, grad_out.shape[-1])[keep]
-        dw = torch.zeros_like(self.weight)
-        dw.index_add_(0, ids[keep], g)
+        other = (ids < 0).unsqueeze(-1)
+        g = grad_out.reshape(-1, grad_out.shape[-1]).masked_fill(other, 0)
+        dw = torch.ops.aten.embedding_dense_backward(g, ids.clamp(min=0), self.weight.shape[0], -1, False)
         return [dw]
 
 
