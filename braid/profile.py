@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from braid.autograd_calls import on_this_thread
 from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
 from braid.cli import Parser, check_outputs, check_range, run_main
 from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
@@ -342,7 +343,14 @@ class _Timer:
 
 def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
                    progress: Progress) -> dict[str, Any]:
-    """Per-instance unit times (median) and memory deltas of one chunk, one micro-batch at a time."""
+    """Per-instance unit times (median) and memory deltas of one chunk, one micro-batch at a time
+    (backward calls on this thread, as the executor runs them)."""
+    with on_this_thread():
+        return _profile_chunk_units(chunk, spec, pc, timer, tp_group, dev, progress)
+
+
+def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
+                         progress: Progress) -> dict[str, Any]:
     dtype = _DTYPES[pc.dtype]
     vocab = pc.model.vocab_size
     g = torch.Generator().manual_seed(0)

@@ -41,6 +41,7 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.distributed as dist
 
+from braid.autograd_calls import on_this_thread
 from braid.braiding import ChunkSpec, UnitTask, carries
 from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
 from braid.braiding import steps as braid_steps
@@ -109,11 +110,22 @@ class _Pending:
 
 @dataclass(slots=True)
 class StepResult:
-    """What one run of a program produced on this rank."""
+    """What one run of a program produced on this rank.
 
-    loss: float | None  # sum over micro-batches of loss/m, on the rank holding the last stage
+    The loss stays on the device until it is read: reading ``loss`` waits for the step's
+    kernels, so a caller that launches its optimizer step first keeps the device busy
+    meanwhile (a float taken inside ``run`` would leave the device idle while the host
+    launches the optimizer).
+    """
+
+    loss_tensor: torch.Tensor | None  # sum over micro-batches of loss/m, on the rank holding the last stage
     trace: Trace
     counts: dict[str, int] = field(default_factory=dict)  # executed braided blocks, W units, ...
+
+    @property
+    def loss(self) -> float | None:
+        """The step's loss as a Python float (waits for the device), or None off the last stage."""
+        return None if self.loss_tensor is None else float(self.loss_tensor)
 
 
 # One unit task of a compute instruction, bound once per executor:
@@ -198,8 +210,13 @@ class Executor:
     def run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, record: Record | None = None) -> StepResult:
         """Execute the program once (one training step's forward and backward, gradients accumulated).
 
-        ``record`` overrides the executor's recording mode for this step only.
+        ``record`` overrides the executor's recording mode for this step only. Backward
+        calls run on this thread (:func:`braid.autograd_calls.on_this_thread`).
         """
+        with on_this_thread():
+            return self._run(tokens, labels, record)
+
+    def _run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], record: Record | None) -> StepResult:
         self._rec = self.record if record is None else _check_record(record)
         for c in self.chunks.values():
             c.set_batch(tokens, labels)
@@ -258,7 +275,7 @@ class Executor:
             if self.sp_group is not None:  # each SP rank holds its tokens' share of the loss
                 total = total.to(self.device)
                 self._wait(dist.all_reduce(total, group=self.sp_group, async_op=True))
-            loss = float(total)
+            loss = total.detach()
         return StepResult(loss, self._trace(), dict(self.counts))
 
     # -- compute -------------------------------------------------------------------------
