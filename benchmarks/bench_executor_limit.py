@@ -16,17 +16,21 @@ of ``--m`` micro-batches, then an AdamW step (``foreach``) -- under each contend
 
 Contenders run one after another in one process (each builds its copy of the weights and
 frees it after), warm-up steps first (compiling happens there), then the median of
-``--steps`` step times. Printed: step time, tokens/s, and every contender's speed as a
-ratio to braid's best schedule; written (atomically) to
+``--steps`` step times. ``--repeat R`` runs the whole list R times, round after round, so
+that every contender sees the device in each of its states (an H100's clock drifts with its
+temperature over a run); a contender's figure is the median over rounds, and every ratio is
+taken within a round and printed as median [min, max] over the rounds. Printed: step time,
+tokens/s, and every contender's speed as a ratio to braid's best schedule; written (atomically) to
 ``benchmarks/results/executor_limit_<gpu>.json`` (``--out`` overrides)::
 
     {"device": ..., "tokens_per_s": {"braid_braided_v": ..., "eager": ..., "eager_compiled": ...,
-     "torch_pp_best": ..., ...}, "step_s": {...}, "config": {...}}
+     "torch_pp_best": ..., ...}, "tokens_per_s_rounds": {...}, "ratios": {...}, "step_s": {...},
+     "config": {...}}
 
 The issue-20 setting on one GPU (4 Qwen2-7B-shaped layers, 32K vocabulary, seq 4096,
 8 micro-batches of 1, bf16)::
 
-    PYTHONPATH=. python benchmarks/bench_executor_limit.py --preset 7b-layer --layers-per-stage 2 --seq 4096 --m 8
+    PYTHONPATH=. python benchmarks/bench_executor_limit.py --preset 7b-layer --layers-per-stage 2 --seq 4096 --m 8 --repeat 3
 
 A CPU smoke run (seconds; compiled contenders off)::
 
@@ -153,6 +157,18 @@ def run_torch_pp(model, name: str, args, device, dtype, groups) -> tuple[list[fl
     return _timed(step, device, args.warmup, args.steps)
 
 
+def _speeds(results: dict[str, dict[str, Any]]) -> tuple[dict[str, float], str | None]:
+    """One round's tokens/s per contender (plus ``torch_pp_best``) and the name of braid's best schedule."""
+    from braid.baselines import TORCH_SCHEDULES
+
+    tps = {k: v["tokens_per_s"] for k, v in results.items() if "tokens_per_s" in v}
+    torch_runs = [tps[k] for k in TORCH_SCHEDULES if k in tps]
+    if torch_runs:
+        tps["torch_pp_best"] = max(torch_runs)
+    braid_runs = [k for k in tps if k.startswith("braid_") and not k.endswith("_eager")]
+    return tps, max(braid_runs, key=tps.get, default=None)
+
+
 def main(argv: list[str] | None = None) -> int:
     from braid.baselines import TORCH_SCHEDULES
     from braid.files import OutputPathError, atomic_write_text, check_output_path
@@ -175,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="+", default=[], choices=KINDS, help="contenders to leave out")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per contender; the median is reported (default 10)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds over all contenders; ratios are taken per round (default 1)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/executor_limit_<gpu>.json)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -183,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in args.schedule if s not in SCHEDULES]
     if bad:
         ap.error(f"--schedule {bad[0]!r}: pp=1 runs {', '.join(SCHEDULES)}")
-    if min(args.seq, args.m, args.micro_batch_size, args.layers_per_stage, args.steps) < 1 or args.warmup < 0:
-        ap.error("--seq, --m, --micro-batch-size, --layers-per-stage and --steps must be >= 1, --warmup >= 0")
+    if min(args.seq, args.m, args.micro_batch_size, args.layers_per_stage, args.steps, args.repeat) < 1 or args.warmup < 0:
+        ap.error("--seq, --m, --micro-batch-size, --layers-per-stage, --steps and --repeat must be >= 1, --warmup >= 0")
     try:
         compile_units = compiled_units.resolve(args.compile, device)
         out = check_output_path(args.out or f"benchmarks/results/executor_limit_{gpu_slug(device)}.json", what="--out")
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)
-    results: dict[str, dict[str, Any]] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []
     try:
         groups = ProcessGroups.create(Topology(1, pp=1, tp=1))
         jobs: list[tuple[str, Callable[[], tuple[list[float], Any]]]] = []
@@ -224,49 +241,62 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append(("eager_compiled", lambda: run_loop(model, args, device, dtype, True)))
         if "torch_pp" not in args.skip:
             jobs += [(n, lambda n=n: run_torch_pp(model, n, args, device, dtype, groups)) for n in TORCH_SCHEDULES]
-        for name, job in jobs:
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            try:
-                times, loss = job()
-            except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
-                results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-            else:
-                step = statistics.median(times)
-                results[name] = {"step_s": step, "step_s_all": times, "loss": loss,
-                                 "tokens_per_s": args.m * args.micro_batch_size * args.seq / step}
-            _free(device)
+        for r in range(args.repeat):
+            results: dict[str, dict[str, Any]] = {}
+            for name, job in jobs:
+                print(f"round {r + 1}/{args.repeat}: running {name} ...", file=sys.stderr, flush=True)
+                try:
+                    times, loss = job()
+                except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
+                    results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+                else:
+                    step = statistics.median(times)
+                    results[name] = {"step_s": step, "step_s_all": times, "loss": loss,
+                                     "tokens_per_s": args.m * args.micro_batch_size * args.seq / step}
+                _free(device)
+            rounds.append(results)
     finally:
         dist.destroy_process_group()
 
-    tps = {k: v["tokens_per_s"] for k, v in results.items() if "tokens_per_s" in v}
-    torch_runs = {k: v for k, v in tps.items() if k in TORCH_SCHEDULES}
-    if torch_runs:
-        best = max(torch_runs, key=torch_runs.get)
-        tps["torch_pp_best"] = torch_runs[best]
-    braid_runs = {k: v for k, v in tps.items() if k.startswith("braid_") and not k.endswith("_eager")}
-    ref_name = max(braid_runs, key=braid_runs.get) if braid_runs else None
+    per_round = [_speeds(res) for res in rounds]
+    names = list(dict.fromkeys(k for tps_r, _ in per_round for k in tps_r))
+    tps = {k: statistics.median([t[k] for t, _ in per_round if k in t]) for k in names}
+    tps_rounds = {k: [t[k] for t, _ in per_round if k in t] for k in names}
+    ref_name = max((k for k in tps if k.startswith("braid_") and not k.endswith("_eager")), key=tps.get, default=None)
+    # ratios within each round: braid's best schedule of that round over each baseline
+    ratios: dict[str, list[float]] = {}
+    for t, best in per_round:
+        if best is None:
+            continue
+        for other in ("eager", "eager_compiled", "torch_pp_best"):
+            if other in t:
+                ratios.setdefault(other, []).append(t[best] / t[other])
+    results = rounds[-1]
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"# {dev_name}, torch {torch.__version__}, {args.preset} x {2 * args.layers_per_stage} layers, seq {args.seq}, "
-          f"m={args.m} x {args.micro_batch_size}, {str(dtype).removeprefix('torch.')}, braid compiled units: {compile_units}")
-    head = f"{'contender':<26}{'step ms':>10}{'tokens/s':>12}{'vs braid best':>15}"
+          f"m={args.m} x {args.micro_batch_size}, {str(dtype).removeprefix('torch.')}, braid compiled units: {compile_units}, "
+          f"{args.repeat} round(s) of {args.steps} steps")
+    head = f"{'contender':<26}{'step ms':>10}{'tokens/s':>12}{'vs braid best':>15}{'tokens/s min-max over rounds':>32}"
     print(head + "\n" + "-" * len(head))
+    for name in names:
+        ratio = f"{tps[name] / tps[ref_name]:.3f}" if ref_name else "-"
+        lo, hi = min(tps_rounds[name]), max(tps_rounds[name])
+        step_ms = args.m * args.micro_batch_size * args.seq / tps[name] * 1e3
+        print(f"{name:<26}{step_ms:>10.2f}{tps[name]:>12.0f}{ratio:>15}{f'{lo:.0f} - {hi:.0f}':>32}")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<26}  could not run: {r['error']}")
-            continue
-        ratio = f"{r['tokens_per_s'] / tps[ref_name]:.3f}" if ref_name else "-"
-        print(f"{name:<26}{r['step_s'] * 1e3:>10.2f}{r['tokens_per_s']:>12.0f}{ratio:>15}")
-    if ref_name:
-        for other in ("eager", "eager_compiled", "torch_pp_best"):
-            if other in tps:
-                print(f"{ref_name} / {other}: {tps[ref_name] / tps[other]:.3f}x")
-    doc = {"device": dev_name, "torch": torch.__version__, "tokens_per_s": tps,
+    for other, rs in ratios.items():
+        print(f"braid best / {other}: {statistics.median(rs):.3f}x  [{min(rs):.3f}, {max(rs):.3f}] over {len(rs)} round(s)")
+    doc = {"device": dev_name, "torch": torch.__version__, "tokens_per_s": tps, "tokens_per_s_rounds": tps_rounds,
+           "ratios": {f"braid_best/{k}": {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": v}
+                      for k, v in ratios.items()},
            "step_s": {k: v["step_s"] for k, v in results.items() if "step_s" in v},
            "errors": {k: v["error"] for k, v in results.items() if "error" in v},
            "losses": {k: v["loss"] for k, v in results.items() if "loss" in v},
            "config": {"preset": args.preset, "layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "vocab": cfg.vocab_size,
                       "seq": args.seq, "m": args.m, "micro_batch_size": args.micro_batch_size, "dtype": str(dtype),
-                      "compiled_units": compile_units, "warmup": args.warmup, "steps": args.steps}}
+                      "compiled_units": compile_units, "warmup": args.warmup, "steps": args.steps, "repeat": args.repeat}}
     atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
