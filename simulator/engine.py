@@ -44,14 +44,12 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
 
 from __future__ import annotations
 
-import gc
 import heapq
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from braid.braiding import Phase, carries, steps
 from braid.costs import CostModel
+from braid.gc_pause import gc_paused
 from braid.offload import RELEASE_AFTER
 from braid.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
                       comm_stages, rank_chunk_of)
@@ -494,7 +492,7 @@ class Engine:
 
     def run(self) -> list[RankStats]:
         """Simulate every rank to its end; :class:`SimulationError` on deadlock or bad programs."""
-        with _gc_paused():
+        with gc_paused():
             self._run()
         for rs in self.ranks:
             # Paired here, with the collector on: young tuples of floats it stops tracking at
@@ -528,33 +526,6 @@ class Engine:
         lines += [f"  rank {rs.rank}: op {idx} ({ins}) is never matched: its peer rank {ins.peer} never posts the "
                   f"{'RECV' if isinstance(ins, Send) else 'SEND'}" for idx, ins in sorted(waiting, key=lambda x: x[0])]
         return "\n".join(lines)
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a run builds its many small objects.
-
-    A run at p=32, m=256 makes ~600k trace events that all live on. With the collector on,
-    the allocation bursts trigger young-generation passes that rescan them, then full
-    passes that rescan every live object (the programs included): that doubled the run time.
-    Events and stats hold only numbers and strings, so they form no cycles to collect.
-    On exit the objects made meanwhile go straight to the oldest generation
-    (``gc.freeze`` then ``gc.unfreeze``, as documented) instead of being scanned twice on
-    their way there. That moves the caller's young objects too: any garbage cycle among them
-    is then freed at the next full pass instead of an earlier young one (later, never lost).
-    It is skipped when the process has frozen objects of its own, which must stay frozen.
-    The collector's previous on/off state is restored. Results never depend on any of this.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
 
 
 def _shape(instr: Compute | Braided) -> tuple:
