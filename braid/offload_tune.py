@@ -71,6 +71,7 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
     cfg = plan.config
     rest = tuple(kv for kv in cfg.options if kv[0] not in OFFLOAD_OPTIONS)
     bare = Plan(plan.name, ScheduleConfig(cfg.p, cfg.m, cfg.v, rest), plan.placement, plan.ranks)
+    validate = True
     if proxy:
         from braid import schedules
 
@@ -79,7 +80,8 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
         if 0 < m_proxy < cfg.m and spec.accepts_m(cfg.p, m_proxy):
             bare = schedules.build(plan.name, cfg.p, m_proxy, cfg.v, **dict(rest))
             bare = Plan(bare.name, ScheduleConfig(cfg.p, m_proxy, cfg.v, rest), bare.placement, bare.ranks)
-    base = compile_plan(bare)
+            validate = False  # a registered generator's plan, validated by its tests (as braid.simulator.fast)
+    base = compile_plan(bare, validate=validate)
 
     def run(pol: OffloadPolicy) -> tuple[float, tuple[int, ...]]:
         progs = insert_offload(base, pol) if pol.alpha or pol.alpha_warmup else base

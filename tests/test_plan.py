@@ -26,7 +26,7 @@ SMALL = ModelConfig("small", layers=12, hidden=512, heads=8, kv_heads=4, ffn=102
 
 # -- fast path ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", [n for n in schedules.names() if schedules.get_schedule(n).steady_m])
-@pytest.mark.parametrize("model,p,m", [("qwen2-12b", 4, 40), ("qwen2-72b", 8, 128)])
+@pytest.mark.parametrize("model,p,m", [("qwen2-12b", 4, 96), ("qwen2-72b", 8, 256)])
 def test_extrapolation_equals_full_simulation(name: str, model: str, p: int, m: int) -> None:
     spec = schedules.get_schedule(name)
     costs = analytic_costs(get_model(model), H200, Layout(2, p, spec.v, spec.placement))
@@ -168,14 +168,13 @@ def test_planner_picks_the_measured_fastest(mset: dict, m: int, fastest: str) ->
     assert res.best[0].cand.schedule == fastest
 
 
-def test_extrapolation_error_on_a_long_deep_pipeline_is_small() -> None:
-    """p=32, m=256: the slope has rare one-off steps (simulator/fast.py), so the estimate is close, not equal."""
+def test_long_deep_pipeline_runs_in_full_and_extrapolation_declines_there() -> None:
+    """p=32, m=256: three short runs of 64 would cost 3/4 of the long one, so the fast path runs it in full
+    (an extrapolation there was off by 1.1e-4: a float tie that flips at m=191, simulator/fast.py)."""
     costs = analytic_costs(get_model("qwen2-72b"), H200, Layout(2, 32, 1, "loop"))
     fast = simulate_schedule("zb_h1", 32, 256, costs)
     full = simulate_schedule("zb_h1", 32, 256, costs, extrapolate=False)
-    assert fast.method.startswith("extrapolated")
-    assert fast.report.step_time_s == pytest.approx(full.report.step_time_s, rel=2e-4)
-    assert [r.peak_activation_bytes for r in fast.report.ranks] == [r.peak_activation_bytes for r in full.report.ranks]
+    assert fast.method == "full" and fast.report == full.report and fast.grad_ready == full.grad_ready
 
 
 # -- command line ----------------------------------------------------------------------------------
