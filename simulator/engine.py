@@ -107,6 +107,9 @@ class _Rank:
     carries: dict = field(default_factory=dict)  # instruction index -> braiding.Carry
     hoist: tuple | None = None  # (next compute index, carried all-reduce end) until its first task ran
     resume: dict = field(default_factory=dict)  # compute index -> row state after its hoisted first task
+    copies: bool = False  # the program has OFFLOAD/RELOAD: per-(mb, chunk) bytes and reload waits are tracked
+    tables: list = field(default_factory=list)  # instruction index -> its step table (filled as it runs)
+    watch: dict = field(default_factory=dict)  # instruction index -> its end time (indices chosen by the caller)
 
 
 # Enum members bound once: looking them up on the enum class is slow in the per-instruction paths.
@@ -129,6 +132,9 @@ class Engine:
         self.record = record
         self.events: list[Event] = []
         self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
+        for rs in self.ranks:
+            rs.copies = any(isinstance(ins, (Offload, Reload)) for ins in rs.prog)
+            rs.tables = [None] * len(rs.prog)
         if lay.tp > 1:
             for rs in self.ranks:
                 rs.carries = carries(rs.prog, costs.spec_of(rs.rank))
@@ -208,12 +214,14 @@ class Engine:
 
     def _compute(self, rs: _Rank, instr: Compute | Braided, idx: int) -> None:
         """Run a compute instruction (the rest of it, if its first unit task was hoisted)."""
-        ops = (instr,) if isinstance(instr, Compute) else instr.ops
         carry = rs.carries.get(idx) if self._tp else None
-        rows, totals, nominal = self._table(rs.rank, instr, carry is not None)
-        resumed = rs.resume.pop(idx, None)
+        tab = rs.tables[idx]
+        if tab is None:
+            tab = rs.tables[idx] = self._table(rs.rank, instr, carry is not None)
+        rows, totals, nominal = tab
+        resumed = rs.resume.pop(idx, None) if rs.resume else None
         if resumed is None:
-            t0 = self._compute_start(rs, instr, idx)
+            t0 = self._compute_start(rs, instr, idx) if rs.copies else rs.t
             state = (t0, t0, [0.0, 0.0], None)
             first = 0
         else:  # the inputs of its other member may have arrived after the hoisted task
@@ -230,10 +238,13 @@ class Engine:
         elif tp_free > t:
             rs.stats.tp_exposed_s += tp_free - t
             t = tp_free
-        for op, tot in zip(ops, totals):
-            rs.resident[op.key] = rs.resident.get(op.key, 0.0) + tot
+        if rs.copies:  # the bytes an OFFLOAD moves
+            for op, tot in zip((instr,) if isinstance(instr, Compute) else instr.ops, totals):
+                rs.resident[op.key] = rs.resident.get(op.key, 0.0) + tot
         rs.stats.nominal_compute_s += nominal
         rs.t = t
+        if idx in rs.watch:
+            rs.watch[idx] = t
 
     def _compute_start(self, rs: _Rank, instr: Compute | Braided, idx: int) -> float:
         """When a compute instruction may start: reloads landed, due offloads released."""
@@ -267,7 +278,7 @@ class Engine:
                 del rs.arrived[key]
                 rs.t = max(rs.t, arrived)
         rs.hoist = None
-        t0 = self._compute_start(rs, instr, j)
+        t0 = self._compute_start(rs, instr, j) if rs.copies else rs.t
         t, tp_free, pend, ar_start = self._rows(rs, instr, j, rows, 0, 1, (t0, max(t0, carry_end), [0.0, 0.0], None))
         rs.stats.nominal_compute_s += rows[0][1]
         if carry_end > t:  # the carried all-reduce must be done before the instruction goes on

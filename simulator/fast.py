@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
+from operator import itemgetter
 from typing import Any
 
 from braid.costs import CostModel
@@ -62,18 +63,18 @@ class FastResult:
     method: str  # "full" or "extrapolated from m=a,b,c"
 
 
-class _GradEngine(Engine):
-    """The engine, noting the end of every instruction that completes a chunk's weight gradients."""
-
-    def __init__(self, programs: list[Program], costs: CostModel) -> None:
-        super().__init__(programs, costs, record=False)
-        self.grad_ready: dict[tuple[int, int], float] = {}
-
-    def _compute(self, rs: Any, instr: Compute | Braided, idx: int) -> None:  # type: ignore[override]
-        super()._compute(rs, instr, idx)
-        for op in (instr,) if isinstance(instr, Compute) else instr.ops:
-            if op.kind in _GRAD_DONE:
-                self.grad_ready[(rs.rank, op.chunk)] = rs.t
+def _last_gradients(prog: Program) -> dict[int, list[int]]:
+    """Instruction index -> the chunks whose weight gradients are complete when it ends (its last W/BW)."""
+    last: dict[int, int] = {}
+    for idx, ins in enumerate(prog.instructions):
+        if isinstance(ins, (Compute, Braided)):
+            for op in (ins,) if isinstance(ins, Compute) else ins.ops:
+                if op.kind in _GRAD_DONE:
+                    last[op.chunk] = idx
+    out: dict[int, list[int]] = {}
+    for chunk, idx in last.items():
+        out.setdefault(idx, []).append(chunk)
+    return out
 
 
 @lru_cache(maxsize=256)
@@ -89,15 +90,19 @@ def run_programs(programs: list[Program] | tuple[Program, ...], costs: CostModel
                  *, grad_ready: bool = True) -> FastResult:
     """Simulate ``programs`` in full (no trace) and return the report with gradient-ready times
     (``grad_ready=False``: without them, a little faster)."""
-    eng = _GradEngine(list(programs), costs) if grad_ready else Engine(list(programs), costs, record=False)
+    eng = Engine(list(programs), costs, record=False)
+    chunks_at = [_last_gradients(prog) if grad_ready else {} for prog in programs]
+    for rs, at in zip(eng.ranks, chunks_at):
+        rs.watch = dict.fromkeys(at, 0.0)
     stats = eng.run()
+    ready = {(r, c): eng.ranks[r].watch[idx] for r, at in enumerate(chunks_at) for idx, cs in at.items() for c in cs}
     step = max((st.end_s for st in stats), default=0.0)
     ranks = []
     for r, st in enumerate(stats):
         peak = _peak(st.mem)
         ranks.append(RankReport(r, st.compute_s, st.tp_exposed_s, max(0.0, step - st.compute_s - st.tp_exposed_s), peak,
                                 peak / costs.ma_bytes if costs.ma_bytes else 0.0, st.end_s, st.nominal_compute_s))
-    return FastResult(_report(name, costs, m, step, ranks), getattr(eng, "grad_ready", {}), "full")
+    return FastResult(_report(name, costs, m, step, ranks), ready, "full")
 
 
 def _peak(deltas: list[tuple[float, float]]) -> int:
@@ -108,7 +113,7 @@ def _peak(deltas: list[tuple[float, float]]) -> int:
     the maximum running total is the series' peak."""
     if not deltas:
         return 0
-    return max(0, round(max(accumulate(d for _, d in sorted(deltas)))))
+    return max(0, round(max(accumulate(map(itemgetter(1), sorted(deltas))))))
 
 
 def _report(name: str, costs: CostModel, m: int, step: float, ranks: list[RankReport]) -> Report:
