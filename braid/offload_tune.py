@@ -95,7 +95,8 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
     def consider(alpha: float, warm: float, lead: int) -> OffloadPolicy:
         pol = OffloadPolicy(round(min(max(alpha, 0.0), 1.0), 3), round(min(max(warm, 0.0), 1.0), 3), lead, min_gap)
         if pol not in seen:
-            seen[pol] = step, peak = run(pol)
+            # nothing offloaded: the programs without offload, already simulated, whatever the lead
+            seen[pol] = step, peak = run(pol) if pol.alpha or pol.alpha_warmup else (base_step, base_peak)
             if step <= base_step * (1 + max_slowdown):
                 feasible[pol] = (max(peak), step, pol.alpha + pol.alpha_warmup)
         return pol

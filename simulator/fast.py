@@ -46,7 +46,7 @@ from operator import itemgetter
 from typing import Any
 
 from braid.costs import CostModel
-from braid.ir import Braided, Compute, OpKind, Program
+from braid.ir import Braided, Compute, OpKind, Plan, Program
 from braid.simulator.engine import Engine
 from braid.simulator.report import RankReport, Report
 
@@ -125,11 +125,13 @@ def _report(name: str, costs: CostModel, m: int, step: float, ranks: list[RankRe
 
 
 def simulate_schedule(name: str, p: int, m: int, costs: CostModel, options: tuple[tuple[str, Any], ...] = (),
-                      *, extrapolate: bool = True) -> FastResult:
+                      *, extrapolate: bool = True, plan: Plan | None = None) -> FastResult:
     """Simulate schedule ``name`` at (p, m) on ``costs``: extrapolated where the slope checks out, else in full.
 
     ``options`` are the schedule's knobs as sorted (name, value) pairs. ``ValueError`` when the
-    schedule rejects (p, m) or the costs do not fit its layout.
+    schedule rejects (p, m) or the costs do not fit its layout. ``plan``: the caller's
+    ``schedules.build(name, p, m, **dict(options))``, compiled (once, not cached) for a full run
+    instead of building it again.
     """
     from braid import schedules
 
@@ -145,12 +147,15 @@ def simulate_schedule(name: str, p: int, m: int, costs: CostModel, options: tupl
         out = _extrapolate(runs, (m - start) // k, name, m, costs)
         if out is not None:
             return FastResult(out[0], out[1], f"extrapolated from m={start},{start + k},{start + 2 * k}")
+    if plan is not None:
+        from braid.compiler import compile_plan
+
+        return run_programs(compile_plan(plan, validate=False), costs, name, m)
     return _full(name, p, m, costs, options)
 
 
 def _full(name: str, p: int, m: int, costs: CostModel, options: tuple) -> FastResult:
-    res = run_programs(compiled(name, p, m, options), costs, name, m)
-    return FastResult(res.report, res.grad_ready, "full")
+    return run_programs(compiled(name, p, m, options), costs, name, m)
 
 
 def _affine(a: float, b: float, c: float, n: int) -> float | None:
