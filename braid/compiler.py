@@ -106,26 +106,33 @@ def _deps(op: Compute, plan: Plan, rank: int) -> list[OpId]:
 def _check_plan_ops(plan: Plan) -> None:
     """Each (mb, chunk) on each rank: one F and either one BW or one B and one W."""
     p, m, v = plan.p, plan.m, plan.v
+    bit = {kind: 1 << i for i, kind in enumerate(OpKind)}
+    complete = (bit[OpKind.F] | bit[OpKind.BW], bit[OpKind.F] | bit[OpKind.B] | bit[OpKind.W])
     for rank, ops in enumerate(plan.ranks):
         seen: dict[tuple[OpKind, int, int], int] = {}
+        kinds: dict[tuple[int, int], int] = {}  # (mb, chunk) -> bits of the op kinds present
         for idx, instr in enumerate(ops):
             if not isinstance(instr, (Compute, Braided)):
                 raise ScheduleError("compute-only", "a plan holds compute instructions only; comm is inserted by the compiler",
                                     rank, idx, str(instr))
-            for op in compute_ops(instr):
-                if not (0 <= op.mb < m):
-                    raise ScheduleError("mb-range", f"micro-batch {op.mb} outside 0..{m - 1}", rank, idx, str(instr))
-                if not (0 <= op.chunk < v):
-                    raise ScheduleError("chunk-range", f"chunk {op.chunk} outside 0..{v - 1}", rank, idx, str(instr))
-                key = (op.kind, op.mb, op.chunk)
+            for op in ((instr,) if isinstance(instr, Compute) else instr.ops):
+                kind, mb, chunk = op.kind, op.mb, op.chunk
+                if not (0 <= mb < m):
+                    raise ScheduleError("mb-range", f"micro-batch {mb} outside 0..{m - 1}", rank, idx, str(instr))
+                if not (0 <= chunk < v):
+                    raise ScheduleError("chunk-range", f"chunk {chunk} outside 0..{v - 1}", rank, idx, str(instr))
+                key = (kind, mb, chunk)
                 if key in seen:
                     raise ScheduleError("unique-op", f"{op} appears twice (first at op {seen[key]})", rank, idx, str(instr))
                 seen[key] = idx
+                kinds[(mb, chunk)] = kinds.get((mb, chunk), 0) | bit[kind]
         if not seen and m * v > 0:
             raise ScheduleError("op-counts", f"this rank has no compute ops; each rank runs F and a backward (BW, or B "
                                 f"and W) of every (micro-batch, chunk): {m} x {v} here", rank)
         for mb in range(m):
             for chunk in range(v):
+                if kinds.get((mb, chunk), 0) in complete:
+                    continue
                 has = {k for k in OpKind if (k, mb, chunk) in seen}
                 if has not in ({OpKind.F, OpKind.BW}, {OpKind.F, OpKind.B, OpKind.W}):
                     if not has:
@@ -297,8 +304,9 @@ def compile_plan(plan: Plan, *, validate: bool = True) -> list[Program]:
 def _compile(plan: Plan, validate: bool) -> list[Program]:
     _check_plan_ops(plan)
     timing, deps = _schedule(plan)
-    op_rank, op_end = timing.op_rank, timing.op_end
-    table = _stage_table(plan)
+    op_end = timing.op_end
+    holder = [plan.rank_chunk_of(stage) for stage in range(plan.num_stages)]  # stage -> (rank, local chunk)
+    f_kind, act, grad = OpKind.F, CommKind.ACT, CommKind.GRAD
     # events[rank] = list of (key, instruction)
     events: list[list[tuple[tuple, Instruction]]] = [[] for _ in range(plan.p)]
     for rank, ops in enumerate(plan.ranks):
@@ -306,17 +314,15 @@ def _compile(plan: Plan, validate: bool) -> list[Program]:
         for idx, instr in enumerate(ops):
             ev.append(((rank_start[idx], 1, rank, idx), instr))
             for dep in rank_deps[idx]:
-                src_rank = op_rank[dep][0]
+                kind, mb, src_stage = dep
+                src_rank, src_chunk = holder[src_stage]
                 if src_rank == rank:
                     continue  # same-rank hand-off, kept in memory
-                kind, mb, src_stage = dep
-                # the consumer's local chunk: the stage after an activation, the stage before a gradient
-                dst_stage = src_stage + 1 if kind is OpKind.F else src_stage - 1
-                comm = CommKind.ACT if kind is OpKind.F else CommKind.GRAD
-                _, src_chunk = plan.rank_chunk_of(src_stage)
+                # an activation goes to the next stage, a gradient to the previous one (the consumer's, on this rank)
+                comm, dst_stage = (act, src_stage + 1) if kind is f_kind else (grad, src_stage - 1)
                 key = (op_end[dep], 0, src_rank, rank, comm.value, mb, src_stage)
                 events[src_rank].append((key, Send(comm, mb, src_chunk, rank)))
-                ev.append((key, Recv(comm, mb, table[rank].index(dst_stage), src_rank)))
+                ev.append((key, Recv(comm, mb, holder[dst_stage][1], src_rank)))
     programs = [Program(rank, tuple(i for _, i in sorted(ev, key=lambda e: e[0]))) for rank, ev in enumerate(events)]
     policy = OffloadPolicy.from_plan(plan)
     if policy is not None:

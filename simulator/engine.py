@@ -107,6 +107,7 @@ class _Rank:
     carries: dict = field(default_factory=dict)  # instruction index -> braiding.Carry
     hoist: tuple | None = None  # (next compute index, carried all-reduce end) until its first task ran
     resume: dict = field(default_factory=dict)  # compute index -> row state after its hoisted first task
+    codes: list = field(default_factory=list)  # instruction index -> _COMPUTE, _OFFLOAD, _RELOAD or _COMM
     copies: bool = False  # the program has OFFLOAD/RELOAD: per-(mb, chunk) bytes and reload waits are tracked
     tables: list = field(default_factory=list)  # instruction index -> its step table (filled as it runs)
     watch: dict = field(default_factory=dict)  # instruction index -> its end time (indices chosen by the caller)
@@ -115,6 +116,22 @@ class _Rank:
 # Enum members bound once: looking them up on the enum class is slow in the per-instruction paths.
 _F, _W = OpKind.F, OpKind.W
 _ACT, _GRAD = CommKind.ACT, CommKind.GRAD
+
+
+# What each instruction is, decided once per program (the main loop dispatches on these).
+_COMPUTE, _OFFLOAD, _RELOAD, _COMM = 0, 1, 2, 3
+
+
+def _code(ins: Instruction) -> int:
+    if isinstance(ins, (Compute, Braided)):
+        return _COMPUTE
+    if isinstance(ins, Offload):
+        return _OFFLOAD
+    if isinstance(ins, Reload):
+        return _RELOAD
+    if isinstance(ins, (Send, Recv)):
+        return _COMM
+    raise SimulationError(f"not an instruction: {ins!r}")
 
 
 def _in_flight(busy: list[tuple[float, float]], t: float) -> bool:
@@ -133,7 +150,8 @@ class Engine:
         self.events: list[Event] = []
         self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
         for rs in self.ranks:
-            rs.copies = any(isinstance(ins, (Offload, Reload)) for ins in rs.prog)
+            rs.codes = [_code(ins) for ins in rs.prog]
+            rs.copies = _OFFLOAD in rs.codes or _RELOAD in rs.codes
             rs.tables = [None] * len(rs.prog)
         if lay.tp > 1:
             for rs in self.ranks:
@@ -468,33 +486,39 @@ class Engine:
     # -- main loop -----------------------------------------------------------------------
     def _advance(self, rs: _Rank) -> None:
         """Run a rank until it finishes, parks to post comm in time order, or waits for a receive."""
-        prog, n = rs.prog, len(rs.prog)
-        while rs.pc < n:
+        prog, codes, n = rs.prog, rs.codes, len(rs.prog)
+        pc = rs.pc
+        while pc < n:
             if rs.hoist is not None and not self._hoisted(rs):
+                rs.pc = pc
                 return  # woken by the matching send's post
-            ins = prog[rs.pc]
-            if isinstance(ins, (Compute, Braided)):
+            code = codes[pc]
+            if code == _COMPUTE:
+                ins = prog[pc]
                 ready = self._inputs_ready(rs, ins)
                 if ready is None:
+                    rs.pc = pc
                     return  # woken by the matching send's post
                 if ready > rs.t:
                     rs.t = ready
-                self._compute(rs, ins, rs.pc)
-            elif isinstance(ins, Offload):
-                self._offload(rs, ins, rs.pc)
-            elif isinstance(ins, Reload):
-                self._reload(rs, ins, rs.pc)
+                self._compute(rs, ins, pc)
+            elif code == _OFFLOAD:
+                self._offload(rs, prog[pc], pc)
+            elif code == _RELOAD:
+                self._reload(rs, prog[pc], pc)
             elif not rs.posting:
                 rs.posting = True  # park until the heap reaches this time, so posts happen in time order
+                rs.pc = pc
                 self._push(rs)
                 return
             else:
                 rs.posting = False
-                while rs.pc < n and isinstance(prog[rs.pc], (Send, Recv)):
-                    self._post(rs, rs.pc, prog[rs.pc])  # type: ignore[arg-type]
-                    rs.pc += 1
+                while pc < n and codes[pc] == _COMM:
+                    self._post(rs, pc, prog[pc])
+                    pc += 1
                 continue
-            rs.pc += 1
+            pc += 1
+        rs.pc = pc
         for _, end, nbytes in rs.releasing:  # the step's end waits for the copy streams
             rs.mem_t.append(end)
             rs.mem_d.append(-nbytes)
