@@ -195,6 +195,8 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
         assert f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --mbs {r['m']}" in r["command"]
         assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
     assert ranked[0]["command"] in text and doc["search"]["best_proven"]
+    # the default cap: the device memory the driver reports (an H200 "141 GB" is 143771 MiB), as the header says
+    assert doc["problem"]["memory_gib"] * 2**30 == H200.memory_bytes and "cap 140.4 GiB per GPU" in text
     assert "examples/ have no --model qwen2-toy preset" in text  # a catalog shape the examples do not build
 
 
