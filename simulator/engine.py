@@ -109,7 +109,6 @@ class _Rank:
     resume: dict = field(default_factory=dict)  # compute index -> row state after its hoisted first task
     codes: list = field(default_factory=list)  # instruction index -> _COMPUTE, _OFFLOAD, _RELOAD or _COMM
     copies: bool = False  # the program has OFFLOAD/RELOAD: per-(mb, chunk) bytes and reload waits are tracked
-    tables: list = field(default_factory=list)  # instruction index -> its step table (filled as it runs)
     watch: dict = field(default_factory=dict)  # instruction index -> its end time (indices chosen by the caller)
 
 
@@ -119,10 +118,12 @@ _ACT, _GRAD = CommKind.ACT, CommKind.GRAD
 
 
 # What each instruction is, decided once per program (the main loop dispatches on these).
-_COMPUTE, _OFFLOAD, _RELOAD, _COMM = 0, 1, 2, 3
+_COMPUTE, _OFFLOAD, _RELOAD, _COMM = 1, 2, 3, 4
+_CODES = {Compute: _COMPUTE, Braided: _COMPUTE, Offload: _OFFLOAD, Reload: _RELOAD, Send: _COMM, Recv: _COMM}
 
 
 def _code(ins: Instruction) -> int:
+    """The code of an instruction whose type is not one of :data:`_CODES`' own (a subclass)."""
     if isinstance(ins, (Compute, Braided)):
         return _COMPUTE
     if isinstance(ins, Offload):
@@ -150,9 +151,8 @@ class Engine:
         self.events: list[Event] = []
         self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
         for rs in self.ranks:
-            rs.codes = [_code(ins) for ins in rs.prog]
+            rs.codes = [_CODES.get(type(ins)) or _code(ins) for ins in rs.prog]
             rs.copies = _OFFLOAD in rs.codes or _RELOAD in rs.codes
-            rs.tables = [None] * len(rs.prog)
         if lay.tp > 1:
             for rs in self.ranks:
                 rs.carries = carries(rs.prog, costs.spec_of(rs.rank))
@@ -233,10 +233,7 @@ class Engine:
     def _compute(self, rs: _Rank, instr: Compute | Braided, idx: int) -> None:
         """Run a compute instruction (the rest of it, if its first unit task was hoisted)."""
         carry = rs.carries.get(idx) if self._tp else None
-        tab = rs.tables[idx]
-        if tab is None:
-            tab = rs.tables[idx] = self._table(rs.rank, instr, carry is not None)
-        rows, totals, nominal = tab
+        rows, totals, nominal = self._table(rs.rank, instr, carry is not None)
         resumed = rs.resume.pop(idx, None) if rs.resume else None
         if resumed is None:
             t0 = self._compute_start(rs, instr, idx) if rs.copies else rs.t
@@ -448,15 +445,20 @@ class Engine:
         return min(s, other)
 
     def _post(self, rs: _Rank, idx: int, ins: Send | Recv) -> None:
-        key, is_send = self._route(rs.rank, ins, idx)
-        side_key = key + (is_send,)
-        if side_key in self._posted:
+        is_send = isinstance(ins, Send)
+        comm = ins.comm
+        boundary = self._routes.get((rs.rank, is_send, comm, ins.chunk, ins.peer))  # _route, inlined
+        if boundary is None:
+            boundary = self._route(rs.rank, ins, idx)[0][2]
+        side_key = (comm, ins.mb, boundary, is_send)
+        posted = self._posted
+        if side_key in posted:
             raise SimulationError(f"rank {rs.rank}: op {idx} ({ins}) is posted twice")
         if not is_send:
-            rs.expected.add((ins.comm, ins.mb, ins.chunk))
-        other = self._posted.pop(key + (not is_send,), None)
+            rs.expected.add((comm, ins.mb, ins.chunk))
+        other = posted.pop((comm, ins.mb, boundary, not is_send), None)
         if other is None:
-            self._posted[side_key] = (rs.rank, rs.t, idx, ins)
+            posted[side_key] = (rs.rank, rs.t, idx, ins)
             return
         o_rank, o_t, o_idx, o_ins = other
         ro = self.ranks[o_rank]
