@@ -15,13 +15,13 @@ run) or the schedule declares no steady state (``steady_m=0``: GPipe's peak grow
 ``FastResult.method`` says which was done.
 
 How exact: the three-run check confirms the constant slope locally, not for every longer
-run, and an extrapolated figure is an estimate. The known way it misses: ties. Where the
-engine compares two event times that are equal in exact arithmetic (e.g. which of two
-posts reaches a rank's P2P engine first: posts run in time order), float rounding decides,
-and rounding differs from one m to the next. qwen2-72b, zb_h1, p=32: the step grows by
-58.139663 ms per micro-batch from m=64 to 199 except one +0.2387 ms jump at m=191; with
-every time cost scaled by 1 +- 1e-9 the jump is gone (m=186..195 checked), so it is such a
-tie, not a change of the steady state. So extrapolation agrees with the full simulation to 1e-9 in
+run, and an extrapolated figure is an estimate. The known way it misses: ties. qwen2-72b,
+zb_h1, p=32: the step grows by 58.139663 ms per micro-batch from m=64 to 199 except one
++0.2387 ms jump at m=191; with every time cost scaled by 1 +- 1e-9 (which scales every
+time and keeps every decision in exact arithmetic) the jump is gone (m=186..195 checked).
+So some branch compares two times that are equal in exact arithmetic and float rounding,
+which differs from one m to the next, decides it. Which branch was not pinned down: not the
+order of P2P posts (posting in 1 ns buckets, ties by arrival, leaves the jump as it is). So extrapolation agrees with the full simulation to 1e-9 in
 ``tests/test_plan.py`` (p <= 8), but a full run may take the other branch of such a tie;
 the full simulation is the reference. Long runs where that was seen (p=32, m=256) are
 simulated in full by the rule above; callers that need the full simulation's figure pass
