@@ -15,18 +15,16 @@ run) or the schedule declares no steady state (``steady_m=0``: GPipe's peak grow
 ``FastResult.method`` says which was done.
 
 How exact: the three-run check confirms the constant slope locally, not for every longer
-run, and an extrapolated figure is an estimate. The known way it misses: ties. qwen2-72b,
-zb_h1, p=32: the step grows by 58.139663 ms per micro-batch from m=64 to 199 except one
-+0.2387 ms jump at m=191; with every time cost scaled by 1 +- 1e-9 (which scales every
-time and keeps every decision in exact arithmetic) the jump is gone (m=186..195 checked).
-So float rounding, which differs from one m to the next, decides between two times that
-are equal in exact arithmetic. Where, at m=191: the scaled and unscaled runs part at
-t=2.0367 s, where rank 16's P2P engine has two transfers ready at the same instant (the
-activation of F42 from rank 15, the gradient of B27 from rank 17); the one served second
-waits one transfer, 0.2387 ms -- the jump. Posting in 1 ns buckets with ties broken by rank
-leaves the m=191 jump as it is, so the heap's order of posts alone does not decide it. So extrapolation agrees with the full simulation to 1e-9 in
-``tests/test_plan.py`` (p <= 8), but a full run may take the other branch of such a tie;
-the full simulation is the reference. Long runs where that was seen (p=32, m=256) are
+run, and an extrapolated figure is an estimate. The known miss: qwen2-72b, zb_h1, p=32.
+The step grows by 58.139663 ms per micro-batch from m=64 to 199 except one +0.2387 ms jump
+at m=191. Its origin is a tie: at t=2.0367 s rank 16's P2P engine has two transfers ready
+at the same instant in exact arithmetic (the activation of F42 from rank 15, the gradient of
+B27 from rank 17), float rounding orders the two posts, and the one served second waits one
+transfer, 0.2387 ms. That early part of the run is the same at every m >= 43, and so is the
+order taken; but the path through the transfer that waited becomes critical only from
+m=191 on -- a late change of the critical path that short runs cannot see. With every time
+cost scaled by 1 +- 1e-9 (same decisions in exact arithmetic) rounding takes the other order
+and the slope is constant over m=186..195. Long runs like this one (p=32, m=256) are
 simulated in full by the rule above; callers that need the full simulation's figure pass
 ``extrapolate=False``.
 
