@@ -20,7 +20,7 @@ The step grows by 58.139663 ms per micro-batch from m=64 to 199 except one +0.23
 at m=191. Its origin is a tie: at t=2.0367 s rank 16's P2P engine has two transfers ready
 at the same instant in exact arithmetic (the activation of F42 from rank 15, the gradient of
 B27 from rank 17), float rounding orders the two posts, and the one served second waits one
-transfer, 0.2387 ms. That early part of the run is the same at every m >= 43, and so is the
+transfer, 0.2387 ms. That early part of the run is the same at m=190 and 191, and so is the
 order taken; but the path through the transfer that waited becomes critical only from
 m=191 on -- a late change of the critical path that short runs cannot see. With every time
 cost scaled by 1 +- 1e-9 (same decisions in exact arithmetic) rounding takes the other order
