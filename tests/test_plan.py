@@ -54,6 +54,31 @@ def test_fast_full_run_matches_the_simulator() -> None:
     assert [r.peak_activation_bytes for r in got.ranks] == [r.peak_activation_bytes for r in ref.ranks]
 
 
+@pytest.mark.parametrize("name", ["braided_v", "zb_h1", "dualpipe_v", "braided_v_offload"])
+def test_gradient_ready_times_are_the_end_of_each_chunks_last_weight_gradient(name: str) -> None:
+    """The fast path watches the last W/BW instruction of each (rank, chunk); an engine that notes the end of every
+    compute instruction with a W/BW (the last one per chunk wins) must agree."""
+    from braid.ir import Compute, OpKind
+    from braid.simulator.engine import Engine
+    from braid.simulator.fast import run_programs
+
+    class Noting(Engine):
+        def _compute(self, rs, instr, idx):  # type: ignore[override]
+            super()._compute(rs, instr, idx)
+            for op in (instr,) if isinstance(instr, Compute) else instr.ops:
+                if op.kind in (OpKind.W, OpKind.BW):
+                    self.noted[(rs.rank, op.chunk)] = rs.t
+
+    spec = schedules.get_schedule(name)
+    costs = analytic_costs(get_model("qwen2-12b"), H200, Layout(2, 4, spec.v, spec.placement))
+    progs = compile_plan(schedules.build(name, 4, 12))
+    eng = Noting(progs, costs, record=False)
+    eng.noted = {}
+    eng.run()
+    got = run_programs(progs, costs, name, 12).grad_ready
+    assert got == eng.noted and len(got) == 4 * spec.v
+
+
 def test_gpipe_declares_no_steady_state_and_runs_in_full() -> None:
     costs = analytic_costs(get_model("qwen2-12b"), H200, Layout(2, 4, 1, "loop"))
     assert simulate_schedule("gpipe", 4, 64, costs).method == "full"
