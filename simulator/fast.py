@@ -24,7 +24,10 @@ transfer, 0.2387 ms. That early part of the run is the same at m=190 and 191, an
 order taken; but the path through the transfer that waited becomes critical only from
 m=191 on -- a late change of the critical path that short runs cannot see. With every time
 cost scaled by 1 +- 1e-9 (same decisions in exact arithmetic) rounding takes the other order
-and the slope is constant over m=186..195. Long runs like this one (p=32, m=256) are
+and the slope is constant over m=186..195. Such ties are everywhere (a rank's sends and
+receives share one P2P engine; on analytic costs hundreds of transfers per run wait for one
+that was ready at the same instant, thousands at p=32), so their presence cannot tell when
+to decline. Long runs like this one (p=32, m=256) are
 simulated in full by the rule above; callers that need the full simulation's figure pass
 ``extrapolate=False``.
 
