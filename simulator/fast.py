@@ -27,9 +27,8 @@ cost scaled by 1 +- 1e-9 (same decisions in exact arithmetic) rounding takes the
 and the slope is constant over m=186..195. Such ties are everywhere (a rank's sends and
 receives share one P2P engine; on analytic costs hundreds of transfers per run wait for one
 that was ready at the same instant, thousands at p=32), so their presence cannot tell when
-to decline. Long runs like this one (p=32, m=256) are
-simulated in full by the rule above; callers that need the full simulation's figure pass
-``extrapolate=False``.
+to decline. Long runs like this one (p=32, m=256) are simulated in full by the rule above;
+callers that need the full simulation's figure pass ``extrapolate=False``.
 
 Compiled programs are cached per (schedule, p, m, options), without re-validation: the
 registered generators' programs are validated by their own tests, and the engine still
