@@ -310,16 +310,15 @@ class Engine:
         f = self.costs.ar_slowdown
         rank = rs.rank
         mem_t, mem_d = rs.mem_t.append, rs.mem_d.append
-        ops = (instr,) if isinstance(instr, Compute) else instr.ops
-        # Event fields that depend on the member, not the unit: (name, mb, chunk).
-        who = [(str(op), op.mb, op.chunk) for op in ops] if self.record else None
-        block = str(instr) if who is not None and isinstance(instr, Braided) else None
+        who = block = None
+        if self.record:  # event fields that depend on the member, not the unit: (name, mb, chunk)
+            who = [(str(op), op.mb, op.chunk) for op in ((instr,) if isinstance(instr, Compute) else instr.ops)]
+            block = str(instr) if isinstance(instr, Braided) else None
         ev = self.events.append
         busy = exposed = 0.0
         host, host_s = rs.host, self.costs.host_task_s
         # The hot loop of the simulator, one pass per unit task: locals only.
-        for k in range(first, stop):
-            member, dur, ar, waits, label, phase, dmem, tmp = rows[k]
+        for member, dur, ar, waits, label, phase, dmem, tmp in (rows if first == 0 and stop == len(rows) else rows[first:stop]):
             if host_s:
                 host += host_s  # the host issues this task
                 if host > t:
