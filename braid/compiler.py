@@ -40,6 +40,7 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
+from braid.gc_pause import gc_paused
 from braid.offload import OffloadPolicy, insert_offload
 
 from braid.ir import (
@@ -105,26 +106,33 @@ def _deps(op: Compute, plan: Plan, rank: int) -> list[OpId]:
 def _check_plan_ops(plan: Plan) -> None:
     """Each (mb, chunk) on each rank: one F and either one BW or one B and one W."""
     p, m, v = plan.p, plan.m, plan.v
+    bit = {kind: 1 << i for i, kind in enumerate(OpKind)}
+    complete = (bit[OpKind.F] | bit[OpKind.BW], bit[OpKind.F] | bit[OpKind.B] | bit[OpKind.W])
     for rank, ops in enumerate(plan.ranks):
         seen: dict[tuple[OpKind, int, int], int] = {}
+        kinds: dict[tuple[int, int], int] = {}  # (mb, chunk) -> bits of the op kinds present
         for idx, instr in enumerate(ops):
             if not isinstance(instr, (Compute, Braided)):
                 raise ScheduleError("compute-only", "a plan holds compute instructions only; comm is inserted by the compiler",
                                     rank, idx, str(instr))
-            for op in compute_ops(instr):
-                if not (0 <= op.mb < m):
-                    raise ScheduleError("mb-range", f"micro-batch {op.mb} outside 0..{m - 1}", rank, idx, str(instr))
-                if not (0 <= op.chunk < v):
-                    raise ScheduleError("chunk-range", f"chunk {op.chunk} outside 0..{v - 1}", rank, idx, str(instr))
-                key = (op.kind, op.mb, op.chunk)
+            for op in ((instr,) if isinstance(instr, Compute) else instr.ops):
+                kind, mb, chunk = op.kind, op.mb, op.chunk
+                if not (0 <= mb < m):
+                    raise ScheduleError("mb-range", f"micro-batch {mb} outside 0..{m - 1}", rank, idx, str(instr))
+                if not (0 <= chunk < v):
+                    raise ScheduleError("chunk-range", f"chunk {chunk} outside 0..{v - 1}", rank, idx, str(instr))
+                key = (kind, mb, chunk)
                 if key in seen:
                     raise ScheduleError("unique-op", f"{op} appears twice (first at op {seen[key]})", rank, idx, str(instr))
                 seen[key] = idx
+                kinds[(mb, chunk)] = kinds.get((mb, chunk), 0) | bit[kind]
         if not seen and m * v > 0:
             raise ScheduleError("op-counts", f"this rank has no compute ops; each rank runs F and a backward (BW, or B "
                                 f"and W) of every (micro-batch, chunk): {m} x {v} here", rank)
         for mb in range(m):
             for chunk in range(v):
+                if kinds.get((mb, chunk), 0) in complete:
+                    continue
                 has = {k for k in OpKind if (k, mb, chunk) in seen}
                 if has not in ({OpKind.F, OpKind.BW}, {OpKind.F, OpKind.B, OpKind.W}):
                     if not has:
@@ -155,30 +163,79 @@ def _instr_time(instr: Instruction) -> int:
     return sum(UNIT_TIME[op.kind] for op in compute_ops(instr))
 
 
+def _stage_table(plan: Plan) -> list[list[int]]:
+    """``table[rank][chunk]``: the virtual stage (one lookup instead of a placement call per op)."""
+    return [[plan.stage_of(rank, chunk) for chunk in range(plan.v)] for rank in range(plan.p)]
+
+
+def _instr_ids(instr: Instruction, stages: list[int], last: int) -> tuple[tuple[OpId, ...], list[OpId], int]:
+    """(own op ids, dependencies in member order, unit time) of one compute instruction on a rank
+    whose chunk -> stage map is ``stages`` (:func:`_op_id`, :func:`_deps` and :func:`_instr_time`)."""
+    own: list[OpId] = []
+    deps: list[OpId] = []
+    time = 0
+    for op in compute_ops(instr):
+        kind, mb = op.kind, op.mb
+        s = stages[op.chunk]
+        time += UNIT_TIME[kind]
+        if kind is OpKind.F:
+            own.append((kind, mb, s))
+            if s > 0:
+                deps.append((kind, mb, s - 1))
+        elif kind is OpKind.W:
+            own.append((kind, mb, s))
+            deps.append((OpKind.B, mb, s))
+        else:
+            own.append((OpKind.B, mb, s))
+            deps.append((OpKind.F, mb, s))
+            if s < last:
+                deps.append((OpKind.B, mb, s + 1))
+    return tuple(own), deps, time
+
+
 def list_schedule(plan: Plan) -> Timing:
     """Start/end of every compute instruction with unit op times; raises on deadlock."""
+    return _schedule(plan)[0]
+
+
+def _schedule(plan: Plan) -> tuple[Timing, list[list[list[OpId]]]]:
+    """:func:`list_schedule`, and the dependencies of every instruction (``[rank][index]``).
+
+    Each rank runs its instructions in order, each as soon as the rank is free and its
+    dependencies have ended. A rank that waits for an op is woken when that op ends, so the
+    work is linear in the number of instructions. The times do not depend on the order in
+    which ranks are advanced, and neither does the set of instructions that can never run.
+    """
     p = plan.p
+    last = plan.num_stages - 1
+    table = _stage_table(plan)
     op_rank: dict[OpId, tuple[int, int]] = {}
     deps: list[list[list[OpId]]] = []
+    owns: list[list[tuple[OpId, ...]]] = []
+    times: list[list[int]] = []
     for rank, ops in enumerate(plan.ranks):
-        rank_deps = []
+        rank_deps, rank_own, rank_time = [], [], []
+        stages = table[rank]
         for idx, instr in enumerate(ops):
-            d: list[OpId] = []
-            own = {_op_id(op, plan, rank) for op in compute_ops(instr)}
-            for op in compute_ops(instr):
-                op_rank[_op_id(op, plan, rank)] = (rank, idx)
-                d += _deps(op, plan, rank)
-            if own.intersection(d):
+            own, d, time = _instr_ids(instr, stages, last)
+            for oid in own:
+                op_rank[oid] = (rank, idx)
+            if len(own) > 1 and (own[0] in d or own[1] in d):
                 raise ScheduleError("braid-independent", "a braided block's members must not depend on each other "
                                     "(their units interleave)", rank, idx, str(instr))
             rank_deps.append(d)
+            rank_own.append(own)
+            rank_time.append(time)
         deps.append(rank_deps)
+        owns.append(rank_own)
+        times.append(rank_time)
     for rank, ops in enumerate(plan.ranks):
         for idx, d in enumerate(deps[rank]):
             for dep in d:
-                if dep not in op_rank:
+                where = op_rank.get(dep)
+                if where is None:
                     raise ScheduleError("dependency-exists", f"needs {_fmt_id(dep)}, which no rank runs", rank, idx, str(ops[idx]))
-                dr, di = op_rank[dep]
+                dr, di = where
                 if dr == rank and di > idx:
                     raise ScheduleError("dependency-order", f"needs {_fmt_id(dep)}, which comes later on this rank (op {di})",
                                         rank, idx, str(ops[idx]), grid=format_grid(plan.ranks, (rank, idx)))
@@ -187,33 +244,43 @@ def list_schedule(plan: Plan) -> Timing:
     op_end: dict[OpId, int] = {}
     ptr = [0] * p
     free = [0] * p
-    remaining = sum(len(ops) for ops in plan.ranks)
-    while remaining:
-        progressed = False
-        for rank in range(p):
-            ops = plan.ranks[rank]
-            while ptr[rank] < len(ops):
-                idx = ptr[rank]
-                need = deps[rank][idx]
-                if any(d not in op_end for d in need):
+    waiting: dict[OpId, list[int]] = {}  # op id -> ranks whose next instruction waits for it
+    ready = list(range(p - 1, -1, -1))  # a stack of ranks to advance
+    while ready:
+        rank = ready.pop()
+        rank_deps, rank_own, rank_time = deps[rank], owns[rank], times[rank]
+        rank_start, rank_end = start[rank], end[rank]
+        idx, n, t_free = ptr[rank], len(rank_deps), free[rank]
+        while idx < n:
+            t0 = t_free
+            blocked = None
+            for d in rank_deps[idx]:
+                e = op_end.get(d)
+                if e is None:
+                    blocked = d
                     break
-                t0 = max([free[rank]] + [op_end[d] for d in need])
-                t1 = t0 + _instr_time(ops[idx])
-                start[rank][idx], end[rank][idx] = t0, t1
-                for op in compute_ops(ops[idx]):
-                    op_end[_op_id(op, plan, rank)] = t1
-                free[rank] = t1
-                ptr[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [(r, ptr[r], str(plan.ranks[r][ptr[r]])) for r in range(p) if ptr[r] < len(plan.ranks[r])]
-            desc = "; ".join(f"rank {r} op {i} ({t}) waits for "
-                             + ", ".join(_fmt_id(d) for d in deps[r][i] if d not in op_end) for r, i, t in stuck)
-            r0, i0, t0 = stuck[0]
-            raise ScheduleError("deadlock-free", f"the plan deadlocks: {desc}", r0, i0, t0,
-                                grid=format_grid(plan.ranks, (r0, i0)))
-    return Timing(start, end, op_end, op_rank)
+                if e > t0:
+                    t0 = e
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(rank)
+                break
+            t_free = t0 + rank_time[idx]
+            rank_start[idx], rank_end[idx] = t0, t_free
+            for oid in rank_own[idx]:
+                op_end[oid] = t_free
+                woken = waiting.pop(oid, None)
+                if woken:
+                    ready.extend(woken)
+            idx += 1
+        ptr[rank], free[rank] = idx, t_free
+    if any(ptr[r] < len(plan.ranks[r]) for r in range(p)):
+        stuck = [(r, ptr[r], str(plan.ranks[r][ptr[r]])) for r in range(p) if ptr[r] < len(plan.ranks[r])]
+        desc = "; ".join(f"rank {r} op {i} ({t}) waits for "
+                         + ", ".join(_fmt_id(d) for d in deps[r][i] if d not in op_end) for r, i, t in stuck)
+        r0, i0, t0 = stuck[0]
+        raise ScheduleError("deadlock-free", f"the plan deadlocks: {desc}", r0, i0, t0,
+                            grid=format_grid(plan.ranks, (r0, i0)))
+    return Timing(start, end, op_end, op_rank), deps
 
 
 def _fmt_id(op: OpId) -> str:
@@ -230,24 +297,32 @@ def compile_plan(plan: Plan, *, validate: bool = True) -> list[Program]:
     A plan whose config has the option ``offload_alpha`` also gets OFFLOAD/RELOAD
     instructions (:mod:`braid.offload`).
     """
+    with gc_paused():  # ~100k small objects at p=32, m=256 (braid.gc_pause)
+        return _compile(plan, validate)
+
+
+def _compile(plan: Plan, validate: bool) -> list[Program]:
     _check_plan_ops(plan)
-    timing = list_schedule(plan)
+    timing, deps = _schedule(plan)
+    op_end = timing.op_end
+    holder = [plan.rank_chunk_of(stage) for stage in range(plan.num_stages)]  # stage -> (rank, local chunk)
+    f_kind, act, grad = OpKind.F, CommKind.ACT, CommKind.GRAD
     # events[rank] = list of (key, instruction)
     events: list[list[tuple[tuple, Instruction]]] = [[] for _ in range(plan.p)]
     for rank, ops in enumerate(plan.ranks):
+        ev, rank_start, rank_deps = events[rank], timing.start[rank], deps[rank]
         for idx, instr in enumerate(ops):
-            events[rank].append(((timing.start[rank][idx], 1, rank, idx), instr))
-            for op in compute_ops(instr):
-                for dep in _deps(op, plan, rank):
-                    src_rank, _ = timing.op_rank[dep]
-                    if src_rank == rank:
-                        continue  # same-rank hand-off, kept in memory
-                    kind, mb, src_stage = dep
-                    comm = CommKind.ACT if kind is OpKind.F else CommKind.GRAD
-                    _, src_chunk = plan.rank_chunk_of(src_stage)
-                    key = (timing.op_end[dep], 0, src_rank, rank, comm.value, mb, src_stage)
-                    events[src_rank].append((key, Send(comm, mb, src_chunk, rank)))
-                    events[rank].append((key, Recv(comm, mb, op.chunk, src_rank)))
+            ev.append(((rank_start[idx], 1, rank, idx), instr))
+            for dep in rank_deps[idx]:
+                kind, mb, src_stage = dep
+                src_rank, src_chunk = holder[src_stage]
+                if src_rank == rank:
+                    continue  # same-rank hand-off, kept in memory
+                # an activation goes to the next stage, a gradient to the previous one (the consumer's, on this rank)
+                comm, dst_stage = (act, src_stage + 1) if kind is f_kind else (grad, src_stage - 1)
+                key = (op_end[dep], 0, src_rank, rank, comm.value, mb, src_stage)
+                events[src_rank].append((key, Send(comm, mb, src_chunk, rank)))
+                ev.append((key, Recv(comm, mb, holder[dst_stage][1], src_rank)))
     programs = [Program(rank, tuple(i for _, i in sorted(ev, key=lambda e: e[0]))) for rank, ev in enumerate(events)]
     policy = OffloadPolicy.from_plan(plan)
     if policy is not None:

@@ -26,7 +26,9 @@ class Hardware:
     host<->device copy bandwidth per direction; ``pcie_duplex_slowdown``: how much longer a
     copy takes while one in the other direction runs (1 = full duplex, 2 = one shared link;
     ``python -m braid.profile`` measures it); ``p2p_over_pcie``: pipeline traffic shares
-    the PCIe link with host copies (PCIe-only boxes); ``memory_bytes``: device memory.
+    the PCIe link with host copies (PCIe-only boxes); ``memory_bytes``: device memory as the
+    driver reports it (``nvidia-smi``'s memory.total, ``torch.cuda.get_device_properties().total_memory``),
+    the cap the planner checks a configuration's peak against (:data:`DEVICE_MIB`).
     ``inter_node_bytes_per_s``/``inter_node_latency_s``: what one GPU gets between nodes (its
     InfiniBand/RoCE NIC; collectives and P2P that cross nodes run at this rate);
     ``hbm_bytes_per_s``: achievable device-memory bandwidth (the optimizer step is bound by it).
@@ -59,7 +61,13 @@ class Hardware:
 
 
 GB = 1e9
-GIB = 1 << 30
+MIB = 1 << 20
+
+# Device memory as nvidia-smi reports it (memory.total, MiB). The datasheets' round figures
+# are not bytes of either unit: an H200 "141 GB" reports 143771 MiB (140.4 GiB, 150.8e9
+# bytes), an H100 "80 GB" 81559 MiB (79.6 GiB), an A100 "80 GB" (the A800's board) 81920 MiB,
+# an H20 "96 GB" 97871 MiB (95.6 GiB).
+DEVICE_MIB = {"h200": 143771, "h100": 81559, "a800": 81920, "h20": 97871}
 
 # Between nodes: one 400 Gb/s NIC per GPU (H100/H200/H20 NDR, A800 200 Gb/s), ~80% achievable;
 # HBM: ~85% of the datasheet bandwidth (H200 4.8 TB/s, H100 3.35, A800 2.0, H20 4.0).
@@ -68,21 +76,21 @@ GIB = 1 << 30
 HARDWARE: dict[str, Hardware] = {
     "h200": Hardware("h200", matmul_flops=622e12, attn_flops=450e12, peak_flops=989e12,
                      ar_bus_bytes_per_s=267 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
-                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=141 * GIB, pcie_duplex_slowdown=1.1,
+                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=DEVICE_MIB["h200"] * MIB, pcie_duplex_slowdown=1.1,
                      inter_node_bytes_per_s=40 * GB, hbm_bytes_per_s=4.1e12),
     "h100": Hardware("h100", matmul_flops=600e12, attn_flops=420e12, peak_flops=989e12,
                      ar_bus_bytes_per_s=260 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
-                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=80 * GIB, pcie_duplex_slowdown=1.1,
+                     p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=DEVICE_MIB["h100"] * MIB, pcie_duplex_slowdown=1.1,
                      inter_node_bytes_per_s=40 * GB, hbm_bytes_per_s=2.85e12),
     # A800: A100 compute, NVLink capped at 400 GB/s -> TP comm is relatively expensive.
     "a800": Hardware("a800", matmul_flops=230e12, attn_flops=170e12, peak_flops=312e12,
                      ar_bus_bytes_per_s=150 * GB, ar_latency_s=12e-6, p2p_bytes_per_s=100 * GB,
-                     p2p_latency_s=20e-6, pcie_bytes_per_s=25 * GB, memory_bytes=80 * GIB,
+                     p2p_latency_s=20e-6, pcie_bytes_per_s=25 * GB, memory_bytes=DEVICE_MIB["a800"] * MIB,
                      inter_node_bytes_per_s=20 * GB, hbm_bytes_per_s=1.7e12),
     # H20: low bf16 FLOPs, full NVLink -> TP comm is relatively cheap (paper Appendix, Table 8).
     "h20": Hardware("h20", matmul_flops=120e12, attn_flops=100e12, peak_flops=148e12,
                     ar_bus_bytes_per_s=267 * GB, ar_latency_s=10e-6, p2p_bytes_per_s=300 * GB,
-                    p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=96 * GIB,
+                    p2p_latency_s=15e-6, pcie_bytes_per_s=55 * GB, memory_bytes=DEVICE_MIB["h20"] * MIB,
                     inter_node_bytes_per_s=40 * GB, hbm_bytes_per_s=3.4e12),
 }
 

@@ -71,6 +71,7 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
     cfg = plan.config
     rest = tuple(kv for kv in cfg.options if kv[0] not in OFFLOAD_OPTIONS)
     bare = Plan(plan.name, ScheduleConfig(cfg.p, cfg.m, cfg.v, rest), plan.placement, plan.ranks)
+    validate = True
     if proxy:
         from braid import schedules
 
@@ -79,7 +80,8 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
         if 0 < m_proxy < cfg.m and spec.accepts_m(cfg.p, m_proxy):
             bare = schedules.build(plan.name, cfg.p, m_proxy, cfg.v, **dict(rest))
             bare = Plan(bare.name, ScheduleConfig(cfg.p, m_proxy, cfg.v, rest), bare.placement, bare.ranks)
-    base = compile_plan(bare)
+            validate = False  # a registered generator's plan, validated by its tests (as braid.simulator.fast)
+    base = compile_plan(bare, validate=validate)
 
     def run(pol: OffloadPolicy) -> tuple[float, tuple[int, ...]]:
         progs = insert_offload(base, pol) if pol.alpha or pol.alpha_warmup else base
@@ -93,7 +95,8 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
     def consider(alpha: float, warm: float, lead: int) -> OffloadPolicy:
         pol = OffloadPolicy(round(min(max(alpha, 0.0), 1.0), 3), round(min(max(warm, 0.0), 1.0), 3), lead, min_gap)
         if pol not in seen:
-            seen[pol] = step, peak = run(pol)
+            # nothing offloaded: the programs without offload, already simulated, whatever the lead
+            seen[pol] = step, peak = run(pol) if pol.alpha or pol.alpha_warmup else (base_step, base_peak)
             if step <= base_step * (1 + max_slowdown):
                 feasible[pol] = (max(peak), step, pol.alpha + pol.alpha_warmup)
         return pol

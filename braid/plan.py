@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
     ap.add_argument("--memory", type=float, default=None, metavar="GiB",
-                    help="memory cap per GPU in GiB (default: the hardware's, 141 GB on h200)")
+                    help="memory cap per GPU in GiB (default: the hardware's device memory as the driver reports it, "
+                         "140.4 GiB on h200 -- sold as 141 GB; braid.hardware.DEVICE_MIB)")
     ap.add_argument("--global-batch", type=int, default=None, metavar="B", help="samples per step (default: 2 per GPU)")
     ap.add_argument("--seq", type=int, default=None, help="LM tokens per sample (default: the model's, 4096)")
     ap.add_argument("--optimizer", default="replicated", choices=["replicated", "zero1"],
@@ -200,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer)
     res = search(prob, top=args.top, time_budget_s=args.time_budget)
     print(f"# {model.name} on {args.gpus} x {hw.name} ({args.gpus_per_node} per node), global batch {gb} x {model.seq} tokens, "
-          f"cap {cap / 2**30:.0f} GiB per GPU, optimizer {args.optimizer}")
+          f"cap {cap / 2**30:.1f} GiB per GPU, optimizer {args.optimizer}")
     print(f"# {res.enumerated} candidates, {res.memory_pruned} pruned by memory, {len(res.evaluated)} simulated, "
           f"{res.bound_pruned} left by the bound, in {res.elapsed_s:.1f} s"
           + ("; no unsimulated candidate can beat #1" if res.complete else
@@ -210,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "simulated; raise it", file=sys.stderr)
         return 2
     if not res.best:
-        print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.0f} GiB per GPU; use more GPUs, a shorter --seq "
+        print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.1f} GiB per GPU; use more GPUs, a shorter --seq "
               "or --optimizer zero1", file=sys.stderr)
         return 2
     print(format_ranking(res))

@@ -143,22 +143,25 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             if _max_pp(model, plan.v, args.pp) < args.pp:
                 doc["skipped"][name] = (plan.v, "layers")
             costs = _costs_for(args, model, hw, plan)
+            tuned = False
             if name not in given and schedules.get_schedule(name).knob("offload_alpha") is not None and args.offload_alpha == "auto":
                 # long plans (p*m >= COARSE_PM) get the coarse search: each simulation costs most of a second there
                 choice = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True,
                                       coarse=args.pp * args.mbs >= COARSE_PM)
-                options = choice.options()
+                options, tuned = choice.options(), True
                 notes.append(f"{name}: auto offload {choice.describe()}"
                              + (f" (tuned at m={choice.m})" if choice.m != args.mbs else "")
                              + (" (coarse search)" if args.pp * args.mbs >= COARSE_PM else ""))
             if record or name in given:
-                full = plan if name in given else schedules.build(name, args.pp, args.mbs, **options)
+                full = schedules.build(name, args.pp, args.mbs, **options) if tuned else plan
                 res = simulate(compile_plan(full), costs, name=name, record=record)
                 if record:
                     traces.append(res.trace)
                 report = res.report
             else:
-                fast = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items())))
+                # the plan built above is the one to simulate unless the offload tuner chose new options
+                fast = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items())),
+                                         plan=None if tuned else plan)
                 report = fast.report
                 if fast.method != "full":
                     extrapolated.append(name)

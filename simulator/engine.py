@@ -44,14 +44,12 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
 
 from __future__ import annotations
 
-import gc
 import heapq
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from braid.braiding import Phase, carries, steps
 from braid.costs import CostModel
+from braid.gc_pause import gc_paused
 from braid.offload import RELEASE_AFTER
 from braid.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
                       comm_stages, rank_chunk_of)
@@ -109,11 +107,32 @@ class _Rank:
     carries: dict = field(default_factory=dict)  # instruction index -> braiding.Carry
     hoist: tuple | None = None  # (next compute index, carried all-reduce end) until its first task ran
     resume: dict = field(default_factory=dict)  # compute index -> row state after its hoisted first task
+    codes: list = field(default_factory=list)  # instruction index -> _COMPUTE, _OFFLOAD, _RELOAD or _COMM
+    copies: bool = False  # the program has OFFLOAD/RELOAD: per-(mb, chunk) bytes and reload waits are tracked
+    watch: dict = field(default_factory=dict)  # instruction index -> its end time (indices chosen by the caller)
 
 
 # Enum members bound once: looking them up on the enum class is slow in the per-instruction paths.
 _F, _W = OpKind.F, OpKind.W
 _ACT, _GRAD = CommKind.ACT, CommKind.GRAD
+
+
+# What each instruction is, decided once per program (the main loop dispatches on these).
+_COMPUTE, _OFFLOAD, _RELOAD, _COMM = 1, 2, 3, 4
+_CODES = {Compute: _COMPUTE, Braided: _COMPUTE, Offload: _OFFLOAD, Reload: _RELOAD, Send: _COMM, Recv: _COMM}
+
+
+def _code(ins: Instruction) -> int:
+    """The code of an instruction whose type is not one of :data:`_CODES`' own (a subclass)."""
+    if isinstance(ins, (Compute, Braided)):
+        return _COMPUTE
+    if isinstance(ins, Offload):
+        return _OFFLOAD
+    if isinstance(ins, Reload):
+        return _RELOAD
+    if isinstance(ins, (Send, Recv)):
+        return _COMM
+    raise SimulationError(f"not an instruction: {ins!r}")
 
 
 def _in_flight(busy: list[tuple[float, float]], t: float) -> bool:
@@ -131,6 +150,9 @@ class Engine:
         self.record = record
         self.events: list[Event] = []
         self.ranks = [_Rank(i, tuple(prog.instructions)) for i, prog in enumerate(programs)]
+        for rs in self.ranks:
+            rs.codes = [_CODES.get(type(ins)) or _code(ins) for ins in rs.prog]
+            rs.copies = _OFFLOAD in rs.codes or _RELOAD in rs.codes
         if lay.tp > 1:
             for rs in self.ranks:
                 rs.carries = carries(rs.prog, costs.spec_of(rs.rank))
@@ -210,12 +232,11 @@ class Engine:
 
     def _compute(self, rs: _Rank, instr: Compute | Braided, idx: int) -> None:
         """Run a compute instruction (the rest of it, if its first unit task was hoisted)."""
-        ops = (instr,) if isinstance(instr, Compute) else instr.ops
         carry = rs.carries.get(idx) if self._tp else None
         rows, totals, nominal = self._table(rs.rank, instr, carry is not None)
-        resumed = rs.resume.pop(idx, None)
+        resumed = rs.resume.pop(idx, None) if rs.resume else None
         if resumed is None:
-            t0 = self._compute_start(rs, instr, idx)
+            t0 = self._compute_start(rs, instr, idx) if rs.copies else rs.t
             state = (t0, t0, [0.0, 0.0], None)
             first = 0
         else:  # the inputs of its other member may have arrived after the hoisted task
@@ -232,10 +253,13 @@ class Engine:
         elif tp_free > t:
             rs.stats.tp_exposed_s += tp_free - t
             t = tp_free
-        for op, tot in zip(ops, totals):
-            rs.resident[op.key] = rs.resident.get(op.key, 0.0) + tot
+        if rs.copies:  # the bytes an OFFLOAD moves
+            for op, tot in zip((instr,) if isinstance(instr, Compute) else instr.ops, totals):
+                rs.resident[op.key] = rs.resident.get(op.key, 0.0) + tot
         rs.stats.nominal_compute_s += nominal
         rs.t = t
+        if idx in rs.watch:
+            rs.watch[idx] = t
 
     def _compute_start(self, rs: _Rank, instr: Compute | Braided, idx: int) -> float:
         """When a compute instruction may start: reloads landed, due offloads released."""
@@ -269,7 +293,7 @@ class Engine:
                 del rs.arrived[key]
                 rs.t = max(rs.t, arrived)
         rs.hoist = None
-        t0 = self._compute_start(rs, instr, j)
+        t0 = self._compute_start(rs, instr, j) if rs.copies else rs.t
         t, tp_free, pend, ar_start = self._rows(rs, instr, j, rows, 0, 1, (t0, max(t0, carry_end), [0.0, 0.0], None))
         rs.stats.nominal_compute_s += rows[0][1]
         if carry_end > t:  # the carried all-reduce must be done before the instruction goes on
@@ -286,16 +310,15 @@ class Engine:
         f = self.costs.ar_slowdown
         rank = rs.rank
         mem_t, mem_d = rs.mem_t.append, rs.mem_d.append
-        ops = (instr,) if isinstance(instr, Compute) else instr.ops
-        # Event fields that depend on the member, not the unit: (name, mb, chunk).
-        who = [(str(op), op.mb, op.chunk) for op in ops] if self.record else None
-        block = str(instr) if who is not None and isinstance(instr, Braided) else None
+        who = block = None
+        if self.record:  # event fields that depend on the member, not the unit: (name, mb, chunk)
+            who = [(str(op), op.mb, op.chunk) for op in ((instr,) if isinstance(instr, Compute) else instr.ops)]
+            block = str(instr) if isinstance(instr, Braided) else None
         ev = self.events.append
         busy = exposed = 0.0
         host, host_s = rs.host, self.costs.host_task_s
         # The hot loop of the simulator, one pass per unit task: locals only.
-        for k in range(first, stop):
-            member, dur, ar, waits, label, phase, dmem, tmp = rows[k]
+        for member, dur, ar, waits, label, phase, dmem, tmp in (rows if first == 0 and stop == len(rows) else rows[first:stop]):
             if host_s:
                 host += host_s  # the host issues this task
                 if host > t:
@@ -421,15 +444,20 @@ class Engine:
         return min(s, other)
 
     def _post(self, rs: _Rank, idx: int, ins: Send | Recv) -> None:
-        key, is_send = self._route(rs.rank, ins, idx)
-        side_key = key + (is_send,)
-        if side_key in self._posted:
+        is_send = isinstance(ins, Send)
+        comm = ins.comm
+        boundary = self._routes.get((rs.rank, is_send, comm, ins.chunk, ins.peer))  # _route, inlined
+        if boundary is None:
+            boundary = self._route(rs.rank, ins, idx)[0][2]
+        side_key = (comm, ins.mb, boundary, is_send)
+        posted = self._posted
+        if side_key in posted:
             raise SimulationError(f"rank {rs.rank}: op {idx} ({ins}) is posted twice")
         if not is_send:
-            rs.expected.add((ins.comm, ins.mb, ins.chunk))
-        other = self._posted.pop(key + (not is_send,), None)
+            rs.expected.add((comm, ins.mb, ins.chunk))
+        other = posted.pop((comm, ins.mb, boundary, not is_send), None)
         if other is None:
-            self._posted[side_key] = (rs.rank, rs.t, idx, ins)
+            posted[side_key] = (rs.rank, rs.t, idx, ins)
             return
         o_rank, o_t, o_idx, o_ins = other
         ro = self.ranks[o_rank]
@@ -459,33 +487,39 @@ class Engine:
     # -- main loop -----------------------------------------------------------------------
     def _advance(self, rs: _Rank) -> None:
         """Run a rank until it finishes, parks to post comm in time order, or waits for a receive."""
-        prog, n = rs.prog, len(rs.prog)
-        while rs.pc < n:
+        prog, codes, n = rs.prog, rs.codes, len(rs.prog)
+        pc = rs.pc
+        while pc < n:
             if rs.hoist is not None and not self._hoisted(rs):
+                rs.pc = pc
                 return  # woken by the matching send's post
-            ins = prog[rs.pc]
-            if isinstance(ins, (Compute, Braided)):
+            code = codes[pc]
+            if code == _COMPUTE:
+                ins = prog[pc]
                 ready = self._inputs_ready(rs, ins)
                 if ready is None:
+                    rs.pc = pc
                     return  # woken by the matching send's post
                 if ready > rs.t:
                     rs.t = ready
-                self._compute(rs, ins, rs.pc)
-            elif isinstance(ins, Offload):
-                self._offload(rs, ins, rs.pc)
-            elif isinstance(ins, Reload):
-                self._reload(rs, ins, rs.pc)
+                self._compute(rs, ins, pc)
+            elif code == _OFFLOAD:
+                self._offload(rs, prog[pc], pc)
+            elif code == _RELOAD:
+                self._reload(rs, prog[pc], pc)
             elif not rs.posting:
                 rs.posting = True  # park until the heap reaches this time, so posts happen in time order
+                rs.pc = pc
                 self._push(rs)
                 return
             else:
                 rs.posting = False
-                while rs.pc < n and isinstance(prog[rs.pc], (Send, Recv)):
-                    self._post(rs, rs.pc, prog[rs.pc])  # type: ignore[arg-type]
-                    rs.pc += 1
+                while pc < n and codes[pc] == _COMM:
+                    self._post(rs, pc, prog[pc])
+                    pc += 1
                 continue
-            rs.pc += 1
+            pc += 1
+        rs.pc = pc
         for _, end, nbytes in rs.releasing:  # the step's end waits for the copy streams
             rs.mem_t.append(end)
             rs.mem_d.append(-nbytes)
@@ -494,7 +528,7 @@ class Engine:
 
     def run(self) -> list[RankStats]:
         """Simulate every rank to its end; :class:`SimulationError` on deadlock or bad programs."""
-        with _gc_paused():
+        with gc_paused():
             self._run()
         for rs in self.ranks:
             # Paired here, with the collector on: young tuples of floats it stops tracking at
@@ -528,33 +562,6 @@ class Engine:
         lines += [f"  rank {rs.rank}: op {idx} ({ins}) is never matched: its peer rank {ins.peer} never posts the "
                   f"{'RECV' if isinstance(ins, Send) else 'SEND'}" for idx, ins in sorted(waiting, key=lambda x: x[0])]
         return "\n".join(lines)
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a run builds its many small objects.
-
-    A run at p=32, m=256 makes ~600k trace events that all live on. With the collector on,
-    the allocation bursts trigger young-generation passes that rescan them, then full
-    passes that rescan every live object (the programs included): that doubled the run time.
-    Events and stats hold only numbers and strings, so they form no cycles to collect.
-    On exit the objects made meanwhile go straight to the oldest generation
-    (``gc.freeze`` then ``gc.unfreeze``, as documented) instead of being scanned twice on
-    their way there. That moves the caller's young objects too: any garbage cycle among them
-    is then freed at the next full pass instead of an earlier young one (later, never lost).
-    It is skipped when the process has frozen objects of its own, which must stay frozen.
-    The collector's previous on/off state is restored. Results never depend on any of this.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-        if was_enabled:
-            gc.enable()
 
 
 def _shape(instr: Compute | Braided) -> tuple:

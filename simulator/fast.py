@@ -9,17 +9,26 @@ extrapolates to ``m`` only when, on every rank, the two differences of step time
 busy compute, nominal compute, exposed TP time and gradient-ready times agree to
 ``REL_TOL`` and the activation peak is the same in the last two runs. Otherwise it tries
 once more from ``m0 + p`` (stages of uneven weight settle later), then simulates ``m`` in
-full, as it does when the short runs would cost about as much as the long one or the
-schedule declares no steady state (``steady_m=0``: GPipe's peak grows with m).
+full, as it does when the short runs would cost more than half of the long one (they
+save little there: at p=32, m=256 three runs of 64 micro-batches cost 3/4 of the full
+run) or the schedule declares no steady state (``steady_m=0``: GPipe's peak grows with m).
 ``FastResult.method`` says which was done.
 
 How exact: the three-run check confirms the constant slope locally, not for every longer
-run. Long runs can show rare one-off steps in an otherwise constant slope (qwen2-72b, zb_h1,
-p=32: the per-micro-batch increment is 58.140 ms everywhere from m=64 except one 58.147 ms
-step between m=161 and 192; cause not pinned down), so an extrapolated step time is an
-estimate: in ``tests/test_plan.py`` it equals the full run's to 1e-9 at p <= 8 and is within
-2e-4 at p=32, m=256 (1.7 ms of 15.4 s). Callers that need the exact figure pass
-``extrapolate=False``.
+run, and an extrapolated figure is an estimate. The known miss: qwen2-72b, zb_h1, p=32.
+The step grows by 58.139663 ms per micro-batch from m=64 to 199 except one +0.2387 ms jump
+at m=191. Its origin is a tie: at t=2.0367 s rank 16's P2P engine has two transfers ready
+at the same instant in exact arithmetic (the activation of F42 from rank 15, the gradient of
+B27 from rank 17), float rounding orders the two posts, and the one served second waits one
+transfer, 0.2387 ms. That early part of the run is the same at m=190 and 191, and so is the
+order taken; but the path through the transfer that waited becomes critical only from
+m=191 on -- a late change of the critical path that short runs cannot see. With every time
+cost scaled by 1 +- 1e-9 (same decisions in exact arithmetic) rounding takes the other order
+and the slope is constant over m=186..195. Such ties are everywhere (a rank's sends and
+receives share one P2P engine; on analytic costs hundreds of transfers per run wait for one
+that was ready at the same instant, thousands at p=32), so their presence cannot tell when
+to decline. Long runs like this one (p=32, m=256) are simulated in full by the rule above;
+callers that need the full simulation's figure pass ``extrapolate=False``.
 
 Compiled programs are cached per (schedule, p, m, options), without re-validation: the
 registered generators' programs are validated by their own tests, and the engine still
@@ -36,10 +45,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
+from operator import itemgetter
 from typing import Any
 
 from braid.costs import CostModel
-from braid.ir import Braided, Compute, OpKind, Program
+from braid.ir import Braided, Compute, OpKind, Plan, Program
 from braid.simulator.engine import Engine
 from braid.simulator.report import RankReport, Report
 
@@ -56,18 +66,18 @@ class FastResult:
     method: str  # "full" or "extrapolated from m=a,b,c"
 
 
-class _GradEngine(Engine):
-    """The engine, noting the end of every instruction that completes a chunk's weight gradients."""
-
-    def __init__(self, programs: list[Program], costs: CostModel) -> None:
-        super().__init__(programs, costs, record=False)
-        self.grad_ready: dict[tuple[int, int], float] = {}
-
-    def _compute(self, rs: Any, instr: Compute | Braided, idx: int) -> None:  # type: ignore[override]
-        super()._compute(rs, instr, idx)
-        for op in (instr,) if isinstance(instr, Compute) else instr.ops:
-            if op.kind in _GRAD_DONE:
-                self.grad_ready[(rs.rank, op.chunk)] = rs.t
+def _last_gradients(prog: Program) -> dict[int, list[int]]:
+    """Instruction index -> the chunks whose weight gradients are complete when it ends (its last W/BW)."""
+    last: dict[int, int] = {}
+    for idx, ins in enumerate(prog.instructions):
+        if isinstance(ins, (Compute, Braided)):
+            for op in (ins,) if isinstance(ins, Compute) else ins.ops:
+                if op.kind in _GRAD_DONE:
+                    last[op.chunk] = idx
+    out: dict[int, list[int]] = {}
+    for chunk, idx in last.items():
+        out.setdefault(idx, []).append(chunk)
+    return out
 
 
 @lru_cache(maxsize=256)
@@ -83,15 +93,19 @@ def run_programs(programs: list[Program] | tuple[Program, ...], costs: CostModel
                  *, grad_ready: bool = True) -> FastResult:
     """Simulate ``programs`` in full (no trace) and return the report with gradient-ready times
     (``grad_ready=False``: without them, a little faster)."""
-    eng = _GradEngine(list(programs), costs) if grad_ready else Engine(list(programs), costs, record=False)
+    eng = Engine(list(programs), costs, record=False)
+    chunks_at = [_last_gradients(prog) if grad_ready else {} for prog in programs]
+    for rs, at in zip(eng.ranks, chunks_at):
+        rs.watch = dict.fromkeys(at, 0.0)
     stats = eng.run()
+    ready = {(r, c): eng.ranks[r].watch[idx] for r, at in enumerate(chunks_at) for idx, cs in at.items() for c in cs}
     step = max((st.end_s for st in stats), default=0.0)
     ranks = []
     for r, st in enumerate(stats):
         peak = _peak(st.mem)
         ranks.append(RankReport(r, st.compute_s, st.tp_exposed_s, max(0.0, step - st.compute_s - st.tp_exposed_s), peak,
                                 peak / costs.ma_bytes if costs.ma_bytes else 0.0, st.end_s, st.nominal_compute_s))
-    return FastResult(_report(name, costs, m, step, ranks), getattr(eng, "grad_ready", {}), "full")
+    return FastResult(_report(name, costs, m, step, ranks), ready, "full")
 
 
 def _peak(deltas: list[tuple[float, float]]) -> int:
@@ -102,7 +116,7 @@ def _peak(deltas: list[tuple[float, float]]) -> int:
     the maximum running total is the series' peak."""
     if not deltas:
         return 0
-    return max(0, round(max(accumulate(d for _, d in sorted(deltas)))))
+    return max(0, round(max(accumulate(map(itemgetter(1), sorted(deltas))))))
 
 
 def _report(name: str, costs: CostModel, m: int, step: float, ranks: list[RankReport]) -> Report:
@@ -114,11 +128,13 @@ def _report(name: str, costs: CostModel, m: int, step: float, ranks: list[RankRe
 
 
 def simulate_schedule(name: str, p: int, m: int, costs: CostModel, options: tuple[tuple[str, Any], ...] = (),
-                      *, extrapolate: bool = True) -> FastResult:
+                      *, extrapolate: bool = True, plan: Plan | None = None) -> FastResult:
     """Simulate schedule ``name`` at (p, m) on ``costs``: extrapolated where the slope checks out, else in full.
 
     ``options`` are the schedule's knobs as sorted (name, value) pairs. ``ValueError`` when the
-    schedule rejects (p, m) or the costs do not fit its layout.
+    schedule rejects (p, m) or the costs do not fit its layout. ``plan``: the caller's
+    ``schedules.build(name, p, m, **dict(options))``, compiled (once, not cached) for a full run
+    instead of building it again.
     """
     from braid import schedules
 
@@ -128,18 +144,21 @@ def simulate_schedule(name: str, p: int, m: int, costs: CostModel, options: tupl
     m0 += (m - m0) % k
     # two tries: from the declared steady m, then p micro-batches later (uneven stages settle later)
     for start in (m0, m0 + p):
-        if not extrapolate or not spec.steady_m or 3 * start + 3 * k >= m:
-            break
+        if not extrapolate or not spec.steady_m or 2 * (3 * start + 3 * k) > m:
+            break  # no steady state declared, or the short runs cost more than half of the long one
         runs = [_full(name, p, mm, costs, options) for mm in (start, start + k, start + 2 * k)]
         out = _extrapolate(runs, (m - start) // k, name, m, costs)
         if out is not None:
             return FastResult(out[0], out[1], f"extrapolated from m={start},{start + k},{start + 2 * k}")
+    if plan is not None:
+        from braid.compiler import compile_plan
+
+        return run_programs(compile_plan(plan, validate=False), costs, name, m)
     return _full(name, p, m, costs, options)
 
 
 def _full(name: str, p: int, m: int, costs: CostModel, options: tuple) -> FastResult:
-    res = run_programs(compiled(name, p, m, options), costs, name, m)
-    return FastResult(res.report, res.grad_ready, "full")
+    return run_programs(compiled(name, p, m, options), costs, name, m)
 
 
 def _affine(a: float, b: float, c: float, n: int) -> float | None:
