@@ -108,6 +108,7 @@ class _Rank:
     stats: RankStats = field(default_factory=RankStats)
     carries: dict = field(default_factory=dict)  # instruction index -> braiding.Carry
     hoist: tuple | None = None  # (next compute index, carried all-reduce end) until its first task ran
+    chained: float | None = None  # a chained Send/Recv run is posted as of this time (its all-reduce's end)
     resume: dict = field(default_factory=dict)  # compute index -> row state after its hoisted first task
 
 
@@ -229,6 +230,8 @@ class Engine:
                 rs.stats.tp_exposed_s += ar_start - t
                 t = ar_start
             rs.hoist = (carry.into, tp_free)
+            if carry.chained:  # the run between posts when the all-reduce ends; the rank goes on
+                rs.chained = tp_free
         elif tp_free > t:
             rs.stats.tp_exposed_s += tp_free - t
             t = tp_free
@@ -420,7 +423,8 @@ class Engine:
             raise SimulationError(f"rank {rank}: op {idx} ({ins}) names peer {ins.peer}, but stage {other} is on rank {peer}")
         return min(s, other)
 
-    def _post(self, rs: _Rank, idx: int, ins: Send | Recv) -> None:
+    def _post(self, rs: _Rank, idx: int, ins: Send | Recv, at: float) -> None:
+        """Post ``ins`` as of time ``at`` (``rs.t``, or later for a run chained to an all-reduce)."""
         key, is_send = self._route(rs.rank, ins, idx)
         side_key = key + (is_send,)
         if side_key in self._posted:
@@ -429,13 +433,13 @@ class Engine:
             rs.expected.add((ins.comm, ins.mb, ins.chunk))
         other = self._posted.pop(key + (not is_send,), None)
         if other is None:
-            self._posted[side_key] = (rs.rank, rs.t, idx, ins)
+            self._posted[side_key] = (rs.rank, at, idx, ins)
             return
         o_rank, o_t, o_idx, o_ins = other
         ro = self.ranks[o_rank]
         snd, s_idx, s_ins, rcv, r_idx, r_ins = (rs, idx, ins, ro, o_idx, o_ins) if is_send else (ro, o_idx, o_ins, rs, idx, ins)
         dur = self.costs.chunks[(snd.rank, s_ins.chunk)].p2p
-        start = max(rs.t, o_t, snd.p2p_free, rcv.p2p_free)
+        start = max(at, o_t, snd.p2p_free, rcv.p2p_free)
         end = start + dur
         if dur > 0:
             for r in (snd, rcv):
@@ -461,7 +465,7 @@ class Engine:
         """Run a rank until it finishes, parks to post comm in time order, or waits for a receive."""
         prog, n = rs.prog, len(rs.prog)
         while rs.pc < n:
-            if rs.hoist is not None and not self._hoisted(rs):
+            if rs.hoist is not None and rs.pc == rs.hoist[0] and not self._hoisted(rs):
                 return  # woken by the matching send's post
             ins = prog[rs.pc]
             if isinstance(ins, (Compute, Braided)):
@@ -481,8 +485,10 @@ class Engine:
                 return
             else:
                 rs.posting = False
+                at = rs.t if rs.chained is None else rs.chained
+                rs.chained = None
                 while rs.pc < n and isinstance(prog[rs.pc], (Send, Recv)):
-                    self._post(rs, rs.pc, prog[rs.pc])  # type: ignore[arg-type]
+                    self._post(rs, rs.pc, prog[rs.pc], at)  # type: ignore[arg-type]
                     rs.pc += 1
                 continue
             rs.pc += 1
