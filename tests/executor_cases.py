@@ -101,6 +101,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
     through this :mod:`braid.tp.comm` backend, over a TP group created with its options,
     instead of the groups' default)."""
     from braid import schedules
+    from braid.braiding import carries
     from braid.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.partition import split_layers
@@ -160,6 +161,8 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
                 assert res.trace.memory[c.pp], where
                 if tp > 1:
                     _check_carried_overlap(program, chunks, res.trace, where)
+                    chained = sum(c.chained for c in carries(program.instructions, lambda ci: chunks[ci].spec).values())
+                    assert res.counts["chained"] == chained, f"{where}: {res.counts['chained']} chained runs, expected {chained}"
             opt.step()
         final = build_rank_chunks(ref, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
         for ci, ch in chunks.items():

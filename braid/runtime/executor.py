@@ -221,7 +221,7 @@ class Executor:
         self._events: list[tuple] = []
         self._memory: list[tuple[Any, int]] = []
         self._exposed: list[tuple[Any, Any]] = []
-        self.counts = {"braided": 0, "W": 0, "B": 0, "F": 0, "AR": 0, "P2P": 0}
+        self.counts = {"braided": 0, "W": 0, "B": 0, "F": 0, "AR": 0, "P2P": 0, "chained": 0}
         self._recvs: dict[tuple[CommKind, int, int], tuple[list[dist.Work], Transfer, Any]] = {}
         self._sends: list[tuple[list[dist.Work], Transfer, Any]] = []
         self._held: _Held | None = None  # a carried all-reduce until the next compute instruction
@@ -320,6 +320,7 @@ class Executor:
         """Run instruction ``idx``'s first unit task beside the carried all-reduce ``held``:
         post a chained Send/Recv run when the all-reduce ends, wait for it, finalise its op."""
         p, run = held.pending, held.run
+        self.counts["chained"] += run is not None
         if run is not None and self.device.type == "cuda":
             # Stream-ordered: the run leaves when the all-reduce ends; the host goes on to the unit.
             side = self._side_stream()
