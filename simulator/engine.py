@@ -9,8 +9,12 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   (queued behind earlier ones); the next task of the same op with ``waits_ar`` waits for
   it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
   done (the tail wait is exposed too), except an all-reduce carried into the next compute
-  instruction (:func:`braid.braiding.carries`): that one's first unit task runs beside it
-  before the Send/Recv run in between is posted, then the carried all-reduce is waited for. Compute that runs while an all-reduce is in flight
+  instruction (:func:`braid.braiding.carries`): the Send/Recv run in between is posted (a
+  chained run as of the all-reduce's end, the rank not waiting), then the next instruction's
+  first unit task runs beside it, then the carried all-reduce is waited for. A chained run's
+  posts are made at the rank's time with that later time stamp, so with a costly P2P its
+  transfers may reserve the P2P engines ahead of earlier ones (free P2P is exact). Compute
+  that runs while an all-reduce is in flight
   on the rank is slowed by ``CostModel.ar_slowdown``, and an all-reduce that the next task
   does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer.
   The *host lane*: the rank's host issues unit tasks one after another, ``host_task_s``
@@ -256,7 +260,8 @@ class Engine:
 
     def _hoisted(self, rs: _Rank) -> bool:
         """Run the first unit task of the next compute instruction beside a carried all-reduce, then
-        wait for that all-reduce (:func:`braid.braiding.carries`). False if its input has not arrived."""
+        wait for that all-reduce (:func:`braid.braiding.carries`); the Send/Recv run between is
+        already posted. False if the task's input has not arrived."""
         j, carry_end = rs.hoist
         instr = rs.prog[j]
         rows, _, _ = self._table(rs.rank, instr, j in rs.carries)
