@@ -38,7 +38,9 @@ into as many even pieces instead (W waits for nothing), so a long forward braide
 shorter chunk's W still has W units beside each of its all-reduces. If that order would end
 the block on an all-reduce and the order led by the second member (``b0 a0 b1 a1 ...``)
 would not, the block takes the latter: an F&B block on the last stage then ends with the
-forward's head unit, which runs beside the backward's last all-reduce. So each all-reduce of one op is in flight while the
+forward's head unit, which runs beside the backward's last all-reduce. When both orders end
+on an all-reduce (an F&B block between two middle stages), the block ends on the
+forward's, whose result is final when it lands (:func:`carries` can then chain its send). So each all-reduce of one op is in flight while the
 other op's next segment computes. A full backward (``BW``) runs each unit's weight
 gradient right after its activation gradient, so its own all-reduces hide behind W work.
 """

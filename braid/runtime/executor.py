@@ -316,7 +316,7 @@ class Executor:
             self._held = _Held(carry, carried)
         self._sample_memory()
 
-    def _beside(self, idx: int, ins: Compute | Braided, held: "_Held") -> tuple[dict[int, _Pending], Any]:
+    def _beside(self, idx: int, ins: Compute | Braided, held: _Held) -> tuple[dict[int, _Pending], Any]:
         """Run instruction ``idx``'s first unit task beside the carried all-reduce ``held``:
         post a chained Send/Recv run when the all-reduce ends, wait for it, finalise its op."""
         p, run = held.pending, held.run
