@@ -38,7 +38,9 @@ into as many even pieces instead (W waits for nothing), so a long forward braide
 shorter chunk's W still has W units beside each of its all-reduces. If that order would end
 the block on an all-reduce and the order led by the second member (``b0 a0 b1 a1 ...``)
 would not, the block takes the latter: an F&B block on the last stage then ends with the
-forward's head unit, which runs beside the backward's last all-reduce. So each all-reduce of one op is in flight while the
+forward's head unit, which runs beside the backward's last all-reduce. When both orders end
+on an all-reduce (an F&B block between two middle stages), the block ends on the
+forward's, whose result is final when it lands (:func:`carries` can then chain its send). So each all-reduce of one op is in flight while the
 other op's next segment computes. A full backward (``BW``) runs each unit's weight
 gradient right after its activation gradient, so its own all-reduces hide behind W work.
 """
@@ -218,6 +220,8 @@ def steps(instr: Instruction, spec_of) -> list[Step]:
         swapped = _alternate(instr, segs, (1, 0))
         if not swapped[-1].task.ar:
             return swapped
+        if out[-1].task.phase is not Phase.F and swapped[-1].task.phase is Phase.F:
+            return swapped  # end on a forward's all-reduce: its result is the output, sent as it lands
     return out
 
 
@@ -237,11 +241,16 @@ class Carry:
     """The trailing all-reduce of a compute instruction left in flight into the next one.
 
     ``op``: the member whose last unit task started it; ``into``: program index of the next
-    compute instruction, whose first unit task runs beside it.
+    compute instruction, whose first unit task runs beside it. ``chained``: ``op``'s output
+    is sent in the Send/Recv run between them, so that run is posted when the all-reduce
+    ends instead of at once. ``head_reads_run``: the first unit task consumes a tensor
+    received in that run.
     """
 
     op: Compute
     into: int
+    chained: bool = False
+    head_reads_run: bool = False
 
 
 def input_message(op: Compute) -> tuple[CommKind, int, int] | None:
@@ -260,25 +269,30 @@ def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
     2. ``I`` or ``J`` is a braided block (braiding is what opts a boundary into unit-level
        overlap; plain ops next to plain ops finish their all-reduces, as the reference
        runtimes of 1F1B-I and ZB-V do),
-    3. ``I``'s last unit task starts an all-reduce (of its member ``op``) whose result is not
-       sent in the Send/Recv run between them,
-    4. ``J``'s first unit task is independent of it: its op has another micro-batch than
-       ``op`` (so it consumes neither ``op``'s output nor a same-rank hand-off of it), and
-       reads nothing received in that run (its input is local, or its receive was posted
-       before ``I``).
+    3. ``I``'s last unit task starts an all-reduce (of its member ``op``) whose result is
+       either not sent in the Send/Recv run between them, or is a forward's output (the
+       all-reduced tensor itself, final when the all-reduce ends: the run is *chained*),
+    4. ``J``'s first unit task has another micro-batch than ``op`` (so it consumes neither
+       ``op``'s output nor a same-rank hand-off of it).
 
     Both interpreters then (with ``tp > 1``; without all-reduces nothing is carried): run I's
-    units and finish its other all-reduces; run J's first unit task beside the carried
-    all-reduce; wait for it (any wait is exposed TP comm) and finalise ``op`` (its output
-    handed off); post the Send/Recv run; go on with J's second unit task.
+    units and finish its other all-reduces; post the Send/Recv run -- at once, or for a
+    chained run when the carried all-reduce ends (``op`` finalised first, the rank not
+    waiting: on CUDA the run is issued from a side stream ordered after the all-reduce);
+    run J's first unit task beside the carried all-reduce (once its input, if received in
+    the run, is there); wait for the all-reduce (any wait is exposed TP comm) and finalise
+    ``op``; go on with J's second unit task. The executor on CPU, whose host blocks in
+    every wait, runs a chained carry whose first unit reads from the run without the
+    overlap: all-reduce, finalise, post, then the unit.
 
-    Why (3) excludes a result that is sent: the run is posted after J's first unit task (a
-    host cannot post a tensor still being reduced, nor finish a backward's last norm before
-    its all-reduce), so the send would leave one unit later than without the carry -- on
-    uniform costs that lengthened braided_v's step more than the hidden all-reduce saved.
-    Why (4) cannot deadlock: J's first unit waits only for a receive posted before ``I`` --
-    in the compiler's global order of events (:mod:`braid.compiler`) that message arrives
-    before ``I`` starts -- and holds back only this rank's own Send/Recv run.
+    Why only a forward's result may be chained: a backward's input gradient still needs its
+    last norm backward after the all-reduce, which would sit on the compute stream after
+    J's first unit and send the gradient a unit later (on uniform costs that lengthened
+    braided_v's step more than the hidden all-reduce saved). A braided block with both
+    orders ending on an all-reduce ends on the forward's (:func:`steps`) so that it can be.
+    Why nothing deadlocks: a chained run keeps its messages and their order, and is delayed
+    only by the carried all-reduce, which waits for the TP peers alone (they run the same
+    program); an unchained run is posted before J's first unit as without a carry.
     """
     out: dict[int, Carry] = {}
     ends_of: dict[tuple, tuple[Step, Step]] = {}
@@ -305,11 +319,13 @@ def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
         if not last.task.ar:
             continue
         op, head = last.op, ends(nxt)[0].op
+        if head.mb == op.mb:
+            continue
         result = (CommKind.ACT if op.kind is OpKind.F else CommKind.GRAD, op.mb, op.chunk)
-        if head.mb == op.mb or any(isinstance(x, Send) and (x.comm, x.mb, x.chunk) == result for x in between):
+        chained = any(isinstance(x, Send) and (x.comm, x.mb, x.chunk) == result for x in between)
+        if chained and op.kind is not OpKind.F:
             continue
         want = input_message(head)
-        if want is not None and any(isinstance(x, Recv) and (x.comm, x.mb, x.chunk) == want for x in between):
-            continue
-        out[i] = Carry(op, j)
+        reads = want is not None and any(isinstance(x, Recv) and (x.comm, x.mb, x.chunk) == want for x in between)
+        out[i] = Carry(op, j, chained, reads)
     return out

@@ -9,8 +9,12 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   (queued behind earlier ones); the next task of the same op with ``waits_ar`` waits for
   it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
   done (the tail wait is exposed too), except an all-reduce carried into the next compute
-  instruction (:func:`braid.braiding.carries`): that one's first unit task runs beside it
-  before the Send/Recv run in between is posted, then the carried all-reduce is waited for. Compute that runs while an all-reduce is in flight
+  instruction (:func:`braid.braiding.carries`): the Send/Recv run in between is posted (a
+  chained run as of the all-reduce's end, the rank not waiting), then the next instruction's
+  first unit task runs beside it, then the carried all-reduce is waited for. A chained run's
+  posts are made at the rank's time with that later time stamp, so with a costly P2P its
+  transfers may reserve the P2P engines ahead of earlier ones (free P2P is exact). Compute
+  that runs while an all-reduce is in flight
   on the rank is slowed by ``CostModel.ar_slowdown``, and an all-reduce that the next task
   does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer.
   The *host lane*: the rank's host issues unit tasks one after another, ``host_task_s``
@@ -106,6 +110,7 @@ class _Rank:
     stats: RankStats = field(default_factory=RankStats)
     carries: dict = field(default_factory=dict)  # instruction index -> braiding.Carry
     hoist: tuple | None = None  # (next compute index, carried all-reduce end) until its first task ran
+    chained: float | None = None  # a chained Send/Recv run is posted as of this time (its all-reduce's end)
     resume: dict = field(default_factory=dict)  # compute index -> row state after its hoisted first task
     codes: list = field(default_factory=list)  # instruction index -> _COMPUTE, _OFFLOAD, _RELOAD or _COMM
     copies: bool = False  # the program has OFFLOAD/RELOAD: per-(mb, chunk) bytes and reload waits are tracked
@@ -250,6 +255,8 @@ class Engine:
                 rs.stats.tp_exposed_s += ar_start - t
                 t = ar_start
             rs.hoist = (carry.into, tp_free)
+            if carry.chained:  # the run between posts when the all-reduce ends; the rank goes on
+                rs.chained = tp_free
         elif tp_free > t:
             rs.stats.tp_exposed_s += tp_free - t
             t = tp_free
@@ -277,7 +284,8 @@ class Engine:
 
     def _hoisted(self, rs: _Rank) -> bool:
         """Run the first unit task of the next compute instruction beside a carried all-reduce, then
-        wait for that all-reduce (:func:`braid.braiding.carries`). False if its input has not arrived."""
+        wait for that all-reduce (:func:`braid.braiding.carries`); the Send/Recv run between is
+        already posted. False if the task's input has not arrived."""
         j, carry_end = rs.hoist
         instr = rs.prog[j]
         rows, _, _ = self._table(rs.rank, instr, j in rs.carries)
@@ -443,7 +451,8 @@ class Engine:
             raise SimulationError(f"rank {rank}: op {idx} ({ins}) names peer {ins.peer}, but stage {other} is on rank {peer}")
         return min(s, other)
 
-    def _post(self, rs: _Rank, idx: int, ins: Send | Recv) -> None:
+    def _post(self, rs: _Rank, idx: int, ins: Send | Recv, at: float) -> None:
+        """Post ``ins`` as of time ``at`` (``rs.t``, or later for a run chained to an all-reduce)."""
         is_send = isinstance(ins, Send)
         comm = ins.comm
         boundary = self._routes.get((rs.rank, is_send, comm, ins.chunk, ins.peer))  # _route, inlined
@@ -457,13 +466,13 @@ class Engine:
             rs.expected.add((comm, ins.mb, ins.chunk))
         other = posted.pop((comm, ins.mb, boundary, not is_send), None)
         if other is None:
-            posted[side_key] = (rs.rank, rs.t, idx, ins)
+            posted[side_key] = (rs.rank, at, idx, ins)
             return
         o_rank, o_t, o_idx, o_ins = other
         ro = self.ranks[o_rank]
         snd, s_idx, s_ins, rcv, r_idx, r_ins = (rs, idx, ins, ro, o_idx, o_ins) if is_send else (ro, o_idx, o_ins, rs, idx, ins)
         dur = self.costs.chunks[(snd.rank, s_ins.chunk)].p2p
-        start = max(rs.t, o_t, snd.p2p_free, rcv.p2p_free)
+        start = max(at, o_t, snd.p2p_free, rcv.p2p_free)
         end = start + dur
         if dur > 0:
             for r in (snd, rcv):
@@ -490,7 +499,7 @@ class Engine:
         prog, codes, n = rs.prog, rs.codes, len(rs.prog)
         pc = rs.pc
         while pc < n:
-            if rs.hoist is not None and not self._hoisted(rs):
+            if rs.hoist is not None and pc == rs.hoist[0] and not self._hoisted(rs):
                 rs.pc = pc
                 return  # woken by the matching send's post
             code = codes[pc]
@@ -514,8 +523,10 @@ class Engine:
                 return
             else:
                 rs.posting = False
+                at = rs.t if rs.chained is None else rs.chained
+                rs.chained = None
                 while pc < n and codes[pc] == _COMM:
-                    self._post(rs, pc, prog[pc])
+                    self._post(rs, pc, prog[pc], at)
                     pc += 1
                 continue
             pc += 1

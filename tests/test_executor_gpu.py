@@ -37,3 +37,18 @@ def test_offload_on_cuda_streams_gives_bitwise_braided_v(pool) -> None:
     for moved in moved_by_rank:
         got = [moved[a] for a in ALPHAS]
         assert got == sorted(got) and got[0] < got[-1], f"bytes offloaded per alpha {dict(zip(ALPHAS, got))}"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+def test_chained_runs_on_a_side_stream_match_reference() -> None:
+    """PP=2 x TP=2 on NCCL: a Send/Recv run chained to a carried all-reduce is issued from the
+    executor's side stream (:func:`braid.braiding.carries`); results equal the reference and
+    every chained run was taken (``equivalence`` counts them against the programs)."""
+    pool4 = DistPool(4, timeout_s=120, device="cuda")
+    try:
+        combos = [("braided_v", 5), ("dualpipe_v", 5)]
+        ran = pool4.run(cases.equivalence, 2, 2, combos, (2e-2, 2e-3), timeout_s=600)
+    finally:
+        pool4.close()
+    assert {(n, m) for n, m, _ in ran[0]} == set(combos)
+    assert sum(c["chained"] for rank_ran in ran for _, _, c in rank_ran) > 0

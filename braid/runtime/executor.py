@@ -8,7 +8,10 @@ A unit task with ``ar`` starts an async TP all-reduce of its output
 events, gloo on its worker thread); the next F/B task of the same op waits for it, and an
 instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
 trailing one that :func:`braid.braiding.carries` carries into the next compute instruction,
-whose first unit task then runs beside it, as the simulator models.
+whose first unit task then runs beside it, as the simulator models. When the Send/Recv run
+between the two sends the carried forward's output, the run is posted as the all-reduce
+ends: on CUDA from a side stream that waits for it (the host goes on to the unit at once);
+on CPU after the unit, or before it when the unit reads a tensor of that run.
 
 P2P is asynchronous, as the simulator models it: consecutive Send/Recv instructions go out
 as one ``batch_isend_irecv`` (see :mod:`braid.runtime.p2p`) without waiting; a received
@@ -42,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from braid.autograd_calls import on_this_thread
-from braid.braiding import ChunkSpec, UnitTask, carries
+from braid.braiding import Carry, ChunkSpec, UnitTask, carries
 from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
 from braid.braiding import steps as braid_steps
 from braid.models.build import build_rank_chunks  # noqa: F401 - moved to braid.models.build; callers import it from here too
@@ -106,6 +109,16 @@ class _Pending:
     unit: str
     block: str | None
     index: int
+
+
+@dataclass(slots=True)
+class _Held:
+    """A carried all-reduce between two compute instructions, and the chained Send/Recv run
+    (start index, instructions) to post when it ends."""
+
+    carry: Carry
+    pending: _Pending
+    run: tuple[int, Sequence[Instruction]] | None = None
 
 
 @dataclass(slots=True)
@@ -184,6 +197,7 @@ class Executor:
         self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
         self._carries = carries(program.instructions, self._spec) if tp_group is not None else {}
+        self._side: Any = None  # CUDA stream that posts a chained Send/Recv run (created on first use)
 
     @staticmethod
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
@@ -224,10 +238,10 @@ class Executor:
         self._events: list[tuple] = []
         self._memory: list[tuple[Any, int]] = []
         self._exposed: list[tuple[Any, Any]] = []
-        self.counts = {"braided": 0, "W": 0, "B": 0, "F": 0, "AR": 0, "P2P": 0}
+        self.counts = {"braided": 0, "W": 0, "B": 0, "F": 0, "AR": 0, "P2P": 0, "chained": 0}
         self._recvs: dict[tuple[CommKind, int, int], tuple[list[dist.Work], Transfer, Any]] = {}
         self._sends: list[tuple[list[dist.Work], Transfer, Any]] = []
-        self._resume: dict[int, tuple[dict[int, _Pending], Any]] = {}  # hoisted first unit task ran
+        self._held: _Held | None = None  # a carried all-reduce until the next compute instruction
         instrs = self.program.instructions
         i = 0
         try:
@@ -237,7 +251,10 @@ class Executor:
                     j = i
                     while j < len(instrs) and isinstance(instrs[j], (Send, Recv)):
                         j += 1
-                    self._comm(i, instrs[i:j])
+                    if self._held is not None and self._held.carry.chained:
+                        self._held.run = (i, instrs[i:j])  # posted when the carried all-reduce ends
+                    else:
+                        self._comm(i, instrs[i:j])
                     i = j
                     continue
                 try:
@@ -280,24 +297,21 @@ class Executor:
 
     # -- compute -------------------------------------------------------------------------
     def _compute(self, idx: int, ins: Compute | Braided) -> None:
-        """Run a compute instruction, or the rest of it when its first unit task was hoisted.
-
-        A carried all-reduce (:func:`braid.braiding.carries`): the next compute instruction's
-        first unit task runs here, beside it, before the Send/Recv run in between is posted;
-        then the all-reduce is waited for and its op finalised.
-        """
+        """Run a compute instruction; its first unit task beside the previous instruction's
+        carried all-reduce, if there is one (:func:`braid.braiding.carries`), and its own
+        trailing all-reduce left in flight when it carries one."""
         ops = compute_ops(ins)
         block = str(ins) if isinstance(ins, Braided) else None
         bound, phases = self._steps_of(idx, ins)
-        resumed = self._resume.pop(idx, None)
-        if resumed is None:
+        held, self._held = self._held, None
+        if held is None:
             self._prepare(idx, ins, ops, ops)
             pending: dict[int, _Pending] = {}
             s, first = self.clock.mark() if self._rec == "instructions" else None, 0
         else:
+            pending, s = self._beside(idx, ins, held)
             head_op = bound[0][1]
             self._prepare(idx, ins, ops, [op for op in ops if op != head_op], fresh=False)
-            pending, s = resumed
             first = 1
         self._run_steps(idx, block, bound, first, len(bound), pending)
         for kind, n in phases.items():
@@ -316,10 +330,42 @@ class Executor:
             if carried is None or op != carried.op:
                 self._finish_op(op)
         if carried is not None:
-            self._run_head(carry.into, self.program.instructions[carry.into])
-            self._wait_pending(carried)
-            self._finish_op(carried.op)
+            self._held = _Held(carry, carried)
         self._sample_memory()
+
+    def _beside(self, idx: int, ins: Compute | Braided, held: _Held) -> tuple[dict[int, _Pending], Any]:
+        """Run instruction ``idx``'s first unit task beside the carried all-reduce ``held``:
+        post a chained Send/Recv run when the all-reduce ends, wait for it, finalise its op."""
+        p, run = held.pending, held.run
+        self.counts["chained"] += run is not None
+        if run is not None and self.device.type == "cuda":
+            # Stream-ordered: the run leaves when the all-reduce ends; the host goes on to the unit.
+            side = self._side_stream()
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._wait(p.work)
+                self._finish_op(p.op)
+                self._comm(*run)
+            head = self._run_head(idx, ins)
+            self._wait_pending(p)  # the compute stream waits too (and the trace gets the span)
+            return head
+        if run is not None and held.carry.head_reads_run:
+            # This host blocks in every wait and the unit's input may depend on the run: post it first.
+            self._wait_pending(p)
+            self._finish_op(p.op)
+            self._comm(*run)
+            return self._run_head(idx, ins)
+        head = self._run_head(idx, ins)
+        self._wait_pending(p)
+        self._finish_op(p.op)
+        if run is not None:
+            self._comm(*run)
+        return head
+
+    def _side_stream(self) -> Any:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
 
     def _prepare(self, idx: int, ins: Compute | Braided, ops: Sequence[Compute], inputs: Sequence[Compute],
                  *, fresh: bool = True) -> None:
@@ -348,17 +394,15 @@ class Executor:
         if isinstance(ins, Braided):
             self.counts["braided"] += 1
 
-    def _run_head(self, idx: int, ins: Compute | Braided) -> None:
-        """Run the first unit task of instruction ``idx`` early (beside a carried all-reduce)."""
+    def _run_head(self, idx: int, ins: Compute | Braided) -> tuple[dict[int, _Pending], Any]:
+        """Run the first unit task of instruction ``idx`` (beside a carried all-reduce); returns
+        its pending all-reduce, if any, and the instruction's start mark."""
         bound, _ = self._steps_of(idx, ins)
-        try:
-            self._prepare(idx, ins, compute_ops(ins), [bound[0][1]])
-            s = self.clock.mark() if self._rec == "instructions" else None
-            pending: dict[int, _Pending] = {}
-            self._run_steps(idx, str(ins) if isinstance(ins, Braided) else None, bound, 0, 1, pending)
-        except (ChunkStateError, StashError, OffloadStateError) as err:
-            raise self._fail(idx, ins, err) from err
-        self._resume[idx] = (pending, s)
+        self._prepare(idx, ins, compute_ops(ins), [bound[0][1]])
+        s = self.clock.mark() if self._rec == "instructions" else None
+        pending: dict[int, _Pending] = {}
+        self._run_steps(idx, str(ins) if isinstance(ins, Braided) else None, bound, 0, 1, pending)
+        return pending, s
 
     def _run_steps(self, idx: int, block: str | None, bound: Sequence[_Bound], first: int, stop: int,
                    pending: dict[int, _Pending]) -> None:
