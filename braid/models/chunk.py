@@ -119,6 +119,21 @@ class _Box:
 
 
 @dataclass(slots=True)
+class _FusedOp:
+    """One micro-batch's forward through a fused chunk: the ends of its single autograd graph.
+
+    ``input``: the edge of the chunk input (entered through :class:`_Entry`); ``params``:
+    the eager parameters (norm weights) whose gradients the one backward call returns;
+    ``output``: the output's edge, or (head) the loss; ``boxes``: the saved-tensor boxes.
+    """
+
+    input: GradientEdge
+    params: list[nn.Parameter] = field(default_factory=list)
+    output: Handle | None = None
+    boxes: list[tuple] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class _Backward:
     grads: tuple[torch.Tensor, ...] = ()
     residual: torch.Tensor | None = None
@@ -150,6 +165,7 @@ class ModelChunk(nn.Module):
         tp_group: dist.ProcessGroup | None = None,
         vocab_start: int = 0,
         sp: SequenceParallel | None = None,
+        fuse: bool | None = None,
     ) -> None:
         super().__init__()
         if len(layers) != spec.layers or (embed is not None) != spec.embed or (lm_head is not None) != spec.head:
@@ -181,6 +197,47 @@ class ModelChunk(nn.Module):
         self._unit_mods: dict[tuple[Unit, int], tuple[DeferredWeightGrad, ...]] = {}
         self._all_mods: list[DeferredWeightGrad] | None = None
         self._anchors: dict[torch.device, torch.Tensor] = {}
+        # Fused mode (see choose_fused): ``fuse`` None lets the executor choose, False forces
+        # the unit cuts, True asks for fused mode (an error where it cannot run).
+        self.fuse = fuse
+        self.fused = False
+        self._ops: dict[int, _FusedOp] = {}
+        self._fused_mods: list[DeferredWeightGrad] | None = None
+
+    def cut_reason(self) -> str | None:
+        """Why this chunk needs its unit cuts (None: it can run fused).
+
+        The cuts exist for the TP all-reduce at the end of each unit's backward (tp > 1),
+        for sequence parallelism's attention, and for offload (boxes reloaded per unit).
+        """
+        if self.sp is not None or any(getattr(lay, "sp", None) is not None for lay in self.layers):
+            return "sequence parallelism"
+        if (self.tp_group is not None and dist.get_world_size(self.tp_group) > 1) or any(
+                getattr(lay, "tp", 1) != 1 for lay in self.layers):
+            return "tensor parallelism (tp > 1)"
+        return None
+
+    def choose_fused(self, reason: str | None = None) -> bool:
+        """Fused mode (one autograd graph per micro-batch) where nothing needs the unit cuts.
+
+        ``reason``: the caller's reason to keep the cuts (the executor's: its program
+        offloads activations, its TP or SP group). With ``fuse=None`` the chunk then runs
+        fused exactly when neither that nor :meth:`cut_reason` holds; ``fuse=False`` always
+        cuts; ``fuse=True`` where it cannot run fused is an error. Call between steps.
+
+        In fused mode the forward unit tasks still run one at a time (and fill the
+        per-unit saved-tensor boxes), but the graph is not cut between units: the op's
+        first backward unit task runs the whole chunk's backward in one engine call, with
+        the weight gradients of every unit stashed for its W task as in cut mode; the
+        other backward unit tasks have nothing left to do (the embedding's stays its own).
+        """
+        why = reason or self.cut_reason()
+        if self.fuse and why:
+            raise ValueError(f"fused chunk requested (fuse=True), but {why} needs the unit cuts; build it with fuse=None")
+        if self._fwd or self._saved or self._ops or self._bwd:
+            raise ChunkStateError("fused/cut mode changed with a micro-batch in flight")
+        self.fused = self.fuse is not False and why is None
+        return self.fused
 
     def set_recompute(self, mode: str) -> None:
         """Activation recomputation of every layer (:mod:`braid.models.recompute`): ``"none"`` or ``"selective"``."""
@@ -248,6 +305,7 @@ class ModelChunk(nn.Module):
         """What is still held (for end-of-step checks)."""
         out = [f"saved {k}" for k in self._saved] + [f"output mb{k}" for k in self._outputs]
         out += [f"stash {type(m).__name__}" for m in self._deferred_all() if m.stash_bytes()]
+        out += [f"fused graph mb{k}" for k in self._ops]
         return out
 
     # -- unit tasks ------------------------------------------------------------------------
@@ -267,7 +325,12 @@ class ModelChunk(nn.Module):
         if not self.spec.head:
             if state is None:
                 raise ChunkStateError(f"end of F{mb} without forward state")
-            self._outputs[mb] = state[0]
+            op = self._ops.get(mb)
+            if op is None:
+                self._outputs[mb] = state[0]
+            else:  # fused: the graph stays attached here; the next stage gets the detached output
+                op.output = _edge(state[0])
+                self._outputs[mb] = state[0].detach()
 
     def end_backward(self, mb: int) -> None:
         """Called when all of B(mb)'s all-reduces are done: finish the last norm backward -> input gradient."""
@@ -276,7 +339,7 @@ class ModelChunk(nn.Module):
             raise ChunkStateError(f"end of B{mb} without backward state")
         if st.pending is not None:
             self._grad_in[mb] = self._finish(mb, st)
-        elif not self.spec.embed:
+        elif not self.spec.embed and mb not in self._grad_in:  # fused mode: set by the op's first B
             raise ChunkStateError(f"B{mb} ended without an input gradient")
 
     # -- forward -------------------------------------------------------------------------
@@ -317,7 +380,53 @@ class ModelChunk(nn.Module):
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
+    def _loss(self, mb: int, logits: torch.Tensor) -> torch.Tensor:
+        """The head's loss of micro-batch ``mb`` (scaled by 1/m); recorded in :attr:`losses`."""
+        labels = self.labels[mb]
+        ce = self.fns.cross_entropy(logits, labels, self.vocab_start, self.tp_group)
+        if self.sp is None:
+            loss = _masked_mean(ce, labels) / self.m
+        else:  # this rank's share of the micro-batch's mean: SP ranks' losses add up to it
+            loss = (ce * (labels != IGNORE_INDEX)).sum() / self.targets[mb] / self.m
+        self.losses[mb] = loss.detach()
+        return loss
+
+    def _fused_forward(self, mb: int, unit: Unit, layer: int) -> None:
+        """A unit's forward in fused mode: on the attached state, nothing cut (the embedding's output is entered)."""
+        op = self._ops.get(mb)
+        if op is None:
+            if mb in self._fwd:
+                (x,) = self._fwd[mb]  # the embedding's output (detached)
+            elif mb in self._inputs:
+                x = self._inputs.pop(mb)
+            else:
+                raise ChunkStateError(f"F{mb}: input activation missing (not received)")
+            x = self._enter(x)
+            op = self._ops[mb] = _FusedOp(_edge(x))
+            self._fwd[mb] = (x,)
+        state = self._fwd[mb]
+        key = (mb, unit, layer)
+        with self._saving(*key):
+            if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
+                x = state[0]
+                norm = self.norm if unit is Unit.HEAD else self.layers[layer].unit_norm(unit)
+                h = norm(x)
+                op.params.append(norm.weight)
+                if unit is Unit.HEAD:
+                    op.output = self._loss(mb, self.lm_head(h))
+                    self._fwd[mb] = ()
+                else:
+                    self._fwd[mb] = tuple(self.layers[layer].unit_forward(unit, h, positions=self.positions)) + (x,)
+            else:
+                *acts, residual = state
+                self._fwd[mb] = (self.layers[layer].unit_forward(unit, *acts, residual=residual),)
+        self._saved[key] = []
+        op.boxes.append(key)
+        return None
+
     def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
+        if self.fused and unit is not Unit.EMBED:
+            return self._fused_forward(mb, unit, layer)
         if unit is Unit.EMBED:
             with self._saving(mb, unit, layer):
                 out = self.embed(self.tokens[mb])
@@ -337,15 +446,7 @@ class ModelChunk(nn.Module):
                 h = norm(x)
                 hl = self._enter(h)
                 if unit is Unit.HEAD:
-                    logits = self.lm_head(hl)  # (b, s, V/t)
-                    labels = self.labels[mb]
-                    ce = self.fns.cross_entropy(logits, labels, self.vocab_start, self.tp_group)
-                    if self.sp is None:
-                        loss = _masked_mean(ce, labels) / self.m
-                    else:  # this rank's share of the micro-batch's mean: SP ranks' losses add up to it
-                        loss = (ce * (labels != IGNORE_INDEX)).sum() / self.targets[mb] / self.m
-                    outs: tuple[torch.Tensor, ...] = (loss,)
-                    self.losses[mb] = loss.detach()
+                    outs: tuple[torch.Tensor, ...] = (self._loss(mb, self.lm_head(hl)),)  # logits (b, s, V/t)
                 else:
                     outs = tuple(self.layers[layer].unit_forward(unit, hl, positions=self.positions))
                 ends = outs if unit is Unit.HEAD else tuple(_edge(o) for o in outs)  # the loss: a 0-dim tensor
@@ -376,7 +477,51 @@ class ModelChunk(nn.Module):
         except KeyError:
             raise ChunkStateError(f"B{mb}: no saved activations of {unit.value} layer {layer} (forward not run?)") from None
 
+    def _fused_backward(self, mb: int, op: _FusedOp) -> torch.Tensor | None:
+        """The whole chunk's backward of ``mb`` in one engine call (the op's first B task).
+
+        From the loss or the received output gradient to the chunk input and the norm
+        weights, every deferred module's weight gradient stashed under ``mb`` for the W
+        tasks. Returns the gradient at the embedding's output (embedding chunks), else
+        leaves the input gradient for :meth:`pop_input_grad`.
+        """
+        ends = (op.input, *op.params)
+        if self._fused_mods is None:
+            self._fused_mods = [m for m in self._deferred_all() if m is not self.embed]
+        with split_weight_grads(self._fused_mods, mb):
+            if self.spec.head:
+                dx, *dps = torch.autograd.grad((op.output,), ends)  # the loss: implicit ones
+            else:
+                dx, *dps = grad((op.output,), ends, (self._grad_out.pop(mb),))
+        for p, g in zip(op.params, dps):
+            accumulate_grad(p, g)
+        for key in op.boxes:
+            self._boxes.pop(key, None)
+        if self.spec.embed:
+            return dx
+        self._grad_in[mb] = dx
+        return None
+
     def _backward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
+        if self.fused:
+            if mb not in self._bwd:
+                op = self._ops.get(mb)
+                if op is not None:
+                    if not self.spec.head and mb not in self._grad_out:
+                        raise ChunkStateError(f"B{mb}: output gradient missing (not received)")
+                    del self._ops[mb]
+                    self._bwd[mb] = _Backward(residual=self._fused_backward(mb, op))
+            st = self._bwd.get(mb)
+            if unit is not Unit.EMBED:
+                self._take(mb, unit, layer)  # done by the op's first B task
+                return None
+            if st is not None and st.residual is not None:  # the embedding after a fused backward
+                (out,) = self._take(mb, unit, layer)[0].outputs
+                with split_weight_grads(self._deferred(unit, layer), mb):
+                    torch.autograd.backward((out,), (st.residual,), inputs=[self.embed.weight])
+                st.residual = None
+                self._boxes.pop((mb, unit, layer), None)
+                return None
         if mb not in self._bwd:
             if not self.spec.head and mb not in self._grad_out:
                 raise ChunkStateError(f"B{mb}: output gradient missing (not received)")
@@ -435,6 +580,8 @@ class ModelChunk(nn.Module):
         LM units' pieces hold edges, so after a forward nearly every saved byte can move.
         Used by :class:`braid.runtime.offload.ActivationOffloader`.
         """
+        if self.fused:
+            raise ChunkStateError("offload needs the unit cuts: this chunk runs fused (choose_fused with a reason, or fuse=False)")
         slots = [box.tensors for (kmb, _, _), box in self._boxes.items() if kmb == mb]
         tokens = [t for item in self.tokens for t in (item if isinstance(item, tuple) else (item,))]  # VLM: (pixels, text)
         held: list[torch.Tensor] = list(self.parameters()) + tokens + self.labels + self.targets

@@ -94,7 +94,7 @@ class McoreUnitLayer(nn.Module):
             out = self.self_attention.linear_proj(self._attention(*inputs))
         else:
             out = self.mlp.linear_fc2(self.fns.swiglu(*inputs))
-        return self.fns.add_residual(out, residual.detach(), self.tp)
+        return self.fns.add_residual(out, residual, self.tp)
 
     def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
         return {

@@ -4,8 +4,9 @@ The paper (Sec. 3, Fig. 2) cuts a transformer layer into Pre-Attn (RMSNorm + QKV
 projection), Attn (attention + output projection), Pre-MLP (RMSNorm + gate/up projection)
 and MLP (SwiGLU + down projection). Each unit is a separate method here, and the residual
 is *fused* into the unit that ends with the TP all-reduce:
-``X_attn = AR(Attention(LN(X)) + detach(X)/t)``; the residual's gradient (+1) is added
-explicitly in backward by the chunk runner. With ``tp == 1`` (the reference model) the
+``X_attn = AR(Attention(LN(X)) + X/t)``; the chunk runner passes ``X`` detached where it
+cuts the graph between units (and adds the residual's +1 gradient explicitly in backward),
+attached where it runs a chunk's backward in one call (fused mode, tp=1). With ``tp == 1`` (the reference model) the
 all-reduce is the identity and the code is plain single-device Qwen2.
 
 Tensor parallelism is applied from outside: :func:`parallelize_layer` builds the TP shard
@@ -107,7 +108,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def add_residual(out: torch.Tensor, residual: torch.Tensor, tp: int) -> torch.Tensor:
     """The fused residual of a unit that ends with the TP all-reduce: ``out + residual / tp``
-    (the caller passes the residual detached: its +1 gradient is added by the chunk runner)."""
+    (the chunk runner passes the residual detached when it cuts the graph between units and
+    adds the +1 gradient itself; in fused mode the residual stays attached)."""
     return out + residual if tp == 1 else out + residual / tp  # x / 1 == x: no division kernel at tp=1
 
 
@@ -214,8 +216,8 @@ class Qwen2Layer(UnitMethods, nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
 
     def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Attn unit: attention, out-projection and the fused residual ``detach(x)/t`` (partial over TP)."""
-        return self.fns.add_residual(self.attn_core(q, k, v), residual.detach(), self.tp)
+        """Attn unit: attention, out-projection and the fused residual ``x/t`` (partial over TP)."""
+        return self.fns.add_residual(self.attn_core(q, k, v), residual, self.tp)
 
     def norm2(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm(x)
@@ -229,7 +231,7 @@ class Qwen2Layer(UnitMethods, nn.Module):
 
     def mlp(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP)."""
-        return self.fns.add_residual(self.mlp_core(gate, up), residual.detach(), self.tp)
+        return self.fns.add_residual(self.mlp_core(gate, up), residual, self.tp)
 
     # -- the model seam (braid.models.seam.UnitLayer) ------------------------------------
     def unit_norm(self, unit: Unit) -> RMSNorm:

@@ -12,8 +12,10 @@ Unit contract (paper Sec. 3, Fig. 2-3). ``pre_attn`` / ``pre_mlp`` are a norm
 (:meth:`UnitLayer.unit_norm`, run by the chunk runner so that its backward can be finished
 after the all-reduce) followed by ``unit_forward(unit, h, positions=...)``, which returns the
 tuple of tensors handed to the next unit. ``attn`` / ``mlp`` take that tuple and the layer
-input ``residual`` and return one tensor *partial over TP* with ``detach(residual)/tp``
-already added (the fused residual; its +1 gradient is added by the runner). Which units end
+input ``residual`` and return one tensor *partial over TP* with ``residual/tp`` already
+added (the fused residual). The runner passes ``residual`` detached where it cuts the graph
+between units (and adds its +1 gradient itself), attached in fused mode (tp=1): a unit
+must not detach it. Which units end
 with a TP all-reduce is :data:`braid.braiding.AR_FORWARD` / :data:`braid.braiding.AR_BACKWARD`.
 """
 

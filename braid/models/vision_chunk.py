@@ -119,6 +119,9 @@ class VisionChunk(ModelChunk):
             self.layouts.append(layout)
         super().set_batch(patches, labels)
 
+    def cut_reason(self) -> str | None:
+        return "the vision chunk (its merge unit runs on cut pieces)"
+
     def _norm_of(self, unit: Unit, layer: int) -> torch.nn.Module:
         return self.layers[layer].unit_norm(unit)
 

@@ -315,7 +315,7 @@ class VisionBlock(UnitMethods, nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
     def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.attn_core(q, k, v) + residual.detach() / self.tp
+        return self.attn_core(q, k, v) + residual / self.tp
 
     def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.cfg.kind == "qwen2_vl":
@@ -330,7 +330,7 @@ class VisionBlock(UnitMethods, nn.Module):
 
     def mlp(self, *acts_and_residual: torch.Tensor) -> torch.Tensor:
         *acts, residual = acts_and_residual
-        return self.mlp_core(*acts) + residual.detach() / self.tp
+        return self.mlp_core(*acts) + residual / self.tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Single-device forward (tp must be 1)."""

@@ -25,7 +25,9 @@ format: unit compute events, all-reduces on lane ``tp-comm``, P2P events and a m
 series (``torch.cuda.memory_allocated`` on GPU, live saved-activation bytes on CPU).
 
 Recording costs host time on every unit task (two clock marks -- CUDA events on GPU --
-and one event tuple), which bounds small models by Python dispatch. ``record`` picks how
+and one event tuple), which bounds small models by Python dispatch. Where nothing needs the unit cuts (tp=1, no
+sequence parallelism, no Offload/Reload in the program) the chunks run fused
+(:meth:`braid.models.chunk.ModelChunk.choose_fused`): one backward engine call per op. ``record`` picks how
 much is measured: ``"units"`` (every unit task and all-reduce, the full trace),
 ``"instructions"`` (one clock pair per compute instruction, P2P/copy events and the memory
 series, no per-unit or all-reduce events) or ``"off"`` (no clock, no events, no memory
@@ -193,6 +195,12 @@ class Executor:
         self.record = _check_record(record)
         self.compiled = compiled.resolve(compile, self.device)
         compiled.set_compiled(chunks.values(), self.compiled)
+        # Fused chunks (ModelChunk.choose_fused) where nothing needs the unit cuts.
+        offloads = any(isinstance(ins, (Offload, Reload)) for ins in program.instructions)
+        cut = ("the program offloads activations" if offloads
+               else "tensor parallelism (tp > 1)" if tp_group is not None and dist.get_world_size(tp_group) > 1
+               else "sequence parallelism" if sp_group is not None else None)
+        self.fused = {c: ch.choose_fused(cut) for c, ch in chunks.items()}
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
