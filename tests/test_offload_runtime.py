@@ -95,6 +95,8 @@ def offload_matches_plain(ctx, tp: int, m: int, alphas: tuple[float, ...]) -> di
         plan = schedules.build(name, 2, m, **opts)
         torch.manual_seed(1234)
         chunks = build_rank_chunks(Qwen2Model(cfg).to(dev), plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+        for ch in chunks.values():
+            ch.fuse = False  # an offload program keeps the unit cuts: compare with the same cut computation
         params = [p for ch in chunks.values() for p in ch.parameters()]
         ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden),
                                   device=dev)

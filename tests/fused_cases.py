@@ -1,0 +1,114 @@
+"""Cases run inside the gloo processes of ``test_fused.py`` (module-level so they pickle by name)."""
+
+from __future__ import annotations
+
+import torch
+
+from executor_cases import CFG_KW, EPS, LR, MBS, SEQ, _data
+
+# Fused and cut mode compute the same sums in another order (autograd accumulates the
+# residual and the q/k/v input gradients where the cut runner adds them): fp32 rounding only.
+GRAD_ATOL = 1e-6
+
+
+def _run(ctx, groups, plan, layers, cfg, fuse, data, dev):
+    from braid.compiler import compile_plan
+    from braid.models.qwen2 import Qwen2Model
+    from braid.runtime.executor import Executor, build_rank_chunks
+
+    c = groups.coords
+    torch.manual_seed(1234)
+    chunks = build_rank_chunks(Qwen2Model(cfg).to(dev), plan, c.pp, layers, tp_rank=c.tp, tp_size=groups.topo.tp,
+                               tp_group=groups.tp)
+    for ch in chunks.values():
+        ch.fuse = fuse
+    params = [p for ch in chunks.values() for p in ch.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
+    ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
+                              act_shape=(MBS, SEQ, cfg.hidden), device=dev)
+    losses, grads = [], []
+    for toks, labs in data:
+        opt.zero_grad(set_to_none=True)
+        res = ex.run(toks, labs)
+        losses.append(res.loss)
+        grads.append([p.grad.clone() for p in params])
+        opt.step()
+    return ex, losses, grads, [p.detach().clone() for p in params]
+
+
+def fused_matches_cut(ctx, pp: int, tp: int, combos: list[tuple[str, int]]) -> list[tuple[str, int, bool, float]]:
+    """Each (schedule, m): two AdamW steps with the executor's automatic choice and with the
+    cuts forced (``fuse=False``); the first step's loss and gradients must agree within
+    fp32 rounding (1e-6), the second step and the parameters after both as the executor's
+    equivalence tests require.
+
+    Returns (schedule, m, whether the automatic run was fused, largest gradient difference).
+    """
+    from braid import schedules
+    from braid.models.qwen2 import Qwen2Config
+    from braid.partition import split_layers
+    from braid.topology import Topology
+
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, tp=tp))
+    dev = ctx.dist.device
+    out = []
+    for name, m in combos:
+        plan = schedules.build(name, pp, m)
+        stages = plan.num_stages
+        layers = split_layers(2 * stages - 1, stages) if stages > 1 else (2,)
+        cfg = Qwen2Config(layers=sum(layers), **CFG_KW)
+        data = [_data(cfg, m, seed=s) for s in range(2)]
+        auto_ex, auto_losses, auto_grads, auto_params = _run(ctx, groups, plan, layers, cfg, None, data, dev)
+        cut_ex, cut_losses, cut_grads, cut_params = _run(ctx, groups, plan, layers, cfg, False, data, dev)
+        where = f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank}"
+        assert not any(cut_ex.fused.values()), f"{where}: fuse=False ran fused"
+        fused = set(auto_ex.fused.values())
+        assert len(fused) == 1, f"{where}: chunks of one executor in different modes {auto_ex.fused}"
+        worst = 0.0
+        if auto_losses[0] is not None:  # step 0: the same model and data
+            assert abs(float(auto_losses[0]) - float(cut_losses[0])) <= GRAD_ATOL, f"{where}: losses {auto_losses} {cut_losses}"
+        for k, (a, b) in enumerate(zip(auto_grads[0], cut_grads[0])):
+            diff = float((a - b).abs().max())
+            worst = max(worst, diff)
+            assert diff <= GRAD_ATOL, f"{where} step 0: gradient {k} differs by {diff}"
+        # Step 1 starts from parameters that AdamW moved apart by its rounding: the executor
+        # equivalence tests' tolerances, as against the single-process reference.
+        if auto_losses[1] is not None:
+            torch.testing.assert_close(auto_losses[1], cut_losses[1], rtol=1e-5, atol=1e-6, msg=lambda s: f"{where} step 1 loss: {s}")
+        for k, (a, b) in enumerate(zip(auto_grads[1], cut_grads[1])):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda s: f"{where} step 1 grad {k}: {s}")
+        for k, (a, b) in enumerate(zip(auto_params, cut_params)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda s: f"{where} param {k}: {s}")
+        out.append((name, m, fused.pop(), worst))
+    return out
+
+
+def modes_chosen(ctx, tp: int) -> dict[str, object]:
+    """Which mode the executor picks at pp=2 with ``tp``: plain braided_v, braided_v_offload;
+    and whether ``fuse=True`` where the cuts are needed is refused with one line."""
+    from braid import schedules
+    from braid.compiler import compile_plan
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.partition import split_layers
+    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.topology import Topology
+
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=2, tp=tp))
+    c = groups.coords
+    layers = split_layers(7, 4)
+    cfg = Qwen2Config(layers=sum(layers), **CFG_KW)
+    got: dict[str, object] = {}
+    for name, opts in (("braided_v", {}), ("braided_v_offload", {"offload_alpha": 0.5, "offload_alpha_warmup": 0.5})):
+        plan = schedules.build(name, 2, 5, **opts)
+        program = compile_plan(plan)[c.pp]
+        chunks = build_rank_chunks(Qwen2Model(cfg), plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden))
+        got[name] = sorted(set(ex.fused.values()))
+        for ch in chunks.values():
+            ch.fuse = True
+        try:
+            Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden))
+            got[name + " fuse=True"] = "accepted"
+        except ValueError as err:
+            got[name + " fuse=True"] = str(err)
+    return got
