@@ -10,6 +10,7 @@ pp=2. (That both equal the single-process reference is ``test_executor.py``'s jo
 from __future__ import annotations
 
 import pytest
+import torch
 
 import fused_cases as cases
 
@@ -37,3 +38,77 @@ def test_mode_is_chosen_by_tp_and_offload(pools, tp: int) -> None:
 def test_fused_at_tp2_is_not_taken(pools) -> None:
     ran = pools(2).run(cases.fused_matches_cut, 1, 2, [("braided_v", 3)], timeout_s=300)
     assert all(not fused for r in ran for _, _, fused, _ in r), ran
+
+
+# -- the chunk runner on one process ------------------------------------------------------
+PROGRAM = ["F0c0", "F1c0", "B0c0", "F2c0&B1c0", "W1c0", "W0c0", "BW2c0"]  # braided block and split W included
+SPECS = {"whole": (2, True, True), "first": (2, True, False), "middle": (2, False, False), "last": (2, False, True),
+         "embedding only": (0, True, False)}
+
+
+def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str):
+    from braid.braiding import ChunkSpec, steps
+    from braid.ir import OpKind, parse_instruction
+    from braid.models.chunk import build_chunk
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden=32, layers=3, heads=4, kv_heads=2, ffn=64)
+    model = Qwen2Model(cfg)
+    g = torch.Generator().manual_seed(1)
+    toks = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(3)]
+    labs = [torch.randint(0, 64, (2, 16), generator=g) for _ in range(3)]
+    xs = [torch.randn(2, 16, 32, generator=g) for _ in range(3)]
+    dys = [torch.randn(2, 16, 32, generator=g) for _ in range(3)]
+    spec = ChunkSpec(layers, embed=embed, head=head)
+    ch = build_chunk(model, spec, 1, num_microbatches=3, fuse=fuse)
+    assert ch.choose_fused() is fuse
+    ch.set_recompute(recompute)
+    ch.set_batch(toks, labs)
+    dxs, peak = {}, 0
+    for text in PROGRAM:
+        ins = parse_instruction(text)
+        for op in getattr(ins, "ops", (ins,)):
+            if op.kind is OpKind.F and not embed:
+                ch.set_input(op.mb, xs[op.mb])
+            elif op.kind is not OpKind.F and not head:
+                ch.set_output_grad(op.mb, dys[op.mb])
+        for st in steps(ins, lambda c: spec):
+            ch.run(st.op.mb, st.task)
+            peak = max(peak, ch.live_bytes())
+        for op in getattr(ins, "ops", (ins,)):
+            if op.kind is OpKind.F:
+                ch.end_forward(op.mb)
+                if not head:
+                    ch.pop_output(op.mb)
+            elif op.kind in (OpKind.B, OpKind.BW):
+                ch.end_backward(op.mb)
+                if not embed:
+                    dxs[op.mb] = ch.pop_input_grad(op.mb)
+    assert ch.pending_work() == [] and ch.live_bytes() == 0
+    grads = {n: p.grad.clone() for n, p in ch.named_parameters() if p.grad is not None}
+    assert len(grads) == len(list(ch.parameters())), "a parameter got no gradient"
+    return [float(ch.losses[k]) for k in sorted(ch.losses)], dxs, grads, peak
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_fused_chunk_runner_matches_cut_mode(kind: str, recompute: str) -> None:
+    layers, embed, head = SPECS[kind]
+    cut = _chunk_run(False, layers, embed, head, recompute)
+    fused = _chunk_run(True, layers, embed, head, recompute)
+    assert fused[0] == pytest.approx(cut[0], abs=1e-6, rel=0) and len(fused[0]) == (3 if head else 0)
+    assert sorted(fused[1]) == sorted(cut[1]) == ([] if embed else [0, 1, 2])
+    for mb in cut[1]:
+        assert _close(fused[1][mb], cut[1][mb]), f"input gradient of mb {mb}"
+    assert sorted(fused[2]) == sorted(cut[2])
+    for n in cut[2]:
+        assert _close(fused[2][n], cut[2][n]), n
+    assert fused[3] > 0 and cut[3] > 0
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to fp32 rounding: 1e-6 of the tensor's largest magnitude (at least 1e-6 absolute;
+    the random output gradients here make some gradients ~100)."""
+    return float((a - b).abs().max()) <= 1e-6 * max(1.0, float(b.abs().max()))
+

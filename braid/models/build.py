@@ -145,8 +145,12 @@ def build_chunk(
     num_microbatches: int = 1,
     sp: SequenceParallel | None = None,
     seq_len: int | None = None,
+    fuse: bool | None = None,
 ) -> ModelChunk:
     """The TP shard of layers ``[first_layer, first_layer + spec.layers)`` of a single-device model (copied).
+
+    ``fuse``: fused mode (:meth:`ModelChunk.choose_fused`): None lets the executor choose,
+    False keeps the unit cuts.
 
     ``sp``: sequence-parallel context; its degrees are checked against the heads (and
     ``seq_len`` when given) here, and the layers run 2D-Attention on sequence shards.
@@ -180,6 +184,7 @@ def build_chunk(
     chunk = ModelChunk(
         spec, layers, embed, norm, lm_head,
         num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start, sp=sp,
+        fuse=fuse,
     )
     chunk.first_layer = first_layer
     return chunk

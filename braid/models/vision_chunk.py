@@ -183,7 +183,7 @@ class MRopeChunk(ModelChunk):
     def __init__(self, base: ModelChunk, cfg: Qwen2VLConfig) -> None:
         layers = [MRopeLayer.from_layer(lay, cfg.mrope_section) for lay in base.layers]
         super().__init__(base.spec, layers, base.embed, base.norm, base.lm_head, num_microbatches=base.m,
-                         tp_group=base.tp_group, vocab_start=base.vocab_start)
+                         tp_group=base.tp_group, vocab_start=base.vocab_start, fuse=base.fuse)
         self.cfg = cfg
         self.mrope: list[torch.Tensor] = []
 
