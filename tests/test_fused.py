@@ -104,7 +104,7 @@ def test_fused_chunk_runner_matches_cut_mode(kind: str, recompute: str) -> None:
     assert sorted(fused[2]) == sorted(cut[2])
     for n in cut[2]:
         assert _close(fused[2][n], cut[2][n]), n
-    assert fused[3] > 0 and cut[3] > 0
+    assert 0 < fused[3] <= cut[3], "fused mode held more saved bytes than cut mode"
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
