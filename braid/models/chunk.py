@@ -21,6 +21,13 @@ piece's input enters the graph through :class:`_Entry` (an identity whose backwa
 holds no tensor) instead of a leaf (whose ``AccumulateGrad`` node would hold the leaf's
 data until backward). So moving a box's tensors to the host really frees their device
 memory, for any fraction of a micro-batch's saved bytes.
+
+Fused mode (:meth:`ModelChunk.choose_fused`; the executor picks it at tp=1 without
+sequence parallelism or offload): none of the cuts above is needed, and each costs an
+autograd engine call per unit. The forward unit tasks then run on the attached graph (the
+residual included; only the chunk input and the embedding's output are entered), still
+filling the per-unit boxes, and the op's first backward unit task runs the whole chunk's
+backward in one engine call, the weight gradients stashed for the W tasks as above.
 """
 
 from __future__ import annotations
@@ -234,10 +241,11 @@ class ModelChunk(nn.Module):
         why = reason or self.cut_reason()
         if self.fuse and why:
             raise ValueError(f"fused chunk requested (fuse=True), but {why} needs the unit cuts; build it with fuse=None")
-        if self._fwd or self._saved or self._ops or self._bwd:
+        fused = self.fuse is not False and why is None
+        if fused != self.fused and (self._fwd or self._saved or self._ops or self._bwd):
             raise ChunkStateError("fused/cut mode changed with a micro-batch in flight")
-        self.fused = self.fuse is not False and why is None
-        return self.fused
+        self.fused = fused
+        return fused
 
     def set_recompute(self, mode: str) -> None:
         """Activation recomputation of every layer (:mod:`braid.models.recompute`): ``"none"`` or ``"selective"``."""
