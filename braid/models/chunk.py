@@ -25,7 +25,7 @@ memory, for any fraction of a micro-batch's saved bytes.
 Fused mode (:meth:`ModelChunk.choose_fused`; the executor picks it at tp=1 without
 sequence parallelism or offload): none of the cuts above is needed, and each costs an
 autograd engine call per unit. The forward unit tasks then run on the attached graph (the
-residual included; only the chunk input and the embedding's output are entered), still
+residual included; only a received chunk input is entered), still
 filling the per-unit boxes, and the op's first backward unit task runs the whole chunk's
 backward in one engine call, the weight gradients stashed for the W tasks as above.
 """
@@ -129,12 +129,13 @@ class _Box:
 class _FusedOp:
     """One micro-batch's forward through a fused chunk: the ends of its single autograd graph.
 
-    ``input``: the edge of the chunk input (entered through :class:`_Entry`); ``params``:
-    the eager parameters (norm weights) whose gradients the one backward call returns;
-    ``output``: the output's edge, or (head) the loss; ``boxes``: the saved-tensor boxes.
+    ``input``: the edge of the chunk input (entered through :class:`_Entry`; None where the
+    chunk starts with the embedding); ``params``: the eager parameters (norm weights) whose
+    gradients the one backward call returns; ``output``: the output's edge, or (head) the
+    loss; ``boxes``: the saved-tensor boxes.
     """
 
-    input: GradientEdge
+    input: GradientEdge | None
     params: list[nn.Parameter] = field(default_factory=list)
     output: Handle | None = None
     boxes: list[tuple] = field(default_factory=list)
@@ -209,7 +210,6 @@ class ModelChunk(nn.Module):
         self.fuse = fuse
         self.fused = False
         self._ops: dict[int, _FusedOp] = {}
-        self._fused_mods: list[DeferredWeightGrad] | None = None
 
     def cut_reason(self) -> str | None:
         """Why this chunk needs its unit cuts (None: it can run fused).
@@ -236,7 +236,7 @@ class ModelChunk(nn.Module):
         per-unit saved-tensor boxes), but the graph is not cut between units: the op's
         first backward unit task runs the whole chunk's backward in one engine call, with
         the weight gradients of every unit stashed for its W task as in cut mode; the
-        other backward unit tasks have nothing left to do (the embedding's stays its own).
+        other backward unit tasks have nothing left to do.
         """
         why = reason or self.cut_reason()
         if self.fuse and why:
@@ -400,23 +400,21 @@ class ModelChunk(nn.Module):
         return loss
 
     def _fused_forward(self, mb: int, unit: Unit, layer: int) -> None:
-        """A unit's forward in fused mode: on the attached state, nothing cut (the embedding's output is entered)."""
+        """A unit's forward in fused mode: on the attached state, nothing cut (only a received input is entered)."""
         op = self._ops.get(mb)
-        if op is None:
-            if mb in self._fwd:
-                (x,) = self._fwd[mb]  # the embedding's output (detached)
-            elif mb in self._inputs:
-                x = self._inputs.pop(mb)
-            else:
+        key = (mb, unit, layer)
+        if op is None and unit is not Unit.EMBED:
+            if mb not in self._inputs:
                 raise ChunkStateError(f"F{mb}: input activation missing (not received)")
-            x = self._enter(x)
+            x = self._enter(self._inputs.pop(mb))
             op = self._ops[mb] = _FusedOp(_edge(x))
             self._fwd[mb] = (x,)
-        state = self._fwd[mb]
-        key = (mb, unit, layer)
         with self._saving(*key):
-            if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
-                x = state[0]
+            if unit is Unit.EMBED:
+                op = self._ops[mb] = _FusedOp(None)
+                self._fwd[mb] = (self.embed(self.tokens[mb]),)
+            elif unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
+                x = self._fwd[mb][0]
                 norm = self.norm if unit is Unit.HEAD else self.layers[layer].unit_norm(unit)
                 h = norm(x)
                 op.params.append(norm.weight)
@@ -426,14 +424,14 @@ class ModelChunk(nn.Module):
                 else:
                     self._fwd[mb] = tuple(self.layers[layer].unit_forward(unit, h, positions=self.positions)) + (x,)
             else:
-                *acts, residual = state
+                *acts, residual = self._fwd[mb]
                 self._fwd[mb] = (self.layers[layer].unit_forward(unit, *acts, residual=residual),)
         self._saved[key] = []
         op.boxes.append(key)
         return None
 
     def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
-        if self.fused and unit is not Unit.EMBED:
+        if self.fused:
             return self._fused_forward(mb, unit, layer)
         if unit is Unit.EMBED:
             with self._saving(mb, unit, layer):
@@ -488,27 +486,30 @@ class ModelChunk(nn.Module):
     def _fused_backward(self, mb: int, op: _FusedOp) -> torch.Tensor | None:
         """The whole chunk's backward of ``mb`` in one engine call (the op's first B task).
 
-        From the loss or the received output gradient to the chunk input and the norm
-        weights, every deferred module's weight gradient stashed under ``mb`` for the W
-        tasks. Returns the gradient at the embedding's output (embedding chunks), else
-        leaves the input gradient for :meth:`pop_input_grad`.
+        From the loss or the received output gradient to the chunk input (or the
+        embedding) and the norm weights, every deferred module's weight gradient stashed
+        under ``mb`` for the W tasks; the input gradient is left for :meth:`pop_input_grad`.
+        The embedding's weight is listed so that its (stashing) backward runs; its
+        gradient comes back None (it is the W task's).
         """
-        ends = (op.input, *op.params)
-        if self._fused_mods is None:
-            self._fused_mods = [m for m in self._deferred_all() if m is not self.embed]
-        with split_weight_grads(self._fused_mods, mb):
-            if self.spec.head:
-                dx, *dps = torch.autograd.grad((op.output,), ends)  # the loss: implicit ones
+        params = op.params
+        ends = params + [self.embed.weight] if op.input is None else [op.input, *params]
+        grads = () if self.spec.head else (self._grad_out.pop(mb),)  # the loss: ones
+        with split_weight_grads(self._deferred_all(), mb):
+            if op.input is None:
+                got = torch.autograd.grad((op.output,), ends, grads or None, allow_unused=True)
+            elif self.spec.head:
+                got = torch.autograd.grad((op.output,), ends)
             else:
-                dx, *dps = grad((op.output,), ends, (self._grad_out.pop(mb),))
-        for p, g in zip(op.params, dps):
-            accumulate_grad(p, g)
+                got = grad((op.output,), ends, grads)
         for key in op.boxes:
             self._boxes.pop(key, None)
-        if self.spec.embed:
-            return dx
-        self._grad_in[mb] = dx
-        return None
+        if op.input is not None:
+            self._grad_in[mb], *got = got
+        for p, g in zip(params, got):
+            if g is None:
+                raise ChunkStateError(f"B{mb}: no gradient of a norm weight {tuple(p.shape)} (not in the fused graph)")
+            accumulate_grad(p, g)
 
     def _backward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
         if self.fused:
@@ -518,18 +519,10 @@ class ModelChunk(nn.Module):
                     if not self.spec.head and mb not in self._grad_out:
                         raise ChunkStateError(f"B{mb}: output gradient missing (not received)")
                     del self._ops[mb]
-                    self._bwd[mb] = _Backward(residual=self._fused_backward(mb, op))
-            st = self._bwd.get(mb)
-            if unit is not Unit.EMBED:
-                self._take(mb, unit, layer)  # done by the op's first B task
-                return None
-            if st is not None and st.residual is not None:  # the embedding after a fused backward
-                (out,) = self._take(mb, unit, layer)[0].outputs
-                with split_weight_grads(self._deferred(unit, layer), mb):
-                    torch.autograd.backward((out,), (st.residual,), inputs=[self.embed.weight])
-                st.residual = None
-                self._boxes.pop((mb, unit, layer), None)
-                return None
+                    self._fused_backward(mb, op)
+                    self._bwd[mb] = _Backward()
+            self._take(mb, unit, layer)  # its backward ran in the op's first B task
+            return None
         if mb not in self._bwd:
             if not self.spec.head and mb not in self._grad_out:
                 raise ChunkStateError(f"B{mb}: output gradient missing (not received)")
