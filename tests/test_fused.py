@@ -4,7 +4,9 @@ At tp=1 without offload the executor runs its chunks fused; at tp=2 or with an o
 program it keeps the cuts, and asking for fused mode there is refused. Fused and cut mode
 give the same losses and gradients (within fp32 rounding: the same sums in another order)
 and the same parameters after two AdamW steps, for braided_v, 1f1b_i and zb_v at pp=1 and
-pp=2. (That both equal the single-process reference is ``test_executor.py``'s job.)
+pp=2. (That both equal the single-process reference is ``test_executor.py``'s job.) On one
+process the chunk runner agrees in both modes for whole, first, middle, last and
+embedding-only chunks, with and without selective recomputation.
 """
 
 from __future__ import annotations
