@@ -195,11 +195,10 @@ class Executor:
         self.record = _check_record(record)
         self.compiled = compiled.resolve(compile, self.device)
         compiled.set_compiled(chunks.values(), self.compiled)
-        # Fused chunks (ModelChunk.choose_fused) where nothing needs the unit cuts.
+        # Fused chunks (ModelChunk.choose_fused) where nothing needs the unit cuts: the chunk
+        # knows its TP and SP; only the program knows whether it offloads.
         offloads = any(isinstance(ins, (Offload, Reload)) for ins in program.instructions)
-        cut = ("the program offloads activations" if offloads
-               else "tensor parallelism (tp > 1)" if tp_group is not None and dist.get_world_size(tp_group) > 1
-               else "sequence parallelism" if sp_group is not None else None)
+        cut = "the program offloads activations" if offloads else None
         self.fused = {c: ch.choose_fused(cut) for c, ch in chunks.items()}
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
