@@ -48,7 +48,7 @@ SPECS = {"whole": (2, True, True), "first": (2, True, False), "middle": (2, Fals
          "embedding only": (0, True, False)}
 
 
-def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str):
+def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str, joint: bool = False):
     from braid.braiding import ChunkSpec, steps
     from braid.ir import OpKind, parse_instruction
     from braid.models.chunk import build_chunk
@@ -65,6 +65,8 @@ def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str)
     spec = ChunkSpec(layers, embed=embed, head=head)
     ch = build_chunk(model, spec, 1, num_microbatches=3, fuse=fuse)
     assert ch.choose_fused() is fuse
+    if joint:
+        ch.set_joint({2})  # BW2c0 computes its weight gradients in its backward call
     ch.set_recompute(recompute)
     ch.set_batch(toks, labs)
     dxs, peak = {}, 0
@@ -93,12 +95,28 @@ def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str)
     return [float(ch.losses[k]) for k in sorted(ch.losses)], dxs, grads, peak
 
 
+@pytest.mark.parametrize("joint", [False, True], ids=["split", "joint"])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_fused_chunk_runner_matches_cut_mode(kind: str, recompute: str) -> None:
+def test_fused_chunk_runner_matches_cut_mode(kind: str, recompute: str, joint: bool, monkeypatch) -> None:
+    """Fused mode, with the BW op's micro-batch joint (plain linears, one backward() call)
+    or split (weight gradients stashed for its W tasks), agrees with cut mode."""
+    from braid.tp.layers import DeferredWeightGrad
+
     layers, embed, head = SPECS[kind]
     cut = _chunk_run(False, layers, embed, head, recompute)
-    fused = _chunk_run(True, layers, embed, head, recompute)
+    stashed: list = []
+    real = DeferredWeightGrad._stash_or_grad
+
+    def spy(self, inp, grad_out):
+        stashed.append(self.split_mode.key if self.split_mode.on else None)
+        return real(self, inp, grad_out)
+
+    monkeypatch.setattr(DeferredWeightGrad, "_stash_or_grad", spy)
+    fused = _chunk_run(True, layers, embed, head, recompute, joint=joint)
+    # Every deferred-gradient backward of mb 2 (BW2c0) went through the stash unless it was joint.
+    assert (2 in stashed) is not joint and None not in stashed, sorted(set(map(str, stashed)))
+    assert {0, 1} <= set(stashed)
     assert fused[0] == pytest.approx(cut[0], abs=1e-6, rel=0) and len(fused[0]) == (3 if head else 0)
     assert sorted(fused[1]) == sorted(cut[1]) == ([] if embed else [0, 1, 2])
     for mb in cut[1]:

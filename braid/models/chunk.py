@@ -47,7 +47,7 @@ from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.runtime.offload import ActivationOffloader, Parked
-from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, accumulate_grad, split_weight_grads
+from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, NativeMode, accumulate_grad, split_weight_grads
 
 
 class ChunkStateError(RuntimeError):
@@ -133,12 +133,17 @@ class _FusedOp:
     chunk starts with the embedding); ``params``: the eager parameters (norm weights) whose
     gradients the one backward call returns; ``output``: the output's edge, or (head) the
     loss; ``boxes``: the saved-tensor boxes.
+
+    ``joint``: the op's backward computes the weight gradients too (its backward op is a
+    ``BW``, :meth:`ModelChunk.set_joint`): the linears ran as plain modules, ``input`` is a
+    leaf tensor, and one ``backward`` call accumulates every parameter's gradient.
     """
 
-    input: GradientEdge | None
+    input: GradientEdge | torch.Tensor | None
     params: list[nn.Parameter] = field(default_factory=list)
     output: Handle | None = None
     boxes: list[tuple] = field(default_factory=list)
+    joint: bool = False
 
 
 @dataclass(slots=True)
@@ -210,6 +215,14 @@ class ModelChunk(nn.Module):
         self.fuse = fuse
         self.fused = False
         self._ops: dict[int, _FusedOp] = {}
+        # Fused mode: micro-batches whose backward op also computes the weight gradients
+        # (set_joint), the shared native switch of the deferred modules, those whose joint
+        # backward ran (their W tasks have nothing left to do), and whether the fused forward
+        # fills the saved-tensor boxes (memory accounting of a recorded step).
+        self.joint: frozenset[int] = frozenset()
+        self._native = NativeMode()
+        self._joint_done: set[int] = set()
+        self.track_saved = True
 
     def cut_reason(self) -> str | None:
         """Why this chunk needs its unit cuts (None: it can run fused).
@@ -245,7 +258,22 @@ class ModelChunk(nn.Module):
         if fused != self.fused and (self._fwd or self._saved or self._ops or self._bwd):
             raise ChunkStateError("fused/cut mode changed with a micro-batch in flight")
         self.fused = fused
+        for m in self._deferred_all():
+            m.native = self._native
         return fused
+
+    def set_joint(self, mbs: "set[int] | frozenset[int]") -> None:
+        """Micro-batches whose backward op computes the weight gradients with the activation
+        gradients (a ``BW`` op; the executor reads them off its program).
+
+        In fused mode their forward runs the linears and the embedding as plain modules
+        (``F.linear``/``F.embedding``) and their backward is one ``backward`` call that
+        accumulates every gradient, as a training loop's ``loss.backward()``: no weight
+        gradient is stashed and the op's W tasks have nothing to do. Call between steps.
+        """
+        if self._ops or self._bwd:
+            raise ChunkStateError("joint micro-batches changed with a micro-batch in flight")
+        self.joint = frozenset(mbs)
 
     def set_recompute(self, mode: str) -> None:
         """Activation recomputation of every layer (:mod:`braid.models.recompute`): ``"none"`` or ``"selective"``."""
@@ -323,6 +351,8 @@ class ModelChunk(nn.Module):
             return self._forward(mb, task.unit, task.layer)
         if task.phase is Phase.B:
             return self._backward(mb, task.unit, task.layer)
+        if mb in self._joint_done:  # its weight gradients came with its fused backward
+            return None
         for mod in self._deferred(task.unit, task.layer):
             mod.weight_backward(mb)
         return None
@@ -345,6 +375,7 @@ class ModelChunk(nn.Module):
         st = self._bwd.pop(mb, None)
         if st is None:
             raise ChunkStateError(f"end of B{mb} without backward state")
+        self._joint_done.discard(mb)
         if st.pending is not None:
             self._grad_in[mb] = self._finish(mb, st)
         elif not self.spec.embed and mb not in self._grad_in:  # fused mode: set by the op's first B
@@ -403,32 +434,48 @@ class ModelChunk(nn.Module):
         """A unit's forward in fused mode: on the attached state, nothing cut (only a received input is entered)."""
         op = self._ops.get(mb)
         key = (mb, unit, layer)
-        if op is None and unit is not Unit.EMBED:
-            if mb not in self._inputs:
-                raise ChunkStateError(f"F{mb}: input activation missing (not received)")
-            x = self._enter(self._inputs.pop(mb))
-            op = self._ops[mb] = _FusedOp(_edge(x))
-            self._fwd[mb] = (x,)
-        with self._saving(*key):
+        if op is None:
+            joint = mb in self.joint
             if unit is Unit.EMBED:
-                op = self._ops[mb] = _FusedOp(None)
-                self._fwd[mb] = (self.embed(self.tokens[mb]),)
-            elif unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
-                x = self._fwd[mb][0]
-                norm = self.norm if unit is Unit.HEAD else self.layers[layer].unit_norm(unit)
-                h = norm(x)
-                op.params.append(norm.weight)
-                if unit is Unit.HEAD:
-                    op.output = self._loss(mb, self.lm_head(h))
-                    self._fwd[mb] = ()
-                else:
-                    self._fwd[mb] = tuple(self.layers[layer].unit_forward(unit, h, positions=self.positions)) + (x,)
+                op = self._ops[mb] = _FusedOp(None, joint=joint)
             else:
-                *acts, residual = self._fwd[mb]
-                self._fwd[mb] = (self.layers[layer].unit_forward(unit, *acts, residual=residual),)
+                if mb not in self._inputs:
+                    raise ChunkStateError(f"F{mb}: input activation missing (not received)")
+                x = self._inputs.pop(mb)
+                # joint: a leaf, whose .grad the one backward call fills (its AccumulateGrad
+                # node holds x, which the first norm saves anyway).
+                x = x.detach().requires_grad_() if joint else self._enter(x)
+                op = self._ops[mb] = _FusedOp(x if joint else _edge(x), joint=joint)
+                self._fwd[mb] = (x,)
         self._saved[key] = []
-        op.boxes.append(key)
+        self._native.on = op.joint
+        try:
+            if self.track_saved:
+                op.boxes.append(key)
+                with self._saving(*key):
+                    self._fused_unit(mb, op, unit, layer)
+            else:
+                self._fused_unit(mb, op, unit, layer)
+        finally:
+            self._native.on = False
         return None
+
+    def _fused_unit(self, mb: int, op: _FusedOp, unit: Unit, layer: int) -> None:
+        if unit is Unit.EMBED:
+            self._fwd[mb] = (self.embed(self.tokens[mb]),)
+        elif unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
+            x = self._fwd[mb][0]
+            norm = self.norm if unit is Unit.HEAD else self.layers[layer].unit_norm(unit)
+            h = norm(x)
+            op.params.append(norm.weight)
+            if unit is Unit.HEAD:
+                op.output = self._loss(mb, self.lm_head(h))
+                self._fwd[mb] = ()
+            else:
+                self._fwd[mb] = tuple(self.layers[layer].unit_forward(unit, h, positions=self.positions)) + (x,)
+        else:
+            *acts, residual = self._fwd[mb]
+            self._fwd[mb] = (self.layers[layer].unit_forward(unit, *acts, residual=residual),)
 
     def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
         if self.fused:
@@ -492,6 +539,15 @@ class ModelChunk(nn.Module):
         The embedding's weight is listed so that its (stashing) backward runs; its
         gradient comes back None (it is the W task's).
         """
+        if op.joint:  # every gradient accumulated by the engine, as loss.backward() does
+            grads = None if self.spec.head else (self._grad_out.pop(mb),)
+            torch.autograd.backward((op.output,), grads)
+            for key in op.boxes:
+                self._boxes.pop(key, None)
+            if op.input is not None:
+                self._grad_in[mb] = op.input.grad
+            self._joint_done.add(mb)
+            return None
         params = op.params
         ends = params + [self.embed.weight] if op.input is None else [op.input, *params]
         grads = () if self.spec.head else (self._grad_out.pop(mb),)  # the loss: ones

@@ -200,6 +200,10 @@ class Executor:
         offloads = any(isinstance(ins, (Offload, Reload)) for ins in program.instructions)
         cut = "the program offloads activations" if offloads else None
         self.fused = {c: ch.choose_fused(cut) for c, ch in chunks.items()}
+        # A fused chunk runs a BW op's backward as one loss.backward()-like call (set_joint).
+        for c, ch in chunks.items():
+            ch.set_joint({op.mb for ins in program.instructions for op in compute_ops(ins)
+                          if op.kind is OpKind.BW and op.chunk == c} if self.fused[c] else ())
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
@@ -241,6 +245,7 @@ class Executor:
         self._rec = self.record if record is None else _check_record(record)
         for c in self.chunks.values():
             c.set_batch(tokens, labels)
+            c.track_saved = self._rec != "off"  # the saved-tensor boxes feed only the memory series
         self.clock = _Clock(self.device, enabled=self._rec != "off")
         self._events: list[tuple] = []
         self._memory: list[tuple[Any, int]] = []

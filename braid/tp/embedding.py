@@ -46,6 +46,8 @@ class VocabParallelEmbedding(DeferredWeightGrad):
         return cls(emb.weight.detach()[tp_rank * n : (tp_rank + 1) * n], tp_rank * n)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.native.on:  # the whole vocabulary (tp=1): nn.Embedding's forward and backward
+            return nn.functional.embedding(tokens, self.weight)
         n = self.weight.shape[0]
         local = tokens - self.vocab_start
         mask = (local < 0) | (local >= n)

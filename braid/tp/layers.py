@@ -40,6 +40,17 @@ class _SplitMode:
     key: Hashable | None = None
 
 
+@dataclass(slots=True)
+class NativeMode:
+    """Whether forward runs as the plain module (``F.linear``/``F.embedding``): autograd then
+    computes the weight gradient inside the backward call and accumulates it itself, as for
+    ``nn.Linear``. Only for a micro-batch whose backward will not split the weight gradient
+    off (a fused chunk's ``BW`` op, see :meth:`braid.models.chunk.ModelChunk.set_joint`); a
+    chunk shares one such object among its modules, so switching costs one attribute write."""
+
+    on: bool = False
+
+
 class DeferredWeightGrad(nn.Module):
     """Mixin: a module whose weight gradient can be split off its backward.
 
@@ -50,6 +61,7 @@ class DeferredWeightGrad(nn.Module):
 
     def _init_deferred(self) -> None:
         self.split_mode = _SplitMode()
+        self.native = NativeMode()
         self._stash: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @abstractmethod
@@ -154,6 +166,8 @@ class _ParallelLinear(DeferredWeightGrad):
         self._init_deferred()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native.on:
+            return nn.functional.linear(x, self.weight, self.bias)
         return _linear(x, self.weight, self.bias, self)
 
     def _deferred_params(self) -> list[nn.Parameter | None]:
