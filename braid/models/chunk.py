@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from braid.braiding import ChunkSpec, Phase, Unit, UnitTask
+from braid.braiding import ChunkSpec, Phase, Unit, UnitTask, unit_tasks
+from braid.ir import OpKind
 from braid.autograd_calls import edge, fast_apply, grad
 from braid.models.qwen2 import EAGER, UnitFns
 from braid.models.seam import UnitLayer
@@ -223,6 +224,8 @@ class ModelChunk(nn.Module):
         self._native = NativeMode()
         self._joint_done: set[int] = set()
         self.track_saved = True
+        self._op_tasks: dict[OpKind, tuple[tuple[Unit, int], ...]] = {}
+        self._op_mods: tuple[DeferredWeightGrad, ...] | None = None
 
     def cut_reason(self) -> str | None:
         """Why this chunk needs its unit cuts (None: it can run fused).
@@ -356,6 +359,41 @@ class ModelChunk(nn.Module):
         for mod in self._deferred(task.unit, task.layer):
             mod.weight_backward(mb)
         return None
+
+    def run_op(self, mb: int, kind: OpKind) -> None:
+        """A whole op of a fused chunk in one call: what its unit tasks do, in their order.
+
+        The executor's path for fused chunks when it does not time single units: the F op's
+        units run one after another, a B or BW op is the one backward call (plus, for a BW
+        whose micro-batch is not joint, its weight gradients), a W op the weight gradients
+        stashed for it. Fused mode has no TP all-reduce, so nothing is returned.
+        """
+        if not self.fused:
+            raise ChunkStateError(f"run_op needs a fused chunk ({self.cut_reason() or 'fuse=False'})")
+        tasks = self._op_tasks.get(kind)
+        if tasks is None:
+            tasks = self._op_tasks[kind] = tuple((t.unit, t.layer) for t in unit_tasks(kind, self.spec)
+                                                 if (t.phase is Phase.W) is (kind is OpKind.W))  # a BW: its B tasks
+        if kind is OpKind.F:
+            for unit, layer in tasks:
+                self._forward(mb, unit, layer)
+            return
+        if kind is not OpKind.W:
+            self._backward(mb, *tasks[0])  # the op's first B task runs the whole backward
+            for unit, layer in tasks[1:]:
+                self._take(mb, unit, layer)
+            if kind is OpKind.B:
+                return
+        if mb not in self._joint_done:
+            for mod in self._op_deferred():
+                mod.weight_backward(mb)
+
+    def _op_deferred(self) -> tuple[DeferredWeightGrad, ...]:
+        """The deferred modules of every backward unit, in W-task order."""
+        if self._op_mods is None:
+            units = self._op_tasks.get(OpKind.W) or tuple((t.unit, t.layer) for t in unit_tasks(OpKind.W, self.spec))
+            self._op_mods = tuple(m for unit, layer in units for m in self._deferred(unit, layer))
+        return self._op_mods
 
     def end_forward(self, mb: int) -> None:
         """Called when all of F(mb)'s all-reduces are done: its output becomes available."""

@@ -78,6 +78,22 @@ def rope_inv_freq(theta: float, d: int, device: torch.device | str | None = None
     return 1.0 / (theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
 
 
+def rope_tables(theta: float, s: int, d: int, device: torch.device, dtype: torch.dtype,
+                positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's (cos, sin) tables (s, d) in ``dtype`` for positions ``positions`` (default 0..s-1)."""
+    inv = rope_inv_freq(theta, d, device) if inv_freq is None else inv_freq.to(device)
+    pos = torch.arange(s, device=device) if positions is None else positions.to(device)
+    ang = torch.outer(pos.to(torch.float32), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
 def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary position embedding of ``x`` (b, heads, s, d) at ``positions`` (s,), default 0..s-1 (Qwen2's rotate-half form).
 
@@ -85,20 +101,15 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, i
     must rotate each by its position in the full sequence. ``inv_freq`` overrides the
     frequencies of base ``theta`` (a family's RoPE scaling).
     """
-    s, d = x.shape[-2], x.shape[-1]
-    inv = rope_inv_freq(theta, d, x.device) if inv_freq is None else inv_freq.to(x.device)
-    pos = torch.arange(s, device=x.device) if positions is None else positions.to(x.device)
-    ang = torch.outer(pos.to(torch.float32), inv)
-    ang = torch.cat([ang, ang], dim=-1)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return _rotate(x, *rope_tables(theta, x.shape[-2], x.shape[-1], x.device, x.dtype, positions, inv_freq))
 
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, theta: float, positions: torch.Tensor | None = None,
             inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope` of the queries and the keys (one function, so a compiler fuses both)."""
-    return rope(q, theta, positions, inv_freq), rope(k, theta, positions, inv_freq)
+    """:func:`rope` of the queries and the keys, from one pair of tables (one function, so a
+    compiler fuses both)."""
+    cos, sin = rope_tables(theta, q.shape[-2], q.shape[-1], q.device, q.dtype, positions, inv_freq)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

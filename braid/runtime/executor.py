@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,9 @@ class StepResult:
 
 # One unit task of a compute instruction, bound once per executor:
 # (member, op, task, waits for the op's all-reduce, starts one, op text, phase text, unit text).
-_Bound = tuple[int, Compute, UnitTask, bool, bool, str, str, str]
+# One step of an instruction: member, op, the chunk call and its argument (``run`` and a unit
+# task, or ``run_op`` and the op kind), waits for an all-reduce, starts one, op text, phase, unit.
+_Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None]
 
 
 class Executor:
@@ -205,7 +207,7 @@ class Executor:
             ch.set_joint({op.mb for ins in program.instructions for op in compute_ops(ins)
                           if op.kind is OpKind.BW and op.chunk == c} if self.fused[c] else ())
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
-        self._bound: dict[int, tuple[tuple[_Bound, ...], dict[str, int]]] = {}
+        self._bound: dict[tuple[int, bool], tuple[tuple[_Bound, ...], dict[str, int]]] = {}
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
         self._carries = carries(program.instructions, self._spec) if tp_group is not None else {}
         self._side: Any = None  # CUDA stream that posts a chained Send/Recv run (created on first use)
@@ -330,7 +332,7 @@ class Executor:
             self.counts[kind] += n
         carry = self._carries.get(idx)
         last_member = bound[-1][0]
-        carried = pending.pop(last_member, None) if carry is not None and bound[-1][4] else None
+        carried = pending.pop(last_member, None) if carry is not None and bound[-1][5] else None
         for member in sorted(pending):
             self._wait_pending(pending.pop(member))
         if self._rec == "instructions":
@@ -420,19 +422,19 @@ class Executor:
                    pending: dict[int, _Pending]) -> None:
         """Run unit steps ``first:stop``; an all-reduce a step starts stays in ``pending`` for its member."""
         mark = self.clock.mark
-        chunks, tp, events = self.chunks, self.tp_group, self._events
+        tp, events = self.tp_group, self._events
         timed = self._rec == "units"
         for k in range(first, stop):
-            member, op, task, waits, ar, name, kind, unit = bound[k]
+            member, op, call, arg, waits, ar, name, kind, unit = bound[k]
             if waits and member in pending:
                 self._wait_pending(pending.pop(member))
             if timed:
                 s = mark()
-                out = chunks[op.chunk].run(op.mb, task)
+                out = call(op.mb, arg)
                 e = mark()
                 events.append(("compute", name, kind, s, e, op.mb, op.chunk, unit, block, idx, None))
             else:
-                out = chunks[op.chunk].run(op.mb, task)
+                out = call(op.mb, arg)
                 e = None
             if ar and out is not None and tp is not None:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
@@ -466,8 +468,13 @@ class Executor:
         :func:`braid.braiding.steps` depends only on the instruction's shape (op kinds and
         chunks) and the chunk specs, so it runs once per shape; binding the micro-batches
         and the text of each step happens once per instruction of the program.
+
+        Where every op's chunk runs fused and single units are not timed, each op is one
+        step (:meth:`ModelChunk.run_op`), in the order of the ops' first unit tasks; the
+        phase counts are still the unit tasks'.
         """
-        got = self._bound.get(idx)
+        whole = self._rec != "units" and all(self.fused[op.chunk] for op in compute_ops(ins))
+        got = self._bound.get((idx, whole))
         if got is not None:
             return got
         ops = compute_ops(ins)
@@ -477,14 +484,20 @@ class Executor:
             tasks = tuple((st.member, st.task) for st in braid_steps(ins, self._spec))
             self._by_shape[shape] = tasks
         names = [str(op) for op in ops]
-        bound = tuple(
-            (member, ops[member], task, task.waits_ar, task.ar, names[member], task.phase.value, task.label.split(":", 1)[1])
-            for member, task in tasks
-        )
+        if whole:
+            order = list(dict.fromkeys(member for member, _ in tasks))
+            bound = tuple((m, ops[m], self.chunks[ops[m].chunk].run_op, ops[m].kind, True, False, names[m],
+                           ops[m].kind.value, None) for m in order)
+        else:
+            bound = tuple(
+                (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits_ar, task.ar, names[member],
+                 task.phase.value, task.label.split(":", 1)[1])
+                for member, task in tasks
+            )
         phases: dict[str, int] = {}
         for _, task in tasks:
             phases[task.phase.value] = phases.get(task.phase.value, 0) + 1
-        self._bound[idx] = (bound, phases)
+        self._bound[(idx, whole)] = (bound, phases)
         return bound, phases
 
     def _wait_ar(self, p: _Pending) -> None:
