@@ -95,28 +95,34 @@ def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str,
     return [float(ch.losses[k]) for k in sorted(ch.losses)], dxs, grads, peak
 
 
-@pytest.mark.parametrize("joint", [False, True], ids=["split", "joint"])
+@pytest.mark.parametrize("joint", ["split", "joint", "joint-accumulate"])
 @pytest.mark.parametrize("recompute", ["none", "selective"])
 @pytest.mark.parametrize("kind", list(SPECS))
-def test_fused_chunk_runner_matches_cut_mode(kind: str, recompute: str, joint: bool, monkeypatch) -> None:
-    """Fused mode, with the BW op's micro-batch joint (plain linears, one backward() call)
-    or split (weight gradients stashed for its W tasks), agrees with cut mode."""
-    from braid.tp.layers import DeferredWeightGrad
+def test_fused_chunk_runner_matches_cut_mode(kind: str, recompute: str, joint: str, monkeypatch) -> None:
+    """Fused mode agrees with cut mode, with the BW op's micro-batch split (weight gradients
+    stashed for its W tasks) or joint (one backward() call): there the linears run as plain
+    ``F.linear`` or, above the size limit (here: all of them), add their weight gradient
+    into ``.grad`` during the call."""
+    from braid.tp import layers as tp_layers
 
     layers, embed, head = SPECS[kind]
     cut = _chunk_run(False, layers, embed, head, recompute)
-    stashed: list = []
-    real = DeferredWeightGrad._stash_or_grad
+    seen: list = []  # per deferred-gradient backward: the stash key, or "now" (accumulated at once)
+    real = tp_layers.DeferredWeightGrad._stash_or_grad
 
     def spy(self, inp, grad_out):
-        stashed.append(self.split_mode.key if self.split_mode.on else None)
+        seen.append(self.split_mode.key if self.split_mode.on else "now" if self.native.accumulate else None)
         return real(self, inp, grad_out)
 
-    monkeypatch.setattr(DeferredWeightGrad, "_stash_or_grad", spy)
-    fused = _chunk_run(True, layers, embed, head, recompute, joint=joint)
-    # Every deferred-gradient backward of mb 2 (BW2c0) went through the stash unless it was joint.
-    assert (2 in stashed) is not joint and None not in stashed, sorted(set(map(str, stashed)))
-    assert {0, 1} <= set(stashed)
+    monkeypatch.setattr(tp_layers.DeferredWeightGrad, "_stash_or_grad", spy)
+    if joint == "joint-accumulate":
+        monkeypatch.setattr(tp_layers, "JOINT_NATIVE_WORK", 0)
+    fused = _chunk_run(True, layers, embed, head, recompute, joint=joint != "split")
+    # mb 2 (BW2c0): stashed when split; when joint, plain modules, or (above the limit, the
+    # linears only: the embedding is always plain) accumulated during the call.
+    assert (2 in seen) is (joint == "split") and None not in seen, sorted(set(map(str, seen)))
+    assert ("now" in seen) is (joint == "joint-accumulate" and layers + head > 0), sorted(set(map(str, seen)))
+    assert {0, 1} <= set(seen)
     assert fused[0] == pytest.approx(cut[0], abs=1e-6, rel=0) and len(fused[0]) == (3 if head else 0)
     assert sorted(fused[1]) == sorted(cut[1]) == ([] if embed else [0, 1, 2])
     for mb in cut[1]:

@@ -579,7 +579,11 @@ class ModelChunk(nn.Module):
         """
         if op.joint:  # every gradient accumulated by the engine, as loss.backward() does
             grads = None if self.spec.head else (self._grad_out.pop(mb),)
-            torch.autograd.backward((op.output,), grads)
+            self._native.accumulate = True
+            try:
+                torch.autograd.backward((op.output,), grads)
+            finally:
+                self._native.accumulate = False
             for key in op.boxes:
                 self._boxes.pop(key, None)
             if op.input is not None:

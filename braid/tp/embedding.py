@@ -19,15 +19,17 @@ from braid.tp.layers import DeferredWeightGrad, _check_split
 class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local_ids: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, mod: "VocabParallelEmbedding") -> torch.Tensor:
-        ctx.save_for_backward(local_ids, mask)
+        # Saved: the local ids with -1 for other shards' tokens, one int64 per token (what
+        # nn.Embedding saves, so the plain module of a joint micro-batch keeps the same bytes).
+        ctx.save_for_backward(local_ids.masked_fill(mask, -1))
         ctx.mod = mod
         out = weight[local_ids]  # (b, s, h)
         return out.masked_fill_(mask.unsqueeze(-1), 0.0)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        local_ids, mask = ctx.saved_tensors
-        (dw,) = ctx.mod._stash_or_grad(local_ids.masked_fill(mask, -1), grad_out)
+        (ids,) = ctx.saved_tensors
+        (dw,) = ctx.mod._stash_or_grad(ids, grad_out)
         return None, None, dw, None
 
 

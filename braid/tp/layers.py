@@ -40,15 +40,31 @@ class _SplitMode:
     key: Hashable | None = None
 
 
+# A joint linear runs as plain ``F.linear`` when its GEMMs are this small (tokens x in x out;
+# about 0.1 ms of an H100's bf16 GEMM time for its forward and backward), else through its
+# own function, which adds the weight gradient into ``.grad`` inside the GEMM.
+JOINT_NATIVE_WORK = 2 ** 33
+
+
 @dataclass(slots=True)
 class NativeMode:
-    """Whether forward runs as the plain module (``F.linear``/``F.embedding``): autograd then
-    computes the weight gradient inside the backward call and accumulates it itself, as for
-    ``nn.Linear``. Only for a micro-batch whose backward will not split the weight gradient
-    off (a fused chunk's ``BW`` op, see :meth:`braid.models.chunk.ModelChunk.set_joint`); a
-    chunk shares one such object among its modules, so switching costs one attribute write."""
+    """The joint mode of a micro-batch whose backward will not split the weight gradient off
+    (a fused chunk's ``BW`` op, see :meth:`braid.models.chunk.ModelChunk.set_joint`). A
+    chunk shares one such object among its modules, so switching costs an attribute write.
+
+    ``on`` (forward): small linears and the embedding run as the plain module
+    (``F.linear``/``F.embedding``), so autograd computes their weight gradients in the
+    backward call and accumulates them itself, as for ``nn.Linear``: no Python function per
+    call, which is what a host-bound size pays for. A large linear keeps its function: for
+    it the Python is hidden behind its GEMMs, while autograd's accumulation would read and
+    write the whole gradient once more per micro-batch (:data:`JOINT_NATIVE_WORK`).
+    ``accumulate`` (during the joint backward call): those functions add the weight
+    gradient into ``.grad`` right away (the GEMM accumulates, ``beta=1``) instead of
+    stashing it for a W task.
+    """
 
     on: bool = False
+    accumulate: bool = False
 
 
 class DeferredWeightGrad(nn.Module):
@@ -78,6 +94,11 @@ class DeferredWeightGrad(nn.Module):
         if mode.on:
             self._stash.setdefault(mode.key, []).append((inp, grad_out))
             return [None] * len(self._deferred_params())
+        if self.native.accumulate:
+            params = self._deferred_params()
+            with torch.no_grad():
+                self._accumulate_weight_grads(params, inp, grad_out)
+            return [None] * len(params)
         return self._weight_grads(inp, grad_out)
 
     def has_stash(self, key: Hashable) -> bool:
@@ -166,7 +187,7 @@ class _ParallelLinear(DeferredWeightGrad):
         self._init_deferred()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native.on:
+        if self.native.on and x.numel() * self.weight.shape[0] <= JOINT_NATIVE_WORK:
             return nn.functional.linear(x, self.weight, self.bias)
         return _linear(x, self.weight, self.bias, self)
 
