@@ -14,6 +14,12 @@ first). Printed per recording mode: microseconds per unit task and the ratio to 
 floor, by wall clock and by this process's CPU time (steadier on a shared machine),
 measured side by side in one run (runs interleaved step by step, median over steps).
 
+At tp=1 the executor runs its chunks fused (one backward call per op, and with
+``record`` other than ``units`` one chunk call per op); the floor's one autograd call per
+unit piece is what the *cut* chunks (``fuse=False``, as at tp > 1) are measured against
+like for like. ``--chunks both`` (the default) runs the executor on both, on copies of the
+same modules.
+
     PYTHONPATH=. python benchmarks/bench_executor_overhead.py                 # CPU, every recording mode
     PYTHONPATH=. python benchmarks/bench_executor_overhead.py --device cuda   # one GPU (CUDA-event clock)
     PYTHONPATH=. python benchmarks/bench_executor_overhead.py --profile 25    # cProfile: top 25 functions (own time)
@@ -24,6 +30,7 @@ With an executor that has no ``record`` argument (an older checkout) only ``unit
 from __future__ import annotations
 
 import argparse
+import copy
 import cProfile
 import inspect
 import io
@@ -152,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed steps per mode")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--chunks", choices=("both", "fused", "cut"), default="both",
+                    help="run the executor on fused chunks (tp=1's default), cut chunks (fuse=False, as at tp > 1) or both")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one mode's steps, print the top N functions")
     ap.add_argument("--compile", action="store_true", help="compiled units (executor and floor alike; default: eager)")
     args = ap.parse_args(argv)
@@ -170,33 +179,42 @@ def main(argv: list[str] | None = None) -> None:
         kw = dict(pp_ranks=[0], act_shape=(1, args.seq, cfg.hidden), device=args.device)
         if "compile" in inspect.signature(Executor).parameters:
             kw["compile"] = args.compile
-        exs = {m: Executor(plan, program, chunks, **kw, **({"record": m} if has_record else {})) for m in modes}
+        sets = {"fused": chunks, "cut": {c: copy.deepcopy(ch) for c, ch in chunks.items()}}
+        for ch in sets["cut"].values():
+            ch.fuse = False
+        kinds = ("fused", "cut") if args.chunks == "both" else (args.chunks,)
+        exs = {(k, m): Executor(plan, program, sets[k], **kw, **({"record": m} if has_record else {}))
+               for k in kinds for m in modes}
+        for k in kinds:
+            if has_record and any(exs[(k, m)].fused.get(0) is not (k == "fused") for m in modes):
+                raise SystemExit(f"the executor did not run the {k} chunks {k}")
         n = _units(program, chunks)
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
         ordered = [chunks[c] for c in sorted(chunks, key=lambda c: plan.stage_of(0, c))]
 
-        def step(mode: str) -> tuple[float, float]:
-            """(wall seconds, CPU seconds of this process) of one step."""
-            for ch in chunks.values():
-                ch.zero_grad(set_to_none=True)
+        def step(run) -> tuple[float, float]:
+            """(wall seconds, CPU seconds of this process) of one step of run FLOOR or (chunks, mode)."""
+            for chs in sets.values():
+                for ch in chs.values():
+                    ch.zero_grad(set_to_none=True)
             sync()
             t0, c0 = time.perf_counter(), time.process_time()
-            if mode == FLOOR:
+            if run == FLOOR:
                 _floor_step(ordered, toks, toks, args.m)
             else:
-                exs[mode].run(toks, toks)
+                exs[run].run(toks, toks)
             sync()
             return time.perf_counter() - t0, time.process_time() - c0
 
         # The floor computes what the executor computes (same gradients, to rounding).
-        grads = {}
-        for mode in (FLOOR, modes[0]):
-            step(mode)
-            grads[mode] = [p.grad.clone() for ch in chunks.values() for p in ch.parameters()]
-        for a, b in zip(grads[FLOOR], grads[modes[0]]):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        runs = [FLOOR, *modes]
+        step(FLOOR)
+        want = [p.grad.clone() for ch in chunks.values() for p in ch.parameters()]
+        for k in kinds:
+            step((k, modes[0]))
+            for a, b in zip(want, [p.grad for ch in sets[k].values() for p in ch.parameters()]):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        runs = [FLOOR, *exs]
         for _ in range(args.warmup):
             for mode in runs:
                 step(mode)
@@ -211,12 +229,13 @@ def main(argv: list[str] | None = None) -> None:
         (fw, fc) = med[FLOOR]
         print(f"  {'floor':<20} {fw * 1e3:8.2f} ms/step  {fw / n * 1e6:7.1f} us/unit task wall  {fc / n * 1e6:7.1f} us cpu"
               f"  (direct autograd calls of the unit functions)")
-        for mode in modes:
-            w, c = med[mode]
-            print(f"  record={mode:<13} {w * 1e3:8.2f} ms/step  {w / n * 1e6:7.1f} us/unit task wall  {c / n * 1e6:7.1f} us cpu"
+        for k, mode in exs:
+            w, c = med[(k, mode)]
+            label = f"{k} record={mode}"
+            print(f"  {label:<20} {w * 1e3:8.2f} ms/step  {w / n * 1e6:7.1f} us/unit task wall  {c / n * 1e6:7.1f} us cpu"
                   f"  {w / fw:5.2f}x the floor (wall), {c / fc:5.2f}x (cpu)")
         if args.profile:
-            mode = modes[-1]
+            mode = (kinds[0], modes[-1])
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(args.steps):

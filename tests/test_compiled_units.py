@@ -119,9 +119,18 @@ def _check_executor(device: str, tol: dict) -> None:
         for p, r in zip(grad_model.parameters(), ref.parameters()):
             p.copy_(r.grad)
     want = {f"{c}.{n}": p for c, ch in build_rank_chunks(grad_model, plan, 0, (1, 1)).items() for n, p in ch.named_parameters()}
-    for schedule in ("braided_v", "zb_v"):
-        loss, grads, counts = _executor_run(schedule, m, True, data, device)
-        eager_loss, eager_grads, _ = _executor_run(schedule, m, False, data, device)
+    from braid.tp import layers as tp_layers
+
+    default_work = tp_layers.JOINT_NATIVE_WORK
+    # braided_v's BW ops run joint: plain linears, and (limit 0) every linear adding its
+    # weight gradient into .grad during the backward call; zb_v splits B and W.
+    for schedule, work in (("braided_v", default_work), ("braided_v", 0), ("zb_v", default_work)):
+        tp_layers.JOINT_NATIVE_WORK = work
+        try:
+            loss, grads, counts = _executor_run(schedule, m, True, data, device)
+            eager_loss, eager_grads, _ = _executor_run(schedule, m, False, data, device)
+        finally:
+            tp_layers.JOINT_NATIVE_WORK = default_work
         torch.testing.assert_close(loss, total, **tol)
         torch.testing.assert_close(loss, eager_loss, **tol)
         assert grads.keys() == want.keys()

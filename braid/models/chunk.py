@@ -25,9 +25,14 @@ memory, for any fraction of a micro-batch's saved bytes.
 Fused mode (:meth:`ModelChunk.choose_fused`; the executor picks it at tp=1 without
 sequence parallelism or offload): none of the cuts above is needed, and each costs an
 autograd engine call per unit. The forward unit tasks then run on the attached graph (the
-residual included; only a received chunk input is entered), still
-filling the per-unit boxes, and the op's first backward unit task runs the whole chunk's
-backward in one engine call, the weight gradients stashed for the W tasks as above.
+residual included; only a received chunk input is entered), filling the per-unit boxes
+when the step is recorded (:attr:`ModelChunk.track_saved`), and the op's first backward
+unit task runs the whole chunk's backward in one engine call, the weight gradients stashed
+for the W tasks as above. A micro-batch whose backward op is a ``BW``
+(:meth:`ModelChunk.set_joint`) runs *joint*: small linears and the embedding as plain
+modules, one ``backward()`` that accumulates every gradient, nothing stashed. The executor
+calls :meth:`ModelChunk.run_op` once per op instead of once per unit task when it does not
+time single units.
 """
 
 from __future__ import annotations

@@ -27,7 +27,10 @@ series (``torch.cuda.memory_allocated`` on GPU, live saved-activation bytes on C
 Recording costs host time on every unit task (two clock marks -- CUDA events on GPU --
 and one event tuple), which bounds small models by Python dispatch. Where nothing needs the unit cuts (tp=1, no
 sequence parallelism, no Offload/Reload in the program) the chunks run fused
-(:meth:`braid.models.chunk.ModelChunk.choose_fused`): one backward engine call per op. ``record`` picks how
+(:meth:`braid.models.chunk.ModelChunk.choose_fused`): one backward engine call per op, a
+``BW`` op's weight gradients computed inside it (:meth:`~braid.models.chunk.ModelChunk.set_joint`),
+and, unless single units are timed, one chunk call per op
+(:meth:`~braid.models.chunk.ModelChunk.run_op`). ``record`` picks how
 much is measured: ``"units"`` (every unit task and all-reduce, the full trace),
 ``"instructions"`` (one clock pair per compute instruction, P2P/copy events and the memory
 series, no per-unit or all-reduce events) or ``"off"`` (no clock, no events, no memory
