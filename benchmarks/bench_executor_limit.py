@@ -16,7 +16,9 @@ of ``--m`` micro-batches, then an AdamW step (``foreach``) -- under each contend
 
 Contenders run one after another in one process (each builds its copy of the weights and
 frees it after), warm-up steps first (compiling happens there), then the median of
-``--steps`` step times. ``--repeat R`` runs the whole list R times, round after round, so
+``--steps`` step times. With ``--interleave`` all contenders are built at once and their
+steps alternate (one step of each, ``--steps`` times), so a slow spell of a shared host
+falls on all of them alike; it needs every contender's memory at once (small presets). ``--repeat R`` runs the whole list R times, round after round, so
 that every contender sees the device in each of its states (an H100's clock drifts with its
 temperature over a run); a contender's figure is the median over rounds, and every ratio is
 taken within a round and printed as median [min, max] over the rounds. Printed: step time,
@@ -92,7 +94,7 @@ def _adamw(params: list[torch.nn.Parameter], device: torch.device) -> torch.opti
     return torch.optim.AdamW(params, lr=1e-5, foreach=device.type == "cuda")
 
 
-def run_braid(model, schedule: str, args, device, dtype, compile: bool) -> tuple[list[float], float]:
+def braid_step(model, schedule: str, args, device, dtype, compile: bool) -> Callable[[], Any]:
     """braid's executor at pp=1 over two V-placed chunks of ``model``; one step = program + AdamW."""
     from braid import schedules
     from braid.compiler import compile_plan
@@ -113,11 +115,10 @@ def run_braid(model, schedule: str, args, device, dtype, compile: bool) -> tuple
         opt.zero_grad(set_to_none=True)
         return res.loss
 
-    times, loss = _timed(step, device, args.warmup, args.steps)
-    return times, loss
+    return step
 
 
-def run_loop(model, args, device, dtype, compiled: bool) -> tuple[list[float], float]:
+def loop_step(model, args, device, dtype, compiled: bool) -> Callable[[], Any]:
     """The plain training loop of the single-device model (optionally under ``torch.compile``)."""
     import copy
 
@@ -136,10 +137,10 @@ def run_loop(model, args, device, dtype, compiled: bool) -> tuple[list[float], f
         opt.zero_grad(set_to_none=True)
         return float(total)
 
-    return _timed(step, device, args.warmup, args.steps)
+    return step
 
 
-def run_torch_pp(model, name: str, args, device, dtype, groups) -> tuple[list[float], float | None]:
+def torch_pp_step(model, name: str, args, device, dtype, groups) -> Callable[[], Any]:
     """A ``torch.distributed.pipelining`` schedule on the same two chunks (:class:`braid.baselines.TorchPipeline`)."""
     from braid.baselines import TorchPipeline
 
@@ -154,7 +155,33 @@ def run_torch_pp(model, name: str, args, device, dtype, groups) -> tuple[list[fl
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return _timed(step, device, args.warmup, args.steps)
+    return step
+
+
+def _interleaved(makers: list[tuple[str, Callable[[], Callable[[], Any]]]], device, warmup: int, steps: int
+                 ) -> dict[str, dict[str, Any]]:
+    """Every contender built at once, warmed up, then timed one step each in turn, ``steps`` times:
+    a slow spell of the host or the device falls on all of them alike."""
+    built: dict[str, Callable[[], Any]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    for name, make in makers:
+        try:
+            step = make()
+            for _ in range(warmup):
+                step()
+        except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
+            results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        else:
+            built[name] = step
+    times: dict[str, list[float]] = {name: [] for name in built}
+    losses: dict[str, Any] = {}
+    for _ in range(steps):
+        for name, step in built.items():
+            t, losses[name] = _timed(step, device, 0, 1)
+            times[name] += t
+    for name in built:
+        results[name] = {"step_s_all": times[name], "loss": losses[name]}
+    return results
 
 
 def _speeds(results: dict[str, dict[str, Any]]) -> tuple[dict[str, float], str | None]:
@@ -192,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per contender; the median is reported (default 10)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds over all contenders; ratios are taken per round (default 1)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="hold every contender at once and time their steps in turn (robust to a host whose speed "
+                         "drifts; needs the memory of all contenders together: small presets)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/executor_limit_<gpu>.json)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -230,30 +260,37 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         groups = ProcessGroups.create(Topology(1, pp=1, tp=1))
-        jobs: list[tuple[str, Callable[[], tuple[list[float], Any]]]] = []
+        makers: list[tuple[str, Callable[[], Callable[[], Any]]]] = []
         if "braid" not in args.skip:
-            jobs += [(f"braid_{s}", lambda s=s: run_braid(model, s, args, device, dtype, compile_units)) for s in args.schedule]
+            makers += [(f"braid_{s}", lambda s=s: braid_step(model, s, args, device, dtype, compile_units)) for s in args.schedule]
         if compile_units and "braid_eager" not in args.skip and "braided_v" in args.schedule:
-            jobs.append(("braid_braided_v_eager", lambda: run_braid(model, "braided_v", args, device, dtype, False)))
+            makers.append(("braid_braided_v_eager", lambda: braid_step(model, "braided_v", args, device, dtype, False)))
         if "eager" not in args.skip:
-            jobs.append(("eager", lambda: run_loop(model, args, device, dtype, False)))
+            makers.append(("eager", lambda: loop_step(model, args, device, dtype, False)))
         if "eager_compiled" not in args.skip:
-            jobs.append(("eager_compiled", lambda: run_loop(model, args, device, dtype, True)))
+            makers.append(("eager_compiled", lambda: loop_step(model, args, device, dtype, True)))
         if "torch_pp" not in args.skip:
-            jobs += [(n, lambda n=n: run_torch_pp(model, n, args, device, dtype, groups)) for n in TORCH_SCHEDULES]
+            makers += [(n, lambda n=n: torch_pp_step(model, n, args, device, dtype, groups)) for n in TORCH_SCHEDULES]
         for r in range(args.repeat):
-            results: dict[str, dict[str, Any]] = {}
-            for name, job in jobs:
-                print(f"round {r + 1}/{args.repeat}: running {name} ...", file=sys.stderr, flush=True)
-                try:
-                    times, loss = job()
-                except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
-                    results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
-                else:
-                    step = statistics.median(times)
-                    results[name] = {"step_s": step, "step_s_all": times, "loss": loss,
-                                     "tokens_per_s": args.m * args.micro_batch_size * args.seq / step}
+            if args.interleave:
+                print(f"round {r + 1}/{args.repeat}: all contenders, steps interleaved ...", file=sys.stderr, flush=True)
+                results = _interleaved(makers, device, args.warmup, args.steps)
                 _free(device)
+            else:
+                results = {}
+                for name, make in makers:
+                    print(f"round {r + 1}/{args.repeat}: running {name} ...", file=sys.stderr, flush=True)
+                    try:
+                        times, loss = _timed(make(), device, args.warmup, args.steps)
+                    except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
+                        results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+                    else:
+                        results[name] = {"step_s_all": times, "loss": loss}
+                    _free(device)
+            for res in results.values():
+                if "step_s_all" in res:
+                    res["step_s"] = statistics.median(res["step_s_all"])
+                    res["tokens_per_s"] = args.m * args.micro_batch_size * args.seq / res["step_s"]
             rounds.append(results)
     finally:
         dist.destroy_process_group()
