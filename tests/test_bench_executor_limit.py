@@ -21,11 +21,13 @@ def _bench(monkeypatch):
 
 
 @pytest.mark.timeout(300)
-def test_tiny_cpu_run_writes_every_contender_and_their_losses_agree(monkeypatch, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("interleave", [False, True], ids=["one-after-another", "interleaved"])
+def test_tiny_cpu_run_writes_every_contender_and_their_losses_agree(monkeypatch, tmp_path, capsys, interleave) -> None:
     bench = _bench(monkeypatch)
     out = tmp_path / "limit.json"
     assert bench.main(["--preset", "tiny", "--device", "cpu", "--seq", "8", "--m", "2", "--layers-per-stage", "1",
-                       "--warmup", "0", "--steps", "2", "--skip", "eager_compiled", "--out", str(out)]) == 0
+                       "--warmup", "0", "--steps", "2", "--skip", "eager_compiled", "--out", str(out)]
+                      + ["--interleave"] * interleave) == 0
     doc = json.loads(out.read_text())
     tps = doc["tokens_per_s"]
     want = {"braid_braided_v", "braid_1f1b_i", "braid_zb_v", "eager", "torch_pp_best"}
