@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
 PROBE_STEPS = 11  # measured steps of the calibration probe (at least --steps)
+PROBE_BUSY_STEPS = 5  # recorded probe steps after the timed ones: unit busy time per phase (medians)
 MEASUREMENTS_FORMAT = "braid-measurements/1"
 
 
@@ -297,13 +298,21 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
                               device=dev, compile=pc.compile, **kw)
     toks, labs = _data(pc, m, dev)
 
-    def step():
+    # Every run is timed as it trains (record="off": no clocks, no unit events, and fused
+    # chunks take one call per op); recorded steps after it give its trace (one step) or, for
+    # the calibration probe, the unit busy time per phase (PROBE_BUSY_STEPS steps, medians).
+    def step(record="off"):
         for ch in chunks.values():
             ch.zero_grad(set_to_none=False)
-        return ex.run(toks, labs)
+        return ex.run(toks, labs, record=record)
 
+    times, peak, _ = _timed_steps(bc, dev, step, steps)
     busy: list[dict[str, float]] = []
-    times, peak, res = _timed_steps(bc, dev, step, steps, lambda r: busy.append(_busy_by_phase(r.trace)))
+    for _ in range(PROBE_BUSY_STEPS if name == "probe" else 1):
+        _sync(dev)
+        dist.barrier()
+        res = step("units")
+        busy.append(_busy_by_phase(res.trace))
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
     keep = groups.coords.tp == 0
@@ -365,7 +374,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             n = len(out["times"])
             step_s = statistics.median(max(rk["times"][i] for rk in gathered) for i in range(n))
             per_step = [{ph: sum(rk["busy"][i].get(ph, 0.0) for rk in gathered if rk["busy"] is not None) for ph in "FBW"}
-                        for i in range(n)]
+                        for i in range(len(out["busy"]))]
             busy = {ph: statistics.median(b[ph] for b in per_step) for ph in "FBW"}
             doc = calibrate(doc, pc, plan, step_s, busy)
     runs, notes = [], []

@@ -266,6 +266,29 @@ def test_peer_failure_is_not_recorded_as_a_new_failure() -> None:
     assert a.first_failure() == (2, "PeerLost: rank 2: a peer closed its connection")
 
 
+def test_wait_reads_the_record_before_blocking_at_most_every_check_every_s(monkeypatch) -> None:
+    """Each read of the record is a round trip to the store: a burst of waits reads it once,
+    a wait after the interval reads it again, and a record already there stops the wait."""
+
+    class Done:
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    a = Abort(dist.HashStore(), 0, check_every_s=60.0)
+    reads = []
+    real = Abort.check
+    monkeypatch.setattr(Abort, "check", lambda self: (reads.append(1), real(self))[1])
+    for _ in range(5):
+        a.wait(Done())
+    assert len(reads) == 1
+    a.check_every_s = 0.0
+    a.wait(Done())
+    assert len(reads) == 2
+    Abort(a.store, 1).fail(ValueError("boom"))
+    with pytest.raises(PeerFailure, match="rank 1 failed first: ValueError: boom"):
+        a.wait(Done())
+
+
 def test_a_raw_closed_connection_is_recorded_as_a_lost_peer() -> None:
     a = Abort(dist.HashStore(), 3)
     assert a.fail(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically ..."))
