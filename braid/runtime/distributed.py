@@ -8,7 +8,8 @@ Failure reports. A rank that raises records its exception in the job's store
 (:meth:`Abort.fail`). The record is claimed with one ``compare_set`` on an absent key, so
 the *first* failing rank wins it and ranks that fail afterwards (often because of the
 first) never overwrite it. Every wait of the executor on a communication handle checks
-the record before blocking and waits at most ``timeout_s`` (:meth:`Abort.wait`), so the
+the record before blocking (at most every ``check_every_s``) and waits at most
+``timeout_s`` (:meth:`Abort.wait`), so the
 other ranks raise :class:`PeerFailure` naming the first failing rank and its exception
 text instead of hanging in a receive or an all-reduce whose peer is gone. A wait that
 fails with no record is told apart by what happened: a peer that closed its connection
