@@ -227,12 +227,12 @@ def main(argv: list[str] | None = None) -> None:
         print("  wall: elapsed time; cpu: this process's CPU time (steadier on a shared machine; one torch thread)")
         med = {mode: [statistics.median(t[i] for t in times[mode]) for i in (0, 1)] for mode in runs}
         (fw, fc) = med[FLOOR]
-        print(f"  {'floor':<20} {fw * 1e3:8.2f} ms/step  {fw / n * 1e6:7.1f} us/unit task wall  {fc / n * 1e6:7.1f} us cpu"
+        print(f"  {'floor':<26} {fw * 1e3:8.2f} ms/step  {fw / n * 1e6:7.1f} us/unit task wall  {fc / n * 1e6:7.1f} us cpu"
               f"  (direct autograd calls of the unit functions)")
         for k, mode in exs:
             w, c = med[(k, mode)]
             label = f"{k} record={mode}"
-            print(f"  {label:<20} {w * 1e3:8.2f} ms/step  {w / n * 1e6:7.1f} us/unit task wall  {c / n * 1e6:7.1f} us cpu"
+            print(f"  {label:<26} {w * 1e3:8.2f} ms/step  {w / n * 1e6:7.1f} us/unit task wall  {c / n * 1e6:7.1f} us cpu"
                   f"  {w / fw:5.2f}x the floor (wall), {c / fc:5.2f}x (cpu)")
         if args.profile:
             mode = (kinds[0], modes[-1])
