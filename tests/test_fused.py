@@ -138,3 +138,42 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     the random output gradients here make some gradients ~100)."""
     return float((a - b).abs().max()) <= 1e-6 * max(1.0, float(b.abs().max()))
 
+
+
+def test_chunks_shared_by_executors_of_two_programs() -> None:
+    """The joint micro-batches are the running program's: chunks driven by a zb_v executor (B
+    and W split) built *before* a braided_v executor (every backward a BW) on the same chunks
+    still stash for zb_v's W ops, and both give the gradients of one autograd pass."""
+    from braid import schedules
+    from braid.compiler import compile_plan
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.runtime.executor import Executor, build_rank_chunks
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)
+    model, m = Qwen2Model(cfg), 4
+    g = torch.Generator().manual_seed(1)
+    toks = [torch.randint(0, 64, (1, 8), generator=g) for _ in range(m)]
+    labs = [torch.randint(0, 64, (1, 8), generator=g) for _ in range(m)]
+    ref = sum(model(t, lab) / m for t, lab in zip(toks, labs))
+    ref.backward()
+    plans = {name: schedules.build(name, 1, m) for name in ("zb_v", "braided_v")}
+    chunks = build_rank_chunks(model, plans["zb_v"], 0, (2, 2))
+    exs = {name: Executor(plan, compile_plan(plan)[0], chunks, pp_ranks=[0], act_shape=(1, 8, cfg.hidden))
+           for name, plan in plans.items()}
+    assert all(ex.fused == {0: True, 1: True} for ex in exs.values())
+    for name in ("zb_v", "braided_v", "zb_v"):
+        for ch in chunks.values():
+            ch.zero_grad(set_to_none=True)
+        res = exs[name].run(toks, labs)
+        assert res.counts["W"] > 0
+        assert chunks[0].joint == (frozenset(range(m)) if name == "braided_v" else frozenset())
+        assert res.loss == pytest.approx(float(ref.detach()), rel=1e-5)
+        got = dict(chunks[0].embed.named_parameters(prefix="embed"))
+        torch.testing.assert_close(got["embed.weight"].grad, model.embed_tokens.weight.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(chunks[1].lm_head.weight.grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+        for ch, lays in ((chunks[0], model.layers[:2]), (chunks[1], model.layers[2:])):
+            for mine, theirs in zip(ch.layers, lays):
+                torch.testing.assert_close(mine.down_proj.weight.grad, theirs.down_proj.weight.grad, rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(mine.input_layernorm.weight.grad, theirs.input_layernorm.weight.grad,
+                                           rtol=1e-4, atol=1e-6)

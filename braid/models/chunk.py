@@ -274,10 +274,14 @@ class ModelChunk(nn.Module):
         """Micro-batches whose backward op computes the weight gradients with the activation
         gradients (a ``BW`` op; the executor reads them off its program).
 
-        In fused mode their forward runs the linears and the embedding as plain modules
-        (``F.linear``/``F.embedding``) and their backward is one ``backward`` call that
-        accumulates every gradient, as a training loop's ``loss.backward()``: no weight
-        gradient is stashed and the op's W tasks have nothing to do. Call between steps.
+        In fused mode their forward runs the embedding and the small linears as plain
+        modules (``F.linear``/``F.embedding``; :class:`braid.tp.layers.NativeMode`) and
+        their backward is one ``backward`` call that accumulates every gradient, as a
+        training loop's ``loss.backward()`` (larger linears add theirs into ``.grad`` inside
+        the GEMM during that call): no weight gradient is stashed and the op's W tasks have
+        nothing to do. Call between steps. A micro-batch marked joint whose backward is
+        split after all (a B, then a W) gets the right gradients, but its W then finds no
+        stash: mark exactly the ``BW`` ops.
         """
         if self._ops or self._bwd:
             raise ChunkStateError("joint micro-batches changed with a micro-batch in flight")

@@ -205,10 +205,11 @@ class Executor:
         offloads = any(isinstance(ins, (Offload, Reload)) for ins in program.instructions)
         cut = "the program offloads activations" if offloads else None
         self.fused = {c: ch.choose_fused(cut) for c, ch in chunks.items()}
-        # A fused chunk runs a BW op's backward as one loss.backward()-like call (set_joint).
-        for c, ch in chunks.items():
-            ch.set_joint({op.mb for ins in program.instructions for op in compute_ops(ins)
-                          if op.kind is OpKind.BW and op.chunk == c} if self.fused[c] else ())
+        # A fused chunk runs a BW op's backward as one loss.backward()-like call (set_joint;
+        # set again at every step: chunks may be shared with an executor of another program).
+        self._joint = {c: frozenset(op.mb for ins in program.instructions for op in compute_ops(ins)
+                                    if op.kind is OpKind.BW and op.chunk == c) if self.fused[c] else frozenset()
+                       for c in chunks}
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[tuple[int, bool], tuple[tuple[_Bound, ...], dict[str, int]]] = {}
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
@@ -248,8 +249,10 @@ class Executor:
 
     def _run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], record: Record | None) -> StepResult:
         self._rec = self.record if record is None else _check_record(record)
-        for c in self.chunks.values():
+        for k, c in self.chunks.items():
             c.set_batch(tokens, labels)
+            if c.joint != self._joint[k]:
+                c.set_joint(self._joint[k])
             c.track_saved = self._rec != "off"  # the saved-tensor boxes feed only the memory series
         self.clock = _Clock(self.device, enabled=self._rec != "off")
         self._events: list[tuple] = []
