@@ -191,6 +191,7 @@ class ModelChunk(nn.Module):
             raise ValueError(f"chunk modules do not match {spec}")
         self.spec = spec
         self.layers = nn.ModuleList(layers)
+        self._layer_seq = tuple(self.layers)  # indexed per unit task (ModuleList indexing builds a string key)
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.m = num_microbatches
         self.tp_group = tp_group
@@ -512,17 +513,18 @@ class ModelChunk(nn.Module):
             self._fwd[mb] = (self.embed(self.tokens[mb]),)
         elif unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
             x = self._fwd[mb][0]
-            norm = self.norm if unit is Unit.HEAD else self.layers[layer].unit_norm(unit)
+            norm = self.norm if unit is Unit.HEAD else self._layer_seq[layer].unit_norm(unit)
             h = norm(x)
-            op.params.append(norm.weight)
+            if not op.joint:  # a joint backward accumulates every parameter's gradient itself
+                op.params.append(norm.weight)
             if unit is Unit.HEAD:
                 op.output = self._loss(mb, self.lm_head(h))
                 self._fwd[mb] = ()
             else:
-                self._fwd[mb] = tuple(self.layers[layer].unit_forward(unit, h, positions=self.positions)) + (x,)
+                self._fwd[mb] = tuple(self._layer_seq[layer].unit_forward(unit, h, positions=self.positions)) + (x,)
         else:
             *acts, residual = self._fwd[mb]
-            self._fwd[mb] = (self.layers[layer].unit_forward(unit, *acts, residual=residual),)
+            self._fwd[mb] = (self._layer_seq[layer].unit_forward(unit, *acts, residual=residual),)
 
     def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
         if self.fused:
@@ -542,20 +544,20 @@ class ModelChunk(nn.Module):
         with self._saving(*key):
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
                 x = self._enter(state[0])
-                norm = self.norm if unit is Unit.HEAD else self.layers[layer].unit_norm(unit)
+                norm = self.norm if unit is Unit.HEAD else self._layer_seq[layer].unit_norm(unit)
                 h = norm(x)
                 hl = self._enter(h)
                 if unit is Unit.HEAD:
                     outs: tuple[torch.Tensor, ...] = (self._loss(mb, self.lm_head(hl)),)  # logits (b, s, V/t)
                 else:
-                    outs = tuple(self.layers[layer].unit_forward(unit, hl, positions=self.positions))
+                    outs = tuple(self._layer_seq[layer].unit_forward(unit, hl, positions=self.positions))
                 ends = outs if unit is Unit.HEAD else tuple(_edge(o) for o in outs)  # the loss: a 0-dim tensor
                 self._saved[key] = [_Piece((_edge(x),), (_edge(h),), (norm.weight,)), _Piece((_edge(hl),), ends)]
                 self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
                 return None
             *acts, residual = state
             leaves = tuple(self._enter(a) for a in acts)
-            out = self.layers[layer].unit_forward(unit, *leaves, residual=residual)  # partial over TP
+            out = self._layer_seq[layer].unit_forward(unit, *leaves, residual=residual)  # partial over TP
         self._saved[key] = [_Piece(tuple(_edge(t) for t in leaves), (_edge(out),))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]
