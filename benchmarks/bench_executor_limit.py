@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
            "losses": {k: v["loss"] for k, v in results.items() if "loss" in v},
            "config": {"preset": args.preset, "layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "vocab": cfg.vocab_size,
                       "seq": args.seq, "m": args.m, "micro_batch_size": args.micro_batch_size, "dtype": str(dtype),
-                      "compiled_units": compile_units, "warmup": args.warmup, "steps": args.steps, "repeat": args.repeat}}
+                      "compiled_units": compile_units, "warmup": args.warmup, "steps": args.steps, "repeat": args.repeat,
+                      "interleave": args.interleave}}
     atomic_write_text(out, json.dumps(doc, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
