@@ -24,13 +24,14 @@ import pytest
 import torch
 
 from braid import schedules
-from braid.braiding import ChunkSpec, Unit, steps
+from braid.braiding import ChunkSpec, Unit
 from braid.compiler import compile_plan
-from braid.ir import OpKind, parse_instruction
+from braid.ir import OpKind
 from braid.models.chunk import ChunkStateError, build_chunk
 from braid.models.qwen2 import EAGER, Qwen2Config, Qwen2Model
 from braid.runtime import compiled
 from braid.runtime.executor import Executor, build_rank_chunks
+from chunk_driver import drive
 
 pytestmark = pytest.mark.skipif(not compiled.available("cpu"), reason="torch.compile on CPU needs a C++ compiler")
 
@@ -150,25 +151,19 @@ def _chunk_program(program: list[str], offload: bool, device: str = "cpu") -> tu
     ch = build_chunk(_model(device), spec, 0, num_microbatches=m)
     compiled.set_compiled([ch], True)
     ch.set_batch(*_data(m, device=device))
-    moved = 0
-    for text in program:
-        ins = parse_instruction(text)
-        ops = getattr(ins, "ops", (ins,))
-        if offload:
-            for op in ops:
-                if op.kind in (OpKind.B, OpKind.BW):
-                    ch.reload(op.mb)
-        for st in steps(ins, lambda c: spec):
-            ch.run(st.op.mb, st.task)
-        for op in ops:
-            if op.kind is OpKind.F:
-                ch.end_forward(op.mb)
-                if offload:
-                    moved += ch.offload(op.mb)
-            elif op.kind in (OpKind.B, OpKind.BW):
-                ch.end_backward(op.mb)
+    moved = []
+
+    def reload(op) -> None:
+        if offload and op.kind in (OpKind.B, OpKind.BW):
+            ch.reload(op.mb)
+
+    def offload_after(text: str, op) -> None:
+        if offload and op.kind is OpKind.F:
+            moved.append(ch.offload(op.mb))
+
+    drive(ch, spec, program, before_op=reload, after_op=offload_after)
     assert ch.pending_work() == [] and ch.live_bytes() == 0
-    return [p.grad for p in ch.parameters()], moved
+    return [p.grad for p in ch.parameters()], sum(moved)
 
 
 @pytest.mark.slow

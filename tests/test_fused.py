@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fused_cases as cases
+from chunk_driver import drive
 
 SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
 
@@ -49,8 +50,7 @@ SPECS = {"whole": (2, True, True), "first": (2, True, False), "middle": (2, Fals
 
 
 def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str, joint: bool = False):
-    from braid.braiding import ChunkSpec, steps
-    from braid.ir import OpKind, parse_instruction
+    from braid.braiding import ChunkSpec
     from braid.models.chunk import build_chunk
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
 
@@ -69,26 +69,7 @@ def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str,
         ch.set_joint({2})  # BW2c0 computes its weight gradients in its backward call
     ch.set_recompute(recompute)
     ch.set_batch(toks, labs)
-    dxs, peak = {}, 0
-    for text in PROGRAM:
-        ins = parse_instruction(text)
-        for op in getattr(ins, "ops", (ins,)):
-            if op.kind is OpKind.F and not embed:
-                ch.set_input(op.mb, xs[op.mb])
-            elif op.kind is not OpKind.F and not head:
-                ch.set_output_grad(op.mb, dys[op.mb])
-        for st in steps(ins, lambda c: spec):
-            ch.run(st.op.mb, st.task)
-            peak = max(peak, ch.live_bytes())
-        for op in getattr(ins, "ops", (ins,)):
-            if op.kind is OpKind.F:
-                ch.end_forward(op.mb)
-                if not head:
-                    ch.pop_output(op.mb)
-            elif op.kind in (OpKind.B, OpKind.BW):
-                ch.end_backward(op.mb)
-                if not embed:
-                    dxs[op.mb] = ch.pop_input_grad(op.mb)
+    dxs, peak = drive(ch, spec, PROGRAM, inputs=None if embed else xs, output_grads=None if head else dys)
     assert ch.pending_work() == [] and ch.live_bytes() == 0
     grads = {n: p.grad.clone() for n, p in ch.named_parameters() if p.grad is not None}
     assert len(grads) == len(list(ch.parameters())), "a parameter got no gradient"

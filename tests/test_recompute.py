@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.braiding import ChunkSpec, steps
-from braid.ir import OpKind, parse_instruction
+from braid.braiding import ChunkSpec
+from braid.ir import OpKind
 from braid.models.chunk import build_chunk
 from braid.models.qwen2 import Qwen2Config, Qwen2Model
+from chunk_driver import drive
 
 PROGRAM = ["F0c0", "F1c0", "B0c0", "F2c0&B1c0", "W1c0", "W0c0", "BW2c0"]  # braided block and split W included
 
@@ -25,21 +26,16 @@ def _run(mode: str, offload_mb: int | None = None):
     ch = build_chunk(model, spec, 0, num_microbatches=len(toks))
     ch.set_recompute(mode)
     ch.set_batch(toks, labs)
-    peak, moved = 0, 0
-    for text in PROGRAM:
-        ins = parse_instruction(text)
-        for st in steps(ins, lambda c: spec):
-            ch.run(st.op.mb, st.task)
-            peak = max(peak, ch.live_bytes())
-        for op in getattr(ins, "ops", (ins,)):
-            if op.kind is OpKind.F:
-                ch.end_forward(op.mb)
-                if op.mb == offload_mb:
-                    moved = ch.offload(op.mb)
-            elif op.kind in (OpKind.B, OpKind.BW):
-                ch.end_backward(op.mb)
+    moved = 0
+
+    def offload_after(text: str, op) -> None:
+        nonlocal moved
+        if op.kind is OpKind.F and op.mb == offload_mb:
+            moved = ch.offload(op.mb)
         if offload_mb is not None and text == "F1c0":
             assert ch.reload(offload_mb) == moved
+
+    _, peak = drive(ch, spec, PROGRAM, after_op=offload_after)
     assert ch.pending_work() == [] and ch.live_bytes() == 0
     grads = {n: p.grad.clone() for n, p in ch.named_parameters()}
     return sum(float(x) for x in ch.losses.values()), grads, peak, moved
