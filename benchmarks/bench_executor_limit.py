@@ -158,6 +158,12 @@ def torch_pp_step(model, name: str, args, device, dtype, groups) -> Callable[[],
     return step
 
 
+def _error(err: Exception) -> str:
+    """A contender that could not run, in one line."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _interleaved(makers: list[tuple[str, Callable[[], Callable[[], Any]]]], device, warmup: int, steps: int
                  ) -> dict[str, dict[str, Any]]:
     """Every contender built at once, warmed up, then timed one step each in turn, ``steps`` times:
@@ -170,7 +176,7 @@ def _interleaved(makers: list[tuple[str, Callable[[], Callable[[], Any]]]], devi
             for _ in range(warmup):
                 step()
         except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
-            results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+            results[name] = {"error": _error(err)}
         else:
             built[name] = step
     times: dict[str, list[float]] = {name: [] for name in built}
@@ -283,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         times, loss = _timed(make(), device, args.warmup, args.steps)
                     except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
-                        results[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+                        results[name] = {"error": _error(err)}
                     else:
                         results[name] = {"step_s_all": times, "loss": loss}
                     _free(device)

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
                for k in kinds for m in modes}
         for k in kinds:
             if has_record and any(exs[(k, m)].fused.get(0) is not (k == "fused") for m in modes):
-                raise SystemExit(f"the executor did not run the {k} chunks {k}")
+                raise SystemExit(f"--chunks {k}: the executor chose the other mode for these chunks (is this an older checkout?)")
         n = _units(program, chunks)
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 

@@ -401,8 +401,7 @@ class ModelChunk(nn.Module):
     def _op_deferred(self) -> tuple[DeferredWeightGrad, ...]:
         """The deferred modules of every backward unit, in W-task order."""
         if self._op_mods is None:
-            units = self._op_tasks.get(OpKind.W) or tuple((t.unit, t.layer) for t in unit_tasks(OpKind.W, self.spec))
-            self._op_mods = tuple(m for unit, layer in units for m in self._deferred(unit, layer))
+            self._op_mods = tuple(m for t in unit_tasks(OpKind.W, self.spec) for m in self._deferred(t.unit, t.layer))
         return self._op_mods
 
     def end_forward(self, mb: int) -> None:
