@@ -9,9 +9,13 @@ exception becomes an ``AssertionError`` here with that rank's traceback. ``ctx``
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
 import socket
+import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -42,8 +46,18 @@ class RankContext:
         return self.groups[topo]
 
 
-def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tasks, results) -> None:
+def _exit_with_parent(parent: int) -> None:
+    """Leave when the test process is gone (killed by a timeout, say), even from inside a
+    stuck collective: an orphaned rank would hold its GPU and its port for the next run."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(3)
+
+
+def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tasks, results, parent: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # DistPool.run dumps a stuck rank's stacks
     import torch
 
     torch.set_num_threads(1)
@@ -73,40 +87,45 @@ class DistPool:
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, device, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, device, self.tasks[r], self.results, os.getpid()), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
             p.start()
 
     def run(self, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[Any]:
-        """Run ``fn(ctx, *args)`` on every rank; returns results by rank, raises on any failure."""
+        """Run ``fn(ctx, *args)`` on every rank; returns results by rank, raises on any failure.
+
+        A rank whose process has died is reported at once (with its exit code), not after
+        ``timeout_s``: its peers' answers never come."""
         for q in self.tasks:
             q.put((fn, args))
         got: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
         while len(got) < self.world_size:
             try:
-                rank, ok, val = self.results.get(timeout=timeout_s)
+                rank, ok, val = self.results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
-                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                self.close()
-                raise AssertionError(f"{fn.__name__}: ranks {sorted(set(range(self.world_size)) - set(got))} did not answer "
-                                     f"within {timeout_s} s (dead: {dead})") from None
+                dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
+                if dead or time.monotonic() >= deadline:
+                    missing = sorted(set(range(self.world_size)) - set(got))
+                    self._dump_stacks(missing)
+                    self.close()
+                    why = f"rank processes died (exit codes {dead})" if dead else f"no answer within {timeout_s} s"
+                    raise AssertionError(f"{fn.__name__}: ranks {missing} did not answer: {why}") from None
+                continue
             got[rank] = (ok, val)
         errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
         if errors:
             raise AssertionError(f"{fn.__name__} failed:\n" + "\n".join(errors))
         return [got[r][1] for r in range(self.world_size)]
 
-    def run_raw(self, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[tuple[bool, Any]]:
-        """Like :meth:`run` but returns ``(ok, result_or_traceback)`` per rank instead of raising."""
-        for q in self.tasks:
-            q.put((fn, args))
-        got: dict[int, tuple[bool, Any]] = {}
-        while len(got) < self.world_size:
-            rank, ok, val = self.results.get(timeout=timeout_s)
-            got[rank] = (ok, val)
-        return [got[r] for r in range(self.world_size)]
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Have the live ``ranks`` print every thread's stack to stderr (what a hang looks like)."""
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(2.0)
 
     def close(self) -> None:
         for q, p in zip(self.tasks, self.procs):

@@ -25,7 +25,7 @@ def pool():
 @pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
 def test_two_gpus_match_reference(pool, pp: int, tp: int) -> None:
     combos = [("1f1b", 2 * pp + 1), ("zb_h1", 2 * pp + 1), ("braided_v", 2 * pp + 1), ("dualpipe_v", 2 * pp + 1)]
-    ran = pool.run(cases.equivalence, pp, tp, combos, (2e-2, 2e-3), timeout_s=600)
+    ran = pool.run(cases.equivalence, pp, tp, combos, (2e-2, 2e-3), timeout_s=300)
     assert {(n, m) for n, m, _ in ran[0]} == set(combos)
 
 

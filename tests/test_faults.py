@@ -353,3 +353,43 @@ def test_local_store_listens_on_loopback_only() -> None:
 def test_single_process_store_opens_no_port() -> None:
     store = create_store(0, 1, "127.0.0.1", free_port(), datetime.timedelta(seconds=10))
     assert isinstance(store, dist.HashStore)
+
+
+# ----------------------------------------------------------------------------------------
+# The test harness's own pool: a dead or stuck rank ends the case with a report, not a wait
+def _exit_on_rank_one(ctx) -> int:
+    if ctx.rank == 1:
+        os._exit(7)
+    return ctx.rank
+
+
+def _stuck_on_rank_one(ctx) -> int:
+    if ctx.rank == 1:
+        time.sleep(60)
+    return ctx.rank
+
+
+def test_pool_reports_a_dead_rank_at_once() -> None:
+    from distributed_utils import DistPool
+
+    pool = DistPool(2, timeout_s=30)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AssertionError, match=r"ranks \[1\] did not answer: rank processes died \(exit codes \{1: 7\}\)"):
+            pool.run(_exit_on_rank_one, timeout_s=120)
+        assert time.monotonic() - t0 < 60, "the pool waited out its timeout for a rank that had died"
+    finally:
+        pool.close()
+
+
+def test_pool_prints_a_stuck_ranks_stacks_on_timeout(capfd) -> None:
+    from distributed_utils import DistPool
+
+    pool = DistPool(2, timeout_s=30)
+    try:
+        with pytest.raises(AssertionError, match=r"ranks \[1\] did not answer: no answer within 3 s"):
+            pool.run(_stuck_on_rank_one, timeout_s=3)
+    finally:
+        pool.close()
+    err = capfd.readouterr().err
+    assert "in _stuck_on_rank_one" in err, err[-2000:]
