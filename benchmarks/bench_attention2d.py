@@ -121,7 +121,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         dout = torch.randn_like(q)
         rows: list[tuple[str, float, str]] = []
 
-        def single() -> None:
+        def single(q=q, k=k, v=v, dout=dout) -> None:
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             out, _ = ring_attention(*leaves, RingSpec(1, 1, 0), causal=True, scale=scale, kernel=kernel)
             out.backward(dout)

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in row:
             print(f"{backend:<15}  not available: {row['error']}")
             continue
-        (tb, eb, cb), (tp_, ep, _) = row["braided"], row["plain"]
+        (tb, eb, _), (tp_, ep, _) = row["braided"], row["plain"]
         ov = row.get("overlap")
         slow = f"{ov['gemm_slowdown']:.3f}" if ov else "-"
         stretch = f"{ov['ar_stretch']:.2f}" if ov else "-"
