@@ -78,6 +78,7 @@ class BenchConfig:
     costs: dict[str, Any] | None = None  # a cost-file dict instead of a fresh profile
     external: bool = True
     calibrate: bool = True  # fit a fresh profile to a measured probe run (see :func:`calibrate`)
+    rounds: int = 1  # every run (schedules and baselines) this many times in turn; see :func:`round_ratios`
 
 
 # ----------------------------------------------------------------------------------------
@@ -388,33 +389,44 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
     ext = [(c, m) for c in available_baselines() for m in bc.mbs] if bc.external else []
-    progress = Progress(len(jobs) + len(ext), "bench", enabled=lead)
-    for name, m in jobs:
-        try:
-            out = _run_schedule(d, bc, groups, model, name, m, comm=comm)
-        except ValueError as err:
-            notes.append(f"skipped {name} m={m}: {err}")
-            progress.step(f"{name} m={m} skipped")
-            continue
-        gathered = [None] * pc.world_size
-        dist.all_gather_object(gathered, out)
-        runs.append({"schedule": name, "m": m, "ranks": gathered})
-        progress.step(f"{name} m={m}")
+    progress = Progress(bc.rounds * (len(jobs) + len(ext)), "bench", enabled=lead)
     external = []
-    for name, m in ext:
-        try:
-            out = _run_external(d, bc, groups, model, name, m)
-            err = None
-        except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
-            out, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        gathered = [None] * pc.world_size
-        dist.all_gather_object(gathered, (out, err))
-        errs = sorted({e for _, e in gathered if e})
-        if errs:
-            external.append({"schedule": baseline_label(name), "m": m, "error": errs[0]})
-        else:
-            external.append({"schedule": baseline_label(name), "m": m, "ranks": [o for o, _ in gathered]})
-        progress.step(f"{baseline_label(name)} m={m}")
+    skip: set[tuple[str, int]] = set()  # runs that cannot run are tried in the first round only
+    for rnd in range(bc.rounds):
+        tag = f" (round {rnd + 1}/{bc.rounds})" if bc.rounds > 1 else ""
+        for name, m in jobs:
+            if (name, m) in skip:
+                progress.step(f"{name} m={m} skipped")
+                continue
+            try:
+                out = _run_schedule(d, bc, groups, model, name, m, comm=comm)
+            except ValueError as err:
+                notes.append(f"skipped {name} m={m}: {err}")
+                skip.add((name, m))
+                progress.step(f"{name} m={m} skipped")
+                continue
+            gathered = [None] * pc.world_size
+            dist.all_gather_object(gathered, out)
+            runs.append({"schedule": name, "m": m, "round": rnd, "ranks": gathered})
+            progress.step(f"{name} m={m}{tag}")
+        for name, m in ext:
+            if (name, m) in skip:
+                progress.step(f"{baseline_label(name)} m={m} could not run")
+                continue
+            try:
+                out = _run_external(d, bc, groups, model, name, m)
+                err = None
+            except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+                out, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            gathered = [None] * pc.world_size
+            dist.all_gather_object(gathered, (out, err))
+            errs = sorted({e for _, e in gathered if e})
+            if errs:
+                external.append({"schedule": baseline_label(name), "m": m, "round": rnd, "error": errs[0]})
+                skip.add((name, m))
+            else:
+                external.append({"schedule": baseline_label(name), "m": m, "round": rnd, "ranks": [o for o, _ in gathered]})
+            progress.step(f"{baseline_label(name)} m={m}{tag}")
     # The uncalibrated profile travels too: its predictions are reported beside the calibrated
     # ones, so the raw model's error stays visible.
     raw = raw_doc if raw_doc is not doc else None
@@ -445,9 +457,13 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
     flops = doc.get("model_flops_per_sample", 0.0)
     out_runs = []
     traces = {}
+    by_round = _round_steps(raw["runs"])
     for r in raw["runs"]:
+        if r.get("round", 0) != 0:
+            continue  # later rounds only add step times (step_s_rounds)
         ranks = r["ranks"]
-        step_s = statistics.median(max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"])))
+        rounds = by_round[(r["schedule"], r["m"])]
+        step_s = statistics.median(rounds)
         # one figure per pipeline rank: the max over its TP ranks (global rank = pp * tp + tp_rank)
         peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
         sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)
@@ -456,7 +472,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         if raw.get("raw_profile") is not None:
             raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)[0].report.step_time_s
         mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
-        out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s,
+        out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s, "step_s_rounds": rounds,
                          "step_s_all": [max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"]))],
                          "tokens_per_s": r["m"] * tokens / step_s, "mfu": mfu, "peak_bytes": peaks,
                          "predicted_step_s": pred, "step_err": rel_err(pred, step_s), "predicted_peak_bytes": pred_peaks,
@@ -469,19 +485,51 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                        [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})
         traces[f"{r['schedule']}_m{r['m']}"] = (sim.trace, merged)
     ext = []
+    ext_rounds = _round_steps([e for e in raw["external"] if "error" not in e])
     for e in raw["external"]:
+        if e.get("round", 0) != 0:
+            continue
         if "error" in e:
-            ext.append(e)
+            ext.append({k: v for k, v in e.items() if k != "round"})
             continue
         rk = e["ranks"]
-        step_s = statistics.median(max(x["times"][i] for x in rk) for i in range(len(rk[0]["times"])))
+        rounds = ext_rounds[(e["schedule"], e["m"])]
+        step_s = statistics.median(rounds)
         peaks = [x["peak"] for x in rk] if rk[0]["peak"] is not None else None
-        ext.append({"schedule": e["schedule"], "m": e["m"], "step_s": step_s, "tokens_per_s": e["m"] * tokens / step_s,
-                    "peak_bytes": peaks})
+        ext.append({"schedule": e["schedule"], "m": e["m"], "step_s": step_s, "step_s_rounds": rounds,
+                    "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
-           "warmup": bc.warmup, "steps": bc.steps}
+           "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
-            "external": ext, "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
+            "external": ext, "best_over_external": round_ratios(out_runs, ext),
+            "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
+
+
+def _round_steps(runs: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
+    """Per (schedule, m), the median step of each round (the slowest rank per step), in round order."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in sorted(runs, key=lambda r: r.get("round", 0)):
+        ranks = r["ranks"]
+        step = statistics.median(max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"])))
+        out.setdefault((r["schedule"], r["m"]), []).append(step)
+    return out
+
+
+def round_ratios(runs: list[dict[str, Any]], external: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per m: braid's best schedule over the best external baseline, as tokens/s, taken within
+    each round (every run of a round ran in turn, so a host that drifts between rounds moves
+    both sides): ``{m: {"rounds": [...], "median": .., "min": .., "max": ..}}``. Only for m
+    with both sides measured in every round."""
+    out: dict[int, dict[str, Any]] = {}
+    for m in sorted({r["m"] for r in runs}):
+        ours = [r["step_s_rounds"] for r in runs if r["m"] == m]
+        theirs = [e["step_s_rounds"] for e in external if e["m"] == m and "step_s_rounds" in e]
+        if not ours or not theirs:
+            continue
+        n = min(len(x) for x in ours + theirs)
+        ratios = [min(t[i] for t in theirs) / min(o[i] for o in ours) for i in range(n)]
+        out[m] = {"rounds": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
 
 
 def format_report(summary: dict[str, Any]) -> str:
@@ -502,6 +550,10 @@ def format_report(summary: dict[str, Any]) -> str:
             peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
             lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
                          f"{'-':>7}  {peaks}")
+    for m, b in sorted(summary.get("best_over_external", {}).items()):
+        n = len(b["rounds"])
+        spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
+        lines.append(f"braid's best / best external baseline at m={m} (tokens/s, within a round): {b['median']:.3f}x{spread}")
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:
         fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}
@@ -597,6 +649,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mbs", type=int, nargs="+", default=[4, 8], help="micro-batch counts m (default 4 8)")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
     ap.add_argument("--steps", type=int, default=5, help="measured steps; the median is reported (default 5)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every schedule and baseline this many times in turn and report braid's best over the "
+                         "best baseline per round, median [min, max] (default 1)")
     ap.add_argument("--costs", metavar="FILE", help="predict from this cost file instead of a fresh profile")
     ap.add_argument("--no-calibrate", action="store_true", help="predict from the raw profile (no probe-run calibration)")
     ap.add_argument("--no-external", action="store_true", help="skip the external baselines (torch.distributed.pipelining; megatron-core when installed)")
@@ -610,13 +665,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [s for s in args.schedule if s not in names]
     if bad:
         ap.error(f"unknown schedule {bad[0]!r}; valid names: {', '.join(names)}")
-    if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0:
-        ap.error("--mbs and --steps must be >= 1, --warmup >= 0")
+    if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        ap.error("--mbs, --steps and --rounds must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
-                     not args.no_calibrate)
+                     not args.no_calibrate, args.rounds)
     runs, skipped = planned_runs(bc)
     if not runs:
         ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))

@@ -145,17 +145,26 @@ def test_calibration_at_pp2_keeps_the_profiled_host_lane_when_p2p_explains_the_r
 def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     cfg = ProfileConfig(Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64), (1, 1, 1, 1),
                         seq=8, pp=2, iters=2)
-    bc = BenchConfig(cfg, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=2)
+    bc = BenchConfig(cfg, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=2, rounds=2)
     s = run_bench(bc)
     assert [(r["schedule"], r["m"]) for r in s["runs"]] == [("braided_v", 4), ("1f1b_i", 4)]
     for r in s["runs"]:
         assert r["step_s"] > 0 and r["predicted_step_s"] > 0 and r["loss"] > 0
+        assert len(r["step_s_rounds"]) == 2 and r["step_s"] == pytest.approx(sum(r["step_s_rounds"]) / 2)
         assert r["tokens_per_s"] == pytest.approx(4 * 8 / r["step_s"])
         # CPU memory accounting is exact: saved bytes at instruction ends, measured and simulated
         assert r["peak_bytes"] == r["predicted_peak_bytes"] and min(r["peak_bytes"]) > 0
         sim, meas = s["_traces"][f"{r['schedule']}_m4"]
         assert sim.meta["source"] == "simulated" and meas.meta["source"] == "measured"
         assert {e.rank for e in meas.events} == {0, 1}
+    # braid's best over the best baseline, one ratio per round, from that round's runs only
+    best = s["best_over_external"][4]
+    ok = [e for e in s["external"] if "step_s_rounds" in e]
+    assert ok and len(best["rounds"]) == 2
+    for i, ratio in enumerate(best["rounds"]):
+        want = min(e["step_s_rounds"][i] for e in ok) / min(r["step_s_rounds"][i] for r in s["runs"])
+        assert ratio == pytest.approx(want)
+    assert best["min"] <= best["median"] <= best["max"]
     cal = s["profile"]["meta"]["calibration"]
     assert cal["compute_scale"] > 0 and cal["p2p_s"] >= 0
     assert set(cal["compute_scale_per_phase"]) == {"F", "B", "W"} and min(cal["compute_scale_per_phase"].values()) > 0
@@ -168,6 +177,8 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
         assert ("error" in e and e["error"]) or e["step_s"] > 0, e
     text = format_report(s)
     assert "braided_v" in text and "megatron-core" in text
+    assert f"braid's best / best external baseline at m=4 (tokens/s, within a round): {best['median']:.3f}x" in text
+    assert "over 2 rounds" in text
     # benchmarks/recalibrate_stored.py rebuilds the uncalibrated profile from the stored one:
     # with the same calibration rule, its re-fitted predictions are the stored ones
     refit = _recalibrate_stored(monkeypatch).refit
