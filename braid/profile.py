@@ -126,10 +126,12 @@ class ProfileConfig:
 # ----------------------------------------------------------------------------------------
 # Processes
 # ----------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, out) -> None:
+def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, out, parent: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    from braid.runtime.distributed import Dist
+    from braid.runtime.distributed import Dist, exit_with_parent
+
+    exit_with_parent(parent)
 
     d = Dist.init(rank, world, master_port=port, device=f"cuda:{rank}" if device == "cuda" else "cpu", timeout_s=600)
     try:
@@ -175,7 +177,7 @@ def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float =
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, device, fn, args, out)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, device, fn, args, out, os.getpid())) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, tuple[bool, Any]] = {}

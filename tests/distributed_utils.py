@@ -14,7 +14,6 @@ import os
 import queue
 import signal
 import socket
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -46,22 +45,15 @@ class RankContext:
         return self.groups[topo]
 
 
-def _exit_with_parent(parent: int) -> None:
-    """Leave when the test process is gone (killed by a timeout, say), even from inside a
-    stuck collective: an orphaned rank would hold its GPU and its port for the next run."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(3)
-
-
 def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tasks, results, parent: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # DistPool.run dumps a stuck rank's stacks
     import torch
 
     torch.set_num_threads(1)
-    from braid.runtime.distributed import Dist
+    from braid.runtime.distributed import Dist, exit_with_parent
+
+    exit_with_parent(parent)  # a killed test process leaves no rank holding a GPU or a port
 
     d = Dist.init(rank, world, master_port=port, timeout_s=timeout_s, device=f"cuda:{rank}" if device == "cuda" else "cpu")
     ctx = RankContext(rank, world, d)

@@ -393,3 +393,53 @@ def test_pool_prints_a_stuck_ranks_stacks_on_timeout(capfd) -> None:
         pool.close()
     err = capfd.readouterr().err
     assert "in _stuck_on_rank_one" in err, err[-2000:]
+
+
+def _write_pid_and_sleep(d, folder: str) -> None:
+    with open(os.path.join(folder, f"rank{d.rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc (Linux)")
+def test_ranks_of_a_killed_launcher_exit(tmp_path) -> None:
+    """``launch``'s ranks end when the launcher is killed (SIGKILL skips its clean-up), instead
+    of running their job to the end with their devices and ports held."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from braid.profile import launch; import test_faults; "
+            "launch(2, 'cpu', test_faults._write_pid_and_sleep, sys.argv[2])")
+    launcher = subprocess.Popen([sys.executable, "-c", code, here, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert launcher.poll() is None, f"the launcher ended early ({launcher.returncode})"
+            assert time.monotonic() < deadline, "the ranks did not start within 120 s"
+            time.sleep(0.2)
+        time.sleep(0.5)  # let both pid files be written in full
+        pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
+        assert all(_alive(p) for p in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids), f"ranks {[p for p in pids if _alive(p)]} outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in tmp_path.glob("rank*.pid"):
+            try:
+                os.kill(int(p.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass

@@ -221,6 +221,24 @@ class Abort:
                         f"see that rank's log): {_first_line(err)}")
 
 
+def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
+    """End this process when ``parent_pid`` (the launcher that spawned it) is gone.
+
+    A spawned rank outlives a launcher that is killed (``SIGKILL``, or ``SIGTERM`` from a
+    ``timeout``, which skips the launcher's clean-up): with all ranks alive, its job would
+    run to the end, holding its GPU and port. A daemon thread checks the parent every
+    ``every_s`` and exits the process (code 3), even from inside a blocked collective.
+    """
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="braid-exit-with-parent", daemon=True).start()
+
+
 def _is_loopback(addr: str) -> bool:
     try:
         infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
