@@ -51,6 +51,16 @@ def refit(summary: dict[str, Any]) -> list[tuple[str, int, float, float, float]]
             for r in summary["runs"]]
 
 
+def _summaries(doc: Any) -> list[dict[str, Any]]:
+    """The bench summaries in a loaded file: the file itself, or its ``runs`` list of them
+    (empty when it is neither)."""
+    if not isinstance(doc, dict):
+        return []
+    found = [doc] if "profile" in doc else doc.get("runs", [])
+    ok = isinstance(found, list) and all(isinstance(x, dict) and "profile" in x and "runs" in x for x in found)
+    return found if ok else []
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="braid.bench --json files, or a file with a 'runs' list of them")
@@ -61,12 +71,16 @@ def main(argv: list[str] | None = None) -> int:
             doc = json.load(open(f))
         except (OSError, json.JSONDecodeError) as e:
             ap.error(f"{f}: cannot read it as JSON ({e})")
-        summaries = [doc] if isinstance(doc, dict) and "profile" in doc else doc.get("runs", []) if isinstance(doc, dict) else []
-        if not summaries or not all(isinstance(x, dict) and "profile" in x and "runs" in x for x in summaries):
+        summaries = _summaries(doc)
+        if not summaries:
             ap.error(f"{f}: not a braid.bench --json file (or a file with a 'runs' list of them)")
         for i, s in enumerate(summaries):
             print(f"# {f} [{i}]")
-            for name, m, meas, old, new in refit(s):
+            try:
+                rows = refit(s)
+            except ValueError as e:
+                ap.error(f"{f} [{i}]: {e}")
+            for name, m, meas, old, new in rows:
                 old_err.append(old / meas - 1)
                 new_err.append(new / meas - 1)
                 print(f"{name:<12}{m:>3}  measured {meas * 1e3:7.1f} ms  stored prediction {old * 1e3:7.1f} ({old_err[-1]:+.0%})"

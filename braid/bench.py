@@ -380,8 +380,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         gathered = [None] * pc.world_size
         dist.all_gather_object(gathered, out)
         if lead:
-            n = len(out["times"])
-            step_s = statistics.median(max(rk["times"][i] for rk in gathered) for i in range(n))
+            step_s = statistics.median(_slowest_rank_steps(gathered))
             per_step = [{ph: sum(rk["busy"][i].get(ph, 0.0) for rk in gathered if rk["busy"] is not None) for ph in "FBW"}
                         for i in range(len(out["busy"]))]
             busy = {ph: statistics.median(b[ph] for b in per_step) for ph in "FBW"}
@@ -473,7 +472,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
             raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)[0].report.step_time_s
         mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
         out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s, "step_s_rounds": rounds,
-                         "step_s_all": [max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"]))],
+                         "step_s_all": _slowest_rank_steps(ranks),
                          "tokens_per_s": r["m"] * tokens / step_s, "mfu": mfu, "peak_bytes": peaks,
                          "predicted_step_s": pred, "step_err": rel_err(pred, step_s), "predicted_peak_bytes": pred_peaks,
                          "raw_predicted_step_s": raw_pred,
@@ -505,13 +504,16 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
 
 
+def _slowest_rank_steps(ranks: list[dict[str, Any]]) -> list[float]:
+    """Each measured step's time: that of its slowest rank (every rank reports ``times``)."""
+    return [max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"]))]
+
+
 def _round_steps(runs: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
-    """Per (schedule, m), the median step of each round (the slowest rank per step), in round order."""
+    """Per (schedule, m), the median step of each round, in round order."""
     out: dict[tuple[str, int], list[float]] = {}
     for r in sorted(runs, key=lambda r: r.get("round", 0)):
-        ranks = r["ranks"]
-        step = statistics.median(max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"])))
-        out.setdefault((r["schedule"], r["m"]), []).append(step)
+        out.setdefault((r["schedule"], r["m"]), []).append(statistics.median(_slowest_rank_steps(r["ranks"])))
     return out
 
 

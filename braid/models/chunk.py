@@ -380,15 +380,15 @@ class ModelChunk(nn.Module):
         """
         if not self.fused:
             raise ChunkStateError(f"run_op needs a fused chunk ({self.cut_reason() or 'fuse=False'})")
-        tasks = self._op_tasks.get(kind)
-        if tasks is None:
-            tasks = self._op_tasks[kind] = tuple((t.unit, t.layer) for t in unit_tasks(kind, self.spec)
-                                                 if (t.phase is Phase.W) is (kind is OpKind.W))  # a BW: its B tasks
-        if kind is OpKind.F:
-            for unit, layer in tasks:
-                self._forward(mb, unit, layer)
-            return
         if kind is not OpKind.W:
+            tasks = self._op_tasks.get(kind)
+            if tasks is None:  # an F's units, a B's or a BW's backward units
+                tasks = self._op_tasks[kind] = tuple((t.unit, t.layer) for t in unit_tasks(kind, self.spec)
+                                                     if t.phase is not Phase.W)
+            if kind is OpKind.F:
+                for unit, layer in tasks:
+                    self._forward(mb, unit, layer)
+                return
             self._backward(mb, *tasks[0])  # the op's first B task runs the whole backward
             for unit, layer in tasks[1:]:
                 self._take(mb, unit, layer)

@@ -146,10 +146,9 @@ class StepResult:
         return None if self.loss_tensor is None else float(self.loss_tensor)
 
 
-# One unit task of a compute instruction, bound once per executor:
-# (member, op, task, waits for the op's all-reduce, starts one, op text, phase text, unit text).
-# One step of an instruction: member, op, the chunk call and its argument (``run`` and a unit
-# task, or ``run_op`` and the op kind), waits for an all-reduce, starts one, op text, phase, unit.
+# One step of a compute instruction, bound once per executor: member, op, the chunk call and
+# its argument (``run`` and a unit task, or ``run_op`` and the op kind), waits for the op's
+# all-reduce, starts one, op text, phase text, unit text (None for a whole op).
 _Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None]
 
 
