@@ -38,13 +38,13 @@ def _time(fn, device: torch.device) -> float:
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
-    from braid.braiding import ChunkSpec
-    from braid.ir import Plan, Program, ScheduleConfig
-    from braid.models.chunk import build_chunk
+    from braid.core.braiding import ChunkSpec
+    from braid.core.ir import Plan, Program, ScheduleConfig
+    from braid.models.build import build_chunk
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.runtime.distributed import Dist, ProcessGroups
     from braid.runtime.executor import Executor
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     from braid.tp.comm import CUDA_BACKENDS, TPBackendError, make_tp_comm
 

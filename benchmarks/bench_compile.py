@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from braid import schedules
-from braid.compiler import compile_plan
+from braid.core.compiler import compile_plan
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ of ``--m`` micro-batches, then an AdamW step (``foreach``) -- under each contend
   micro-batch);
 * ``eager_compiled``: the same loop with the model under ``torch.compile``;
 * ``torch_<schedule>``: ``torch.distributed.pipelining``'s schedules on the same two chunks
-  (:mod:`braid.baselines`); the best of them is ``torch_pp_best``.
+  (:mod:`braid.baselines.torch_pp`); the best of them is ``torch_pp_best``.
 
 Contenders run one after another in one process (each builds its copy of the weights and
 frees it after), warm-up steps first (compiling happens there), then the median of
@@ -97,8 +97,9 @@ def _adamw(params: list[torch.nn.Parameter], device: torch.device) -> torch.opti
 def braid_step(model, schedule: str, args, device, dtype, compile: bool) -> Callable[[], Any]:
     """braid's executor at pp=1 over two V-placed chunks of ``model``; one step = program + AdamW."""
     from braid import schedules
-    from braid.compiler import compile_plan
-    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.core.compiler import compile_plan
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
 
     plan = schedules.build(schedule, 1, args.m)
     chunks = build_rank_chunks(model, plan, 0, (args.layers_per_stage,) * plan.num_stages)
@@ -141,8 +142,8 @@ def loop_step(model, args, device, dtype, compiled: bool) -> Callable[[], Any]:
 
 
 def torch_pp_step(model, name: str, args, device, dtype, groups) -> Callable[[], Any]:
-    """A ``torch.distributed.pipelining`` schedule on the same two chunks (:class:`braid.baselines.TorchPipeline`)."""
-    from braid.baselines import TorchPipeline
+    """A ``torch.distributed.pipelining`` schedule on the same two chunks (:class:`braid.baselines.torch_pp.TorchPipeline`)."""
+    from braid.baselines.torch_pp import TorchPipeline
 
     pipe = TorchPipeline(name, model, (args.layers_per_stage,) * 2, args.m, groups=groups, device=device, dtype=dtype)
     opt = _adamw(pipe.parameters(), device)
@@ -192,7 +193,7 @@ def _interleaved(makers: list[tuple[str, Callable[[], Callable[[], Any]]]], devi
 
 def _speeds(results: dict[str, dict[str, Any]]) -> tuple[dict[str, float], str | None]:
     """One round's tokens/s per contender (plus ``torch_pp_best``) and the name of braid's best schedule."""
-    from braid.baselines import TORCH_SCHEDULES
+    from braid.baselines.torch_pp import TORCH_SCHEDULES
 
     tps = {k: v["tokens_per_s"] for k, v in results.items() if "tokens_per_s" in v}
     torch_runs = [tps[k] for k in TORCH_SCHEDULES if k in tps]
@@ -203,8 +204,8 @@ def _speeds(results: dict[str, dict[str, Any]]) -> tuple[dict[str, float], str |
 
 
 def main(argv: list[str] | None = None) -> int:
-    from braid.baselines import TORCH_SCHEDULES
-    from braid.files import OutputPathError, atomic_write_text, check_output_path
+    from braid.baselines.torch_pp import TORCH_SCHEDULES
+    from braid.io.files import OutputPathError, atomic_write_text, check_output_path
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.profile import PRESETS
     from braid.runtime import compiled as compiled_units
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args.data = tuple([torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.m)] for _ in range(2))
 
     from braid.runtime.distributed import ProcessGroups
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=device if device.type == "cuda" else None)

@@ -47,9 +47,9 @@ FLOOR = "floor"
 
 def _setup(args: argparse.Namespace):
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.runtime.executor import build_rank_chunks
+    from braid.models.build import build_rank_chunks
 
     device = torch.device(args.device)
     cfg = Qwen2Config(vocab_size=128, hidden=64, layers=2 * args.layers, heads=4, kv_heads=2, ffn=128)
@@ -65,8 +65,8 @@ def _setup(args: argparse.Namespace):
 
 
 def _units(program, chunks) -> int:
-    from braid.braiding import steps
-    from braid.ir import Braided, Compute
+    from braid.core.braiding import steps
+    from braid.core.ir import Braided, Compute
 
     return sum(len(steps(i, lambda c: chunks[c].spec)) for i in program.instructions if isinstance(i, (Compute, Braided)))
 

@@ -2,7 +2,7 @@
 
 Spawns two processes (pp=2, tp=1; NCCL on GPUs, gloo on CPU) and runs, side by side in
 one run: ``braided_v``, ``braided_v_offload`` at alpha 0.25 / 0.5 / 1.0 (warm-up fraction
-= alpha) and with the ``auto`` policy (:func:`braid.offload.tune_offload` on the prediction's
+= alpha) and with the ``auto`` policy (:func:`braid.planner.offload_tune.tune_offload` on the prediction's
 cost model), and ``1f1b_i``. Per schedule and rank it prints the step time (and the
 predicted one), the throughput ratio vs ``braided_v``, the bytes offloaded per step,
 ``max_memory_allocated``, and two peaks:
@@ -62,9 +62,9 @@ SHAPES: dict[str, tuple[int, int, int, int]] = {"7b": (3584, 28, 4, 18944), "72b
 
 
 def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
-    """The fixed runs plus ``offload auto``: the policy :func:`braid.offload.tune_offload` picks
+    """The fixed runs plus ``offload auto``: the policy :func:`braid.planner.offload_tune.tune_offload` picks
     on the prediction's cost model."""
-    from braid.offload import tune_offload
+    from braid.planner.offload_tune import tune_offload
 
     plan = _plan("braided_v_offload", {}, args.mbs)
     choice = tune_offload(plan, _costs(args, plan), max_slowdown=args.budget)
@@ -74,8 +74,8 @@ def _runs(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
 def _costs(args: argparse.Namespace, plan):
     import dataclasses
 
-    from braid.costs import Layout, analytic_costs
-    from braid.hardware import get_hardware
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
 
     costs = analytic_costs(_model_config(args), get_hardware("h200"), Layout(1, plan.p, plan.v, plan.placement),
                            activations="runtime")
@@ -87,7 +87,7 @@ def _costs(args: argparse.Namespace, plan):
 
 
 def _model_config(args: argparse.Namespace):
-    from braid.models_catalog import ModelConfig
+    from braid.cost.catalog import ModelConfig
 
     if args.tiny:
         return ModelConfig("tiny-offload", layers=8, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32, dtype_bytes=4)
@@ -103,17 +103,17 @@ def _plan(name: str, opts: dict, m: int):
 
 
 def _stage_layers(mc, plan) -> tuple[int, ...]:
-    from braid.costs import Layout, model_stage_layers
+    from braid.cost.costs import Layout, model_stage_layers
 
     return model_stage_layers(mc, Layout(1, plan.p, plan.v, plan.placement))
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.runtime.distributed import Dist, ProcessGroups
-    from braid.runtime.executor import build_rank_chunks
-    from braid.topology import Topology
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     Executor = _sampling_executor()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -165,7 +165,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
 
 def _predicted(args: argparse.Namespace) -> dict[str, tuple[list[int], float]]:
     """Predicted activation peak per rank and step time, per run label."""
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.simulator import simulate
 
     out = {}

@@ -13,10 +13,10 @@ import sys
 import time
 
 from braid import schedules
-from braid.compiler import compile_plan
-from braid.costs import Layout, analytic_costs
-from braid.hardware import get_hardware
-from braid.models_catalog import get_model
+from braid.core.compiler import compile_plan
+from braid.cost.costs import Layout, analytic_costs
+from braid.cost.hardware import get_hardware
+from braid.cost.catalog import get_model
 from braid.simulator import simulate
 
 

@@ -19,10 +19,10 @@ import sys
 from typing import Any
 
 from braid.bench import _busy_by_phase, calibrate, predict, probe_plan
-from braid.compiler import compile_plan
-from braid.costs import Layout, costs_from_dict
+from braid.core.compiler import compile_plan
+from braid.cost.costs import Layout, costs_from_dict
 from braid.models.qwen2 import Qwen2Config
-from braid.partition import chunk_specs
+from braid.core.partition import chunk_specs
 from braid.profile import ProfileConfig
 from braid.simulator import simulate
 

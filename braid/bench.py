@@ -8,9 +8,9 @@ by the simulator from the profile, and the relative error is printed beside it -
 "one IR, two interpreters" check of the design (measured and simulated traces of the same
 programs). External baselines run on the same model in the same job:
 ``torch.distributed.pipelining`` (``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``,
-``ScheduleDualPipeV``, via :mod:`braid.baselines`; tp > 1 with DTensor tensor
+``ScheduleDualPipeV``, via :mod:`braid.baselines.torch_pp`; tp > 1 with DTensor tensor
 parallelism) and megatron-core's interleaved 1F1B on a megatron-core GPT model with the
-same weights (:mod:`braid.baselines_mcore`; reported as not installed when it is missing).
+same weights (:mod:`braid.baselines.mcore`; reported as not installed when it is missing).
 
 Peak memory: on GPU the allocator's peak during the step minus what was allocated before
 it; on CPU the largest live saved-activation bytes at instruction ends (the executor's
@@ -41,10 +41,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.baselines import available_baselines, baseline_label
-from braid.cli import Parser, check_output_dir, check_outputs, run_main
-from braid.costs import CostFileError, Layout, costs_from_dict, load_cost_json
-from braid.files import atomic_write_text
+from braid.baselines.torch_pp import available_baselines, baseline_label
+from braid.io.cli import Parser, check_output_dir, check_outputs, run_main
+from braid.cost.costs import CostFileError, Layout, costs_from_dict, load_cost_json
+from braid.io.files import atomic_write_text
 from braid.profile import (
     JobFailed,
     ProfileConfig,
@@ -56,7 +56,7 @@ from braid.profile import (
     measure_rank,
     tp_comm_for,
 )
-from braid.trace import Trace
+from braid.io.trace import Trace
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int
     ``memory``: ``"instruction_end"`` (CPU measurements) or ``"allocator_peak"`` (GPU: true peak).
     """
     from braid import schedules
-    from braid.compiler import compile_plan
-    from braid.partition import chunk_specs
+    from braid.core.compiler import compile_plan
+    from braid.core.partition import chunk_specs
     from braid.simulator import simulate
 
     plan = schedules.build(schedule, pp, m)
@@ -133,7 +133,7 @@ def rel_err(pred: float, meas: float) -> float:
 def probe_plan(p: int, m: int, v: int = 2):
     """A GPipe-like plan over the profiled chunks (not one of the benchmarked schedules): per rank
     all forwards chunk by chunk in stage order, then all full backwards in reverse."""
-    from braid.ir import Compute, OpKind, Plan, ScheduleConfig
+    from braid.core.ir import Compute, OpKind, Plan, ScheduleConfig
 
     placement = "v" if v == 2 else "loop"
     ranks = []
@@ -175,8 +175,8 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     """
     import copy
 
-    from braid.compiler import compile_plan
-    from braid.partition import chunk_specs
+    from braid.core.compiler import compile_plan
+    from braid.core.partition import chunk_specs
     from braid.simulator import simulate
 
     programs = compile_plan(plan)
@@ -288,8 +288,9 @@ def _busy_by_phase(trace: Trace) -> dict[str, float]:
 def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
                   comm=None) -> dict[str, Any]:
     from braid import schedules
-    from braid.compiler import compile_plan
-    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.core.compiler import compile_plan
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
 
     pc = bc.profile
     dev = d.device
@@ -329,8 +330,8 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
 
 
 def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
-    """One external baseline (torch.distributed.pipelining, megatron-core) on the same model split (:mod:`braid.baselines`)."""
-    from braid.baselines import baseline_pipeline
+    """One external baseline (torch.distributed.pipelining, megatron-core) on the same model split (:mod:`braid.baselines.torch_pp`)."""
+    from braid.baselines.torch_pp import baseline_pipeline
     from braid.profile import _DTYPES
 
     pc = bc.profile
@@ -353,7 +354,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     from braid.models.qwen2 import Qwen2Model
     from braid.profile import _DTYPES, assemble, profile_to_dict
     from braid.runtime.distributed import ProcessGroups
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     pc = bc.profile
     groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
@@ -439,7 +440,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
 # Report
 # ----------------------------------------------------------------------------------------
 def _megatron_line() -> str:
-    from braid import megatron
+    from braid.baselines import megatron_gpt as megatron
 
     if not megatron.available():
         return "megatron-core interleaved 1F1B: not installed (pip install -e '.[megatron]' to compare against it)"
@@ -634,7 +635,7 @@ def planned_runs(bc: BenchConfig) -> tuple[list[tuple[str, int, Any]], list[str]
 
 def _check_costs(doc: dict[str, Any], where: str, pc: ProfileConfig, runs: list[tuple[str, int, Any]]) -> None:
     """Read ``doc`` against every planned run's layout, as the predictions will (CostFileError if it does not fit)."""
-    from braid.partition import chunk_specs
+    from braid.core.partition import chunk_specs
 
     for placement, v in sorted({(plan.placement, plan.v) for _, _, plan in runs}):
         costs_from_dict(doc, Layout(pc.tp, pc.pp, v, placement), chunk_specs(pc.layers_per_stage, pc.pp, placement), where=where)
@@ -701,7 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=1))
     if args.trace_dir:
-        from braid.trace import dump_traces
+        from braid.io.trace import dump_traces
 
         out = Path(args.trace_dir)
         out.mkdir(parents=True, exist_ok=True)

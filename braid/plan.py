@@ -8,7 +8,7 @@ path plus the data-parallel tail) until ``--top`` fit and no unsimulated one can
 first, or ``--time-budget`` runs out (then the output says so). Prints the ranking (predicted
 tokens/s, MFU, step time, peak memory per GPU, bubble of the busiest rank, exposed
 communication) and the ``torchrun`` command line of the best configuration.
-(:mod:`braid.plan_search` explains the search, :mod:`braid.cluster` the job cost model.)
+(:mod:`braid.planner.search` explains the search, :mod:`braid.cost.cluster` the job cost model.)
 
 Examples::
 
@@ -26,11 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from braid.cluster import Cluster
-from braid.costs import stage_lighter
-from braid.hardware import HARDWARE, get_hardware
-from braid.models_catalog import MODELS, get_model
-from braid.plan_search import Evaluation, Problem, SearchResult, search
+from braid.cost.cluster import Cluster
+from braid.cost.costs import stage_lighter
+from braid.cost.hardware import HARDWARE, get_hardware
+from braid.cost.catalog import MODELS
+from braid.planner.search import Evaluation, Problem, SearchResult, search
+from braid.simulate import resolve_model
 
 # catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
 # catalog name -> the examples' --model preset of the same shape (examples/qwen2.py: qwen2-*,
@@ -56,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
     ap.add_argument("--memory", type=float, default=None, metavar="GiB",
                     help="memory cap per GPU in GiB (default: the hardware's device memory as the driver reports it, "
-                         "140.4 GiB on h200 -- sold as 141 GB; braid.hardware.DEVICE_MIB)")
+                         "140.4 GiB on h200 -- sold as 141 GB; braid.cost.hardware.DEVICE_MIB)")
     ap.add_argument("--global-batch", type=int, default=None, metavar="B", help="samples per step (default: 2 per GPU)")
     ap.add_argument("--seq", type=int, default=None, help="LM tokens per sample (default: the model's, 4096)")
     ap.add_argument("--optimizer", default="replicated", choices=["replicated", "zero1"],
@@ -138,8 +139,8 @@ def _write_html(prob: Problem, res: SearchResult, path: str) -> None:
     import plotly.graph_objects as go
 
     from braid import viz
-    from braid.files import atomic_write_text
-    from braid.plan_search import costs_of
+    from braid.io.files import atomic_write_text
+    from braid.planner.search import costs_of
     from braid.simulator import simulate
     from braid.simulator.fast import compiled
 
@@ -164,12 +165,12 @@ def _write_html(prob: Problem, res: SearchResult, path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from braid.files import OutputPathError, atomic_write_text, check_output_path
+    from braid.io.files import OutputPathError, atomic_write_text, check_output_path
 
     ap = _parser()
     args = ap.parse_args(argv)
     try:
-        get_model(args.model)
+        resolve_model(args.model)
     except ValueError as err:
         ap.error(str(err))
     if args.hardware not in HARDWARE:
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError:
             ap.error("--html needs plotly (pip install plotly)")
     hw = get_hardware(args.hardware)
-    model = get_model(args.model)
+    model = resolve_model(args.model)
     model = model.with_(seq=args.seq) if args.seq else model
     gb = args.global_batch or 2 * args.gpus
     cap = args.memory * 2**30 if args.memory else hw.memory_bytes
@@ -216,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(format_ranking(res))
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
 
     best = res.best[0]
     compile_plan(schedules.build(best.cand.schedule, best.cand.par.pp, best.cand.m, **dict(best.cand.options)))  # validates

@@ -1,7 +1,7 @@
 """``python -m braid.profile``: measure a cost file (``docs/costs.md``) on the machine it runs on.
 
 The simulator is only as good as its costs. This profiler builds the executor's own model
-chunks (:func:`braid.runtime.executor.build_rank_chunks`) for a layout (tp, pp, chunks,
+chunks (:func:`braid.models.build.build_rank_chunks`) for a layout (tp, pp, chunks,
 layers per stage) and times every unit task of every chunk back to back, as the executor
 runs them, through the very call the executor makes (``ModelChunk.run(mb, UnitTask)``):
 forward, activation-backward and weight-backward, median of ``--iters`` runs (CUDA events
@@ -40,19 +40,20 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.autograd_calls import on_this_thread
-from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
-from braid.cli import Parser, check_outputs, check_range, run_main
-from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
-from braid.files import atomic_write_text
-from braid.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
+from braid.tp.autograd_calls import on_this_thread
+from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
+from braid.io.cli import Parser, check_outputs, check_range, run_main
+from braid.cost.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
+from braid.io.files import atomic_write_text
+from braid.core.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
 from braid.models.qwen2 import Qwen2Config
-from braid.models_catalog import decoder_config, get_model
-from braid.partition import chunk_specs
+from braid.cost.catalog import get_model
+from braid.models.shapes import decoder_config
+from braid.core.partition import chunk_specs
 
 log = logging.getLogger(__name__)
 
-# Per-layer shapes from the one preset list (braid.models_catalog); the profiler's own
+# Per-layer shapes from the one preset list (braid.cost.catalog); the profiler's own
 # choices are one layer (--layers-per-stage sets the count) and the vocabulary of its head.
 PRESETS: dict[str, Qwen2Config] = {
     "tiny": decoder_config(get_model("qwen2-toy"), layers=1, vocab_size=128),
@@ -610,7 +611,7 @@ def measure_host_link(device: torch.device, nbytes: int | None = None, iters: in
 def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan: Plan | None = None) -> dict:
     """This rank's TP-sharded model chunks on ``dev`` (same seed on every rank, so shards agree)."""
     from braid.models.qwen2 import Qwen2Model
-    from braid.runtime.executor import build_rank_chunks
+    from braid.models.build import build_rank_chunks
 
     plan = plan or Plan("profile", ScheduleConfig(pc.pp, m, pc.v), pc.placement, tuple(() for _ in range(pc.pp)))
     torch.manual_seed(1234)
@@ -694,7 +695,7 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
 
 def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
     """The cost model of the layout from every rank's :func:`measure_rank` result."""
-    from braid.models_catalog import ModelConfig
+    from braid.cost.catalog import ModelConfig
 
     specs = chunk_specs(pc.layers_per_stage, pc.pp, pc.placement)
     comm = [r["comm"] for r in results]
@@ -738,7 +739,7 @@ def _device_name(device: str) -> str:
 
 def _profile_job(d, pc: ProfileConfig) -> dict[str, Any] | None:
     from braid.runtime.distributed import ProcessGroups
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
                                   tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)

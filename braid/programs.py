@@ -12,7 +12,7 @@ Example::
 (one row per rank of ``_Action`` strings, braided blocks as ``OVERLAP_F_B``), which
 ``_PipelineScheduleRuntime._load_csv`` reads; ``--import-torch-csv`` reads one (e.g. what
 ``ScheduleDualPipeV._dump_csv(path, format="compute_only")`` wrote) as a braid plan and
-compiles it (see :mod:`braid.torch_format`).
+compiles it (see :mod:`braid.core.torch_format`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from braid.cli import Parser, check_outputs, run_main
-from braid.compiler import ScheduleError, compile_plan, format_grid, peak_activations
-from braid.files import atomic_write_text
-from braid.ir import programs_to_json
-from braid.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
+from braid.io.cli import Parser, check_outputs, run_main
+from braid.core.compiler import ScheduleError, compile_plan, format_grid, peak_activations
+from braid.io.files import atomic_write_text
+from braid.core.ir import programs_to_json
+from braid.core.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,12 +37,12 @@ import logging
 import sys
 from typing import Any, Sequence
 
-from braid.cli import Parser as _Parser
-from braid.cli import check_outputs, run_main
-from braid.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
-from braid.files import atomic_write_text
-from braid.hardware import HARDWARE, get_hardware
-from braid.models_catalog import MODELS, ModelConfig, get_model
+from braid.io.cli import Parser as _Parser
+from braid.io.cli import check_outputs, run_main
+from braid.cost.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
+from braid.io.files import atomic_write_text
+from braid.cost.hardware import HARDWARE, get_hardware
+from braid.cost.catalog import MODELS, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--offload-alpha", default="auto", metavar="A|auto",
                     help="braided_v_offload: fraction of chunk-0 activations offloaded (0..1), or 'auto' (default): "
                          "the lowest predicted peak within --offload-budget of braided_v's step time "
-                         "(braid.offload_tune.tune_offload; ~100 simulations of the shortest steady run)")
+                         "(braid.planner.offload_tune.tune_offload; ~100 simulations of the shortest steady run)")
     ap.add_argument("--offload-budget", type=float, default=0.01, metavar="F",
                     help="--offload-alpha auto: step-time slowdown allowed for a lower peak, as a fraction "
                          "(default 0.01 = 1%%)")
@@ -98,7 +98,7 @@ def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     return read_costs(args.costs, layout, specs, base=base)
 
 
-COARSE_PM = 4096  # p*m from which --offload-alpha auto searches the coarse grid (braid.offload_tune)
+COARSE_PM = 4096  # p*m from which --offload-alpha auto searches the coarse grid (braid.planner.offload_tune)
 
 
 def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
@@ -109,9 +109,19 @@ def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
     return {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
 
 
+def resolve_model(name: str) -> ModelConfig:
+    """``--model``: a catalog preset, or a Hugging Face ``config.json`` read through the model
+    registry (:func:`braid.models.shapes.resolve_model`; imported only then: it loads torch)."""
+    if name in MODELS or f"qwen2-{name}" in MODELS:
+        return MODELS.get(name) or MODELS[f"qwen2-{name}"]
+    from braid.models.shapes import resolve_model as from_path_or_preset
+
+    return from_path_or_preset(name)
+
+
 def model_from_args(args: argparse.Namespace):
     """The preset (or config.json) with ``--seq``, ``--micro-batch-size`` and the size overrides applied."""
-    model = args.model if isinstance(args.model, ModelConfig) else get_model(args.model)
+    model = args.model if isinstance(args.model, ModelConfig) else resolve_model(args.model)
     changes = {k: getattr(args, k) for k in ("seq", "micro_batch_size", *_OVERRIDES) if getattr(args, k, None) is not None}
     return model.with_(**changes) if changes else model
 
@@ -120,8 +130,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     """Simulate the selected schedules and the given ready-made ``plans`` (e.g. read from torch
     CSVs); returns (json document, traces, notes)."""
     from braid import schedules
-    from braid.compiler import ScheduleError, compile_plan
-    from braid.offload_tune import tune_offload
+    from braid.core.compiler import ScheduleError, compile_plan
+    from braid.planner.offload_tune import tune_offload
     from braid.simulator import simulate
     from braid.simulator.fast import simulate_schedule
 
@@ -235,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0.0 <= args.offload_budget < 1.0:
         ap.error(f"--offload-budget must be a fraction in [0, 1), e.g. 0.03 for 3%, got {args.offload_budget}")
     try:
-        args.model = get_model(args.model)
+        args.model = resolve_model(args.model)
     except ValueError as err:
         ap.error(str(err))
     if args.hardware not in HARDWARE:
@@ -259,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(err))
     plans = []
     for path in args.torch_csv or []:
-        from braid.torch_format import TorchFormatError, from_torch_csv
+        from braid.core.torch_format import TorchFormatError, from_torch_csv
 
         try:
             with open(path) as f:
@@ -294,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         atomic_write_text(args.json, json.dumps(doc, indent=1))
     if args.trace:
-        from braid.trace import dump_traces
+        from braid.io.trace import dump_traces
 
         dump_traces(traces, args.trace)
     if args.html:

@@ -26,16 +26,16 @@ def _build(args):
     (by-name initialisation on its device, so the unsplit reference gets the same weights)."""
     from braid.models.build import meta_model
     from braid.models.registry import get_family
-    from braid.models_catalog import decoder_config, get_model
+    from braid.models.shapes import decoder_config, resolve_model
     from train_step import pick_device
 
-    preset = get_model(args.model)
+    preset = resolve_model(args.model)
     return meta_model(get_family(preset.family).model_cls, decoder_config(preset), seed=args.seed, std=args.init_std,
                       device=pick_device(args))
 
 
 def _stage_layers(model, num_stages: int, args) -> tuple[int, ...]:
-    from braid.partition import split_layers
+    from braid.core.partition import split_layers
 
     return split_layers(model.cfg.layers, num_stages, last_stage_lighter=args.last_stage_lighter)
 
@@ -59,16 +59,16 @@ def _source(model, args):
 
 
 def _chunks(model, plan, pp_rank, stage_layers, tp_rank, tp_size, tp_group, sp=None, seq_len=None):
-    from braid.runtime.executor import build_rank_chunks
+    from braid.models.build import build_rank_chunks
 
     return build_rank_chunks(model, plan, pp_rank, stage_layers, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
                              sp=sp, seq_len=seq_len)
 
 
 def _flops(model, args) -> float:
-    from braid.costs import model_forward_flops
+    from braid.cost.costs import model_forward_flops
     from braid.models.registry import family_of
-    from braid.models_catalog import from_decoder_config
+    from braid.models.shapes import from_decoder_config
 
     return 3 * model_forward_flops(from_decoder_config("lm", model.cfg, family_of(model).name, seq=args.seq, micro_batch_size=1))
 

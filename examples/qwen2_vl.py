@@ -13,7 +13,7 @@ one of four positions, captioned "a red disc at top left"), deterministic by see
     torchrun --nproc-per-node 4 examples/qwen2_vl.py --schedule braided_v --tp 2 --pp 2
     torchrun --nproc-per-node 4 examples/qwen2_vl.py --hf DIR --tp 2 --pp 2 --schedule braided_v --reference
 
-``--model``: a preset of ``braid.models_catalog`` (``tiny``, ``small``, ``2b``, ``7b``, ``15b``
+``--model``: a preset of ``braid.cost.catalog`` (``tiny``, ``small``, ``2b``, ``7b``, ``15b``
 mean ``qwen2-vl-*``; ``qwen2.5-vl-*`` picks Qwen2.5-VL's tower). ``--hf DIR`` starts from a
 Qwen2-VL / Qwen2.5-VL checkpoint (its ``config.json`` picks the tower), ``--save-hf DIR``
 exports one that ``transformers`` loads.
@@ -30,7 +30,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from train_loop import Task, main  # noqa: E402
 
-from braid.models_catalog import MODELS  # noqa: E402
+from braid.cost.catalog import MODELS  # noqa: E402
 
 _VL = "qwen2-vl-"
 PRESETS = tuple([n.removeprefix(_VL) for n, m in MODELS.items() if m.vit is not None and n.startswith(_VL)]

@@ -1,9 +1,9 @@
 """Checkpoints of the example loop: model, optimizer and progress under the single-device model's names.
 
 A checkpoint saved at one (tp, pp, dp, schedule) resumes at any other: parameters and
-optimizer state are keyed by global parameter names (:mod:`braid.sharded_state`), the data
+optimizer state are keyed by global parameter names (:mod:`braid.training.sharded_state`), the data
 position (the next global sample index) and the step travel with them, and the directory
-protocol (step folders, ``latest``, layout record, checksums) is :mod:`braid.checkpoint`'s.
+protocol (step folders, ``latest``, layout record, checksums) is :mod:`braid.training.checkpoint`'s.
 
 :func:`check_resume` runs before any process group exists: it finds the step folder, reads
 its layout record and manifest and compares the saved model with the one this run builds,
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from braid import checkpoint
+from braid.training import checkpoint
 from train_cli import Run, Setup, Task, UsageError
 
 log = logging.getLogger("braid.examples")
@@ -127,7 +127,7 @@ class TrainState:
 
     The optimizer's state is saved under global parameter names too: a ``torch.optim``
     optimizer over the runner's parameters through ``get_optimizer_state_dict``
-    (:class:`braid.sharded_state.OptimizerState`). An optimizer that keeps its state
+    (:class:`braid.training.sharded_state.OptimizerState`). An optimizer that keeps its state
     elsewhere (fp32 master weights, shards over data-parallel ranks) provides
     ``checkpoint_state(params: ShardedParams) -> Stateful`` whose ``state_dict()`` is keyed by
     global names (``params.by_name``; TP blocks via ``params.to_global``) -- resharding over
@@ -136,7 +136,7 @@ class TrainState:
 
     def __init__(self, task: Task, runner: Any, optimizer: Any, groups: Any) -> None:
         from braid.models.global_names import check_shards, chunk_shards
-        from braid.sharded_state import ModelState, OptimizerState, ShardedParams
+        from braid.training.sharded_state import ModelState, OptimizerState, ShardedParams
 
         topo = groups.topo
         shards = chunk_shards(runner.chunks, groups.coords.tp, topo.tp, vlm=task.vision)
@@ -202,7 +202,7 @@ class MasterState:
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        from braid.sharded_state import _local
+        from braid.training.sharded_state import _local
 
         params = {name: {key: _local(sd[f"{name}.{key}"]) for key in self.KEYS} for name in self.optimizer.names}
         self.optimizer.load_state_dict({"step": sd["step"], "lr": sd["lr"], "params": params})

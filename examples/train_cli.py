@@ -71,7 +71,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(task: Task) -> argparse.ArgumentParser:
     from braid import schedules
-    from braid.baselines import BASELINES
+    from braid.baselines.torch_pp import BASELINES
 
     p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog=_EPILOG.format(prog=task.prog))
@@ -213,9 +213,9 @@ class Run:
 def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
     from braid import schedules
-    from braid.baselines import BASELINES
-    from braid.runconfig import ConfigError, config_argv
-    from braid.topology import Topology
+    from braid.baselines.torch_pp import BASELINES
+    from braid.io.runconfig import ConfigError, config_argv
+    from braid.core.topology import Topology
 
     parser = build_parser(task)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -240,7 +240,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         if n not in valid:
             raise UsageError(f"--schedule {n}: unknown; valid: {', '.join(valid)}")
         if n.startswith("mcore_"):
-            from braid import megatron
+            from braid.baselines import megatron_gpt as megatron
 
             if not megatron.available():
                 raise UsageError(f"--schedule {n}: {megatron.INSTALL_HINT}")
@@ -331,7 +331,7 @@ def check_values(args: argparse.Namespace) -> None:
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Every output path can be written, checked before any work (files and the directories made later)."""
-    from braid.files import OutputPathError, check_output_path
+    from braid.io.files import OutputPathError, check_output_path
 
     files = {"--metrics": args.metrics, "--trace": args.trace}
     if args.metrics:

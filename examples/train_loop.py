@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import torch
 
-from braid.checkpoint import CheckpointError
+from braid.training.checkpoint import CheckpointError
 from train_checkpoint import TrainState, describe_resume, verify_resume
 from train_cli import Run, RunError, Setup, Task, UsageError, prepare
 from train_report import (MetricsLog, Progress, RunStats, banner, format_comparison, max_norm_diff, max_rel_diff,  # noqa: E501
@@ -193,7 +193,7 @@ def _banner(task: Task, setup: Setup, run: Run, runner: Any, dtype: torch.dtype)
 
 
 def _config_text(setup: Setup) -> str:
-    from braid.runconfig import dump_config
+    from braid.io.runconfig import dump_config
 
     prog = setup.parser.prog if setup.parser is not None else "train"
     return dump_config(setup.parser, setup.args, header=f"effective configuration of a {prog} run; "
@@ -202,7 +202,7 @@ def _config_text(setup: Setup) -> str:
 
 def _write_config(setup: Setup, path: Path) -> None:
     """The run file of the effective configuration (atomically)."""
-    from braid.files import atomic_write_text
+    from braid.io.files import atomic_write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, _config_text(setup))

@@ -123,8 +123,8 @@ def write_trace(trace: Any, rank: int, world: int, args: argparse.Namespace) -> 
     """Gather every rank's trace to rank 0 and merge them (events and memory keyed by global rank)."""
     import torch.distributed as dist
 
-    from braid.files import atomic_path
-    from braid.trace import Trace, dump_traces
+    from braid.io.files import atomic_path
+    from braid.io.trace import Trace, dump_traces
 
     d = trace.to_dict()
     for e in d["events"]:
@@ -153,7 +153,7 @@ class MetricsLog:
     """
 
     def __init__(self, args: argparse.Namespace, resumed_step: int | None) -> None:
-        from braid.files import atomic_write_text
+        from braid.io.files import atomic_write_text
 
         self.file = self.tb = None
         if args.metrics:

@@ -72,7 +72,7 @@ class BraidRunner:
     """A braid schedule: this rank's chunks under the executor, data-parallel gradient reduction."""
 
     def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
-        from braid.compiler import compile_plan
+        from braid.core.compiler import compile_plan
         from braid.runtime.executor import Executor
 
         args, topo, plan = setup.args, setup.topo, run.plan
@@ -125,10 +125,10 @@ class BraidRunner:
 
 
 class TorchRunner:
-    """A torch.distributed.pipelining baseline (:mod:`braid.baselines`) on the same layers per stage."""
+    """A torch.distributed.pipelining baseline (:mod:`braid.baselines.torch_pp`) on the same layers per stage."""
 
     def __init__(self, task: Task, setup: Setup, run: Run, d: Any, groups: Any, device: torch.device, dtype: torch.dtype) -> None:
-        from braid.baselines import baseline_pipeline
+        from braid.baselines.torch_pp import baseline_pipeline
 
         from braid.models.build import materialize
 

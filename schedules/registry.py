@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from braid.ir import Placement, Plan, ScheduleConfig
+from braid.core.ir import Placement, Plan, ScheduleConfig
 
 Generator = Callable[[ScheduleConfig], Plan]
 

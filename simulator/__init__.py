@@ -1,8 +1,8 @@
 """Discrete-event simulator of compiled per-rank programs (the second interpreter of the IR).
 
 ``simulate(programs, costs)`` runs the programs the compiler produced against a
-:class:`braid.costs.CostModel` and returns a :class:`SimResult`: a
-:class:`braid.trace.Trace` at unit granularity (the format the executor records, so a
+:class:`braid.cost.costs.CostModel` and returns a :class:`SimResult`: a
+:class:`braid.io.trace.Trace` at unit granularity (the format the executor records, so a
 prediction and a measurement line up op by op) and a :class:`~braid.simulator.report.Report`
 (step time, throughput, MFU, per-rank PP bubble, exposed TP comm and peak activations).
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from braid.costs import CostModel
-from braid.ir import Program, compute_ops
-from braid.trace import Trace
+from braid.cost.costs import CostModel
+from braid.core.ir import Program, compute_ops
+from braid.io.trace import Trace
 from braid.simulator.engine import Engine, SimulationError
 from braid.simulator.report import Report, build_report, format_table, memory_series
 

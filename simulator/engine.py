@@ -4,12 +4,12 @@ Each rank runs its program in order, like the executor's host thread. Resources 
 a compute stream, a TP-communication stream, a P2P engine and two host-copy engines
 (device-to-host for ``OFFLOAD``, host-to-device for ``RELOAD``).
 
-* **Compute** instructions run unit by unit in the order of :func:`braid.braiding.steps`.
+* **Compute** instructions run unit by unit in the order of :func:`braid.core.braiding.steps`.
   A task with ``ar`` (and tp > 1) starts an all-reduce on the TP stream when it ends
   (queued behind earlier ones); the next task of the same op with ``waits_ar`` waits for
   it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
   done (the tail wait is exposed too), except an all-reduce carried into the next compute
-  instruction (:func:`braid.braiding.carries`): the Send/Recv run in between is posted (a
+  instruction (:func:`braid.core.braiding.carries`): the Send/Recv run in between is posted (a
   chained run as of the all-reduce's end, the rank not waiting), then the next instruction's
   first unit task runs beside it, then the carried all-reduce is waited for. A chained run's
   posts are made at the rank's time with that later time stamp, so with a costly P2P its
@@ -36,7 +36,7 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   direction is in flight at its start, plus 1 when a P2P transfer of the rank is (only with
   ``p2p_over_pcie``). An offload frees its bytes at the first offload, reload or compute
   instruction that finds its copy done, and at the latest when ``RELEASE_AFTER`` compute
-  instructions have run after it (:mod:`braid.offload`): the next compute instruction
+  instructions have run after it (:mod:`braid.core.offload`): the next compute instruction
   starts no earlier than the copy's end and the bytes are freed at its start, as the
   runtime does (its host runs ahead of the GPU, so it releases in program order). A reload re-takes them when it is issued (the
   runtime allocates the device storage then, on the compute stream) and its copy starts no
@@ -51,13 +51,13 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from braid.braiding import Phase, carries, steps
-from braid.costs import CostModel
-from braid.gc_pause import gc_paused
-from braid.offload import RELEASE_AFTER
-from braid.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
+from braid.core.braiding import Phase, carries, steps
+from braid.cost.costs import CostModel
+from braid.core.gc_pause import gc_paused
+from braid.core.offload import RELEASE_AFTER
+from braid.core.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
                       comm_stages, rank_chunk_of)
-from braid.trace import Event
+from braid.io.trace import Event
 
 
 class SimulationError(ValueError):
@@ -284,7 +284,7 @@ class Engine:
 
     def _hoisted(self, rs: _Rank) -> bool:
         """Run the first unit task of the next compute instruction beside a carried all-reduce, then
-        wait for that all-reduce (:func:`braid.braiding.carries`); the Send/Recv run between is
+        wait for that all-reduce (:func:`braid.core.braiding.carries`); the Send/Recv run between is
         already posted. False if the task's input has not arrived."""
         j, carry_end = rs.hoist
         instr = rs.prog[j]

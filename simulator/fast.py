@@ -37,7 +37,7 @@ report a configuration validate it (``compile_plan(plan)``), as :mod:`braid.plan
 
 Besides the report, a run records when each (rank, chunk)'s weight gradients are complete
 (the end of its last ``W``/``BW``): the data-parallel gradient reduction of that chunk can
-start then (:mod:`braid.cluster`).
+start then (:mod:`braid.cost.cluster`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from itertools import accumulate
 from operator import itemgetter
 from typing import Any
 
-from braid.costs import CostModel
-from braid.ir import Braided, Compute, OpKind, Plan, Program
+from braid.cost.costs import CostModel
+from braid.core.ir import Braided, Compute, OpKind, Plan, Program
 from braid.simulator.engine import Engine
 from braid.simulator.report import RankReport, Report
 
@@ -84,7 +84,7 @@ def _last_gradients(prog: Program) -> dict[int, list[int]]:
 def compiled(name: str, p: int, m: int, options: tuple[tuple[str, Any], ...] = ()) -> tuple[Program, ...]:
     """The programs of ``schedules.build(name, p, m, **options)``, compiled once (not re-validated)."""
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
 
     return tuple(compile_plan(schedules.build(name, p, m, **dict(options)), validate=False))
 
@@ -151,7 +151,7 @@ def simulate_schedule(name: str, p: int, m: int, costs: CostModel, options: tupl
         if out is not None:
             return FastResult(out[0], out[1], f"extrapolated from m={start},{start + k},{start + 2 * k}")
     if plan is not None:
-        from braid.compiler import compile_plan
+        from braid.core.compiler import compile_plan
 
         return run_programs(compile_plan(plan, validate=False), costs, name, m)
     return _full(name, p, m, costs, options)

@@ -11,7 +11,7 @@ Definitions (per rank, seconds):
 
 MFU = model FLOPs of the step / (step time * devices * peak FLOP/s), devices = tp * p;
 0 when the cost model knows no FLOPs (uniform cost files). Peak activation memory is in
-bytes and in units of ``M_a`` (see :mod:`braid.costs`).
+bytes and in units of ``M_a`` (see :mod:`braid.cost.costs`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from itertools import accumulate, chain, compress, islice
 from operator import itemgetter, ne
 from typing import Any, Sequence
 
-from braid.costs import CostModel
+from braid.cost.costs import CostModel
 from braid.simulator.engine import RankStats
 
 

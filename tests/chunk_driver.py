@@ -1,7 +1,7 @@
 """Drive one model chunk through a program's instructions on one process, as the executor does on its rank.
 
 Shared by the chunk-level tests (fused and cut mode, recomputation, compiled units): each
-instruction's received tensors are handed over, its unit steps (:func:`braid.braiding.steps`)
+instruction's received tensors are handed over, its unit steps (:func:`braid.core.braiding.steps`)
 run through :meth:`ModelChunk.run`, and its ops end; a chunk that is not the first stage
 returns its input gradients, one that is not the last stage has its outputs taken.
 """
@@ -12,8 +12,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from braid.braiding import ChunkSpec, steps
-from braid.ir import OpKind, parse_instruction
+from braid.core.braiding import ChunkSpec, steps
+from braid.core.ir import OpKind, parse_instruction
 
 
 def drive(ch: Any, spec: ChunkSpec, program: Sequence[str], *, inputs: Sequence[torch.Tensor] | None = None,

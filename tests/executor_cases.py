@@ -50,8 +50,8 @@ def _as_model(model, tensors: dict):
 
 
 def _expected_counts(program, chunks):
-    from braid.braiding import Phase, steps
-    from braid.ir import Braided, Compute
+    from braid.core.braiding import Phase, steps
+    from braid.core.ir import Braided, Compute
 
     spec_of = lambda c: chunks[c].spec  # noqa: E731
     w = ar = braided = 0
@@ -76,9 +76,9 @@ def _tp_comm(ctx, groups, backend: str):
 
 def _check_carried_overlap(program, chunks, trace, where: str) -> None:
     """Every carried all-reduce is in flight, in the measured trace, while the next compute
-    instruction's first unit task runs (:func:`braid.braiding.carries`) -- except, on CPU,
+    instruction's first unit task runs (:func:`braid.core.braiding.carries`) -- except, on CPU,
     one whose run is chained and read by that unit: there it has ended before the unit starts."""
-    from braid.braiding import carries, steps
+    from braid.core.braiding import carries, steps
 
     for i, carry in carries(program.instructions, lambda c: chunks[c].spec).items():
         last = steps(program.instructions[i], lambda c: chunks[c].spec)[-1]
@@ -101,13 +101,14 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
     through this :mod:`braid.tp.comm` backend, over a TP group created with its options,
     instead of the groups' default)."""
     from braid import schedules
-    from braid.braiding import carries
-    from braid.compiler import compile_plan
+    from braid.core.braiding import carries
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.partition import split_layers
+    from braid.core.partition import split_layers
     from braid.runtime.distributed import reduce_gradients
-    from braid.runtime.executor import Executor, build_rank_chunks
-    from braid.topology import Topology
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     topo = Topology(ctx.world_size, pp=pp, tp=tp, dp=ctx.world_size // (pp * tp))
     groups = ctx.process_groups(topo)
@@ -178,10 +179,11 @@ def failing_rank(ctx, bad_rank: int) -> str:
     import time
 
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.runtime.executor import Executor, build_rank_chunks
-    from braid.topology import Topology
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=2))
     plan = schedules.build("gpipe", 2, 2)
@@ -203,9 +205,10 @@ def failing_rank(ctx, bad_rank: int) -> str:
 
 def bad_program(ctx, text: str) -> str:
     """Run a hand-written single-rank program and return the error text."""
-    from braid.ir import Plan, Program, ScheduleConfig
+    from braid.core.ir import Plan, Program, ScheduleConfig
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
 
     cfg = Qwen2Config(layers=2, **CFG_KW)
     prog = Program.from_text(0, text)
@@ -222,7 +225,7 @@ def bad_program(ctx, text: str) -> str:
 
 def wrong_world(ctx) -> str:
     from braid.runtime.distributed import ProcessGroups
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     try:
         ProcessGroups.create(Topology(4, pp=2, tp=2))
@@ -238,12 +241,13 @@ def record_modes(ctx, tp: int) -> dict:
     test can check that recording changes what is timed and never what is computed.
     """
     from braid import schedules
-    from braid.braiding import steps
-    from braid.compiler import compile_plan
-    from braid.ir import Braided, Compute, compute_ops
+    from braid.core.braiding import steps
+    from braid.core.compiler import compile_plan
+    from braid.core.ir import Braided, Compute, compute_ops
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.runtime.executor import Executor, build_rank_chunks
-    from braid.topology import Topology
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=1, tp=tp))
     plan = schedules.build("braided_v", 1, 3)

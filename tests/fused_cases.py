@@ -12,9 +12,10 @@ GRAD_ATOL = 1e-6
 
 
 def _run(ctx, groups, plan, layers, cfg, fuse, data, dev):
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Model
-    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
 
     c = groups.coords
     torch.manual_seed(1234)
@@ -46,8 +47,8 @@ def fused_matches_cut(ctx, pp: int, tp: int, combos: list[tuple[str, int]]) -> l
     """
     from braid import schedules
     from braid.models.qwen2 import Qwen2Config
-    from braid.partition import split_layers
-    from braid.topology import Topology
+    from braid.core.partition import split_layers
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, tp=tp))
     dev = ctx.dist.device
@@ -87,11 +88,12 @@ def modes_chosen(ctx, tp: int) -> dict[str, object]:
     """Which mode the executor picks at pp=2 with ``tp``: plain braided_v, braided_v_offload;
     and whether ``fuse=True`` where the cuts are needed is refused with one line."""
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.partition import split_layers
-    from braid.runtime.executor import Executor, build_rank_chunks
-    from braid.topology import Topology
+    from braid.core.partition import split_layers
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=2, tp=tp))
     c = groups.coords

@@ -1,6 +1,6 @@
 """Hand-written plans, independent of the schedule generators under test."""
 
-from braid.ir import Braided, Compute, OpKind, Plan, ScheduleConfig
+from braid.core.ir import Braided, Compute, OpKind, Plan, ScheduleConfig
 
 
 def one_f_one_b(p: int, m: int) -> Plan:

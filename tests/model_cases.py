@@ -18,14 +18,14 @@ def family_equivalence(ctx, family: str, tie: bool, pp: int, tp: int, schedules_
     the same rule on one device.
     """
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.build import build_rank_chunks, meta_model
     from braid.models.registry import get_family
     from braid.models.tied import tie_of
-    from braid.partition import split_layers
+    from braid.core.partition import split_layers
     from braid.runtime.distributed import reduce_gradients
     from braid.runtime.executor import Executor
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     fam = get_family(family)
     topo = Topology(ctx.world_size, pp=pp, tp=tp)
@@ -76,8 +76,8 @@ def save_distributed(ctx, family: str, tie: bool, pp: int, tp: int, schedule: st
     from braid import schedules
     from braid.models.build import build_rank_chunks
     from braid.models.registry import get_family
-    from braid.partition import split_layers
-    from braid.topology import Topology
+    from braid.core.partition import split_layers
+    from braid.core.topology import Topology
 
     fam = get_family(family)
     groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, tp=tp))

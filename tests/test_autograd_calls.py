@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from braid.autograd_calls import edge, fast_apply, grad
+from braid.tp.autograd_calls import edge, fast_apply, grad
 
 
 class _Scale(torch.autograd.Function):

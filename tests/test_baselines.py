@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from braid.baselines import TORCH_SCHEDULES
+from braid.baselines.torch_pp import TORCH_SCHEDULES
 from tests.distributed_utils import DistPool
 
 M, B = 8, 1
@@ -80,9 +80,9 @@ def _ref_name(local: str, first: int, vlm: bool) -> str:
 
 
 def _run_baseline(ctx, name: str, tp: int, pp: int, vlm: bool):
-    from braid.baselines import TorchPipeline
-    from braid.partition import layer_offset
-    from braid.topology import Topology
+    from braid.baselines.torch_pp import TorchPipeline
+    from braid.core.partition import layer_offset
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(4, pp=pp, tp=tp))
     model = _model(vlm)
@@ -147,8 +147,8 @@ def test_baseline_matches_single_process(pool, name: str, tp: int, pp: int, vlm:
 def test_unknown_baseline_and_bad_layout_say_what_to_change() -> None:
     from types import SimpleNamespace
 
-    from braid.baselines import TorchPipeline
-    from braid.topology import Topology
+    from braid.baselines.torch_pp import TorchPipeline
+    from braid.core.topology import Topology
 
     model, cpu = _model(False), torch.device("cpu")
     pp2 = SimpleNamespace(topo=Topology(2, pp=2), rank=0)
@@ -164,7 +164,7 @@ def test_unknown_baseline_and_bad_layout_say_what_to_change() -> None:
 
 
 def test_stage_module_of_the_whole_model_is_the_model() -> None:
-    from braid.baselines import StageModule, cross_entropy
+    from braid.baselines.torch_pp import StageModule, cross_entropy
 
     model = _model(False)
     (toks,), labs, _ = _data(model, False, 1)[0]

@@ -3,7 +3,7 @@
 The weight conversion braid <-> megatron-core is exact both ways, and a megatron-core GPT
 model with converted weights gives braid's logits (Qwen2 with Q/K/V biases, Llama without).
 On 2 gloo ranks (megatron-core's CUDA-only allocations redirected to the CPU by
-:func:`braid.megatron.allow_cpu`), at tp=1 x pp=2 (interleaved, 2 chunks a rank) and tp=2 x
+:func:`braid.baselines.megatron_gpt.allow_cpu`), at tp=1 x pp=2 (interleaved, 2 chunks a rank) and tp=2 x
 pp=1 (megatron-core's own TP): the step's loss and every gradient match the single-process
 model, and two AdamW steps give the reference losses. Skipped without megatron-core.
 """
@@ -50,13 +50,13 @@ def _data(vocab: int, steps: int):
 
 
 def _ref_loss(model, toks, labs) -> torch.Tensor:
-    from braid.baselines import cross_entropy
+    from braid.baselines.torch_pp import cross_entropy
 
     return sum(cross_entropy(model.logits(t), l) for t, l in zip(toks.chunk(M), labs.chunk(M))) / M
 
 
 def test_weight_conversion_round_trip():
-    from braid import megatron as bm
+    from braid.baselines import megatron_gpt as bm
 
     for family in ("qwen2", "llama"):
         model = _model(family)
@@ -68,7 +68,7 @@ def test_weight_conversion_round_trip():
 
 
 def _case_logits(ctx, family: str):
-    from braid import megatron as bm
+    from braid.baselines import megatron_gpt as bm
     bm.ensure_parallel_state(1, 1, None)
     model = _model(family)
     gpt = bm.gpt_model(model.cfg, bm.transformer_config(model.cfg), seq_len=SEQ)
@@ -84,11 +84,11 @@ def _case_logits(ctx, family: str):
 
 
 def _case_pipeline(ctx, tp: int, pp: int, family: str, device: str = "cpu"):
-    from braid import megatron as bm
-    from braid.baselines_mcore import McorePipeline
-    from braid.partition import layer_offset
-    from braid.ir import stage_of
-    from braid.topology import Topology
+    from braid.baselines import megatron_gpt as bm
+    from braid.baselines.mcore import McorePipeline
+    from braid.core.partition import layer_offset
+    from braid.core.ir import stage_of
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, tp=tp))
     model = _model(family)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from braid.bench import BenchConfig, calibrate, capture, format_report, instruction_end_peaks, probe_plan, run_bench
-from braid.compiler import compile_plan
-from braid.costs import Layout, costs_from_dict
-from braid.partition import chunk_specs
+from braid.core.compiler import compile_plan
+from braid.cost.costs import Layout, costs_from_dict
+from braid.core.partition import chunk_specs
 from braid.models.qwen2 import Qwen2Config
 from braid.profile import ProfileConfig
-from braid.trace import Event, Trace
+from braid.io.trace import Event, Trace
 from braid.simulator import simulate
 
 
@@ -169,7 +169,7 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     assert cal["compute_scale"] > 0 and cal["p2p_s"] >= 0
     assert set(cal["compute_scale_per_phase"]) == {"F", "B", "W"} and min(cal["compute_scale_per_phase"].values()) > 0
     names = {e["schedule"] for e in s["external"]}
-    from braid import megatron
+    from braid.baselines import megatron_gpt as megatron
 
     mcore = {"mcore:interleaved 1F1B"} if megatron.available() else set()
     assert names == {"torch:ScheduleInterleaved1F1B", "torch:ScheduleZBVZeroBubble", "torch:ScheduleDualPipeV"} | mcore

@@ -1,4 +1,4 @@
-"""The carried all-reduce (braid.braiding.carries): where the rule fires, and what the simulator does with it.
+"""The carried all-reduce (braid.core.braiding.carries): where the rule fires, and what the simulator does with it.
 
 One rank, uniform costs: chunks of two layers, so every plain forward ends with the MLP's
 all-reduce. The executor's side is checked in the gloo equivalence cases
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from braid.braiding import ChunkSpec, carries, steps
-from braid.costs import Layout, uniform_costs
-from braid.ir import Program, parse_instruction
+from braid.core.braiding import ChunkSpec, carries, steps
+from braid.cost.costs import Layout, uniform_costs
+from braid.core.ir import Program, parse_instruction
 from braid.simulator import simulate
 
 MIDDLE = ChunkSpec(2)

@@ -1,13 +1,13 @@
 """Checkpoint directories, global parameter names and run files, in one process.
 
-* :mod:`braid.checkpoint`: a save is a complete step folder named by ``latest``; the last K
+* :mod:`braid.training.checkpoint`: a save is a complete step folder named by ``latest``; the last K
   are kept; a leftover partial folder is never read and is cleared by the next save;
   every kind of damage (truncated, empty, flipped bytes, missing files, broken manifest or
   pointer) is found before loading, as one line;
 * :mod:`braid.models.global_names`: over all (pp, tp) ranks, the chunks' blocks (and TP
   rank 0's whole tensors) tile every parameter of the single-device model exactly once
   (LLM and VLM, tp 1 and 2);
-* :mod:`braid.runconfig`: a run file becomes flags the command line overrides, and the
+* :mod:`braid.io.runconfig`: a run file becomes flags the command line overrides, and the
   effective configuration written back parses to the same values.
 """
 
@@ -22,9 +22,9 @@ import torch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-from braid import checkpoint
-from braid.checkpoint import CheckpointError
-from braid.runconfig import ConfigError, config_argv, dump_config, settings_argv
+from braid.training import checkpoint
+from braid.training.checkpoint import CheckpointError
+from braid.io.runconfig import ConfigError, config_argv, dump_config, settings_argv
 
 
 def _save(d: Path, step: int, keep: int = 2) -> Path:
@@ -152,7 +152,7 @@ def test_chunk_blocks_tile_every_global_parameter_once(kind: str, tp: int) -> No
     model = _llm() if kind == "llm" else _vlm()
     plan = schedules.build("braided_v", 2, 4)
     if kind == "llm":
-        from braid.runtime.executor import build_rank_chunks
+        from braid.models.build import build_rank_chunks
 
         stage_layers = (1, 1, 1, 1)
         build = lambda pp, t: build_rank_chunks(model, plan, pp, stage_layers, tp_rank=t, tp_size=tp)  # noqa: E731

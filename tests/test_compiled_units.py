@@ -24,13 +24,15 @@ import pytest
 import torch
 
 from braid import schedules
-from braid.braiding import ChunkSpec, Unit
-from braid.compiler import compile_plan
-from braid.ir import OpKind
-from braid.models.chunk import ChunkStateError, build_chunk
+from braid.core.braiding import ChunkSpec, Unit
+from braid.core.compiler import compile_plan
+from braid.core.ir import OpKind
+from braid.models.chunk import ChunkStateError
+from braid.models.build import build_chunk
 from braid.models.qwen2 import EAGER, Qwen2Config, Qwen2Model
 from braid.runtime import compiled
-from braid.runtime.executor import Executor, build_rank_chunks
+from braid.runtime.executor import Executor
+from braid.models.build import build_rank_chunks
 from chunk_driver import drive
 
 pytestmark = pytest.mark.skipif(not compiled.available("cpu"), reason="torch.compile on CPU needs a C++ compiler")

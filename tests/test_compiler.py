@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from braid import schedules
-from braid.compiler import ScheduleError, activation_counts, compile_plan, list_schedule, peak_activations, validate_programs
-from braid.ir import Braided, CommKind, Compute, OpKind, Plan, Program, Recv, ScheduleConfig, Send, compute_ops
+from braid.core.compiler import ScheduleError, activation_counts, compile_plan, list_schedule, peak_activations, validate_programs
+from braid.core.ir import Braided, CommKind, Compute, OpKind, Plan, Program, Recv, ScheduleConfig, Send, compute_ops
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -143,7 +143,7 @@ def test_simple_rendezvous_cycle_is_deadlock():
     # Two ranks that each receive before they send to the other: a classic deadlock.
     c0 = [Compute(OpKind.F, 0, 0), Recv(CommKind.GRAD, 0, 0, 1), Send(CommKind.ACT, 0, 0, 1)]
     c1 = [Recv(CommKind.ACT, 0, 0, 0), Send(CommKind.GRAD, 0, 0, 0)]
-    from braid.compiler import _check_acyclic
+    from braid.core.compiler import _check_acyclic
 
     fake = [Program(0, tuple(c0)), Program(1, tuple(c1))]
     with pytest.raises(ScheduleError, match="can deadlock; cycle") as e:

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from braid.braiding import ChunkSpec, Unit
-from braid.costs import (CostFileError, Layout, analytic_costs, costs_from_dict, read_costs, uniform_costs,
+from braid.core.braiding import ChunkSpec, Unit
+from braid.cost.costs import (CostFileError, Layout, analytic_costs, costs_from_dict, read_costs, uniform_costs,
                          write_costs)
-from braid.hardware import get_hardware
-from braid.models_catalog import get_model
+from braid.cost.hardware import get_hardware
+from braid.cost.catalog import get_model
 
 
 def test_mlp_and_allreduce_of_a_qwen2_7b_layer_match_the_h200_measurements():

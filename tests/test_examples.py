@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from braid.trace import load_traces
+from braid.io.trace import load_traces
 
 ROOT = Path(__file__).resolve().parent.parent
 VLM = str(ROOT / "examples" / "qwen2_vl.py")

@@ -42,7 +42,7 @@ def test_offload_on_cuda_streams_gives_bitwise_braided_v(pool) -> None:
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
 def test_chained_runs_on_a_side_stream_match_reference() -> None:
     """PP=2 x TP=2 on NCCL: a Send/Recv run chained to a carried all-reduce is issued from the
-    executor's side stream (:func:`braid.braiding.carries`); results equal the reference and
+    executor's side stream (:func:`braid.core.braiding.carries`); results equal the reference and
     every chained run was taken (``equivalence`` counts them against the programs)."""
     pool4 = DistPool(4, timeout_s=120, device="cuda")
     try:

@@ -50,8 +50,8 @@ SPECS = {"whole": (2, True, True), "first": (2, True, False), "middle": (2, Fals
 
 
 def _chunk_run(fuse: bool, layers: int, embed: bool, head: bool, recompute: str, joint: bool = False):
-    from braid.braiding import ChunkSpec
-    from braid.models.chunk import build_chunk
+    from braid.core.braiding import ChunkSpec
+    from braid.models.build import build_chunk
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
 
     torch.manual_seed(0)
@@ -126,9 +126,10 @@ def test_chunks_shared_by_executors_of_two_programs() -> None:
     and W split) built *before* a braided_v executor (every backward a BW) on the same chunks
     still stash for zb_v's W ops, and both give the gradients of one autograd pass."""
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.runtime.executor import Executor, build_rank_chunks
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
 
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=64, hidden=32, layers=4, heads=4, kv_heads=2, ffn=64)

@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from braid import schedules
-from braid.compiler import list_schedule as compiler_list_schedule
-from braid.compiler import ScheduleError, peak_activations
-from braid.ir import Braided, OpKind, Plan, compute_ops
+from braid.core.compiler import list_schedule as compiler_list_schedule
+from braid.core.compiler import ScheduleError, peak_activations
+from braid.core.ir import Braided, OpKind, Plan, compute_ops
 
 ALL = ["gpipe", "1f1b", "1f1b_i", "zb_h1", "zb_v", "dualpipe_v", "braided_v", "braided_v_lowmem"]
 DURATION = {OpKind.F: 1, OpKind.B: 1, OpKind.W: 1, OpKind.BW: 2}

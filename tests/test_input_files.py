@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from braid.braiding import ChunkSpec
-from braid.costs import CostFileError, Layout, analytic_costs, costs_from_dict, read_costs, write_costs
-from braid.hardware import HARDWARE, get_hardware
-from braid.models_catalog import MODELS, get_model
-from braid.trace import Event, Trace, TraceError, dump_traces, load_traces
+from braid.core.braiding import ChunkSpec
+from braid.cost.costs import CostFileError, Layout, analytic_costs, costs_from_dict, read_costs, write_costs
+from braid.cost.hardware import HARDWARE, get_hardware
+from braid.cost.catalog import MODELS, get_model
+from braid.io.trace import Event, Trace, TraceError, dump_traces, load_traces
 
 BASE = {"T_F": 1.0, "T_B": 1.0, "T_W": 1.0, "T_AR": 0.25}
 UNITS = ("embed", "pre_attn", "attn", "pre_mlp", "mlp", "head")

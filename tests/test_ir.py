@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from braid.ir import (
+from braid.core.ir import (
     Braided,
     CommKind,
     Compute,

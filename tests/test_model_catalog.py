@@ -1,4 +1,4 @@
-"""One preset list (braid.models_catalog) for the simulator, the profiler and the examples.
+"""One preset list (braid.cost.catalog) for the simulator, the profiler and the examples.
 
 Canonical names ``<family>-<size>``; the examples' short names resolve with a family prefix;
 ``braid.simulate --model`` also takes a Hugging Face ``config.json`` (or its directory).
@@ -12,7 +12,8 @@ import pytest
 
 from braid.models.llama import LlamaConfig
 from braid.models.qwen2 import Qwen2Config, qwen2_to_hf
-from braid.models_catalog import MODELS, decoder_config, get_model
+from braid.cost.catalog import MODELS, get_model
+from braid.models.shapes import decoder_config
 from braid.simulate import main
 
 
@@ -87,7 +88,7 @@ def test_vision_language_presets_are_the_catalogs() -> None:
 
 
 def test_vlm_flops_are_the_cost_models() -> None:
-    from braid.costs import model_forward_flops
+    from braid.cost.costs import model_forward_flops
     from braid.models.qwen2_vl import vlm_preset, vlm_train_flops_per_sample
 
     for name in ("qwen2-vl-7b", "qwen2.5-vl-7b"):

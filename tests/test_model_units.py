@@ -7,9 +7,10 @@ import copy
 import pytest
 import torch
 
-from braid.braiding import ChunkSpec, Phase, Unit, UnitTask, steps
-from braid.ir import OpKind, parse_instruction
-from braid.models.chunk import ChunkStateError, build_chunk
+from braid.core.braiding import ChunkSpec, Phase, Unit, UnitTask, steps
+from braid.core.ir import OpKind, parse_instruction
+from braid.models.chunk import ChunkStateError
+from braid.models.build import build_chunk
 from braid.models.qwen2 import Qwen2Config, Qwen2Model, parallelize_layer
 
 

@@ -57,14 +57,14 @@ def test_checkpoint_loads_back_into_megatron_core(pools) -> None:
 def _case_checkpoint(ctx) -> bool:
     import torch.distributed as dist
 
-    from braid import megatron as bm
+    from braid.baselines import megatron_gpt as bm
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.build import build_rank_chunks, chunk_state
     from braid.models.mcore import McoreConfig, McoreGPT, gpt_state
     from braid.runtime.distributed import reduce_gradients
     from braid.runtime.executor import Executor
-    from braid.topology import Topology
+    from braid.core.topology import Topology
     from executor_cases import EPS, LR, MBS, SEQ, _data, _reference
 
     groups = ctx.process_groups(Topology(2, pp=2, tp=1))

@@ -2,9 +2,10 @@
 
 import pytest
 
-from braid.compiler import ScheduleError, compile_plan, validate_programs
-from braid.ir import Offload, OpKind, Plan, Program, Reload, ScheduleConfig, compute_ops
-from braid.offload import OffloadPolicy, tune_offload
+from braid.core.compiler import ScheduleError, compile_plan, validate_programs
+from braid.core.ir import Offload, OpKind, Plan, Program, Reload, ScheduleConfig, compute_ops
+from braid.core.offload import OffloadPolicy
+from braid.planner.offload_tune import tune_offload
 from handplans import one_f_one_b
 
 
@@ -65,9 +66,9 @@ def test_policy_validation():
 def _costs(pcie_bytes_per_s: float):
     import dataclasses
 
-    from braid.costs import Layout, analytic_costs
-    from braid.hardware import get_hardware
-    from braid.models_catalog import get_model
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
+    from braid.cost.catalog import get_model
 
     costs = analytic_costs(get_model("qwen2-12b"), get_hardware("h200"), Layout(2, 2, 2, "v"), activations="runtime")
     return dataclasses.replace(costs, pcie_bytes_per_s=pcie_bytes_per_s)
@@ -92,7 +93,7 @@ def test_tune_offload_lowers_the_peak_within_the_slowdown_budget():
 
 def test_coarse_tune_offload_searches_the_coarse_grid_within_the_budget():
     from braid import schedules
-    from braid.offload_tune import COARSE_GRID
+    from braid.planner.offload_tune import COARSE_GRID
 
     plan = schedules.build("braided_v_offload", 2, 8)
     costs = _costs(55e9)

@@ -22,12 +22,12 @@ import pytest
 import torch
 
 from braid import schedules
-from braid.braiding import ChunkSpec, unit_tasks
-from braid.compiler import compile_plan
-from braid.costs import Layout, analytic_costs
-from braid.hardware import get_hardware
-from braid.ir import OpKind
-from braid.models_catalog import get_model
+from braid.core.braiding import ChunkSpec, unit_tasks
+from braid.core.compiler import compile_plan
+from braid.cost.costs import Layout, analytic_costs
+from braid.cost.hardware import get_hardware
+from braid.core.ir import OpKind
+from braid.cost.catalog import get_model
 from braid.runtime.offload import ActivationOffloader, OffloadStateError, Parked
 from executor_cases import CFG_KW, MBS, SEQ, _data
 from braid.simulator import simulate
@@ -79,9 +79,10 @@ def test_fraction_is_nearest_whole_storages_largest_first() -> None:
 def offload_matches_plain(ctx, tp: int, m: int, alphas: tuple[float, ...]) -> dict:
     """Run braided_v and braided_v_offload(alpha) for two steps each on this rank; compare bitwise."""
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.partition import split_layers
-    from braid.runtime.executor import Executor, build_rank_chunks
-    from braid.topology import Topology
+    from braid.core.partition import split_layers
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=2, tp=tp))
     c = groups.coords
@@ -167,7 +168,7 @@ def test_simulated_peak_of_device_0_falls_with_alpha_by_about_the_offloaded_shar
 # -- the chunk: what offload frees ---------------------------------------------------------
 def _forwarded_chunk():
     """A 2-layer chunk (no embedding/head) after the forward of micro-batch 0, output taken."""
-    from braid.models.chunk import build_chunk
+    from braid.models.build import build_chunk
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The planner (braid.plan, braid.plan_search), the job cost model (braid.cluster) and the
+"""The planner (braid.plan, braid.planner.search), the job cost model (braid.cost.cluster) and the
 simulator's fast path (braid.simulator.fast)."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from braid import schedules
-from braid.cluster import Cluster, Parallel, job_costs, static_bytes
-from braid.compiler import compile_plan
-from braid.costs import Layout, analytic_costs, costs_from_dict
-from braid.hardware import get_hardware
-from braid.models_catalog import ModelConfig, get_model
-from braid.partition import chunk_specs
-from braid.plan_search import Problem, _savers, evaluate, layouts, lower_bound, schedule_candidates, search
+from braid.cost.cluster import Cluster, Parallel, job_costs, static_bytes
+from braid.core.compiler import compile_plan
+from braid.cost.costs import Layout, analytic_costs, costs_from_dict
+from braid.cost.hardware import get_hardware
+from braid.cost.catalog import ModelConfig, get_model
+from braid.core.partition import chunk_specs
+from braid.planner.search import Problem, _savers, evaluate, layouts, lower_bound, schedule_candidates, search
 from braid.simulator.fast import simulate_schedule
 
 DATA = Path(__file__).parent / "data"
@@ -58,7 +58,7 @@ def test_fast_full_run_matches_the_simulator() -> None:
 def test_gradient_ready_times_are_the_end_of_each_chunks_last_weight_gradient(name: str) -> None:
     """The fast path watches the last W/BW instruction of each (rank, chunk); an engine that notes the end of every
     compute instruction with a W/BW (the last one per chunk wins) must agree."""
-    from braid.ir import Compute, OpKind
+    from braid.core.ir import Compute, OpKind
     from braid.simulator.engine import Engine
     from braid.simulator.fast import run_programs
 
@@ -96,7 +96,7 @@ def test_sequence_parallel_splits_compute_and_adds_attention_traffic() -> None:
     lay = Layout(1, 2, 1, "loop")
     one = job_costs(SMALL, Cluster(H200, 8), Parallel(1, 2, 1), lay)
     sp = job_costs(SMALL, Cluster(H200, 8), Parallel(1, 2, 1, cp=4, hp=2), lay)
-    from braid.braiding import Unit
+    from braid.core.braiding import Unit
 
     # the MLP is per token: a quarter of the work; attention keeps the whole sequence's keys plus traffic
     assert sp.chunks[(0, 0)].units[Unit.MLP].f == pytest.approx(one.chunks[(0, 0)].units[Unit.MLP].f / 4)
@@ -248,7 +248,7 @@ def test_cli_nothing_fits_is_exit_2(capsys) -> None:
 
 
 def test_sequence_parallel_placement_decides_which_traffic_crosses_nodes() -> None:
-    from braid.braiding import Unit
+    from braid.core.braiding import Unit
 
     lay = Layout(2, 1, 1, "loop")
     model = SMALL.with_(seq=16384)
@@ -262,7 +262,7 @@ def test_sequence_parallel_placement_decides_which_traffic_crosses_nodes() -> No
 
 
 def test_gradient_reduction_overlaps_the_cool_down() -> None:
-    from braid.cluster import dp_tail, reduce_time
+    from braid.cost.cluster import dp_tail, reduce_time
 
     par = Parallel(1, 2, 8)
     costs = job_costs(SMALL, Cluster(H200, 4), par, Layout(1, 2, 2, "v"))

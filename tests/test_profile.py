@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from braid.braiding import OpKind, unit_tasks
-from braid.costs import Layout, costs_from_dict
+from braid.core.braiding import OpKind, unit_tasks
+from braid.cost.costs import Layout, costs_from_dict
 from braid.models.qwen2 import Qwen2Config
-from braid.partition import chunk_specs
+from braid.core.partition import chunk_specs
 from braid.profile import PRESETS, ProfileConfig, main, profile
 
 TINY = PRESETS["tiny"]
@@ -31,9 +31,9 @@ def _forward_live_bytes(cfg: ProfileConfig, stage: int) -> int:
     """Saved bytes after one forward of ``stage``'s chunk, measured here in one process."""
     import torch
 
-    from braid.ir import Plan, ScheduleConfig, rank_chunk_of
+    from braid.core.ir import Plan, ScheduleConfig, rank_chunk_of
     from braid.models.qwen2 import Qwen2Model
-    from braid.runtime.executor import build_rank_chunks
+    from braid.models.build import build_rank_chunks
 
     plan = Plan("t", ScheduleConfig(cfg.pp, 1, cfg.v), cfg.placement, tuple(() for _ in range(cfg.pp)))
     rank, c = rank_chunk_of(cfg.placement, cfg.pp, stage)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.braiding import ChunkSpec
-from braid.ir import OpKind
-from braid.models.chunk import build_chunk
+from braid.core.braiding import ChunkSpec
+from braid.core.ir import OpKind
+from braid.models.build import build_chunk
 from braid.models.qwen2 import Qwen2Config, Qwen2Model
 from chunk_driver import drive
 
@@ -52,7 +52,7 @@ def test_selective_recomputation_keeps_loss_and_gradients_bitwise() -> None:
 
 def test_recomputation_saves_what_the_attention_core_and_swiglu_kept() -> None:
     """One forward of one layer: the saved bytes drop by the core's extra tensors and silu(gate)."""
-    from braid.braiding import Phase, Unit, UnitTask
+    from braid.core.braiding import Phase, Unit, UnitTask
 
     sizes = {}
     for mode in ("none", "selective"):
@@ -92,11 +92,11 @@ def test_full_recomputation_is_refused_with_one_line() -> None:
 
 def test_cost_model_transform_adds_backward_time_and_removes_saved_bytes() -> None:
     from braid import schedules
-    from braid.braiding import Unit
-    from braid.compiler import compile_plan
-    from braid.costs import Layout, analytic_costs
-    from braid.hardware import get_hardware
-    from braid.models_catalog import get_model
+    from braid.core.braiding import Unit
+    from braid.core.compiler import compile_plan
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
+    from braid.cost.catalog import get_model
     from braid.simulator import simulate
 
     model, hw = get_model("qwen2-7b"), get_hardware("h200")

@@ -46,12 +46,13 @@ def sp_equivalence(ctx, pp: int, tp: int, sp_cases: list[tuple[int, int | None, 
                    schedules_ms: list[tuple[str, int]]) -> list[tuple]:
     """Each (d_hp, w, placement) x (schedule, m): two AdamW steps equal the single-process model."""
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.partition import split_layers
+    from braid.core.partition import split_layers
     from braid.runtime.distributed import reduce_gradients
-    from braid.runtime.executor import Executor, build_rank_chunks
-    from braid.topology import Topology
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     d_sp = ctx.world_size // (pp * tp)
     topo = Topology(ctx.world_size, pp=pp, tp=tp, cp=d_sp)
@@ -109,8 +110,8 @@ def build_errors(ctx) -> list[str]:
     from braid import schedules
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.models.sequence_parallel import SequenceParallel, SPConfig
-    from braid.runtime.executor import build_rank_chunks
-    from braid.topology import Topology
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     topo = Topology(ctx.world_size, pp=1, cp=4)
     groups, sp = _sp_context(ctx, topo, 4, None, "head_first")  # d_hp=4, d_cp=1
@@ -146,11 +147,12 @@ def bf16_accuracy(ctx, d_hp: int, seq: int = 512) -> dict[str, float]:
     import copy
 
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.runtime.distributed import reduce_gradients
-    from braid.runtime.executor import Executor, build_rank_chunks
-    from braid.topology import Topology
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     dev = ctx.dist.device
     topo = Topology(ctx.world_size, pp=1, cp=ctx.world_size)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from braid.simulate import main
-from braid.trace import load_traces
+from braid.io.trace import load_traces
 
 
 def test_json_report_shape_and_trace(tmp_path, capsys):

@@ -10,12 +10,12 @@ from __future__ import annotations
 import pytest
 
 from braid import schedules
-from braid.braiding import ChunkSpec
-from braid.compiler import compile_plan
-from braid.costs import Layout, uniform_costs
-from braid.ir import OpKind, Program, compute_ops
-from braid.offload import RELEASE_AFTER
-from braid.trace import LANES, Trace
+from braid.core.braiding import ChunkSpec
+from braid.core.compiler import compile_plan
+from braid.cost.costs import Layout, uniform_costs
+from braid.core.ir import OpKind, Program, compute_ops
+from braid.core.offload import RELEASE_AFTER
+from braid.io.trace import LANES, Trace
 from braid.simulator import SimulationError, simulate
 
 TF = TB = TW = 1.0
@@ -111,9 +111,9 @@ def test_carried_allreduces_never_lengthen_braided_v_nor_expose_more(monkeypatch
 def test_braided_v_on_a_12b_partition_exposes_at_most_2p_plus_1_allreduces(p, m, t_ar):
     # Uniform times on the 12B model's partition (3-7 layers a chunk, embedding and head on
     # rank 0), as `python -m braid.simulate --costs` runs them.
-    from braid.costs import analytic_costs, costs_from_dict
-    from braid.hardware import get_hardware
-    from braid.models_catalog import get_model
+    from braid.cost.costs import analytic_costs, costs_from_dict
+    from braid.cost.hardware import get_hardware
+    from braid.cost.catalog import get_model
 
     plan = schedules.build("braided_v", p, m)
     layout = Layout(2, p, plan.v, plan.placement)

@@ -15,13 +15,13 @@ from torch.distributed.pipelining import schedules as tsched
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from braid import schedules
-from braid.braiding import ChunkSpec
-from braid.compiler import compile_plan
-from braid.costs import Layout, uniform_costs
-from braid.ir import Braided, compute_ops
+from braid.core.braiding import ChunkSpec
+from braid.core.compiler import compile_plan
+from braid.cost.costs import Layout, uniform_costs
+from braid.core.ir import Braided, compute_ops
 from braid.programs import main as programs_main
 from braid.simulator import simulate
-from braid.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
+from braid.core.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
 
 
 class _Stage(_PipelineStageBase):
@@ -164,7 +164,7 @@ def test_simulate_cli_runs_a_torch_csv_beside_braids_schedule(tmp_path, capsys):
 def test_torch_zbv_matches_braids_zb_v():
     sch, _ = _torch_order(tsched.ScheduleZBVZeroBubble, 4, 12, "v")
     rows = [[str(a) for a in row if a is not None] for row in sch.pipeline_order.values()]
-    from braid.torch_format import from_torch_rows
+    from braid.core.torch_format import from_torch_rows
 
     assert from_torch_rows(rows).ranks == schedules.build("zb_v", 4, 12).ranks
 

@@ -38,7 +38,7 @@ def _gloo_case(ctx):
     import torch.distributed as dist
 
     from braid.tp.comm import TPBackendError as Err
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=1, tp=ctx.world_size))
     assert groups.tp_backend == "gloo"
@@ -76,7 +76,7 @@ def _sum_case(ctx, backend: str):
     import torch.distributed as dist
 
     from executor_cases import _tp_comm
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=1, tp=ctx.world_size))
     try:

@@ -9,7 +9,7 @@ from torch import nn
 
 from braid.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, split_weight_grads, vocab_parallel_cross_entropy
 from braid.tp.layers import StashError
-from braid.topology import Topology, TopologyError
+from braid.core.topology import Topology, TopologyError
 
 
 def test_column_and_row_shards_reassemble_the_full_linear() -> None:

@@ -106,7 +106,7 @@ def _kill_after(proc: subprocess.Popen, metrics: Path, ckpt: Path, step: int, du
 
 
 def test_single_process_killed_at_random_moments_and_during_saves_resumes_exactly(tmp_path: Path) -> None:
-    from braid import checkpoint
+    from braid.training import checkpoint
 
     steps = 10
     ref = tmp_path / "ref.jsonl"

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from braid.trace import Event, Trace, dump_traces
+from braid.io.trace import Event, Trace, dump_traces
 from braid.viz import build_figure, render_html, to_chrome_trace
 from braid.viz.__main__ import main as cli_main
 from braid.viz.timeline import PlotlyMissingError, assemble
@@ -288,7 +288,7 @@ def test_missing_plotly_is_one_clear_error(monkeypatch: pytest.MonkeyPatch, smal
 
 
 def test_core_imports_without_plotly() -> None:
-    code = "import sys; sys.modules['plotly'] = None; import braid.viz as viz, braid.trace; print(viz.to_chrome_trace.__name__)"
+    code = "import sys; sys.modules['plotly'] = None; import braid.viz as viz, braid.io.trace; print(viz.to_chrome_trace.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "to_chrome_trace"

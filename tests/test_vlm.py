@@ -20,7 +20,7 @@ from distributed_utils import DistPool
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
 
-from braid.braiding import ChunkSpec  # noqa: E402
+from braid.core.braiding import ChunkSpec  # noqa: E402
 from braid.models.qwen2_vl import Qwen2VLModel, rope_index, split_item, vlm_preset, vlm_stage_layers  # noqa: E402
 from braid.models.vit import ViTConfig, patch_positions, patchify, vision_layout  # noqa: E402
 
@@ -68,10 +68,10 @@ def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: s
     On the rank's CUDA device when the pool runs on GPUs (``ctx.dist.device``), else on the CPU.
     """
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.runtime.executor import Executor
     from braid.models.vision_chunk import build_vlm_rank_chunks
-    from braid.topology import Topology
+    from braid.core.topology import Topology
 
     rtol, atol = tol
     device = torch.device("cpu") if ctx is None else torch.device(ctx.dist.device)
@@ -179,7 +179,7 @@ def test_windows_tile_each_image() -> None:
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
 def test_vision_block_units_compose_to_its_forward(kind: str) -> None:
-    from braid.braiding import Unit
+    from braid.core.braiding import Unit
 
     torch.manual_seed(0)
     model = Qwen2VLModel(vlm_preset("tiny", kind=kind))

@@ -54,11 +54,12 @@ def _reference(model, data, *, weight_decay: float, clip: float | None, warmup: 
 
 def _setup(ctx, pp: int, tp: int, schedule: str):
     from braid import schedules
-    from braid.compiler import compile_plan
+    from braid.core.compiler import compile_plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.partition import split_layers
-    from braid.runtime.executor import Executor, build_rank_chunks
-    from braid.topology import Topology
+    from braid.core.partition import split_layers
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.core.topology import Topology
 
     topo = Topology(ctx.world_size, pp=pp, tp=tp, dp=ctx.world_size // (pp * tp))
     groups = ctx.process_groups(topo)
@@ -83,7 +84,7 @@ def _named(chunks, c) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def _expect_params(chunks, ref, plan, layers, c, tp: int, where: str) -> None:
-    from braid.runtime.executor import build_rank_chunks
+    from braid.models.build import build_rank_chunks
 
     final = build_rank_chunks(ref, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
     for ci, ch in chunks.items():

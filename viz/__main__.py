@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from braid.cli import Parser, check_outputs, run_main
-from braid.files import atomic_write_text
-from braid.trace import TraceError, load_traces
+from braid.io.cli import Parser, check_outputs, run_main
+from braid.io.files import atomic_write_text
+from braid.io.trace import TraceError, load_traces
 
 
 def _parser() -> argparse.ArgumentParser:

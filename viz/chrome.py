@@ -14,8 +14,8 @@ import logging
 from collections import defaultdict
 from typing import Any
 
-from braid.ir import Recv, Send, parse_instruction
-from braid.trace import LANES, Event, Trace
+from braid.core.ir import Recv, Send, parse_instruction
+from braid.io.trace import LANES, Event, Trace
 
 log = logging.getLogger(__name__)
 

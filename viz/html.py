@@ -18,8 +18,8 @@ import logging
 from pathlib import Path
 from typing import Literal, Sequence
 
-from braid.files import atomic_write_text
-from braid.trace import Trace
+from braid.io.files import atomic_write_text
+from braid.io.trace import Trace
 from braid.viz.timeline import WEBGL_THRESHOLD, assemble, require_plotly
 
 log = logging.getLogger(__name__)

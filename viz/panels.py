@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from braid.trace import KINDS, LANES, Trace
+from braid.io.trace import KINDS, LANES, Trace
 from braid.viz.colors import BLOCK_OUTLINE, COMPUTE_SHADES, block_color
 from braid.viz.stats import TraceStats, format_bytes, pair_events, trace_stats
 

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable
 
-from braid.trace import Event, Trace
+from braid.io.trace import Event, Trace
 
 
 @dataclass(frozen=True, slots=True)

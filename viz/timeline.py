@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from braid.trace import Trace
+from braid.io.trace import Trace
 from braid.viz.colors import rank_color
 from braid.viz.panels import HOVER_TEMPLATE, Group, Panel, header_text, make_panels, panel_groups
 from braid.viz.stats import format_bytes

@@ -9,7 +9,8 @@ tensor-parallel model as one checkpoint, each stage from its rank. Labels: HF sh
 braid expects them shifted -- :func:`shift_labels`. Needs ``pip install 'braid[hf]'``.
 """
 
-from braid.hf.checkpoint import CheckpointReader, CheckpointSource, load, load_meta, read_config, save  # noqa: F401
+from braid.hf.checkpoint import CheckpointReader, CheckpointSource, load, load_meta, save  # noqa: F401
+from braid.hf.config import read_config  # noqa: F401
 from braid.hf.distributed import save_chunks  # noqa: F401
 from braid.hf.labels import IGNORE_INDEX, causal_lm_loss, shift_labels  # noqa: F401
 

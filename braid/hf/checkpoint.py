@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from braid.files import atomic_write_text
+from braid.hf.config import read_config
+from braid.io.files import atomic_write_text
 from braid.models.build import materialize, on_meta
 from braid.models.registry import Family, HFWeights, family_for_hf, family_of
 
@@ -37,20 +38,6 @@ def _safetensors() -> Any:
     except ImportError:
         raise ImportError("braid.hf needs the safetensors package: pip install 'braid[hf]' (or pip install safetensors)") from None
     return safe_open
-
-
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``config.json`` of a checkpoint directory as a dict (``ValueError`` if absent or not JSON)."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: no config.json in it")
-    try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{f}: not valid JSON ({err})") from None
-    if "model_type" not in d:
-        raise ValueError(f"{f}: no model_type")
-    return d
 
 
 class CheckpointReader:

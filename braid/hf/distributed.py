@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from braid.files import atomic_write_text
+from braid.io.files import atomic_write_text
 from braid.hf.checkpoint import INDEX, _safetensors
 from braid.models.build import chunk_state
 from braid.models.registry import Family

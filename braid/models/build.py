@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from braid.braiding import ChunkSpec
-from braid.ir import Plan
+from braid.core.braiding import ChunkSpec
+from braid.core.ir import Plan
 from braid.models.chunk import ModelChunk
 from braid.models.init import init_tensor
 from braid.models.seam import StageModel, UnitLayer
 from braid.models.sequence_parallel import SequenceParallel
 from braid.models.tied import Tie, mark, tie_of
-from braid.partition import chunk_specs, layer_offset
+from braid.core.partition import chunk_specs, layer_offset
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 

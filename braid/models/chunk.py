@@ -1,6 +1,6 @@
 """A model chunk (one virtual stage) run unit by unit: forward, activation-backward, weight-backward.
 
-The executor drives a chunk through the unit tasks of :mod:`braid.braiding`. Each unit's
+The executor drives a chunk through the unit tasks of :mod:`braid.core.braiding`. Each unit's
 forward runs on detached inputs under autograd and keeps its *pieces* (inputs, outputs)
 until the unit's backward; TP all-reduces are not part of the graph -- a unit returns
 the tensor to reduce and the executor reduces it in place, asynchronously.
@@ -45,9 +45,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
-from braid.braiding import ChunkSpec, Phase, Unit, UnitTask, unit_tasks
-from braid.ir import OpKind
-from braid.autograd_calls import edge, fast_apply, grad
+from braid.core.braiding import ChunkSpec, Phase, Unit, UnitTask, unit_tasks
+from braid.core.ir import OpKind
+from braid.tp.autograd_calls import edge, fast_apply, grad
 from braid.models.qwen2 import EAGER, UnitFns
 from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
@@ -232,6 +232,17 @@ class ModelChunk(nn.Module):
         self.track_saved = True
         self._op_tasks: dict[OpKind, tuple[tuple[Unit, int], ...]] = {}
         self._op_mods: tuple[DeferredWeightGrad, ...] | None = None
+
+    def global_name(self, local: str, *, vlm: bool = False) -> str:
+        """The single-device model's name of parameter ``local`` of this chunk: ``layers.{first_layer + i}.*``,
+        ``embed_tokens``, ``norm``, ``lm_head``; under ``lm.`` in a vision-language model
+        (:mod:`braid.models.global_names`)."""
+        head, _, rest = local.partition(".")
+        prefix = "lm." if vlm else ""
+        if head == "layers":
+            i, _, rest = rest.partition(".")
+            return f"{prefix}layers.{self.first_layer + int(i)}.{rest}"
+        return prefix + {"embed": "embed_tokens"}.get(head, head) + "." + rest
 
     def cut_reason(self) -> str | None:
         """Why this chunk needs its unit cuts (None: it can run fused).
@@ -722,13 +733,3 @@ class ModelChunk(nn.Module):
         n = off.reload((id(self), mb)).nbytes
         off.wait((id(self), mb))
         return n
-
-
-
-def __getattr__(name: str) -> Any:
-    # build_chunk moved to braid.models.build (it imports this module); kept importable here.
-    if name == "build_chunk":
-        from braid.models.build import build_chunk
-
-        return build_chunk
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -62,31 +62,16 @@ def _split_dim(module: nn.Module, attr: str) -> int | None:
     return None
 
 
-def _lm_name(chunk: ModelChunk, local: str, prefix: str) -> str:
-    head, _, rest = local.partition(".")
-    if head == "layers":
-        i, _, rest = rest.partition(".")
-        return f"{prefix}layers.{chunk.first_layer + int(i)}.{rest}"
-    return prefix + {"embed": "embed_tokens"}.get(head, head) + "." + rest
-
-
-_VISION = {"layers": "visual.blocks", "embed": "visual.patch_embed", "merger": "visual.merger", "text_embed": "lm.embed_tokens"}
-
-
 def global_name(chunk: ModelChunk, local: str, *, vlm: bool = False) -> str:
-    """The single-device name of chunk parameter ``local``.
+    """The single-device name of chunk parameter ``local`` (each chunk kind names its own:
+    :meth:`braid.models.chunk.ModelChunk.global_name`).
 
     LLM (:class:`braid.models.qwen2.Qwen2Model`): ``layers.{first_layer + i}.*``,
     ``embed_tokens``, ``norm``, ``lm_head``. VLM (:class:`braid.models.qwen2_vl.Qwen2VLModel`):
     the same under ``lm.``, and the vision chunk's blocks, patch embedding and merger under
     ``visual.`` (its text embedding is ``lm.embed_tokens``).
     """
-    from braid.models.vision_chunk import MRopeChunk, VisionChunk
-
-    if isinstance(chunk, VisionChunk):
-        head, _, rest = local.partition(".")
-        return f"{_VISION[head]}.{rest}"
-    return _lm_name(chunk, local, "lm." if vlm or isinstance(chunk, MRopeChunk) else "")
+    return chunk.global_name(local, vlm=vlm)
 
 
 def chunk_shards(chunks: dict[int, ModelChunk], tp_rank: int, tp_size: int, *, vlm: bool = False) -> dict[nn.Parameter, ShardSpec]:

@@ -1,6 +1,6 @@
 """A megatron-core GPT model driven by braid's schedules, through the model seam.
 
-:class:`McoreGPT` is a megatron-core ``GPTModel`` (:func:`braid.megatron.gpt_model`, one
+:class:`McoreGPT` is a megatron-core ``GPTModel`` (:func:`braid.baselines.megatron_gpt.gpt_model`, one
 device: tp = pp = 1) seen as a :class:`braid.models.seam.StageModel`: its ``embed_tokens``,
 ``layers`` (megatron-core ``TransformerLayer`` modules), ``norm`` and ``lm_head`` *are*
 the GPT model's modules, so its parameters, its ``state_dict`` and its
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.braiding import Unit
+from braid.core.braiding import Unit
 from braid.models.init import init_by_name
 from braid.models.qwen2 import EAGER, Qwen2Config, UnitFns, qwen2_to_hf
 from braid.models.registry import Family, register
@@ -132,7 +132,7 @@ class McoreGPT(nn.Module):
 
     def __init__(self, cfg: McoreConfig) -> None:
         super().__init__()
-        from braid import megatron as bm
+        from braid.baselines import megatron_gpt as bm
 
         self.cfg = cfg
         bm.ensure_parallel_state(1, 1, None)
@@ -196,7 +196,7 @@ def gpt_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _no_hf(*_: Any) -> Any:
-    raise ValueError("the megatron-core family reads no HF config; convert with braid.megatron.from_mcore to a qwen2/llama model")
+    raise ValueError("the megatron-core family reads no HF config; convert with braid.baselines.megatron_gpt.from_mcore to a qwen2/llama model")
 
 
 def _to_hf(cfg: McoreConfig) -> dict[str, Any]:
@@ -205,7 +205,7 @@ def _to_hf(cfg: McoreConfig) -> dict[str, Any]:
 
 def _hf_key(name: str) -> str:
     raise ValueError(f"{name}: megatron-core's fused tensors have no single HF name; "
-                     "convert with braid.megatron.from_mcore first")
+                     "convert with braid.baselines.megatron_gpt.from_mcore first")
 
 
 register(Family(

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.braiding import Unit
+from braid.core.braiding import Unit
 from braid.models.init import init_by_name
 from braid.models.registry import Family, register
 from braid.models.seam import UnitMethods

@@ -21,7 +21,7 @@ the text embedding is the first virtual stage (on device 0), the LM's layers are
 over the others, the last one ``last_stage_lighter`` layers lighter.
 :func:`vlm_stage_layers` gives that split; :mod:`braid.models.vision_chunk` builds the chunks.
 
-Size presets live in :mod:`braid.models_catalog` (the one list): ``qwen2-vl-tiny`` (CPU
+Size presets live in :mod:`braid.cost.catalog` (the one list): ``qwen2-vl-tiny`` (CPU
 tests), ``-small`` (one GPU), ``-2b``/``-7b`` (Qwen2-VL's shapes), ``-15b`` (the paper-sized
 MLLM: a 14B LM with a 0.6B ViT), and ``qwen2.5-vl-tiny``/``-3b``/``-7b`` (Qwen2.5-VL's
 tower); :func:`vlm_preset` and :func:`vl_config` make them runnable.
@@ -38,10 +38,10 @@ from torch import nn
 
 from braid.models.qwen2 import Qwen2Config, Qwen2Layer, Qwen2Model
 from braid.models.vit import ViTConfig, VisionTower, patchify
-from braid.partition import split_layers
+from braid.core.partition import split_layers
 
 if TYPE_CHECKING:
-    from braid.models_catalog import ModelConfig
+    from braid.cost.catalog import ModelConfig
 
 IGNORE_INDEX = -100
 
@@ -95,11 +95,11 @@ def _mrope_section(head_dim: int) -> tuple[int, int, int]:
 
 
 def vl_config(model: "ModelConfig", image_size: int | None = None) -> Qwen2VLConfig:
-    """The runnable config of a vision-language preset of :mod:`braid.models_catalog` (the one preset list).
+    """The runnable config of a vision-language preset of :mod:`braid.cost.catalog` (the one preset list).
 
     ``image_size`` overrides the preset's image side (the examples' images; FLOP counts).
     """
-    from braid.models_catalog import decoder_config
+    from braid.models.shapes import decoder_config
 
     if model.vit is None:
         raise ValueError(f"model {model.name!r} has no vision tower; pick a vision-language preset ({', '.join(vl_names())})")
@@ -113,21 +113,21 @@ def vl_config(model: "ModelConfig", image_size: int | None = None) -> Qwen2VLCon
 
 
 def vl_names() -> list[str]:
-    """The vision-language presets of :mod:`braid.models_catalog`."""
-    from braid.models_catalog import MODELS
+    """The vision-language presets of :mod:`braid.cost.catalog`."""
+    from braid.cost.catalog import MODELS
 
     return [n for n, m in MODELS.items() if m.vit is not None]
 
 
 def vlm_preset(name: str, image_size: int | None = None, kind: str | None = None) -> Qwen2VLConfig:
-    """A vision-language preset of :mod:`braid.models_catalog` by name: ``qwen2-vl-7b``, ``qwen2.5-vl-7b``, ...,
+    """A vision-language preset of :mod:`braid.cost.catalog` by name: ``qwen2-vl-7b``, ``qwen2.5-vl-7b``, ...,
     or short (``tiny``, ``small``, ``2b``, ``7b``, ``15b`` mean ``qwen2-vl-*``).
 
     ``image_size`` overrides the examples' image side; ``kind="qwen2_5_vl"`` gives the
     Qwen2.5-VL tower (RMSNorm, SwiGLU, window attention; full attention in every eighth
     block from the eighth, as Qwen2.5-VL's [7, 15, 23, 31]) of the same widths.
     """
-    from braid.models_catalog import MODELS
+    from braid.cost.catalog import MODELS
 
     full = name if name in MODELS else VL_PREFIX + name
     if full not in MODELS or MODELS[full].vit is None:
@@ -276,7 +276,7 @@ class Qwen2VLModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.visual = VisionTower(cfg.vit, cfg.lm.hidden)
-        self.visual.vl_cfg = cfg  # token ids and M-RoPE for stage wrappers that hold the tower only (braid.baselines)
+        self.visual.vl_cfg = cfg  # token ids and M-RoPE for stage wrappers that hold the tower only (braid.baselines.torch_pp)
         self.lm = Qwen2Model(cfg.lm)
         self.lm.layers = nn.ModuleList(MRopeLayer.from_layer(lay, cfg.mrope_section) for lay in self.lm.layers)
         self.reset_parameters()
@@ -372,25 +372,26 @@ def vlm_stage_layers(cfg: Qwen2VLConfig, num_stages: int, last_stage_lighter: in
 def vlm_train_flops_per_sample(cfg: Qwen2VLConfig, text_seq: int) -> float:
     """Model FLOPs of forward + backward of one sample with one ``image_size`` image (3x forward; no recompute), for MFU.
 
-    Counted by the cost model (:func:`braid.costs.model_forward_flops`; Qwen2.5-VL's window
+    Counted by the cost model (:func:`braid.cost.costs.model_forward_flops`; Qwen2.5-VL's window
     blocks as full attention, an upper bound).
     """
-    from braid.costs import model_forward_flops
+    from braid.cost.costs import model_forward_flops
 
     return 3 * model_forward_flops(catalog_shape(cfg, seq=cfg.visual_tokens + 2 + text_seq))
 
 
 def lm_forward_flops(lm: Qwen2Config, seq: int) -> float:
     """Forward FLOPs of one sequence through the LM (matmuls, causal attention, head), by the cost model."""
-    from braid.costs import model_forward_flops
-    from braid.models_catalog import from_decoder_config
+    from braid.cost.costs import model_forward_flops
+    from braid.models.shapes import from_decoder_config
 
     return model_forward_flops(from_decoder_config("lm", lm, seq=seq, micro_batch_size=1))
 
 
 def catalog_shape(cfg: Qwen2VLConfig, name: str = "qwen2-vl", **changes: object) -> "ModelConfig":
-    """The cost model's shape (:class:`braid.models_catalog.ModelConfig`) of ``cfg`` (one sample per micro-batch)."""
-    from braid.models_catalog import ViTConfig as ShapeConfig, from_decoder_config
+    """The cost model's shape (:class:`braid.cost.catalog.ModelConfig`) of ``cfg`` (one sample per micro-batch)."""
+    from braid.cost.catalog import ViTConfig as ShapeConfig
+    from braid.models.shapes import from_decoder_config
 
     vit = ShapeConfig(**{f: getattr(cfg.vit, f) for f in ShapeConfig.__dataclass_fields__})
     return from_decoder_config(name, cfg.lm, "qwen2", vit=vit, **{"micro_batch_size": 1, **changes})

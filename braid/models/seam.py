@@ -1,7 +1,7 @@
 """The model seam: what the chunk runner and the executor need from a model, declared once.
 
 A model family is written for one device (as torchtitan's models are); the runtime never
-reads its attribute names. It asks a *layer* for its four units (:mod:`braid.braiding`:
+reads its attribute names. It asks a *layer* for its four units (:mod:`braid.core.braiding`:
 pre_attn, attn, pre_mlp, mlp) through :class:`UnitLayer`, and a *model* for the pieces a
 pipeline stage is cut from through :class:`StageModel`. A new family implements these two
 protocols in one module and registers itself in :mod:`braid.models.registry`; the chunk
@@ -16,7 +16,7 @@ input ``residual`` and return one tensor *partial over TP* with ``residual/tp`` 
 added (the fused residual). The runner passes ``residual`` detached where it cuts the graph
 between units (and adds its +1 gradient itself), attached in fused mode (tp=1): a unit
 must not detach it. Which units end
-with a TP all-reduce is :data:`braid.braiding.AR_FORWARD` / :data:`braid.braiding.AR_BACKWARD`.
+with a TP all-reduce is :data:`braid.core.braiding.AR_FORWARD` / :data:`braid.core.braiding.AR_BACKWARD`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from braid.braiding import Unit
+from braid.core.braiding import Unit
 
 
 class UnitMethods:

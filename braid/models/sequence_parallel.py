@@ -1,7 +1,7 @@
 """Sequence parallelism of the model: which tokens a rank holds and how its attention runs.
 
 LoongTrain (Sec. 3-4) splits every sequence over a sequence-parallel (SP) group of
-``d_sp = d_hp * d_cp`` ranks -- the ``cp`` degree of :class:`braid.topology.Topology`.
+``d_sp = d_hp * d_cp`` ranks -- the ``cp`` degree of :class:`braid.core.topology.Topology`.
 Everything but attention is per token (embedding, RMSNorm, linears, MLP, vocab-parallel
 loss), so those modules simply run on the rank's local tokens; the Attn unit calls
 :func:`braid.attention.attention_2d` (Ulysses all-to-all over ``d_hp`` ranks, double-ring

@@ -2,7 +2,7 @@
 
 :class:`VisionChunk` is a :class:`~braid.models.chunk.ModelChunk` whose ``embed`` unit is the
 patch embedding, whose layers are ViT blocks (the same four units as LM layers) and which
-ends with a ``merge`` unit (:class:`braid.braiding.Unit`): patch merger, the text
+ends with a ``merge`` unit (:class:`braid.core.braiding.Unit`): patch merger, the text
 embedding, and the visual tokens written over the image-pad tokens' embeddings -- the LM's
 input. :class:`MRopeChunk` is an LM chunk whose layers rotate by M-RoPE positions, which
 every LM chunk computes from the micro-batch's ``input_ids`` and image grids.
@@ -39,8 +39,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from braid.braiding import LAYER_UNITS, ChunkSpec, Unit
-from braid.ir import Plan
+from braid.core.braiding import LAYER_UNITS, ChunkSpec, Unit
+from braid.core.ir import Plan
 from braid.models.build import (
     TIED_KEY,
     Prefixed,
@@ -78,6 +78,10 @@ from braid.tp.layers import (
 )
 
 
+# The single-device names of the vision chunk's modules (its text embedding is the LM's).
+_VISION = {"layers": "visual.blocks", "embed": "visual.patch_embed", "merger": "visual.merger", "text_embed": "lm.embed_tokens"}
+
+
 class VisionChunk(ModelChunk):
     """ViT stage: patch embedding, ``spec.layers`` ViT blocks, then the merge unit."""
 
@@ -102,6 +106,11 @@ class VisionChunk(ModelChunk):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ids: list[torch.Tensor] = []
         self.layouts: list[VisionLayout] = []
+
+    def global_name(self, local: str, *, vlm: bool = True) -> str:
+        """The tower's blocks, patch embedding and merger under ``visual.``."""
+        head, _, rest = local.partition(".")
+        return f"{_VISION[head]}.{rest}"
 
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
         """Per micro-batch: the patches in the tower's order (window order for Qwen2.5-VL), this TP rank's
@@ -187,6 +196,10 @@ class MRopeChunk(ModelChunk):
         self.cfg = cfg
         self.mrope: list[torch.Tensor] = []
 
+
+    def global_name(self, local: str, *, vlm: bool = True) -> str:
+        """LM parameters of a vision-language model: under ``lm.``."""
+        return super().global_name(local, vlm=True)
 
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
         """Micro-batch items as the vision chunk's; this chunk reads their ``input_ids`` and image grids."""

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.braiding import Unit
+from braid.core.braiding import Unit
 from braid.models.qwen2 import RMSNorm, _head_rows
 from braid.models.seam import UnitMethods
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear

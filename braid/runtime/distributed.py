@@ -1,7 +1,7 @@
 """Process-group setup, with timeouts and failure reports between ranks.
 
 :class:`ProcessGroups` owns the pp, tp, dp, cp and dp x cp groups of a
-:class:`braid.topology.Topology` (no module-level state: the object travels to whoever
+:class:`braid.core.topology.Topology` (no module-level state: the object travels to whoever
 needs a group). The backend follows the device: gloo on CPU, NCCL on CUDA.
 
 Failure reports. A rank that raises records its exception in the job's store
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from braid.models.tied import reduce_tied_gradients
-from braid.topology import RankCoords, Topology
+from braid.core.topology import RankCoords, Topology
 
 if TYPE_CHECKING:
     from braid.tp.comm import TPComm

@@ -1,13 +1,13 @@
-"""The per-rank interpreter: runs a compiled :class:`braid.ir.Program` on torch.distributed.
+"""The per-rank interpreter: runs a compiled :class:`braid.core.ir.Program` on torch.distributed.
 
 One dispatch loop over the rank's instructions ("schedule as data, executor as one
 loop"). Compute instructions -- F, B, W, BW and braided blocks -- run at unit granularity
-in the order :func:`braid.braiding.steps` gives (the braid pattern is defined there, once).
+in the order :func:`braid.core.braiding.steps` gives (the braid pattern is defined there, once).
 A unit task with ``ar`` starts an async TP all-reduce of its output
 (``dist.all_reduce(..., async_op=True)``: NCCL runs it on its own stream ordered by
 events, gloo on its worker thread); the next F/B task of the same op waits for it, and an
 instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
-trailing one that :func:`braid.braiding.carries` carries into the next compute instruction,
+trailing one that :func:`braid.core.braiding.carries` carries into the next compute instruction,
 whose first unit task then runs beside it, as the simulator models. When the Send/Recv run
 between the two sends the carried forward's output, the run is posted as the all-reduce
 ends: on CUDA from a side stream that waits for it (the host goes on to the unit at once);
@@ -20,7 +20,7 @@ completed at the end of the program. The compiler's order (the same on both side
 every pair of ranks) makes this deadlock-free. Hand-offs between two chunks of the same rank (V-shape turn)
 stay in memory. After the program the caller reduces gradients over data/context
 parallel ranks (:func:`braid.runtime.distributed.reduce_gradients`) and steps its
-optimizer. The executor records a measured :class:`braid.trace.Trace` in the simulator's
+optimizer. The executor records a measured :class:`braid.io.trace.Trace` in the simulator's
 format: unit compute events, all-reduces on lane ``tp-comm``, P2P events and a memory
 series (``torch.cuda.memory_allocated`` on GPU, live saved-activation bytes on CPU).
 
@@ -34,7 +34,7 @@ and, unless single units are timed, one chunk call per op
 much is measured: ``"units"`` (every unit task and all-reduce, the full trace),
 ``"instructions"`` (one clock pair per compute instruction, P2P/copy events and the memory
 series, no per-unit or all-reduce events) or ``"off"`` (no clock, no events, no memory
-series; counts only). The unit step lists of :func:`braid.braiding.steps` are computed once
+series; counts only). The unit step lists of :func:`braid.core.braiding.steps` are computed once
 per instruction shape and bound to each instruction once per executor. None of this changes
 what is computed: only what is timed.
 """
@@ -49,11 +49,10 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.autograd_calls import on_this_thread
-from braid.braiding import Carry, ChunkSpec, UnitTask, carries
-from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
-from braid.braiding import steps as braid_steps
-from braid.models.build import build_rank_chunks  # noqa: F401 - moved to braid.models.build; callers import it from here too
+from braid.tp.autograd_calls import on_this_thread
+from braid.core.braiding import Carry, ChunkSpec, UnitTask, carries
+from braid.core.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
+from braid.core.braiding import steps as braid_steps
 from braid.models.chunk import ChunkStateError, ModelChunk
 from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
@@ -61,7 +60,7 @@ from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
 from braid.tp.comm import TPComm
 from braid.tp.layers import StashError
-from braid.trace import Event, Trace
+from braid.io.trace import Event, Trace
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +240,7 @@ class Executor:
         """Execute the program once (one training step's forward and backward, gradients accumulated).
 
         ``record`` overrides the executor's recording mode for this step only. Backward
-        calls run on this thread (:func:`braid.autograd_calls.on_this_thread`).
+        calls run on this thread (:func:`braid.tp.autograd_calls.on_this_thread`).
         """
         with on_this_thread():
             return self._run(tokens, labels, record)
@@ -317,7 +316,7 @@ class Executor:
     # -- compute -------------------------------------------------------------------------
     def _compute(self, idx: int, ins: Compute | Braided) -> None:
         """Run a compute instruction; its first unit task beside the previous instruction's
-        carried all-reduce, if there is one (:func:`braid.braiding.carries`), and its own
+        carried all-reduce, if there is one (:func:`braid.core.braiding.carries`), and its own
         trailing all-reduce left in flight when it carries one."""
         ops = compute_ops(ins)
         block = str(ins) if isinstance(ins, Braided) else None
@@ -470,7 +469,7 @@ class Executor:
     def _steps_of(self, idx: int, ins: Compute | Braided) -> tuple[tuple[_Bound, ...], dict[str, int]]:
         """The unit steps of instruction ``idx``, bound to its ops, and its unit count per phase.
 
-        :func:`braid.braiding.steps` depends only on the instruction's shape (op kinds and
+        :func:`braid.core.braiding.steps` depends only on the instruction's shape (op kinds and
         chunks) and the chunk specs, so it runs once per shape; binding the micro-batches
         and the text of each step happens once per instruction of the program.
 

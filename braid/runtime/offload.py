@@ -2,7 +2,7 @@
 
 The enhanced braided schedule moves a fraction ``alpha`` of each chunk-0 micro-batch's
 saved activations to host memory right after its forward and brings them back shortly
-before its backward (``OFFLOAD``/``RELOAD`` instructions, inserted by :mod:`braid.offload`).
+before its backward (``OFFLOAD``/``RELOAD`` instructions, inserted by :mod:`braid.core.offload`).
 This module does the moving. It works on *slots* -- mutable lists of saved tensors, the
 boxes a :class:`braid.models.chunk.ModelChunk` fills from ``saved_tensors_hooks`` -- so it
 knows nothing about the model.
@@ -43,7 +43,7 @@ from typing import Any, Callable, Hashable, MutableSequence, Sequence
 
 import torch
 
-from braid.offload import RELEASE_AFTER
+from braid.core.offload import RELEASE_AFTER
 
 log = logging.getLogger(__name__)
 

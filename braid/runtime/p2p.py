@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from braid.ir import CommKind, Recv, Send
+from braid.core.ir import CommKind, Recv, Send
 
 
 @dataclass(slots=True)

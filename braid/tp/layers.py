@@ -3,7 +3,7 @@
 Megatron-style TP (paper Sec. 3): a column-parallel linear holds a block of output rows
 of the weight, a row-parallel linear a block of input columns. The all-reduces that join
 them (operators f and g) are deliberately *not* inside these modules: the executor runs
-them asynchronously at unit boundaries (see :mod:`braid.braiding`), so it can hide them
+them asynchronously at unit boundaries (see :mod:`braid.core.braiding`), so it can hide them
 behind another micro-batch's compute.
 
 Weight-gradient split (zero-bubble "B"/"W"): in split mode the backward computes only the
@@ -24,7 +24,7 @@ from typing import Hashable, Iterable, Iterator
 import torch
 from torch import nn
 
-from braid.autograd_calls import fast_apply
+from braid.tp.autograd_calls import fast_apply
 
 
 class StashError(KeyError):

@@ -2,7 +2,7 @@
 
 Each module holds one family and registers its generators with
 :func:`braid.schedules.registry.register`. A generator is a pure, deterministic, torch-free
-function ``ScheduleConfig -> braid.ir.Plan`` that lists each rank's compute instructions
+function ``ScheduleConfig -> braid.core.ir.Plan`` that lists each rank's compute instructions
 in order; the compiler adds communication afterwards.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable
 
-from braid.ir import Braided, Compute, ComputeInstr, OpKind, Placement, Plan, ScheduleConfig
+from braid.core.ir import Braided, Compute, ComputeInstr, OpKind, Placement, Plan, ScheduleConfig
 
 
 def check_chunks(name: str, cfg: ScheduleConfig, v: int) -> None:

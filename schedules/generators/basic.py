@@ -9,7 +9,7 @@ reference points of the paper's evaluation (Sec. 5) and work for any p >= 1, m >
 
 from __future__ import annotations
 
-from braid.ir import Plan, ScheduleConfig
+from braid.core.ir import Plan, ScheduleConfig
 from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
 from braid.schedules.registry import register
 

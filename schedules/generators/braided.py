@@ -2,7 +2,7 @@
 
 V placement: rank r holds stage r (chunk 0) and stage 2p-1-r (chunk 1), so device 0 holds
 the first and the last stage. Braided blocks interleave the units of two ops so every TP
-all-reduce of one is in flight while the other computes (:mod:`braid.braiding`). Three kinds
+all-reduce of one is in flight while the other computes (:mod:`braid.core.braiding`). Three kinds
 appear, in the order of the authors' published step structure:
 
 * F&F -- two chunk-0 forwards of consecutive micro-batches (warm-up), and once per rank a
@@ -51,7 +51,7 @@ block waits for rank 0's F(x) -- a cycle.
 
 from __future__ import annotations
 
-from braid.ir import Plan, ScheduleConfig
+from braid.core.ir import Plan, ScheduleConfig
 from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
 from braid.schedules.registry import Knob, register
 
@@ -93,13 +93,13 @@ def braided_v_offload(cfg: ScheduleConfig) -> Plan:
 
     Options: ``offload_alpha`` (steady-phase fraction, default 0.5), ``offload_alpha_warmup``
     (warm-up fraction, default half of alpha, so warm-up copies stay under T_F). The
-    compiler's offload pass (:mod:`braid.offload`) inserts the OFFLOAD/RELOAD instructions.
-    ``"auto"`` needs a cost model: pick the values with :func:`braid.offload_tune.tune_offload`
+    compiler's offload pass (:mod:`braid.core.offload`) inserts the OFFLOAD/RELOAD instructions.
+    ``"auto"`` needs a cost model: pick the values with :func:`braid.planner.offload_tune.tune_offload`
     (``python -m braid.simulate --offload-alpha auto`` does).
     """
     if "auto" in (cfg.option("offload_alpha"), cfg.option("offload_alpha_warmup")):
         raise ValueError("braided_v_offload: offload_alpha='auto' needs a cost model; build the plan with numbers "
-                         "from braid.offload_tune.tune_offload(plan, costs).options() (python -m braid.simulate does this)")
+                         "from braid.planner.offload_tune.tune_offload(plan, costs).options() (python -m braid.simulate does this)")
     alpha = float(cfg.option("offload_alpha", 0.5))
     warm = float(cfg.option("offload_alpha_warmup", alpha / 2))
     opts = dict(cfg.options) | {"offload_alpha": alpha, "offload_alpha_warmup": warm}

@@ -12,7 +12,7 @@ m >= 2p.
 
 from __future__ import annotations
 
-from braid.ir import Plan, ScheduleConfig
+from braid.core.ir import Plan, ScheduleConfig
 from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
 from braid.schedules.registry import register
 

@@ -14,7 +14,7 @@ of p micro-batches fills all chunks; other m raise ``ValueError``.
 
 from __future__ import annotations
 
-from braid.ir import Compute, OpKind, Plan, ScheduleConfig
+from braid.core.ir import Compute, OpKind, Plan, ScheduleConfig
 from braid.schedules.generators._common import make_plan
 from braid.schedules.registry import register
 

@@ -24,7 +24,7 @@ The backward is split into ``B`` (activation gradient, on the critical path) and
 
 from __future__ import annotations
 
-from braid.ir import Plan, ScheduleConfig, compute_ops
+from braid.core.ir import Plan, ScheduleConfig, compute_ops
 from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
 from braid.schedules.registry import register
 

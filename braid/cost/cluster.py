@@ -1,9 +1,9 @@
 """Costs of a whole job: nodes, data and sequence parallelism, on top of the per-chunk cost model.
 
-:func:`braid.costs.analytic_costs` prices one pipeline (tp x pp) on one NVLink island. A
+:func:`braid.cost.costs.analytic_costs` prices one pipeline (tp x pp) on one NVLink island. A
 job of ``tp * cp * pp * dp`` GPUs adds (all priced by the links they cross):
 
-* **Nodes** (:class:`Cluster`): ranks are laid out as :class:`braid.topology.Topology`'s
+* **Nodes** (:class:`Cluster`): ranks are laid out as :class:`braid.core.topology.Topology`'s
   grid ``(dp, pp, cp, tp)``, tensor parallel fastest, ``gpus_per_node`` consecutive ranks per
   node. A group of ``size`` ranks ``stride`` apart stays inside a node when
   ``stride * size <= gpus_per_node``; otherwise its ring runs at the NIC rate
@@ -31,11 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from braid.braiding import Unit
-from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, analytic_costs
-from braid.hardware import Hardware
-from braid.ir import rank_chunk_of
-from braid.models_catalog import ModelConfig
+from braid.core.braiding import Unit
+from braid.cost.costs import ChunkCosts, CostModel, Layout, UnitCost, analytic_costs
+from braid.cost.hardware import Hardware
+from braid.core.ir import rank_chunk_of
+from braid.cost.catalog import ModelConfig
 
 SpPlacement = Literal["head_first", "context_first"]
 Optimizer = Literal["replicated", "zero1"]

@@ -1,16 +1,16 @@
 """megatron-core's interleaved 1F1B on the same model, weights, data and layout as braid's schedules.
 
 Megatron-LM's interleaved 1F1B is the schedule the paper measures against. Each rank builds
-its virtual stages as megatron-core ``GPTModel`` chunks (:func:`braid.megatron.gpt_model`:
+its virtual stages as megatron-core ``GPTModel`` chunks (:func:`braid.baselines.megatron_gpt.gpt_model`:
 the local layer spec, braid's decoder shapes) holding the single-device model's weights
-(:func:`braid.megatron.to_mcore`), and runs ``get_forward_backward_func()`` over them.
+(:func:`braid.baselines.megatron_gpt.to_mcore`), and runs ``get_forward_backward_func()`` over them.
 Tensor parallelism is megatron-core's own (its all-reduces inside autograd, exposed); at
 ``pp == 1`` megatron-core runs its no-pipelining schedule (gradient accumulation over the
 micro-batches), as Megatron-LM does. Losses are mean token cross-entropies per micro-batch,
 gradients scaled by ``1/m`` (megatron-core divides each micro-batch loss by ``m``), as
 braid's executor does.
 
-Name: ``mcore_1f1b_i`` (:data:`MCORE_SCHEDULES`), beside :data:`braid.baselines.TORCH_SCHEDULES`.
+Name: ``mcore_1f1b_i`` (:data:`MCORE_SCHEDULES`), beside :data:`braid.baselines.torch_pp.TORCH_SCHEDULES`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from braid import megatron as bm
-from braid.ir import stage_of
-from braid.partition import layer_offset
+from braid.baselines import megatron_gpt as bm
+from braid.core.ir import stage_of
+from braid.core.partition import layer_offset
 
 MCORE_SCHEDULES: dict[str, str] = {"mcore_1f1b_i": "megatron-core interleaved 1F1B"}
 IGNORE_INDEX = -100
@@ -31,7 +31,7 @@ IGNORE_INDEX = -100
 
 class McorePipeline:
     """megatron-core's interleaved 1F1B over this rank's virtual stages of ``lm`` (same interface as
-    :class:`braid.baselines.TorchPipeline`: ``modules``, :meth:`parameters`, :meth:`optimizer`, :meth:`step`).
+    :class:`braid.baselines.torch_pp.TorchPipeline`: ``modules``, :meth:`parameters`, :meth:`optimizer`, :meth:`step`).
 
     ``layers_per_stage``: decoder layers of each virtual stage (``2 * pp`` stages, equal
     counts: megatron-core splits layers evenly); ``groups``: this rank's

@@ -2,7 +2,7 @@
 
 A schedule generator produces a :class:`Plan`: for every pipeline rank an ordered list of
 *compute* instructions (``F``, ``B``, ``W``, ``BW`` and braided pairs of them). The
-compiler (:mod:`braid.compiler`) lowers a plan into one :class:`Program` per rank by
+compiler (:mod:`braid.core.compiler`) lowers a plan into one :class:`Program` per rank by
 inserting point-to-point communication (``SEND``/``RECV``) and, for offloading schedules,
 ``OFFLOAD``/``RELOAD``. Both interpreters -- the simulator and the executor -- run the very
 same programs.
@@ -92,7 +92,7 @@ BRAIDABLE: frozenset[tuple[OpKind, OpKind]] = frozenset(
 class Braided:
     """Two compute ops of different micro-batches or chunks run as one block at unit granularity.
 
-    The units of ``first`` and ``second`` alternate (see :mod:`braid.braiding`), so every
+    The units of ``first`` and ``second`` alternate (see :mod:`braid.core.braiding`), so every
     TP all-reduce of one op is in flight while the other computes. An F&B block on one chunk
     pairs a later forward micro-batch with an earlier backward one (the paper's blocks); a
     *cross-chunk* block (``F7c0&B2c1``, DualPipeV's overlapped pair) may pair any micro-batches.

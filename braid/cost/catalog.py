@@ -23,10 +23,7 @@ bound for its window blocks). The vision-language presets are also the VLM examp
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,53 +160,13 @@ MODELS: dict[str, ModelConfig] = {
 }
 
 
-def _is_path(name: str) -> bool:
-    return name.endswith(".json") or os.sep in name or Path(name).is_dir()
-
-
 def get_model(name: str, *, prefix: str = "qwen2-") -> ModelConfig:
-    """The preset called ``name`` (or ``prefix + name``), or the shape of a HF ``config.json``
-    path; ``ValueError`` listing the valid names otherwise."""
+    """The preset called ``name`` (or ``prefix + name``); ``ValueError`` listing the valid names otherwise.
+    (A Hugging Face ``config.json`` path is read by :func:`braid.models.shapes.resolve_model`.)"""
     if name in MODELS:
         return MODELS[name]
     if prefix + name in MODELS:
         return MODELS[prefix + name]
-    if _is_path(name):
-        return from_hf_config(name)
     short = sorted({n.removeprefix(prefix) for n in MODELS if n.startswith(prefix) and "-" not in n.removeprefix(prefix)})
     raise ValueError(f"unknown model {name!r}; valid names: {', '.join(MODELS)} (or short: {', '.join(short)}), "
                      "or the path of a Hugging Face config.json")
-
-
-def from_hf_config(path: str | os.PathLike) -> ModelConfig:
-    """The shape of a Hugging Face checkpoint's ``config.json`` (a file path or its directory)."""
-    from braid.hf.checkpoint import read_config
-    from braid.models.registry import family_for_hf
-
-    p = Path(path)
-    d = read_config(p.parent if p.is_file() or p.suffix == ".json" else p)
-    family = family_for_hf(d["model_type"])
-    cfg = family.from_hf(d)
-    name = str(d.get("_name_or_path") or (p.parent.name if p.is_file() else p.name) or family.name)
-    if hasattr(cfg, "vit") and hasattr(cfg, "lm"):  # a vision-language model: its LM and its tower
-        v = cfg.vit
-        vit = ViTConfig(**{f: getattr(v, f) for f in ViTConfig.__dataclass_fields__})
-        return from_decoder_config(name, cfg.lm, "qwen2", vit=vit)
-    if not hasattr(cfg, "vocab_size"):
-        raise ValueError(f"{path}: the {family.name} family has no cost-model shape")
-    return from_decoder_config(name, cfg, family.name)
-
-
-def from_decoder_config(name: str, cfg: Any, family: str = "qwen2", **changes: Any) -> ModelConfig:
-    """The cost-model shape of a runnable decoder config (the inverse of :func:`decoder_config`)."""
-    return ModelConfig(name, layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn,
-                       vocab=cfg.vocab_size, family=family, tie_embeddings=cfg.tie_embeddings, **changes)
-
-
-def decoder_config(model: ModelConfig, **changes: Any) -> Any:
-    """The runnable LM config of ``model``'s family (e.g. :class:`braid.models.qwen2.Qwen2Config`), fields overridden by ``changes``."""
-    from braid.models.registry import get_family
-
-    fields = dict(vocab_size=model.vocab, hidden=model.hidden, layers=model.layers, heads=model.heads,
-                  kv_heads=model.kv_heads, ffn=model.ffn, tie_embeddings=model.tie_embeddings)
-    return get_family(model.family).config_cls(**{**fields, **changes})

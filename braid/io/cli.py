@@ -3,7 +3,7 @@ paths checked before the work, quiet ends when the reader of stdout goes away.
 
 * :class:`Parser` -- an ``argparse`` parser whose errors are one line
   (``prog: error: ...``, exit 2) instead of the usage block.
-* :func:`check_outputs` -- :func:`braid.files.check_output_path` on every output argument
+* :func:`check_outputs` -- :func:`braid.io.files.check_output_path` on every output argument
   before any work; a bad one is a parser error.
 * :func:`run_main` -- runs a ``main(argv) -> int`` so that ``python -m braid.programs ... |
   head`` ends quietly (exit 0) instead of in a ``BrokenPipeError`` traceback.
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from braid.files import OutputPathError, check_output_path
+from braid.io.files import OutputPathError, check_output_path
 
 
 class Parser(argparse.ArgumentParser):

@@ -11,7 +11,7 @@ the memory cap:
    rest, micro-batch sizes that split the per-replica batch, every registered schedule that
    accepts (p, m). Memory-saving variants (a schedule's ``saves_memory_of``, recomputation)
    are tried only for layouts whose plain form does not fit.
-2. **Prune by memory**: weights, gradients and optimizer states (:func:`braid.cluster.static_bytes`)
+2. **Prune by memory**: weights, gradients and optimizer states (:func:`braid.cost.cluster.static_bytes`)
    plus the smallest activation any schedule keeps (one micro-batch of one chunk) above the
    cap -> dropped unsimulated.
 3. **Bound**: a lower bound of the step time per candidate (:func:`lower_bound`): on every
@@ -20,7 +20,7 @@ the memory cap:
    of the stages below follow its last activation backward; plus the optimizer step. The
    simulated step is never below it (compute only slows down beside all-reduces, waits add).
 4. **Simulate** in order of the bound (:func:`braid.simulator.fast.simulate_schedule`, plus the
-   data-parallel tail :func:`braid.cluster.dp_tail`), keeping the ``top`` fastest that fit;
+   data-parallel tail :func:`braid.cost.cluster.dp_tail`), keeping the ``top`` fastest that fit;
    stop once ``top`` fit and the next bound is no less than the fastest step time found: then
    the first is the exhaustive search's best (``SearchResult.complete``), and places 2..top
    are the fastest of the candidates simulated by then. ``time_budget_s`` stops the search
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterator
 
-from braid.cluster import Cluster, Parallel, dp_tail, job_costs, reduce_time, static_bytes
-from braid.costs import CostModel, Layout, model_forward_flops, stage_lighter
-from braid.models_catalog import ModelConfig
+from braid.cost.cluster import Cluster, Parallel, dp_tail, job_costs, reduce_time, static_bytes
+from braid.cost.costs import CostModel, Layout, model_forward_flops, stage_lighter
+from braid.cost.catalog import ModelConfig
 
 RESERVE_BYTES = 2 * 2**30  # CUDA context, allocator slack and communication buffers per GPU
 MICRO_BATCH_SIZES = (1, 2, 4)
@@ -205,7 +205,7 @@ _TERMS: dict[int, tuple[CostModel, list[tuple[float, float]]]] = {}
 def _pipeline_terms(costs: CostModel) -> list[tuple[float, float, float, float]]:
     """Per rank: forwards and activation backwards of the stages below its lowest one (one
     micro-batch each), its own compute per micro-batch, and its forwards + activation backwards."""
-    from braid.ir import rank_chunk_of
+    from braid.core.ir import rank_chunk_of
 
     hit = _TERMS.get(id(costs))
     if hit is not None and hit[0] is costs:

@@ -51,7 +51,7 @@ import enum
 from dataclasses import dataclass
 from typing import Sequence
 
-from braid.ir import Braided, CommKind, Compute, Instruction, OpKind, Recv, Send, compute_ops
+from braid.core.ir import Braided, CommKind, Compute, Instruction, OpKind, Recv, Send, compute_ops
 
 
 class Unit(str, enum.Enum):

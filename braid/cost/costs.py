@@ -5,8 +5,8 @@ with one :class:`UnitCost` per unit kind (every layer of a chunk is alike), the 
 send the chunk's boundary tensor to a neighbour, and the host-copy bandwidth. It comes
 from one of two places:
 
-* :func:`analytic_costs` -- FLOPs and bytes of a :class:`~braid.models_catalog.ModelConfig`
-  on a :class:`~braid.hardware.Hardware` preset under a :class:`Layout` (tp, p, v,
+* :func:`analytic_costs` -- FLOPs and bytes of a :class:`~braid.cost.catalog.ModelConfig`
+  on a :class:`~braid.cost.hardware.Hardware` preset under a :class:`Layout` (tp, p, v,
   placement). Forward FLOPs per unit: matmuls ``2*tokens*in*out/t``; attention core
   ``4*tokens*seq*head_dim*heads/t``, halved when causal. Activation backward = forward
   for matmuls, 2x for the attention core (flash attention recomputes); weight gradient =
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit
-from braid.hardware import Hardware
-from braid.ir import Placement
-from braid.models_catalog import ModelConfig
-from braid.partition import chunk_specs, split_layers
+from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit
+from braid.cost.hardware import Hardware
+from braid.core.ir import Placement
+from braid.cost.catalog import ModelConfig
+from braid.core.partition import chunk_specs, split_layers
 
 AR_SLOWDOWN = 1.075  # paper Appendix F: a GEMM overlapped with an all-reduce runs ~7.5% slower
 ATTN_BWD_FACTOR = 2.0
@@ -161,7 +161,7 @@ class CostModel:
                              f"got {self.copy_duplex_slowdown}")
 
     def spec_of(self, rank: int):
-        """``chunk -> ChunkSpec`` for one rank, as :func:`braid.braiding.steps` wants it."""
+        """``chunk -> ChunkSpec`` for one rank, as :func:`braid.core.braiding.steps` wants it."""
         return lambda chunk: self.chunks[(rank, chunk)].spec
 
 
@@ -472,7 +472,7 @@ def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[i
     unknown = sorted(set(d) - set(_CHUNK_KEYS) - set(_GLOBAL_KEYS))
     if unknown:
         raise CostFileError(f"{where}: unknown keys {unknown}; valid: {', '.join(_CHUNK_KEYS + _GLOBAL_KEYS)}")
-    from braid.ir import rank_chunk_of
+    from braid.core.ir import rank_chunk_of
 
     for key, kind in (("chunks", Mapping), ("meta", Mapping), ("layout", Mapping), ("unit_split", Mapping),
                       ("unit_workspace", Mapping), ("p2p_over_pcie", bool)):
@@ -549,7 +549,7 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
 
 def write_costs(costs: CostModel, path: str | Path) -> None:
     """Write ``costs`` as a cost file (the format a profiler writes and :func:`read_costs` reads), atomically."""
-    from braid.files import atomic_write_text
+    from braid.io.files import atomic_write_text
 
     atomic_write_text(path, json.dumps(costs_to_dict(costs), indent=1))
 

@@ -7,8 +7,8 @@ virtual stage of device 0 and the language model is spread over the remaining on
 
 from __future__ import annotations
 
-from braid.braiding import ChunkSpec
-from braid.ir import Placement, rank_chunk_of
+from braid.core.braiding import ChunkSpec
+from braid.core.ir import Placement, rank_chunk_of
 
 
 def split_layers(num_layers: int, num_stages: int, last_stage_lighter: int = 0, first_stage_layers: int | None = None) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ The staged strategy of the enhanced braided schedule:
 * in the steady phase (after the rank's first backward) a fraction ``alpha`` of each
   chunk-0 micro-batch's saved activations goes to host memory right after its forward;
 * in the warm-up the fraction is ``alpha_warmup`` (the paper limits warm-up offload so its
-  copy time stays under T_F); :func:`braid.offload_tune.tune_offload` picks both, and the
+  copy time stays under T_F); :func:`braid.planner.offload_tune.tune_offload` picks both, and the
   reload lead, from a cost model by simulating candidate policies (``offload_alpha="auto"``);
 * the reload is issued ``lead`` compute instructions before the backward that needs the
   activations, so the host-to-device copy runs behind that compute;
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from braid.ir import Instruction, Offload, OpKind, Plan, Program, Reload, compute_ops
+from braid.core.ir import Instruction, Offload, OpKind, Plan, Program, Reload, compute_ops
 
 # An offload's device memory is freed once its copy is done, and at the latest when this many
 # compute instructions have run after it: the next one waits for the copy (runtime and
@@ -58,16 +58,6 @@ class OffloadPolicy:
 
 
 OFFLOAD_OPTIONS = ("offload_alpha", "offload_alpha_warmup", "offload_lead", "offload_min_gap")
-
-
-def __getattr__(name: str):
-    """``braid.offload.tune_offload`` / ``OffloadChoice``: the tuner lives in :mod:`braid.offload_tune`
-    (it runs the simulator, which imports this pass); kept importable from here for existing callers."""
-    if name in ("tune_offload", "OffloadChoice"):
-        from braid import offload_tune
-
-        return getattr(offload_tune, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def insert_offload(programs: list[Program], policy: OffloadPolicy) -> list[Program]:

@@ -1,4 +1,4 @@
-"""Compile a :class:`~braid.ir.Plan` into per-rank :class:`~braid.ir.Program`s, and validate them.
+"""Compile a :class:`~braid.core.ir.Plan` into per-rank :class:`~braid.core.ir.Program`s, and validate them.
 
 Lowering inserts the point-to-point communication a plan implies: for every dependency
 that crosses ranks (F(mb, s) needs F(mb, s-1); B(mb, s) needs B(mb, s+1)) a ``Send`` after
@@ -40,10 +40,10 @@ from typing import Iterable, Sequence
 
 import networkx as nx
 
-from braid.gc_pause import gc_paused
-from braid.offload import OffloadPolicy, insert_offload
+from braid.core.gc_pause import gc_paused
+from braid.core.offload import OffloadPolicy, insert_offload
 
-from braid.ir import (
+from braid.core.ir import (
     Braided,
     CommKind,
     Compute,
@@ -295,9 +295,9 @@ def compile_plan(plan: Plan, *, validate: bool = True) -> list[Program]:
     """Lower a plan to one program per rank with P2P sends/receives; validate by default.
 
     A plan whose config has the option ``offload_alpha`` also gets OFFLOAD/RELOAD
-    instructions (:mod:`braid.offload`).
+    instructions (:mod:`braid.core.offload`).
     """
-    with gc_paused():  # ~100k small objects at p=32, m=256 (braid.gc_pause)
+    with gc_paused():  # ~100k small objects at p=32, m=256 (braid.core.gc_pause)
         return _compile(plan, validate)
 
 

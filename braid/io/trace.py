@@ -154,7 +154,7 @@ def _event(e: Any, where: str) -> Event:
 
 def dump_traces(traces: Iterable[Trace], path: str | Path) -> None:
     """Write one or more traces to a JSON file (atomically: the old file or the new one, never half)."""
-    from braid.files import atomic_write_text
+    from braid.io.files import atomic_write_text
 
     atomic_write_text(path, json.dumps({"format": FORMAT, "traces": [t.to_dict() for t in traces]}))
 

@@ -16,7 +16,7 @@ replicated. Gradients are scaled by ``1/m`` (``scale_grads``), as braid's execut
 losses and gradients are comparable with the single-device model.
 
 Names: ``torch_1f1b_i``, ``torch_zb_v``, ``torch_dualpipe_v`` (:data:`TORCH_SCHEDULES`), and
-megatron-core's interleaved 1F1B, ``mcore_1f1b_i`` (:mod:`braid.baselines_mcore`, optional
+megatron-core's interleaved 1F1B, ``mcore_1f1b_i`` (:mod:`braid.baselines.mcore`, optional
 extra ``megatron``); :func:`baseline_pipeline` builds either.
 """
 
@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from braid.baselines_mcore import MCORE_SCHEDULES
-from braid.ir import stage_of
-from braid.partition import layer_offset
+from braid.baselines.mcore import MCORE_SCHEDULES
+from braid.core.ir import stage_of
+from braid.core.partition import layer_offset
 
 TORCH_SCHEDULES: dict[str, str] = {
     "torch_1f1b_i": "ScheduleInterleaved1F1B",
@@ -52,7 +52,7 @@ def baseline_label(name: str) -> str:
 
 def available_baselines() -> list[str]:
     """The baseline names that can run here: torch's, and megatron-core's when it is installed."""
-    from braid import megatron
+    from braid.baselines import megatron_gpt as megatron
 
     return list(TORCH_SCHEDULES) + (list(MCORE_SCHEDULES) if megatron.available() else [])
 
@@ -61,10 +61,10 @@ def baseline_pipeline(name: str, lm: nn.Module, layers_per_stage: Sequence[int],
                       device: torch.device, dtype: torch.dtype, vision: nn.Module | None = None,
                       seq_len: int | None = None, timeout_s: float = 120.0) -> Any:
     """The baseline ``name`` over this rank's stages (:class:`TorchPipeline` or
-    :class:`braid.baselines_mcore.McorePipeline`; both have ``modules``, ``parameters()``,
+    :class:`braid.baselines.mcore.McorePipeline`; both have ``modules``, ``parameters()``,
     ``optimizer(lr)`` and ``step(inputs, labels)``). Collective."""
     if name in MCORE_SCHEDULES:
-        from braid.baselines_mcore import McorePipeline
+        from braid.baselines.mcore import McorePipeline
 
         if vision is not None:
             raise ValueError(f"{name} runs decoder LMs only (megatron-core's GPT model); use a torch_* baseline for a VLM")

@@ -1,9 +1,8 @@
-"""The offload tuner: picks a policy for :mod:`braid.offload`'s pass by simulating candidates.
+"""The offload tuner: picks a policy for :mod:`braid.core.offload`'s pass by simulating candidates.
 
-It sits beside the planner, above the simulator: the lowering pass (:mod:`braid.offload`) is
+It sits beside the planner, above the simulator: the lowering pass (:mod:`braid.core.offload`) is
 imported by the compiler and the simulator, and this module imports both, so
-compiler -> offload -> simulator has no cycle. ``braid.offload.tune_offload`` still resolves
-here for existing callers.
+compiler -> offload -> simulator has no cycle.
 
 Long runs are tuned on a *proxy*: the same schedule at the shortest micro-batch count of its
 steady state (``steady_m * p``, :class:`braid.schedules.ScheduleSpec`), where each further
@@ -16,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from braid.compiler import compile_plan
-from braid.ir import Plan, ScheduleConfig
-from braid.offload import OFFLOAD_OPTIONS, OffloadPolicy, insert_offload
+from braid.core.compiler import compile_plan
+from braid.core.ir import Plan, ScheduleConfig
+from braid.core.offload import OFFLOAD_OPTIONS, OffloadPolicy, insert_offload
 from braid.simulator.fast import run_programs
 
 

@@ -48,7 +48,7 @@ def available() -> bool:
 def ensure_parallel_state(tp: int, pp: int, vp: int | None, timeout_s: float = 120.0) -> None:
     """megatron-core's ``parallel_state`` for a tp x pp job (collective; redone when the sizes change).
 
-    Its rank order (TP fastest, PP slowest) is braid's :class:`~braid.topology.Topology`
+    Its rank order (TP fastest, PP slowest) is braid's :class:`~braid.core.topology.Topology`
     grid with dp = cp = 1, so both put a TP group on the same neighbouring ranks.
     """
     require()

@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from braid.files import atomic_write_text, fsync_dir
+from braid.io.files import atomic_write_text, fsync_dir
 
 FORMAT = "braid-checkpoint/1"
 LAYOUT, MANIFEST, LATEST = "layout.json", "manifest.json", "latest"

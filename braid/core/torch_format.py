@@ -15,11 +15,11 @@ maps one to the other (``loop``: rank r holds stages r, r+p, ...; ``v``: stages 
 2p-1-r). An empty cell is an idle step and is skipped. torch runs an overlap action's
 sub-actions one after the other, so every braided block (F&F, F&W, F&B, F&BW, cross-chunk
 or not) exports as one; braid imports an overlap pair as a braided block when braid can
-braid it (a forward first, see :data:`braid.ir.BRAIDABLE`) and as consecutive ops otherwise.
+braid it (a forward first, see :data:`braid.core.ir.BRAIDABLE`) and as consecutive ops otherwise.
 
 The module is text only (no torch import): the exported file is what torch's loader reads,
 and a file torch wrote (``schedule._dump_csv(path, format="compute_only")``, e.g. from
-``ScheduleDualPipeV``) becomes a braid :class:`~braid.ir.Plan` that compiles and simulates.
+``ScheduleDualPipeV``) becomes a braid :class:`~braid.core.ir.Plan` that compiles and simulates.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import io
 import re
 from typing import Sequence
 
-from braid.ir import BRAIDABLE, Braided, Compute, ComputeInstr, OpKind, Placement, Plan, ScheduleConfig, rank_chunk_of
+from braid.core.ir import BRAIDABLE, Braided, Compute, ComputeInstr, OpKind, Placement, Plan, ScheduleConfig, rank_chunk_of
 
 # braid op kind <-> torch computation type
 _TO_TORCH = {OpKind.F: "F", OpKind.B: "I", OpKind.W: "W", OpKind.BW: "B"}
