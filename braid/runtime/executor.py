@@ -50,9 +50,8 @@ import torch
 import torch.distributed as dist
 
 from braid.autograd_calls import on_this_thread
-from braid.braiding import Carry, ChunkSpec, UnitTask, carries
+from braid.braiding import Carry, ChunkSpec, UnitTask, carries, steps as braid_steps
 from braid.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
-from braid.braiding import steps as braid_steps
 from braid.models.build import build_rank_chunks  # noqa: F401 - moved to braid.models.build; callers import it from here too
 from braid.models.chunk import ChunkStateError, ModelChunk
 from braid.runtime import compiled
@@ -214,6 +213,7 @@ class Executor:
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
         self._carries = carries(program.instructions, self._spec) if tp_group is not None else {}
         self._side: Any = None  # CUDA stream that posts a chained Send/Recv run (created on first use)
+        self.capturing = False  # a CUDA graph captures run() (braid.runtime.graphs): no host sync in the step
 
     @staticmethod
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
@@ -585,7 +585,7 @@ class Executor:
         self._memory.append((self.clock.mark(), b))
 
     def _trace(self) -> Trace:
-        if self.clock.cuda:
+        if self.clock.cuda and not self.capturing:
             torch.cuda.synchronize(self.device)
         summary: dict[str, Any] = {f"count_{k}": v for k, v in self.counts.items()}
         meta = {"schedule": self.plan.name, "source": "measured", "rank": self.rank, "device": str(self.device),
