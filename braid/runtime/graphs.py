@@ -174,7 +174,10 @@ def _pool_bytes(pool: Any) -> int | None:
 
 def _barrier(dev: torch.device) -> None:
     if dist.is_initialized():
-        dist.barrier(device_ids=[dev.index]) if dist.get_backend() == "nccl" else dist.barrier()
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[dev.index if dev.index is not None else torch.cuda.current_device()])
+        else:
+            dist.barrier()
 
 
 class EagerStep:
