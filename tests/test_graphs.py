@@ -134,3 +134,24 @@ def test_cuda_graph_flag_bad_input_is_one_line_exit_2(tmp_path, argv: list[str],
         lines = lines[-1:]
     assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], (proc.returncode, proc.stderr[-2000:])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_static_buffers_take_new_micro_batches_and_refuse_other_shapes() -> None:
+    """:meth:`GraphedStep._copy_in` (what a replay reads): copies in place, refuses another count, shape or dtype."""
+    ex, _ = _executor()
+    step = object.__new__(graphs.GraphedStep)  # the buffer plumbing only: no CUDA stream, no capture
+    step.ex = ex
+    step._tokens = [torch.zeros(2, 8, dtype=torch.long) for _ in range(3)]
+    step._labels = [torch.zeros(2, 8, dtype=torch.long) for _ in range(3)]
+    held = [t.data_ptr() for t in step._tokens + step._labels]
+    toks = [torch.full((2, 8), i, dtype=torch.long) for i in range(3)]
+    labs = [torch.full((2, 8), 10 + i, dtype=torch.long) for i in range(3)]
+    step._copy_in(toks, labs)
+    assert [t.data_ptr() for t in step._tokens + step._labels] == held
+    assert all(torch.equal(a, b) for a, b in zip(step._tokens + step._labels, toks + labs))
+    with pytest.raises(ValueError, match="captured for 3 micro-batches, got 2"):
+        step._copy_in(toks[:2], labs[:2])
+    with pytest.raises(ValueError, match=r"captured for micro-batches \(2, 8\) torch.int64, got \(2, 16\)"):
+        step._copy_in([torch.zeros(2, 16, dtype=torch.long)] * 3, labs)
+    with pytest.raises(ValueError, match="another shape needs another graph"):
+        step._copy_in([t.int() for t in toks], labs)
