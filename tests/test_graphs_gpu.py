@@ -68,3 +68,17 @@ def test_example_reference_with_cuda_graphs() -> None:
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "capture of" in out and "norm diff" in proc.stdout, out[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+def test_graphed_chained_runs_on_the_side_stream_equal_eager_bitwise() -> None:
+    """PP=2 x TP=2: Send/Recv runs chained to a carried all-reduce leave from the executor's side
+    stream, which joins the capture and is joined back at its end."""
+    pool4 = DistPool(4, timeout_s=120, device="cuda")
+    try:
+        runs = [("braided_v", 5, {}), ("dualpipe_v", 5, {})]
+        got = pool4.run(cases.graphed_matches_eager, 2, 2, runs, timeout_s=600)
+    finally:
+        pool4.close()
+    _check(got, len(runs))
+    assert any("chained runs" in e and " 0 chained" not in e for rank in got for r in rank for e in r["events"]), got
