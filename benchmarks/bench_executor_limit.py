@@ -94,12 +94,14 @@ def _adamw(params: list[torch.nn.Parameter], device: torch.device) -> torch.opti
     return torch.optim.AdamW(params, lr=1e-5, foreach=device.type == "cuda")
 
 
-def braid_step(model, schedule: str, args, device, dtype, compile: bool) -> Callable[[], Any]:
-    """braid's executor at pp=1 over two V-placed chunks of ``model``; one step = program + AdamW."""
+def braid_step(model, schedule: str, args, device, dtype, compile: bool, cuda_graph: str | None = None) -> Callable[[], Any]:
+    """braid's executor at pp=1 over two V-placed chunks of ``model``; one step = program + AdamW
+    (the program as a whole-step CUDA graph under ``cuda_graph``, :mod:`braid.runtime.graphs`)."""
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.runtime.executor import Executor
     from braid.models.build import build_rank_chunks
+    from braid.runtime.graphs import step_runner
 
     plan = schedules.build(schedule, 1, args.m)
     chunks = build_rank_chunks(model, plan, 0, (args.layers_per_stage,) * plan.num_stages)
@@ -109,9 +111,10 @@ def braid_step(model, schedule: str, args, device, dtype, compile: bool) -> Call
     params = [p for ch in chunks.values() for p in ch.parameters()]
     opt = _adamw(params, device)
     toks, labs = args.data
+    runner = step_runner(ex, cuda_graph)
 
     def step() -> float | None:
-        res = ex.run(toks, labs)
+        res = runner.run(toks, labs)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return res.loss
@@ -223,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="braid's compiled units (default: on with CUDA, off on CPU)")
     ap.add_argument("--skip", nargs="+", default=[], choices=KINDS, help="contenders to leave out")
+    ap.add_argument("--cuda-graph", choices=["none", "step"], default=None,
+                    help="braid's steps as whole-step CUDA graphs (step) or eager (none); default: step on CUDA. "
+                         "With graphs on, braided_v also runs without them (braid_braided_v_nograph)")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per contender; the median is reported (default 10)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds over all contenders; ratios are taken per round (default 1)")
@@ -239,6 +245,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--schedule {bad[0]!r}: pp=1 runs {', '.join(SCHEDULES)}")
     if min(args.seq, args.m, args.micro_batch_size, args.layers_per_stage, args.steps, args.repeat) < 1 or args.warmup < 0:
         ap.error("--seq, --m, --micro-batch-size, --layers-per-stage, --steps and --repeat must be >= 1, --warmup >= 0")
+    from braid.runtime.graphs import WARMUP_STEPS, config_reason
+
+    graphs_on = args.cuda_graph != "none" and config_reason(device) is None
+    if args.cuda_graph == "step" and not graphs_on:
+        ap.error(f"--cuda-graph step: {config_reason(device)}")
+    if graphs_on and args.warmup < WARMUP_STEPS + 1:
+        ap.error(f"--warmup must be >= {WARMUP_STEPS + 1} with CUDA graphs ({WARMUP_STEPS} eager steps, then the capture)")
     try:
         compile_units = compiled_units.resolve(args.compile, device)
         out = check_output_path(args.out or f"benchmarks/results/executor_limit_{gpu_slug(device)}.json", what="--out")
@@ -269,9 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         groups = ProcessGroups.create(Topology(1, pp=1, tp=1))
         makers: list[tuple[str, Callable[[], Callable[[], Any]]]] = []
         if "braid" not in args.skip:
-            makers += [(f"braid_{s}", lambda s=s: braid_step(model, s, args, device, dtype, compile_units)) for s in args.schedule]
+            makers += [(f"braid_{s}", lambda s=s: braid_step(model, s, args, device, dtype, compile_units, args.cuda_graph))
+                       for s in args.schedule]
+            if graphs_on and "braided_v" in args.schedule:
+                makers.append(("braid_braided_v_nograph", lambda: braid_step(model, "braided_v", args, device, dtype, compile_units, "none")))
         if compile_units and "braid_eager" not in args.skip and "braided_v" in args.schedule:
-            makers.append(("braid_braided_v_eager", lambda: braid_step(model, "braided_v", args, device, dtype, False)))
+            makers.append(("braid_braided_v_eager", lambda: braid_step(model, "braided_v", args, device, dtype, False, args.cuda_graph)))
         if "eager" not in args.skip:
             makers.append(("eager", lambda: loop_step(model, args, device, dtype, False)))
         if "eager_compiled" not in args.skip:

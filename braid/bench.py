@@ -79,6 +79,7 @@ class BenchConfig:
     external: bool = True
     calibrate: bool = True  # fit a fresh profile to a measured probe run (see :func:`calibrate`)
     rounds: int = 1  # every run (schedules and baselines) this many times in turn; see :func:`round_ratios`
+    cuda_graph: str | None = None  # braid's runs: "none", "step" or None (graphs where capturable; braid.runtime.graphs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -251,29 +252,33 @@ def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[torch.Tens
 
 
 def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None = None,
-                 on_result=None) -> tuple[list[float], int, Any]:
+                 on_result=None, warmup: int | None = None) -> tuple[list[float], int, Any, list[float]]:
     """Warm-up then measured steps (``steps``, default ``bc.steps``); returns (per-step seconds,
-    peak bytes above the pre-step baseline, last result). ``on_result`` sees each measured step's result."""
-    times, peak, res = [], 0, None
+    peak bytes above the pre-step baseline, last result, per-step CPU seconds of this thread
+    launching the step). ``on_result`` sees each measured step's result."""
+    times, peak, res, host = [], 0, None, []
     steps = bc.steps if steps is None else steps
-    for i in range(bc.warmup + steps):
+    warmup = bc.warmup if warmup is None else warmup
+    for i in range(warmup + steps):
         _sync(dev)
         dist.barrier()
         base = 0
         if dev.type == "cuda":
             base = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)
-        t0 = time.perf_counter()
+        t0, h0 = time.perf_counter(), time.thread_time()
         res = run_step()
+        h = time.thread_time() - h0
         _sync(dev)
         dt = time.perf_counter() - t0
-        if i >= bc.warmup:
+        if i >= warmup:
             times.append(dt)
+            host.append(h)
             if on_result is not None:
                 on_result(res)
             if dev.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
-    return times, peak, res
+    return times, peak, res, host
 
 
 def _busy_by_phase(trace: Trace) -> dict[str, float]:
@@ -307,6 +312,9 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=_DTYPES[pc.dtype],
                               device=dev, compile=pc.compile, **kw)
     toks, labs = _data(pc, m, dev)
+    from braid.runtime.graphs import WARMUP_STEPS, step_runner
+
+    graph = step_runner(ex, bc.cuda_graph)  # whole-step CUDA graph, captured in the warm-up steps
 
     # Every run is timed as it trains (record="off": no clocks, no unit events, and fused
     # chunks take one call per op); recorded steps after it give its trace (one step) or, for
@@ -314,9 +322,13 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     def step(record="off"):
         for ch in chunks.values():
             ch.zero_grad(set_to_none=False)
-        return ex.run(toks, labs, record=record)
+        return graph.run(toks, labs, record=record)
 
-    times, peak, _ = _timed_steps(bc, dev, step, steps)
+    times, peak, _, host = _timed_steps(bc, dev, step, steps, warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None)
+    mem = graph.memory()
+    if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took
+        peak = mem["capture_peak_bytes"] or 0
+    graph.release()
     busy: list[dict[str, float]] = []
     for _ in range(PROBE_BUSY_STEPS if name == "probe" else 1):
         _sync(dev)
@@ -326,7 +338,8 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
     keep = groups.coords.tp == 0
-    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None}
+    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
+            "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes")}
 
 
 def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
@@ -346,8 +359,8 @@ def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[
             mod.zero_grad(set_to_none=False)
         return pipe.step((x,), y)
 
-    times, peak, _ = _timed_steps(bc, dev, step)
-    return {"times": times, "peak": peak if dev.type == "cuda" else None}
+    times, peak, _, host = _timed_steps(bc, dev, step)
+    return {"times": times, "peak": peak if dev.type == "cuda" else None, "host": host}
 
 
 def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
@@ -479,6 +492,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "raw_predicted_step_s": raw_pred,
                          "raw_step_err": rel_err(raw_pred, step_s) if raw_pred is not None else None,
                          "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
+                         "host_s": _host_s(ranks), "cuda_graph": ranks[0].get("cuda_graph"),
+                         "graph_pool_bytes": [rk.get("graph_pool_bytes") for rk in ranks],
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None)})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
         merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
@@ -497,12 +512,18 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         step_s = statistics.median(rounds)
         peaks = [x["peak"] for x in rk] if rk[0]["peak"] is not None else None
         ext.append({"schedule": e["schedule"], "m": e["m"], "step_s": step_s, "step_s_rounds": rounds,
-                    "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks})
+                    "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks,
+                    "host_s": _host_s(rk)})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
            "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
             "external": ext, "best_over_external": round_ratios(out_runs, ext),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
+
+
+def _host_s(ranks: list[dict[str, Any]]) -> float | None:
+    """CPU seconds per step of the thread that launches it: the median step, of the busiest rank."""
+    return max((statistics.median(rk["host"]) for rk in ranks if rk.get("host")), default=None)
 
 
 def _slowest_rank_steps(ranks: list[dict[str, Any]]) -> list[float]:
@@ -535,24 +556,29 @@ def round_ratios(runs: list[dict[str, Any]], external: list[dict[str, Any]]) -> 
     return out
 
 
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.1f}"
+
+
 def format_report(summary: dict[str, Any]) -> str:
     """The text table: one line per run, measured next to predicted."""
     head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'raw %':>8}{'tokens/s':>11}{'MFU %':>7}"
-            f"  peak MiB per rank (measured / predicted)")
+            f"{'host ms':>9}  peak MiB per rank (measured / predicted)")
     lines = [head, "-" * len(head)]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     for r in summary["runs"]:
         peaks = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["peak_bytes"], r["predicted_peak_bytes"]))
         raw_err = f"{100 * r['raw_step_err']:>+8.1f}" if r.get("raw_step_err") is not None else f"{'-':>8}"
         lines.append(f"{r['schedule']:<28}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
-                     f"{100 * r['step_err']:>+8.1f}{raw_err}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}  {peaks}")
+                     f"{100 * r['step_err']:>+8.1f}{raw_err}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}"
+                     f"{_ms(r.get('host_s')):>9}  {peaks}" + ("  [CUDA graph]" if r.get("cuda_graph") == "step" else ""))
     for e in summary["external"]:
         if "error" in e:
             lines.append(f"{e['schedule']:<28}{e['m']:>3}  could not run: {e['error']}")
         else:
             peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
             lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
-                         f"{'-':>7}  {peaks}")
+                         f"{'-':>7}{_ms(e.get('host_s')):>9}  {peaks}")
     for m, b in sorted(summary.get("best_over_external", {}).items()):
         n = len(b["rounds"])
         spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
@@ -655,6 +681,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every schedule and baseline this many times in turn and report braid's best over the "
                          "best baseline per round, median [min, max] (default 1)")
+    ap.add_argument("--cuda-graph", choices=["none", "step"], default=None,
+                    help="braid's runs as whole-step CUDA graphs (step) or eager (none); default: step where capturable. "
+                         "'peak' of a graphed run is its capture's allocator peak; 'host ms' is the launching thread's CPU time per step")
     ap.add_argument("--costs", metavar="FILE", help="predict from this cost file instead of a fresh profile")
     ap.add_argument("--no-calibrate", action="store_true", help="predict from the raw profile (no probe-run calibration)")
     ap.add_argument("--no-external", action="store_true", help="skip the external baselines (torch.distributed.pipelining; megatron-core when installed)")
@@ -671,10 +700,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error("--mbs, --steps and --rounds must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
+    if args.cuda_graph == "step":
+        from braid.runtime.graphs import config_reason
+
+        why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend)
+        if why:
+            ap.error(f"--cuda-graph step: {why}; use --cuda-graph none")
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
-                     not args.no_calibrate, args.rounds)
+                     not args.no_calibrate, args.rounds, args.cuda_graph)
     runs, skipped = planned_runs(bc)
     if not runs:
         ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))

@@ -822,12 +822,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 epilog="Examples:\n" + __doc__.split("Examples::")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(ap)
     ap.add_argument("-o", "--output", default="costs.json", help="cost file to write (default costs.json)")
+    ap.add_argument("--cuda-graph", choices=["none", "step"], default=None,
+                    help="costs for steps replayed as whole-step CUDA graphs (step: no host time per unit task) or eager "
+                         "(none); default: step where capturable (braid.runtime.graphs)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     pc = config_from_args(ap, args)
+    from braid.runtime.graphs import config_reason, graphed_costs
+
+    if args.cuda_graph == "step" and config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend):
+        ap.error(f"--cuda-graph step: {config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend)}")
     check_outputs(ap, [("-o", args.output)])
     try:
-        doc = profile(pc)
+        doc = graphed_costs(profile(pc), args.cuda_graph)
     except JobFailed as err:
         print(f"{ap.prog}: error: {err}", file=sys.stderr)
         return 1

@@ -114,6 +114,10 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                      help="auto: cuda if available (bf16), else cpu (fp32) (default: %(default)s)")
     run.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                      help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
+    run.add_argument("--cuda-graph", choices=["none", "step"], default=None,
+                     help="braid's steps as whole-step CUDA graphs: 'step' captures each rank's step after "
+                          "2 eager warm-up steps and replays it, 'none' runs eager (default: step on CUDA where the "
+                          "program is capturable; the reason is logged where not)")
     opt = p.add_argument_group("optimizer (AdamW; braid's schedules)")
     opt.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine", "linear"],
                      help="decay after the warm-up, to --min-lr at the last step (default: %(default)s)")
@@ -233,6 +237,13 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         args.last_stage_lighter = 0 if args.model.endswith("tiny") else 2
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but no CUDA device is available; use --device cpu")
+    if args.cuda_graph == "step":
+        from braid.runtime.graphs import config_reason
+
+        dev = "cpu" if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()) else "cuda"
+        why = config_reason(dev, cp=args.cp, vision=task.vision, tp=args.tp)
+        if why:
+            raise UsageError(f"--cuda-graph step: {why}; use --cuda-graph none")
     check_outputs(args)
     names = args.schedule
     valid = list(schedules.names()) + list(BASELINES)

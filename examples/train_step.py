@@ -95,6 +95,9 @@ class BraidRunner:
         self.ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], self.chunks, groups, d.abort,
                                        act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device,
                                        compile=args.compile)
+        from braid.runtime.graphs import step_runner
+
+        self.graph = step_runner(self.ex, args.cuda_graph)  # whole-step CUDA graph (braid.runtime.graphs) or eager
         # The single-device model's names: they key the sharded optimizer's state (train_checkpoint.MasterState).
         from braid.models.global_names import chunk_shards
 
@@ -118,7 +121,7 @@ class BraidRunner:
         cuda = self.device.type == "cuda"
         # Unit-level timing costs host time per unit: only on the step whose trace is written.
         # Other steps keep the per-instruction memory series on CPU (the memory figure).
-        self.res = res = self.ex.run(toks, labs, record="units" if traced else "off" if cuda else "instructions")
+        self.res = res = self.graph.run(toks, labs, record="units" if traced else "off" if cuda else "instructions")
         c = self.groups.coords
         mem = 0 if cuda else max((b for _, b in next(iter(res.trace.memory.values()), [])), default=0) + self.state_bytes
         return (res.loss if res.loss is not None and c.tp == 0 and c.cp == 0 else None), mem  # the SP group already summed it

@@ -50,9 +50,8 @@ import torch
 import torch.distributed as dist
 
 from braid.tp.autograd_calls import on_this_thread
-from braid.core.braiding import Carry, ChunkSpec, UnitTask, carries
+from braid.core.braiding import Carry, ChunkSpec, UnitTask, carries, steps as braid_steps
 from braid.core.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
-from braid.core.braiding import steps as braid_steps
 from braid.models.chunk import ChunkStateError, ModelChunk
 from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
@@ -213,6 +212,7 @@ class Executor:
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
         self._carries = carries(program.instructions, self._spec) if tp_group is not None else {}
         self._side: Any = None  # CUDA stream that posts a chained Send/Recv run (created on first use)
+        self.capturing = False  # a CUDA graph captures run() (braid.runtime.graphs): no host sync in the step
 
     @staticmethod
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
@@ -584,7 +584,7 @@ class Executor:
         self._memory.append((self.clock.mark(), b))
 
     def _trace(self) -> Trace:
-        if self.clock.cuda:
+        if self.clock.cuda and not self.capturing:
             torch.cuda.synchronize(self.device)
         summary: dict[str, Any] = {f"count_{k}": v for k, v in self.counts.items()}
         meta = {"schedule": self.plan.name, "source": "measured", "rank": self.rank, "device": str(self.device),

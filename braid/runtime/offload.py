@@ -82,6 +82,13 @@ class HostPool:
         self.allocated_bytes += nbytes
         return HostBuffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin))
 
+    def forget_events(self) -> None:
+        """Drop the free buffers' ``ready`` events (between steps, once the device has synchronised):
+        a CUDA graph capture must not wait on an event recorded outside it, nor an eager step on one inside."""
+        for bufs in self._free.values():
+            for b in bufs:
+                b.ready = None
+
     def release(self, buf: HostBuffer, ready: Any = None) -> None:
         buf.ready = ready
         self.in_use -= 1
@@ -145,6 +152,8 @@ class ActivationOffloader:
         self._moved: dict[Hashable, _Moved] = {}
         self._d2h_pending: list[list[Any]] = []  # [completion event, device tensors, instructions left]
         self._copied = False  # a copy stream was used since the last finish()
+        # A CUDA graph captures the step (braid.runtime.graphs): no event query, no stream sync.
+        self.capturing = False
         if self.cuda:
             self.d2h = torch.cuda.Stream(self.device)
             self.h2d = torch.cuda.Stream(self.device)
@@ -279,7 +288,7 @@ class ActivationOffloader:
 
     def poll(self) -> None:
         """Drop the device storages whose D2H copy has completed (their memory is freed now)."""
-        if self._d2h_pending:
+        if self._d2h_pending and not self.capturing:
             self._d2h_pending = [x for x in self._d2h_pending if not x[0].query()]
 
     def advance(self) -> None:
@@ -292,7 +301,7 @@ class ActivationOffloader:
         stream = None
         for item in self._d2h_pending:
             ev = item[0]
-            if ev.query():
+            if not self.capturing and ev.query():  # captured: released by instruction count alone
                 continue
             item[2] -= 1
             if item[2] < 0:
@@ -305,8 +314,9 @@ class ActivationOffloader:
     def finish(self) -> list[Hashable]:
         """End of a step: wait for the copy streams, free what they held; returns keys still on the host.
 
-        A step that copied nothing waits for nothing: the host stays ahead of the device."""
-        if self.cuda and self._copied:
+        A step that copied nothing waits for nothing: the host stays ahead of the device. Under
+        capture nothing is waited for here: the capturer joins the copy streams."""
+        if self.cuda and self._copied and not self.capturing:
             self.d2h.synchronize()
             self.h2d.synchronize()
         self._copied = False

@@ -1,0 +1,378 @@
+"""Whole-step CUDA graphs: a rank's program captured once, then replayed every step.
+
+A compiled :class:`braid.core.ir.Program` is the same every step, and so is what the executor
+launches for it: every unit task's kernels, the TP all-reduces, the batched Send/Recv,
+the chained runs on the side stream, the offload/reload copies. :class:`GraphedStep`
+captures one whole step of :meth:`braid.runtime.executor.Executor.run` into a single
+:class:`torch.cuda.CUDAGraph` (megatron-core's ``FullCudaGraphWrapper`` does the same for
+its ``forward_backward_func``), so after capture a step costs the host one graph launch
+instead of hundreds of Python/autograd calls: the GPU no longer waits for the host.
+
+How a run goes (``mode="step"``):
+
+* **Warm-up** (:data:`WARMUP_STEPS` = 2 eager steps, on the stream the capture will use,
+  torch's recommended side-stream warm-up): the first creates everything built on first
+  use -- the NCCL communicators and P2P connections of the TP/PP groups, cuBLAS handles and
+  workspaces for that stream, the executor's bound unit steps and side stream,
+  ``torch.compile``'s kernels, the offloader's pinned host buffers -- none of which may
+  happen inside a capture; the second checks that the step is steady (no new pinned buffer).
+* **Capture** (the next step): the gradients are set to ``None`` first, so the captured
+  backward allocates them from the graph's private memory pool (torch's whole-network
+  recipe); the executor runs with ``record="off"`` and its ``capturing`` switch (no
+  clock, no event query, no stream synchronisation, see below); the side streams that
+  joined the capture (chained runs, D2H/H2D copies) are joined back. The capture launches
+  nothing, so the graph is then replayed once for that step's data. All ranks meet at a
+  barrier before and after (as megatron-core does).
+* **Replay** (every later step): the micro-batches' tokens and labels are copied into the
+  static buffers the capture read, the parameters get back the captured gradient tensors
+  (whatever the caller did with ``.grad`` in between: a replay *writes* the gradients, as
+  a step after ``zero_grad(set_to_none=True)``; a fp32 ``main_grad`` buffer is added to,
+  as in eager mode, so the caller zeroes it), and the graph is launched. The loss is a
+  copy of the captured loss tensor; the gradient norm, the data-parallel reduction and the
+  optimizer step run after it, outside the graph, on those very gradient tensors.
+
+What capture needs from the executor, and where it is: no host synchronisation inside
+the step (``Executor.capturing`` skips the end-of-step ``synchronize``;
+:class:`~braid.runtime.offload.ActivationOffloader` ``capturing`` releases device memory by
+its instruction count alone, without ``Event.query``, and does not synchronise its copy
+streams -- they are joined here); no clock marks, memory samples or store reads
+(``record="off"``; on CUDA :class:`~braid.runtime.distributed.Abort` waits are
+stream-ordered and never read the store); no pinned allocation (the host pool is steady
+after warm-up); host-buffer events from before the capture are forgotten. RNG: torch
+registers the default CUDA generator with every capture, so dropout drawn from it gets
+fresh numbers at each replay (braid's models have none).
+
+Replay equals the eager executor bitwise: the same kernels run in the same stream order on
+the same values. Where it cannot: an NCCL all-reduce over more than two ranks may pick
+another algorithm for captured buffers, and a sum of three or more terms may then round
+differently (two-rank sums are exact either way).
+
+Not capturable (:func:`not_capturable` says why in one line; ``mode=None`` then runs
+eager): a CPU device (gloo), the ``symm-mem`` TP backend (its own stream and buffers),
+sequence parallelism (2D-Attention's rings are not checked under capture), a
+vision-language model (its image grids are read on the host every step, and dynamic
+resolution changes the shapes: one graph per shape would be needed, so it stays eager),
+and an :class:`~braid.runtime.distributed.Abort` that reads its store before waits.
+A graphed step is for one input shape; another shape is an error that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from braid.models.chunk import ModelChunk
+from braid.runtime.executor import Executor, StepResult
+from braid.io.trace import Trace
+
+log = logging.getLogger(__name__)
+
+CudaGraphMode = Literal["none", "step"]
+CUDA_GRAPH_MODES: tuple[str, ...] = ("none", "step")
+WARMUP_STEPS = 2
+
+
+class GraphCaptureError(RuntimeError):
+    """Capturing or replaying a step failed; the message names the rank and the phase."""
+
+
+def check_mode(mode: str | None) -> CudaGraphMode | None:
+    """``mode`` if it is one of :data:`CUDA_GRAPH_MODES` (or None: the default), else one ``ValueError`` line."""
+    if mode is not None and mode not in CUDA_GRAPH_MODES:
+        raise ValueError(f"cuda_graph={mode!r}: choose one of {', '.join(CUDA_GRAPH_MODES)}")
+    return mode  # type: ignore[return-value]
+
+
+def config_reason(device: torch.device | str, *, cp: int = 1, vision: bool = False, tp: int = 1,
+                  tp_backend: str | None = None) -> str | None:
+    """Why a run of this configuration cannot be captured (None: it can). Needs no process
+    group, so command lines check it before any work."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"device {dev.type}: CUDA graphs need a CUDA device (gloo/CPU runs eager)"
+    if tp > 1 and tp_backend == "symm-mem":
+        return "TP backend symm-mem: its copy-engine all-reduce runs on its own stream and buffers, not captured"
+    if cp > 1:
+        return "sequence parallelism (cp > 1): 2D-Attention's ring communication is not checked under capture"
+    if vision:
+        return ("vision-language model: image grids are read on the host every step and dynamic resolution changes "
+                "the shapes (one graph per shape), so it runs eager")
+    return None
+
+
+def not_capturable(ex: Executor) -> str | None:
+    """The one-line reason why ``ex``'s step cannot be captured, or None when it can."""
+    tp = 2 if ex.tp_group is not None else 1
+    reason = config_reason(ex.device, cp=2 if ex.sp_group is not None else 1, tp=tp, tp_backend=ex.tp_comm.backend)
+    if reason is not None:
+        return reason
+    for c, ch in sorted(ex.chunks.items()):
+        if ch.sp is not None:
+            return config_reason(ex.device, cp=2)
+        if type(ch).set_batch is not ModelChunk.set_batch:
+            return f"chunk {c} ({type(ch).__name__}) reads its micro-batches on the host every step; it runs eager"
+    if ex.abort is not None and not ex.abort.cuda:
+        return "the failure record is read from the store before waits (Abort with cuda=False)"
+    return None
+
+
+def resolve(mode: str | None, ex: Executor) -> tuple[CudaGraphMode, str | None]:
+    """The mode a run gets and, when it is ``"none"`` for want of capture, the reason.
+
+    ``None``: ``"step"`` where :func:`not_capturable` finds nothing, else ``"none"``.
+    ``"step"`` where the program cannot be captured raises ``ValueError`` with the reason.
+    """
+    check_mode(mode)
+    if mode == "none":
+        return "none", None
+    reason = not_capturable(ex)
+    if reason is None:
+        return "step", None
+    if mode == "step":
+        raise ValueError(f"cuda_graph='step': rank {ex.rank} cannot capture its step: {reason}")
+    return "none", reason
+
+
+def graphed_costs(doc: dict[str, Any], mode: str | None) -> dict[str, Any]:
+    """A profiled cost file (``braid.profile``) for steps run under ``mode``: where the step is a
+    CUDA graph the host issues no unit task (one launch per step), so ``host_task_s`` (the
+    simulator's host lane) is 0; the profiled figure stays in ``meta.profiled_host_task_s``."""
+    meta = doc.setdefault("meta", {})
+    cfg = meta.get("config", {})
+    why = config_reason(cfg.get("device", "cpu"), tp=cfg.get("tp", 1), tp_backend=meta.get("tp_backend"))
+    if check_mode(mode) == "none" or why is not None:
+        meta["cuda_graph"] = "none"
+        return doc
+    meta["cuda_graph"] = "step"
+    meta["profiled_host_task_s"] = doc.get("host_task_s", 0.0)
+    doc["host_task_s"] = 0.0
+    return doc
+
+
+def _line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def _capturing(stream: Any) -> bool:
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _pool_bytes(pool: Any) -> int | None:
+    """Bytes of the device segments that belong to the graph's private pool (None where torch does not say)."""
+    try:
+        snap = torch.cuda.memory._snapshot()
+        return int(sum(s["total_size"] for s in snap["segments"] if tuple(s.get("segment_pool_id", ())) == tuple(pool)))
+    except Exception:  # noqa: BLE001 - a torch without segment pool ids
+        return None
+
+
+def _barrier(dev: torch.device) -> None:
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[dev.index if dev.index is not None else torch.cuda.current_device()])
+        else:
+            dist.barrier()
+
+
+class EagerStep:
+    """The executor's step as it is (``mode="none"``): the same interface as :class:`GraphedStep`."""
+
+    mode: CudaGraphMode = "none"
+
+    def __init__(self, ex: Executor, reason: str | None = None) -> None:
+        self.ex, self.reason = ex, reason
+        self.events: list[str] = []
+
+    @property
+    def captured(self) -> bool:
+        return False
+
+    def run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, record: str | None = None) -> StepResult:
+        return self.ex.run(tokens, labels, record=record)  # type: ignore[arg-type]
+
+    def release(self) -> None:
+        """Nothing to free."""
+
+    def memory(self) -> dict[str, int | None]:
+        return {}
+
+
+class GraphedStep:
+    """Runs an executor's step: :data:`WARMUP_STEPS` eager steps, then one captured CUDA graph
+    replayed every step (see the module docstring). ``run`` has :meth:`Executor.run`'s
+    signature; a step asked to record (``"units"``/``"instructions"``) runs eager and leaves
+    the graph as it is. ``events`` lists what happened, one line per step."""
+
+    mode: CudaGraphMode = "step"
+
+    def __init__(self, ex: Executor, *, warmup: int = WARMUP_STEPS) -> None:
+        reason = not_capturable(ex)
+        if reason is not None:
+            raise ValueError(f"rank {ex.rank}: cannot capture this step: {reason}")
+        if warmup < 1:
+            raise ValueError(f"a graphed step needs >= 1 eager warm-up step (communicators, kernels, buffers), got {warmup}")
+        self.ex, self.warmup, self.reason = ex, warmup, None
+        self.device = ex.device
+        self.stream = torch.cuda.Stream(self.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.pool: Any = None
+        self.steps = 0
+        self.events: list[str] = []
+        self._tokens: list[torch.Tensor] = []
+        self._labels: list[torch.Tensor] = []
+        self._loss: torch.Tensor | None = None
+        self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self._counts: dict[str, int] = {}
+        self._host_allocs: list[int] = []
+        self.capture_peak_bytes: int | None = None  # allocator peak of the captured step above what was allocated before
+        self.pool_bytes: int | None = None  # device memory the graph's private pool holds
+        self.capture_s: float | None = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for ch in self.ex.chunks.values() for p in ch.parameters() if p.requires_grad]
+
+    # -- the step ------------------------------------------------------------------------
+    def run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *, record: str | None = None) -> StepResult:
+        """One step (forward and backward of every micro-batch, gradients written; see the module docstring)."""
+        if record not in (None, "off"):
+            self.events.append(f"step {self.steps}: eager (record={record})")
+            return self.ex.run(tokens, labels, record=record)  # type: ignore[arg-type]
+        if self.graph is None and self.steps < self.warmup:
+            return self._warm(tokens, labels)
+        fresh = self.graph is None
+        if fresh:
+            self._capture(tokens, labels)
+        return self._replay(tokens, labels, "captured, then replayed" if fresh else "replay")
+
+    def _warm(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> StepResult:
+        pool = self.ex.offloader.pool
+        before = pool.allocations
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            res = self.ex.run(tokens, labels, record="off")
+        cur.wait_stream(self.stream)
+        self._host_allocs.append(pool.allocations - before)
+        self.events.append(f"step {self.steps}: eager warm-up {len(self._host_allocs)}/{self.warmup} "
+                           f"({pool.allocations - before} pinned host buffers allocated)")
+        self.steps += 1
+        return res
+
+    def _capture(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
+        ex, dev = self.ex, self.device
+        if self._host_allocs[-1]:
+            raise GraphCaptureError(f"rank {ex.rank}: the last warm-up step still allocated {self._host_allocs[-1]} pinned "
+                                    "host buffers: the offload pool is not steady, a capture would allocate")
+        self._tokens = [torch.empty_like(t, device=dev) for t in tokens]
+        self._labels = [torch.empty_like(t, device=dev) for t in labels]
+        self._copy_in(tokens, labels)
+        params = self._params()
+        for p in params:
+            if getattr(p, "main_grad", None) is None:
+                p.grad = None  # allocated by the captured backward, from the graph's pool
+        ex.offloader.pool.forget_events()
+        torch.cuda.synchronize(dev)
+        _barrier(dev)
+        self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        t0 = time.perf_counter()
+        ex.capturing = ex.offloader.capturing = True
+        stage = "running the executor's step"
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                res = ex.run(self._tokens, self._labels, record="off")
+                stage = "joining the side streams"
+                cur = torch.cuda.current_stream(dev)
+                for s in (ex._side, getattr(ex.offloader, "d2h", None), getattr(ex.offloader, "h2d", None)):
+                    if s is not None and _capturing(s):
+                        cur.wait_stream(s)
+                stage = "ending the capture"
+        except Exception as err:
+            first = err.__context__
+            why = _line(err) + (f" (raised while handling {_line(first)})" if first is not None else "")
+            raise GraphCaptureError(f"rank {ex.rank}: CUDA graph capture failed while {stage}: {why}") from err
+        finally:
+            ex.capturing = ex.offloader.capturing = False
+        self.capture_s = time.perf_counter() - t0
+        self.capture_peak_bytes = torch.cuda.max_memory_allocated(dev) - base
+        ex.offloader.pool.forget_events()  # events recorded in the capture mean nothing to an eager step
+        self.graph = graph
+        self._loss = res.loss_tensor
+        self._counts = dict(res.counts)
+        self._grads = [(p, p.grad) for p in params if p.grad is not None]
+        torch.cuda.synchronize(dev)
+        _barrier(dev)
+        self.pool_bytes = _pool_bytes(self.pool)
+        pool_mib = "?" if self.pool_bytes is None else f"{self.pool_bytes / 2**20:.1f}"
+        self.events.append(f"step {self.steps}: capture of {sum(self._counts.get(k, 0) for k in ('F', 'B', 'W'))} unit tasks, "
+                           f"{self._counts.get('AR', 0)} all-reduces, {self._counts.get('P2P', 0)} P2P, "
+                           f"{self._counts.get('chained', 0)} chained runs, {self._counts.get('OFFLOAD', 0)} offloads, "
+                           f"{len(self._grads)} gradients in {self.capture_s:.2f} s; pool {pool_mib} MiB")
+        log.info("rank %d: %s", ex.rank, self.events[-1])
+
+    def _copy_in(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
+        if len(tokens) != len(self._tokens) or len(labels) != len(self._labels):
+            raise ValueError(f"rank {self.ex.rank}: the graph was captured for {len(self._tokens)} micro-batches, got {len(tokens)}")
+        for dst, src in zip(self._tokens + self._labels, list(tokens) + list(labels)):
+            if not isinstance(src, torch.Tensor) or dst.shape != src.shape or dst.dtype != src.dtype:
+                got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+                raise ValueError(f"rank {self.ex.rank}: the graph was captured for micro-batches {tuple(dst.shape)} "
+                                 f"{dst.dtype}, got {got}: another shape needs another graph (or cuda_graph='none')")
+            dst.copy_(src, non_blocking=True)
+
+    def _replay(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], note: str) -> StepResult:
+        assert self.graph is not None
+        self._copy_in(tokens, labels)
+        for p, g in self._grads:
+            if p.grad is not g:
+                p.grad = g  # the graph writes these tensors
+        self.graph.replay()
+        self.events.append(f"step {self.steps}: {note}")
+        self.steps += 1
+        ex = self.ex
+        meta = {"schedule": ex.plan.name, "source": "measured", "rank": ex.rank, "device": str(self.device),
+                "record": "off", "cuda_graph": "step", "summary": {f"count_{k}": v for k, v in self._counts.items()}}
+        loss = None if self._loss is None else self._loss.clone()  # the next replay overwrites the captured tensor
+        return StepResult(loss, Trace(meta, [], {}), dict(self._counts))
+
+    def release(self) -> None:
+        """Free the graph and its pool, with the gradients it wrote (set to None) and the loss;
+        a later step captures again (the warm-up is not repeated)."""
+        torch.cuda.synchronize(self.device)
+        for p, g in self._grads:
+            if p.grad is g:
+                p.grad = None
+        for ch in self.ex.chunks.values():
+            ch.losses.clear()  # the captured per-micro-batch losses live in the pool
+        self.graph = self.pool = self._loss = None
+        self._grads, self._tokens, self._labels = [], [], []
+        self._host_allocs = [0]  # the host pool was steady
+        torch.cuda.empty_cache()
+
+    def memory(self) -> dict[str, int | None]:
+        """Device memory of the graph: the allocator's peak during capture (above what was allocated before)
+        and the bytes its private pool holds."""
+        return {"capture_peak_bytes": self.capture_peak_bytes, "graph_pool_bytes": self.pool_bytes}
+
+
+def step_runner(ex: Executor, mode: str | None = None, *, warmup: int = WARMUP_STEPS) -> GraphedStep | EagerStep:
+    """The runner of ``ex``'s step under ``mode`` (see :func:`resolve`): a :class:`GraphedStep`
+    or an :class:`EagerStep` whose ``reason`` says why it is not graphed (None: asked for)."""
+    chosen, reason = resolve(mode, ex)
+    if chosen == "step":
+        return GraphedStep(ex, warmup=warmup)
+    if reason is not None:
+        log.info("rank %d: CUDA graphs off: %s", ex.rank, reason)
+    return EagerStep(ex, reason)

@@ -1,0 +1,158 @@
+"""Whole-step CUDA graphs (:mod:`braid.runtime.graphs`) on CPU: when a step cannot be captured and
+why (one line), the switch's values, the cost file for graphed steps, and ``--cuda-graph`` on
+every command line (bad input: one line, exit 2). Capture and replay themselves need CUDA:
+``tests/test_graphs_gpu.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from braid.runtime import graphs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _executor(**kw):
+    from braid import schedules
+    from braid.core.compiler import compile_plan
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+
+    plan = schedules.build("braided_v", 1, 3)
+    cfg = Qwen2Config(layers=2, vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn=64)
+    torch.manual_seed(0)
+    chunks = build_rank_chunks(Qwen2Model(cfg), plan, 0, (1, 1))
+    return Executor(plan, compile_plan(plan)[0], chunks, pp_ranks=[0], act_shape=(2, 8, 32), record="off", **kw), cfg
+
+
+def test_config_reasons_name_what_cannot_be_captured() -> None:
+    assert "need a CUDA device" in graphs.config_reason("cpu")
+    assert "symm-mem" in graphs.config_reason("cuda", tp=2, tp_backend="symm-mem")
+    assert graphs.config_reason("cuda", tp=1, tp_backend="symm-mem") is None  # no TP all-reduce at tp=1
+    assert "sequence parallelism" in graphs.config_reason("cuda", cp=2)
+    assert "vision-language" in graphs.config_reason("cuda", vision=True)
+    assert graphs.config_reason("cuda", tp=2, tp_backend="nccl-capped") is None
+    for reason in (graphs.config_reason("cpu"), graphs.config_reason("cuda", vision=True)):
+        assert "\n" not in reason
+
+
+def test_check_mode() -> None:
+    assert graphs.check_mode("step") == "step" and graphs.check_mode("none") == "none" and graphs.check_mode(None) is None
+    with pytest.raises(ValueError, match="choose one of none, step"):
+        graphs.check_mode("full")
+
+
+def test_a_cpu_step_runs_eager_and_says_why() -> None:
+    ex, cfg = _executor()
+    assert graphs.resolve(None, ex) == ("none", graphs.config_reason("cpu"))
+    assert graphs.resolve("none", ex) == ("none", None)
+    with pytest.raises(ValueError, match="rank 0 cannot capture its step: device cpu"):
+        graphs.resolve("step", ex)
+    with pytest.raises(ValueError, match="cannot capture this step: device cpu"):
+        graphs.GraphedStep(ex)
+    runner = graphs.step_runner(ex)
+    assert isinstance(runner, graphs.EagerStep) and runner.reason == graphs.config_reason("cpu") and not runner.captured
+    g = torch.Generator().manual_seed(1)
+    toks = [torch.randint(0, cfg.vocab_size, (2, 8), generator=g) for _ in range(3)]
+    labs = [torch.randint(0, cfg.vocab_size, (2, 8), generator=g) for _ in range(3)]
+    params = [p for ch in ex.chunks.values() for p in ch.parameters()]
+    got = runner.run(toks, labs)
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    want = ex.run(toks, labs)
+    assert got.loss == want.loss and all(torch.equal(a, p.grad) for a, p in zip(grads, params))
+
+
+def test_chunk_and_abort_reasons(monkeypatch) -> None:
+    """What :func:`not_capturable` checks past the device (the device is made to read cuda)."""
+    from braid.models.chunk import ModelChunk
+    from braid.runtime.distributed import Abort
+
+    ex, _ = _executor()
+    ex.device = torch.device("cuda", 0)
+    assert graphs.not_capturable(ex) is None
+    ex.abort = Abort(store=None, rank=0, cuda=False)
+    assert "read from the store" in graphs.not_capturable(ex)
+    ex.abort = Abort(store=None, rank=0, cuda=True)
+    assert graphs.not_capturable(ex) is None
+
+    class HostBatch(ModelChunk):
+        def set_batch(self, tokens, labels):  # reads its items on the host, as the VLM's chunks do
+            super().set_batch(tokens, labels)
+
+    ex.chunks[1].__class__ = HostBatch
+    assert graphs.not_capturable(ex) == "chunk 1 (HostBatch) reads its micro-batches on the host every step; it runs eager"
+
+
+def test_graphed_costs_drop_the_host_lane() -> None:
+    def doc(device: str) -> dict:
+        return {"host_task_s": 4e-4, "meta": {"config": {"device": device, "tp": 2}, "tp_backend": "nccl-capped"}}
+
+    d = graphs.graphed_costs(doc("cuda"), None)
+    assert d["host_task_s"] == 0.0 and d["meta"]["profiled_host_task_s"] == 4e-4 and d["meta"]["cuda_graph"] == "step"
+    for device, mode in (("cuda", "none"), ("cpu", None)):
+        d = graphs.graphed_costs(doc(device), mode)
+        assert d["host_task_s"] == 4e-4 and d["meta"]["cuda_graph"] == "none"
+    bad = doc("cuda")
+    bad["meta"]["tp_backend"] = "symm-mem"
+    assert graphs.graphed_costs(bad, None)["host_task_s"] == 4e-4
+
+
+def test_host_pool_forgets_buffer_events() -> None:
+    from braid.runtime.offload import HostPool
+
+    pool = HostPool(pin=False)
+    bufs = [pool.acquire(16), pool.acquire(16), pool.acquire(8)]
+    for b in bufs:
+        pool.release(b, ready=object())
+    pool.forget_events()
+    assert all(b.ready is None for b in bufs) and pool.in_use == 0 and pool.allocations == 3
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["examples/qwen2.py", "--cuda-graph", "full"], "--cuda-graph"),
+    (["examples/qwen2.py", "--cuda-graph", "step", "--device", "cpu"], "--cuda-graph step: device cpu"),
+    (["examples/qwen2_vl.py", "--cuda-graph", "step", "--device", "cpu"], "--cuda-graph step: device cpu"),
+    (["-m", "braid.bench", "--cuda-graph", "step", "--device", "cpu"], "--cuda-graph step: device cpu"),
+    (["-m", "braid.profile", "--cuda-graph", "step", "--device", "cpu"], "--cuda-graph step: device cpu"),
+    (["-m", "braid.bench", "--cuda-graph", "all"], "--cuda-graph"),
+    (["benchmarks/bench_executor_limit.py", "--cuda-graph", "step", "--device", "cpu"], "--cuda-graph step: device cpu"),
+])
+def test_cuda_graph_flag_bad_input_is_one_line_exit_2(tmp_path, argv: list[str], fragment: str) -> None:
+    if not argv[0].startswith("-"):
+        argv = [str(ROOT / argv[0]), *argv[1:]]
+    proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
+    lines = proc.stderr.strip().splitlines()
+    if "bench_executor_limit" in argv[0]:  # a plain argparse script: usage, then the one error line
+        lines = lines[-1:]
+    assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], (proc.returncode, proc.stderr[-2000:])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_static_buffers_take_new_micro_batches_and_refuse_other_shapes() -> None:
+    """:meth:`GraphedStep._copy_in` (what a replay reads): copies in place, refuses another count, shape or dtype."""
+    ex, _ = _executor()
+    step = object.__new__(graphs.GraphedStep)  # the buffer plumbing only: no CUDA stream, no capture
+    step.ex = ex
+    step._tokens = [torch.zeros(2, 8, dtype=torch.long) for _ in range(3)]
+    step._labels = [torch.zeros(2, 8, dtype=torch.long) for _ in range(3)]
+    held = [t.data_ptr() for t in step._tokens + step._labels]
+    toks = [torch.full((2, 8), i, dtype=torch.long) for i in range(3)]
+    labs = [torch.full((2, 8), 10 + i, dtype=torch.long) for i in range(3)]
+    step._copy_in(toks, labs)
+    assert [t.data_ptr() for t in step._tokens + step._labels] == held
+    assert all(torch.equal(a, b) for a, b in zip(step._tokens + step._labels, toks + labs))
+    with pytest.raises(ValueError, match="captured for 3 micro-batches, got 2"):
+        step._copy_in(toks[:2], labs[:2])
+    with pytest.raises(ValueError, match=r"captured for micro-batches \(2, 8\) torch.int64, got \(2, 16\)"):
+        step._copy_in([torch.zeros(2, 16, dtype=torch.long)] * 3, labs)
+    with pytest.raises(ValueError, match="another shape needs another graph"):
+        step._copy_in([t.int() for t in toks], labs)
