@@ -100,7 +100,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
                     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
                     print(f"== profile of one {name} step, {backend} (rank 0) ==\n{table}", flush=True)
         if device.type == "cuda":
-            from braid.profile import _ar_stretch
+            from braid.measure.units import _ar_stretch
 
             x = torch.randn(1, seq, cfg.hidden, dtype=dtype, device=device)
             a = torch.randn(seq, cfg.hidden, dtype=dtype, device=device)

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     from braid.baselines.torch_pp import TORCH_SCHEDULES
     from braid.io.files import OutputPathError, atomic_write_text, check_output_path
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.profile import PRESETS
+    from braid.measure.config import PRESETS
     from braid.runtime import compiled as compiled_units
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("::", 1)[1],

@@ -79,7 +79,7 @@ def _floor_step(chunks, toks, labs, m: int) -> None:
     gradients split off as the executor does) followed by its weight backward. No executor,
     no chunk bookkeeping, no saved-tensor hooks: what any unit-granular runtime must pay.
     """
-    from braid.models.chunk import _masked_mean
+    from braid.models.chunk_parts import _masked_mean
     from braid.tp.embedding import vocab_parallel_cross_entropy
     from braid.tp.layers import split_weight_grads
 

@@ -181,9 +181,9 @@ def measure(args: argparse.Namespace) -> tuple[dict[int, dict[str, dict]], dict[
 
     Sets ``args.runs`` (the runs, ``offload auto`` tuned once here) for the workers and the caller,
     and on GPUs ``args.link``: this machine's host-copy bandwidth and duplex slowdown
-    (:func:`braid.profile.measure_host_link`), which the predictions and ``auto`` use."""
+    (:func:`braid.measure.units.measure_host_link`), which the predictions and ``auto`` use."""
     if not args.tiny:
-        from braid.profile import measure_host_link
+        from braid.measure.units import measure_host_link
 
         args.link = measure_host_link(torch.device("cuda:0"))
     args.runs = _runs(args)

@@ -1,4 +1,4 @@
-"""Re-fit a stored ``braid.bench --json`` run's calibration with the current :func:`braid.bench.calibrate`
+"""Re-fit a stored ``braid.bench --json`` run's calibration with the current :func:`braid.measure.calibrate.calibrate`
 and print each schedule's measured step beside the stored and the re-fitted prediction.
 
 The stored profile is the calibrated one; the uncalibrated profile is rebuilt from it (the
@@ -18,12 +18,15 @@ import statistics
 import sys
 from typing import Any
 
-from braid.bench import _busy_by_phase, calibrate, predict, probe_plan
+from braid.measure.calibrate import busy_by_phase
+from braid.measure.calibrate import calibrate
+from braid.measure.calibrate import predict
+from braid.measure.calibrate import probe_plan
 from braid.core.compiler import compile_plan
 from braid.cost.costs import Layout, costs_from_dict
 from braid.models.qwen2 import Qwen2Config
 from braid.core.partition import chunk_specs
-from braid.profile import ProfileConfig
+from braid.measure.config import ProfileConfig
 from braid.simulator import simulate
 
 
@@ -44,7 +47,7 @@ def refit(summary: dict[str, Any]) -> list[tuple[str, int, float, float, float]]
             ch[f"T_{ph}"] /= scale[ph]
     plan = probe_plan(pc.pp, 2 * pc.pp, pc.v)
     lay, specs = Layout(pc.tp, pc.pp, plan.v, plan.placement), chunk_specs(pc.layers_per_stage, pc.pp, plan.placement)
-    nominal = _busy_by_phase(simulate(compile_plan(plan), costs_from_dict({**raw, "ar_slowdown": 1.0}, lay, specs), record=True).trace)
+    nominal = busy_by_phase(simulate(compile_plan(plan), costs_from_dict({**raw, "ar_slowdown": 1.0}, lay, specs), record=True).trace)
     new = calibrate(raw, pc, plan, cal["measured_step_s"], {ph: t * scale[ph] for ph, t in nominal.items()})
     return [(r["schedule"], r["m"], r["step_s"], r["predicted_step_s"],
              predict(new, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage)[0].report.step_time_s)

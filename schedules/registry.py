@@ -70,18 +70,11 @@ def register(name: str, *, v: int, placement: Placement, description: str, knobs
     return deco
 
 
-def _load() -> None:
-    # Importing the generator modules fills the registry.
-    import braid.schedules.generators  # noqa: F401
-
-
 def names() -> list[str]:
-    _load()
     return list(_SCHEDULES)
 
 
 def get_schedule(name: str) -> ScheduleSpec:
-    _load()
     try:
         return _SCHEDULES[name]
     except KeyError:

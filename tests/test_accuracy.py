@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from braid.bench import MEASUREMENTS_FORMAT, predict, rel_err
+from braid.measure.report import MEASUREMENTS_FORMAT
+from braid.measure.calibrate import predict
+from braid.measure.calibrate import rel_err
 
 DATA = Path(__file__).parent / "data"
 SETS = [(f.name, s) for f in sorted(DATA.glob("measurements_*.json")) for s in json.loads(f.read_text())["sets"]]

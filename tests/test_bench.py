@@ -8,12 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from braid.bench import BenchConfig, calibrate, capture, format_report, instruction_end_peaks, probe_plan, run_bench
+from braid.measure.config import BenchConfig
+from braid.measure.calibrate import calibrate
+from braid.measure.report import capture
+from braid.measure.report import format_report
+from braid.measure.calibrate import instruction_end_peaks
+from braid.measure.calibrate import probe_plan
+from braid.measure.runs import run_bench
 from braid.core.compiler import compile_plan
 from braid.cost.costs import Layout, costs_from_dict
 from braid.core.partition import chunk_specs
 from braid.models.qwen2 import Qwen2Config
-from braid.profile import ProfileConfig
+from braid.measure.config import ProfileConfig
 from braid.io.trace import Event, Trace
 from braid.simulator import simulate
 

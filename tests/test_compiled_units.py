@@ -27,7 +27,7 @@ from braid import schedules
 from braid.core.braiding import ChunkSpec, Unit
 from braid.core.compiler import compile_plan
 from braid.core.ir import OpKind
-from braid.models.chunk import ChunkStateError
+from braid.models.chunk_parts import ChunkStateError
 from braid.models.build import build_chunk
 from braid.models.qwen2 import EAGER, Qwen2Config, Qwen2Model
 from braid.runtime import compiled

@@ -203,7 +203,8 @@ def _raise_wait(d, src: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_launch_report_leads_with_the_first_failure() -> None:
-    from braid.profile import JobFailed, launch
+    from braid.measure.launch import JobFailed
+    from braid.measure.launch import launch
 
     with pytest.raises(JobFailed) as info:
         launch(2, "cpu", _fails_on_rank_one)
@@ -221,7 +222,8 @@ def _killed_on_rank_one(d) -> None:
 
 @pytest.mark.timeout(240)
 def test_launch_names_a_killed_rank_and_does_not_wait_for_it() -> None:
-    from braid.profile import JobFailed, launch
+    from braid.measure.launch import JobFailed
+    from braid.measure.launch import launch
 
     with pytest.raises(JobFailed) as info:
         launch(2, "cpu", _killed_on_rank_one)
@@ -417,7 +419,7 @@ def test_ranks_of_a_killed_launcher_exit(tmp_path) -> None:
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from braid.profile import launch; import test_faults; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from braid.measure.launch import launch; import test_faults; "
             "launch(2, 'cpu', test_faults._write_pid_and_sleep, sys.argv[2])")
     launcher = subprocess.Popen([sys.executable, "-c", code, here, str(tmp_path)])
     try:

@@ -36,7 +36,7 @@ def test_presets_become_runnable_configs_of_their_family() -> None:
 
 
 def test_profile_presets_take_their_shapes_from_the_catalog() -> None:
-    from braid.profile import PRESETS
+    from braid.measure.config import PRESETS
 
     for name, preset in (("7b-layer", "qwen2-7b"), ("small", "qwen2-small"), ("tiny", "qwen2-toy")):
         want = get_model(preset)

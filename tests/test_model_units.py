@@ -9,7 +9,7 @@ import torch
 
 from braid.core.braiding import ChunkSpec, Phase, Unit, UnitTask, steps
 from braid.core.ir import OpKind, parse_instruction
-from braid.models.chunk import ChunkStateError
+from braid.models.chunk_parts import ChunkStateError
 from braid.models.build import build_chunk
 from braid.models.qwen2 import Qwen2Config, Qwen2Model, parallelize_layer
 

@@ -8,7 +8,10 @@ from braid.core.braiding import OpKind, unit_tasks
 from braid.cost.costs import Layout, costs_from_dict
 from braid.models.qwen2 import Qwen2Config
 from braid.core.partition import chunk_specs
-from braid.profile import PRESETS, ProfileConfig, main, profile
+from braid.profile import main
+from braid.measure.config import PRESETS
+from braid.measure.config import ProfileConfig
+from braid.measure.units import profile
 
 TINY = PRESETS["tiny"]
 

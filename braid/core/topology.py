@@ -1,7 +1,7 @@
 """Rank layout of a training job: data x pipeline x context x tensor parallel degrees.
 
 A :class:`Topology` is a frozen, validated value; the rank grid is
-``torch.arange(world).view(dp, pp, cp, tp)`` (tensor parallel fastest, so the TP group of a
+``numpy.arange(world).reshape(dp, pp, cp, tp)`` (tensor parallel fastest, so the TP group of a
 rank is a block of neighbouring ranks -- one node's NVLink island on real clusters). The
 process groups live in a separate object, :class:`braid.runtime.distributed.ProcessGroups`,
 created from a topology; nothing here touches ``torch.distributed``.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 
 class TopologyError(ValueError):
@@ -51,9 +51,9 @@ class Topology:
             )
 
     # -- rank-grid math ---------------------------------------------------------------
-    def grid(self) -> torch.Tensor:
-        """Global ranks laid out as a (dp, pp, cp, tp) tensor."""
-        return torch.arange(self.world_size).view(self.dp, self.pp, self.cp, self.tp)
+    def grid(self) -> np.ndarray:
+        """Global ranks laid out as a (dp, pp, cp, tp) array."""
+        return np.arange(self.world_size).reshape(self.dp, self.pp, self.cp, self.tp)
 
     def coords(self, rank: int) -> RankCoords:
         """Where ``rank`` sits in the grid."""
@@ -76,13 +76,13 @@ class Topology:
         axes = {"dp": 0, "pp": 1, "cp": 2, "tp": 3}
         if dim == "dp_cp":
             # Gradient reduction spans data and context parallel ranks of one (pp, tp) slot.
-            t = g.permute(1, 3, 0, 2).reshape(self.pp * self.tp, self.dp * self.cp)
+            t = g.transpose(1, 3, 0, 2).reshape(self.pp * self.tp, self.dp * self.cp)
             return [row.tolist() for row in t]
         if dim not in axes:
             raise TopologyError(f"unknown group dimension {dim!r}; valid: dp, pp, cp, tp, dp_cp")
         ax = axes[dim]
         order = [a for a in range(4) if a != ax] + [ax]
-        t = g.permute(*order).reshape(-1, g.shape[ax])
+        t = g.transpose(*order).reshape(-1, g.shape[ax])
         return [row.tolist() for row in t]
 
     def group_of(self, dim: str, rank: int) -> list[int]:

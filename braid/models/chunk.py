@@ -22,144 +22,48 @@ holds no tensor) instead of a leaf (whose ``AccumulateGrad`` node would hold the
 data until backward). So moving a box's tensors to the host really frees their device
 memory, for any fraction of a micro-batch's saved bytes.
 
-Fused mode (:meth:`ModelChunk.choose_fused`; the executor picks it at tp=1 without
-sequence parallelism or offload): none of the cuts above is needed, and each costs an
-autograd engine call per unit. The forward unit tasks then run on the attached graph (the
-residual included; only a received chunk input is entered), filling the per-unit boxes
-when the step is recorded (:attr:`ModelChunk.track_saved`), and the op's first backward
-unit task runs the whole chunk's backward in one engine call, the weight gradients stashed
-for the W tasks as above. A micro-batch whose backward op is a ``BW``
-(:meth:`ModelChunk.set_joint`) runs *joint*: small linears and the embedding as plain
-modules, one ``backward()`` that accumulates every gradient, nothing stashed. The executor
-calls :meth:`ModelChunk.run_op` once per op instead of once per unit task when it does not
-time single units.
+Fused mode and joint micro-batches: :class:`braid.models.fused.FusedOps`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.graph import GradientEdge
 
-from braid.core.braiding import ChunkSpec, Phase, Unit, UnitTask, unit_tasks
+from braid.core.braiding import ChunkSpec, Phase, Unit, UnitTask
 from braid.core.ir import OpKind
-from braid.tp.autograd_calls import edge, fast_apply, grad
+from braid.models.chunk_parts import (
+    IGNORE_INDEX,
+    ChunkStateError,
+    _Backward,
+    _Box,
+    _Entry,
+    _FusedOp,
+    _masked_mean,
+    _Piece,
+)
+from braid.models.fused import FusedOps
 from braid.models.qwen2 import EAGER, UnitFns
 from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
-from braid.tp.embedding import VocabParallelEmbedding
 from braid.runtime.offload import ActivationOffloader, Parked
-from braid.tp.layers import ColumnParallelLinear, DeferredWeightGrad, NativeMode, accumulate_grad, split_weight_grads
-
-
-class ChunkStateError(RuntimeError):
-    """A unit task whose inputs are missing (an executor invariant was broken)."""
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    """A leaf copy-free alias of ``t`` (vision chunk's merge unit); the LM units use :meth:`ModelChunk._enter`."""
-    return t.detach().requires_grad_()
-
-
-class _Entry(torch.autograd.Function):
-    """Identity that starts a piece's autograd graph at ``x`` without holding ``x``.
-
-    The output is a view of ``x`` (no copy) that requires grad through ``anchor`` (a
-    0-dim tensor; it gets no gradient). Its backward node saves nothing, so once the
-    forward is done ``x``'s storage is held only by the saved-tensor boxes; the gradient
-    w.r.t. ``x`` is captured at the node's :class:`GradientEdge`.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
+from braid.tp.autograd_calls import edge, fast_apply, grad
+from braid.tp.embedding import VocabParallelEmbedding
+from braid.tp.layers import (
+    ColumnParallelLinear,
+    DeferredWeightGrad,
+    NativeMode,
+    accumulate_grad,
+    split_weight_grads,
+)
 
 _enter_apply = fast_apply(_Entry)
 
-Handle = torch.Tensor | GradientEdge  # a piece's input/output: an edge, or (the loss) a tensor
-_edge = edge
 
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-IGNORE_INDEX = -100
-
-
-def _masked_mean(ce: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean per-token loss over labels != -100 (prompt/image/padding positions take no loss), as ``F.cross_entropy``."""
-    valid = labels != IGNORE_INDEX
-    return (ce * valid).sum() / valid.sum().clamp(min=1)  # no host sync: the count stays a tensor
-
-
-@dataclass(slots=True)
-class _Piece:
-    """One autograd sub-graph of a unit: input and output handles (edges, which hold no
-    activation data), and eager parameters (norm weights)."""
-
-    inputs: tuple[Handle, ...]
-    outputs: tuple[Handle, ...]
-    params: tuple[nn.Parameter, ...] = ()
-
-
-@dataclass(slots=True)
-class _Box:
-    """Saved activations of one (micro-batch, unit): tensors, or :class:`Parked` stand-ins while on the host."""
-
-    tensors: list[Any] = field(default_factory=list)
-
-    def storages(self) -> dict[int, int]:
-        """Device storages the box holds: data pointer -> bytes (each storage once)."""
-        out = {}
-        for t in self.tensors:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()  # one storage object per tensor (sampled after every instruction on CPU)
-                out[st.data_ptr()] = st.nbytes()
-        return out
-
-    def live_bytes(self) -> int:
-        return sum(self.storages().values())
-
-
-@dataclass(slots=True)
-class _FusedOp:
-    """One micro-batch's forward through a fused chunk: the ends of its single autograd graph.
-
-    ``input``: the edge of the chunk input (entered through :class:`_Entry`; None where the
-    chunk starts with the embedding); ``params``: the eager parameters (norm weights) whose
-    gradients the one backward call returns; ``output``: the output's edge, or (head) the
-    loss; ``boxes``: the saved-tensor boxes.
-
-    ``joint``: the op's backward computes the weight gradients too (its backward op is a
-    ``BW``, :meth:`ModelChunk.set_joint`): the linears ran as plain modules, ``input`` is a
-    leaf tensor, and one ``backward`` call accumulates every parameter's gradient.
-    """
-
-    input: GradientEdge | torch.Tensor | None
-    params: list[nn.Parameter] = field(default_factory=list)
-    output: Handle | None = None
-    boxes: list[tuple] = field(default_factory=list)
-    joint: bool = False
-
-
-@dataclass(slots=True)
-class _Backward:
-    grads: tuple[torch.Tensor, ...] = ()
-    residual: torch.Tensor | None = None
-    pending: tuple[_Piece, torch.Tensor, torch.Tensor | None, tuple] | None = None
-
-
-class ModelChunk(nn.Module):
+class ModelChunk(FusedOps, nn.Module):
     """Layers ``[first, first+len(layers))`` of a model, plus the embedding and/or head.
 
     ``tp_group`` is used only inside the loss (vocab-parallel max/sum-exp); the unit
@@ -257,48 +161,6 @@ class ModelChunk(nn.Module):
             return "tensor parallelism (tp > 1)"
         return None
 
-    def choose_fused(self, reason: str | None = None) -> bool:
-        """Fused mode (one autograd graph per micro-batch) where nothing needs the unit cuts.
-
-        ``reason``: the caller's reason to keep the cuts (the executor's: its program
-        offloads activations, its TP or SP group). With ``fuse=None`` the chunk then runs
-        fused exactly when neither that nor :meth:`cut_reason` holds; ``fuse=False`` always
-        cuts; ``fuse=True`` where it cannot run fused is an error. Call between steps.
-
-        In fused mode the forward unit tasks still run one at a time (and fill the
-        per-unit saved-tensor boxes), but the graph is not cut between units: the op's
-        first backward unit task runs the whole chunk's backward in one engine call, with
-        the weight gradients of every unit stashed for its W task as in cut mode; the
-        other backward unit tasks have nothing left to do.
-        """
-        why = reason or self.cut_reason()
-        if self.fuse and why:
-            raise ValueError(f"fused chunk requested (fuse=True), but {why} needs the unit cuts; build it with fuse=None")
-        fused = self.fuse is not False and why is None
-        if fused != self.fused and (self._fwd or self._saved or self._ops or self._bwd):
-            raise ChunkStateError("fused/cut mode changed with a micro-batch in flight")
-        self.fused = fused
-        for m in self._deferred_all():
-            m.native = self._native
-        return fused
-
-    def set_joint(self, mbs: "set[int] | frozenset[int]") -> None:
-        """Micro-batches whose backward op computes the weight gradients with the activation
-        gradients (a ``BW`` op; the executor reads them off its program).
-
-        In fused mode their forward runs the embedding and the small linears as plain
-        modules (``F.linear``/``F.embedding``; :class:`braid.tp.layers.NativeMode`) and
-        their backward is one ``backward`` call that accumulates every gradient, as a
-        training loop's ``loss.backward()`` (larger linears add theirs into ``.grad`` inside
-        the GEMM during that call): no weight gradient is stashed and the op's W tasks have
-        nothing to do. Call between steps. A micro-batch marked joint whose backward is
-        split after all (a B, then a W) gets the right gradients, but its W then finds no
-        stash: mark exactly the ``BW`` ops.
-        """
-        if self._ops or self._bwd:
-            raise ChunkStateError("joint micro-batches changed with a micro-batch in flight")
-        self.joint = frozenset(mbs)
-
     def set_recompute(self, mode: str) -> None:
         """Activation recomputation of every layer (:mod:`braid.models.recompute`): ``"none"`` or ``"selective"``."""
         from braid.models.recompute import check_mode
@@ -381,40 +243,6 @@ class ModelChunk(nn.Module):
             mod.weight_backward(mb)
         return None
 
-    def run_op(self, mb: int, kind: OpKind) -> None:
-        """A whole op of a fused chunk in one call: what its unit tasks do, in their order.
-
-        The executor's path for fused chunks when it does not time single units: the F op's
-        units run one after another, a B or BW op is the one backward call (plus, for a BW
-        whose micro-batch is not joint, its weight gradients), a W op the weight gradients
-        stashed for it. Fused mode has no TP all-reduce, so nothing is returned.
-        """
-        if not self.fused:
-            raise ChunkStateError(f"run_op needs a fused chunk ({self.cut_reason() or 'fuse=False'})")
-        if kind is not OpKind.W:
-            tasks = self._op_tasks.get(kind)
-            if tasks is None:  # an F's units, a B's or a BW's backward units
-                tasks = self._op_tasks[kind] = tuple((t.unit, t.layer) for t in unit_tasks(kind, self.spec)
-                                                     if t.phase is not Phase.W)
-            if kind is OpKind.F:
-                for unit, layer in tasks:
-                    self._forward(mb, unit, layer)
-                return
-            self._backward(mb, *tasks[0])  # the op's first B task runs the whole backward
-            for unit, layer in tasks[1:]:
-                self._take(mb, unit, layer)
-            if kind is OpKind.B:
-                return
-        if mb not in self._joint_done:
-            for mod in self._op_deferred():
-                mod.weight_backward(mb)
-
-    def _op_deferred(self) -> tuple[DeferredWeightGrad, ...]:
-        """The deferred modules of every backward unit, in W-task order."""
-        if self._op_mods is None:
-            self._op_mods = tuple(m for t in unit_tasks(OpKind.W, self.spec) for m in self._deferred(t.unit, t.layer))
-        return self._op_mods
-
     def end_forward(self, mb: int) -> None:
         """Called when all of F(mb)'s all-reduces are done: its output becomes available."""
         state = self._fwd.pop(mb, None)
@@ -425,7 +253,7 @@ class ModelChunk(nn.Module):
             if op is None:
                 self._outputs[mb] = state[0]
             else:  # fused: the graph stays attached here; the next stage gets the detached output
-                op.output = _edge(state[0])
+                op.output = edge(state[0])
                 self._outputs[mb] = state[0].detach()
 
     def end_backward(self, mb: int) -> None:
@@ -488,61 +316,13 @@ class ModelChunk(nn.Module):
         self.losses[mb] = loss.detach()
         return loss
 
-    def _fused_forward(self, mb: int, unit: Unit, layer: int) -> None:
-        """A unit's forward in fused mode: on the attached state, nothing cut (only a received input is entered)."""
-        op = self._ops.get(mb)
-        key = (mb, unit, layer)
-        if op is None:
-            joint = mb in self.joint
-            if unit is Unit.EMBED:
-                op = self._ops[mb] = _FusedOp(None, joint=joint)
-            else:
-                if mb not in self._inputs:
-                    raise ChunkStateError(f"F{mb}: input activation missing (not received)")
-                x = self._inputs.pop(mb)
-                # joint: a leaf, whose .grad the one backward call fills (its AccumulateGrad
-                # node holds x, which the first norm saves anyway).
-                x = x.detach().requires_grad_() if joint else self._enter(x)
-                op = self._ops[mb] = _FusedOp(x if joint else _edge(x), joint=joint)
-                self._fwd[mb] = (x,)
-        self._saved[key] = []
-        self._native.on = op.joint
-        try:
-            if self.track_saved:
-                op.boxes.append(key)
-                with self._saving(*key):
-                    self._fused_unit(mb, op, unit, layer)
-            else:
-                self._fused_unit(mb, op, unit, layer)
-        finally:
-            self._native.on = False
-        return None
-
-    def _fused_unit(self, mb: int, op: _FusedOp, unit: Unit, layer: int) -> None:
-        if unit is Unit.EMBED:
-            self._fwd[mb] = (self.embed(self.tokens[mb]),)
-        elif unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
-            x = self._fwd[mb][0]
-            norm = self.norm if unit is Unit.HEAD else self._layer_seq[layer].unit_norm(unit)
-            h = norm(x)
-            if not op.joint:  # a joint backward accumulates every parameter's gradient itself
-                op.params.append(norm.weight)
-            if unit is Unit.HEAD:
-                op.output = self._loss(mb, self.lm_head(h))
-                self._fwd[mb] = ()
-            else:
-                self._fwd[mb] = tuple(self._layer_seq[layer].unit_forward(unit, h, positions=self.positions)) + (x,)
-        else:
-            *acts, residual = self._fwd[mb]
-            self._fwd[mb] = (self._layer_seq[layer].unit_forward(unit, *acts, residual=residual),)
-
     def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
         if self.fused:
             return self._fused_forward(mb, unit, layer)
         if unit is Unit.EMBED:
             with self._saving(mb, unit, layer):
                 out = self.embed(self.tokens[mb])
-            self._saved[(mb, unit, layer)] = [_Piece((), (_edge(out),))]
+            self._saved[(mb, unit, layer)] = [_Piece((), (edge(out),))]
             self._fwd[mb] = (out.detach(),)
             return self._fwd[mb][0]
         if mb not in self._fwd:
@@ -561,14 +341,14 @@ class ModelChunk(nn.Module):
                     outs: tuple[torch.Tensor, ...] = (self._loss(mb, self.lm_head(hl)),)  # logits (b, s, V/t)
                 else:
                     outs = tuple(self._layer_seq[layer].unit_forward(unit, hl, positions=self.positions))
-                ends = outs if unit is Unit.HEAD else tuple(_edge(o) for o in outs)  # the loss: a 0-dim tensor
-                self._saved[key] = [_Piece((_edge(x),), (_edge(h),), (norm.weight,)), _Piece((_edge(hl),), ends)]
+                ends = outs if unit is Unit.HEAD else tuple(edge(o) for o in outs)  # the loss: a 0-dim tensor
+                self._saved[key] = [_Piece((edge(x),), (edge(h),), (norm.weight,)), _Piece((edge(hl),), ends)]
                 self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
                 return None
             *acts, residual = state
             leaves = tuple(self._enter(a) for a in acts)
             out = self._layer_seq[layer].unit_forward(unit, *leaves, residual=residual)  # partial over TP
-        self._saved[key] = [_Piece(tuple(_edge(t) for t in leaves), (_edge(out),))]
+        self._saved[key] = [_Piece(tuple(edge(t) for t in leaves), (edge(out),))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]
 
@@ -588,47 +368,6 @@ class ModelChunk(nn.Module):
             return self._saved.pop((mb, unit, layer))
         except KeyError:
             raise ChunkStateError(f"B{mb}: no saved activations of {unit.value} layer {layer} (forward not run?)") from None
-
-    def _fused_backward(self, mb: int, op: _FusedOp) -> torch.Tensor | None:
-        """The whole chunk's backward of ``mb`` in one engine call (the op's first B task).
-
-        From the loss or the received output gradient to the chunk input (or the
-        embedding) and the norm weights, every deferred module's weight gradient stashed
-        under ``mb`` for the W tasks; the input gradient is left for :meth:`pop_input_grad`.
-        The embedding's weight is listed so that its (stashing) backward runs; its
-        gradient comes back None (it is the W task's).
-        """
-        if op.joint:  # every gradient accumulated by the engine, as loss.backward() does
-            grads = None if self.spec.head else (self._grad_out.pop(mb),)
-            self._native.accumulate = True
-            try:
-                torch.autograd.backward((op.output,), grads)
-            finally:
-                self._native.accumulate = False
-            for key in op.boxes:
-                self._boxes.pop(key, None)
-            if op.input is not None:
-                self._grad_in[mb] = op.input.grad
-            self._joint_done.add(mb)
-            return None
-        params = op.params
-        ends = params + [self.embed.weight] if op.input is None else [op.input, *params]
-        grads = () if self.spec.head else (self._grad_out.pop(mb),)  # the loss: ones
-        with split_weight_grads(self._deferred_all(), mb):
-            if op.input is None:
-                got = torch.autograd.grad((op.output,), ends, grads or None, allow_unused=True)
-            elif self.spec.head:
-                got = torch.autograd.grad((op.output,), ends)
-            else:
-                got = grad((op.output,), ends, grads)
-        for key in op.boxes:
-            self._boxes.pop(key, None)
-        if op.input is not None:
-            self._grad_in[mb], *got = got
-        for p, g in zip(params, got):
-            if g is None:
-                raise ChunkStateError(f"B{mb}: no gradient of a norm weight {tuple(p.shape)} (not in the fused graph)")
-            accumulate_grad(p, g)
 
     def _backward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:
         if self.fused:
@@ -715,7 +454,9 @@ class ModelChunk(nn.Module):
         return slots, {t.untyped_storage().data_ptr() for t in held}
 
     def _own_offloader(self) -> "ActivationOffloader":
-        from braid.runtime.offload import ActivationOffloader  # the executor passes its own; this is for direct use
+        from braid.runtime.offload import (
+            ActivationOffloader,  # the executor passes its own; this is for direct use
+        )
 
         if self._offloader is None:
             dev = next((t.device for box in self._boxes.values() for t in box.tensors if isinstance(t, torch.Tensor)), "cpu")

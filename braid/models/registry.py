@@ -141,3 +141,12 @@ def family_of(model: object) -> Family:
         if isinstance(model, f.model_cls):
             return f
     raise ValueError(f"{type(model).__name__} belongs to no registered model family ({', '.join(_FAMILIES)})")
+
+
+def family_of_config(cfg: object) -> Family:
+    """The family whose config class ``cfg`` is (the most derived match: a Llama config is not a Qwen2 one)."""
+    _load()
+    for f in sorted(_FAMILIES.values(), key=lambda f: -len(f.config_cls.__mro__)):
+        if isinstance(cfg, f.config_cls):
+            return f
+    raise ValueError(f"{type(cfg).__name__} is the config of no registered model family ({', '.join(_FAMILIES)})")

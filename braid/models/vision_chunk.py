@@ -49,7 +49,8 @@ from braid.models.build import (
     build_chunk,
     tied_holders,
 )
-from braid.models.chunk import ChunkStateError, ModelChunk, _Backward, _leaf, _Piece
+from braid.models.chunk import ModelChunk
+from braid.models.chunk_parts import ChunkStateError, _Backward, _leaf, _Piece
 from braid.models.qwen2_vl import (
     MRopeLayer,
     Qwen2VLConfig,
@@ -76,7 +77,6 @@ from braid.tp.layers import (
     _check_split,
     split_weight_grads,
 )
-
 
 # The single-device names of the vision chunk's modules (its text embedding is the LM's).
 _VISION = {"layers": "visual.blocks", "embed": "visual.patch_embed", "merger": "visual.merger", "text_embed": "lm.embed_tokens"}

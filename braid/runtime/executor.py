@@ -42,66 +42,47 @@ what is computed: only what is timed.
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from braid.tp.autograd_calls import on_this_thread
-from braid.core.braiding import Carry, ChunkSpec, UnitTask, carries, steps as braid_steps
-from braid.core.ir import Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send, compute_ops
-from braid.models.chunk import ChunkStateError, ModelChunk
+from braid.core.braiding import Carry, ChunkSpec, UnitTask, carries
+from braid.core.braiding import steps as braid_steps
+from braid.core.ir import (
+    Braided,
+    CommKind,
+    Compute,
+    Instruction,
+    Offload,
+    OpKind,
+    Plan,
+    Program,
+    Recv,
+    Reload,
+    Send,
+    compute_ops,
+)
+from braid.io.trace import Event, Trace
+from braid.models.chunk import ModelChunk
+from braid.models.chunk_parts import ChunkStateError
 from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
+from braid.runtime.results import (
+    ExecutionError,
+    Record,
+    StepResult,
+    _Clock,
+    check_record,
+)
+from braid.tp.autograd_calls import on_this_thread
 from braid.tp.comm import TPComm
 from braid.tp.layers import StashError
-from braid.io.trace import Event, Trace
 
 log = logging.getLogger(__name__)
-
-
-class ExecutionError(RuntimeError):
-    """An invariant of the program was broken on this rank (names rank, instruction and micro-batch)."""
-
-
-Record = Literal["units", "instructions", "off"]
-RECORD_MODES: tuple[str, ...] = ("units", "instructions", "off")
-
-
-def _check_record(record: str) -> Record:
-    if record not in RECORD_MODES:
-        raise ValueError(f"record={record!r}: choose one of {', '.join(RECORD_MODES)}")
-    return record  # type: ignore[return-value]
-
-
-class _Clock:
-    """Timestamps: CUDA events on GPU (resolved at the end of the step), ``perf_counter`` on CPU.
-
-    ``enabled=False`` (recording off): every mark is ``None`` and costs one call.
-    """
-
-    def __init__(self, device: torch.device, enabled: bool = True) -> None:
-        self.cuda = device.type == "cuda"
-        self.enabled = enabled
-        self.t0 = self.mark()
-
-    def mark(self) -> Any:
-        if not self.enabled:
-            return None
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def seconds(self, m: Any) -> float:
-        if self.cuda:
-            return self.t0.elapsed_time(m) / 1e3
-        return m - self.t0
 
 
 @dataclass(slots=True)
@@ -122,26 +103,6 @@ class _Held:
     carry: Carry
     pending: _Pending
     run: tuple[int, Sequence[Instruction]] | None = None
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What one run of a program produced on this rank.
-
-    The loss stays on the device until it is read: reading ``loss`` waits for the step's
-    kernels, so a caller that launches its optimizer step first keeps the device busy
-    meanwhile (a float taken inside ``run`` would leave the device idle while the host
-    launches the optimizer).
-    """
-
-    loss_tensor: torch.Tensor | None  # sum over micro-batches of loss/m, on the rank holding the last stage
-    trace: Trace
-    counts: dict[str, int] = field(default_factory=dict)  # executed braided blocks, W units, ...
-
-    @property
-    def loss(self) -> float | None:
-        """The step's loss as a Python float (waits for the device), or None off the last stage."""
-        return None if self.loss_tensor is None else float(self.loss_tensor)
 
 
 # One step of a compute instruction, bound once per executor: member, op, the chunk call and
@@ -194,7 +155,7 @@ class Executor:
         self.abort = abort
         # One per rank and executor: its pinned host buffers are reused by every step.
         self.offloader = ActivationOffloader(self.device)
-        self.record = _check_record(record)
+        self.record = check_record(record)
         self.compiled = compiled.resolve(compile, self.device)
         compiled.set_compiled(chunks.values(), self.compiled)
         # Fused chunks (ModelChunk.choose_fused) where nothing needs the unit cuts: the chunk
@@ -246,7 +207,7 @@ class Executor:
             return self._run(tokens, labels, record)
 
     def _run(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], record: Record | None) -> StepResult:
-        self._rec = self.record if record is None else _check_record(record)
+        self._rec = self.record if record is None else check_record(record)
         for k, c in self.chunks.items():
             c.set_batch(tokens, labels)
             if c.joint != self._joint[k]:

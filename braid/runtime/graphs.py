@@ -66,7 +66,8 @@ import torch
 import torch.distributed as dist
 
 from braid.models.chunk import ModelChunk
-from braid.runtime.executor import Executor, StepResult
+from braid.runtime.executor import Executor
+from braid.runtime.results import StepResult
 from braid.io.trace import Trace
 
 log = logging.getLogger(__name__)

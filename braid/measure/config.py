@@ -1,0 +1,207 @@
+"""What a profile or bench job runs on: the model (any registered family through the catalog), the layout, the data shape and the device; the shared command-line flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from braid.core.ir import Placement, Plan, ScheduleConfig
+from braid.cost.catalog import get_model
+from braid.cost.costs import (
+    Layout,
+)
+from braid.io.cli import check_range
+from braid.models.registry import family_of_config
+from braid.models.shapes import decoder_config, resolve_model
+
+# Per-layer shapes from the one preset list (braid.cost.catalog), built by their family's
+# config class (braid.models.registry); the profiler's own choices are one layer
+# (--layers-per-stage sets the count) and the vocabulary of its head.
+_PER_LAYER = {"tiny": ("qwen2-toy", 128), "small": ("qwen2-small", 8192), "7b-layer": ("qwen2-7b", 32768)}
+PRESETS: dict[str, Any] = {name: decoder_config(get_model(m), layers=1, vocab_size=v) for name, (m, v) in _PER_LAYER.items()}
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileConfig:
+    """What to profile: model shape, layout and data shape (see the module doc).
+
+    ``layers_per_stage``: decoder layers of each virtual stage (``pp * v`` entries);
+    ``peak_flops``: the MFU denominator written to the file (0 = unknown).
+    """
+
+    model: Any  # the family's config (braid.models.registry), one layer: ``layers_per_stage`` sets the count
+    layers_per_stage: tuple[int, ...]
+    seq: int = 16
+    micro_batch_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    v: int = 2
+    placement: Placement = "v"
+    dtype: str = "float32"
+    device: str = "cpu"
+    iters: int = 5
+    warmup: int = 1
+    peak_flops: float = 0.0
+    compile: bool | None = None  # compiled units (:mod:`braid.runtime.compiled`); None: on with CUDA
+    tp_backend: str = "auto"  # braid.tp.comm backend, or "all": measure each and pick the best
+
+    def __post_init__(self) -> None:
+        Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
+        if self.tp_backend != "all":
+            from braid.tp.comm import resolve_tp_backend
+
+            resolve_tp_backend(self.tp_backend, self.device)  # one clear error for a backend that cannot run here
+        if len(self.layers_per_stage) != self.pp * self.v:
+            raise ValueError(f"layers_per_stage has {len(self.layers_per_stage)} entries; pp*v = {self.pp * self.v} stages need one each")
+        if any(n < 1 for n in self.layers_per_stage):
+            raise ValueError(f"every stage needs at least one layer, got {self.layers_per_stage}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.seq < 1 or self.micro_batch_size < 1 or self.iters < 1 or self.warmup < 0:
+            raise ValueError("seq, micro_batch_size and iters must be >= 1 and warmup >= 0")
+        for what, n in (("heads", self.model.heads), ("KV heads", self.model.kv_heads), ("ffn", self.model.ffn),
+                        ("vocab", self.model.vocab_size)):
+            if n % self.tp:
+                raise ValueError(f"tp={self.tp} must divide the model's {what} ({n})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tp, self.pp, self.v, self.placement)
+
+    def full_model(self) -> Any:
+        """The model config with as many layers as the stages hold."""
+        return replace(self.model, layers=sum(self.layers_per_stage))
+
+    def build_model(self) -> torch.nn.Module:
+        """The single-device model of :meth:`full_model` on the CPU (seeded: every rank builds the same weights)."""
+        torch.manual_seed(1234)
+        with torch.device("cpu"):
+            return family_of_config(self.model).model_cls(self.full_model()).to(DTYPES[self.dtype])
+
+    def act_shape(self) -> tuple[int, int, int]:
+        return (self.micro_batch_size, self.seq, self.model.hidden)
+
+
+def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan: Plan | None = None) -> dict:
+    """This rank's TP-sharded model chunks on ``dev`` (same seed on every rank, so shards agree)."""
+    from braid.models.build import build_rank_chunks
+
+    plan = plan or Plan("profile", ScheduleConfig(pc.pp, m, pc.v), pc.placement, tuple(() for _ in range(pc.pp)))
+    model = pc.build_model()
+    tp_group = groups.tp if pc.tp > 1 else None
+    chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
+                               tp_size=pc.tp, tp_group=tp_group)
+    from braid.runtime.compiled import resolve, set_compiled
+
+    set_compiled(chunks.values(), resolve(pc.compile, dev))  # units timed as the executor runs them
+    return {c: ch.to(dev) for c, ch in chunks.items()}
+
+
+def device_name(device: str) -> str:
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+# ----------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """Flags shared with ``python -m braid.bench``: model, layout, data shape, device."""
+    ap.add_argument("--preset", default=None, help=f"per-layer shape preset: {', '.join(PRESETS)} (default tiny)")
+    ap.add_argument("--model", default=None,
+                    help="instead of --preset: any catalog model of a registered family (qwen2-7b, llama3-8b, ...; "
+                         "a vision-language preset profiles its language model's layers) or a Hugging Face config.json; "
+                         "its layer shape and vocabulary, one layer per --layers-per-stage")
+    for flag in ("hidden", "heads", "kv-heads", "ffn", "vocab"):
+        ap.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's or model's {flag}")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    ap.add_argument("--chunks", type=int, default=2, help="chunks (virtual stages) per rank (default 2)")
+    ap.add_argument("--layers-per-stage", default="1", help="layers of each virtual stage: one number or a comma list (default 1)")
+    ap.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    ap.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when enough GPUs, else cpu")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--iters", type=int, default=5, help="measured repetitions per unit (median; default 5)")
+    ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator per device (default: 989e12 on cuda, 0 on cpu)")
+    ap.add_argument("--tp-backend", default="auto",
+                    help="how TP all-reduces run (braid.tp.comm): auto, nccl-capped, nccl, nccl-zero-cta, symm-mem, gloo; "
+                         "or 'all': measure each available one alone and beside a GEMM and use the best (default auto)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
+
+
+def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, placement: Placement = "v") -> ProfileConfig:
+    """A :class:`ProfileConfig` from the shared flags; bad values exit with one line (code 2)."""
+    if args.preset is not None and args.model is not None:
+        ap.error("--preset and --model name the model twice; give one")
+    if args.model is None and (args.preset or "tiny") not in PRESETS:
+        ap.error(f"unknown preset {args.preset!r}; valid names: {', '.join(PRESETS)}")
+    try:
+        shape = resolve_model(args.model) if args.model is not None else get_model(_PER_LAYER[args.preset or "tiny"][0])
+        cfg = decoder_config(shape, layers=1) if args.model is not None else PRESETS[args.preset or "tiny"]
+    except ValueError as err:
+        ap.error(str(err))
+    for flag in ("hidden", "heads", "kv_heads", "ffn", "vocab", "tp", "pp", "chunks", "seq", "micro_batch_size", "iters"):
+        val = getattr(args, flag)
+        if val is not None and val < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {val}")
+    check_range(ap, "--peak-flops", args.peak_flops, 0.0, 1e18)
+    overrides = {key: getattr(args, flag) for flag, key in (("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"),
+                                                             ("ffn", "ffn"), ("vocab", "vocab_size")) if getattr(args, flag) is not None}
+    world = args.tp * args.pp
+    device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < world:
+        ap.error(f"--device cuda with tp*pp = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
+    from braid.runtime.compiled import resolve as resolve_compile
+
+    try:
+        try:
+            lps = [int(x) for x in str(args.layers_per_stage).split(",")]
+        except ValueError:
+            raise ValueError(f"--layers-per-stage must be a whole number or a comma list of them, "
+                             f"got {args.layers_per_stage!r}") from None
+        stages = args.pp * args.chunks
+        if len(lps) == 1:
+            lps = lps * stages
+        model = replace(cfg, **overrides)
+        peak = args.peak_flops if args.peak_flops is not None else (989e12 if device == "cuda" else 0.0)
+        return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
+                             placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
+                             device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend)
+    except ValueError as err:
+        ap.error(str(err))
+        raise  # unreachable: error() exits
+
+
+DEFAULT_SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One bench job: what to profile/run, which schedules and micro-batch counts, how many steps."""
+
+    profile: ProfileConfig
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    mbs: tuple[int, ...] = (4, 8)
+    warmup: int = 2
+    steps: int = 5
+    costs: dict[str, Any] | None = None  # a cost-file dict instead of a fresh profile
+    external: bool = True
+    calibrate: bool = True  # fit a fresh profile to a measured probe run (see :func:`calibrate`)
+    rounds: int = 1  # every run (schedules and baselines) this many times in turn; see :func:`round_ratios`
+    cuda_graph: str | None = None  # braid's runs: "none", "step" or None (graphs where capturable; braid.runtime.graphs)

@@ -1,0 +1,199 @@
+"""A bench job's results: measured against predicted per run, braid's best over the best external baseline per round, the printed table and the stored measurement sets (``--capture``)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from braid.io.files import atomic_write_text
+from braid.io.trace import Trace
+from braid.measure.calibrate import predict, rel_err
+from braid.measure.config import BenchConfig
+
+MEASUREMENTS_FORMAT = "braid-measurements/1"
+
+
+def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
+    """Measured vs predicted figures per run (the ``--json`` document)."""
+    pc = bc.profile
+    doc = raw["profile"]
+    memory = "allocator_peak" if pc.device == "cuda" else "instruction_end"
+    tokens = pc.seq * pc.micro_batch_size
+    flops = doc.get("model_flops_per_sample", 0.0)
+    out_runs = []
+    traces = {}
+    by_round = _round_steps(raw["runs"])
+    for r in raw["runs"]:
+        if r.get("round", 0) != 0:
+            continue  # later rounds only add step times (step_s_rounds)
+        ranks = r["ranks"]
+        rounds = by_round[(r["schedule"], r["m"])]
+        step_s = statistics.median(rounds)
+        # one figure per pipeline rank: the max over its TP ranks (global rank = pp * tp + tp_rank)
+        peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
+        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)
+        pred = sim.report.step_time_s
+        raw_pred = None
+        if raw.get("raw_profile") is not None:
+            raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)[0].report.step_time_s
+        mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
+        out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s, "step_s_rounds": rounds,
+                         "step_s_all": slowest_rank_steps(ranks),
+                         "tokens_per_s": r["m"] * tokens / step_s, "mfu": mfu, "peak_bytes": peaks,
+                         "predicted_step_s": pred, "step_err": rel_err(pred, step_s), "predicted_peak_bytes": pred_peaks,
+                         "raw_predicted_step_s": raw_pred,
+                         "raw_step_err": rel_err(raw_pred, step_s) if raw_pred is not None else None,
+                         "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
+                         "host_s": _host_s(ranks), "cuda_graph": ranks[0].get("cuda_graph"),
+                         "graph_pool_bytes": [rk.get("graph_pool_bytes") for rk in ranks],
+                         "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None)})
+        measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
+        merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
+                       [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})
+        traces[f"{r['schedule']}_m{r['m']}"] = (sim.trace, merged)
+    ext = []
+    ext_rounds = _round_steps([e for e in raw["external"] if "error" not in e])
+    for e in raw["external"]:
+        if e.get("round", 0) != 0:
+            continue
+        if "error" in e:
+            ext.append({k: v for k, v in e.items() if k != "round"})
+            continue
+        rk = e["ranks"]
+        rounds = ext_rounds[(e["schedule"], e["m"])]
+        step_s = statistics.median(rounds)
+        peaks = [x["peak"] for x in rk] if rk[0]["peak"] is not None else None
+        ext.append({"schedule": e["schedule"], "m": e["m"], "step_s": step_s, "step_s_rounds": rounds,
+                    "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks,
+                    "host_s": _host_s(rk)})
+    cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
+           "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
+    return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
+            "external": ext, "best_over_external": round_ratios(out_runs, ext),
+            "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
+
+
+def _host_s(ranks: list[dict[str, Any]]) -> float | None:
+    """CPU seconds per step of the thread that launches it: the median step, of the busiest rank."""
+    return max((statistics.median(rk["host"]) for rk in ranks if rk.get("host")), default=None)
+
+
+def slowest_rank_steps(ranks: list[dict[str, Any]]) -> list[float]:
+    """Each measured step's time: that of its slowest rank (every rank reports ``times``)."""
+    return [max(rk["times"][i] for rk in ranks) for i in range(len(ranks[0]["times"]))]
+
+
+def _round_steps(runs: list[dict[str, Any]]) -> dict[tuple[str, int], list[float]]:
+    """Per (schedule, m), the median step of each round, in round order."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in sorted(runs, key=lambda r: r.get("round", 0)):
+        out.setdefault((r["schedule"], r["m"]), []).append(statistics.median(slowest_rank_steps(r["ranks"])))
+    return out
+
+
+def round_ratios(runs: list[dict[str, Any]], external: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per m: braid's best schedule over the best external baseline, as tokens/s, taken within
+    each round (every run of a round ran in turn, so a host that drifts between rounds moves
+    both sides): ``{m: {"rounds": [...], "median": .., "min": .., "max": ..}}``. Only for m
+    with both sides measured in every round."""
+    out: dict[int, dict[str, Any]] = {}
+    for m in sorted({r["m"] for r in runs}):
+        ours = [r["step_s_rounds"] for r in runs if r["m"] == m]
+        theirs = [e["step_s_rounds"] for e in external if e["m"] == m and "step_s_rounds" in e]
+        if not ours or not theirs:
+            continue
+        n = min(len(x) for x in ours + theirs)
+        ratios = [min(t[i] for t in theirs) / min(o[i] for o in ours) for i in range(n)]
+        out[m] = {"rounds": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return out
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.1f}"
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The text table: one line per run, measured next to predicted."""
+    head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'raw %':>8}{'tokens/s':>11}{'MFU %':>7}"
+            f"{'host ms':>9}  peak MiB per rank (measured / predicted)")
+    lines = [head, "-" * len(head)]
+    mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+    for r in summary["runs"]:
+        peaks = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["peak_bytes"], r["predicted_peak_bytes"]))
+        raw_err = f"{100 * r['raw_step_err']:>+8.1f}" if r.get("raw_step_err") is not None else f"{'-':>8}"
+        lines.append(f"{r['schedule']:<28}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
+                     f"{100 * r['step_err']:>+8.1f}{raw_err}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}"
+                     f"{_ms(r.get('host_s')):>9}  {peaks}" + ("  [CUDA graph]" if r.get("cuda_graph") == "step" else ""))
+    for e in summary["external"]:
+        if "error" in e:
+            lines.append(f"{e['schedule']:<28}{e['m']:>3}  could not run: {e['error']}")
+        else:
+            peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
+            lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
+                         f"{'-':>7}{_ms(e.get('host_s')):>9}  {peaks}")
+    for m, b in sorted(summary.get("best_over_external", {}).items()):
+        n = len(b["rounds"])
+        spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
+        lines.append(f"braid's best / best external baseline at m={m} (tokens/s, within a round): {b['median']:.3f}x{spread}")
+    cal = summary["profile"].get("meta", {}).get("calibration")
+    if cal:
+        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}
+        scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
+        lines.append(f"calibration ({cal['probe']}): compute scale {scales}; "
+                     f"host time per unit task profiled {cal.get('profiled_host_task_s', 0.0) * 1e6:.0f} us; "
+                     + (", ".join(f"{k}={v:.4g}" for k, v in fitted.items()) or "no communication figure")
+                     + "; 'raw %' is the uncalibrated profile's error")
+    lines += [f"note: {n}" for n in summary["notes"]]
+    return "\n".join(lines)
+
+
+def read_measurements(path: str | Path) -> dict[str, Any]:
+    """A stored-measurements file (``braid-measurements/1``), or an empty one if ``path`` does not exist;
+    a file that is not one is a ``ValueError`` naming it."""
+    p = Path(path)
+    if not p.exists():
+        return {"format": MEASUREMENTS_FORMAT, "sets": []}
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError) as err:
+        raise ValueError(f"{p}: not a readable measurements file ({type(err).__name__}: {err})"[:400]) from None
+    fmt = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+    if fmt != MEASUREMENTS_FORMAT or not isinstance(doc.get("sets"), list):
+        raise ValueError(f"{p}: not a measurements file (format={fmt!r}, expected {MEASUREMENTS_FORMAT!r} with a 'sets' list)")
+    return doc
+
+
+def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
+    """Add (or replace) the set ``name`` in a stored-measurements file (``braid-measurements/1``),
+    written atomically: a run killed while capturing leaves the previous file whole."""
+    p = Path(path)
+    doc = read_measurements(p)
+    cfg = summary["config"]
+    import os
+
+    entry = {"name": name, "device": summary["device"], "memory": summary["memory"],
+             # runnable processes per core over the last minute when captured: > 1 means the
+             # machine was oversubscribed and the step times are not a timing reference
+             "load_per_core": os.getloadavg()[0] / (os.cpu_count() or 1),
+             "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
+             "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
+             "runs": [{k: r[k] for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes")} for r in summary["runs"]],
+             "profile": summary["profile"]}
+    doc["sets"] = [s for s in doc["sets"] if s.get("name") != name] + [entry]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(p, json.dumps(doc, indent=1))
+
+
+# ----------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------
+def _megatron_line() -> str:
+    from braid.baselines import megatron_gpt as megatron
+
+    if not megatron.available():
+        return "megatron-core interleaved 1F1B: not installed (pip install -e '.[megatron]' to compare against it)"
+    return ("megatron-core interleaved 1F1B ('mcore:' rows): its GPT model (local layer spec, SDPA attention) "
+            "with the same weights; its no-pipelining schedule at pp=1")

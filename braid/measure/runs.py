@@ -1,0 +1,261 @@
+"""The bench job on every rank: braid's schedules through the executor (eager or as whole-step CUDA graphs) and the external baselines on the same model, layout and data, step by step."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from braid.baselines.torch_pp import available_baselines, baseline_label
+from braid.cost.costs import Layout, costs_from_dict
+from braid.measure.calibrate import busy_by_phase, calibrate, probe_plan
+from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
+from braid.measure.launch import Progress, launch
+from braid.measure.report import slowest_rank_steps, summarize
+from braid.measure.units import measure_rank, tp_comm_for
+
+PROBE_STEPS = 11  # measured steps of the calibration probe (at least --steps)
+
+
+PROBE_BUSY_STEPS = 5  # recorded probe steps after the timed ones: unit busy time per phase (medians)
+
+
+# ----------------------------------------------------------------------------------------
+# The job on every rank
+# ----------------------------------------------------------------------------------------
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    v = pc.model.vocab_size
+    toks = [torch.randint(0, v, (pc.micro_batch_size, pc.seq), generator=g).to(dev) for _ in range(m)]
+    labs = [torch.randint(0, v, (pc.micro_batch_size, pc.seq), generator=g).to(dev) for _ in range(m)]
+    return toks, labs
+
+
+def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None = None,
+                 on_result=None, warmup: int | None = None) -> tuple[list[float], int, Any, list[float]]:
+    """Warm-up then measured steps (``steps``, default ``bc.steps``); returns (per-step seconds,
+    peak bytes above the pre-step baseline, last result, per-step CPU seconds of this thread
+    launching the step). ``on_result`` sees each measured step's result."""
+    times, peak, res, host = [], 0, None, []
+    steps = bc.steps if steps is None else steps
+    warmup = bc.warmup if warmup is None else warmup
+    for i in range(warmup + steps):
+        _sync(dev)
+        dist.barrier()
+        base = 0
+        if dev.type == "cuda":
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+        t0, h0 = time.perf_counter(), time.thread_time()
+        res = run_step()
+        h = time.thread_time() - h0
+        _sync(dev)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+            host.append(h)
+            if on_result is not None:
+                on_result(res)
+            if dev.type == "cuda":
+                peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
+    return times, peak, res, host
+
+
+def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
+                  comm=None) -> dict[str, Any]:
+    from braid import schedules
+    from braid.core.compiler import compile_plan
+    from braid.models.build import build_rank_chunks
+    from braid.runtime.executor import Executor
+
+    pc = bc.profile
+    dev = d.device
+    plan = plan or schedules.build(name, pc.pp, m)
+    if plan.num_stages != len(pc.layers_per_stage):
+        raise ValueError(f"{plan.num_stages} virtual stages, but --chunks gives {len(pc.layers_per_stage)}")
+    program = compile_plan(plan)[groups.coords.pp]
+    chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
+                               tp_size=pc.tp, tp_group=groups.tp if pc.tp > 1 else None)
+    chunks = {c: ch.to(dev) for c, ch in chunks.items()}
+    from braid.measure.config import DTYPES
+
+    kw = {} if comm is None else {"tp_comm": comm}
+    ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=DTYPES[pc.dtype],
+                              device=dev, compile=pc.compile, **kw)
+    toks, labs = _data(pc, m, dev)
+    from braid.runtime.graphs import WARMUP_STEPS, step_runner
+
+    graph = step_runner(ex, bc.cuda_graph)  # whole-step CUDA graph, captured in the warm-up steps
+
+    # Every run is timed as it trains (record="off": no clocks, no unit events, and fused
+    # chunks take one call per op); recorded steps after it give its trace (one step) or, for
+    # the calibration probe, the unit busy time per phase (PROBE_BUSY_STEPS steps, medians).
+    def step(record="off"):
+        for ch in chunks.values():
+            ch.zero_grad(set_to_none=False)
+        return graph.run(toks, labs, record=record)
+
+    times, peak, _, host = _timed_steps(bc, dev, step, steps, warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None)
+    mem = graph.memory()
+    if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took
+        peak = mem["capture_peak_bytes"] or 0
+    graph.release()
+    busy: list[dict[str, float]] = []
+    for _ in range(PROBE_BUSY_STEPS if name == "probe" else 1):
+        _sync(dev)
+        dist.barrier()
+        res = step("units")
+        busy.append(busy_by_phase(res.trace))
+    if dev.type != "cuda":
+        peak = res.trace.peak_memory(groups.coords.pp)
+    keep = groups.coords.tp == 0
+    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
+            "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes")}
+
+
+def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
+    """One external baseline (torch.distributed.pipelining, megatron-core) on the same model split (:mod:`braid.baselines.torch_pp`)."""
+    from braid.baselines.torch_pp import baseline_pipeline
+    from braid.measure.config import DTYPES
+
+    pc = bc.profile
+    dev = d.device
+    pipe = baseline_pipeline(name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
+                             seq_len=pc.seq)
+    toks, labs = _data(pc, m, dev)
+    x, y = torch.cat(toks), torch.cat(labs)
+
+    def step():
+        for mod in pipe.modules:
+            mod.zero_grad(set_to_none=False)
+        return pipe.step((x,), y)
+
+    times, peak, _, host = _timed_steps(bc, dev, step)
+    return {"times": times, "peak": peak if dev.type == "cuda" else None, "host": host}
+
+
+def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
+    from braid.core.topology import Topology
+    from braid.measure.units import assemble
+    from braid.measure.units import profile_to_dict
+    from braid.runtime.distributed import ProcessGroups
+
+    pc = bc.profile
+    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
+                                  tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)
+    lead = d.rank == 0
+    doc = bc.costs
+    raw_doc = None
+    # The TP all-reduce every run uses: the flag's backend, or with 'all' the profile's pick.
+    comm, choice = tp_comm_for(pc, groups, d.device)
+    if doc is None:
+        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device), comm, choice)
+        gathered: list[Any] = [None] * pc.world_size
+        dist.all_gather_object(gathered, res)
+        doc = raw_doc = profile_to_dict(assemble(pc, gathered))
+    model = pc.build_model()
+    if bc.costs is None and bc.calibrate:
+        # The probe is short (m = 2p): more steps than a benchmarked run, medians of the step
+        # time and of each phase's busy time, so one slow step on a shared machine does not
+        # land in the fitted communication figure.
+        plan = probe_plan(pc.pp, 2 * pc.pp, pc.v)
+        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps), comm=comm)
+        gathered = [None] * pc.world_size
+        dist.all_gather_object(gathered, out)
+        if lead:
+            step_s = statistics.median(slowest_rank_steps(gathered))
+            per_step = [{ph: sum(rk["busy"][i].get(ph, 0.0) for rk in gathered if rk["busy"] is not None) for ph in "FBW"}
+                        for i in range(len(out["busy"]))]
+            busy = {ph: statistics.median(b[ph] for b in per_step) for ph in "FBW"}
+            doc = calibrate(doc, pc, plan, step_s, busy)
+    runs, notes = [], []
+    jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
+    ext = [(c, m) for c in available_baselines() for m in bc.mbs] if bc.external else []
+    progress = Progress(bc.rounds * (len(jobs) + len(ext)), "bench", enabled=lead)
+    external = []
+    skip: set[tuple[str, int]] = set()  # runs that cannot run are tried in the first round only
+    for rnd in range(bc.rounds):
+        tag = f" (round {rnd + 1}/{bc.rounds})" if bc.rounds > 1 else ""
+        for name, m in jobs:
+            if (name, m) in skip:
+                progress.step(f"{name} m={m} skipped")
+                continue
+            try:
+                out = _run_schedule(d, bc, groups, model, name, m, comm=comm)
+            except ValueError as err:
+                notes.append(f"skipped {name} m={m}: {err}")
+                skip.add((name, m))
+                progress.step(f"{name} m={m} skipped")
+                continue
+            gathered = [None] * pc.world_size
+            dist.all_gather_object(gathered, out)
+            runs.append({"schedule": name, "m": m, "round": rnd, "ranks": gathered})
+            progress.step(f"{name} m={m}{tag}")
+        for name, m in ext:
+            if (name, m) in skip:
+                progress.step(f"{baseline_label(name)} m={m} could not run")
+                continue
+            try:
+                out = _run_external(d, bc, groups, model, name, m)
+                err = None
+            except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+                out, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            gathered = [None] * pc.world_size
+            dist.all_gather_object(gathered, (out, err))
+            errs = sorted({e for _, e in gathered if e})
+            if errs:
+                external.append({"schedule": baseline_label(name), "m": m, "round": rnd, "error": errs[0]})
+                skip.add((name, m))
+            else:
+                external.append({"schedule": baseline_label(name), "m": m, "round": rnd, "ranks": [o for o, _ in gathered]})
+            progress.step(f"{baseline_label(name)} m={m}{tag}")
+    # The uncalibrated profile travels too: its predictions are reported beside the calibrated
+    # ones, so the raw model's error stays visible.
+    raw = raw_doc if raw_doc is not doc else None
+    if pc.tp > 1:
+        notes.append(f"TP all-reduce backend: {comm.backend}"
+                     + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
+    return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes} if lead else None
+
+
+def run_bench(bc: BenchConfig) -> dict[str, Any]:
+    """Spawn the ranks, profile (unless costs were given), run and summarise."""
+    raw = launch(bc.profile.world_size, bc.profile.device, _bench_job, bc)[0]
+    return summarize(bc, raw)
+
+
+def planned_runs(bc: BenchConfig) -> tuple[list[tuple[str, int, Any]], list[str]]:
+    """The ``(schedule, m, plan)`` runs the layout accepts, and a note for each it does not."""
+    from braid import schedules
+
+    pc = bc.profile
+    runs, notes = [], []
+    for name in bc.schedules:
+        for m in bc.mbs:
+            try:
+                plan = schedules.build(name, pc.pp, m)
+            except ValueError as err:
+                notes.append(f"{name} m={m}: {err}")
+                continue
+            if plan.num_stages != len(pc.layers_per_stage):
+                notes.append(f"{name} m={m}: {plan.num_stages} virtual stages, but the layout has "
+                             f"{len(pc.layers_per_stage)} (--pp x --chunks)")
+                continue
+            runs.append((name, m, plan))
+    return runs, notes
+
+
+def _check_costs(doc: dict[str, Any], where: str, pc: ProfileConfig, runs: list[tuple[str, int, Any]]) -> None:
+    """Read ``doc`` against every planned run's layout, as the predictions will (CostFileError if it does not fit)."""
+    from braid.core.partition import chunk_specs
+
+    for placement, v in sorted({(plan.placement, plan.v) for _, _, plan in runs}):
+        costs_from_dict(doc, Layout(pc.tp, pc.pp, v, placement), chunk_specs(pc.layers_per_stage, pc.pp, placement), where=where)

@@ -1,0 +1,496 @@
+"""The profiler: every unit task of the executor's own chunks timed as the executor runs it, the TP all-reduce alone and beside GEMMs, P2P and host copies; the measurements assembled into a cost model (``docs/costs.md``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
+from braid.core.ir import OpKind, stage_of
+from braid.core.partition import chunk_specs
+from braid.cost.costs import (
+    ChunkCosts,
+    CostModel,
+    UnitCost,
+    costs_to_dict,
+    model_forward_flops,
+)
+from braid.measure.config import DTYPES, ProfileConfig, device_name, build_chunks
+from braid.measure.launch import Progress, launch
+from braid.tp.autograd_calls import on_this_thread
+
+
+# ----------------------------------------------------------------------------------------
+# Measurements on one rank
+# ----------------------------------------------------------------------------------------
+class _Timer:
+    """Times callables: CUDA events on GPU, ``perf_counter`` on CPU.
+
+    :meth:`time` times one callable alone (a sync before and after). Unit tasks are timed
+    *back to back* instead, as the executor runs them: :meth:`lap_start` / :meth:`lap_end`
+    record events around each task without synchronising, so the host runs ahead and the
+    device sees the same queue it sees in a pipeline (timing a unit alone adds its launch
+    gaps: 1.1-1.7x on H200); :meth:`seconds` resolves a lap after :meth:`sync`.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._cycles_per_s: float | None = None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def hold(self, seconds: float) -> None:
+        """GPU: keep the device busy for about ``seconds`` (a spin kernel), so that the host
+        queues the work issued next before the device reaches it; the events recorded between
+        those tasks then time the device alone, back to back, and the host's own time to issue
+        them is measured apart (the host lane). No-op on CPU."""
+        if not self.cuda or seconds <= 0:
+            return
+        if self._cycles_per_s is None:
+            self.sync()
+            n = 10_000_000
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(n)
+            b.record()
+            b.synchronize()
+            self._cycles_per_s = n / max(a.elapsed_time(b) / 1e3, 1e-6)
+        torch.cuda._sleep(int(seconds * self._cycles_per_s))
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        self.sync()
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3, out
+        t = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t, out
+
+    def lap_start(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def lap_end(self, start: Any) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return (start, e)
+        return time.perf_counter() - start
+
+    def seconds(self, lap: Any) -> float:
+        """Duration of a finished lap (on GPU, call :meth:`sync` first)."""
+        if self.cuda:
+            return lap[0].elapsed_time(lap[1]) / 1e3
+        return lap
+
+    def memory(self, chunk) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else chunk.live_bytes()
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def workspace(self, before: int, after: int) -> int:
+        """Bytes allocated on top of ``max(before, after)`` while the unit ran (0 on CPU: no allocator peak)."""
+        return max(0, torch.cuda.max_memory_allocated(self.device) - max(before, after)) if self.cuda else 0
+
+
+def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
+                   progress: Progress) -> dict[str, Any]:
+    """Per-instance unit times (median) and memory deltas of one chunk, one micro-batch at a time
+    (backward calls on this thread, as the executor runs them)."""
+    with on_this_thread():
+        return _profile_chunk_units(chunk, spec, pc, timer, tp_group, dev, progress)
+
+
+def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
+                         progress: Progress) -> dict[str, Any]:
+    dtype = DTYPES[pc.dtype]
+    vocab = pc.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    tok = torch.randint(0, vocab, (pc.micro_batch_size, pc.seq), generator=g).to(dev)
+    chunk.set_batch([tok], [tok])
+    times: dict[tuple[str, str, int], list[float]] = {}
+    mem: dict[tuple[str, str, int], int] = {}
+    work: dict[tuple[str, str, int], int] = {}
+    ar = lambda out, task: dist.all_reduce(out, group=tp_group) if (task.ar and out is not None and tp_group is not None) else None  # noqa: E731
+    host: list[float] = []
+    issue_s: dict[OpKind, float] = {}  # host time to issue each phase, from the last iteration
+    for it in range(pc.warmup + pc.iters):
+        keep = it >= pc.warmup
+        if not spec.embed:
+            chunk.set_input(0, torch.randn(pc.act_shape(), dtype=dtype, device=dev))
+        for phase in (OpKind.F, OpKind.B, OpKind.W):
+            tasks = unit_tasks(phase, spec)
+            if phase is OpKind.B and not spec.head:
+                chunk.set_output_grad(0, torch.randn(pc.act_shape(), dtype=dtype, device=dev) * 1e-3)
+            timer.sync()
+            # Fill the device queue: the host issues the whole phase while the device spins.
+            timer.hold(2.0 * issue_s.get(phase, 0.025) + 0.005)
+            laps = []
+            p0 = time.perf_counter()
+            for i, task in enumerate(tasks):
+                key = (task.phase.value, task.unit.value, task.layer)
+                before = timer.memory(chunk)
+                timer.reset_peak()
+                start = timer.lap_start()
+                h0 = time.perf_counter()
+                out = chunk.run(0, task)
+                h1 = time.perf_counter()
+                if phase is OpKind.B and i == len(tasks) - 1:
+                    # The norm backward left for the end of the op (ModelChunk.end_backward) is
+                    # real compute of this op: charge it to its last unit.
+                    chunk.end_backward(0)
+                lap = timer.lap_end(start)
+                ar(out, task)  # outside the lap; the next unit's start waits for it, as in the executor
+                if keep:
+                    laps.append((key, lap))
+                    host.append(h1 - h0)
+                    after = timer.memory(chunk)
+                    mem[key] = after - before
+                    work[key] = max(work.get(key, 0), timer.workspace(before, after))
+            issue_s[phase] = time.perf_counter() - p0
+            timer.sync()
+            for key, lap in laps:
+                times.setdefault(key, []).append(timer.seconds(lap))
+            if phase is OpKind.F:
+                chunk.end_forward(0)
+                if not spec.head:
+                    chunk.pop_output(0)
+            elif phase is OpKind.B and not spec.embed:
+                chunk.pop_input_grad(0)
+        progress.step(f"stage units {it + 1}/{pc.warmup + pc.iters}")
+    return {"times": [[*k, statistics.median(v)] for k, v in times.items()], "mem": [[*k, b] for k, b in mem.items()],
+            "work": [[*k, b] for k, b in work.items()],
+            # Host time to issue one unit task (GPU: the host runs ahead of the device; on CPU
+            # the unit times already hold it, so the host lane is off).
+            "host_s": statistics.median(host) if (host and timer.cuda) else 0.0}
+
+
+def _median_time(timer: _Timer, fn: Callable[[], Any], n: int) -> float:
+    fn()
+    return statistics.median(timer.time(fn)[0] for _ in range(n))
+
+
+def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device, comm=None) -> dict[str, float]:
+    """All-reduce alone and its slowdown of a concurrent GEMM; P2P of a boundary tensor; copy bandwidth.
+
+    ``comm``: the TP all-reduce to measure (:class:`braid.tp.comm.TPComm`; default the groups')."""
+    comm = comm if comm is not None else groups.tp_comm
+
+    def all_reduce(t: torch.Tensor):
+        return comm.all_reduce(t)
+
+    dtype = DTYPES[pc.dtype]
+    n = max(5, 2 * pc.iters)
+    x = torch.randn(pc.act_shape(), dtype=dtype, device=dev)
+    out: dict[str, float] = {"ar_s": 0.0, "ar_slowdown": 1.0, "gemm_s": 0.0, "gemm_overlapped_s": 0.0, "p2p_s": 0.0,
+                             "ar_stretch": 1.0}
+    if pc.tp > 1:
+        out["ar_s"] = ar = _median_time(timer, lambda: all_reduce(x).wait(), n)
+        tokens = pc.micro_batch_size * pc.seq
+        a = torch.randn(tokens, pc.model.hidden, dtype=dtype, device=dev)
+        b = torch.randn(pc.model.hidden, pc.model.ffn // pc.tp, dtype=dtype, device=dev)
+        one = _median_time(timer, lambda: a @ b, n)
+        reps = max(1, int(0.8 * ar / one)) if one > 0 else 1  # GEMM work shorter than the all-reduce window
+
+        def gemm() -> None:
+            for _ in range(reps):
+                a @ b
+
+        alone = _median_time(timer, gemm, n)
+        over = []
+        for _ in range(n + 1):
+            timer.sync()
+            dist.barrier(group=groups.tp)
+            work = all_reduce(x)
+            over.append(timer.time(gemm)[0])
+            work.wait()
+        d = statistics.median(over[1:])
+        # The simulator slows compute by f while an all-reduce is in flight (window ``ar``):
+        # d = dur*f inside the window, else win + (dur - win/f). Solve for f.
+        if d <= ar:
+            f = d / alone
+        else:
+            f = ar / max(ar + alone - d, ar / 2.0)
+        out.update(ar_slowdown=min(2.0, max(1.0, f)), gemm_s=alone, gemm_overlapped_s=d)
+        if timer.cuda:
+            out.update(_ar_stretch(x, groups.tp, a, b, ar, one, dev, n, all_reduce))
+    if pc.pp > 1:
+        me = groups.coords.pp
+        nxt, prv = groups.pp_ranks[(me + 1) % pc.pp], groups.pp_ranks[(me - 1) % pc.pp]
+        buf = torch.empty_like(x)
+
+        def ring() -> None:
+            ops = [dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, buf, prv)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        vals = []
+        for _ in range(n + 1):
+            dist.barrier(group=groups.pp)  # both sides posted together: the transfer, not the peer's lag
+            vals.append(timer.time(ring)[0])
+        out["p2p_s"] = statistics.median(vals[1:])
+    out["copy_bytes_per_s"], out["copy_duplex_slowdown"] = measure_host_link(dev)
+    return out
+
+
+def _ar_stretch(x: torch.Tensor, group, a: torch.Tensor, b: torch.Tensor, ar: float, one: float,
+                dev: torch.device, n: int, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, float]:
+    """How much longer an all-reduce takes while compute runs beside it (CUDA; ``ar_stretch``),
+    and how much longer the compute takes beside it (``gemm_slowdown``).
+
+    Both ranks start together (a barrier, then a sync); the all-reduce is issued, then GEMMs
+    that outlast it go to another stream, as the next unit task of a braided block would; the
+    all-reduce's time is from its issue to its end on the issuing stream. Alone: the same
+    without the GEMMs. The ratio of the medians, clamped to [1, 4]. The GEMMs' own time on
+    their stream, over the same GEMMs alone, is the slowdown the all-reduce causes; the time
+    until both are done (``together_s``) is what a braided block pays for the pair.
+    """
+    if all_reduce is None:
+        all_reduce = lambda t: dist.all_reduce(t, group=group, async_op=True)  # noqa: E731
+    side = torch.cuda.Stream(device=dev)
+    reps = max(1, int(3 * ar / one)) if one > 0 else 1
+
+    def timed(with_ar: bool, with_gemm: bool) -> tuple[float, float, float]:
+        ar_t, gemm_t, both_t = [], [], []
+        for _ in range(n + 1):
+            torch.cuda.synchronize(dev)
+            dist.barrier(group=group)
+            torch.cuda.synchronize(dev)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            gs, ge = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            work = all_reduce(x) if with_ar else None
+            if with_gemm:
+                side.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(side):
+                    gs.record(side)
+                    for _ in range(reps):
+                        a @ b
+                    ge.record(side)
+            if work is not None:
+                work.wait()
+            e.record()
+            torch.cuda.synchronize(dev)
+            ar_t.append(s.elapsed_time(e) / 1e3 if with_ar else 0.0)
+            gemm_t.append(gs.elapsed_time(ge) / 1e3 if with_gemm else 0.0)
+            both_t.append(max(s.elapsed_time(e), s.elapsed_time(ge) if with_gemm else 0.0) / 1e3)
+        return tuple(statistics.median(v[1:]) for v in (ar_t, gemm_t, both_t))  # type: ignore[return-value]
+
+    alone = timed(True, False)[0]
+    gemm_alone = timed(False, True)[1]
+    beside, gemm_beside, together = timed(True, True)
+    return {"ar_alone_s": alone, "ar_beside_s": beside, "ar_stretch": min(4.0, max(1.0, beside / alone)) if alone > 0 else 1.0,
+            "gemm_alone_s": gemm_alone, "gemm_beside_s": gemm_beside,
+            "gemm_slowdown": gemm_beside / gemm_alone if gemm_alone > 0 else 1.0, "together_s": together}
+
+
+def compare_tp_backends(pc: ProfileConfig, groups, dev: torch.device, backends: Sequence[str] | None = None) -> dict[str, Any]:
+    """Each available TP backend alone and beside GEMMs (collective); the best for braiding.
+
+    For every backend of :mod:`braid.tp.comm` that can run here: the all-reduce of a boundary
+    activation alone, its stretch beside GEMMs that outlast it, the GEMMs' slowdown, and the
+    time until both are done. The best backend for braided execution is the one whose
+    all-reduce plus the compute beside it finish first (``together_s``): a braided block
+    hides the all-reduce, so what counts is what it costs the GEMMs and how long it still
+    sticks out. Backends that cannot be created here are listed with the reason.
+    """
+    from braid.tp.comm import CUDA_BACKENDS, TPBackendError, make_tp_comm
+
+    if dev.type != "cuda" or pc.tp == 1:
+        return {"chosen": "gloo" if dev.type != "cuda" else groups.tp_backend, "backends": {}}
+    dtype = DTYPES[pc.dtype]
+    n = max(5, 2 * pc.iters)
+    x = torch.randn(pc.act_shape(), dtype=dtype, device=dev)
+    tokens = pc.micro_batch_size * pc.seq
+    a = torch.randn(tokens, pc.model.hidden, dtype=dtype, device=dev)
+    b = torch.randn(pc.model.hidden, pc.model.ffn // pc.tp, dtype=dtype, device=dev)
+    timer = _Timer(dev)
+    one = _median_time(timer, lambda: a @ b, n)
+    figures: dict[str, Any] = {}
+    for name in backends or CUDA_BACKENDS:
+        try:
+            comm = make_tp_comm(groups, name)
+            ar = _median_time(timer, lambda: comm.all_reduce(x).wait(), n)
+            figures[name] = {"ar_s": ar, **_ar_stretch(x, groups.tp, a, b, ar, one, dev, n, comm.all_reduce)}
+        except (TPBackendError, RuntimeError) as err:  # not available with this torch / NCCL / machine
+            figures[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        dist.barrier()
+    usable = {k: v for k, v in figures.items() if "error" not in v}
+    chosen = min(usable, key=lambda k: usable[k]["together_s"]) if usable else groups.tp_backend
+    return {"chosen": chosen, "backends": figures}
+
+
+def measure_host_link(device: torch.device, nbytes: int | None = None, iters: int = 5) -> tuple[float, float]:
+    """Host<->device copy bandwidth per direction (bytes/s) and its duplex slowdown.
+
+    CUDA: pinned host buffers and non-blocking copies, each direction on a stream of its own
+    as the offload runtime issues them. The bandwidth is the slower direction's, alone; the
+    slowdown is the time of one copy in each direction at once over that (1 = full-duplex
+    link, 2 = the directions share it). CPU: a memcpy (offload copies there are synchronous
+    and never overlap, so the slowdown is 1).
+    """
+    timer = _Timer(device)
+    if device.type != "cuda":
+        n = nbytes or 16 << 20
+        src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+        return n / _median_time(timer, lambda: dst.copy_(src), iters), 1.0
+    n = nbytes or 128 << 20
+    host_in, host_out = (torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+    dev_in, dev_out = (torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2))
+    main = torch.cuda.current_stream(device)
+    streams = {"h2d": torch.cuda.Stream(device), "d2h": torch.cuda.Stream(device)}
+    copies = {"h2d": lambda: dev_in.copy_(host_in, non_blocking=True),
+              "d2h": lambda: host_out.copy_(dev_out, non_blocking=True)}
+
+    def run(*which: str) -> Callable[[], None]:
+        def go() -> None:
+            for w in which:
+                streams[w].wait_stream(main)
+                with torch.cuda.stream(streams[w]):
+                    copies[w]()
+            for w in which:
+                main.wait_stream(streams[w])
+        return go
+
+    alone = max(_median_time(timer, run("h2d"), iters), _median_time(timer, run("d2h"), iters))
+    both = _median_time(timer, run("h2d", "d2h"), iters)
+    return n / alone, min(2.0, max(1.0, both / alone))
+
+
+def tp_comm_for(pc: ProfileConfig, groups, dev: torch.device) -> tuple[Any, dict[str, Any] | None]:
+    """The TP all-reduce a run of ``pc`` uses (collective): ``pc.tp_backend``, or with ``"all"``
+    the best of :func:`compare_tp_backends` (returned with the comparison)."""
+    from braid.tp.comm import make_tp_comm, resolve_tp_backend
+
+    if pc.tp_backend == "all":
+        choice = compare_tp_backends(pc, groups, dev)
+        return make_tp_comm(groups, choice["chosen"]), choice
+    return make_tp_comm(groups, resolve_tp_backend(pc.tp_backend, dev)), None
+
+
+def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=None,
+                 choice: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything this rank measures (collective: every rank of the layout calls it).
+
+    ``comm``: the TP all-reduce to measure (default: :func:`tp_comm_for`); ``choice``: the
+    backend comparison it came from, if any (written to the cost file's meta)."""
+    dev = d.device
+    if comm is None:
+        comm, choice = tp_comm_for(pc, groups, dev)
+    timer = _Timer(dev)
+    chunks = chunks if chunks is not None else build_chunks(pc, groups, dev)
+    progress = Progress(pc.v * (pc.warmup + pc.iters), "profile", enabled=d.rank == 0)
+    stages = {}
+    for c, ch in sorted(chunks.items()):
+        stage = stage_of(pc.placement, pc.pp, groups.coords.pp, c)
+        stages[stage] = _profile_chunk(ch, ch.spec, pc, timer, groups.tp if pc.tp > 1 else None, dev, progress)
+        ch.zero_grad(set_to_none=True)
+    return {"rank": d.rank, "stages": stages, "comm": _comm_figures(pc, groups, timer, dev, comm),
+            "tp_backend": comm.backend, "tp_backends": choice}
+
+
+# ----------------------------------------------------------------------------------------
+# From measurements to a cost model
+# ----------------------------------------------------------------------------------------
+def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> dict[Unit, UnitCost]:
+    """Average the per-instance medians (over layers and TP ranks) into one cost per unit kind."""
+    t: dict[tuple[str, str], list[float]] = {}
+    m: dict[tuple[str, str], list[float]] = {}
+    work: dict[str, float] = {}  # unit -> the most workspace any of its instances and phases took
+    for e in entries:
+        for _ph, u, _layer, b in e.get("work", ()):
+            work[u] = max(work.get(u, 0.0), float(b))
+        for ph, u, _layer, v in e["times"]:
+            t.setdefault((ph, u), []).append(v)
+        for ph, u, _layer, b in e["mem"]:
+            m.setdefault((ph, u), []).append(b)
+    mean = lambda d, k: statistics.fmean(d[k]) if k in d else 0.0  # noqa: E731
+    units = sorted({u for _, u in t}, key=[x.value for x in Unit].index)
+    count = {u: (1 if Unit(u) in (Unit.EMBED, Unit.HEAD) else spec.layers) for u in units}
+    act = {u: max(0.0, mean(m, ("F", u))) for u in units}
+    kept = {u: mean(m, ("F", u)) + mean(m, ("B", u)) for u in units}
+    # Boxes freed one unit late (norm backward at the start of the next unit) can make a
+    # unit's own figure negative: keep the chunk total, spread over the non-negative ones.
+    total_kept = max(0.0, sum(kept[u] * count[u] for u in units))
+    pos = {u: max(0.0, kept[u]) for u in units}
+    norm = sum(pos[u] * count[u] for u in units)
+    w_res = {u: (pos[u] * total_kept / norm if norm > 0 else 0.0) for u in units}
+    out = {}
+    for u in units:
+        unit = Unit(u)
+        out[unit] = UnitCost(mean(t, ("F", u)), mean(t, ("B", u)), mean(t, ("W", u)),
+                             ar_s if unit in AR_FORWARD else 0.0, ar_s if unit in AR_BACKWARD else 0.0, act[u], w_res[u],
+                             work.get(u, 0.0))
+    return out
+
+
+def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
+    """The cost model of the layout from every rank's :func:`measure_rank` result."""
+    from braid.cost.catalog import ModelConfig
+
+    specs = chunk_specs(pc.layers_per_stage, pc.pp, pc.placement)
+    comm = [r["comm"] for r in results]
+    ar_s = max(c["ar_s"] for c in comm)
+    p2p = max(c["p2p_s"] for c in comm)
+    chunks = {}
+    for (rank, c), spec in specs.items():
+        stage = stage_of(pc.placement, pc.pp, rank, c)
+        entries = [r["stages"][stage] for r in results if stage in r["stages"]]
+        chunks[(rank, c)] = ChunkCosts(spec, _unit_costs(entries, spec, ar_s), p2p)
+    ma = statistics.fmean(cc.total("act") for cc in chunks.values())
+    mcfg = pc.model
+    mc = ModelConfig("profiled", sum(pc.layers_per_stage), mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
+                     mcfg.vocab_size, pc.seq, pc.micro_batch_size, torch.finfo(DTYPES[pc.dtype]).bits // 8)
+    meta = {"config": {**asdict(pc), "model": asdict(pc.model)}, "device": device_name(pc.device),
+            "torch": torch.__version__, "comm": {k: statistics.fmean(c[k] for c in comm) for k in comm[0]},
+            "tp_backend": results[0].get("tp_backend", "gloo")}
+    if results[0].get("tp_backends"):
+        meta["tp_backends"] = results[0]["tp_backends"]
+    return CostModel(pc.layout, chunks, ma, statistics.fmean(c["copy_bytes_per_s"] for c in comm), False,
+                     max(c["ar_slowdown"] for c in comm), pc.micro_batch_size, pc.seq,
+                     3 * model_forward_flops(mc) / pc.micro_batch_size, pc.peak_flops, "profile", meta,
+                     copy_duplex_slowdown=max(c["copy_duplex_slowdown"] for c in comm),
+                     ar_stretch=max(c["ar_stretch"] for c in comm),
+                     host_task_s=statistics.fmean(st.get("host_s", 0.0) for r in results for st in r["stages"].values()))
+
+
+def profile_to_dict(costs: CostModel) -> dict[str, Any]:
+    """The cost-file form (``braid-costs/1``) with chunks keyed by virtual stage (any placement reads it)."""
+    d = costs_to_dict(costs)
+    lay = costs.layout
+    d["chunks"] = {str(stage_of(lay.placement, lay.p, *map(int, k.split(",")))): v for k, v in d["chunks"].items()}
+    return d
+
+
+def _profile_job(d, pc: ProfileConfig) -> dict[str, Any] | None:
+    from braid.core.topology import Topology
+    from braid.runtime.distributed import ProcessGroups
+
+    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
+                                  tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)
+    res = measure_rank(d, pc, groups)
+    gathered: list[Any] = [None] * pc.world_size
+    dist.all_gather_object(gathered, res)
+    return profile_to_dict(assemble(pc, gathered)) if d.rank == 0 else None
+
+
+def profile(pc: ProfileConfig) -> dict[str, Any]:
+    """Spawn the layout's ranks, measure, and return the cost-file dict."""
+    return launch(pc.world_size, pc.device, _profile_job, pc)[0]
