@@ -200,3 +200,19 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     doc = json.loads(out.read_text())
     assert [x["name"] for x in doc["sets"]] == ["cpu-b", "cpu-a"]
     assert doc["sets"][1]["runs"][0]["step_s"] == s["runs"][0]["step_s"]
+
+
+def test_ranking_flags_only_pairs_apart_by_more_than_the_gap() -> None:
+    """A pair more than 3% apart that the prediction orders the other way is flagged; a closer one is not."""
+    from braid.measure.report import ranking
+
+    runs = [{"schedule": "a", "m": 4, "step_s": 1.00, "predicted_step_s": 1.10},
+            {"schedule": "b", "m": 4, "step_s": 1.05, "predicted_step_s": 1.00},   # 5% slower, predicted faster: wrong
+            {"schedule": "c", "m": 4, "step_s": 1.02, "predicted_step_s": 1.20},   # predicted slowest, within 3% of both
+            {"schedule": "a", "m": 8, "step_s": 2.0, "predicted_step_s": 2.0},
+            {"schedule": "b", "m": 8, "step_s": 2.2, "predicted_step_s": 2.1}]
+    r = ranking(runs)
+    assert r[4]["measured"] == ["a", "c", "b"] and r[4]["predicted"] == ["b", "a", "c"]
+    assert [(a, b) for a, b, _ in r[4]["wrong"]] == [("a", "b")]  # c vs b: 2.9% apart, within the gap
+    assert r[4]["wrong"][0][2] == pytest.approx(0.05)
+    assert r[8]["wrong"] == []

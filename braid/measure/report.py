@@ -72,7 +72,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
            "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
-            "external": ext, "best_over_external": round_ratios(out_runs, ext),
+            "external": ext, "best_over_external": round_ratios(out_runs, ext), "ranking": ranking(out_runs),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
 
 
@@ -111,6 +111,24 @@ def round_ratios(runs: list[dict[str, Any]], external: list[dict[str, Any]]) -> 
     return out
 
 
+RANK_GAP = 0.03  # two schedules whose measured steps differ by more than this must be ranked right
+
+
+def ranking(runs: list[dict[str, Any]], gap: float = RANK_GAP) -> dict[int, dict[str, Any]]:
+    """Per m: braid's schedules in measured and in predicted order (fastest first), and every pair
+    whose measured steps differ by more than ``gap`` that the prediction orders the other way
+    (``wrong``: ``[faster, slower, measured gap]``). The simulator exists to say which schedule
+    wins before launch; this is that claim, checked."""
+    out: dict[int, dict[str, Any]] = {}
+    for m in sorted({r["m"] for r in runs}):
+        rs = [r for r in runs if r["m"] == m]
+        wrong = [[a["schedule"], b["schedule"], b["step_s"] / a["step_s"] - 1] for a in rs for b in rs
+                 if b["step_s"] > a["step_s"] * (1 + gap) and b["predicted_step_s"] <= a["predicted_step_s"]]
+        out[m] = {"measured": [r["schedule"] for r in sorted(rs, key=lambda r: r["step_s"])],
+                  "predicted": [r["schedule"] for r in sorted(rs, key=lambda r: r["predicted_step_s"])], "wrong": wrong}
+    return out
+
+
 def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.1f}"
 
@@ -134,6 +152,11 @@ def format_report(summary: dict[str, Any]) -> str:
             peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
             lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
                          f"{'-':>7}{_ms(e.get('host_s')):>9}  {peaks}")
+    for m, rk in sorted(summary.get("ranking", {}).items()):
+        if len(rk["measured"]) > 1:
+            flag = "; ".join(f"{a} measured {100 * g:.1f}% faster than {b} but predicted slower" for a, b, g in rk["wrong"])
+            lines.append(f"order at m={m}: measured {' < '.join(rk['measured'])}; predicted {' < '.join(rk['predicted'])}"
+                         + (f"  RANKED WRONG: {flag}" if flag else ""))
     for m, b in sorted(summary.get("best_over_external", {}).items()):
         n = len(b["rounds"])
         spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
