@@ -1,0 +1,218 @@
+"""Cost-aware braiding: which of a schedule's braided blocks to keep, chosen by simulating them.
+
+Braiding is a trade. A block hides each TP all-reduce of one member behind the other
+member's compute, but its forward output leaves only when the whole block ends. Where there
+is little to hide (tp=1, a fast interconnect, small layers) a block costs step time: on
+uniform costs with free all-reduces, dualpipe_v's cross-chunk blocks add p-1 op times
+over torch's plain DualPipeV order. So a schedule's ``braid`` knob takes ``auto``
+(``python -m braid.simulate``'s default): this pass decides, for each block of the
+schedule's plan (``braid="all"``), whether to
+
+* keep it braided, with the braiding rule's lead (:func:`braid.braiding.steps`),
+* keep it braided but led by a fixed member (``F9c1&B3c1/a`` or ``/b``),
+* keep it braided but finish its trailing all-reduce inside it (``/n``: not carried into
+  the next instruction, :func:`braid.braiding.carries`),
+* split it into its two ops, run one after the other in either order.
+
+The choice is written into the plan (those instruction forms), so the executor runs
+exactly what was chosen: it interprets the same compiled programs.
+
+The search, greedy with local improvement, evaluates every candidate plan with the
+simulator (compiled without re-validation; the engine still raises on any deadlock):
+
+1. the schedule with every block (``all``) and the schedule's own order without blocks
+   (``none``): the better one is the start, so the result is never slower than either;
+2. one decision for all blocks of one shape (member kinds and chunks, e.g. every F&BW
+   block), each alternative tried in turn and kept where the step gets shorter;
+3. the same per (rank, shape), then per block, while the evaluation budget lasts.
+
+Long runs (``p * m >= COARSE_PM``, where one simulation costs most of a second) only
+compare ``all`` with ``none``, on the schedule's shortest steady-state run
+(``steady_m * p``, as the offload tuner does) -- the caller simulates the winner at the
+real m; there the figure is not guaranteed against ``none`` at that m.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from braid.compiler import ScheduleError, compile_plan
+from braid.costs import CostModel
+from braid.ir import Braided, Compute, ComputeInstr, Plan
+from braid.simulator import SimulationError
+from braid.simulator.fast import FastResult, run_programs, simulate_schedule
+
+COARSE_PM = 4096  # p*m from which only all-or-none is compared, on a short run
+MAX_EVALS = 48  # simulations of the local search (after all and none)
+REL_GAIN = 1e-9  # a change is kept only when it shortens the step by more than this fraction
+
+# How one block runs. ``braid`` is the plan's block as generated.
+BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA = "braid", "lead_a", "lead_b", "no_carry", "split_ab", "split_ba"
+_SPLITS = (SPLIT_AB, SPLIT_BA)
+
+
+@dataclass(frozen=True, slots=True)
+class BraidChoice:
+    """What :func:`tune_braiding` chose: the plan, its simulated step and a summary."""
+
+    plan: Plan
+    result: FastResult | None  # the chosen plan simulated at the plan's m (None: chosen on a short run)
+    blocks: int  # braided blocks in the schedule's plan with every block
+    braided: int  # blocks kept braided
+    led: int  # ... of them with a fixed lead
+    uncarried: int  # ... of them whose trailing all-reduce is not carried
+    evaluations: int
+    all_step_s: float  # the schedule with every block
+    none_step_s: float  # the schedule's order without blocks
+    m: int  # micro-batches of the runs compared
+
+    def describe(self) -> str:
+        extra = [f"{n} {what}" for n, what in ((self.led, "with a fixed lead"), (self.uncarried, "not carrying their "
+                                               "trailing all-reduce")) if n]
+        step = min(self.all_step_s, self.none_step_s) if self.result is None else self.result.report.step_time_s
+        return (f"braided {self.braided} of {self.blocks} blocks" + (f" ({', '.join(extra)})" if extra else "")
+                + f"; step {step / self.all_step_s - 1:+.1%} vs all blocks, {step / self.none_step_s - 1:+.1%} vs none"
+                + f" ({self.evaluations} simulations" + (f", chosen at m={self.m})" if self.result is None else ")"))
+
+
+def count_blocks(plan: Plan) -> int:
+    """Braided blocks in a plan (what the bench and the reports show)."""
+    return sum(isinstance(ins, Braided) for ops in plan.ranks for ins in ops)
+
+
+def tune_braiding(name: str, p: int, m: int, costs: CostModel, options: Iterable[tuple[str, Any]] = (), *,
+                  max_evals: int = MAX_EVALS) -> BraidChoice:
+    """Choose how schedule ``name``'s braided blocks run at (p, m) on ``costs`` (``braid="auto"``).
+
+    ``options``: the schedule's other knobs (e.g. the offload fractions). The result's plan
+    has the schedule's name and ``braid="auto"`` among its options' values replaced by the
+    decisions written into its instructions.
+    """
+    from braid import schedules
+
+    spec = schedules.get_schedule(name)
+    opts = {k: v for k, v in options if k != "braid"}
+    if p * m >= COARSE_PM:
+        return _coarse(name, p, m, costs, opts, spec)
+    full = schedules.build(name, p, m, **opts, braid="all")
+    plain = schedules.build(name, p, m, **opts, braid="none")
+    return _Search(full, plain, costs, max_evals).run()
+
+
+def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec) -> BraidChoice:
+    from braid import schedules
+
+    k = p if spec.m_step == "p" else 1
+    short = max(spec.steady_m, spec.min_m) * p
+    short = min(m, short + (m - short) % k)
+    steps = {mode: simulate_schedule(name, p, short, costs, tuple(sorted({**opts, "braid": mode}.items()))).report.step_time_s
+             for mode in ("all", "none")}
+    mode = "none" if steps["none"] < steps["all"] * (1 - REL_GAIN) else "all"
+    full = schedules.build(name, p, m, **opts, braid="all")
+    plan = full if mode == "all" else schedules.build(name, p, m, **opts, braid="none")
+    n = count_blocks(full)
+    return BraidChoice(plan, None, n, n if mode == "all" else 0, 0, 0, 2, steps["all"], steps["none"], short)
+
+
+class _Search:
+    """Greedy search over per-block decisions (see the module docstring)."""
+
+    def __init__(self, full: Plan, plain: Plan, costs: CostModel, max_evals: int) -> None:
+        self.full, self.costs, self.max_evals = full, costs, max_evals
+        self.blocks = [(r, i) for r, ops in enumerate(full.ranks) for i, ins in enumerate(ops) if isinstance(ins, Braided)]
+        self.plain = {blk: self._split_order(plain, blk) for blk in self.blocks}
+        has_ar = costs.layout.tp > 1 and any(c.total("ar_f") + c.total("ar_b") > 0 for c in costs.chunks.values())
+        # lead and carry matter only where there are all-reduces
+        self.variants = (BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA) if has_ar else (BRAID, SPLIT_AB, SPLIT_BA)
+        self.evals = 0
+        self.seen: dict[tuple, float] = {}
+
+    def _split_order(self, plain: Plan, blk: tuple[int, int]) -> str:
+        """How the schedule's order without blocks runs this block's two ops."""
+        r, i = blk
+        a, b = self.full.ranks[r][i].ops
+        ops = plain.ranks[r]
+        at = {op: k for k, op in enumerate(ops) if isinstance(op, Compute) and op in (a, b)}
+        return SPLIT_AB if at.get(a, 0) <= at.get(b, 0) else SPLIT_BA
+
+    def plan_of(self, state: dict[tuple[int, int], str]) -> Plan:
+        ranks = []
+        for r, ops in enumerate(self.full.ranks):
+            out: list[ComputeInstr] = []
+            for i, ins in enumerate(ops):
+                how = state.get((r, i), BRAID) if isinstance(ins, Braided) else None
+                out += [ins] if how is None else _apply(ins, how)
+            ranks.append(tuple(out))
+        cfg = self.full.config
+        return Plan(self.full.name, cfg, self.full.placement, tuple(ranks))
+
+    def step(self, state: dict[tuple[int, int], str]) -> float:
+        key = tuple(sorted((k, v) for k, v in state.items() if v != BRAID))
+        hit = self.seen.get(key)
+        if hit is None:
+            self.evals += 1
+            try:
+                progs = compile_plan(self.plan_of(state), validate=False)
+                hit = run_programs(progs, self.costs, self.full.name, self.full.m, grad_ready=False).report.step_time_s
+            except (ScheduleError, SimulationError):
+                hit = float("inf")  # cannot happen for splits or leads; kept as a guard
+            self.seen[key] = hit
+        return hit
+
+    def run(self) -> BraidChoice:
+        state_all = {blk: BRAID for blk in self.blocks}
+        state_none = dict(self.plain)
+        t_all, t_none = self.step(state_all), self.step(state_none)
+        state, best = (state_none, t_none) if t_none < t_all * (1 - REL_GAIN) else (state_all, t_all)
+        budget = self.evals + self.max_evals
+        for group in (self._by_shape, self._by_rank_shape, self._each):
+            for members in group():
+                for how in self.variants:
+                    if self.evals >= budget:
+                        break
+                    if all(state[b] == how for b in members):
+                        continue
+                    trial = dict(state) | dict.fromkeys(members, how)
+                    t = self.step(trial)
+                    if t < best * (1 - REL_GAIN):
+                        state, best = trial, t
+        plan = self.plan_of(state)
+        result = run_programs(compile_plan(plan, validate=False), self.costs, plan.name, plan.m)
+        kept = [b for b in self.blocks if state[b] not in _SPLITS]
+        return BraidChoice(plan, result, len(self.blocks), len(kept), sum(state[b] in (LEAD_A, LEAD_B) for b in kept),
+                           sum(state[b] == NO_CARRY for b in kept), self.evals, t_all, t_none, plan.m)
+
+    def _shape(self, blk: tuple[int, int]) -> tuple:
+        ins = self.full.ranks[blk[0]][blk[1]]
+        return tuple((op.kind, op.chunk) for op in ins.ops)
+
+    def _groups(self, key: Callable) -> list[list[tuple[int, int]]]:
+        out: dict[Any, list] = {}
+        for blk in self.blocks:
+            out.setdefault(key(blk), []).append(blk)
+        return list(out.values())
+
+    def _by_shape(self) -> list[list[tuple[int, int]]]:
+        return self._groups(self._shape)
+
+    def _by_rank_shape(self) -> list[list[tuple[int, int]]]:
+        return self._groups(lambda blk: (blk[0], self._shape(blk)))
+
+    def _each(self) -> list[list[tuple[int, int]]]:
+        return [[blk] for blk in self.blocks]
+
+
+def _apply(block: Braided, how: str) -> list[ComputeInstr]:
+    a, b = block.ops
+    if how == SPLIT_AB:
+        return [a, b]
+    if how == SPLIT_BA:
+        return [b, a]
+    if how == LEAD_A:
+        return [Braided(a, b, lead=0)]
+    if how == LEAD_B:
+        return [Braided(a, b, lead=1)]
+    if how == NO_CARRY:
+        return [Braided(a, b, carry=False)]
+    return [block]
