@@ -27,9 +27,11 @@ simulator (compiled without re-validation; the engine still raises on any deadlo
 3. the same per (rank, shape), then per block, while the evaluation budget lasts.
 
 Long runs (``p * m >= COARSE_PM``, where one simulation costs most of a second) only
-compare ``all`` with ``none``, on the schedule's shortest steady-state run
-(``steady_m * p``, as the offload tuner does) -- the caller simulates the winner at the
-real m; there the figure is not guaranteed against ``none`` at that m.
+compare ``all`` with ``none``, on the schedule's shortest steady-state run (``steady_m * p``
+micro-batches, as the offload tuner does; at ``min_m * p`` the steady phase is too short to
+judge: braided_v_lowmem at p=32 is faster without blocks at m=64 but with them at m=96 and
+256) -- the caller simulates the winner at the real m. There the result is *not* guaranteed to be
+at least as fast as ``none`` at that m: the note says at which m it was chosen.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any, Callable, Iterable
 
 from braid.compiler import ScheduleError, compile_plan
 from braid.costs import CostModel
-from braid.ir import Braided, Compute, ComputeInstr, Plan
+from braid.ir import Braided, Compute, ComputeInstr, Plan, ScheduleConfig
 from braid.simulator import SimulationError
 from braid.simulator.fast import FastResult, run_programs, simulate_schedule
 
@@ -49,6 +51,7 @@ REL_GAIN = 1e-9  # a change is kept only when it shortens the step by more than 
 
 # How one block runs. ``braid`` is the plan's block as generated.
 BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA = "braid", "lead_a", "lead_b", "no_carry", "split_ab", "split_ba"
+VARIANTS = (BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA)
 _SPLITS = (SPLIT_AB, SPLIT_BA)
 
 
@@ -67,12 +70,17 @@ class BraidChoice:
     none_step_s: float  # the schedule's order without blocks
     m: int  # micro-batches of the runs compared
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"blocks": self.blocks, "braided": self.braided, "fixed_lead": self.led, "not_carried": self.uncarried,
+                "simulations": self.evaluations, "all_step_s": self.all_step_s, "none_step_s": self.none_step_s,
+                "chosen_at_m": self.m}
+
     def describe(self) -> str:
         extra = [f"{n} {what}" for n, what in ((self.led, "with a fixed lead"), (self.uncarried, "not carrying their "
                                                "trailing all-reduce")) if n]
         step = min(self.all_step_s, self.none_step_s) if self.result is None else self.result.report.step_time_s
         return (f"braided {self.braided} of {self.blocks} blocks" + (f" ({', '.join(extra)})" if extra else "")
-                + f"; step {step / self.all_step_s - 1:+.1%} vs all blocks, {step / self.none_step_s - 1:+.1%} vs none"
+                + f"; step {step / self.all_step_s - 1:+.2%} vs all blocks, {step / self.none_step_s - 1:+.2%} vs none"
                 + f" ({self.evaluations} simulations" + (f", chosen at m={self.m})" if self.result is None else ")"))
 
 
@@ -82,34 +90,34 @@ def count_blocks(plan: Plan) -> int:
 
 
 def tune_braiding(name: str, p: int, m: int, costs: CostModel, options: Iterable[tuple[str, Any]] = (), *,
-                  max_evals: int = MAX_EVALS) -> BraidChoice:
+                  max_evals: int = MAX_EVALS, plan: Plan | None = None) -> BraidChoice:
     """Choose how schedule ``name``'s braided blocks run at (p, m) on ``costs`` (``braid="auto"``).
 
     ``options``: the schedule's other knobs (e.g. the offload fractions). The result's plan
     has the schedule's name and ``braid="auto"`` among its options' values replaced by the
-    decisions written into its instructions.
+    decisions written into its instructions. ``plan``: the caller's ``schedules.build(name, p,
+    m, **options)`` with every block, so it is not built again.
     """
     from braid import schedules
 
     spec = schedules.get_schedule(name)
     opts = {k: v for k, v in options if k != "braid"}
+    full = plan if plan is not None else schedules.build(name, p, m, **opts, braid="all")
     if p * m >= COARSE_PM:
-        return _coarse(name, p, m, costs, opts, spec)
-    full = schedules.build(name, p, m, **opts, braid="all")
+        return _coarse(name, p, m, costs, opts, spec, full)
     plain = schedules.build(name, p, m, **opts, braid="none")
     return _Search(full, plain, costs, max_evals).run()
 
 
-def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec) -> BraidChoice:
+def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec, full: Plan) -> BraidChoice:
     from braid import schedules
 
     k = p if spec.m_step == "p" else 1
-    short = max(spec.steady_m, spec.min_m) * p
+    short = max(spec.steady_m, spec.min_m) * p  # the shortest run in steady state (a shorter one misleads: see above)
     short = min(m, short + (m - short) % k)
     steps = {mode: simulate_schedule(name, p, short, costs, tuple(sorted({**opts, "braid": mode}.items()))).report.step_time_s
              for mode in ("all", "none")}
     mode = "none" if steps["none"] < steps["all"] * (1 - REL_GAIN) else "all"
-    full = schedules.build(name, p, m, **opts, braid="all")
     plan = full if mode == "all" else schedules.build(name, p, m, **opts, braid="none")
     n = count_blocks(full)
     return BraidChoice(plan, None, n, n if mode == "all" else 0, 0, 0, 2, steps["all"], steps["none"], short)
@@ -119,12 +127,12 @@ class _Search:
     """Greedy search over per-block decisions (see the module docstring)."""
 
     def __init__(self, full: Plan, plain: Plan, costs: CostModel, max_evals: int) -> None:
-        self.full, self.costs, self.max_evals = full, costs, max_evals
+        self.full, self.none, self.costs, self.max_evals = full, plain, costs, max_evals
         self.blocks = [(r, i) for r, ops in enumerate(full.ranks) for i, ins in enumerate(ops) if isinstance(ins, Braided)]
         self.plain = {blk: self._split_order(plain, blk) for blk in self.blocks}
         has_ar = costs.layout.tp > 1 and any(c.total("ar_f") + c.total("ar_b") > 0 for c in costs.chunks.values())
         # lead and carry matter only where there are all-reduces
-        self.variants = (BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA) if has_ar else (BRAID, SPLIT_AB, SPLIT_BA)
+        self.variants = VARIANTS if has_ar else (BRAID, SPLIT_AB, SPLIT_BA)
         self.evals = 0
         self.seen: dict[tuple, float] = {}
 
@@ -137,15 +145,7 @@ class _Search:
         return SPLIT_AB if at.get(a, 0) <= at.get(b, 0) else SPLIT_BA
 
     def plan_of(self, state: dict[tuple[int, int], str]) -> Plan:
-        ranks = []
-        for r, ops in enumerate(self.full.ranks):
-            out: list[ComputeInstr] = []
-            for i, ins in enumerate(ops):
-                how = state.get((r, i), BRAID) if isinstance(ins, Braided) else None
-                out += [ins] if how is None else _apply(ins, how)
-            ranks.append(tuple(out))
-        cfg = self.full.config
-        return Plan(self.full.name, cfg, self.full.placement, tuple(ranks))
+        return apply_choices(self.full, state)
 
     def step(self, state: dict[tuple[int, int], str]) -> float:
         key = tuple(sorted((k, v) for k, v in state.items() if v != BRAID))
@@ -178,6 +178,13 @@ class _Search:
                     if t < best * (1 - REL_GAIN):
                         state, best = trial, t
         plan = self.plan_of(state)
+        if any(state[b] != BRAID for b in self.blocks) and any(state[b] not in _SPLITS for b in self.blocks):
+            # neither all nor none: the decisions are in the instructions, the option says where they came from
+            opts = dict(plan.config.options) | {"braid": "auto"}
+            plan = Plan(plan.name, ScheduleConfig(plan.p, plan.m, plan.v, tuple(sorted(opts.items()))), plan.placement,
+                        plan.ranks)
+        elif all(state[b] == self.plain[b] for b in self.blocks):
+            plan = self.none
         result = run_programs(compile_plan(plan, validate=False), self.costs, plan.name, plan.m)
         kept = [b for b in self.blocks if state[b] not in _SPLITS]
         return BraidChoice(plan, result, len(self.blocks), len(kept), sum(state[b] in (LEAD_A, LEAD_B) for b in kept),
@@ -203,6 +210,19 @@ class _Search:
         return [[blk] for blk in self.blocks]
 
 
+def apply_choices(plan: Plan, choices: dict[tuple[int, int], str]) -> Plan:
+    """``plan`` with block ``(rank, index)`` run as ``choices[(rank, index)]`` (one of
+    :data:`VARIANTS`; blocks not named stay as they are)."""
+    ranks = []
+    for r, ops in enumerate(plan.ranks):
+        out: list[ComputeInstr] = []
+        for i, ins in enumerate(ops):
+            how = choices.get((r, i), BRAID) if isinstance(ins, Braided) else None
+            out += [ins] if how is None else _apply(ins, how)
+        ranks.append(tuple(out))
+    return Plan(plan.name, plan.config, plan.placement, tuple(ranks))
+
+
 def _apply(block: Braided, how: str) -> list[ComputeInstr]:
     a, b = block.ops
     if how == SPLIT_AB:
@@ -215,4 +235,37 @@ def _apply(block: Braided, how: str) -> list[ComputeInstr]:
         return [Braided(a, b, lead=1)]
     if how == NO_CARRY:
         return [Braided(a, b, carry=False)]
-    return [block]
+    if how == BRAID:
+        return [block]
+    raise ValueError(f"unknown way to run a braided block: {how!r}; valid: {', '.join(VARIANTS)}")
+
+
+def plain_beats_braided(reports: Iterable, costs: dict[str, CostModel], choices: dict[str, BraidChoice]) -> str | None:
+    """One line when a plain schedule (zb_v, 1f1b_i) is faster than braided_v, saying why: how
+    much TP all-reduce there was for braiding to hide. None when braided_v wins or is absent."""
+    by = {r.schedule: r for r in reports}
+    bv = by.get("braided_v")
+    rivals = [by[n] for n in ("zb_v", "1f1b_i") if n in by and bv is not None and by[n].step_time_s < bv.step_time_s]
+    if not rivals:
+        return None
+    best = min(rivals, key=lambda r: r.step_time_s)
+    c = costs["braided_v"]
+    ar = sum(ch.total("ar_f") + ch.total("ar_b") for ch in c.chunks.values()) if c.layout.tp > 1 else 0.0
+    comp = sum(ch.total("f") + ch.total("b") + ch.total("w") for ch in c.chunks.values())
+    gap = bv.step_time_s - best.step_time_s
+    exposed = max(r.tp_exposed_s for r in best.ranks)  # the most braiding could take off the plain schedule's step
+    if ar == 0:
+        why = f"there is no TP all-reduce to hide (tp={c.layout.tp}{', T_AR=0' if c.layout.tp > 1 else ''})"
+    else:
+        why = (f"the TP all-reduces are {ar / comp:.1%} of a micro-batch's compute ({1e3 * ar:.4g} of {1e3 * comp:.4g} ms "
+               f"over all chunks) and {best.schedule} leaves only {1e3 * exposed:.4g} ms of them exposed on its worst rank")
+        if exposed < gap:
+            why += (f", less than the {1e3 * gap:.4g} ms gap: braided_v loses on pipeline bubble "
+                    f"({_bubble(bv):.1%} of its step vs {_bubble(best):.1%})")
+    ch = choices.get("braided_v")
+    kept = f"; auto kept {ch.braided} of {ch.blocks} blocks" if ch is not None else ""
+    return f"{best.schedule} beats braided_v by {bv.step_time_s / best.step_time_s - 1:.1%}: {why}{kept}"
+
+
+def _bubble(report) -> float:
+    return max(r.pp_bubble_s for r in report.ranks) / report.step_time_s

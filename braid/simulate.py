@@ -76,6 +76,10 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--offload-budget", type=float, default=0.01, metavar="F",
                     help="--offload-alpha auto: step-time slowdown allowed for a lower peak, as a fraction "
                          "(default 0.01 = 1%%)")
+    ap.add_argument("--braid", default="auto", choices=["auto", "all", "none"],
+                    help="schedules with braided blocks (braided_v, its variants, dualpipe_v): 'auto' (default) keeps a "
+                         "block braided, picks which member leads and whether its trailing all-reduce is carried, only "
+                         "where the simulated step gets shorter (braid.braid_tune); 'all': every block; 'none': no blocks")
     ap.add_argument("--torch-csv", action="append", metavar="FILE",
                     help="also simulate a schedule torch.distributed.pipelining dumped as a compute-only CSV "
                          "(repeatable; its ranks and micro-batches must match --pp and --mbs; alone, without "
@@ -120,6 +124,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     """Simulate the selected schedules and the given ready-made ``plans`` (e.g. read from torch
     CSVs); returns (json document, traces, notes)."""
     from braid import schedules
+    from braid.braid_tune import count_blocks, plain_beats_braided, tune_braiding
     from braid.compiler import ScheduleError, compile_plan
     from braid.offload_tune import tune_offload
     from braid.simulator import simulate
@@ -133,12 +138,18 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                       "hardware": hw.name, "costs": args.costs,
                                       "recompute": args.recompute}, "schedules": {}}
     traces, notes, reports, extrapolated = [], [], [], []
+    braid_mode = getattr(args, "braid", "auto")
+    cost_of: dict[str, CostModel] = {}
+    choices: dict[str, Any] = {}
     # name -> (plan's v, why): "layers" (the model cannot fill its stages), "m" (too few micro-batches), "schedule"
     doc["skipped"] = {}
     given = {p.name: p for p in plans}
     for name in list(schedule_names) + list(given):
         try:
             options = {} if name in given else _offload_options(args, name)
+            braids = name not in given and schedules.get_schedule(name).knob("braid") is not None
+            if braids and braid_mode != "auto":
+                options["braid"] = braid_mode
             plan = given[name] if name in given else schedules.build(name, args.pp, args.mbs, **options)
             if _max_pp(model, plan.v, args.pp) < args.pp:
                 doc["skipped"][name] = (plan.v, "layers")
@@ -152,7 +163,15 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                 notes.append(f"{name}: auto offload {choice.describe()}"
                              + (f" (tuned at m={choice.m})" if choice.m != args.mbs else "")
                              + (" (coarse search)" if args.pp * args.mbs >= COARSE_PM else ""))
-            if record or name in given:
+            choice = None
+            if braids and braid_mode == "auto":
+                choice = choices[name] = tune_braiding(name, args.pp, args.mbs, costs, options.items(),
+                                                             plan=None if tuned else plan)
+                notes.append(f"{name}: auto {choice.describe()}")
+                plan, options, tuned = choice.plan, dict(choice.plan.config.options), False
+            if choice is not None and choice.result is not None and not record:
+                report = choice.result.report  # simulated in full at this m by the search
+            elif record or name in given:
                 full = schedules.build(name, args.pp, args.mbs, **options) if tuned else plan
                 res = simulate(compile_plan(full), costs, name=name, record=record)
                 if record:
@@ -173,8 +192,15 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             continue
         doc["skipped"].pop(name, None)
         reports.append(report)
+        cost_of[name] = costs
         doc["schedules"][name] = report.to_dict()
         doc["schedules"][name]["peak_memory_gib"] = report.worst_peak.peak_activation_bytes / 2**30
+        doc["schedules"][name]["braided_blocks"] = count_blocks(plan)
+        if name in choices:
+            doc["schedules"][name]["braid_auto"] = choices[name].to_dict()
+    note = plain_beats_braided(reports, cost_of, choices)
+    if note:
+        notes.append(note)
     if extrapolated:
         notes.append(f"{', '.join(extrapolated)}: extrapolated from short runs (braid.simulator.fast; "
                      "a full simulation with --trace or --html)")
