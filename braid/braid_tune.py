@@ -21,10 +21,15 @@ The search, greedy with local improvement, evaluates every candidate plan with t
 simulator (compiled without re-validation; the engine still raises on any deadlock):
 
 1. the schedule with every block (``all``) and the schedule's own order without blocks
-   (``none``): the better one is the start, so the result is never slower than either;
+   (``none``): the faster one is the start, so the result is never slower than either;
 2. one decision for all blocks of one shape (member kinds and chunks, e.g. every F&BW
    block), each alternative tried in turn and kept where the step gets shorter;
 3. the same per (rank, shape), then per block, while the evaluation budget lasts.
+
+A change is kept only if the step gets shorter and the worst rank's activation peak stays
+at most the start's (splitting a block moves its members' allocations apart, and the
+schedules' peaks -- 3p M_a for braided_v, less for its memory-saving variants -- are part
+of what they promise).
 
 Long runs (``p * m >= COARSE_PM``, where one simulation costs most of a second) only
 compare ``all`` with ``none``, on the schedule's shortest steady-state run (``steady_m * p``
@@ -117,7 +122,7 @@ def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec, full:
     short = min(m, short + (m - short) % k)
     steps = {mode: simulate_schedule(name, p, short, costs, tuple(sorted({**opts, "braid": mode}.items()))).report.step_time_s
              for mode in ("all", "none")}
-    mode = "none" if steps["none"] < steps["all"] * (1 - REL_GAIN) else "all"
+    mode = "none" if steps["none"] < steps["all"] else "all"
     plan = full if mode == "all" else schedules.build(name, p, m, **opts, braid="none")
     n = count_blocks(full)
     return BraidChoice(plan, None, n, n if mode == "all" else 0, 0, 0, 2, steps["all"], steps["none"], short)
@@ -147,24 +152,27 @@ class _Search:
     def plan_of(self, state: dict[tuple[int, int], str]) -> Plan:
         return apply_choices(self.full, state)
 
-    def step(self, state: dict[tuple[int, int], str]) -> float:
+    def step(self, state: dict[tuple[int, int], str]) -> tuple[float, int]:
+        """(step time, worst-rank activation peak) of the plan with the blocks run as ``state`` says."""
         key = tuple(sorted((k, v) for k, v in state.items() if v != BRAID))
         hit = self.seen.get(key)
         if hit is None:
             self.evals += 1
             try:
                 progs = compile_plan(self.plan_of(state), validate=False)
-                hit = run_programs(progs, self.costs, self.full.name, self.full.m, grad_ready=False).report.step_time_s
+                rep = run_programs(progs, self.costs, self.full.name, self.full.m, grad_ready=False).report
+                hit = (rep.step_time_s, max(r.peak_activation_bytes for r in rep.ranks))
             except (ScheduleError, SimulationError):
-                hit = float("inf")  # cannot happen for splits or leads; kept as a guard
+                hit = (float("inf"), 0)  # cannot happen for splits or leads; kept as a guard
             self.seen[key] = hit
         return hit
 
     def run(self) -> BraidChoice:
         state_all = {blk: BRAID for blk in self.blocks}
         state_none = dict(self.plain)
-        t_all, t_none = self.step(state_all), self.step(state_none)
-        state, best = (state_none, t_none) if t_none < t_all * (1 - REL_GAIN) else (state_all, t_all)
+        (t_all, m_all), (t_none, m_none) = self.step(state_all), self.step(state_none)
+        # the faster of the two, exactly (the guarantee); later changes must gain more than rounding
+        state, best, cap = (state_none, t_none, m_none) if t_none < t_all else (state_all, t_all, m_all)
         budget = self.evals + self.max_evals
         for group in (self._by_shape, self._by_rank_shape, self._each):
             for members in group():
@@ -174,8 +182,9 @@ class _Search:
                     if all(state[b] == how for b in members):
                         continue
                     trial = dict(state) | dict.fromkeys(members, how)
-                    t = self.step(trial)
-                    if t < best * (1 - REL_GAIN):
+                    t, peak = self.step(trial)
+                    # faster, and no more activation memory than the start (a schedule's peak is part of its promise)
+                    if t < best * (1 - REL_GAIN) and peak <= cap:
                         state, best = trial, t
         plan = self.plan_of(state)
         if any(state[b] != BRAID for b in self.blocks) and any(state[b] not in _SPLITS for b in self.blocks):

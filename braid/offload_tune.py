@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from braid.braid_tune import tune_braiding
 from braid.compiler import compile_plan
 from braid.ir import Plan, ScheduleConfig
 from braid.offload import OFFLOAD_OPTIONS, OffloadPolicy, insert_offload
@@ -78,7 +79,11 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
         spec = schedules.get_schedule(plan.name) if plan.name in schedules.names() else None
         m_proxy = spec.steady_m * cfg.p if spec is not None else cfg.m
         if 0 < m_proxy < cfg.m and spec.accepts_m(cfg.p, m_proxy):
-            bare = schedules.build(plan.name, cfg.p, m_proxy, cfg.v, **dict(rest))
+            if dict(rest).get("braid") == "auto":  # blocks chosen one by one: chosen the same way for the proxy
+                bare = tune_braiding(plan.name, cfg.p, m_proxy, costs,
+                                     rest + (("offload_alpha", 0.0), ("offload_alpha_warmup", 0.0))).plan
+            else:
+                bare = schedules.build(plan.name, cfg.p, m_proxy, cfg.v, **dict(rest))
             bare = Plan(bare.name, ScheduleConfig(cfg.p, m_proxy, cfg.v, rest), bare.placement, bare.ranks)
             validate = False  # a registered generator's plan, validated by its tests (as braid.simulator.fast)
     base = compile_plan(bare, validate=validate)

@@ -42,6 +42,8 @@ from braid.cli import check_outputs, run_main
 from braid.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
 from braid.files import atomic_write_text
 from braid.hardware import HARDWARE, get_hardware
+from braid.ir import Plan, ScheduleConfig
+from braid.offload import OFFLOAD_OPTIONS
 from braid.models_catalog import MODELS, ModelConfig, get_model
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,16 @@ def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
     return {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
 
 
+def _with_options(plan: Plan, options: dict[str, Any]) -> Plan:
+    """``plan`` (its instructions as they are) with ``options`` set in its config -- the offload
+    knobs, which the compiler reads from there."""
+    if not options:
+        return plan
+    opts = dict(plan.config.options) | options
+    cfg = ScheduleConfig(plan.p, plan.m, plan.v, tuple(sorted(opts.items())))
+    return Plan(plan.name, cfg, plan.placement, plan.ranks)
+
+
 def model_from_args(args: argparse.Namespace):
     """The preset (or config.json) with ``--seq``, ``--micro-batch-size`` and the size overrides applied."""
     model = args.model if isinstance(args.model, ModelConfig) else get_model(args.model)
@@ -154,33 +166,36 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             if _max_pp(model, plan.v, args.pp) < args.pp:
                 doc["skipped"][name] = (plan.v, "layers")
             costs = _costs_for(args, model, hw, plan)
-            tuned = False
-            if name not in given and schedules.get_schedule(name).knob("offload_alpha") is not None and args.offload_alpha == "auto":
-                # long plans (p*m >= COARSE_PM) get the coarse search: each simulation costs most of a second there
-                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True,
-                                      coarse=args.pp * args.mbs >= COARSE_PM)
-                options, tuned = choice.options(), True
-                notes.append(f"{name}: auto offload {choice.describe()}"
-                             + (f" (tuned at m={choice.m})" if choice.m != args.mbs else "")
-                             + (" (coarse search)" if args.pp * args.mbs >= COARSE_PM else ""))
+            offloads = name not in given and schedules.get_schedule(name).knob("offload_alpha") is not None
             choice = None
             if braids and braid_mode == "auto":
-                choice = choices[name] = tune_braiding(name, args.pp, args.mbs, costs, options.items(),
-                                                             plan=None if tuned else plan)
+                # blocks first, on the plan without offload; then offload on the chosen plan, so that the
+                # offload budget is measured against the same schedule with its blocks chosen
+                bare = {k: v for k, v in options.items() if k not in OFFLOAD_OPTIONS}
+                if offloads:
+                    bare |= {"offload_alpha": 0.0, "offload_alpha_warmup": 0.0}
+                choice = choices[name] = tune_braiding(name, args.pp, args.mbs, costs, bare.items(),
+                                                       plan=plan if bare == options else None)
                 notes.append(f"{name}: auto {choice.describe()}")
-                plan, options, tuned = choice.plan, dict(choice.plan.config.options), False
-            if choice is not None and choice.result is not None and not record:
+                plan = _with_options(choice.plan, {k: v for k, v in options.items() if k in OFFLOAD_OPTIONS})
+            if offloads and args.offload_alpha == "auto":
+                # long plans (p*m >= COARSE_PM) get the coarse search: each simulation costs most of a second there
+                off = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True,
+                                   coarse=args.pp * args.mbs >= COARSE_PM)
+                plan = _with_options(plan, off.options())
+                notes.append(f"{name}: auto offload {off.describe()}"
+                             + (f" (tuned at m={off.m})" if off.m != args.mbs else "")
+                             + (" (coarse search)" if args.pp * args.mbs >= COARSE_PM else ""))
+            if choice is not None and choice.result is not None and plan is choice.plan and not record:
                 report = choice.result.report  # simulated in full at this m by the search
-            elif record or name in given:
-                full = schedules.build(name, args.pp, args.mbs, **options) if tuned else plan
-                res = simulate(compile_plan(full), costs, name=name, record=record)
+            elif record or name in given or plan.config.option("braid") == "auto":
+                # a plan whose blocks were chosen one by one is simulated as it is (no short runs to extrapolate from)
+                res = simulate(compile_plan(plan), costs, name=name, record=record)
                 if record:
                     traces.append(res.trace)
                 report = res.report
             else:
-                # the plan built above is the one to simulate unless the offload tuner chose new options
-                fast = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items())),
-                                         plan=None if tuned else plan)
+                fast = simulate_schedule(name, args.pp, args.mbs, costs, plan.config.options, plan=plan)
                 report = fast.report
                 if fast.method != "full":
                     extrapolated.append(name)
