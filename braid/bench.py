@@ -325,7 +325,10 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
     keep = groups.coords.tp == 0
-    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None}
+    from braid.braid_tune import count_blocks
+
+    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
+            "braided_blocks": count_blocks(plan)}
 
 
 def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
@@ -478,7 +481,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "raw_predicted_step_s": raw_pred,
                          "raw_step_err": rel_err(raw_pred, step_s) if raw_pred is not None else None,
                          "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
-                         "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None)})
+                         "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None),
+                         "braided_blocks": ranks[0].get("braided_blocks")})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
         merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
                        [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})

@@ -36,7 +36,10 @@ compare ``all`` with ``none``, on the schedule's shortest steady-state run (``st
 micro-batches, as the offload tuner does; at ``min_m * p`` the steady phase is too short to
 judge: braided_v_lowmem at p=32 is faster without blocks at m=64 but with them at m=96 and
 256) -- the caller simulates the winner at the real m. There the result is *not* guaranteed to be
-at least as fast as ``none`` at that m: the note says at which m it was chosen.
+at least as fast as ``none`` at that m: the note says at which m it was chosen. From
+``p * m >= NO_SEARCH_PM`` (qwen2-72b at p=32, m=256: two short runs per schedule would add
+a quarter to ``python -m braid.simulate``'s time) nothing is simulated and every block is
+kept; the note says so (``--braid none`` simulates the order without blocks).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ from braid.simulator import SimulationError
 from braid.simulator.fast import FastResult, run_programs, simulate_schedule
 
 COARSE_PM = 4096  # p*m from which only all-or-none is compared, on a short run
+NO_SEARCH_PM = 8192  # p*m from which every block is kept without a simulation
+UNSEARCHED = (f"kept every block: not searched at p*m >= {NO_SEARCH_PM} (a simulation costs about a second there; "
+              "--braid none simulates the order without blocks)")
 MAX_EVALS = 48  # simulations of the local search (after all and none)
 REL_GAIN = 1e-9  # a change is kept only when it shortens the step by more than this fraction
 
@@ -83,6 +89,8 @@ class BraidChoice:
     def describe(self) -> str:
         extra = [f"{n} {what}" for n, what in ((self.led, "with a fixed lead"), (self.uncarried, "not carrying their "
                                                "trailing all-reduce")) if n]
+        if not self.evaluations:
+            return f"kept all {self.blocks} blocks: {UNSEARCHED.split(': ', 1)[1]}"
         step = min(self.all_step_s, self.none_step_s) if self.result is None else self.result.report.step_time_s
         return (f"braided {self.braided} of {self.blocks} blocks" + (f" ({', '.join(extra)})" if extra else "")
                 + f"; step {step / self.all_step_s - 1:+.2%} vs all blocks, {step / self.none_step_s - 1:+.2%} vs none"
@@ -108,6 +116,9 @@ def tune_braiding(name: str, p: int, m: int, costs: CostModel, options: Iterable
     spec = schedules.get_schedule(name)
     opts = {k: v for k, v in options if k != "braid"}
     full = plan if plan is not None else schedules.build(name, p, m, **opts, braid="all")
+    if p * m >= NO_SEARCH_PM:
+        n = count_blocks(full)
+        return BraidChoice(full, None, n, n, 0, 0, 0, float("nan"), float("nan"), m)
     if p * m >= COARSE_PM:
         return _coarse(name, p, m, costs, opts, spec, full)
     plain = schedules.build(name, p, m, **opts, braid="none")

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     """Simulate the selected schedules and the given ready-made ``plans`` (e.g. read from torch
     CSVs); returns (json document, traces, notes)."""
     from braid import schedules
-    from braid.braid_tune import count_blocks, plain_beats_braided, tune_braiding
+    from braid.braid_tune import UNSEARCHED, count_blocks, plain_beats_braided, tune_braiding
     from braid.compiler import ScheduleError, compile_plan
     from braid.offload_tune import tune_offload
     from braid.simulator import simulate
@@ -153,6 +153,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     braid_mode = getattr(args, "braid", "auto")
     cost_of: dict[str, CostModel] = {}
     choices: dict[str, Any] = {}
+    unsearched: list[str] = []  # braid=auto kept every block without a search (long runs)
     # name -> (plan's v, why): "layers" (the model cannot fill its stages), "m" (too few micro-batches), "schedule"
     doc["skipped"] = {}
     given = {p.name: p for p in plans}
@@ -176,7 +177,10 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                     bare |= {"offload_alpha": 0.0, "offload_alpha_warmup": 0.0}
                 choice = choices[name] = tune_braiding(name, args.pp, args.mbs, costs, bare.items(),
                                                        plan=plan if bare == options else None)
-                notes.append(f"{name}: auto {choice.describe()}")
+                if choice.evaluations:
+                    notes.append(f"{name}: auto {choice.describe()}")
+                else:
+                    unsearched.append(name)
                 plan = _with_options(choice.plan, {k: v for k, v in options.items() if k in OFFLOAD_OPTIONS})
             if offloads and args.offload_alpha == "auto":
                 # long plans (p*m >= COARSE_PM) get the coarse search: each simulation costs most of a second there
@@ -213,6 +217,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
         doc["schedules"][name]["braided_blocks"] = count_blocks(plan)
         if name in choices:
             doc["schedules"][name]["braid_auto"] = choices[name].to_dict()
+    if unsearched:
+        notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")
     note = plain_beats_braided(reports, cost_of, choices)
     if note:
         notes.append(note)

@@ -129,3 +129,31 @@ def test_simulate_reports_blocks_and_why_a_plain_schedule_wins(tmp_path, capsys)
                           "--json", str(out)]) == 0
     assert json.loads(out.read_text())["schedules"]["dualpipe_v"]["braided_blocks"] == 25
     assert "auto braided" not in capsys.readouterr().out
+
+
+def test_long_runs_compare_all_and_none_on_a_short_run_then_stop_searching(monkeypatch) -> None:
+    import braid.braid_tune as bt
+
+    costs = uniform_costs(Layout(2, 4, 2, "v"), _specs(4), T_F=1, T_B=1, T_W=1, T_AR=0, T_P2P=0)
+    monkeypatch.setattr(bt, "COARSE_PM", 4 * 20)
+    choice = bt.tune_braiding("dualpipe_v", 4, 20, costs)
+    assert choice.result is None and choice.evaluations == 2 and choice.m == 8  # steady_m * p: dualpipe_v's shortest steady run
+    assert choice.plan.ranks == schedules.build("dualpipe_v", 4, 20, braid="none").ranks  # free all-reduces: no blocks
+    assert "chosen at m=8" in choice.describe()
+    monkeypatch.setattr(bt, "NO_SEARCH_PM", 4 * 20)
+    choice = bt.tune_braiding("dualpipe_v", 4, 20, costs)
+    assert choice.evaluations == 0 and choice.braided == choice.blocks == count_blocks(choice.plan) > 0
+    assert "not searched" in choice.describe()
+
+
+def test_programs_cli_prints_the_block_count(capsys) -> None:
+    from braid.programs import main as programs_main
+
+    assert programs_main(["dualpipe_v", "--pp", "2", "--mbs", "4", "--braid", "none"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("braided blocks=0")
+    assert programs_main(["dualpipe_v", "--pp", "2", "--mbs", "4"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith(f"braided blocks={count_blocks(schedules.build('dualpipe_v', 2, 4))}") and not head.endswith("=0")
+    with pytest.raises(SystemExit) as exc:
+        programs_main(["zb_v", "--braid", "none"])
+    assert exc.value.code == 2 and "no braided blocks" in capsys.readouterr().err
