@@ -184,8 +184,14 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                 plan = _with_options(choice.plan, {k: v for k, v in options.items() if k in OFFLOAD_OPTIONS})
             if offloads and args.offload_alpha == "auto":
                 # long plans (p*m >= COARSE_PM) get the coarse search: each simulation costs most of a second there
+                def proxy(mm: int, name=name, costs=costs, opts=dict(plan.config.options)) -> Plan:
+                    """The plan at the offload tuner's proxy m, its blocks chosen the same way (without offload)."""
+                    return tune_braiding(name, args.pp, mm, costs, (opts | {"offload_alpha": 0.0,
+                                                                           "offload_alpha_warmup": 0.0}).items()).plan
+
                 off = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True,
-                                   coarse=args.pp * args.mbs >= COARSE_PM)
+                                   coarse=args.pp * args.mbs >= COARSE_PM,
+                                   build_proxy=proxy if plan.config.option("braid") == "auto" else None)
                 plan = _with_options(plan, off.options())
                 notes.append(f"{name}: auto offload {off.describe()}"
                              + (f" (tuned at m={off.m})" if off.m != args.mbs else "")

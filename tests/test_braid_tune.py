@@ -157,3 +157,13 @@ def test_programs_cli_prints_the_block_count(capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         programs_main(["zb_v", "--braid", "none"])
     assert exc.value.code == 2 and "no braided blocks" in capsys.readouterr().err
+
+
+def test_offload_is_tuned_on_the_plan_with_its_blocks_chosen(capsys) -> None:
+    # p=2, m=8: blocks chosen one by one, then the offload tuner's proxy run (m=6) gets its own choice
+    assert simulate_main(["--pp", "2", "--mbs", "8", "--schedule", "braided_v", "--schedule", "braided_v_offload"]) == 0
+    text = capsys.readouterr().out
+    rows = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("braided_v")}
+    auto = [line for line in text.splitlines() if line.startswith("note: braided_v_offload: auto braided")]
+    assert len(auto) == 1 and "of 23 blocks" in auto[0] and "(tuned at m=6)" in text
+    assert rows["braided_v_offload"] <= 1.01 * rows["braided_v"]  # the offload budget, against braided_v as chosen
