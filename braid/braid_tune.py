@@ -83,7 +83,8 @@ class BraidChoice:
 
     def to_dict(self) -> dict[str, Any]:
         return {"blocks": self.blocks, "braided": self.braided, "fixed_lead": self.led, "not_carried": self.uncarried,
-                "simulations": self.evaluations, "all_step_s": self.all_step_s, "none_step_s": self.none_step_s,
+                "simulations": self.evaluations, "all_step_s": self.all_step_s if self.evaluations else None,
+                "none_step_s": self.none_step_s if self.evaluations else None,
                 "chosen_at_m": self.m}
 
     def describe(self) -> str:
