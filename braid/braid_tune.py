@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from braid import schedules
 from braid.compiler import ScheduleError, compile_plan
 from braid.costs import CostModel
 from braid.ir import Braided, Compute, ComputeInstr, Plan, ScheduleConfig
@@ -108,12 +109,12 @@ def tune_braiding(name: str, p: int, m: int, costs: CostModel, options: Iterable
     """Choose how schedule ``name``'s braided blocks run at (p, m) on ``costs`` (``braid="auto"``).
 
     ``options``: the schedule's other knobs (e.g. the offload fractions). The result's plan
-    has the schedule's name and ``braid="auto"`` among its options' values replaced by the
-    decisions written into its instructions. ``plan``: the caller's ``schedules.build(name, p,
+    keeps the schedule's name; its options say ``braid="all"`` or ``"none"`` when every block
+    is kept or split (the schedule's own plan), ``braid="auto"`` when the decisions differ
+    block by block -- they are in its instructions, so such a plan is simulated and run as
+    it is, never rebuilt from its options. ``plan``: the caller's ``schedules.build(name, p,
     m, **options)`` with every block, so it is not built again.
     """
-    from braid import schedules
-
     spec = schedules.get_schedule(name)
     opts = {k: v for k, v in options if k != "braid"}
     full = plan if plan is not None else schedules.build(name, p, m, **opts, braid="all")
@@ -127,8 +128,6 @@ def tune_braiding(name: str, p: int, m: int, costs: CostModel, options: Iterable
 
 
 def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec, full: Plan) -> BraidChoice:
-    from braid import schedules
-
     k = p if spec.m_step == "p" else 1
     short = max(spec.steady_m, spec.min_m) * p  # the shortest run in steady state (a shorter one misleads: see above)
     short = min(m, short + (m - short) % k)
@@ -151,7 +150,7 @@ class _Search:
         # lead and carry matter only where there are all-reduces
         self.variants = VARIANTS if has_ar else (BRAID, SPLIT_AB, SPLIT_BA)
         self.evals = 0
-        self.seen: dict[tuple, float] = {}
+        self.seen: dict[tuple, tuple[float, int]] = {}
 
     def _split_order(self, plain: Plan, blk: tuple[int, int]) -> str:
         """How the schedule's order without blocks runs this block's two ops."""
@@ -199,13 +198,13 @@ class _Search:
                     if t < best * (1 - REL_GAIN) and peak <= cap:
                         state, best = trial, t
         plan = self.plan_of(state)
-        if any(state[b] != BRAID for b in self.blocks) and any(state[b] not in _SPLITS for b in self.blocks):
+        if state == state_none:
+            plan = self.none
+        elif state != state_all:
             # neither all nor none: the decisions are in the instructions, the option says where they came from
             opts = dict(plan.config.options) | {"braid": "auto"}
             plan = Plan(plan.name, ScheduleConfig(plan.p, plan.m, plan.v, tuple(sorted(opts.items()))), plan.placement,
                         plan.ranks)
-        elif all(state[b] == self.plain[b] for b in self.blocks):
-            plan = self.none
         result = run_programs(compile_plan(plan, validate=False), self.costs, plan.name, plan.m)
         kept = [b for b in self.blocks if state[b] not in _SPLITS]
         return BraidChoice(plan, result, len(self.blocks), len(kept), sum(state[b] in (LEAD_A, LEAD_B) for b in kept),
