@@ -23,7 +23,7 @@ from typing import Sequence
 from braid.io.cli import Parser, check_outputs, run_main
 from braid.core.compiler import ScheduleError, compile_plan, format_grid, peak_activations
 from braid.io.files import atomic_write_text
-from braid.core.ir import programs_to_json
+from braid.core.ir import Braided, programs_to_json
 from braid.core.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
 
 
@@ -37,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, default=4, help="pipeline ranks p (default 4)")
     ap.add_argument("--mbs", type=int, default=12, help="micro-batches per step m (default 12)")
     ap.add_argument("--chunks", type=int, default=None, help="chunks per rank v (schedule default if omitted)")
+    ap.add_argument("--braid", choices=("all", "none"), default=None,
+                    help="schedules with braided blocks: all (their default) or none (each block's ops one after the "
+                         "other); the cost-aware choice needs a cost model: python -m braid.simulate --braid auto")
     ap.add_argument("--plan-only", action="store_true", help="print the compute plan without P2P instructions")
     ap.add_argument("--grid", action="store_true", help="print a step x rank grid instead of one line per rank")
     ap.add_argument("--json", metavar="FILE", help="also write the compiled programs as JSON")
@@ -54,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--chunks", args.chunks)):
         if val is not None and val < 1:
             ap.error(f"{flag} must be a positive integer, got {val}")
+    if args.braid is not None and (args.schedule is None or schedules.get_schedule(args.schedule).knob("braid") is None):
+        ap.error(f"--braid: {args.schedule or 'an imported CSV'} has no braided blocks to choose; use it with "
+                 + ", ".join(n for n in names if schedules.get_schedule(n).knob("braid")))
     if args.output and args.format != "torch-csv":
         ap.error("-o writes the torch CSV: use it with --format torch-csv (or --json FILE for the programs)")
     check_outputs(ap, [("-o", args.output), ("--json", args.json)],
@@ -67,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"--import-torch-csv: cannot read {args.import_torch_csv!r} ({err.strerror})") from None
             plan = from_torch_csv(text, name=args.import_torch_csv.rsplit("/", 1)[-1].removesuffix(".csv"))
         else:
-            plan = schedules.build(args.schedule, args.pp, args.mbs, v=args.chunks)
+            knobs = {} if args.braid is None else {"braid": args.braid}
+            plan = schedules.build(args.schedule, args.pp, args.mbs, v=args.chunks, **knobs)
         programs = compile_plan(plan)
     except ScheduleError as err:
         # a generator that emits an invalid plan: a bug, shown with its grid (exit 1)
@@ -87,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(text)
         return 0
     rows = list(plan.ranks) if args.plan_only else [p.instructions for p in programs]
-    print(f"# {plan.name}: p={plan.p} m={plan.m} v={plan.v} placement={plan.placement}")
+    blocks = sum(isinstance(i, Braided) for ops in plan.ranks for i in ops)
+    print(f"# {plan.name}: p={plan.p} m={plan.m} v={plan.v} placement={plan.placement} braided blocks={blocks}")
     if args.grid:
         print(format_grid(rows))
     else:

@@ -42,6 +42,8 @@ from braid.io.cli import check_outputs, run_main
 from braid.cost.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
 from braid.io.files import atomic_write_text
 from braid.cost.hardware import HARDWARE, get_hardware
+from braid.core.ir import Plan, ScheduleConfig
+from braid.core.offload import OFFLOAD_OPTIONS
 from braid.cost.catalog import MODELS, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,10 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
     ap.add_argument("--offload-budget", type=float, default=0.01, metavar="F",
                     help="--offload-alpha auto: step-time slowdown allowed for a lower peak, as a fraction "
                          "(default 0.01 = 1%%)")
+    ap.add_argument("--braid", default="auto", choices=["auto", "all", "none"],
+                    help="schedules with braided blocks (braided_v, its variants, dualpipe_v): 'auto' (default) keeps a "
+                         "block braided, picks which member leads and whether its trailing all-reduce is carried, only "
+                         "where the simulated step gets shorter (braid.planner.braid_tune); 'all': every block; 'none': no blocks")
     ap.add_argument("--torch-csv", action="append", metavar="FILE",
                     help="also simulate a schedule torch.distributed.pipelining dumped as a compute-only CSV "
                          "(repeatable; its ranks and micro-batches must match --pp and --mbs; alone, without "
@@ -119,6 +125,16 @@ def resolve_model(name: str) -> ModelConfig:
     return from_path_or_preset(name)
 
 
+def _with_options(plan: Plan, options: dict[str, Any]) -> Plan:
+    """``plan`` (its instructions as they are) with ``options`` set in its config -- the offload
+    knobs, which the compiler reads from there."""
+    if not options:
+        return plan
+    opts = dict(plan.config.options) | options
+    cfg = ScheduleConfig(plan.p, plan.m, plan.v, tuple(sorted(opts.items())))
+    return Plan(plan.name, cfg, plan.placement, plan.ranks)
+
+
 def model_from_args(args: argparse.Namespace):
     """The preset (or config.json) with ``--seq``, ``--micro-batch-size`` and the size overrides applied."""
     model = args.model if isinstance(args.model, ModelConfig) else resolve_model(args.model)
@@ -130,6 +146,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     """Simulate the selected schedules and the given ready-made ``plans`` (e.g. read from torch
     CSVs); returns (json document, traces, notes)."""
     from braid import schedules
+    from braid.planner.braid_tune import UNSEARCHED, count_blocks, plain_beats_braided, tune_braiding
     from braid.core.compiler import ScheduleError, compile_plan
     from braid.planner.offload_tune import tune_offload
     from braid.simulator import simulate
@@ -143,35 +160,62 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                       "hardware": hw.name, "costs": args.costs,
                                       "recompute": args.recompute}, "schedules": {}}
     traces, notes, reports, extrapolated = [], [], [], []
+    braid_mode = getattr(args, "braid", "auto")
+    cost_of: dict[str, CostModel] = {}
+    choices: dict[str, Any] = {}
+    unsearched: list[str] = []  # braid=auto kept every block without a search (long runs)
     # name -> (plan's v, why): "layers" (the model cannot fill its stages), "m" (too few micro-batches), "schedule"
     doc["skipped"] = {}
     given = {p.name: p for p in plans}
     for name in list(schedule_names) + list(given):
         try:
             options = {} if name in given else _offload_options(args, name)
+            braids = name not in given and schedules.get_schedule(name).knob("braid") is not None
+            if braids and braid_mode != "auto":
+                options["braid"] = braid_mode
             plan = given[name] if name in given else schedules.build(name, args.pp, args.mbs, **options)
             if _max_pp(model, plan.v, args.pp) < args.pp:
                 doc["skipped"][name] = (plan.v, "layers")
             costs = _costs_for(args, model, hw, plan)
-            tuned = False
-            if name not in given and schedules.get_schedule(name).knob("offload_alpha") is not None and args.offload_alpha == "auto":
+            offloads = name not in given and schedules.get_schedule(name).knob("offload_alpha") is not None
+            choice = None
+            if braids and braid_mode == "auto":
+                # blocks first, on the plan without offload; then offload on the chosen plan, so that the
+                # offload budget is measured against the same schedule with its blocks chosen
+                bare = {k: v for k, v in options.items() if k not in OFFLOAD_OPTIONS}
+                if offloads:
+                    bare |= {"offload_alpha": 0.0, "offload_alpha_warmup": 0.0}
+                choice = choices[name] = tune_braiding(name, args.pp, args.mbs, costs, bare.items(),
+                                                       plan=plan if bare == options else None)
+                if choice.evaluations:
+                    notes.append(f"{name}: auto {choice.describe()}")
+                else:
+                    unsearched.append(name)
+                plan = _with_options(choice.plan, {k: v for k, v in options.items() if k in OFFLOAD_OPTIONS})
+            if offloads and args.offload_alpha == "auto":
                 # long plans (p*m >= COARSE_PM) get the coarse search: each simulation costs most of a second there
-                choice = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True,
-                                      coarse=args.pp * args.mbs >= COARSE_PM)
-                options, tuned = choice.options(), True
-                notes.append(f"{name}: auto offload {choice.describe()}"
-                             + (f" (tuned at m={choice.m})" if choice.m != args.mbs else "")
+                def proxy(mm: int, name=name, costs=costs, opts=dict(plan.config.options)) -> Plan:
+                    """The plan at the offload tuner's proxy m, its blocks chosen the same way (without offload)."""
+                    return tune_braiding(name, args.pp, mm, costs, (opts | {"offload_alpha": 0.0,
+                                                                           "offload_alpha_warmup": 0.0}).items()).plan
+
+                off = tune_offload(plan, costs, max_slowdown=args.offload_budget, proxy=True,
+                                   coarse=args.pp * args.mbs >= COARSE_PM,
+                                   build_proxy=proxy if plan.config.option("braid") == "auto" else None)
+                plan = _with_options(plan, off.options())
+                notes.append(f"{name}: auto offload {off.describe()}"
+                             + (f" (tuned at m={off.m})" if off.m != args.mbs else "")
                              + (" (coarse search)" if args.pp * args.mbs >= COARSE_PM else ""))
-            if record or name in given:
-                full = schedules.build(name, args.pp, args.mbs, **options) if tuned else plan
-                res = simulate(compile_plan(full), costs, name=name, record=record)
+            if choice is not None and choice.result is not None and plan is choice.plan and not record:
+                report = choice.result.report  # simulated in full at this m by the search
+            elif record or name in given or plan.config.option("braid") == "auto":
+                # a plan whose blocks were chosen one by one is simulated as it is (no short runs to extrapolate from)
+                res = simulate(compile_plan(plan), costs, name=name, record=record)
                 if record:
                     traces.append(res.trace)
                 report = res.report
             else:
-                # the plan built above is the one to simulate unless the offload tuner chose new options
-                fast = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items())),
-                                         plan=None if tuned else plan)
+                fast = simulate_schedule(name, args.pp, args.mbs, costs, plan.config.options, plan=plan)
                 report = fast.report
                 if fast.method != "full":
                     extrapolated.append(name)
@@ -183,8 +227,17 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             continue
         doc["skipped"].pop(name, None)
         reports.append(report)
+        cost_of[name] = costs
         doc["schedules"][name] = report.to_dict()
         doc["schedules"][name]["peak_memory_gib"] = report.worst_peak.peak_activation_bytes / 2**30
+        doc["schedules"][name]["braided_blocks"] = count_blocks(plan)
+        if name in choices:
+            doc["schedules"][name]["braid_auto"] = choices[name].to_dict()
+    if unsearched:
+        notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")
+    note = plain_beats_braided(reports, cost_of, choices)
+    if note:
+        notes.append(note)
     if extrapolated:
         notes.append(f"{', '.join(extrapolated)}: extrapolated from short runs (braid.simulator.fast; "
                      "a full simulation with --trace or --html)")

@@ -578,4 +578,4 @@ class Engine:
 def _shape(instr: Compute | Braided) -> tuple:
     if isinstance(instr, Compute):
         return (instr.kind, instr.chunk)
-    return (instr.first.kind, instr.first.chunk, instr.second.kind, instr.second.chunk)
+    return (instr.first.kind, instr.first.chunk, instr.second.kind, instr.second.chunk, instr.lead)

@@ -94,7 +94,7 @@ def _check_carried_overlap(program, chunks, trace, where: str) -> None:
             f"{where}: the carried all-reduce of op {i} ({ar[0]}) does not span op {carry.into}'s first unit ({first})")
 
 
-def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol: tuple[float, float] = (1e-4, 1e-5),
+def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[float, float] = (1e-4, 1e-5),
                 compile: bool | None = None, tp_backend: str | None = None) -> list[tuple[str, int, dict]]:
     """Run each (schedule, m) for two AdamW steps and compare with the single-process reference
     (``compile``: the executor's compiled-units switch; ``tp_backend``: run the TP all-reduces
@@ -103,6 +103,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
     from braid import schedules
     from braid.core.braiding import carries
     from braid.core.compiler import compile_plan
+    from braid.core.ir import Plan
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.core.partition import split_layers
     from braid.runtime.distributed import reduce_gradients
@@ -114,9 +115,10 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]], tol:
     groups = ctx.process_groups(topo)
     c = groups.coords
     ran = []
-    for name, m in schedules_ms:
+    for entry in schedules_ms:  # (name, m), or (name, m, plan as JSON) for a plan made elsewhere (e.g. tuned)
+        name, m = entry[0], entry[1]
         try:
-            plan = schedules.build(name, pp, m)
+            plan = schedules.build(name, pp, m) if len(entry) == 2 else Plan.from_json(entry[2])
         except ValueError:
             continue
         stages = plan.num_stages

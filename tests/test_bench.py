@@ -154,6 +154,12 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     bc = BenchConfig(cfg, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=2, rounds=2)
     s = run_bench(bc)
     assert [(r["schedule"], r["m"]) for r in s["runs"]] == [("braided_v", 4), ("1f1b_i", 4)]
+    from braid import schedules
+    from braid.planner.braid_tune import count_blocks
+
+    # which blocks ran braided: the plan's count, recorded per run
+    assert [r["braided_blocks"] for r in s["runs"]] == [count_blocks(schedules.build("braided_v", 2, 4)), 0]
+    assert s["runs"][0]["braided_blocks"] > 0
     for r in s["runs"]:
         assert r["step_s"] > 0 and r["predicted_step_s"] > 0 and r["loss"] > 0
         assert len(r["step_s_rounds"]) == 2 and r["step_s"] == pytest.approx(sum(r["step_s_rounds"]) / 2)

@@ -87,3 +87,26 @@ def test_recording_modes_time_less_and_compute_the_same(pools) -> None:
             assert got[mode]["compute"] == got[mode]["memory"] == 0 and got[mode]["meta_record"] == "off"
         assert "record='unit'" in got["bad"] and "units, instructions, off" in got["bad"]
         assert "record='all'" in got["bad_init"]
+
+
+def _every_choice(name: str, pp: int, m: int) -> str:
+    """``name``'s plan with its blocks run every way :mod:`braid.planner.braid_tune` can choose, in turn."""
+    from braid.planner.braid_tune import VARIANTS, apply_choices
+
+    plan = schedules.build(name, pp, m)
+    blocks = [(r, i) for r, ops in enumerate(plan.ranks) for i, ins in enumerate(ops) if hasattr(ins, "lead")]
+    return apply_choices(plan, {blk: VARIANTS[k % len(VARIANTS)] for k, blk in enumerate(blocks)}).to_json()
+
+
+@pytest.mark.parametrize("name", ["braided_v", "dualpipe_v"])
+def test_braid_choices_match_reference(pools, name: str) -> None:
+    # What the braiding pass may choose (split blocks in either order, a fixed lead, a trailing
+    # all-reduce kept inside its block) runs through the same programs and gives the reference's
+    # loss, gradients and parameters; tp=2 so leads and carries change the all-reduce order.
+    pp, tp, m = 2, 2, 5
+    plan_json = _every_choice(name, pp, m)
+    assert "/a" in plan_json and "/b" in plan_json and "/n" in plan_json
+    ran_by_rank = pools(pp * tp).run(cases.equivalence, pp, tp, [(name, m, plan_json)], timeout_s=400)
+    for rank_ran in ran_by_rank:
+        assert [(n, mm) for n, mm, _ in rank_ran] == [(name, m)]
+        assert rank_ran[0][2]["braided"] > 0 and rank_ran[0][2]["AR"] > 0

@@ -152,7 +152,7 @@ def test_simulate_cli_runs_a_torch_csv_beside_braids_schedule(tmp_path, capsys):
     sch._dump_csv(str(csv_path), format="compute_only")
     costs.write_text(json.dumps({"format": "braid-costs/1", "T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0.25, "T_P2P": 0}))
     argv = ["--pp", "2", "--mbs", "6", "--model", "qwen2-small", "--costs", str(costs), "--schedule", "dualpipe_v",
-            "--torch-csv", str(csv_path), "--json", str(out)]
+            "--torch-csv", str(csv_path), "--json", str(out), "--braid", "all"]  # torch's order, with its blocks
     assert simulate_main(argv) == 0
     rep = json.loads(out.read_text())["schedules"]
     assert rep["torch_dpv"]["step_time_s"] == pytest.approx(rep["dualpipe_v"]["step_time_s"], abs=1e-12)

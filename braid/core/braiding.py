@@ -35,7 +35,9 @@ starts an all-reduce, and for W every two units (half a layer, matching the forw
 all-reduce spacing). A braided block alternates segments -- ``a0 b0 a1 b1 ...`` -- then
 runs what is left of the longer op; a W member with fewer segments than its partner is cut
 into as many even pieces instead (W waits for nothing), so a long forward braided with a
-shorter chunk's W still has W units beside each of its all-reduces. If that order would end
+shorter chunk's W still has W units beside each of its all-reduces. A block whose ``lead`` is
+set (text ``/a`` or ``/b``, chosen from costs by :mod:`braid.planner.braid_tune`) starts with that
+member and takes no other order. Otherwise: if that order would end
 the block on an all-reduce and the order led by the second member (``b0 a0 b1 a1 ...``)
 would not, the block takes the latter: an F&B block on the last stage then ends with the
 forward's head unit, which runs beside the backward's last all-reduce. When both orders end
@@ -215,6 +217,8 @@ def steps(instr: Instruction, spec_of) -> list[Step]:
         # member has segments, so every all-reduce of the other runs beside W units.
         if instr.ops[member].kind is OpKind.W and len(segs[member]) < len(segs[other]):
             segs[member] = _split_even([t for seg in segs[member] for t in seg], len(segs[other]))
+    if instr.lead is not None:  # fixed by the plan (braid.planner.braid_tune chooses it from costs)
+        return _alternate(instr, segs, (instr.lead, 1 - instr.lead))
     out = _alternate(instr, segs, (0, 1))
     if out[-1].task.ar:  # led by the second member, the block may end on a unit with nothing to hide
         swapped = _alternate(instr, segs, (1, 0))
@@ -268,7 +272,8 @@ def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
     1. only ``Send``/``Recv`` lie between them (an offload or reload would read I's tensors),
     2. ``I`` or ``J`` is a braided block (braiding is what opts a boundary into unit-level
        overlap; plain ops next to plain ops finish their all-reduces, as the reference
-       runtimes of 1F1B-I and ZB-V do),
+       runtimes of 1F1B-I and ZB-V do), and ``I`` is not a block marked not to carry
+       (``Braided.carry=False``, text ``/n``),
     3. ``I``'s last unit task starts an all-reduce (of its member ``op``) whose result is
        either not sent in the Send/Recv run between them, or is a forward's output (the
        all-reduced tensor itself, final when the all-reduce ends: the run is *chained*),
@@ -300,7 +305,7 @@ def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
     def ends(instr: Compute | Braided) -> tuple[Step, Step]:
         """First and last step of an instruction (by shape, rebound to its ops)."""
         ops = compute_ops(instr)
-        key = tuple((op.kind, op.chunk) for op in ops) + (isinstance(instr, Braided),)
+        key = tuple((op.kind, op.chunk) for op in ops) + (isinstance(instr, Braided) and (instr.lead,),)
         hit = ends_of.get(key)
         if hit is None:
             st = steps(instr, spec_of)
@@ -311,6 +316,8 @@ def carries(instructions: Sequence[Instruction], spec_of) -> dict[int, Carry]:
     for i, j in zip(compute_at, compute_at[1:]):
         prev, nxt = instructions[i], instructions[j]
         if not (isinstance(prev, Braided) or isinstance(nxt, Braided)):
+            continue
+        if isinstance(prev, Braided) and not prev.carry:
             continue
         between = instructions[i + 1:j]
         if not all(isinstance(x, (Send, Recv)) for x in between):

@@ -15,6 +15,10 @@ Every instruction is a small frozen value with one compact text form that parses
     BW3c1         full backward: activation *and* weight gradients
     F9c1&B3c1     braided block: units of F9c1 interleaved with units of B3c1
     F7c0&B2c1     cross-chunk braided block (DualPipeV's overlapped forward/backward pair)
+    F9c1&B3c1/b   ... whose units start with the second member's (``/a``: the first's; without
+                  either the braiding rule of :func:`braid.core.braiding.steps` picks)
+    F9c1&B3c1/n   ... whose trailing all-reduce is not carried into the next instruction
+                  (``/bn``: both; :func:`braid.core.braiding.carries`)
     SEND_A3c0>1   send the output activation of F3c0 to rank 1
     RECV_A3c1<0   receive the input activation of F3c1 from rank 0
     SEND_G3c1>0   send the input gradient produced by B3c1 to rank 0
@@ -101,8 +105,12 @@ class Braided:
 
     first: Compute
     second: Compute
+    lead: int | None = None  # 0/1: the member whose units start the block; None: braiding.steps' rule
+    carry: bool = True  # False: its trailing all-reduce ends inside the block (never carried)
 
     def __post_init__(self) -> None:
+        if self.lead not in (None, 0, 1):
+            raise ValueError(f"braided block lead must be None, 0 or 1, got {self.lead!r}")
         pair = (self.first.kind, self.second.kind)
         if pair not in BRAIDABLE:
             raise ValueError(
@@ -127,7 +135,8 @@ class Braided:
         return (self.first, self.second)
 
     def __str__(self) -> str:
-        return f"{self.first}&{self.second}"
+        flags = ("" if self.lead is None else "ab"[self.lead]) + ("" if self.carry else "n")
+        return f"{self.first}&{self.second}" + (f"/{flags}" if flags else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +198,7 @@ Instruction = Union[Compute, Braided, Send, Recv, Offload, Reload]
 
 _COMPUTE_RE = r"(BW|F|B|W)(\d+)c(\d+)"
 _RE_COMPUTE = re.compile(rf"^{_COMPUTE_RE}$")
-_RE_BRAIDED = re.compile(rf"^{_COMPUTE_RE}&{_COMPUTE_RE}$")
+_RE_BRAIDED = re.compile(rf"^{_COMPUTE_RE}&{_COMPUTE_RE}(?:/(?=.)([ab])?(n)?)?$")
 _RE_SEND = re.compile(r"^SEND_([AG])(\d+)c(\d+)>(\d+)$")
 _RE_RECV = re.compile(r"^RECV_([AG])(\d+)c(\d+)<(\d+)$")
 _RE_OFFLOAD = re.compile(r"^OFFLOAD(\d+)c(\d+)(?:@([0-9.eE+-]+))?$")
@@ -202,7 +211,8 @@ def parse_instruction(text: str) -> Instruction:
     if m := _RE_COMPUTE.match(s):
         return Compute(OpKind(m[1]), int(m[2]), int(m[3]))
     if m := _RE_BRAIDED.match(s):
-        return Braided(Compute(OpKind(m[1]), int(m[2]), int(m[3])), Compute(OpKind(m[4]), int(m[5]), int(m[6])))
+        return Braided(Compute(OpKind(m[1]), int(m[2]), int(m[3])), Compute(OpKind(m[4]), int(m[5]), int(m[6])),
+                       None if m[7] is None else "ab".index(m[7]), m[8] is None)
     if m := _RE_SEND.match(s):
         return Send(CommKind(m[1]), int(m[2]), int(m[3]), int(m[4]))
     if m := _RE_RECV.match(s):
@@ -212,7 +222,7 @@ def parse_instruction(text: str) -> Instruction:
     if m := _RE_RELOAD.match(s):
         return Reload(int(m[1]), int(m[2]))
     raise ValueError(
-        f"cannot parse instruction {text!r}: expected e.g. F3c0, B3c1, W3c1, BW3c1, F9c1&B3c1, "
+        f"cannot parse instruction {text!r}: expected e.g. F3c0, B3c1, W3c1, BW3c1, F9c1&B3c1, F9c1&B3c1/bn, "
         "SEND_A3c0>1, RECV_G3c0<1, OFFLOAD3c0@0.5, RELOAD3c0"
     )
 

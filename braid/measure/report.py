@@ -49,7 +49,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
                          "host_s": _host_s(ranks), "cuda_graph": ranks[0].get("cuda_graph"),
                          "graph_pool_bytes": [rk.get("graph_pool_bytes") for rk in ranks],
-                         "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None)})
+                         "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None),
+                         "braided_blocks": ranks[0].get("braided_blocks")})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
         merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
                        [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})

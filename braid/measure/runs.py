@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from braid.baselines.torch_pp import available_baselines, baseline_label
 from braid.cost.costs import Layout, costs_from_dict
+from braid.planner.braid_tune import count_blocks
 from braid.measure.calibrate import busy_by_phase, calibrate, probe_plan
 from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
 from braid.measure.launch import Progress, launch
@@ -118,7 +119,8 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         peak = res.trace.peak_memory(groups.coords.pp)
     keep = groups.coords.tp == 0
     return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
-            "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes")}
+            "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
+            "braided_blocks": count_blocks(plan)}
 
 
 def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:

@@ -14,6 +14,7 @@ policy at the real m.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from braid.core.compiler import compile_plan
 from braid.core.ir import Plan, ScheduleConfig
@@ -49,7 +50,8 @@ COARSE_GRID = (0.0, 0.5, 1.0)  # alpha and warm-up fractions of the coarse searc
 
 
 def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[int, ...] = (1, 2, 3),
-                 min_gap: int = 1, proxy: bool = False, coarse: bool = False) -> OffloadChoice:
+                 min_gap: int = 1, proxy: bool = False, coarse: bool = False,
+                 build_proxy: Callable[[int], Plan] | None = None) -> OffloadChoice:
     """Pick (alpha, alpha_warmup, lead) for ``plan`` from the cost model (``offload_alpha="auto"``).
 
     Simulates ``plan``'s programs without offload, then with the offload pass for a grid of
@@ -63,7 +65,9 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
     ``max_slowdown``. ``proxy``: tune on the steady-state proxy (module doc) when it is
     shorter than the plan; the returned figures are then the proxy's. ``coarse``: only the
     :data:`COARSE_GRID` fractions at the middle lead, no refinement (9 simulations instead
-    of ~100: for long plans, where each simulation costs most of a second).
+    of ~100: for long plans, where each simulation costs most of a second). ``build_proxy(m)``:
+    the plan at the proxy's m, where the schedule's options alone do not give it (blocks
+    chosen one by one, :mod:`braid.planner.braid_tune`); default ``schedules.build`` with the options.
     """
     if max_slowdown < 0:
         raise ValueError(f"max_slowdown must be >= 0, got {max_slowdown}")
@@ -77,7 +81,8 @@ def tune_offload(plan: Plan, costs, *, max_slowdown: float = 0.01, leads: tuple[
         spec = schedules.get_schedule(plan.name) if plan.name in schedules.names() else None
         m_proxy = spec.steady_m * cfg.p if spec is not None else cfg.m
         if 0 < m_proxy < cfg.m and spec.accepts_m(cfg.p, m_proxy):
-            bare = schedules.build(plan.name, cfg.p, m_proxy, cfg.v, **dict(rest))
+            bare = (build_proxy(m_proxy) if build_proxy is not None
+                    else schedules.build(plan.name, cfg.p, m_proxy, cfg.v, **dict(rest)))
             bare = Plan(bare.name, ScheduleConfig(cfg.p, m_proxy, cfg.v, rest), bare.placement, bare.ranks)
             validate = False  # a registered generator's plan, validated by its tests (as braid.simulator.fast)
     base = compile_plan(bare, validate=validate)

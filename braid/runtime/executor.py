@@ -443,7 +443,7 @@ class Executor:
         if got is not None:
             return got
         ops = compute_ops(ins)
-        shape = tuple((op.kind, op.chunk) for op in ops) + (isinstance(ins, Braided),)
+        shape = tuple((op.kind, op.chunk) for op in ops) + (isinstance(ins, Braided) and (ins.lead,),)
         tasks = self._by_shape.get(shape)
         if tasks is None:
             tasks = tuple((st.member, st.task) for st in braid_steps(ins, self._spec))

@@ -19,6 +19,23 @@ def check_chunks(name: str, cfg: ScheduleConfig, v: int) -> None:
         raise ValueError(f"{name} uses v={v} chunks per rank (got v={cfg.v}); drop the v argument or pass v={v}")
 
 
+BRAID_VALUES = ("all", "none", "auto")
+
+
+def braids(name: str, cfg: ScheduleConfig) -> bool:
+    """The ``braid`` knob: ``"all"`` (default) emits the schedule's braided blocks, ``"none"`` runs
+    each block's members one after the other (forward first: the schedule's order without
+    blocks). ``"auto"`` needs a cost model (:func:`braid.planner.braid_tune.tune_braiding` chooses
+    block by block; ``python -m braid.simulate`` does)."""
+    mode = cfg.option("braid", "all")
+    if mode == "auto":
+        raise ValueError(f"{name}: braid='auto' needs a cost model; build the plan with braid='all' and choose its blocks "
+                         "with braid.planner.braid_tune.tune_braiding (python -m braid.simulate does this)")
+    if mode not in BRAID_VALUES:
+        raise ValueError(f"{name}: braid must be one of {', '.join(BRAID_VALUES)}, got {mode!r}")
+    return mode == "all"
+
+
 def make_plan(name: str, cfg: ScheduleConfig, placement: Placement, ranks: Iterable[Iterable[ComputeInstr]]) -> Plan:
     return Plan(name, cfg, placement, tuple(tuple(ops) for ops in ranks))
 
@@ -31,8 +48,9 @@ class RankBuilder:
     :meth:`w` emits the oldest deferred weight gradient (zero-bubble's FIFO order).
     """
 
-    def __init__(self, m: int, v: int) -> None:
+    def __init__(self, m: int, v: int, braided: bool = True) -> None:
         self.m = m
+        self.braided = braided  # False: :meth:`braid` emits its two ops one after the other
         self.fwd = [0] * v
         self.bwd = [0] * v
         self.pending_w: deque[Compute] = deque()
@@ -79,4 +97,4 @@ class RankBuilder:
         self.ops.append(self.next_w(chunk))
 
     def braid(self, first: Compute, second: Compute) -> None:
-        self.ops.append(Braided(first, second))
+        self.ops += [Braided(first, second)] if self.braided else [first, second]

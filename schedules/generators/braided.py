@@ -52,12 +52,15 @@ block waits for rank 0's F(x) -- a cycle.
 from __future__ import annotations
 
 from braid.core.ir import Plan, ScheduleConfig
-from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
+from braid.schedules.generators._common import RankBuilder, braids, check_chunks, make_plan
 from braid.schedules.registry import Knob, register
+
+BRAID_KNOB = Knob("braid", (), "auto (braid.simulate's default): braid a block only where the cost model says it pays "
+                                "(braid.planner.braid_tune); all: every block (the generator's default); none: no blocks")
 
 
 @register("braided_v", v=2, placement="v", description="Braided TP/PP V schedule (paper Fig. 5): F&F, F&W and F&B blocks",
-          min_m=2, steady_m=3)
+          knobs=(BRAID_KNOB,), min_m=2, steady_m=3)
 def braided_v(cfg: ScheduleConfig) -> Plan:
     """The paper's braided schedule for m >= 2p (throughput-efficient warm-up)."""
     return _braided("braided_v", cfg, lowmem=False)
@@ -68,6 +71,7 @@ def braided_v(cfg: ScheduleConfig) -> Plan:
     v=2,
     placement="v",
     description="Braided V schedule with the memory-efficient warm-up (paper Appendix B, Ours^)",
+    knobs=(BRAID_KNOB,),
     min_m=2,
     steady_m=3,
     saves_memory_of="braided_v",
@@ -83,7 +87,7 @@ def braided_v_lowmem(cfg: ScheduleConfig) -> Plan:
     placement="v",
     description="Braided V schedule with async activation offload of chunk 0 (paper Sec. 4.4)",
     knobs=(Knob("offload_alpha", (0.25, 0.5, 1.0), "steady-phase fraction of chunk-0 activations moved to host memory"),
-           Knob("offload_alpha_warmup", (), "warm-up fraction (default: half of offload_alpha)")),
+           Knob("offload_alpha_warmup", (), "warm-up fraction (default: half of offload_alpha)"), BRAID_KNOB),
     min_m=2,
     steady_m=3,
     saves_memory_of="braided_v",
@@ -112,11 +116,12 @@ def _braided(name: str, cfg: ScheduleConfig, lowmem: bool) -> Plan:
     p, m = cfg.p, cfg.m
     if m < 2 * p:
         raise ValueError(f"{name} needs m >= 2p (got p={p}, m={m})")
-    return make_plan(name, cfg, "v", [_rank_ops(p, m, r, lowmem) for r in range(p)])
+    braided = braids(name, cfg)
+    return make_plan(name, cfg, "v", [_rank_ops(p, m, r, lowmem, braided) for r in range(p)])
 
 
-def _rank_ops(p: int, m: int, r: int, lowmem: bool) -> list:
-    rb = RankBuilder(m, 2)
+def _rank_ops(p: int, m: int, r: int, lowmem: bool, braided: bool = True) -> list:
+    rb = RankBuilder(m, 2, braided)
     # Phase 1: nF0.
     for _ in range(2 * (p - r - 1)):
         rb.f(0)
@@ -130,6 +135,8 @@ def _rank_ops(p: int, m: int, r: int, lowmem: bool) -> list:
     # costs (the memory-efficient variant keeps its lone forward).
     extra = min(1 if lowmem else r + 1, m - rb.fwd[0])
     if extra % 2 == 1 and lowmem:
+        rb.f(0)
+    elif extra % 2 == 1 and not braided:
         rb.f(0)
     elif extra % 2 == 1:
         last = rb.ops.pop()  # F(r) of chunk 1

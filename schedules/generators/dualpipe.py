@@ -13,23 +13,25 @@ m >= 2p.
 from __future__ import annotations
 
 from braid.core.ir import Plan, ScheduleConfig
-from braid.schedules.generators._common import RankBuilder, check_chunks, make_plan
+from braid.schedules.generators._common import RankBuilder, braids, check_chunks, make_plan
+from braid.schedules.generators.braided import BRAID_KNOB
 from braid.schedules.registry import register
 
 
 @register("dualpipe_v", v=2, placement="v", description="DeepSeek DualPipeV: V placement, overlapped F/B pairs as cross-chunk braided blocks",
-          min_m=2)
+          knobs=(BRAID_KNOB,), min_m=2)
 def dualpipe_v(cfg: ScheduleConfig) -> Plan:
     """DualPipeV for m >= 2p."""
     check_chunks("dualpipe_v", cfg, 2)
     p, m = cfg.p, cfg.m
     if m < 2 * p:
         raise ValueError(f"dualpipe_v needs m >= 2p (got p={p}, m={m})")
-    return make_plan("dualpipe_v", cfg, "v", [_rank_ops(p, m, r) for r in range(p)])
+    braided = braids("dualpipe_v", cfg)
+    return make_plan("dualpipe_v", cfg, "v", [_rank_ops(p, m, r, braided) for r in range(p)])
 
 
-def _rank_ops(p: int, m: int, r: int) -> list:
-    rb = RankBuilder(m, 2)
+def _rank_ops(p: int, m: int, r: int, braided: bool = True) -> list:
+    rb = RankBuilder(m, 2, braided)
     # Step 1: nF0.
     for _ in range((p - r - 1) * 2):
         rb.f(0)

@@ -1,0 +1,291 @@
+"""Cost-aware braiding: which of a schedule's braided blocks to keep, chosen by simulating them.
+
+Braiding is a trade. A block hides each TP all-reduce of one member behind the other
+member's compute, but its forward output leaves only when the whole block ends. Where there
+is little to hide (tp=1, a fast interconnect, small layers) a block costs step time: on
+uniform costs with free all-reduces, dualpipe_v's cross-chunk blocks add p-1 op times
+over torch's plain DualPipeV order. So a schedule's ``braid`` knob takes ``auto``
+(``python -m braid.simulate``'s default): this pass decides, for each block of the
+schedule's plan (``braid="all"``), whether to
+
+* keep it braided, with the braiding rule's lead (:func:`braid.core.braiding.steps`),
+* keep it braided but led by a fixed member (``F9c1&B3c1/a`` or ``/b``),
+* keep it braided but finish its trailing all-reduce inside it (``/n``: not carried into
+  the next instruction, :func:`braid.core.braiding.carries`),
+* split it into its two ops, run one after the other in either order.
+
+The choice is written into the plan (those instruction forms), so the executor runs
+exactly what was chosen: it interprets the same compiled programs.
+
+The search, greedy with local improvement, evaluates every candidate plan with the
+simulator (compiled without re-validation; the engine still raises on any deadlock):
+
+1. the schedule with every block (``all``) and the schedule's own order without blocks
+   (``none``): the faster one is the start, so the result is never slower than either;
+2. one decision for all blocks of one shape (member kinds and chunks, e.g. every F&BW
+   block), each alternative tried in turn and kept where the step gets shorter;
+3. the same per (rank, shape), then per block, while the evaluation budget lasts.
+
+A change is kept only if the step gets shorter and the worst rank's activation peak stays
+at most the start's (splitting a block moves its members' allocations apart, and the
+schedules' peaks -- 3p M_a for braided_v, less for its memory-saving variants -- are part
+of what they promise).
+
+Long runs (``p * m >= COARSE_PM``, where one simulation costs most of a second) only
+compare ``all`` with ``none``, on the schedule's shortest steady-state run (``steady_m * p``
+micro-batches, as the offload tuner does; at ``min_m * p`` the steady phase is too short to
+judge: braided_v_lowmem at p=32 is faster without blocks at m=64 but with them at m=96 and
+256) -- the caller simulates the winner at the real m. There the result is *not* guaranteed to be
+at least as fast as ``none`` at that m: the note says at which m it was chosen. From
+``p * m >= NO_SEARCH_PM`` (qwen2-72b at p=32, m=256: two short runs per schedule would add
+a quarter to ``python -m braid.simulate``'s time) nothing is simulated and every block is
+kept; the note says so (``--braid none`` simulates the order without blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from braid import schedules
+from braid.core.compiler import ScheduleError, compile_plan
+from braid.cost.costs import CostModel
+from braid.core.ir import Braided, Compute, ComputeInstr, Plan, ScheduleConfig
+from braid.simulator import SimulationError
+from braid.simulator.fast import FastResult, run_programs, simulate_schedule
+
+COARSE_PM = 4096  # p*m from which only all-or-none is compared, on a short run
+NO_SEARCH_PM = 8192  # p*m from which every block is kept without a simulation
+UNSEARCHED = (f"kept every block: not searched at p*m >= {NO_SEARCH_PM} (a simulation costs about a second there; "
+              "--braid none simulates the order without blocks)")
+MAX_EVALS = 48  # simulations of the local search (after all and none)
+REL_GAIN = 1e-9  # a change is kept only when it shortens the step by more than this fraction
+
+# How one block runs. ``braid`` is the plan's block as generated.
+BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA = "braid", "lead_a", "lead_b", "no_carry", "split_ab", "split_ba"
+VARIANTS = (BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA)
+_SPLITS = (SPLIT_AB, SPLIT_BA)
+
+
+@dataclass(frozen=True, slots=True)
+class BraidChoice:
+    """What :func:`tune_braiding` chose: the plan, its simulated step and a summary."""
+
+    plan: Plan
+    result: FastResult | None  # the chosen plan simulated at the plan's m (None: chosen on a short run)
+    blocks: int  # braided blocks in the schedule's plan with every block
+    braided: int  # blocks kept braided
+    led: int  # ... of them with a fixed lead
+    uncarried: int  # ... of them whose trailing all-reduce is not carried
+    evaluations: int
+    all_step_s: float  # the schedule with every block
+    none_step_s: float  # the schedule's order without blocks
+    m: int  # micro-batches of the runs compared
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"blocks": self.blocks, "braided": self.braided, "fixed_lead": self.led, "not_carried": self.uncarried,
+                "simulations": self.evaluations, "all_step_s": self.all_step_s if self.evaluations else None,
+                "none_step_s": self.none_step_s if self.evaluations else None,
+                "chosen_at_m": self.m}
+
+    def describe(self) -> str:
+        extra = [f"{n} {what}" for n, what in ((self.led, "with a fixed lead"), (self.uncarried, "not carrying their "
+                                               "trailing all-reduce")) if n]
+        if not self.evaluations:
+            return f"kept all {self.blocks} blocks: {UNSEARCHED.split(': ', 1)[1]}"
+        step = min(self.all_step_s, self.none_step_s) if self.result is None else self.result.report.step_time_s
+        return (f"braided {self.braided} of {self.blocks} blocks" + (f" ({', '.join(extra)})" if extra else "")
+                + f"; step {step / self.all_step_s - 1:+.2%} vs all blocks, {step / self.none_step_s - 1:+.2%} vs none"
+                + f" ({self.evaluations} simulations" + (f", chosen at m={self.m})" if self.result is None else ")"))
+
+
+def count_blocks(plan: Plan) -> int:
+    """Braided blocks in a plan (what the bench and the reports show)."""
+    return sum(isinstance(ins, Braided) for ops in plan.ranks for ins in ops)
+
+
+def tune_braiding(name: str, p: int, m: int, costs: CostModel, options: Iterable[tuple[str, Any]] = (), *,
+                  max_evals: int = MAX_EVALS, plan: Plan | None = None) -> BraidChoice:
+    """Choose how schedule ``name``'s braided blocks run at (p, m) on ``costs`` (``braid="auto"``).
+
+    ``options``: the schedule's other knobs (e.g. the offload fractions). The result's plan
+    keeps the schedule's name; its options say ``braid="all"`` or ``"none"`` when every block
+    is kept or split (the schedule's own plan), ``braid="auto"`` when the decisions differ
+    block by block -- they are in its instructions, so such a plan is simulated and run as
+    it is, never rebuilt from its options. ``plan``: the caller's ``schedules.build(name, p,
+    m, **options)`` with every block, so it is not built again.
+    """
+    spec = schedules.get_schedule(name)
+    opts = {k: v for k, v in options if k != "braid"}
+    full = plan if plan is not None else schedules.build(name, p, m, **opts, braid="all")
+    if p * m >= NO_SEARCH_PM:
+        n = count_blocks(full)
+        return BraidChoice(full, None, n, n, 0, 0, 0, float("nan"), float("nan"), m)
+    if p * m >= COARSE_PM:
+        return _coarse(name, p, m, costs, opts, spec, full)
+    plain = schedules.build(name, p, m, **opts, braid="none")
+    return _Search(full, plain, costs, max_evals).run()
+
+
+def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec, full: Plan) -> BraidChoice:
+    k = p if spec.m_step == "p" else 1
+    short = max(spec.steady_m, spec.min_m) * p  # the shortest run in steady state (a shorter one misleads: see above)
+    short = min(m, short + (m - short) % k)
+    steps = {mode: simulate_schedule(name, p, short, costs, tuple(sorted({**opts, "braid": mode}.items()))).report.step_time_s
+             for mode in ("all", "none")}
+    mode = "none" if steps["none"] < steps["all"] else "all"
+    plan = full if mode == "all" else schedules.build(name, p, m, **opts, braid="none")
+    n = count_blocks(full)
+    return BraidChoice(plan, None, n, n if mode == "all" else 0, 0, 0, 2, steps["all"], steps["none"], short)
+
+
+class _Search:
+    """Greedy search over per-block decisions (see the module docstring)."""
+
+    def __init__(self, full: Plan, plain: Plan, costs: CostModel, max_evals: int) -> None:
+        self.full, self.none, self.costs, self.max_evals = full, plain, costs, max_evals
+        self.blocks = [(r, i) for r, ops in enumerate(full.ranks) for i, ins in enumerate(ops) if isinstance(ins, Braided)]
+        self.plain = {blk: self._split_order(plain, blk) for blk in self.blocks}
+        has_ar = costs.layout.tp > 1 and any(c.total("ar_f") + c.total("ar_b") > 0 for c in costs.chunks.values())
+        # lead and carry matter only where there are all-reduces
+        self.variants = VARIANTS if has_ar else (BRAID, SPLIT_AB, SPLIT_BA)
+        self.evals = 0
+        self.seen: dict[tuple, tuple[float, int]] = {}
+
+    def _split_order(self, plain: Plan, blk: tuple[int, int]) -> str:
+        """How the schedule's order without blocks runs this block's two ops."""
+        r, i = blk
+        a, b = self.full.ranks[r][i].ops
+        ops = plain.ranks[r]
+        at = {op: k for k, op in enumerate(ops) if isinstance(op, Compute) and op in (a, b)}
+        return SPLIT_AB if at.get(a, 0) <= at.get(b, 0) else SPLIT_BA
+
+    def plan_of(self, state: dict[tuple[int, int], str]) -> Plan:
+        return apply_choices(self.full, state)
+
+    def step(self, state: dict[tuple[int, int], str]) -> tuple[float, int]:
+        """(step time, worst-rank activation peak) of the plan with the blocks run as ``state`` says."""
+        key = tuple(sorted((k, v) for k, v in state.items() if v != BRAID))
+        hit = self.seen.get(key)
+        if hit is None:
+            self.evals += 1
+            try:
+                progs = compile_plan(self.plan_of(state), validate=False)
+                rep = run_programs(progs, self.costs, self.full.name, self.full.m, grad_ready=False).report
+                hit = (rep.step_time_s, max(r.peak_activation_bytes for r in rep.ranks))
+            except (ScheduleError, SimulationError):
+                hit = (float("inf"), 0)  # cannot happen for splits or leads; kept as a guard
+            self.seen[key] = hit
+        return hit
+
+    def run(self) -> BraidChoice:
+        state_all = {blk: BRAID for blk in self.blocks}
+        state_none = dict(self.plain)
+        (t_all, m_all), (t_none, m_none) = self.step(state_all), self.step(state_none)
+        # the faster of the two, exactly (the guarantee); later changes must gain more than rounding
+        state, best, cap = (state_none, t_none, m_none) if t_none < t_all else (state_all, t_all, m_all)
+        budget = self.evals + self.max_evals
+        for group in (self._by_shape, self._by_rank_shape, self._each):
+            for members in group():
+                for how in self.variants:
+                    if self.evals >= budget:
+                        break
+                    if all(state[b] == how for b in members):
+                        continue
+                    trial = dict(state) | dict.fromkeys(members, how)
+                    t, peak = self.step(trial)
+                    # faster, and no more activation memory than the start (a schedule's peak is part of its promise)
+                    if t < best * (1 - REL_GAIN) and peak <= cap:
+                        state, best = trial, t
+        plan = self.plan_of(state)
+        if state == state_none:
+            plan = self.none
+        elif state != state_all:
+            # neither all nor none: the decisions are in the instructions, the option says where they came from
+            opts = dict(plan.config.options) | {"braid": "auto"}
+            plan = Plan(plan.name, ScheduleConfig(plan.p, plan.m, plan.v, tuple(sorted(opts.items()))), plan.placement,
+                        plan.ranks)
+        result = run_programs(compile_plan(plan, validate=False), self.costs, plan.name, plan.m)
+        kept = [b for b in self.blocks if state[b] not in _SPLITS]
+        return BraidChoice(plan, result, len(self.blocks), len(kept), sum(state[b] in (LEAD_A, LEAD_B) for b in kept),
+                           sum(state[b] == NO_CARRY for b in kept), self.evals, t_all, t_none, plan.m)
+
+    def _shape(self, blk: tuple[int, int]) -> tuple:
+        ins = self.full.ranks[blk[0]][blk[1]]
+        return tuple((op.kind, op.chunk) for op in ins.ops)
+
+    def _groups(self, key: Callable) -> list[list[tuple[int, int]]]:
+        out: dict[Any, list] = {}
+        for blk in self.blocks:
+            out.setdefault(key(blk), []).append(blk)
+        return list(out.values())
+
+    def _by_shape(self) -> list[list[tuple[int, int]]]:
+        return self._groups(self._shape)
+
+    def _by_rank_shape(self) -> list[list[tuple[int, int]]]:
+        return self._groups(lambda blk: (blk[0], self._shape(blk)))
+
+    def _each(self) -> list[list[tuple[int, int]]]:
+        return [[blk] for blk in self.blocks]
+
+
+def apply_choices(plan: Plan, choices: dict[tuple[int, int], str]) -> Plan:
+    """``plan`` with block ``(rank, index)`` run as ``choices[(rank, index)]`` (one of
+    :data:`VARIANTS`; blocks not named stay as they are)."""
+    ranks = []
+    for r, ops in enumerate(plan.ranks):
+        out: list[ComputeInstr] = []
+        for i, ins in enumerate(ops):
+            how = choices.get((r, i), BRAID) if isinstance(ins, Braided) else None
+            out += [ins] if how is None else _apply(ins, how)
+        ranks.append(tuple(out))
+    return Plan(plan.name, plan.config, plan.placement, tuple(ranks))
+
+
+def _apply(block: Braided, how: str) -> list[ComputeInstr]:
+    a, b = block.ops
+    if how == SPLIT_AB:
+        return [a, b]
+    if how == SPLIT_BA:
+        return [b, a]
+    if how == LEAD_A:
+        return [Braided(a, b, lead=0)]
+    if how == LEAD_B:
+        return [Braided(a, b, lead=1)]
+    if how == NO_CARRY:
+        return [Braided(a, b, carry=False)]
+    if how == BRAID:
+        return [block]
+    raise ValueError(f"unknown way to run a braided block: {how!r}; valid: {', '.join(VARIANTS)}")
+
+
+def plain_beats_braided(reports: Iterable, costs: dict[str, CostModel], choices: dict[str, BraidChoice]) -> str | None:
+    """One line when a plain schedule (zb_v, 1f1b_i) is faster than braided_v, saying why: how
+    much TP all-reduce there was for braiding to hide. None when braided_v wins or is absent."""
+    by = {r.schedule: r for r in reports}
+    bv = by.get("braided_v")
+    rivals = [by[n] for n in ("zb_v", "1f1b_i") if n in by and bv is not None and by[n].step_time_s < bv.step_time_s]
+    if not rivals:
+        return None
+    best = min(rivals, key=lambda r: r.step_time_s)
+    c = costs["braided_v"]
+    ar = sum(ch.total("ar_f") + ch.total("ar_b") for ch in c.chunks.values()) if c.layout.tp > 1 else 0.0
+    comp = sum(ch.total("f") + ch.total("b") + ch.total("w") for ch in c.chunks.values())
+    gap = bv.step_time_s - best.step_time_s
+    exposed = max(r.tp_exposed_s for r in best.ranks)  # the most braiding could take off the plain schedule's step
+    if ar == 0:
+        why = f"there is no TP all-reduce to hide (tp={c.layout.tp}{', T_AR=0' if c.layout.tp > 1 else ''})"
+    else:
+        why = (f"the TP all-reduces are {ar / comp:.1%} of a micro-batch's compute ({1e3 * ar:.4g} of {1e3 * comp:.4g} ms "
+               f"over all chunks) and {best.schedule} leaves only {1e3 * exposed:.4g} ms of them exposed on its worst rank")
+        if exposed < gap:
+            why += (f", less than the {1e3 * gap:.4g} ms gap: braided_v loses on pipeline bubble "
+                    f"({_bubble(bv):.1%} of its step vs {_bubble(best):.1%})")
+    ch = choices.get("braided_v")
+    kept = f"; auto kept {ch.braided} of {ch.blocks} blocks" if ch is not None else ""
+    return f"{best.schedule} beats braided_v by {bv.step_time_s / best.step_time_s - 1:.1%}: {why}{kept}"
+
+
+def _bubble(report) -> float:
+    return max(r.pp_bubble_s for r in report.ranks) / report.step_time_s

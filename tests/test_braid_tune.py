@@ -1,0 +1,169 @@
+"""Cost-aware braiding (:mod:`braid.planner.braid_tune`): the schedules' ``braid`` knob, the block forms
+it writes (``/a``, ``/b``, ``/n``) and the guarantee that ``auto`` never loses to the
+schedule's order without blocks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from braid import schedules
+from braid.planner.braid_tune import count_blocks, tune_braiding
+from braid.core.braiding import ChunkSpec, carries, steps
+from braid.core.compiler import compile_plan
+from braid.cost.costs import Layout, costs_from_dict, uniform_costs
+from braid.core.ir import Braided, Compute, OpKind, parse_instruction
+from braid.core.partition import chunk_specs, split_layers
+from braid.simulate import main as simulate_main
+from braid.simulator.fast import run_programs
+
+TUNED = ("braided_v", "braided_v_lowmem", "braided_v_offload", "dualpipe_v")
+
+
+def _specs(p: int, layers: int = 1):
+    return chunk_specs(split_layers(2 * p * layers, 2 * p), p, "v")
+
+
+def _step(plan, costs) -> float:
+    return run_programs(compile_plan(plan, validate=False), costs, plan.name, plan.m).report.step_time_s
+
+
+def test_braid_knob_is_declared_and_checked() -> None:
+    for name in TUNED:
+        assert schedules.get_schedule(name).knob("braid") is not None
+        assert schedules.build(name, 2, 5).ranks == schedules.build(name, 2, 5, braid="all").ranks
+        plain = schedules.build(name, 2, 5, braid="none")
+        assert count_blocks(plain) == 0 < count_blocks(schedules.build(name, 2, 5))
+        compile_plan(plain)  # valid and deadlock-free
+        with pytest.raises(ValueError, match="needs a cost model"):
+            schedules.build(name, 2, 5, braid="auto")
+        with pytest.raises(ValueError, match="all, none, auto"):
+            schedules.build(name, 2, 5, braid="some")
+    assert schedules.get_schedule("zb_v").knob("braid") is None
+
+
+def test_block_forms_parse_back_and_steer_both_interpreters() -> None:
+    for text in ("F9c1&B3c1", "F9c1&B3c1/a", "F9c1&B3c1/b", "F9c1&B3c1/n", "F9c1&B3c1/bn"):
+        assert str(parse_instruction(text)) == text
+    for bad in ("F9c1&B3c1/", "F9c1&B3c1/x", "F9c1&B3c1/nb"):
+        with pytest.raises(ValueError, match="cannot parse"):
+            parse_instruction(bad)
+    with pytest.raises(ValueError, match="lead"):
+        Braided(Compute(OpKind.F, 9, 1), Compute(OpKind.B, 3, 1), lead=2)
+    spec = lambda c: ChunkSpec(2)  # noqa: E731
+    f, b = Compute(OpKind.F, 9, 1), Compute(OpKind.B, 3, 1)
+    assert steps(Braided(f, b, lead=0), spec)[0].member == 0
+    assert steps(Braided(f, b, lead=1), spec)[0].member == 1
+    # a block ending on an all-reduce carries it into the next instruction unless it is marked /n
+    for lead in (0, 1):
+        prog = (Braided(f, b, lead=lead), Compute(OpKind.F, 10, 0))
+        if steps(prog[0], spec)[-1].task.ar:
+            assert 0 in carries(prog, spec)
+            assert 0 not in carries((Braided(f, b, lead=lead, carry=False), prog[1]), spec)
+            break
+    else:
+        pytest.fail("no lead ends the block on an all-reduce")
+
+
+def test_dualpipe_v_without_all_reduces_runs_torchs_plain_order() -> None:
+    # uniform unit costs, free all-reduces: every cross-chunk block only delays its forward's output
+    costs = uniform_costs(Layout(2, 4, 2, "v"), _specs(4), T_F=1, T_B=1, T_W=1, T_AR=0, T_P2P=0)
+    choice = tune_braiding("dualpipe_v", 4, 8, costs)
+    assert choice.all_step_s == pytest.approx(54.0) and choice.none_step_s == pytest.approx(51.0)
+    assert choice.result.report.step_time_s == pytest.approx(51.0) and choice.braided == 0
+    assert choice.plan.ranks == schedules.build("dualpipe_v", 4, 8, braid="none").ranks
+
+
+def test_blocks_are_kept_where_they_hide_all_reduces() -> None:
+    costs = uniform_costs(Layout(2, 4, 2, "v"), _specs(4, 2), T_F=1, T_B=1, T_W=1, T_AR=0.3, T_P2P=0)
+    choice = tune_braiding("braided_v", 4, 12, costs)
+    assert choice.braided > choice.blocks // 2
+    assert choice.result.report.step_time_s <= min(choice.all_step_s, choice.none_step_s)
+
+
+COST = st.floats(0.05, 3.0, allow_nan=False)
+
+
+@st.composite
+def cost_files(draw):
+    d = {"format": "braid-costs/1", "T_F": draw(COST), "T_B": draw(COST), "T_W": draw(COST),
+         "T_AR": draw(st.sampled_from([0.0]) | st.floats(0.0, 1.5)), "T_AR_B": draw(st.floats(0.0, 1.5)),
+         "T_P2P": draw(st.sampled_from([0.0]) | st.floats(0.0, 0.5)),
+         "ar_slowdown": draw(st.floats(1.0, 1.3)), "ar_stretch": draw(st.floats(1.0, 1.5))}
+    if draw(st.booleans()):  # one slower stage
+        d["chunks"] = {str(draw(st.integers(0, 3))): {"T_F": draw(COST), "T_B": draw(COST)}}
+    return json.loads(json.dumps(d))  # what a cost file holds
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["braided_v", "braided_v_lowmem", "dualpipe_v"]), p=st.integers(2, 3),
+       extra=st.integers(0, 3), tp=st.sampled_from([1, 2]), layers=st.integers(1, 2), doc=cost_files())
+def test_auto_is_never_slower_than_the_schedule_without_blocks(name, p, extra, tp, layers, doc) -> None:
+    m = 2 * p + extra
+    costs = costs_from_dict(doc, Layout(tp, p, 2, "v"), _specs(p, layers))
+    choice = tune_braiding(name, p, m, costs, max_evals=6)
+    compile_plan(choice.plan)  # the compiler's checks: valid, matched, deadlock-free
+    got = _step(choice.plan, costs)
+    assert got == choice.result.report.step_time_s
+    assert got <= _step(schedules.build(name, p, m, braid="none"), costs)
+    assert got <= _step(schedules.build(name, p, m), costs)
+
+
+def test_simulate_reports_blocks_and_why_a_plain_schedule_wins(tmp_path, capsys) -> None:
+    u = tmp_path / "u.json"
+    u.write_text(json.dumps({"format": "braid-costs/1", "T_F": 1, "T_B": 1, "T_W": 1, "T_AR": 0, "T_P2P": 0}))
+    out = tmp_path / "r.json"
+    assert simulate_main(["--pp", "4", "--mbs", "8", "--costs", str(u), "--schedule", "braided_v", "--schedule", "zb_v",
+                          "--schedule", "dualpipe_v", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "note: dualpipe_v: auto braided 0 of 25 blocks" in text
+    beats = [line for line in text.splitlines() if "beats braided_v" in line]
+    assert len(beats) == 1 and "no TP all-reduce to hide" in beats[0], text
+    doc = json.loads(out.read_text())["schedules"]
+    assert doc["dualpipe_v"]["braided_blocks"] == 0 and doc["dualpipe_v"]["braid_auto"]["blocks"] == 25
+    assert doc["zb_v"]["braided_blocks"] == 0
+    assert simulate_main(["--pp", "4", "--mbs", "8", "--costs", str(u), "--schedule", "dualpipe_v", "--braid", "all",
+                          "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["schedules"]["dualpipe_v"]["braided_blocks"] == 25
+    assert "auto braided" not in capsys.readouterr().out
+
+
+def test_long_runs_compare_all_and_none_on_a_short_run_then_stop_searching(monkeypatch) -> None:
+    import braid.planner.braid_tune as bt
+
+    costs = uniform_costs(Layout(2, 4, 2, "v"), _specs(4), T_F=1, T_B=1, T_W=1, T_AR=0, T_P2P=0)
+    monkeypatch.setattr(bt, "COARSE_PM", 4 * 20)
+    choice = bt.tune_braiding("dualpipe_v", 4, 20, costs)
+    assert choice.result is None and choice.evaluations == 2 and choice.m == 8  # steady_m * p: dualpipe_v's shortest steady run
+    assert choice.plan.ranks == schedules.build("dualpipe_v", 4, 20, braid="none").ranks  # free all-reduces: no blocks
+    assert "chosen at m=8" in choice.describe()
+    monkeypatch.setattr(bt, "NO_SEARCH_PM", 4 * 20)
+    choice = bt.tune_braiding("dualpipe_v", 4, 20, costs)
+    assert choice.evaluations == 0 and choice.braided == choice.blocks == count_blocks(choice.plan) > 0
+    assert "not searched" in choice.describe()
+
+
+def test_programs_cli_prints_the_block_count(capsys) -> None:
+    from braid.programs import main as programs_main
+
+    assert programs_main(["dualpipe_v", "--pp", "2", "--mbs", "4", "--braid", "none"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith("braided blocks=0")
+    assert programs_main(["dualpipe_v", "--pp", "2", "--mbs", "4"]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith(f"braided blocks={count_blocks(schedules.build('dualpipe_v', 2, 4))}") and not head.endswith("=0")
+    with pytest.raises(SystemExit) as exc:
+        programs_main(["zb_v", "--braid", "none"])
+    assert exc.value.code == 2 and "no braided blocks" in capsys.readouterr().err
+
+
+def test_offload_is_tuned_on_the_plan_with_its_blocks_chosen(capsys) -> None:
+    # p=2, m=8: blocks chosen one by one, then the offload tuner's proxy run (m=6) gets its own choice
+    assert simulate_main(["--pp", "2", "--mbs", "8", "--schedule", "braided_v", "--schedule", "braided_v_offload"]) == 0
+    text = capsys.readouterr().out
+    rows = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("braided_v")}
+    auto = [line for line in text.splitlines() if line.startswith("note: braided_v_offload: auto braided")]
+    assert len(auto) == 1 and "of 23 blocks" in auto[0] and "(tuned at m=6)" in text
+    assert rows["braided_v_offload"] <= 1.01 * rows["braided_v"]  # the offload budget, against braided_v as chosen
