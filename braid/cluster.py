@@ -36,9 +36,9 @@ from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, analytic_costs
 from braid.hardware import Hardware
 from braid.ir import rank_chunk_of
 from braid.models_catalog import ModelConfig
+from braid.training.modes import DEFAULT_OPTIMIZER, OptimizerMode, mode_bytes
 
 SpPlacement = Literal["head_first", "context_first"]
-Optimizer = Literal["replicated", "zero1"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +98,10 @@ class Parallel:
     sp_placement: SpPlacement = "head_first"
     micro_batch_size: int = 1
     recompute: bool = False
-    optimizer: Optimizer = "replicated"
+    optimizer: OptimizerMode = DEFAULT_OPTIMIZER
 
     def __post_init__(self) -> None:
+        mode_bytes(self.optimizer, 2)  # an unknown mode: ValueError naming the valid ones
         if self.cp % self.hp or (self.ring is not None and (self.cp // self.hp) % self.ring):
             raise ValueError(f"hp={self.hp} must divide cp={self.cp} and ring={self.ring} must divide cp/hp")
 
@@ -210,16 +211,9 @@ def rank_params(model: ModelConfig, costs: CostModel, rank: int) -> float:
 
 
 def static_bytes(model: ModelConfig, costs: CostModel, par: Parallel, rank: int) -> float:
-    """Weights, gradients and optimizer states of one rank.
-
-    ``replicated`` (what ``examples/train_loop.py`` runs: bf16 weights, gradients and AdamW
-    moments, all-reduced gradients): 8 bytes per parameter. ``zero1``: bf16 weights, fp32
-    gradients, fp32 master weights and moments sharded over the dp x cp group: 6 + 12/(dp*cp).
-    """
-    n = rank_params(model, costs, rank)
-    if par.optimizer == "zero1":
-        return n * (2 + 4 + 12 / (par.dp * par.cp))
-    return n * 8
+    """Weights, gradients and optimizer states of one rank: the optimizer mode's bytes per
+    parameter (:mod:`braid.training.modes`), sharded over the dp x cp group under ``zero1``."""
+    return rank_params(model, costs, rank) * mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp).state
 
 
 def _dp_link(par: Parallel) -> tuple[int, int]:
@@ -230,20 +224,22 @@ def _dp_link(par: Parallel) -> tuple[int, int]:
 
 
 def reduce_time(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel, rank: int, chunk: int) -> float:
-    """Time to reduce one chunk's bf16 gradients over the dp x cp group (all-reduce, or reduce-scatter for zero1)."""
+    """Time to reduce one chunk's gradients over the dp x cp group: the mode's gradient bytes
+    (fp32 with masters, else the model dtype), all-reduced or (``zero1``) reduce-scattered."""
     size, stride = _dp_link(par)
-    nbytes = 2 * chunk_params(model, costs, rank, chunk)
-    return (cluster.reduce_scatter if par.optimizer == "zero1" else cluster.all_reduce)(nbytes, size, stride)
+    mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
+    nbytes = mb.reduce * chunk_params(model, costs, rank, chunk)
+    return (cluster.reduce_scatter if mb.reduce_scatter else cluster.all_reduce)(nbytes, size, stride)
 
 
 def dp_tail(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel, end_s: list[float],
             grad_ready: dict[tuple[int, int], float]) -> tuple[list[float], list[float]]:
     """Per rank: exposed gradient-reduction time after the rank's pipeline end, and optimizer-step time.
 
-    Gradients of each chunk (bf16) are all-reduced (``replicated``) or reduce-scattered
+    Gradients of each chunk are all-reduced (``plain``, ``master``) or reduce-scattered
     (``zero1``) over the dp x cp group once the chunk's last weight gradient is done, one chunk
     after another; the step then updates the rank's (shard of the) parameters at HBM speed,
-    and ``zero1`` all-gathers the updated bf16 weights.
+    and ``zero1`` all-gathers the updated weights (bytes per parameter: :mod:`braid.training.modes`).
     """
     size, stride = _dp_link(par)
     hbm = cluster.hw.hbm_bytes_per_s
@@ -254,8 +250,6 @@ def dp_tail(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Paralle
             free = max(free, grad_ready.get((r, c), 0.0)) + reduce_time(model, costs, cluster, par, r, c)
         tails.append(max(0.0, free - end_s[r]))
         n = rank_params(model, costs, r)
-        if par.optimizer == "zero1":
-            opts.append(30 * n / (par.dp * par.cp) / hbm + cluster.reduce_scatter(2 * n, size, stride))
-        else:
-            opts.append(14 * n / hbm)
+        mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
+        opts.append(mb.step * n / hbm + cluster.reduce_scatter(mb.gather * n, size, stride))
     return tails, opts

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator
 from braid.cluster import Cluster, Parallel, dp_tail, job_costs, reduce_time, static_bytes
 from braid.costs import CostModel, Layout, model_forward_flops, stage_lighter
 from braid.models_catalog import ModelConfig
+from braid.training.modes import DEFAULT_OPTIMIZER
 
 RESERVE_BYTES = 2 * 2**30  # CUDA context, allocator slack and communication buffers per GPU
 MICRO_BATCH_SIZES = (1, 2, 4)
@@ -96,7 +97,7 @@ class Problem:
     cluster: Cluster
     global_batch: int
     memory_bytes: float
-    optimizer: str = "replicated"
+    optimizer: str = DEFAULT_OPTIMIZER  # a braid.training.modes mode
 
 
 @dataclass(slots=True)
@@ -196,7 +197,7 @@ def costs_of(prob: Problem, cand: Candidate) -> CostModel:
     from braid import schedules
 
     spec = schedules.get_schedule(cand.schedule)
-    return _costs(prob, replace(cand.par, dp=1, optimizer="replicated"), spec.v, spec.placement)
+    return _costs(prob, replace(cand.par, dp=1, optimizer=DEFAULT_OPTIMIZER), spec.v, spec.placement)
 
 
 _TERMS: dict[int, tuple[CostModel, list[tuple[float, float]]]] = {}

@@ -105,10 +105,15 @@ def test_sequence_parallel_splits_compute_and_adds_attention_traffic() -> None:
 
 def test_zero1_shards_optimizer_state_over_data_parallel_replicas() -> None:
     costs = analytic_costs(SMALL, H200, Layout(1, 2, 1, "loop"))
-    rep = static_bytes(SMALL, costs, Parallel(1, 2, 8), 0)
-    z1 = static_bytes(SMALL, costs, Parallel(1, 2, 8, optimizer="zero1"), 0)
+    plain = static_bytes(SMALL, costs, Parallel(1, 2, 8, optimizer="plain"), 0)
+    master = static_bytes(SMALL, costs, Parallel(1, 2, 8, optimizer="master"), 0)
+    z1 = static_bytes(SMALL, costs, Parallel(1, 2, 8), 0)  # the default
     z1_16 = static_bytes(SMALL, costs, Parallel(1, 2, 16, optimizer="zero1"), 0)
-    assert rep > 0 and z1 > z1_16 and z1 / rep == pytest.approx((6 + 12 / 8) / 8)
+    assert plain > 0 and z1 > z1_16 and z1 / plain == pytest.approx((6 + 12 / 8) / 8) and master / plain == pytest.approx(18 / 8)
+    assert static_bytes(SMALL, costs, Parallel(1, 2, 1, optimizer="zero1"), 0) == static_bytes(
+        SMALL, costs, Parallel(1, 2, 1, optimizer="master"), 0)
+    with pytest.raises(ValueError, match="valid: zero1, master, plain"):
+        Parallel(1, 2, 8, optimizer="replicated")
 
 
 # -- search ----------------------------------------------------------------------------------------
@@ -216,7 +221,7 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     for r in ranked:
         assert r["command"].startswith("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d ")
-        assert " examples/qwen2.py --model qwen2-toy " in r["command"]
+        assert " examples/qwen2.py --model qwen2-toy " in r["command"] and " --optimizer zero1" in r["command"]
         assert f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --mbs {r['m']}" in r["command"]
         assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
     assert ranked[0]["command"] in text and doc["search"]["best_proven"]
