@@ -17,8 +17,9 @@ job of ``tp * cp * pp * dp`` GPUs adds (all priced by the links they cross):
   blocks: only ``max(0, hop - block)`` per hop is exposed; the inner rings of ``w`` ranks
   and the outer ring are priced by their own links. ``head_first`` places the HP ranks
   next to each other (stride ``tp``), ``context_first`` the CP ranks.
-* **Recomputation** (``recompute=True``, full per layer): backward re-runs the forward of
-  every LM layer unit; only each layer's input (``tokens * hidden`` elements) stays saved.
+* **Recomputation** (``recompute=True``, full per layer, ``--recompute full`` of the examples):
+  :func:`braid.recompute_costs.full_recompute` -- the layer's first backward unit re-runs its
+  forward (Attn's all-reduce included); only each layer's input stays saved.
 
 The data-parallel gradient reduction and the optimizer step come after the pipeline:
 :func:`dp_tail` (per rank, the gradient of each chunk is reduced over the dp x cp group as
@@ -36,6 +37,7 @@ from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, analytic_costs
 from braid.hardware import Hardware
 from braid.ir import rank_chunk_of
 from braid.models_catalog import ModelConfig
+from braid.recompute_costs import full_recompute
 from braid.training.modes import DEFAULT_OPTIMIZER, OptimizerMode, mode_bytes
 
 SpPlacement = Literal["head_first", "context_first"]
@@ -171,8 +173,7 @@ def _lm_units(base: CostModel, local: ModelConfig, seq: int, cluster: Cluster, p
         units[Unit.ATTN] = replace(att, f=att.f + core_full - core_local + a2a_in + a2a_out + ring,
                                    b=att.b + 2 * (core_full - core_local) + a2a_in + a2a_out + 2 * ring)
     if par.recompute:
-        sbh = local.tokens * local.hidden * d
-        units = {u: replace(c, b=c.b + c.f, act=sbh if u is Unit.PRE_ATTN else 0.0) for u, c in units.items()}
+        units = full_recompute(units, local.tokens * local.hidden * d)
     return units
 
 

@@ -105,8 +105,6 @@ def _notes(prob: Problem, ev: Evaluation) -> list[str]:
     notes = []
     if prob.model.name not in _EXAMPLE_PRESETS:
         notes.append(f"examples/ have no --model {prob.model.name} preset yet; add one with this shape to run it")
-    if ev.cand.par.recompute and ev.cand.par.cp > 1:
-        notes.append("full recomputation does not cover 2D-Attention's sequence-parallel core (--cp > 1) in examples/")
     return notes
 
 

@@ -345,4 +345,5 @@ def _savers(prob: Problem, cand: Candidate) -> Iterator[Candidate]:
     for c in schedule_candidates(prob, cand.par, plain=False):
         if schedules.get_schedule(c.schedule).saves_memory_of == cand.schedule:
             yield c
-    yield replace(cand, par=replace(cand.par, recompute=True))
+    if cand.par.cp == 1:  # full recomputation does not cover 2D-Attention's sequence-parallel core
+        yield replace(cand, par=replace(cand.par, recompute=True))

@@ -39,7 +39,8 @@ from typing import Any, Sequence
 
 from braid.cli import Parser as _Parser
 from braid.cli import check_outputs, run_main
-from braid.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
+from braid.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers,
+                         read_costs)
 from braid.files import atomic_write_text
 from braid.hardware import HARDWARE, get_hardware
 from braid.models_catalog import MODELS, ModelConfig, get_model
@@ -80,9 +81,10 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="also simulate a schedule torch.distributed.pipelining dumped as a compute-only CSV "
                          "(repeatable; its ranks and micro-batches must match --pp and --mbs; alone, without "
                          "--schedule, only these run)")
-    ap.add_argument("--recompute", default="none", choices=["none", "selective"],
+    ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
                     help="activation recomputation of the LM layers: 'selective' re-runs the attention core and the "
-                         "SwiGLU product in the backward (more backward time, fewer saved bytes; analytic costs)")
+                         "SwiGLU product in the backward, 'full' the whole layer before its backward, keeping only its "
+                         "input (more backward time, fewer saved bytes; analytic costs)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
