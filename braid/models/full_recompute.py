@@ -27,22 +27,20 @@ the unit structure. The cost transform the simulator and the planner use is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from braid.braiding import Unit
-from braid.runtime.offload import Parked
 
-if TYPE_CHECKING:
-    from braid.models.chunk import ModelChunk
+ModelChunk = Any  # braid.models.chunk.ModelChunk, which imports this module
 
 LAYER_UNITS = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)
 RERUN: tuple = ()  # left in ``ModelChunk._saved`` for a unit whose pieces the re-run builds (no pieces: nothing held)
 
 
-def forward_unit(ch: "ModelChunk", mb: int, unit: Unit, layer: int, new_box: Callable[[], Any]) -> torch.Tensor | None:
+def forward_unit(ch: ModelChunk, mb: int, unit: Unit, layer: int, new_box: Callable[[], Any]) -> torch.Tensor | None:
     """A layer unit's forward without autograd; returns the tensor to all-reduce (Attn, MLP) as the cut path does.
 
     ``new_box``: makes the chunk's saved-tensor box that keeps the layer input.
@@ -66,24 +64,24 @@ def forward_unit(ch: "ModelChunk", mb: int, unit: Unit, layer: int, new_box: Cal
     return out
 
 
-def needs_rerun(ch: "ModelChunk", mb: int, unit: Unit, layer: int) -> bool:
+def needs_rerun(ch: ModelChunk, mb: int, unit: Unit, layer: int) -> bool:
     """Whether ``unit``'s backward must first re-run the layer (its pieces are the marker)."""
     return unit is Unit.MLP and ch._saved.get((mb, unit, layer)) is RERUN
 
 
-def problem(ch: "ModelChunk", mb: int, layer: int) -> str | None:
+def problem(ch: ModelChunk, mb: int, layer: int) -> str | None:
     """Why layer ``layer`` of ``mb`` cannot be re-run now (None: it can); the chunk raises it as a state error."""
     box = ch._boxes.get((mb, Unit.PRE_ATTN, layer))
     if box is None or not box.tensors:
         return f"B{mb}: no saved input of layer {layer} to recompute from (forward not run?)"
-    if isinstance(box.tensors[0], Parked):
+    if not isinstance(box.tensors[0], torch.Tensor):  # a Parked stand-in (braid.runtime.offload)
         return f"micro-batch {mb}: layer {layer}'s saved input is on the host (no RELOAD before its backward)"
     if mb in ch._fwd:
         return f"B{mb}: recomputation of layer {layer} while its forward is still in flight"
     return None
 
 
-def rerun(ch: "ModelChunk", mb: int, layer: int) -> None:
+def rerun(ch: ModelChunk, mb: int, layer: int) -> None:
     """Re-run layer ``layer`` of micro-batch ``mb`` under autograd from its saved input (module doc;
     :func:`problem` first)."""
     x = ch._boxes.pop((mb, Unit.PRE_ATTN, layer)).tensors[0]
