@@ -21,16 +21,16 @@ job of ``tp * cp * pp * dp`` GPUs adds (all priced by the links they cross):
   :func:`braid.recompute_costs.full_recompute` -- the layer's first backward unit re-runs its
   forward (Attn's all-reduce included); only each layer's input stays saved.
 
-The data-parallel gradient reduction and the optimizer step come after the pipeline:
-:func:`dp_tail` (per rank, the gradient of each chunk is reduced over the dp x cp group as
-soon as its last weight gradient is done, one chunk after another on a communication stream
-beside the cool-down; then the optimizer step, sharded with ZeRO-1).
+The data-parallel gradient reduction and the optimizer step are priced by :func:`dp_costs`
+and scheduled by the simulator (:func:`simulator.dp.dp_tail`: per rank, the gradient of each
+chunk is reduced over the dp x cp group as soon as its last weight gradient is done, one chunk
+after another on its own lane beside the cool-down; then the optimizer step, sharded with ZeRO-1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Mapping, Sequence
 
 from braid.braiding import Unit
 from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, analytic_costs
@@ -233,24 +233,38 @@ def reduce_time(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Par
     return (cluster.reduce_scatter if mb.reduce_scatter else cluster.all_reduce)(nbytes, size, stride)
 
 
-def dp_tail(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel, end_s: list[float],
-            grad_ready: dict[tuple[int, int], float]) -> tuple[list[float], list[float]]:
-    """Per rank: exposed gradient-reduction time after the rank's pipeline end, and optimizer-step time.
+@dataclass(frozen=True, slots=True)
+class DpCosts:
+    """Per rank of one pipeline (every data-parallel replica does the same).
+
+    ``reduce_s[(rank, chunk)]``: reducing the chunk's gradients (all-reduce, or a
+    reduce-scatter when ``reduce_kind`` is ``"RS"``); ``step_s[rank]``: the update at HBM
+    speed; ``gather_s[rank]``: the all-gather of the updated weights (0 without sharding);
+    ``static_bytes[rank]``: weights, gradients and optimizer state; ``mode``: the optimizer mode.
+    """
+
+    reduce_s: Mapping[tuple[int, int], float]
+    step_s: Sequence[float]
+    gather_s: Sequence[float]
+    static_bytes: Sequence[float]
+    mode: str
+    reduce_kind: str = "AR"
+
+
+
+def dp_costs(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel) -> DpCosts:
+    """The data-parallel tail's costs per rank of one pipeline (scheduled by :func:`simulator.dp.dp_tail`).
 
     Gradients of each chunk are all-reduced (``plain``, ``master``) or reduce-scattered
-    (``zero1``) over the dp x cp group once the chunk's last weight gradient is done, one chunk
-    after another; the step then updates the rank's (shard of the) parameters at HBM speed,
-    and ``zero1`` all-gathers the updated weights (bytes per parameter: :mod:`braid.training.modes`).
+    (``zero1``) over the dp x cp group; the step updates the rank's (shard of the) parameters
+    at HBM speed, and ``zero1`` all-gathers the updated weights (bytes per parameter:
+    :mod:`braid.training.modes`).
     """
     size, stride = _dp_link(par)
-    hbm = cluster.hw.hbm_bytes_per_s
-    tails, opts = [], []
-    for r in range(costs.layout.p):
-        free = 0.0
-        for c in sorted(range(costs.layout.v), key=lambda c: grad_ready.get((r, c), 0.0)):
-            free = max(free, grad_ready.get((r, c), 0.0)) + reduce_time(model, costs, cluster, par, r, c)
-        tails.append(max(0.0, free - end_s[r]))
-        n = rank_params(model, costs, r)
-        mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
-        opts.append(mb.step * n / hbm + cluster.reduce_scatter(mb.gather * n, size, stride))
-    return tails, opts
+    lay = costs.layout
+    mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
+    reduce = {(r, c): reduce_time(model, costs, cluster, par, r, c) for r in range(lay.p) for c in range(lay.v)}
+    n = [rank_params(model, costs, r) for r in range(lay.p)]
+    return DpCosts(reduce, [mb.step * k / cluster.hw.hbm_bytes_per_s for k in n],
+                   [cluster.reduce_scatter(mb.gather * k, size, stride) if mb.gather else 0.0 for k in n],
+                   [k * mb.state for k in n], par.optimizer, "RS" if mb.reduce_scatter else "AR")

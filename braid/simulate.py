@@ -27,6 +27,7 @@ Examples::
     python -m braid.simulate --pp 4 --mbs 12 --costs uniform.json --json report.json --trace trace.json
     python -m braid.simulate --pp 4 --mbs 12 --torch-csv dualpipev.csv --schedule dualpipe_v
     python -m braid.simulate --model qwen2-72b --pp 32 --mbs 256
+    python -m braid.simulate --pp 4 --mbs 12 --dp 8 --optimizer zero1 --recompute full
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from braid.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, anal
 from braid.files import atomic_write_text
 from braid.hardware import HARDWARE, get_hardware
 from braid.models_catalog import MODELS, ModelConfig, get_model
+from braid.training.modes import DEFAULT_OPTIMIZER, OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,14 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="activation recomputation of the LM layers: 'selective' re-runs the attention core and the "
                          "SwiGLU product in the backward, 'full' the whole layer before its backward, keeping only its "
                          "input (more backward time, fewer saved bytes; analytic costs)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas: adds the gradient reduction (its own lane, beside the cool-down), "
+                         "the optimizer step and ZeRO-1's all-gather, and the optimizer state per GPU (default 1)")
+    ap.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                    help=f"optimizer mode of that tail (default {DEFAULT_OPTIMIZER}; bytes per parameter: docs/training.md); "
+                         "with --dp or --optimizer the data-parallel table is printed")
+    ap.add_argument("--gpus-per-node", type=int, default=8,
+                    help="GPUs per node: a data-parallel group wider than a node reduces at the NIC rate (default 8)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -124,7 +134,9 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     from braid import schedules
     from braid.compiler import ScheduleError, compile_plan
     from braid.offload_tune import tune_offload
+    from braid.cluster import Cluster, Parallel, dp_costs
     from braid.simulator import simulate
+    from braid.simulator.dp import dp_tail, grad_ready_of
     from braid.simulator.fast import simulate_schedule
 
     model = model_from_args(args)
@@ -133,7 +145,9 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     doc: dict[str, Any] = {"config": {"pp": args.pp, "mbs": args.mbs, "tp": args.tp, "seq": model.seq,
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs,
-                                      "recompute": args.recompute}, "schedules": {}}
+                                      "recompute": args.recompute, "dp": args.dp,
+                                      "optimizer": args.optimizer or DEFAULT_OPTIMIZER}, "schedules": {}}
+    dp_rows = []
     traces, notes, reports, extrapolated = [], [], [], []
     # name -> (plan's v, why): "layers" (the model cannot fill its stages), "m" (too few micro-batches), "schedule"
     doc["skipped"] = {}
@@ -156,15 +170,15 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                              + (" (coarse search)" if args.pp * args.mbs >= COARSE_PM else ""))
             if record or name in given:
                 full = schedules.build(name, args.pp, args.mbs, **options) if tuned else plan
-                res = simulate(compile_plan(full), costs, name=name, record=record)
+                res = simulate(compile_plan(full), costs, name=name, record=True)
                 if record:
                     traces.append(res.trace)
-                report = res.report
+                report, ready = res.report, grad_ready_of(res.trace.events)
             else:
                 # the plan built above is the one to simulate unless the offload tuner chose new options
                 fast = simulate_schedule(name, args.pp, args.mbs, costs, tuple(sorted(options.items())),
                                          plan=None if tuned else plan)
-                report = fast.report
+                report, ready = fast.report, fast.grad_ready
                 if fast.method != "full":
                     extrapolated.append(name)
         except CostFileError:
@@ -177,10 +191,21 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
         reports.append(report)
         doc["schedules"][name] = report.to_dict()
         doc["schedules"][name]["peak_memory_gib"] = report.worst_peak.peak_activation_bytes / 2**30
+        dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node),
+                      Parallel(args.tp, args.pp, args.dp, optimizer=args.optimizer or DEFAULT_OPTIMIZER))
+        with_dp = args.dp > 1 or args.optimizer is not None  # asked for: the trace gets the tail's events
+        tail = dp_tail([r.end_s for r in report.ranks], ready, dc, chunks=costs.layout.v, record=record and with_dp)
+        if record and with_dp:
+            traces[-1].events.extend(tail.events)
+        dp_rows.append((name, report, tail, dc))
+        doc["schedules"][name]["dp"] = {**tail.to_dict(), "static_bytes": list(dc.static_bytes),
+                                        "peak_memory_gib": max(dc.static_bytes[r.rank] + r.peak_activation_bytes
+                                                               for r in report.ranks) / 2**30}
     if extrapolated:
         notes.append(f"{', '.join(extrapolated)}: extrapolated from short runs (braid.simulator.fast; "
                      "a full simulation with --trace or --html)")
     doc["reports"] = reports
+    doc["dp_rows"] = dp_rows
     # fastest first, as in the table, so the viewer opens on the winner
     traces.sort(key=lambda t: t.step_time)
     return doc, traces, notes
@@ -222,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
-    for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--tp", args.tp), ("--seq", args.seq),
+    for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--tp", args.tp), ("--seq", args.seq), ("--dp", args.dp),
+                      ("--gpus-per-node", args.gpus_per_node),
                       ("--micro-batch-size", args.micro_batch_size),
                       *((f"--{k.replace('_', '-')}", getattr(args, k)) for k in _OVERRIDES)):
         if val is not None and val < 1:
@@ -282,12 +308,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CostFileError as err:
         ap.error(str(err))
     reports = doc.pop("reports")
+    dp_rows = doc.pop("dp_rows")
     skipped = doc.pop("skipped")
     cfg = doc["config"]
     print(f"# {cfg['model']} on {cfg['hardware']}: tp={cfg['tp']} pp={cfg['pp']} m={cfg['mbs']} "
           f"seq={cfg['seq']} micro-batch={cfg['micro_batch_size']}" + (f" costs={cfg['costs']}" if cfg["costs"] else ""))
     if reports:
         print(format_table(reports))
+    if dp_rows and (args.dp > 1 or args.optimizer):
+        from braid.simulator.dp import format_dp_table
+
+        print(f"\n# data-parallel tail: dp={args.dp} x {args.gpus_per_node} GPUs per node, optimizer "
+              f"{args.optimizer or DEFAULT_OPTIMIZER} (gradient reduction on its own lane; memory per GPU)")
+        print(format_dp_table(dp_rows))
     for n in notes:
         print(f"note: {n}")
     if not reports:

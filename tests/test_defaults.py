@@ -61,8 +61,11 @@ def test_every_front_end_offers_the_same_modes_and_default() -> None:
     for ap in (plan_parser(),):
         act = next(a for a in ap._actions if "--optimizer" in a.option_strings)
         assert tuple(act.choices) == OPTIMIZERS and act.default == DEFAULT_OPTIMIZER
-    ex = next(a for a in build_parser(TASK)._actions if "--optimizer" in a.option_strings)
-    assert tuple(ex.choices) == OPTIMIZERS  # default None: zero1, or plain beside a torch_* baseline
+    from braid.simulate import _parser as sim_parser
+
+    for ap in (build_parser(TASK), sim_parser(["1f1b"])):  # default None: zero1 (examples: plain beside a torch_* baseline)
+        act = next(a for a in ap._actions if "--optimizer" in a.option_strings)
+        assert tuple(act.choices) == OPTIMIZERS and f"default {DEFAULT_OPTIMIZER}" in act.help.lower()
     assert Parallel(1, 1, 2).optimizer == DEFAULT_OPTIMIZER
     assert Problem.__dataclass_fields__["optimizer"].default == DEFAULT_OPTIMIZER
 

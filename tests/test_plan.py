@@ -267,13 +267,15 @@ def test_sequence_parallel_placement_decides_which_traffic_crosses_nodes() -> No
 
 
 def test_gradient_reduction_overlaps_the_cool_down() -> None:
-    from braid.cluster import dp_tail, reduce_time
+    from braid.cluster import dp_costs, reduce_time
+    from braid.simulator.dp import dp_tail
 
     par = Parallel(1, 2, 8)
     costs = job_costs(SMALL, Cluster(H200, 4), par, Layout(1, 2, 2, "v"))
     ends = [1.0, 1.0]
-    late, _ = dp_tail(SMALL, costs, Cluster(H200, 4), par, ends, {(r, c): 1.0 for r in range(2) for c in range(2)})
-    early, _ = dp_tail(SMALL, costs, Cluster(H200, 4), par, ends, {(r, 0): 1.0 for r in range(2)} | {(r, 1): 0.5 for r in range(2)})
+    dc = dp_costs(SMALL, costs, Cluster(H200, 4), par)
+    late = dp_tail(ends, {(r, c): 1.0 for r in range(2) for c in range(2)}, dc, chunks=2).reduce_exposed_s
+    early = dp_tail(ends, {(r, 0): 1.0 for r in range(2)} | {(r, 1): 0.5 for r in range(2)}, dc, chunks=2).reduce_exposed_s
     both = [reduce_time(SMALL, costs, Cluster(H200, 4), par, r, 0) + reduce_time(SMALL, costs, Cluster(H200, 4), par, r, 1)
             for r in range(2)]
     assert late == pytest.approx(both)  # nothing to hide behind
