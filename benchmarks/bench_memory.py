@@ -104,7 +104,7 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
     ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, d.abort,
                               act_shape=(args.micro_batch_size, args.seq, cfg.hidden), dtype=dtype, device=device)
     named = [(f"{ci}.{n}", p) for ci, ch in chunks.items() for n, p in ch.named_parameters()]
-    opt = Optimization(OptimConfig(lr=1e-4, master_fp32=mode != "plain", zero1=mode == "zero1"), named, chunks.values(),
+    opt = Optimization(OptimConfig.of_mode(mode, lr=1e-4), named, chunks.values(),
                        groups=groups, abort=d.abort)
     g = torch.Generator().manual_seed(7 + c.dp)
     shape = (args.micro_batch_size, args.seq)

@@ -257,13 +257,13 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError(f"--save-hf {args.save_hf}: exists and is not an empty directory; give a new directory")
     if args.reference and (args.resume or args.cp > 1):
         raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
-    check_training_flags(task, args, model_vocab=None)
     torch_names = [n for n in names if n in BASELINES]
     if torch_names and optimizer_flags_set(args):
         raise UsageError(f"{torch_names[0]} trains with plain AdamW at --lr: drop --lr-schedule/--warmup/--clip-grad/"
                          "--weight-decay/--optimizer/--recompute or use braid's schedules")
     if args.optimizer is None:  # the baselines' AdamW is plain; every schedule of a run and its reference train alike
         args.optimizer = "plain" if torch_names else DEFAULT_OPTIMIZER
+    check_training_flags(task, args, model_vocab=None)
     if torch_names and (args.save or args.resume or args.save_hf):
         raise UsageError(f"--save/--save-hf/--resume checkpoint braid's schedules, not {torch_names[0]}")
     if torch_names and (args.dp != 1 or args.cp != 1):
@@ -391,9 +391,8 @@ def optim_config(args: argparse.Namespace) -> Any:
     """The run's :class:`braid.training.step.OptimConfig` from the flags."""
     from braid.training.step import OptimConfig
 
-    return OptimConfig(lr=args.lr, total_steps=args.steps, warmup=args.warmup, decay=args.lr_schedule, min_lr=args.min_lr,
-                       weight_decay=args.weight_decay, clip=args.clip_grad, master_fp32=args.optimizer != "plain",
-                       zero1=args.optimizer == "zero1")
+    return OptimConfig.of_mode(args.optimizer, lr=args.lr, total_steps=args.steps, warmup=args.warmup, decay=args.lr_schedule,
+                               min_lr=args.min_lr, weight_decay=args.weight_decay, clip=args.clip_grad)
 
 
 def optimizer_flags_set(args: argparse.Namespace) -> bool:
