@@ -89,10 +89,12 @@ def test_the_runtime_keeps_what_the_cost_model_says() -> None:
 
 @pytest.mark.slow
 def test_the_example_trains_with_full_recomputation_like_the_unsplit_model() -> None:
-    """The planner's ``--recompute full`` flag through the example script (tp=2 x pp=2, gloo)."""
-    from test_examples import COMMON, LLM, _ok, _torchrun
+    """The planner's ``--recompute full`` flag through the example scripts (tp=2 x pp=2, gloo): the LLM, and the
+    VLM whose LM chunks rotate by M-RoPE positions (its vision chunk keeps its activations)."""
+    from test_examples import COMMON, LLM, VLM, _ok, _torchrun
 
-    proc = _torchrun(4, LLM, *COMMON, "--tp", "2", "--pp", "2", "--steps", "2", "--recompute", "full", "--reference",
-                     "--schedule", "braided_v", "1f1b_i", timeout=600)
-    _ok(proc)
-    assert "norm diff" in proc.stdout and "braided_v" in proc.stdout and "1f1b_i" in proc.stdout
+    for script in (LLM, VLM):
+        proc = _torchrun(4, script, *COMMON, "--tp", "2", "--pp", "2", "--steps", "2", "--recompute", "full", "--reference",
+                         "--schedule", "braided_v", "1f1b_i", timeout=600)
+        _ok(proc)
+        assert "norm diff" in proc.stdout and "braided_v" in proc.stdout and "1f1b_i" in proc.stdout
