@@ -154,6 +154,19 @@ def test_a_tight_cap_forces_memory_savers() -> None:
     assert res.memory_pruned > 0 or any(e.peak_bytes > tight.memory_bytes for e in res.evaluated)
 
 
+def test_recomputation_candidates_print_the_runnable_flag() -> None:
+    from dataclasses import replace
+
+    from braid.plan import torchrun_command
+
+    prob = _problem(2.6)
+    ev = next(e for e in search(prob, top=50, time_budget_s=1e9).evaluated if e.cand.par.cp == 1)
+    full = replace(ev, cand=replace(ev.cand, par=replace(ev.cand.par, recompute=True)))
+    plain = replace(ev, cand=replace(ev.cand, par=replace(ev.cand.par, recompute=False)))
+    assert " --optimizer zero1 --recompute full" in torchrun_command(prob, full)
+    assert "--recompute" not in torchrun_command(prob, plain)
+
+
 def test_every_reported_configuration_compiles_validates_and_fits() -> None:
     prob = _problem(2.6)
     res = search(prob, top=5, time_budget_s=1e9)
