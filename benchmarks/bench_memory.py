@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compiled units (default: the executor's, on with CUDA); --no-compile saves the compile time")
     ap.add_argument("--hardware", default="h100", help="hardware preset of the simulation (memory does not depend on it)")
     ap.add_argument("--out", default=None, help="JSON file (default: print only)")
     return ap
@@ -102,7 +104,8 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
         ch.to(device=device, dtype=dtype)
         ch.set_recompute(recompute)
     ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, d.abort,
-                              act_shape=(args.micro_batch_size, args.seq, cfg.hidden), dtype=dtype, device=device)
+                              act_shape=(args.micro_batch_size, args.seq, cfg.hidden), dtype=dtype, device=device,
+                              compile=args.compile)
     named = [(f"{ci}.{n}", p) for ci, ch in chunks.items() for n, p in ch.named_parameters()]
     opt = Optimization(OptimConfig.of_mode(mode, lr=1e-4), named, chunks.values(),
                        groups=groups, abort=d.abort)

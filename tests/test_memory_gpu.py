@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 def test_predicted_peak_memory_is_within_ten_percent_for_every_mode(tmp_path) -> None:
     out = tmp_path / "memory.json"
     _ok(_torchrun(2, str(ROOT / "benchmarks" / "bench_memory.py"), "--dp", "2", "--layers", "2", "--seq", "4096",
-                  "--mbs", "2", "--warmup", "1", "--steps", "1", "--out", str(out), timeout=900))
+                  "--mbs", "2", "--warmup", "1", "--steps", "1", "--no-compile", "--out", str(out), timeout=900))
     runs = json.loads(out.read_text())["runs"]
     assert len(runs) == 9
     bad = [f"{r['optimizer']}/{r['recompute']}: {100 * r['rel_err']:.1f}%" for r in runs if r["rel_err"] > 0.10]
