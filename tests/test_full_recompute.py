@@ -3,7 +3,7 @@
 * tp=2 x pp=2 on 4 gloo processes, braided_v and 1f1b_i: loss, every gradient and the
   parameters after two AdamW steps equal the single-process reference (the executor's
   equivalence case), and every rank's measured peak is below the same run's without
-  recomputation;
+  recomputation; loss and gradients are bitwise those of the run without recomputation;
 * the cost transform (:func:`braid.costs.full_recompute`): backward time up by the layer's
   forward and its forward all-reduce, saved bytes down to the layer input; the simulator's
   peak drops by what the transform removes.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 import executor_cases as cases
+import recompute_cases
 
 COMBOS = [("braided_v", 8), ("1f1b_i", 8)]
 
@@ -28,6 +29,15 @@ def test_full_recomputation_at_tp2_pp2_matches_the_reference_and_lowers_the_peak
         for (name, _, cf), (_, _, cn) in zip(f, n):
             assert cf["braided"] == cn["braided"] and cf["AR"] == cn["AR"] and (name != "braided_v" or cf["braided"] > 0)
             assert cf["peak_bytes"] < cn["peak_bytes"], f"rank {rank} {name}: {cf['peak_bytes']} !< {cn['peak_bytes']}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["braided_v", "1f1b_i"])
+def test_full_recomputation_at_tp2_pp2_is_bitwise_the_run_without(pools, schedule: str) -> None:
+    """The re-run applies the same operators to the same inputs (the Attn sum over TP ranks included):
+    every gradient and the loss equal those without recomputation in every bit."""
+    bad = pools(4).run(recompute_cases.full_equals_none_bitwise, 2, 2, schedule, 8, timeout_s=300)
+    assert bad == [[]] * 4, bad
 
 
 def test_cost_transform_matches_what_the_runtime_keeps() -> None:
