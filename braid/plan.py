@@ -14,7 +14,7 @@ Examples::
 
     python -m braid.plan --model qwen2-vl-72b --gpus 1024 --gpus-per-node 8 --hardware h200 \\
         --global-batch 2048 --seq 8192 --json plan.json --html plan.html
-    python -m braid.plan --model qwen2-72b --gpus 64 --seq 32768 --global-batch 128 --optimizer zero1
+    python -m braid.plan --model qwen2-72b --gpus 64 --seq 32768 --global-batch 128 --optimizer plain
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from braid.cost.hardware import HARDWARE, get_hardware
 from braid.cost.catalog import MODELS
 from braid.planner.search import Evaluation, Problem, SearchResult, search
 from braid.simulate import resolve_model
+from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
 
 # catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
 # catalog name -> the examples' --model preset of the same shape (examples/qwen2.py: qwen2-*,
@@ -60,9 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                          "140.4 GiB on h200 -- sold as 141 GB; braid.cost.hardware.DEVICE_MIB)")
     ap.add_argument("--global-batch", type=int, default=None, metavar="B", help="samples per step (default: 2 per GPU)")
     ap.add_argument("--seq", type=int, default=None, help="LM tokens per sample (default: the model's, 4096)")
-    ap.add_argument("--optimizer", default="replicated", choices=["replicated", "zero1"],
-                    help="replicated: AdamW state on every data-parallel replica, gradients all-reduced (what "
-                         "examples/train_loop.py runs; default); zero1: fp32 state sharded, reduce-scatter + all-gather")
+    ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS,
+                    help="; ".join(f"{m}: {describe(m)}" for m in OPTIMIZERS)
+                         + " -- the examples' --optimizer; bytes per parameter: docs/training.md")
     ap.add_argument("--top", type=int, default=10, metavar="K", help="configurations to rank (default 10)")
     ap.add_argument("--time-budget", type=float, default=40.0, metavar="S",
                     help="seconds of simulation before the search stops with what it has (default 40)")
@@ -89,7 +90,9 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
     args += [script, "--model", _EXAMPLE_PRESETS.get(mdl.name, mdl.name), "--schedule", c.schedule,
              "--tp", str(p.tp), "--pp", str(p.pp), "--dp", str(p.dp), "--mbs", str(c.m),
              "--micro-batch-size", str(p.micro_batch_size), "--seq", str(seq),
-             "--last-stage-lighter", str(stage_lighter(mdl, p.pp * spec.v))]
+             "--last-stage-lighter", str(stage_lighter(mdl, p.pp * spec.v)), "--optimizer", p.optimizer]
+    if p.recompute:
+        args += ["--recompute", "full"]
     if p.cp > 1:
         args += ["--cp", str(p.cp), "--hp", str(p.hp), "--placement", p.sp_placement]
         if p.ring:
@@ -103,10 +106,6 @@ def _notes(prob: Problem, ev: Evaluation) -> list[str]:
     notes = []
     if prob.model.name not in _EXAMPLE_PRESETS:
         notes.append(f"examples/ have no --model {prob.model.name} preset yet; add one with this shape to run it")
-    if ev.cand.par.recompute:
-        notes.append("needs activation recomputation, which examples/train_loop.py has no flag for")
-    if prob.optimizer == "zero1":
-        notes.append("predicted with a ZeRO-1 optimizer; examples/train_loop.py keeps replicated AdamW state")
     return notes
 
 
@@ -212,8 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "simulated; raise it", file=sys.stderr)
         return 2
     if not res.best:
-        print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.1f} GiB per GPU; use more GPUs, a shorter --seq "
-              "or --optimizer zero1", file=sys.stderr)
+        print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.1f} GiB per GPU; use more GPUs or a shorter --seq",
+              file=sys.stderr)
         return 2
     print(format_ranking(res))
     from braid import schedules

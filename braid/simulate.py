@@ -27,6 +27,7 @@ Examples::
     python -m braid.simulate --pp 4 --mbs 12 --costs uniform.json --json report.json --trace trace.json
     python -m braid.simulate --pp 4 --mbs 12 --torch-csv dualpipev.csv --schedule dualpipe_v
     python -m braid.simulate --model qwen2-72b --pp 32 --mbs 256
+    python -m braid.simulate --pp 4 --mbs 12 --dp 8 --optimizer zero1 --recompute full
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ from typing import Any, Sequence
 
 from braid.io.cli import Parser as _Parser
 from braid.io.cli import check_outputs, run_main
-from braid.cost.costs import CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers, read_costs
+from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers,
+                         read_costs)
 from braid.io.files import atomic_write_text
 from braid.cost.hardware import HARDWARE, get_hardware
 from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
 from braid.cost.catalog import MODELS, ModelConfig
+from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +89,18 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="also simulate a schedule torch.distributed.pipelining dumped as a compute-only CSV "
                          "(repeatable; its ranks and micro-batches must match --pp and --mbs; alone, without "
                          "--schedule, only these run)")
-    ap.add_argument("--recompute", default="none", choices=["none", "selective"],
+    ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
                     help="activation recomputation of the LM layers: 'selective' re-runs the attention core and the "
-                         "SwiGLU product in the backward (more backward time, fewer saved bytes; analytic costs)")
+                         "SwiGLU product in the backward, 'full' the whole layer before its backward, keeping only its "
+                         "input (more backward time, fewer saved bytes; analytic costs)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas: adds the gradient reduction (its own lane, beside the cool-down), "
+                         "the optimizer step and ZeRO-1's all-gather, and the optimizer state per GPU (default 1)")
+    ap.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                    help=f"optimizer mode of that tail (default {DEFAULT_OPTIMIZER}; bytes per parameter: docs/training.md); "
+                         "with --dp or --optimizer the data-parallel table is printed")
+    ap.add_argument("--gpus-per-node", type=int, default=8,
+                    help="GPUs per node: a data-parallel group wider than a node reduces at the NIC rate (default 8)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -149,7 +161,9 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     from braid.planner.braid_tune import UNSEARCHED, count_blocks, plain_beats_braided, tune_braiding
     from braid.core.compiler import ScheduleError, compile_plan
     from braid.planner.offload_tune import tune_offload
+    from braid.cost.cluster import Cluster, Parallel, dp_costs
     from braid.simulator import simulate
+    from braid.simulator.dp import dp_tail, grad_ready_of
     from braid.simulator.fast import simulate_schedule
 
     model = model_from_args(args)
@@ -158,7 +172,9 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     doc: dict[str, Any] = {"config": {"pp": args.pp, "mbs": args.mbs, "tp": args.tp, "seq": model.seq,
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs,
-                                      "recompute": args.recompute}, "schedules": {}}
+                                      "recompute": args.recompute, "dp": args.dp,
+                                      "optimizer": args.optimizer or DEFAULT_OPTIMIZER}, "schedules": {}}
+    dp_rows = []
     traces, notes, reports, extrapolated = [], [], [], []
     braid_mode = getattr(args, "braid", "auto")
     cost_of: dict[str, CostModel] = {}
@@ -206,17 +222,16 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                 notes.append(f"{name}: auto offload {off.describe()}"
                              + (f" (tuned at m={off.m})" if off.m != args.mbs else "")
                              + (" (coarse search)" if args.pp * args.mbs >= COARSE_PM else ""))
-            if choice is not None and choice.result is not None and plan is choice.plan and not record:
-                report = choice.result.report  # simulated in full at this m by the search
-            elif record or name in given or plan.config.option("braid") == "auto":
-                # a plan whose blocks were chosen one by one is simulated as it is (no short runs to extrapolate from)
-                res = simulate(compile_plan(plan), costs, name=name, record=record)
+            if record or name in given or plan.config.option("braid") == "auto":
+                # a plan whose blocks were chosen one by one is simulated as it is (no short runs to extrapolate
+                # from); the trace gives when each chunk's gradients are ready for the data-parallel tail
+                res = simulate(compile_plan(plan), costs, name=name, record=True)
                 if record:
                     traces.append(res.trace)
-                report = res.report
+                report, ready = res.report, grad_ready_of(res.trace.events)
             else:
                 fast = simulate_schedule(name, args.pp, args.mbs, costs, plan.config.options, plan=plan)
-                report = fast.report
+                report, ready = fast.report, fast.grad_ready
                 if fast.method != "full":
                     extrapolated.append(name)
         except CostFileError:
@@ -233,6 +248,16 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
         doc["schedules"][name]["braided_blocks"] = count_blocks(plan)
         if name in choices:
             doc["schedules"][name]["braid_auto"] = choices[name].to_dict()
+        dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node),
+                      Parallel(args.tp, args.pp, args.dp, optimizer=args.optimizer or DEFAULT_OPTIMIZER))
+        with_dp = args.dp > 1 or args.optimizer is not None  # asked for: the trace gets the tail's events
+        tail = dp_tail([r.end_s for r in report.ranks], ready, dc, chunks=costs.layout.v, record=record and with_dp)
+        if record and with_dp:
+            traces[-1].events.extend(tail.events)
+        dp_rows.append((name, report, tail, dc))
+        doc["schedules"][name]["dp"] = {**tail.to_dict(), "static_bytes": list(dc.static_bytes),
+                                        "peak_memory_gib": max(dc.static_bytes[r.rank] + r.peak_activation_bytes
+                                                               for r in report.ranks) / 2**30}
     if unsearched:
         notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")
     note = plain_beats_braided(reports, cost_of, choices)
@@ -242,6 +267,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
         notes.append(f"{', '.join(extrapolated)}: extrapolated from short runs (braid.simulator.fast; "
                      "a full simulation with --trace or --html)")
     doc["reports"] = reports
+    doc["dp_rows"] = dp_rows
     # fastest first, as in the table, so the viewer opens on the winner
     traces.sort(key=lambda t: t.step_time)
     return doc, traces, notes
@@ -283,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
-    for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--tp", args.tp), ("--seq", args.seq),
+    for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--tp", args.tp), ("--seq", args.seq), ("--dp", args.dp),
+                      ("--gpus-per-node", args.gpus_per_node),
                       ("--micro-batch-size", args.micro_batch_size),
                       *((f"--{k.replace('_', '-')}", getattr(args, k)) for k in _OVERRIDES)):
         if val is not None and val < 1:
@@ -343,12 +370,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CostFileError as err:
         ap.error(str(err))
     reports = doc.pop("reports")
+    dp_rows = doc.pop("dp_rows")
     skipped = doc.pop("skipped")
     cfg = doc["config"]
     print(f"# {cfg['model']} on {cfg['hardware']}: tp={cfg['tp']} pp={cfg['pp']} m={cfg['mbs']} "
           f"seq={cfg['seq']} micro-batch={cfg['micro_batch_size']}" + (f" costs={cfg['costs']}" if cfg["costs"] else ""))
     if reports:
         print(format_table(reports))
+    if dp_rows and (args.dp > 1 or args.optimizer):
+        from braid.simulator.dp import format_dp_table
+
+        print(f"\n# data-parallel tail: dp={args.dp} x {args.gpus_per_node} GPUs per node, optimizer "
+              f"{args.optimizer or DEFAULT_OPTIMIZER} (gradient reduction on its own lane; memory per GPU)")
+        print(format_dp_table(dp_rows))
     for n in notes:
         print(f"note: {n}")
     if not reports:

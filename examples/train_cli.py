@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
+
 
 class UsageError(ValueError):
     """A flag or a layout that cannot work: exit code 2 with one line."""
@@ -128,13 +130,14 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     opt.add_argument("--weight-decay", type=float, default=0.01,
                      help="decoupled weight decay of matrices; norms and biases take none (default: %(default)s, "
                           "torch's AdamW default)")
-    opt.add_argument("--master-fp32", action="store_true",
-                     help="fp32 master weights and fp32 gradient accumulation (the model computes in its dtype)")
-    opt.add_argument("--zero1", action="store_true",
-                     help="as --master-fp32, with the masters and AdamW states sharded over data-parallel ranks")
-    opt.add_argument("--recompute", default="none", choices=["none", "selective"],
+    opt.add_argument("--optimizer", default=None, choices=OPTIMIZERS,
+                     help="; ".join(f"{m}: {describe(m)}" for m in OPTIMIZERS) + f". Default {DEFAULT_OPTIMIZER} "
+                          "(plain where a torch_* baseline is among --schedule: the baselines' only mode). fp32 "
+                          "gradient accumulation with zero1/master; the model computes in its dtype (bf16 on GPU)")
+    opt.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                      help="activation recomputation: 'selective' re-runs the attention core and the SwiGLU product in "
-                          "the backward instead of keeping their activations (default: %(default)s)")
+                          "the backward instead of keeping their activations; 'full' keeps only each layer's input and "
+                          "re-runs the whole layer (its TP all-reduces included) before its backward (default: %(default)s)")
     dat = p.add_argument_group("data (default: synthetic)")
     dat.add_argument("--data", metavar="FILE_OR_DIR", help="local .jsonl/.parquet text files, packed to --seq tokens "
                                                          "(needs --tokenizer and the data extra: datasets, tokenizers)")
@@ -265,11 +268,13 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError(f"--save-hf {args.save_hf}: exists and is not an empty directory; give a new directory")
     if args.reference and (args.resume or args.cp > 1):
         raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
-    check_training_flags(task, args, model_vocab=None)
     torch_names = [n for n in names if n in BASELINES]
     if torch_names and optimizer_flags_set(args):
         raise UsageError(f"{torch_names[0]} trains with plain AdamW at --lr: drop --lr-schedule/--warmup/--clip-grad/"
-                         "--weight-decay/--master-fp32/--zero1/--recompute or use braid's schedules")
+                         "--weight-decay/--optimizer/--recompute or use braid's schedules")
+    if args.optimizer is None:  # the baselines' AdamW is plain; every schedule of a run and its reference train alike
+        args.optimizer = "plain" if torch_names else DEFAULT_OPTIMIZER
+    check_training_flags(task, args, model_vocab=None)
     if torch_names and (args.save or args.resume or args.save_hf):
         raise UsageError(f"--save/--save-hf/--resume checkpoint braid's schedules, not {torch_names[0]}")
     if torch_names and (args.dp != 1 or args.cp != 1):
@@ -397,15 +402,14 @@ def optim_config(args: argparse.Namespace) -> Any:
     """The run's :class:`braid.training.step.OptimConfig` from the flags."""
     from braid.training.step import OptimConfig
 
-    return OptimConfig(lr=args.lr, total_steps=args.steps, warmup=args.warmup, decay=args.lr_schedule, min_lr=args.min_lr,
-                       weight_decay=args.weight_decay, clip=args.clip_grad, master_fp32=args.master_fp32 or args.zero1,
-                       zero1=args.zero1)
+    return OptimConfig.of_mode(args.optimizer, lr=args.lr, total_steps=args.steps, warmup=args.warmup, decay=args.lr_schedule,
+                               min_lr=args.min_lr, weight_decay=args.weight_decay, clip=args.clip_grad)
 
 
 def optimizer_flags_set(args: argparse.Namespace) -> bool:
     """Whether any optimizer flag differs from plain AdamW at a constant --lr."""
     return (args.lr_schedule != "constant" or args.warmup or args.clip_grad is not None or args.weight_decay != 0.01
-            or args.master_fp32 or args.zero1 or args.recompute != "none")
+            or args.optimizer not in (None, "plain") or args.recompute != "none")
 
 
 def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int | None) -> None:
@@ -415,7 +419,7 @@ def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int 
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.recompute != "none" and args.cp > 1:
-        raise UsageError("--recompute selective does not cover 2D-Attention's sequence-parallel core: use --cp 1")
+        raise UsageError(f"--recompute {args.recompute} does not cover 2D-Attention's sequence-parallel core: use --cp 1")
     if args.data is None:
         if args.tokenizer is not None:
             raise UsageError("--tokenizer needs --data")

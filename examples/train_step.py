@@ -63,9 +63,12 @@ def local_tensors(params: list) -> list[torch.Tensor]:
     return [p.to_local() if hasattr(p, "to_local") else p for p in params]
 
 
-def model_state_bytes(params: list) -> int:
-    """Bytes of this rank's model state: weights, gradients and AdamW's two moments, in the parameters' dtype."""
-    return sum(4 * t.numel() * t.element_size() for t in local_tensors(params))
+def model_state_bytes(params: list, mode: str, shards: int = 1) -> int:
+    """Bytes of this rank's model state under optimizer ``mode``: weights, gradients and AdamW state
+    (:mod:`braid.cost.optimizer_modes`; ``shards``: ranks a ``zero1`` state is divided over)."""
+    from braid.cost.optimizer_modes import state_bytes_per_param
+
+    return int(sum(t.numel() * state_bytes_per_param(mode, t.element_size(), shards) for t in local_tensors(params)))
 
 
 class BraidRunner:
@@ -105,12 +108,7 @@ class BraidRunner:
         self.named = [(shards[p].name, p) for ch in self.chunks.values() for p in ch.parameters()]
         self.params = [p for _, p in self.named]
         self.groups, self.abort, self.device = groups, d.abort, device
-        if args.master_fp32 or args.zero1:
-            from braid.training.optimizer import state_bytes_per_param
-
-            self.state_bytes = int(sum(p.numel() for p in self.params) * state_bytes_per_param(dtype, topo.dp, args.zero1))
-        else:
-            self.state_bytes = model_state_bytes(self.params)
+        self.state_bytes = model_state_bytes(self.params, args.optimizer, topo.dp * topo.cp)
         self.res = None
 
     def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
@@ -141,7 +139,7 @@ class TorchRunner:
         self.pipe = baseline_pipeline(run.name, lm, lm_layers, setup.args.mbs, groups=groups, device=device, dtype=dtype,
                                       vision=vision, seq_len=task.seq_len(setup.model, setup.args), timeout_s=setup.args.timeout)
         self.params = self.pipe.parameters()
-        self.state_bytes = model_state_bytes(self.params)
+        self.state_bytes = model_state_bytes(self.params, "plain")
         self.tp_rank = groups.coords.tp
         self.res = None
 

@@ -95,11 +95,12 @@ def _check_carried_overlap(program, chunks, trace, where: str) -> None:
 
 
 def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[float, float] = (1e-4, 1e-5),
-                compile: bool | None = None, tp_backend: str | None = None) -> list[tuple[str, int, dict]]:
+                compile: bool | None = None, tp_backend: str | None = None, recompute: str = "none") -> list[tuple[str, int, dict]]:
     """Run each (schedule, m) for two AdamW steps and compare with the single-process reference
     (``compile``: the executor's compiled-units switch; ``tp_backend``: run the TP all-reduces
     through this :mod:`braid.tp.comm` backend, over a TP group created with its options,
-    instead of the groups' default)."""
+    instead of the groups' default; ``recompute``: the chunks' recomputation mode). The
+    counts returned carry ``peak_bytes``: the rank's peak of the first step's memory series."""
     from braid import schedules
     from braid.core.braiding import carries
     from braid.core.compiler import compile_plan
@@ -134,6 +135,8 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[flo
         ref, ref_losses, ref_grads = _reference(model, steps_data)
         program = compile_plan(plan)[c.pp]
         chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+        for ch in chunks.values():
+            ch.set_recompute(recompute)
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         kw = {} if tp_backend is None else {"tp_comm": _tp_comm(ctx, groups, tp_backend)}
@@ -162,6 +165,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[flo
                 assert n_ar_events == res.counts["AR"], where
                 assert all(e.lane == "tp-comm" for e in res.trace.events if e.kind == "AR"), where
                 assert res.trace.memory[c.pp], where
+                peak = max(b for _, b in res.trace.memory[c.pp])
                 if tp > 1:
                     _check_carried_overlap(program, chunks, res.trace, where)
                     chained = sum(c.chained for c in carries(program.instructions, lambda ci: chunks[ci].spec).values())
@@ -172,7 +176,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[flo
             want = dict(final[ci].named_parameters())
             for n, p in ch.named_parameters():
                 torch.testing.assert_close(p.detach(), want[n].detach(), rtol=tol[0], atol=tol[1], msg=lambda s: f"{where} param {ci}.{n}: {s}")
-        ran.append((name, m, dict(res.counts)))
+        ran.append((name, m, dict(res.counts, peak_bytes=peak)))
     return ran
 
 

@@ -31,7 +31,7 @@ def _table_rows(stdout: str, names: list[str]) -> dict[str, list[str]]:
 def test_zero1_with_schedule_clipping_and_recompute_matches_the_unsplit_model(tmp_path) -> None:
     names = ["braided_v", "zb_v"]
     metrics = tmp_path / "m.jsonl"
-    proc = _torchrun(4, LLM, *COMMON, "--pp", "2", "--dp", "2", "--steps", "3", *OPTIM, "--zero1", "--recompute", "selective",
+    proc = _torchrun(4, LLM, *COMMON, "--pp", "2", "--dp", "2", "--steps", "3", *OPTIM, "--optimizer", "zero1", "--recompute", "selective",
                      "--reference", "--metrics", str(metrics), "--schedule", *names)
     _ok(proc)
     rows = _table_rows(proc.stdout, names)
@@ -47,7 +47,7 @@ def test_zero1_with_schedule_clipping_and_recompute_matches_the_unsplit_model(tm
 
 @pytest.mark.slow
 def test_zero1_resume_continues_the_uninterrupted_run(tmp_path) -> None:
-    flags = [*COMMON, "--dp", "2", "--schedule", "1f1b", *OPTIM, "--zero1"]
+    flags = [*COMMON, "--dp", "2", "--schedule", "1f1b", *OPTIM, "--optimizer", "zero1"]
     whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
     _ok(_torchrun(2, LLM, *flags, "--steps", "4", "--metrics", str(whole)))
     _ok(_torchrun(2, LLM, *flags, "--steps", "2", "--save", str(tmp_path / "ck")))
@@ -62,7 +62,7 @@ def test_zero1_resume_continues_the_uninterrupted_run(tmp_path) -> None:
 def test_zero1_checkpoint_resumes_at_another_layout(tmp_path) -> None:
     """Saved at dp=2 x pp=2 (masters sharded over 2 ranks), resumed at tp=2 x pp=2, dp=1 (another schedule, the
     same global batch): steps 3-4 give the uninterrupted run's losses and gradient norms."""
-    base = ["--model", "tiny", "--micro-batch-size", "2", "--seed", "1", "--device", "cpu", "--pp", "2", *OPTIM, "--zero1"]
+    base = ["--model", "tiny", "--micro-batch-size", "2", "--seed", "1", "--device", "cpu", "--pp", "2", *OPTIM, "--optimizer", "zero1"]
     whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
     saved = [*base, "--dp", "2", "--mbs", "4", "--schedule", "braided_v"]
     _ok(_torchrun(4, LLM, *saved, "--steps", "4", "--metrics", str(whole)))
@@ -91,7 +91,7 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
 def test_text_files_with_a_local_tokenizer_train_like_the_unsplit_model(corpus, tmp_path) -> None:
     data, tok = corpus
     metrics = tmp_path / "m.jsonl"
-    proc = _torchrun(2, LLM, *COMMON, "--pp", "2", "--seq", "16", "--steps", "3", *OPTIM, "--master-fp32",
+    proc = _torchrun(2, LLM, *COMMON, "--pp", "2", "--seq", "16", "--steps", "3", *OPTIM, "--optimizer", "master",
                      "--data", str(data), "--tokenizer", str(tok), "--reference", "--schedule", "braided_v",
                      "--metrics", str(metrics))
     _ok(proc)
@@ -117,9 +117,10 @@ def test_text_data_resumes_at_the_same_sample(corpus, tmp_path) -> None:
     (["--min-lr", "1"], "min_lr <= lr"),
     (["--tokenizer", "x"], "--tokenizer needs --data"),
     (["--data", "x"], "--data needs --tokenizer"),
-    (["--zero1", "--schedule", "torch_1f1b_i", "--pp", "1"], "torch_1f1b_i trains with plain AdamW"),
+    (["--optimizer", "zero1", "--schedule", "torch_1f1b_i", "--pp", "1"], "torch_1f1b_i trains with plain AdamW"),
     (["--recompute", "selective", "--cp", "2"], "does not cover 2D-Attention"),
-    (["--recompute", "full"], "invalid choice: 'full'"),
+    (["--recompute", "full", "--cp", "2"], "--recompute full does not cover 2D-Attention"),
+    (["--optimizer", "adam8bit"], "invalid choice: 'adam8bit'"),
 ])
 def test_bad_optimizer_and_data_flags_are_one_line(extra, message) -> None:
     proc = _python(LLM, *COMMON, "--steps", "2", *extra)

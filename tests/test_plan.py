@@ -105,10 +105,15 @@ def test_sequence_parallel_splits_compute_and_adds_attention_traffic() -> None:
 
 def test_zero1_shards_optimizer_state_over_data_parallel_replicas() -> None:
     costs = analytic_costs(SMALL, H200, Layout(1, 2, 1, "loop"))
-    rep = static_bytes(SMALL, costs, Parallel(1, 2, 8), 0)
-    z1 = static_bytes(SMALL, costs, Parallel(1, 2, 8, optimizer="zero1"), 0)
+    plain = static_bytes(SMALL, costs, Parallel(1, 2, 8, optimizer="plain"), 0)
+    master = static_bytes(SMALL, costs, Parallel(1, 2, 8, optimizer="master"), 0)
+    z1 = static_bytes(SMALL, costs, Parallel(1, 2, 8), 0)  # the default
     z1_16 = static_bytes(SMALL, costs, Parallel(1, 2, 16, optimizer="zero1"), 0)
-    assert rep > 0 and z1 > z1_16 and z1 / rep == pytest.approx((6 + 12 / 8) / 8)
+    assert plain > 0 and z1 > z1_16 and z1 / plain == pytest.approx((6 + 12 / 8) / 8) and master / plain == pytest.approx(18 / 8)
+    assert static_bytes(SMALL, costs, Parallel(1, 2, 1, optimizer="zero1"), 0) == static_bytes(
+        SMALL, costs, Parallel(1, 2, 1, optimizer="master"), 0)
+    with pytest.raises(ValueError, match="valid: zero1, master, plain"):
+        Parallel(1, 2, 8, optimizer="replicated")
 
 
 # -- search ----------------------------------------------------------------------------------------
@@ -147,6 +152,19 @@ def test_a_tight_cap_forces_memory_savers() -> None:
     res = search(tight, top=1, time_budget_s=1e9)
     assert loose.peak_bytes > tight.memory_bytes >= res.best[0].peak_bytes
     assert res.memory_pruned > 0 or any(e.peak_bytes > tight.memory_bytes for e in res.evaluated)
+
+
+def test_recomputation_candidates_print_the_runnable_flag() -> None:
+    from dataclasses import replace
+
+    from braid.plan import torchrun_command
+
+    prob = _problem(2.6)
+    ev = next(e for e in search(prob, top=50, time_budget_s=1e9).evaluated if e.cand.par.cp == 1)
+    full = replace(ev, cand=replace(ev.cand, par=replace(ev.cand.par, recompute=True)))
+    plain = replace(ev, cand=replace(ev.cand, par=replace(ev.cand.par, recompute=False)))
+    assert " --optimizer zero1 --recompute full" in torchrun_command(prob, full)
+    assert "--recompute" not in torchrun_command(prob, plain)
 
 
 def test_every_reported_configuration_compiles_validates_and_fits() -> None:
@@ -216,7 +234,7 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     for r in ranked:
         assert r["command"].startswith("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d ")
-        assert " examples/qwen2.py --model qwen2-toy " in r["command"]
+        assert " examples/qwen2.py --model qwen2-toy " in r["command"] and " --optimizer zero1" in r["command"]
         assert f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --mbs {r['m']}" in r["command"]
         assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
     assert ranked[0]["command"] in text and doc["search"]["best_proven"]
@@ -262,13 +280,15 @@ def test_sequence_parallel_placement_decides_which_traffic_crosses_nodes() -> No
 
 
 def test_gradient_reduction_overlaps_the_cool_down() -> None:
-    from braid.cost.cluster import dp_tail, reduce_time
+    from braid.cost.cluster import dp_costs, reduce_time
+    from braid.simulator.dp import dp_tail
 
     par = Parallel(1, 2, 8)
     costs = job_costs(SMALL, Cluster(H200, 4), par, Layout(1, 2, 2, "v"))
     ends = [1.0, 1.0]
-    late, _ = dp_tail(SMALL, costs, Cluster(H200, 4), par, ends, {(r, c): 1.0 for r in range(2) for c in range(2)})
-    early, _ = dp_tail(SMALL, costs, Cluster(H200, 4), par, ends, {(r, 0): 1.0 for r in range(2)} | {(r, 1): 0.5 for r in range(2)})
+    dc = dp_costs(SMALL, costs, Cluster(H200, 4), par)
+    late = dp_tail(ends, {(r, c): 1.0 for r in range(2) for c in range(2)}, dc, chunks=2).reduce_exposed_s
+    early = dp_tail(ends, {(r, 0): 1.0 for r in range(2)} | {(r, 1): 0.5 for r in range(2)}, dc, chunks=2).reduce_exposed_s
     both = [reduce_time(SMALL, costs, Cluster(H200, 4), par, r, 0) + reduce_time(SMALL, costs, Cluster(H200, 4), par, r, 1)
             for r in range(2)]
     assert late == pytest.approx(both)  # nothing to hide behind

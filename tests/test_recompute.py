@@ -82,12 +82,46 @@ def test_offload_moves_the_recomputed_units_inputs_and_gradients_stay_bitwise() 
         assert torch.equal(g0[n], g1[n]), n
 
 
-def test_full_recomputation_is_refused_with_one_line() -> None:
+def test_full_recomputation_keeps_loss_and_gradients_bitwise_and_saves_the_most() -> None:
+    loss0, g0, peak0, _ = _run("none")
+    loss_s, _, peak_s, _ = _run("selective")
+    loss1, g1, peak1, _ = _run("full")
+    assert loss0 == loss1 == loss_s and loss0 > 0
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+    assert peak1 < peak_s < peak0, (peak1, peak_s, peak0)
+
+
+def test_full_recomputation_keeps_only_each_layers_input() -> None:
+    """One forward of one layer: the layer's units save nothing but the input (b, s, h)."""
+    from braid.core.braiding import Phase, Unit, UnitTask
+
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
     ch = build_chunk(Qwen2Model(cfg), ChunkSpec(1, embed=True), 0, num_microbatches=1)
-    with pytest.raises(ValueError, match="use one of none, selective"):
-        ch.set_recompute("full")
+    ch.set_recompute("full")
+    assert ch.choose_fused() is False and "full recomputation" in ch.cut_reason()
+    ch.set_batch([torch.randint(0, 64, (2, 16))], [torch.randint(0, 64, (2, 16))])
+    ch.run(0, UnitTask(Phase.F, Unit.EMBED, -1, False))
+    before = ch.live_bytes()
+    for unit in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
+        ch.run(0, UnitTask(Phase.F, unit, 0, False))
+    assert ch.live_bytes() - before == 2 * 16 * 32 * 4  # the layer input (b, s, h) fp32, nothing else
+    ch2 = build_chunk(Qwen2Model(cfg), ChunkSpec(1, head=True), 0, num_microbatches=1)
+    ch2.set_recompute("full")
+    ch2.set_batch([torch.randint(0, 64, (2, 16))], [torch.randint(0, 64, (2, 16))])
+    ch2.set_input(0, torch.randn(2, 16, 32))
+    for unit in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
+        ch2.run(0, UnitTask(Phase.F, unit, 0, False))
+    assert ch2.live_bytes() == 2 * 16 * 32 * 4  # the received input, fp32
+
+
+def test_offload_moves_a_fully_recomputed_layers_input_and_gradients_stay_bitwise() -> None:
+    _, g0, _, _ = _run("full")
+    _, g1, _, moved = _run("full", offload_mb=0)
+    assert moved > 0
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
 
 
 def test_cost_model_transform_adds_backward_time_and_removes_saved_bytes() -> None:
@@ -115,5 +149,5 @@ def test_cost_model_transform_adds_backward_time_and_removes_saved_bytes() -> No
     assert r1.worst_peak.peak_activation_bytes < r0.worst_peak.peak_activation_bytes
     k0, k1 = (analytic_costs(model, hw, layout, recompute=r).chunks[(0, 0)].units for r in ("none", "selective"))
     assert k1[Unit.ATTN].act == k0[Unit.ATTN].act and k1[Unit.MLP].act < k0[Unit.MLP].act  # Korthikanti: no softmax term
-    with pytest.raises(ValueError, match="full recomputation is not modelled"):
-        analytic_costs(model, hw, layout, recompute="full")
+    with pytest.raises(ValueError, match="recompute must be one of none, selective, full"):
+        analytic_costs(model, hw, layout, recompute="partial")

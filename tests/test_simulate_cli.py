@@ -93,3 +93,32 @@ def test_offload_alpha_auto_and_fixed(tmp_path, capsys):
     assert main(base + ["--offload-alpha", "0"]) == 0
     none = json.loads(out.read_text())["schedules"]["braided_v_offload"]
     assert none["peak_memory_gib"] == pytest.approx(bv["peak_memory_gib"])
+
+
+def test_data_parallel_tail_on_its_own_lane_priced_by_the_optimizer_mode(tmp_path, capsys):
+    """``--dp N --optimizer MODE``: the reduction, step and all-gather the planner uses, in the table,
+    the JSON and the trace (``dp-comm`` lane); ZeRO-1 holds less state than fp32 masters on every replica."""
+    from braid.cost.cluster import Cluster, Parallel, dp_costs
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
+    from braid.cost.catalog import get_model
+
+    docs = {}
+    for mode in ("zero1", "master", "plain"):
+        out, trace = tmp_path / f"{mode}.json", tmp_path / f"{mode}.trace.json"
+        assert main(["--pp", "2", "--mbs", "4", "--dp", "8", "--optimizer", mode, "--schedule", "1f1b",
+                     "--json", str(out), "--trace", str(trace)]) == 0
+        text = capsys.readouterr().out
+        assert f"dp=8 x 8 GPUs per node, optimizer {mode}" in text
+        docs[mode] = json.loads(out.read_text())
+        dp = docs[mode]["schedules"]["1f1b"]["dp"]
+        assert dp["step_s"] >= docs[mode]["schedules"]["1f1b"]["step_time_s"] + max(dp["optimizer_s"])
+        events = [e for t in load_traces(trace) for e in t.events if e.lane == "dp-comm"]
+        kinds = {e.kind for e in events}
+        assert kinds == ({"RS", "AG"} if mode == "zero1" else {"AR"}), kinds
+        assert docs[mode]["config"]["optimizer"] == mode
+    state = {m: max(d["schedules"]["1f1b"]["dp"]["static_bytes"]) for m, d in docs.items()}
+    assert state["zero1"] < state["plain"] < state["master"]
+    model, hw = get_model("qwen2-12b"), get_hardware("h200")
+    costs = analytic_costs(model, hw, Layout(2, 2, 1, "loop"))
+    assert state["zero1"] == max(dp_costs(model, costs, Cluster(hw, 8), Parallel(2, 2, 8)).static_bytes)  # the planner's figure

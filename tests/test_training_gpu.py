@@ -5,7 +5,7 @@ with two CUDA devices (the script is launched with torchrun, as a user would).
 
 * bf16 with fp32 masters sharded over dp=2, warm-up + cosine, clipping, selective
   recomputation: losses and gradient norms within the bf16 tolerance of the unsplit model;
-* ``--zero1`` lowers each rank's peak memory below ``--master-fp32``'s by the optimizer
+* ``--optimizer zero1`` lowers each rank's peak memory below ``--optimizer master``'s by the optimizer
   state it no longer holds -- 12 bytes per parameter times (1 - 1/dp), less the all-gather
   bucket -- within 10%.
 """
@@ -24,7 +24,7 @@ FLAGS = ["--model", "small", "--dp", "2", "--device", "cuda", "--micro-batch-siz
 
 
 def test_bf16_zero1_with_schedule_clipping_and_recompute_matches_the_unsplit_model() -> None:
-    proc = _torchrun(2, LLM, *FLAGS, "--steps", "4", "--zero1", "--lr-schedule", "cosine", "--warmup", "1",
+    proc = _torchrun(2, LLM, *FLAGS, "--steps", "4", "--optimizer", "zero1", "--lr-schedule", "cosine", "--warmup", "1",
                      "--clip-grad", "1.0", "--weight-decay", "0.1", "--recompute", "selective", "--reference", timeout=900)
     _ok(proc)
     assert "norm diff" in proc.stdout
@@ -38,12 +38,12 @@ def test_zero1_saves_the_predicted_optimizer_memory(tmp_path) -> None:
     with torch.device("meta"):
         n = sum(p.numel() for p in Qwen2Model(LM_PRESETS["small"]).parameters())
     peaks = {}
-    for mode in ("--master-fp32", "--zero1"):
-        m = tmp_path / f"{mode[2:]}.jsonl"
-        _ok(_torchrun(2, LLM, *FLAGS, "--steps", "3", mode, "--metrics", str(m), timeout=900))
+    for mode in ("master", "zero1"):
+        m = tmp_path / f"{mode}.jsonl"
+        _ok(_torchrun(2, LLM, *FLAGS, "--steps", "3", "--optimizer", mode, "--metrics", str(m), timeout=900))
         peaks[mode] = max(_metrics(m)[-1]["peak_memory_bytes"])
     shard = -(-n // 2)
     bucket = min(shard, optimizer.BUCKET)
     predicted = 12 * n * (1 - 1 / 2) - (2 * bucket + bucket) * 2  # states no longer held, less the bf16 gather buffer + cast
-    saved = peaks["--master-fp32"] - peaks["--zero1"]
+    saved = peaks["master"] - peaks["zero1"]
     assert abs(saved - predicted) <= 0.1 * predicted, f"saved {saved / 2**20:.0f} MiB, predicted {predicted / 2**20:.0f} MiB"

@@ -19,6 +19,9 @@ OTHER_COLORS: dict[str, str] = {
     "RECV": "#b07cc6",
     "OFFLOAD": "#4d5d6c",
     "RELOAD": "#9aa9b0",
+    "RS": "#e67e22",
+    "AG": "#f1c40f",
+    "OPT": "#34495e",
 }
 BLOCK_OUTLINE = "#222222"
 RANK_PALETTE: tuple[str, ...] = (

@@ -17,28 +17,30 @@ job of ``tp * cp * pp * dp`` GPUs adds (all priced by the links they cross):
   blocks: only ``max(0, hop - block)`` per hop is exposed; the inner rings of ``w`` ranks
   and the outer ring are priced by their own links. ``head_first`` places the HP ranks
   next to each other (stride ``tp``), ``context_first`` the CP ranks.
-* **Recomputation** (``recompute=True``, full per layer): backward re-runs the forward of
-  every LM layer unit; only each layer's input (``tokens * hidden`` elements) stays saved.
+* **Recomputation** (``recompute=True``, full per layer, ``--recompute full`` of the examples):
+  :func:`braid.cost.recompute_costs.full_recompute` -- the layer's first backward unit re-runs its
+  forward (Attn's all-reduce included); only each layer's input stays saved.
 
-The data-parallel gradient reduction and the optimizer step come after the pipeline:
-:func:`dp_tail` (per rank, the gradient of each chunk is reduced over the dp x cp group as
-soon as its last weight gradient is done, one chunk after another on a communication stream
-beside the cool-down; then the optimizer step, sharded with ZeRO-1).
+The data-parallel gradient reduction and the optimizer step are priced by :func:`dp_costs`
+and scheduled by the simulator (:func:`simulator.dp.dp_tail`: per rank, the gradient of each
+chunk is reduced over the dp x cp group as soon as its last weight gradient is done, one chunk
+after another on its own lane beside the cool-down; then the optimizer step, sharded with ZeRO-1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Mapping, Sequence
 
 from braid.core.braiding import Unit
 from braid.cost.costs import ChunkCosts, CostModel, Layout, UnitCost, analytic_costs
 from braid.cost.hardware import Hardware
 from braid.core.ir import rank_chunk_of
 from braid.cost.catalog import ModelConfig
+from braid.cost.recompute_costs import full_recompute
+from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OptimizerMode, mode_bytes
 
 SpPlacement = Literal["head_first", "context_first"]
-Optimizer = Literal["replicated", "zero1"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +100,10 @@ class Parallel:
     sp_placement: SpPlacement = "head_first"
     micro_batch_size: int = 1
     recompute: bool = False
-    optimizer: Optimizer = "replicated"
+    optimizer: OptimizerMode = DEFAULT_OPTIMIZER
 
     def __post_init__(self) -> None:
+        mode_bytes(self.optimizer, 2)  # an unknown mode: ValueError naming the valid ones
         if self.cp % self.hp or (self.ring is not None and (self.cp // self.hp) % self.ring):
             raise ValueError(f"hp={self.hp} must divide cp={self.cp} and ring={self.ring} must divide cp/hp")
 
@@ -170,8 +173,7 @@ def _lm_units(base: CostModel, local: ModelConfig, seq: int, cluster: Cluster, p
         units[Unit.ATTN] = replace(att, f=att.f + core_full - core_local + a2a_in + a2a_out + ring,
                                    b=att.b + 2 * (core_full - core_local) + a2a_in + a2a_out + 2 * ring)
     if par.recompute:
-        sbh = local.tokens * local.hidden * d
-        units = {u: replace(c, b=c.b + c.f, act=sbh if u is Unit.PRE_ATTN else 0.0) for u, c in units.items()}
+        units = full_recompute(units, local.tokens * local.hidden * d)
     return units
 
 
@@ -210,16 +212,9 @@ def rank_params(model: ModelConfig, costs: CostModel, rank: int) -> float:
 
 
 def static_bytes(model: ModelConfig, costs: CostModel, par: Parallel, rank: int) -> float:
-    """Weights, gradients and optimizer states of one rank.
-
-    ``replicated`` (what ``examples/train_loop.py`` runs: bf16 weights, gradients and AdamW
-    moments, all-reduced gradients): 8 bytes per parameter. ``zero1``: bf16 weights, fp32
-    gradients, fp32 master weights and moments sharded over the dp x cp group: 6 + 12/(dp*cp).
-    """
-    n = rank_params(model, costs, rank)
-    if par.optimizer == "zero1":
-        return n * (2 + 4 + 12 / (par.dp * par.cp))
-    return n * 8
+    """Weights, gradients and optimizer states of one rank: the optimizer mode's bytes per
+    parameter (:mod:`braid.cost.optimizer_modes`), sharded over the dp x cp group under ``zero1``."""
+    return rank_params(model, costs, rank) * mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp).state
 
 
 def _dp_link(par: Parallel) -> tuple[int, int]:
@@ -230,32 +225,46 @@ def _dp_link(par: Parallel) -> tuple[int, int]:
 
 
 def reduce_time(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel, rank: int, chunk: int) -> float:
-    """Time to reduce one chunk's bf16 gradients over the dp x cp group (all-reduce, or reduce-scatter for zero1)."""
+    """Time to reduce one chunk's gradients over the dp x cp group: the mode's gradient bytes
+    (fp32 with masters, else the model dtype), all-reduced or (``zero1``) reduce-scattered."""
     size, stride = _dp_link(par)
-    nbytes = 2 * chunk_params(model, costs, rank, chunk)
-    return (cluster.reduce_scatter if par.optimizer == "zero1" else cluster.all_reduce)(nbytes, size, stride)
+    mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
+    nbytes = mb.reduce * chunk_params(model, costs, rank, chunk)
+    return (cluster.reduce_scatter if mb.reduce_scatter else cluster.all_reduce)(nbytes, size, stride)
 
 
-def dp_tail(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel, end_s: list[float],
-            grad_ready: dict[tuple[int, int], float]) -> tuple[list[float], list[float]]:
-    """Per rank: exposed gradient-reduction time after the rank's pipeline end, and optimizer-step time.
+@dataclass(frozen=True, slots=True)
+class DpCosts:
+    """Per rank of one pipeline (every data-parallel replica does the same).
 
-    Gradients of each chunk (bf16) are all-reduced (``replicated``) or reduce-scattered
-    (``zero1``) over the dp x cp group once the chunk's last weight gradient is done, one chunk
-    after another; the step then updates the rank's (shard of the) parameters at HBM speed,
-    and ``zero1`` all-gathers the updated bf16 weights.
+    ``reduce_s[(rank, chunk)]``: reducing the chunk's gradients (all-reduce, or a
+    reduce-scatter when ``reduce_kind`` is ``"RS"``); ``step_s[rank]``: the update at HBM
+    speed; ``gather_s[rank]``: the all-gather of the updated weights (0 without sharding);
+    ``static_bytes[rank]``: weights, gradients and optimizer state; ``mode``: the optimizer mode.
+    """
+
+    reduce_s: Mapping[tuple[int, int], float]
+    step_s: Sequence[float]
+    gather_s: Sequence[float]
+    static_bytes: Sequence[float]
+    mode: str
+    reduce_kind: str = "AR"
+
+
+
+def dp_costs(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel) -> DpCosts:
+    """The data-parallel tail's costs per rank of one pipeline (scheduled by :func:`simulator.dp.dp_tail`).
+
+    Gradients of each chunk are all-reduced (``plain``, ``master``) or reduce-scattered
+    (``zero1``) over the dp x cp group; the step updates the rank's (shard of the) parameters
+    at HBM speed, and ``zero1`` all-gathers the updated weights (bytes per parameter:
+    :mod:`braid.cost.optimizer_modes`).
     """
     size, stride = _dp_link(par)
-    hbm = cluster.hw.hbm_bytes_per_s
-    tails, opts = [], []
-    for r in range(costs.layout.p):
-        free = 0.0
-        for c in sorted(range(costs.layout.v), key=lambda c: grad_ready.get((r, c), 0.0)):
-            free = max(free, grad_ready.get((r, c), 0.0)) + reduce_time(model, costs, cluster, par, r, c)
-        tails.append(max(0.0, free - end_s[r]))
-        n = rank_params(model, costs, r)
-        if par.optimizer == "zero1":
-            opts.append(30 * n / (par.dp * par.cp) / hbm + cluster.reduce_scatter(2 * n, size, stride))
-        else:
-            opts.append(14 * n / hbm)
-    return tails, opts
+    lay = costs.layout
+    mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
+    reduce = {(r, c): reduce_time(model, costs, cluster, par, r, c) for r in range(lay.p) for c in range(lay.v)}
+    n = [rank_params(model, costs, r) for r in range(lay.p)]
+    return DpCosts(reduce, [mb.step * k / cluster.hw.hbm_bytes_per_s for k in n],
+                   [cluster.reduce_scatter(mb.gather * k, size, stride) if mb.gather else 0.0 for k in n],
+                   [k * mb.state for k in n], par.optimizer, "RS" if mb.reduce_scatter else "AR")

@@ -38,6 +38,7 @@ from braid.cost.hardware import Hardware
 from braid.core.ir import Placement
 from braid.cost.catalog import ModelConfig
 from braid.core.partition import chunk_specs, split_layers
+from braid.cost.recompute_costs import full_recompute
 
 AR_SLOWDOWN = 1.075  # paper Appendix F: a GEMM overlapped with an all-reduce runs ~7.5% slower
 ATTN_BWD_FACTOR = 2.0
@@ -241,6 +242,9 @@ def selective_recompute(units: Mapping[Unit, UnitCost], tokens: int, seq: int, h
     return out
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
 def _allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
     if t == 1:
         return 0.0
@@ -307,12 +311,13 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     counted -- Korthikanti's per-layer formula (the paper's yardstick), or ``"runtime"``:
     what braid's runtime really saves (:func:`_runtime_act`), for predictions that are
     compared with a measured activation peak (Sec. 4.4 offload benchmark).
-    ``recompute``: ``"selective"`` applies :func:`selective_recompute` to the LM layers.
+    ``recompute``: ``"selective"`` applies :func:`selective_recompute`, ``"full"``
+    :func:`braid.cost.recompute_costs.full_recompute` to the LM layers.
     """
     if activations not in ("korthikanti", "runtime"):
         raise ValueError(f"activations must be 'korthikanti' or 'runtime', got {activations!r}")
-    if recompute not in ("none", "selective"):
-        raise ValueError(f"recompute must be 'none' or 'selective' (full recomputation is not modelled), got {recompute!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
     t, d = layout.tp, model.dtype_bytes
     if model.heads % t or model.kv_heads % t and t % model.kv_heads:
         raise ValueError(f"tp={t} must divide the {model.heads} attention heads of {model.name!r} (and match its {model.kv_heads} KV heads)")
@@ -335,6 +340,8 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     layer_act = sum(u.act for u in lm.values())  # M_a counts the layer without recomputation (a fixed yardstick)
     if recompute == "selective":
         lm = selective_recompute(lm, tok, model.seq, h, model.heads, model.ffn, t, d, hw, activations)
+    elif recompute == "full":
+        lm = full_recompute(lm, tok * h * d)
     vit_units = None
     if model.vit is not None:
         v = model.vit

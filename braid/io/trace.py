@@ -18,7 +18,9 @@ File layout (JSON)::
         "memory": {"0": [[t, bytes], ...], ...}}]}
 
 ``kind`` is one of F, B, W (compute units; a unit of a full backward is B or W), AR (TP
-all-reduce), SEND, RECV (P2P), OFFLOAD, RELOAD (host copies). ``block`` is the text of the
+all-reduce; on the ``dp-comm`` lane the data-parallel gradient all-reduce), SEND, RECV
+(P2P), OFFLOAD, RELOAD (host copies), RS, AG (data-parallel reduce-scatter and all-gather of
+ZeRO-1), OPT (the optimizer step). ``block`` is the text of the
 braided instruction an event belongs to, so both halves of a block can be paired.
 """
 
@@ -31,8 +33,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 FORMAT = "braid-trace/1"
-LANES: tuple[str, ...] = ("compute", "tp-comm", "p2p", "copy")
-KINDS: tuple[str, ...] = ("F", "B", "W", "AR", "SEND", "RECV", "OFFLOAD", "RELOAD")
+LANES: tuple[str, ...] = ("compute", "tp-comm", "p2p", "copy", "dp-comm")
+# RS/AG: the data-parallel reduce-scatter and all-gather (ZeRO-1), OPT: the optimizer step
+KINDS: tuple[str, ...] = ("F", "B", "W", "AR", "SEND", "RECV", "OFFLOAD", "RELOAD", "RS", "AG", "OPT")
 
 
 class TraceError(ValueError):

@@ -45,6 +45,7 @@ from braid.models.chunk_parts import (
     _masked_mean,
     _Piece,
 )
+from braid.models import full_recompute
 from braid.models.fused import FusedOps
 from braid.models.qwen2 import EAGER, UnitFns
 from braid.models.seam import UnitLayer
@@ -136,6 +137,8 @@ class ModelChunk(FusedOps, nn.Module):
         self.track_saved = True
         self._op_tasks: dict[OpKind, tuple[tuple[Unit, int], ...]] = {}
         self._op_mods: tuple[DeferredWeightGrad, ...] | None = None
+        self.full_recompute = False  # set_recompute("full"): braid.models.full_recompute
+        self._rerunning = False
 
     def global_name(self, local: str, *, vlm: bool = False) -> str:
         """The single-device model's name of parameter ``local`` of this chunk: ``layers.{first_layer + i}.*``,
@@ -156,21 +159,29 @@ class ModelChunk(FusedOps, nn.Module):
         """
         if self.sp is not None or any(getattr(lay, "sp", None) is not None for lay in self.layers):
             return "sequence parallelism"
+        if self.full_recompute:
+            return "full recomputation (the layer re-run before its backward)"
         if (self.tp_group is not None and dist.get_world_size(self.tp_group) > 1) or any(
                 getattr(lay, "tp", 1) != 1 for lay in self.layers):
             return "tensor parallelism (tp > 1)"
         return None
 
     def set_recompute(self, mode: str) -> None:
-        """Activation recomputation of every layer (:mod:`braid.models.recompute`): ``"none"`` or ``"selective"``."""
+        """Activation recomputation of every layer: ``"none"``, ``"selective"`` (:mod:`braid.models.recompute`)
+        or ``"full"`` (:mod:`braid.models.full_recompute`). Call between steps."""
         from braid.models.recompute import check_mode
 
         check_mode(mode)
         if mode != "none" and self.sp is not None:
-            raise ValueError("selective recomputation does not cover 2D-Attention's sequence-parallel core (--cp > 1); "
+            raise ValueError(f"{mode} recomputation does not cover 2D-Attention's sequence-parallel core (--cp > 1); "
                              "use --recompute none there")
+        if self._fwd or self._saved or self._ops or self._bwd:
+            raise ChunkStateError("recomputation changed with a micro-batch in flight")
+        self.full_recompute = mode == "full"
         for lay in self.layers:
-            lay.recompute = mode
+            lay.recompute = "none" if mode == "full" else mode
+        if self.fused and self.full_recompute:
+            self.choose_fused()
 
     # -- data in and out -----------------------------------------------------------------
     def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
@@ -329,6 +340,8 @@ class ModelChunk(FusedOps, nn.Module):
             if mb not in self._inputs:
                 raise ChunkStateError(f"F{mb}: input activation missing (not received)")
             self._fwd[mb] = (self._inputs.pop(mb),)
+        if self.full_recompute and not self._rerunning and unit in full_recompute.LAYER_UNITS:
+            return full_recompute.forward_unit(self, mb, unit, layer, _Box)
         state = self._fwd[mb]
         key = (mb, unit, layer)
         with self._saving(*key):
@@ -387,6 +400,11 @@ class ModelChunk(FusedOps, nn.Module):
             self._bwd[mb] = _Backward()
         st = self._bwd[mb]
         key = (mb, unit, layer)
+        if full_recompute.needs_rerun(self, mb, unit, layer):
+            why = full_recompute.problem(self, mb, layer)
+            if why:
+                raise ChunkStateError(why)
+            full_recompute.rerun(self, mb, layer)
         pieces = self._take(mb, unit, layer)
         with split_weight_grads(self._deferred(unit, layer), mb):
             if unit is Unit.HEAD:

@@ -12,9 +12,8 @@ the host and back by ``Offload``/``Reload`` (:mod:`braid.models.chunk`). The bac
 recomputes with the same operators on the same inputs, so gradients are bit-identical
 to the path without recomputation.
 
-Not here: *full* recomputation (a layer's whole forward re-run in its backward) -- a
-layer spans four units with TP all-reduces between them, which the executor would have to
-run again in the backward.
+Full recomputation (a layer's whole forward re-run before its backward, its TP all-reduce
+included) is :mod:`braid.models.full_recompute`.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-MODES = ("none", "selective")
+MODES = ("none", "selective", "full")
 
 
 class _Recomputed(torch.autograd.Function):
@@ -63,6 +62,5 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def check_mode(mode: str) -> str:
     """``mode`` if the executor implements it; ``ValueError`` (one line: what to use) otherwise."""
     if mode not in MODES:
-        raise ValueError(f"activation recomputation {mode!r} is not implemented; use one of {', '.join(MODES)} "
-                         "(full recomputation per layer is not available)")
+        raise ValueError(f"activation recomputation {mode!r} is not implemented; use one of {', '.join(MODES)}")
     return mode

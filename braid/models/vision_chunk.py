@@ -131,6 +131,9 @@ class VisionChunk(ModelChunk):
     def cut_reason(self) -> str | None:
         return "the vision chunk (its merge unit runs on cut pieces)"
 
+    def set_recompute(self, mode: str) -> None:
+        """The ViT stage keeps its activations under every recomputation mode (the LM chunks recompute)."""
+
     def _norm_of(self, unit: Unit, layer: int) -> torch.nn.Module:
         return self.layers[layer].unit_norm(unit)
 

@@ -20,7 +20,8 @@ the memory cap:
    of the stages below follow its last activation backward; plus the optimizer step. The
    simulated step is never below it (compute only slows down beside all-reduces, waits add).
 4. **Simulate** in order of the bound (:func:`braid.simulator.fast.simulate_schedule`, plus the
-   data-parallel tail :func:`braid.cost.cluster.dp_tail`), keeping the ``top`` fastest that fit;
+   data-parallel tail the simulator schedules, :func:`simulator.dp.dp_tail`, on the costs of
+   :func:`braid.cost.cluster.dp_costs`), keeping the ``top`` fastest that fit;
    stop once ``top`` fit and the next bound is no less than the fastest step time found: then
    the first is the exhaustive search's best (``SearchResult.complete``), and places 2..top
    are the fastest of the candidates simulated by then. ``time_budget_s`` stops the search
@@ -35,9 +36,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterator
 
-from braid.cost.cluster import Cluster, Parallel, dp_tail, job_costs, reduce_time, static_bytes
+from braid.cost.cluster import Cluster, Parallel, dp_costs, job_costs, reduce_time, static_bytes
 from braid.cost.costs import CostModel, Layout, model_forward_flops, stage_lighter
 from braid.cost.catalog import ModelConfig
+from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER
 
 RESERVE_BYTES = 2 * 2**30  # CUDA context, allocator slack and communication buffers per GPU
 MICRO_BATCH_SIZES = (1, 2, 4)
@@ -96,7 +98,7 @@ class Problem:
     cluster: Cluster
     global_batch: int
     memory_bytes: float
-    optimizer: str = "replicated"
+    optimizer: str = DEFAULT_OPTIMIZER  # a braid.cost.optimizer_modes mode
 
 
 @dataclass(slots=True)
@@ -196,7 +198,7 @@ def costs_of(prob: Problem, cand: Candidate) -> CostModel:
     from braid import schedules
 
     spec = schedules.get_schedule(cand.schedule)
-    return _costs(prob, replace(cand.par, dp=1, optimizer="replicated"), spec.v, spec.placement)
+    return _costs(prob, replace(cand.par, dp=1, optimizer=DEFAULT_OPTIMIZER), spec.v, spec.placement)
 
 
 _TERMS: dict[int, tuple[CostModel, list[tuple[float, float]]]] = {}
@@ -238,8 +240,8 @@ def lower_bound(prob: Problem, cand: Candidate, costs: CostModel) -> float:
     for r, (f_below, b_below, own, fb) in enumerate(_pipeline_terms(costs)):
         tail = min(reduce_time(prob.model, costs, prob.cluster, cand.par, r, c) for c in range(lay.v))
         best = max(best, f_below + cand.m * own + tail, f_below + cand.m * fb + b_below)
-    _, opts = dp_tail(prob.model, costs, prob.cluster, cand.par, [0.0] * lay.p, {})
-    return best + max(opts)
+    dc = dp_costs(prob.model, costs, prob.cluster, cand.par)
+    return best + max(s + g for s, g in zip(dc.step_s, dc.gather_s))
 
 
 def min_memory(prob: Problem, cand: Candidate, costs: CostModel) -> float:
@@ -251,16 +253,17 @@ def min_memory(prob: Problem, cand: Candidate, costs: CostModel) -> float:
 
 def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bound: float = 0.0) -> Evaluation:
     """Simulate one candidate (fast path) and add the data-parallel tail and optimizer step."""
+    from braid.simulator.dp import dp_tail
     from braid.simulator.fast import simulate_schedule
 
     costs = costs or costs_of(prob, cand)
     res = simulate_schedule(cand.schedule, cand.par.pp, cand.m, costs, cand.options)
     rep = res.report
-    ends = [r.end_s for r in rep.ranks]
-    tails, opts = dp_tail(prob.model, costs, prob.cluster, cand.par, ends, res.grad_ready)
-    step = max(e + t for e, t in zip(ends, tails)) + max(opts)
-    peak = max(static_bytes(prob.model, costs, cand.par, r.rank) + r.peak_activation_bytes for r in rep.ranks) + RESERVE_BYTES
-    stat = max(static_bytes(prob.model, costs, cand.par, r) for r in range(costs.layout.p))
+    dc = dp_costs(prob.model, costs, prob.cluster, cand.par)
+    tail = dp_tail([r.end_s for r in rep.ranks], res.grad_ready, dc, chunks=costs.layout.v)
+    step, tails, opts = tail.step_s, tail.reduce_exposed_s, tail.optimizer_s
+    peak = max(dc.static_bytes[r.rank] + r.peak_activation_bytes for r in rep.ranks) + RESERVE_BYTES
+    stat = max(dc.static_bytes)
     tokens = prob.global_batch * prob.model.seq
     flops = 3 * model_forward_flops(prob.model.with_(micro_batch_size=1)) * prob.global_batch
     hw = prob.cluster.hw
@@ -344,4 +347,5 @@ def _savers(prob: Problem, cand: Candidate) -> Iterator[Candidate]:
     for c in schedule_candidates(prob, cand.par, plain=False):
         if schedules.get_schedule(c.schedule).saves_memory_of == cand.schedule:
             yield c
-    yield replace(cand, par=replace(cand.par, recompute=True))
+    if cand.par.cp == 1:  # full recomputation does not cover 2D-Attention's sequence-parallel core
+        yield replace(cand, par=replace(cand.par, recompute=True))

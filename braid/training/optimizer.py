@@ -303,10 +303,3 @@ def _fold_into_main_grad(p: torch.Tensor) -> None:
     if p.grad is not None:
         p.main_grad.add_(p.grad)
         p.grad = None
-
-
-def state_bytes_per_param(dtype: torch.dtype, dp: int, shard: bool) -> float:
-    """Bytes per parameter this optimizer holds (for memory estimates): model weights in ``dtype``,
-    the fp32 gradient buffer, and fp32 master + two moments divided over ``dp`` when sharded."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return itemsize + 4 + 12 / (dp if shard else 1)

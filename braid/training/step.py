@@ -53,6 +53,15 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
+    @classmethod
+    def of_mode(cls, mode: str, **kw: Any) -> "OptimConfig":
+        """The config of optimizer ``mode`` (:mod:`braid.cost.optimizer_modes`: zero1, master, plain); ``ValueError`` naming
+        the valid modes for another."""
+        from braid.cost.optimizer_modes import mode_bytes
+
+        mode_bytes(mode, 2)
+        return cls(master_fp32=mode != "plain", zero1=mode == "zero1", **kw)
+
     def check(self) -> None:
         """Raise ``ValueError`` (one line: what to change) for settings that cannot work."""
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:

@@ -1,0 +1,188 @@
+"""Peak memory per GPU, measured against predicted, for every optimizer and recomputation mode.
+
+Launched with torchrun on ``--dp`` x ``--tp`` x ``--pp`` processes. For each (optimizer mode,
+recomputation mode) pair every rank builds its chunks of a Qwen2 model with the catalog
+preset's layer shape (``--model``, default ``qwen2-7b``) but ``--layers`` layers, trains
+``--warmup`` steps (the optimizer's state exists after them), resets the peak counter and
+trains ``--steps`` more: the measured peak is ``torch.cuda.max_memory_allocated()`` (on CPU:
+the executor's saved-activation series plus the optimizer mode's state bytes, as the example
+loop estimates it). The prediction is the simulator's: the activation peak of the schedule
+on the analytic cost model with ``activations="runtime"`` and the recomputation's transform,
+plus weights, gradients and optimizer state by the optimizer mode (:func:`braid.cost.cluster.dp_costs`,
+:mod:`braid.cost.optimizer_modes`). Printed and written (rank 0, atomically) as JSON::
+
+    {"device": ..., "config": {...}, "command": ..., "runs": [{"optimizer": "zero1", "recompute": "full",
+      "measured_bytes": [per rank], "predicted_bytes": [per rank], "rel_err": worst |pred - meas| / meas}, ...]}
+
+The 2-GPU check of issue 37 (dp=2, 7B-shaped layers, seq 4096)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_memory.py --dp 2 --layers 4 --seq 4096 --mbs 4 \\
+        --out benchmarks/results/memory_dp2_<gpu>.json
+
+A CPU smoke run (gloo, seconds)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_memory.py --model qwen2-tiny --dp 2 --layers 2 --seq 16 --mbs 2 \\
+        --device cpu --out /tmp/memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from braid.cost.optimizer_modes import OPTIMIZERS  # noqa: E402
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2-7b", help="catalog preset whose layer shape is used (default qwen2-7b)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--mbs", type=int, default=4, help="micro-batches per step (default 4)")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--optimizer", nargs="+", default=list(OPTIMIZERS), choices=OPTIMIZERS)
+    ap.add_argument("--recompute", nargs="+", default=list(RECOMPUTE), choices=RECOMPUTE)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compiled units (default: the executor's, on with CUDA); --no-compile saves the compile time")
+    ap.add_argument("--hardware", default="h100", help="hardware preset of the simulation (memory does not depend on it)")
+    ap.add_argument("--out", default=None, help="JSON file (default: print only)")
+    return ap
+
+
+def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_bytes: int) -> list[float]:
+    """The simulator's peak per pipeline rank: static bytes of the mode + the activation peak."""
+    from braid.cost.cluster import Cluster, Parallel, dp_costs
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
+    from braid.cost.catalog import get_model
+    from braid.simulator.fast import simulate_schedule
+
+    model = get_model(args.model).with_(layers=args.layers, seq=args.seq, micro_batch_size=args.micro_batch_size,
+                                        dtype_bytes=dtype_bytes)
+    hw = get_hardware(args.hardware)
+    costs = analytic_costs(model, hw, Layout(args.tp, plan.p, plan.v, plan.placement), activations="runtime",
+                           recompute=recompute)
+    rep = simulate_schedule(args.schedule, args.pp, args.mbs, costs).report
+    dc = dp_costs(model, costs, Cluster(hw), Parallel(args.tp, args.pp, args.dp, optimizer=mode))
+    return [dc.static_bytes[r.rank] + r.peak_activation_bytes for r in rep.ranks]
+
+
+def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.device, dtype: torch.dtype) -> int:
+    """This rank's peak bytes over ``--steps`` steps after ``--warmup`` (module doc)."""
+    from braid.core.compiler import compile_plan
+    from braid.models.build import meta_model
+    from braid.models.registry import get_family
+    from braid.cost.catalog import get_model
+    from braid.models.shapes import decoder_config
+    from braid.core.partition import split_layers
+    from braid.runtime.executor import Executor
+    from braid.models.build import build_rank_chunks
+    from braid.cost.optimizer_modes import state_bytes_per_param
+    from braid.training.step import OptimConfig, Optimization
+
+    preset = get_model(args.model)
+    cfg = decoder_config(preset, layers=args.layers)
+    model = meta_model(get_family(preset.family).model_cls, cfg, seed=1, std=0.02, device=device)
+    c = groups.coords
+    chunks = build_rank_chunks(model, plan, c.pp, split_layers(args.layers, plan.num_stages), tp_rank=c.tp,
+                               tp_size=args.tp, tp_group=groups.tp if args.tp > 1 else None)
+    for ch in chunks.values():
+        ch.to(device=device, dtype=dtype)
+        ch.set_recompute(recompute)
+    ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, d.abort,
+                              act_shape=(args.micro_batch_size, args.seq, cfg.hidden), dtype=dtype, device=device,
+                              compile=args.compile)
+    named = [(f"{ci}.{n}", p) for ci, ch in chunks.items() for n, p in ch.named_parameters()]
+    opt = Optimization(OptimConfig.of_mode(mode, lr=1e-4), named, chunks.values(),
+                       groups=groups, abort=d.abort)
+    g = torch.Generator().manual_seed(7 + c.dp)
+    shape = (args.micro_batch_size, args.seq)
+    toks = [torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.mbs)]
+    labs = [torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.mbs)]
+    peak_act = 0
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup and device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        opt.zero_grad()
+        res = ex.run(toks, labs)
+        opt.step()
+        if step >= args.warmup and res.trace.memory:
+            peak_act = max(peak_act, max((b for _, b in next(iter(res.trace.memory.values()))), default=0))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        out = torch.cuda.max_memory_allocated(device)
+    else:
+        n = sum(p.numel() for _, p in named)
+        out = int(peak_act + n * state_bytes_per_param(mode, torch.empty((), dtype=dtype).element_size(), args.dp))
+    opt.close()
+    del ex, opt, chunks, named, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return int(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    from braid import schedules
+    from braid.io.files import atomic_write_text
+    from braid.runtime.distributed import Dist, ProcessGroups
+    from braid.core.topology import Topology
+
+    args = _parser().parse_args(argv)
+    device = torch.device("cuda", int(__import__("os").environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    d = Dist.from_env(device)
+    topo = Topology(d.world_size, pp=args.pp, tp=args.tp, dp=args.dp)
+    groups = ProcessGroups.create(topo)
+    plan = schedules.build(args.schedule, args.pp, args.mbs)
+    runs = []
+    for mode in args.optimizer:
+        for rc in args.recompute:
+            mine = measure(args, d, groups, plan, mode, rc, device, dtype)
+            every = [None] * d.world_size
+            dist.all_gather_object(every, (groups.coords.pp, mine))
+            pred = predicted(args, plan, mode, rc, torch.empty((), dtype=dtype).element_size())
+            meas = [m for _, m in every]
+            worst = max(abs(pred[pp] - m) / m for pp, m in every)
+            runs.append({"optimizer": mode, "recompute": rc, "measured_bytes": meas,
+                         "predicted_bytes": [pred[pp] for pp, _ in every], "rel_err": worst})
+            if d.rank == 0:
+                print(f"{mode:<7} {rc:<10} measured {max(meas) / 2**20:10.1f} MiB  predicted "
+                      f"{max(pred) / 2**20:10.1f} MiB  worst error {100 * worst:5.1f}%", flush=True)
+    if d.rank == 0:
+        doc = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "config": {k: v for k, v in vars(args).items() if k != "out"},
+               "command": "torchrun --nproc-per-node " + str(d.world_size) + " benchmarks/bench_memory.py "
+                          + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+               "runs": runs}
+        text = json.dumps(doc, indent=1)
+        print(text)
+        if args.out:
+            atomic_write_text(args.out, text)
+    d.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
