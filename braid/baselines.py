@@ -213,9 +213,10 @@ class TorchPipeline:
 
     def __init__(self, name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
                  device: torch.device, dtype: torch.dtype, vision: nn.Module | None = None, timeout_s: float = 120.0,
-                 mode: TorchMode = TorchMode(), comm: BaselineGroups | None = None) -> None:
+                 mode: TorchMode | None = None, comm: BaselineGroups | None = None) -> None:
         import torch.distributed.pipelining as pipe
 
+        mode = mode or TorchMode()
         if name not in TORCH_SCHEDULES:
             raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(TORCH_SCHEDULES)}")
         cls_name = TORCH_SCHEDULES[name]

@@ -50,7 +50,8 @@ class McorePipeline:
 
     def __init__(self, name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
                  device: torch.device, dtype: torch.dtype, seq_len: int | None = None, timeout_s: float = 120.0,
-                 mode: McoreMode = McoreMode()) -> None:
+                 mode: McoreMode | None = None) -> None:
+        mode = mode or McoreMode()
         if name not in MCORE_SCHEDULES:
             raise ValueError(f"unknown megatron-core baseline {name!r}; valid: {', '.join(MCORE_SCHEDULES)}")
         why = mode.unavailable(device.type)

@@ -27,7 +27,6 @@ import contextlib
 import warnings
 from typing import Any, Iterator
 
-import torch
 from torch import nn
 
 

@@ -41,7 +41,16 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.baselines import available_baselines, baseline_label
+from braid.bench_peers import (
+    PeerRun,
+    add_peer_args,
+    best_per_peer,
+    format_per_peer,
+    peer_fields,
+    peer_runs_default,
+    peer_runs_from_args,
+    peers_note,
+)
 from braid.cli import Parser, check_output_dir, check_outputs, run_main
 from braid.costs import CostFileError, Layout, costs_from_dict, load_cost_json
 from braid.files import atomic_write_text
@@ -79,6 +88,7 @@ class BenchConfig:
     external: bool = True
     calibrate: bool = True  # fit a fresh profile to a measured probe run (see :func:`calibrate`)
     rounds: int = 1  # every run (schedules and baselines) this many times in turn; see :func:`round_ratios`
+    peers: tuple[PeerRun, ...] | None = None  # external rows (baseline x mode); None: the defaults (braid.bench_peers)
 
 
 # ----------------------------------------------------------------------------------------
@@ -328,15 +338,18 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None}
 
 
-def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
-    """One external baseline (torch.distributed.pipelining, megatron-core) on the same model split (:mod:`braid.baselines`)."""
-    from braid.baselines import baseline_pipeline
+def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, shared: dict[str, Any]) -> dict[str, Any]:
+    """One external baseline (torch.distributed.pipelining, megatron-core) in its mode on the same model split
+    (:mod:`braid.baselines`); ``shared`` holds the torch baselines' groups, made once per job."""
+    from braid.baselines import BaselineGroups, baseline_pipeline
     from braid.profile import _DTYPES
 
     pc = bc.profile
     dev = d.device
-    pipe = baseline_pipeline(name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=_DTYPES[pc.dtype],
-                             seq_len=pc.seq)
+    if run.peer == "torch" and "groups" not in shared:
+        shared["groups"] = BaselineGroups.create(groups, dev)
+    pipe = baseline_pipeline(run.name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=_DTYPES[pc.dtype],
+                             seq_len=pc.seq, mode=run.mode, comm=shared.get("groups"))
     toks, labs = _data(pc, m, dev)
     x, y = torch.cat(toks), torch.cat(labs)
 
@@ -346,6 +359,7 @@ def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[
         return pipe.step((x,), y)
 
     times, peak, _ = _timed_steps(bc, dev, step)
+    pipe.close()
     return {"times": times, "peak": peak if dev.type == "cuda" else None}
 
 
@@ -387,7 +401,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             doc = calibrate(doc, pc, plan, step_s, busy)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
-    ext = [(c, m) for c in available_baselines() for m in bc.mbs] if bc.external else []
+    peers = bc.peers if bc.peers is not None else tuple(peer_runs_default(pc))
+    ext = [(p, m) for p in peers for m in bc.mbs] if bc.external else []
+    peer_groups: dict[str, Any] = {}  # the torch baselines' process groups, made once
     progress = Progress(bc.rounds * (len(jobs) + len(ext)), "bench", enabled=lead)
     external = []
     skip: set[tuple[str, int]] = set()  # runs that cannot run are tried in the first round only
@@ -408,24 +424,28 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             dist.all_gather_object(gathered, out)
             runs.append({"schedule": name, "m": m, "round": rnd, "ranks": gathered})
             progress.step(f"{name} m={m}{tag}")
-        for name, m in ext:
-            if (name, m) in skip:
-                progress.step(f"{baseline_label(name)} m={m} could not run")
+        for run, m in ext:
+            if (run.label, m) in skip:
+                progress.step(f"{run.label} m={m} could not run")
                 continue
-            try:
-                out = _run_external(d, bc, groups, model, name, m)
-                err = None
-            except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
-                out, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            out, err = None, run.why
+            if err is None:
+                try:
+                    out = _run_external(d, bc, groups, model, run, m, peer_groups)
+                except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+                    err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             gathered = [None] * pc.world_size
             dist.all_gather_object(gathered, (out, err))
             errs = sorted({e for _, e in gathered if e})
+            row = {"schedule": run.label, **peer_fields(run), "m": m, "round": rnd}
             if errs:
-                external.append({"schedule": baseline_label(name), "m": m, "round": rnd, "error": errs[0]})
-                skip.add((name, m))
+                external.append({**row, "error": errs[0]})
+                skip.add((run.label, m))
             else:
-                external.append({"schedule": baseline_label(name), "m": m, "round": rnd, "ranks": [o for o, _ in gathered]})
-            progress.step(f"{baseline_label(name)} m={m}{tag}")
+                external.append({**row, "ranks": [o for o, _ in gathered]})
+            progress.step(f"{run.label} m={m}{tag}")
+    if bc.external:
+        notes.append(peers_note(peers))
     # The uncalibrated profile travels too: its predictions are reported beside the calibrated
     # ones, so the raw model's error stays visible.
     raw = raw_doc if raw_doc is not doc else None
@@ -443,8 +463,9 @@ def _megatron_line() -> str:
 
     if not megatron.available():
         return "megatron-core interleaved 1F1B: not installed (pip install -e '.[megatron]' to compare against it)"
-    return ("megatron-core interleaved 1F1B ('mcore:' rows): its GPT model (local layer spec, SDPA attention) "
-            "with the same weights; its no-pipelining schedule at pp=1")
+    return ("megatron-core interleaved 1F1B ('mcore:' rows): its GPT model (local layer spec with SDPA attention, or "
+            "Transformer Engine's in mode te) with the same weights, eager or in one CUDA graph per iteration "
+            "(mode graphed); its no-pipelining schedule at pp=1")
 
 
 def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
@@ -495,12 +516,13 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         rounds = ext_rounds[(e["schedule"], e["m"])]
         step_s = statistics.median(rounds)
         peaks = [x["peak"] for x in rk] if rk[0]["peak"] is not None else None
-        ext.append({"schedule": e["schedule"], "m": e["m"], "step_s": step_s, "step_s_rounds": rounds,
+        ext.append({"schedule": e["schedule"], "peer": e.get("peer"), "mode": e.get("mode"), "m": e["m"], "step_s": step_s,
+                    "step_s_rounds": rounds,
                     "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
            "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
-            "external": ext, "best_over_external": round_ratios(out_runs, ext),
+            "external": ext, "best_over_external": round_ratios(out_runs, ext), "best_per_peer": best_per_peer(out_runs, ext),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
 
 
@@ -536,26 +558,28 @@ def round_ratios(runs: list[dict[str, Any]], external: list[dict[str, Any]]) -> 
 
 def format_report(summary: dict[str, Any]) -> str:
     """The text table: one line per run, measured next to predicted."""
-    head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'raw %':>8}{'tokens/s':>11}{'MFU %':>7}"
+    w = max([28] + [len(r["schedule"]) + 2 for r in summary["runs"] + summary["external"]])  # baseline rows name their mode
+    head = (f"{'schedule':<{w}}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'raw %':>8}{'tokens/s':>11}{'MFU %':>7}"
             f"  peak MiB per rank (measured / predicted)")
     lines = [head, "-" * len(head)]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     for r in summary["runs"]:
         peaks = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["peak_bytes"], r["predicted_peak_bytes"]))
         raw_err = f"{100 * r['raw_step_err']:>+8.1f}" if r.get("raw_step_err") is not None else f"{'-':>8}"
-        lines.append(f"{r['schedule']:<28}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
+        lines.append(f"{r['schedule']:<{w}}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
                      f"{100 * r['step_err']:>+8.1f}{raw_err}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}  {peaks}")
     for e in summary["external"]:
         if "error" in e:
-            lines.append(f"{e['schedule']:<28}{e['m']:>3}  could not run: {e['error']}")
+            lines.append(f"{e['schedule']:<{w}}{e['m']:>3}  could not run: {e['error']}")
         else:
             peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
-            lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
+            lines.append(f"{e['schedule']:<{w}}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
                          f"{'-':>7}  {peaks}")
     for m, b in sorted(summary.get("best_over_external", {}).items()):
         n = len(b["rounds"])
         spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
         lines.append(f"braid's best / best external baseline at m={m} (tokens/s, within a round): {b['median']:.3f}x{spread}")
+    lines += format_per_peer(summary.get("best_per_peer", {}))
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:
         fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}
@@ -661,6 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
     ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>)")
+    add_peer_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     names = schedules.names()
@@ -670,10 +695,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error("--mbs, --steps and --rounds must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
+    peers = tuple(peer_runs_from_args(ap, args, pc.tp, pc.device))
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
-                     not args.no_calibrate, args.rounds)
+                     not args.no_calibrate, args.rounds, peers)
     runs, skipped = planned_runs(bc)
     if not runs:
         ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))

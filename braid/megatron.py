@@ -146,7 +146,10 @@ def layer_spec(spec: str = "local") -> Any:
     as the attention core; ``te`` -- its Transformer Engine layers (norms fused into the QKV and FC1
     linears, TE's attention), as Megatron-LM trains by default."""
     require()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     if spec not in LAYER_SPECS:
         raise ValueError(f"unknown megatron-core layer spec {spec!r}; valid: {', '.join(LAYER_SPECS)}")

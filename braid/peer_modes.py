@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import statistics
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Literal, Sequence
 
 TORCH_PARTS = ("eager", "titan", "compile", "async_tp")
 MCORE_PARTS = ("eager", "graphed", "te")
@@ -153,32 +152,3 @@ def mode_unavailable(name: str, mode: PeerMode, device_type: str, tp: int) -> st
 def row_label(schedule_label: str, mode: PeerMode) -> str:
     """A baseline row's name: the schedule and its mode, ``torch:ScheduleZBVZeroBubble [titan+compile+async_tp]``."""
     return f"{schedule_label} [{mode.label}]"
-
-
-def best_per_peer(runs: list[dict[str, Any]], external: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per m and per peer: braid's best schedule over that peer's best row (any schedule, any mode),
-    as tokens/s, per round (``{m: {peer: {"rounds", "median", "min", "max", "best_rows"}}}``);
-    ``best_rows`` names the peer's fastest row in each round."""
-    out: dict[int, dict[str, Any]] = {}
-    for m in sorted({r["m"] for r in runs}):
-        ours = [r["step_s_rounds"] for r in runs if r["m"] == m]
-        for peer in sorted({e.get("peer", "") for e in external if e["m"] == m and "step_s_rounds" in e}):
-            theirs = [e for e in external if e["m"] == m and e.get("peer", "") == peer and "step_s_rounds" in e]
-            n = min(len(x) for x in ours + [e["step_s_rounds"] for e in theirs])
-            best = [min(theirs, key=lambda e: e["step_s_rounds"][i]) for i in range(n)]
-            ratios = [b["step_s_rounds"][i] / min(o[i] for o in ours) for i, b in enumerate(best)]
-            out.setdefault(m, {})[peer] = {"rounds": ratios, "median": statistics.median(ratios), "min": min(ratios),
-                                           "max": max(ratios), "best_rows": [b["schedule"] for b in best]}
-    return out
-
-
-def format_per_peer(per_peer: dict[int, dict[str, Any]]) -> list[str]:
-    """Report lines for :func:`best_per_peer`: one per m and peer, with the peer's best row named."""
-    lines = []
-    for m, peers in sorted(per_peer.items()):
-        for peer, b in sorted(peers.items()):
-            rows = sorted(set(b["best_rows"]), key=b["best_rows"].count, reverse=True)
-            spread = f" [{b['min']:.3f}, {b['max']:.3f}]" if len(b["rounds"]) > 1 else ""
-            lines.append(f"braid's best / {peer}'s best at m={m}: {b['median']:.3f}x{spread}; {peer}'s best row: "
-                         + ", ".join(f"{r} ({b['best_rows'].count(r)}/{len(b['best_rows'])} rounds)" for r in rows))
-    return lines

@@ -37,7 +37,7 @@ def _run(ctx, name: str, mode: TorchMode, world: int, tp: int, pp: int):
     inputs = tuple(x[: M * B] for x in inputs)
     opt.zero_grad(set_to_none=True)
     loss = pipe.step(inputs, labels[: M * B])
-    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - collective over TP
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
     grads, params = {}, {}
     for mod, st in zip(pipe.modules, pipe.stages):
         first = layer_offset(layers, st.stage_index)
