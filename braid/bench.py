@@ -341,15 +341,14 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
 def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, shared: dict[str, Any]) -> dict[str, Any]:
     """One external baseline (torch.distributed.pipelining, megatron-core) in its mode on the same model split
     (:mod:`braid.baselines`); ``shared`` holds the torch baselines' groups, made once per job."""
-    from braid.baselines import BaselineGroups, baseline_pipeline
+    from braid.baselines import baseline_pipeline
+    from braid.bench_peers import torch_groups
     from braid.profile import _DTYPES
 
     pc = bc.profile
     dev = d.device
-    if run.peer == "torch" and "groups" not in shared:
-        shared["groups"] = BaselineGroups.create(groups, dev)
     pipe = baseline_pipeline(run.name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=_DTYPES[pc.dtype],
-                             seq_len=pc.seq, mode=run.mode, comm=shared.get("groups"))
+                             seq_len=pc.seq, mode=run.mode, comm=torch_groups(run, groups, dev, shared))
     toks, labs = _data(pc, m, dev)
     x, y = torch.cat(toks), torch.cat(labs)
 

@@ -82,6 +82,29 @@ def peer_runs(names: Sequence[str], torch_modes: Sequence[str], mcore_modes: Seq
             for n, mode in parse_modes(names, torch_modes, mcore_modes, tp)]
 
 
+def torch_groups(run: PeerRun, groups: Any, device: Any, shared: dict[str, Any]) -> Any:
+    """The torch baselines' process groups for ``run`` (None for another peer), made on first use and kept
+    in ``shared`` for the job, so that every torch pipeline reuses one compilation of its layers.
+
+    A compiled layer's cached code does not depend on Inductor's flags (async TP is one), so when
+    ``run`` compiles in another mode than the job's last compiled run, the compile caches are
+    dropped first. Collective for torch runs (every rank runs the same rows in the same order).
+    """
+    if run.peer != "torch":
+        return None
+    from braid.baselines import BaselineGroups
+
+    if "groups" not in shared:
+        shared["groups"] = BaselineGroups.create(groups, device)
+    if run.mode.compile:
+        if shared.get("compiled", run.mode) != run.mode:
+            import torch._dynamo
+
+            torch._dynamo.reset()
+        shared["compiled"] = run.mode
+    return shared["groups"]
+
+
 def peer_fields(run: PeerRun) -> dict[str, Any]:
     """What a row's JSON says of its peer: ``{"peer": "torch", "mode": "titan+compile+async_tp"}``."""
     return {"peer": run.peer, "mode": run.mode.label}
