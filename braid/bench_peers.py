@@ -25,6 +25,9 @@ from braid.peer_modes import (
 )
 
 
+COMPILE_TIMEOUT_S = 300.0  # the torch baselines' collectives wait this long (first steps compile)
+
+
 @dataclass(frozen=True, slots=True)
 class PeerRun:
     """One external row: baseline ``name`` in ``mode``; ``why``: the reason it cannot run here, or None."""
@@ -95,7 +98,9 @@ def torch_groups(run: PeerRun, groups: Any, device: Any, shared: dict[str, Any])
     from braid.baselines import BaselineGroups
 
     if "groups" not in shared:
-        shared["groups"] = BaselineGroups.create(groups, device)
+        # Ranks compile a compiled mode's layers side by side, each in its own time, while its
+        # peer waits in the first collective: the groups' timeout leaves room for that.
+        shared["groups"] = BaselineGroups.create(groups, device, timeout_s=COMPILE_TIMEOUT_S)
     if run.mode.compile:
         if shared.get("compiled", run.mode) != run.mode:
             import torch._dynamo
