@@ -146,7 +146,7 @@ def format_per_peer(per_peer: dict[int, dict[str, Any]]) -> list[str]:
     lines = []
     for m, peers in sorted(per_peer.items()):
         for peer, b in sorted(peers.items()):
-            rows = sorted(set(b["best_rows"]), key=b["best_rows"].count, reverse=True)
+            rows = sorted(dict.fromkeys(b["best_rows"]), key=b["best_rows"].count, reverse=True)  # ties: first round first
             spread = f" [{b['min']:.3f}, {b['max']:.3f}]" if len(b["rounds"]) > 1 else ""
             lines.append(f"braid's best / {peer}'s best at m={m}: {b['median']:.3f}x{spread}; {peer}'s best row: "
                          + ", ".join(f"{r} ({b['best_rows'].count(r)}/{len(b['best_rows'])} rounds)" for r in rows))
