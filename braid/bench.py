@@ -10,7 +10,8 @@ programs). External baselines run on the same model in the same job:
 ``torch.distributed.pipelining`` (``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``,
 ``ScheduleDualPipeV``, via :mod:`braid.baselines`; tp > 1 with DTensor tensor
 parallelism) and megatron-core's interleaved 1F1B on a megatron-core GPT model with the
-same weights (:mod:`braid.baselines_mcore`; reported as not installed when it is missing).
+same weights (:mod:`braid.baselines_mcore`; reported as not installed when it is missing),
+each in the modes of its peer (eager and best by default; :mod:`braid.bench_peers`).
 
 Peak memory: on GPU the allocator's peak during the step minus what was allocated before
 it; on CPU the largest live saved-activation bytes at instruction ends (the executor's
