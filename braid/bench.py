@@ -10,7 +10,8 @@ programs). External baselines run on the same model in the same job:
 ``torch.distributed.pipelining`` (``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``,
 ``ScheduleDualPipeV``, via :mod:`braid.baselines.torch_pp`; tp > 1 with DTensor tensor
 parallelism) and megatron-core's interleaved 1F1B on a megatron-core GPT model with the
-same weights (:mod:`braid.baselines.mcore`; reported as not installed when it is missing).
+same weights (:mod:`braid.baselines.mcore`; reported as not installed when it is missing),
+each in the modes of its peer (eager and best by default; :mod:`braid.measure.peers`).
 
 Peak memory: on GPU the allocator's peak during the step minus what was allocated before
 it; on CPU the largest live saved-activation bytes at instruction ends (the executor's
@@ -45,6 +46,7 @@ from braid.measure.config import (
     config_from_args,
 )
 from braid.measure.launch import JobFailed
+from braid.measure.peers import add_peer_args, peer_runs_from_args
 from braid.measure.report import capture, format_report, read_measurements
 from braid.measure.runs import _check_costs, planned_runs, run_bench
 
@@ -75,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
     ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>)")
+    add_peer_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     names = schedules.names()
@@ -84,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error("--mbs, --steps and --rounds must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
+    peers = tuple(peer_runs_from_args(ap, args, pc.tp, pc.device))
     if args.cuda_graph == "step":
         from braid.runtime.graphs import config_reason
 
@@ -93,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
-                     not args.no_calibrate, args.rounds, args.cuda_graph)
+                     not args.no_calibrate, args.rounds, args.cuda_graph, peers=peers)
     runs, skipped = planned_runs(bc)
     if not runs:
         ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))

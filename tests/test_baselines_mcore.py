@@ -83,7 +83,7 @@ def _case_logits(ctx, family: str):
     return True
 
 
-def _case_pipeline(ctx, tp: int, pp: int, family: str, device: str = "cpu"):
+def _case_pipeline(ctx, tp: int, pp: int, family: str, device: str = "cpu", mode: str = "eager"):
     from braid.baselines import megatron_gpt as bm
     from braid.baselines.mcore import McorePipeline
     from braid.core.partition import layer_offset
@@ -95,8 +95,10 @@ def _case_pipeline(ctx, tp: int, pp: int, family: str, device: str = "cpu"):
     layers = (model.cfg.layers // (2 * pp),) * (2 * pp)
     dev = torch.device(f"cuda:{ctx.rank}" if device == "cuda" else "cpu")
     rtol, atol = (RTOL, ATOL) if device == "cpu" else (1e-3, 1e-4)  # GPU kernels reduce in another order
+    from braid.baselines.modes import McoreMode
+
     pipe = McorePipeline("mcore_1f1b_i", model, layers, M, groups=groups, device=dev,
-                         dtype=torch.float32, seq_len=SEQ)
+                         dtype=torch.float32, seq_len=SEQ, mode=McoreMode.parse(mode))
     ref = copy.deepcopy(model)
     data = _data(model.cfg.vocab_size, 2)
     # One step: loss and every gradient against the reference, in megatron-core's names and TP shards.
@@ -121,7 +123,7 @@ def _case_pipeline(ctx, tp: int, pp: int, family: str, device: str = "cpu"):
     ref_opt.zero_grad()
     losses, ref_losses = [], []
     for toks, labs in data:
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # a graphed step accumulates into the gradients it captured
         losses.append(pipe.step((toks,), labs))
         opt.step()
         ref_opt.zero_grad()
@@ -129,6 +131,7 @@ def _case_pipeline(ctx, tp: int, pp: int, family: str, device: str = "cpu"):
         lo.backward()
         ref_opt.step()
         ref_losses.append(float(lo))
+    pipe.close()
     return losses, ref_losses
 
 
@@ -184,6 +187,41 @@ def test_mcore_1f1b_i_on_cuda_matches_reference(tp, pp):
     assert reported, "no rank reported the loss"
     for losses, ref_losses in reported:
         assert losses == pytest.approx(ref_losses, rel=1e-3, abs=1e-4)  # TF32/cuBLAS reductions vs the CPU reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])
+def test_mcore_graphed_on_cuda_matches_reference(tp, pp):
+    """The graphed mode (``FullCudaGraphWrapper``: step 1 eager, step 2 captured and replayed, step 3
+    replayed) on 2 GPUs: every loss and the first step's gradients as the unsplit model's."""
+    pool = DistPool(2, device="cuda")
+    try:
+        res = pool.run(_case_pipeline, tp, pp, "qwen2", "cuda", "graphed", timeout_s=300)
+    finally:
+        pool.close()
+    reported = [r for r in res if r[0][0] is not None]
+    assert reported, "no rank reported the loss"
+    for losses, ref_losses in reported:
+        assert losses == pytest.approx(ref_losses, rel=1e-3, abs=1e-4)  # as the eager test above
+
+
+def test_mcore_modes_that_cannot_run_here_say_why():
+    from braid.baselines.modes import McoreMode
+
+    assert "needs CUDA" in McoreMode.parse("graphed").unavailable("cpu")
+    assert "needs CUDA" in McoreMode.parse("te").unavailable("cpu")
+    assert McoreMode.parse("eager").unavailable("cpu") is None
+
+
+def test_te_names_hold_the_norms_in_the_linears():
+    from braid.baselines import megatron_gpt as bm
+
+    state = {"decoder.layers.3.input_layernorm.weight": 1, "decoder.layers.3.pre_mlp_layernorm.weight": 2,
+             "decoder.layers.3.mlp.linear_fc2.weight": 3, "decoder.final_layernorm.weight": 4}
+    assert bm.te_state(state) == {"decoder.layers.3.self_attention.linear_qkv.layer_norm_weight": 1,
+                                  "decoder.layers.3.mlp.linear_fc1.layer_norm_weight": 2,
+                                  "decoder.layers.3.mlp.linear_fc2.weight": 3, "decoder.final_layernorm.weight": 4}
 
 
 @pytest.mark.slow

@@ -151,7 +151,13 @@ def test_calibration_at_pp2_keeps_the_profiled_host_lane_when_p2p_explains_the_r
 def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     cfg = ProfileConfig(Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64), (1, 1, 1, 1),
                         seq=8, pp=2, iters=2)
-    bc = BenchConfig(cfg, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=2, rounds=2)
+    from braid.baselines.torch_pp import available_baselines
+    from braid.measure.peers import peer_runs
+
+    # torch eager (its compiled mode builds C++ kernels on CPU: minutes on a small machine),
+    # megatron-core eager and graphed (a row that says it needs CUDA)
+    peers = tuple(peer_runs(available_baselines(), ["eager"], ["eager", "graphed"], tp=1, device_type="cpu"))
+    bc = BenchConfig(cfg, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=2, rounds=2, peers=peers)
     s = run_bench(bc)
     assert [(r["schedule"], r["m"]) for r in s["runs"]] == [("braided_v", 4), ("1f1b_i", 4)]
     from braid import schedules
@@ -185,10 +191,15 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     names = {e["schedule"] for e in s["external"]}
     from braid.baselines import megatron_gpt as megatron
 
-    mcore = {"mcore:interleaved 1F1B"} if megatron.available() else set()
-    assert names == {"torch:ScheduleInterleaved1F1B", "torch:ScheduleZBVZeroBubble", "torch:ScheduleDualPipeV"} | mcore
+    mcore = {"mcore:interleaved 1F1B [eager]", "mcore:interleaved 1F1B [graphed]"} if megatron.available() else set()
+    assert names == {"torch:ScheduleInterleaved1F1B [eager]", "torch:ScheduleZBVZeroBubble [eager]",
+                     "torch:ScheduleDualPipeV [eager]"} | mcore
     for e in s["external"]:
         assert ("error" in e and e["error"]) or e["step_s"] > 0, e
+        assert e["peer"] in ("torch", "mcore") and e["schedule"].endswith(f"[{e['mode']}]")
+    if megatron.available():
+        assert "needs CUDA" in next(e["error"] for e in s["external"] if e["mode"] == "graphed")
+    assert set(s["best_per_peer"][4]) == ({"torch", "mcore"} if megatron.available() else {"torch"})
     text = format_report(s)
     assert "braided_v" in text and "megatron-core" in text
     assert f"braid's best / best external baseline at m=4 (tokens/s, within a round): {best['median']:.3f}x" in text

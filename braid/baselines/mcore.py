@@ -10,6 +10,13 @@ micro-batches), as Megatron-LM does. Losses are mean token cross-entropies per m
 gradients scaled by ``1/m`` (megatron-core divides each micro-batch loss by ``m``), as
 braid's executor does.
 
+Modes (:class:`braid.baselines.modes.McoreMode`): ``eager``; ``graphed`` -- the whole
+forward-backward of an iteration captured once in a CUDA graph and replayed
+(``megatron.core.full_cuda_graph.FullCudaGraphWrapper``, as Megatron-LM's
+``--cuda-graph-impl local --cuda-graph-scope full_iteration``: one eager warm-up iteration,
+the capture on the second, static input buffers per micro-batch, graph-safe RNG states);
+``te`` -- megatron-core's Transformer Engine layer spec instead of the local one.
+
 Name: ``mcore_1f1b_i`` (:data:`MCORE_SCHEDULES`), beside :data:`braid.baselines.torch_pp.TORCH_SCHEDULES`.
 """
 
@@ -24,6 +31,7 @@ from torch import nn
 from braid.baselines import megatron_gpt as bm
 from braid.core.ir import stage_of
 from braid.core.partition import layer_offset
+from braid.baselines.modes import McoreMode
 
 MCORE_SCHEDULES: dict[str, str] = {"mcore_1f1b_i": "megatron-core interleaved 1F1B"}
 IGNORE_INDEX = -100
@@ -36,13 +44,19 @@ class McorePipeline:
     ``layers_per_stage``: decoder layers of each virtual stage (``2 * pp`` stages, equal
     counts: megatron-core splits layers evenly); ``groups``: this rank's
     :class:`~braid.runtime.distributed.ProcessGroups` (only its topology is read; megatron-core
-    creates its own groups). Collective: every rank of the job constructs it.
+    creates its own groups); ``mode``: eager or graphed, local or Transformer Engine layers
+    (:class:`braid.baselines.modes.McoreMode`). Collective: every rank of the job constructs it.
     """
 
     def __init__(self, name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
-                 device: torch.device, dtype: torch.dtype, seq_len: int | None = None, timeout_s: float = 120.0) -> None:
+                 device: torch.device, dtype: torch.dtype, seq_len: int | None = None, timeout_s: float = 120.0,
+                 mode: McoreMode | None = None) -> None:
+        mode = mode or McoreMode()
         if name not in MCORE_SCHEDULES:
             raise ValueError(f"unknown megatron-core baseline {name!r}; valid: {', '.join(MCORE_SCHEDULES)}")
+        why = mode.unavailable(device.type)
+        if why:
+            raise RuntimeError(why)
         bm.require()
         bm.allow_cpu()
         cfg = lm.cfg
@@ -64,11 +78,14 @@ class McorePipeline:
         if device.type == "cuda":
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-            model_parallel_cuda_manual_seed(1234)
-        self.name, self.m, self.tp, self.pp = name, m, topo.tp, pp
+            # A graph replays the RNG states it registered: they must be graph-safe generators.
+            model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=mode.graphed, force_reset_rng=True)
+        self.name, self.m, self.tp, self.pp, self.mode = name, m, topo.tp, pp, mode
         self.seq_len = seq_len
-        tconf = bm.transformer_config(cfg, tp=topo.tp, pp=pp, vp=vp, dtype=dtype, device=device)
+        tconf = bm.transformer_config(cfg, tp=topo.tp, pp=pp, vp=vp, dtype=dtype, device=device, graphed=mode.graphed)
         state = bm.tp_shard(bm.to_mcore({k: v.detach() for k, v in lm.state_dict().items()}, cfg), groups.coords.tp, topo.tp)
+        if mode.spec == "te":
+            state = bm.te_state(state)
         pp_rank = groups.coords.pp
         self.modules: list[nn.Module] = []
         # pp == 1: one model of all layers (megatron-core's no-pipelining schedule); else 2 chunks, looped placement.
@@ -77,13 +94,39 @@ class McorePipeline:
             for c, s in ((c, stage_of("loop", pp, pp_rank, c)) for c in range(2))
         ]
         for first, n, embed, head, vp_stage in chunks:
-            mod = bm.gpt_model(cfg, tconf, seq_len=seq_len or 4096, pre_process=embed, post_process=head, vp_stage=vp_stage)
+            mod = bm.gpt_model(cfg, tconf, seq_len=seq_len or 4096, pre_process=embed, post_process=head, vp_stage=vp_stage,
+                               spec=mode.spec)
             own = bm.chunk_state(state, first, n, embed=embed, head=head)
-            mod.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=True)
+            missing, unexpected = mod.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=False)
+            missing = [k for k in missing if not k.endswith("._extra_state")]  # TE modules' FP8 metadata, none here
+            if missing or unexpected:
+                raise RuntimeError(f"{name} [{mode.label}]: weights do not fit the model: missing {missing[:3]}, "
+                                   f"unexpected {unexpected[:3]}")
             self.modules.append(mod.to(device=device, dtype=dtype))
         self.is_last = pp == 1 or ps.is_pipeline_last_stage(ignore_virtual=True)
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self._pos: torch.Tensor | None = None  # the position ids every micro-batch uses (static: a graph reads them)
+        self._forward_backward = self._graphed_forward_backward() if mode.graphed else None
+
+    def _graphed_forward_backward(self) -> Any:
+        """megatron-core's forward-backward function wrapped in its full-iteration CUDA graph.
+
+        ``FullCudaGraphWrapper`` keeps its graph, iteration count and static input buffers in
+        class attributes (one graphed model per process, as in Megatron-LM); a fresh pipeline
+        starts them afresh (:func:`reset_full_cuda_graph`).
+        """
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        reset_full_cuda_graph()
+        return FullCudaGraphWrapper(get_forward_backward_func(), cuda_graph_warmup_steps=1)
+
+    def close(self) -> None:
+        """Release the captured graph and its memory pool (graphed mode)."""
+        if self._forward_backward is not None:
+            reset_full_cuda_graph()
+            self._forward_backward = None
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for mod in self.modules for p in mod.parameters()]
@@ -104,12 +147,15 @@ class McorePipeline:
         tokens, labels = inputs[0].to(self.device), labels.to(self.device)
         if tokens.shape[0] % self.m:
             raise ValueError(f"batch of {tokens.shape[0]} samples is not {self.m} equal micro-batches")
-        micro = list(zip(tokens.chunk(self.m), labels.chunk(self.m)))
-        b, s = micro[0][0].shape
-        pos = torch.arange(s, device=self.device).expand(b, s)
+        micro = [{"tokens": t, "labels": y} for t, y in zip(tokens.chunk(self.m), labels.chunk(self.m))]
+        b, s = micro[0]["tokens"].shape
+        if self._pos is None or self._pos.shape != (b, s):
+            self._pos = torch.arange(s, device=self.device).expand(b, s)
+        pos = self._pos
 
         def forward_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor, Any]:
-            tok, lab = next(data_iterator)
+            batch = next(data_iterator)  # a dict: the graphed mode copies it into its static buffers
+            tok, lab = batch["tokens"], batch["labels"]
             keep = lab != IGNORE_INDEX
             out = model(tok, pos, None, labels=torch.where(keep, lab, torch.zeros_like(lab)))
 
@@ -122,10 +168,22 @@ class McorePipeline:
 
         iters: Any = [iter(micro) for _ in self.modules] if len(self.modules) > 1 else iter(micro)
         model: Any = self.modules if len(self.modules) > 1 else self.modules[0]
-        losses = get_forward_backward_func()(
+        forward_backward = self._forward_backward or get_forward_backward_func()
+        losses = forward_backward(
             forward_step_func=forward_step, data_iterator=iters, model=model, num_microbatches=self.m,
             seq_length=s, micro_batch_size=b, forward_only=False,
         )
         if not self.is_last:
             return None
         return sum(float(x["loss"]) for x in losses) / len(losses)
+
+
+def reset_full_cuda_graph() -> None:
+    """Drop megatron-core's full-iteration CUDA graph state (class attributes of ``FullCudaGraphWrapper``
+    and its ``StaticBufferLoader``): the next wrapper warms up, captures and allocates afresh."""
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+
+    FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
+    FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
+    FullCudaGraphWrapper.result = {"training": None, "validation": None}
+    StaticBufferLoader.static_buffers = {"training": [], "validation": []}

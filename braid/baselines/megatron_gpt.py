@@ -91,8 +91,13 @@ def qkv_bias(cfg: Any) -> bool:
 
 
 def transformer_config(cfg: Any, *, tp: int = 1, pp: int = 1, vp: int | None = None, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu") -> Any:
-    """megatron-core's ``TransformerConfig`` for braid decoder ``cfg`` at ``tp`` x ``pp`` (``vp`` virtual stages per rank)."""
+                       device: torch.device | str = "cpu", graphed: bool = False) -> Any:
+    """megatron-core's ``TransformerConfig`` for braid decoder ``cfg`` at ``tp`` x ``pp`` (``vp`` virtual stages per rank).
+
+    ``graphed``: the whole forward-backward runs in one CUDA graph (``cuda_graph_impl="local"``,
+    ``cuda_graph_scope="full_iteration"``, as Megatron-LM's ``--cuda-graph-impl local
+    --cuda-graph-scope full_iteration``), so the P2P calls must not synchronise the device.
+    """
     require()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -108,7 +113,8 @@ def transformer_config(cfg: Any, *, tp: int = 1, pp: int = 1, vp: int | None = N
         virtual_pipeline_model_parallel_size=vp if pp > 1 else None,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=cpu, perform_initialization=False,
-        batch_p2p_comm=not cpu, batch_p2p_sync=not cpu,  # gloo: one isend/irecv at a time, no cuda.synchronize()
+        batch_p2p_comm=not cpu, batch_p2p_sync=not cpu and not graphed,  # gloo: one isend/irecv at a time, no cuda.synchronize()
+        **({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"} if graphed else {}),
     )
 
 
@@ -132,10 +138,23 @@ class SdpaCoreAttention(nn.Module):
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def layer_spec() -> Any:
-    """megatron-core's local GPT layer spec (RMSNorm) with :class:`SdpaCoreAttention` as its attention core."""
+LAYER_SPECS = ("local", "te")
+
+
+def layer_spec(spec: str = "local") -> Any:
+    """megatron-core's GPT layer spec: ``local`` -- its torch layers (RMSNorm) with :class:`SdpaCoreAttention`
+    as the attention core; ``te`` -- its Transformer Engine layers (norms fused into the QKV and FC1
+    linears, TE's attention), as Megatron-LM trains by default."""
     require()
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if spec not in LAYER_SPECS:
+        raise ValueError(f"unknown megatron-core layer spec {spec!r}; valid: {', '.join(LAYER_SPECS)}")
+    if spec == "te":
+        return get_gpt_layer_with_transformer_engine_spec()
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SdpaCoreAttention
@@ -143,14 +162,14 @@ def layer_spec() -> Any:
 
 
 def gpt_model(cfg: Any, tconf: Any, *, seq_len: int, pre_process: bool = True, post_process: bool = True,
-              vp_stage: int | None = None) -> nn.Module:
-    """A megatron-core ``GPTModel`` (one pipeline chunk when ``pre_process``/``post_process`` say so)."""
+              vp_stage: int | None = None, spec: str = "local") -> nn.Module:
+    """A megatron-core ``GPTModel`` (one pipeline chunk when ``pre_process``/``post_process`` say so) of layer ``spec``."""
     require()
     allow_cpu()
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
-        tconf, layer_spec(), vocab_size=cfg.vocab_size, max_sequence_length=seq_len, position_embedding_type="rope",
+        tconf, layer_spec(spec), vocab_size=cfg.vocab_size, max_sequence_length=seq_len, position_embedding_type="rope",
         rotary_base=int(cfg.rope_theta), share_embeddings_and_output_weights=False, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage,
     )
@@ -251,6 +270,24 @@ def tp_shard(state: dict[str, torch.Tensor], tp_rank: int, tp: int) -> dict[str,
             out[name] = t.chunk(tp, dim=1)[tp_rank]
         else:
             out[name] = t
+    return out
+
+
+_TE_NAMES = {  # local spec -> Transformer Engine spec: the norms live in the linears after them
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+def te_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A megatron-core state under the local spec's names -> the Transformer Engine spec's names."""
+    out = {}
+    for name, t in state.items():
+        head, _, rest = name.partition("decoder.layers.")
+        if not head and rest:
+            i, sub = rest.split(".", 1)
+            name = f"decoder.layers.{i}.{_TE_NAMES.get(sub, sub)}"
+        out[name] = t
     return out
 
 

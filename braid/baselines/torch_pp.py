@@ -7,12 +7,14 @@ the same data. Each rank wraps its virtual stages as plain modules (:class:`Stag
 optional vision tower and embedding, a slice of decoder layers, optional norm + LM head)
 and hands them to ``PipelineStage``.
 
-Tensor parallelism for the baselines is torch's own (DTensor, as torchtitan does it):
-Q/K/V and gate/up column-parallel, out- and down-projections row-parallel, the embedding
-row-parallel over the vocabulary, the LM head column-parallel with a vocabulary-parallel
-cross-entropy (``loss_parallel``). The all-reduces run where DTensor puts them, exposed --
-which is what braided execution hides. Norms and the ViT's patch embedding/merger are
-replicated. Gradients are scaled by ``1/m`` (``scale_grads``), as braid's executor does, so
+Tensor parallelism for the baselines is torch's own (DTensor). In the ``eager`` mode
+(:class:`braid.baselines.modes.TorchMode`): Q/K/V and gate/up column-parallel, out- and
+down-projections row-parallel, the embedding row-parallel over the vocabulary, the LM head
+column-parallel with a vocabulary-parallel cross-entropy (``loss_parallel``); the
+all-reduces run where DTensor puts them, exposed -- which is what braided execution hides;
+norms and the ViT's patch embedding/merger are replicated. The ``titan`` mode shards as
+torchtitan does (sequence parallelism, :mod:`braid.baselines.titan`), ``compile`` compiles
+every decoder layer and ``async_tp`` adds Inductor's micro-pipelined TP. Gradients are scaled by ``1/m`` (``scale_grads``), as braid's executor does, so
 losses and gradients are comparable with the single-device model.
 
 Names: ``torch_1f1b_i``, ``torch_zb_v``, ``torch_dualpipe_v`` (:data:`TORCH_SCHEDULES`), and
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -35,6 +38,8 @@ from torch import nn
 from braid.baselines.mcore import MCORE_SCHEDULES
 from braid.core.ir import stage_of
 from braid.core.partition import layer_offset
+from braid.baselines import titan
+from braid.baselines.modes import McoreMode, PeerMode, TorchMode
 
 TORCH_SCHEDULES: dict[str, str] = {
     "torch_1f1b_i": "ScheduleInterleaved1F1B",
@@ -59,19 +64,26 @@ def available_baselines() -> list[str]:
 
 def baseline_pipeline(name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
                       device: torch.device, dtype: torch.dtype, vision: nn.Module | None = None,
-                      seq_len: int | None = None, timeout_s: float = 120.0) -> Any:
+                      seq_len: int | None = None, timeout_s: float = 120.0, mode: PeerMode | None = None,
+                      comm: BaselineGroups | None = None) -> Any:
     """The baseline ``name`` over this rank's stages (:class:`TorchPipeline` or
     :class:`braid.baselines.mcore.McorePipeline`; both have ``modules``, ``parameters()``,
-    ``optimizer(lr)`` and ``step(inputs, labels)``). Collective."""
+    ``optimizer(lr)``, ``step(inputs, labels)`` and ``close()``), in ``mode``
+    (:mod:`braid.baselines.modes`; default eager); ``comm``: the torch baselines' groups, shared
+    by the baselines of a job (:class:`BaselineGroups`). Collective."""
     if name in MCORE_SCHEDULES:
         from braid.baselines.mcore import McorePipeline
 
         if vision is not None:
             raise ValueError(f"{name} runs decoder LMs only (megatron-core's GPT model); use a torch_* baseline for a VLM")
+        if mode is not None and not isinstance(mode, McoreMode):
+            raise ValueError(f"{name} takes a megatron-core mode, got {mode}")
         return McorePipeline(name, lm, layers_per_stage, m, groups=groups, device=device, dtype=dtype, seq_len=seq_len,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s, mode=mode or McoreMode())
+    if mode is not None and not isinstance(mode, TorchMode):
+        raise ValueError(f"{name} takes a torch mode, got {mode}")
     return TorchPipeline(name, lm, layers_per_stage, m, groups=groups, device=device, dtype=dtype, vision=vision,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, mode=mode or TorchMode(), comm=comm)
 
 
 def placement_of(cls_name: str) -> str:
@@ -136,10 +148,7 @@ def tensor_parallel(stage: StageModule, mesh: Any) -> StageModule:
     col, row = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1"), ("o_proj", "down_proj", "fc2")
     blocks = list(stage.layers) + (list(stage.visual.blocks) if stage.visual is not None else [])
     for layer in blocks:
-        ffn = (getattr(layer, "gate_proj", None) or layer.fc1).out_features  # SwiGLU, or a ViT's fc1/fc2 MLP
-        for what, n in (("heads", layer.heads), ("KV heads", layer.kv_heads), ("ffn", ffn)):
-            if n % t:
-                raise ValueError(f"{what} ({n}) not divisible by tp={t}")
+        titan.check_shards(layer, t)
         layer.heads, layer.kv_heads = layer.heads // t, layer.kv_heads // t  # the views use the local head counts
         plan = {n: ColwiseParallel() for n in col if hasattr(layer, n)}
         plan.update({n: RowwiseParallel() for n in row if hasattr(layer, n)})
@@ -156,19 +165,58 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
+@dataclass(frozen=True, slots=True)
+class BaselineGroups:
+    """The torch baselines' own process groups on this rank: its pipeline group, its TP group and
+    the TP device mesh (None at tp=1).
+
+    Their own (collective: every rank creates every group, same order): the schedule's P2P
+    must not share a communicator with the executor's, and the TP collectives get NCCL's
+    default channels (braid caps its own TP group's, see ``ProcessGroups.create``). One set
+    serves every baseline of a job: a compiled layer's guards hold its DTensors' mesh, so
+    pipelines built on the same mesh reuse one compilation.
+    """
+
+    pp: Any
+    tp: Any
+    mesh: Any
+
+    @classmethod
+    def create(cls, groups: Any, device: torch.device, timeout_s: float = 120.0) -> "BaselineGroups":
+        topo = groups.topo
+        timeout = datetime.timedelta(seconds=timeout_s)
+        mine = {}
+        for dim in ("pp", "tp") if topo.tp > 1 else ("pp",):
+            for ranks in topo.groups(dim):
+                g = dist.new_group(ranks, timeout=timeout)
+                if groups.rank in ranks:
+                    mine[dim] = g
+        mesh = None
+        if topo.tp > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(mine["tp"], device.type)
+        return cls(mine["pp"], mine.get("tp"), mesh)
+
+
 class TorchPipeline:
     """A ``torch.distributed.pipelining`` schedule over this rank's stages of ``lm``.
 
     ``layers_per_stage``: LM decoder layers of each of the ``2 * pp`` virtual stages (the
     VLM's stage 0 holds the vision tower and no LM layers); ``groups``: this rank's
     :class:`~braid.runtime.distributed.ProcessGroups` (the layout; tp > 1 runs DTensor
-    tensor parallelism). Collective: every rank of the job constructs it.
+    tensor parallelism). ``mode``: eager DTensor TP, or torchtitan's TP, per-layer compile and
+    async TP (:class:`braid.baselines.modes.TorchMode`, :mod:`braid.baselines.titan`); ``comm``: the
+    baselines' process groups (:class:`BaselineGroups`; made here when not given). Collective:
+    every rank of the job constructs it.
     """
 
     def __init__(self, name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
-                 device: torch.device, dtype: torch.dtype, vision: nn.Module | None = None, timeout_s: float = 120.0) -> None:
+                 device: torch.device, dtype: torch.dtype, vision: nn.Module | None = None, timeout_s: float = 120.0,
+                 mode: TorchMode | None = None, comm: BaselineGroups | None = None) -> None:
         import torch.distributed.pipelining as pipe
 
+        mode = mode or TorchMode()
         if name not in TORCH_SCHEDULES:
             raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(TORCH_SCHEDULES)}")
         cls_name = TORCH_SCHEDULES[name]
@@ -186,25 +234,17 @@ class TorchPipeline:
             raise ValueError(f"{name} runs 2 virtual stages per rank: {n_stages} stages for pp={pp}")
         if cls_name == "ScheduleDualPipeV" and m < n_stages:
             raise ValueError(f"{name} needs at least as many micro-batches as stages: m={m} < {n_stages}; use m >= {n_stages}")
-        self.name, self.n_stages, self.m, self.tp = name, n_stages, m, topo.tp
+        why = mode.unavailable(device.type, topo.tp)
+        if why:
+            raise RuntimeError(why)
+        if mode.tp == "titan" and vision is not None:
+            raise ValueError(f"{name} [{mode.label}]: titan TP runs decoder LMs; use the eager mode for a VLM")
+        self.name, self.n_stages, self.m, self.tp, self.mode = name, n_stages, m, topo.tp, mode
         self.vl_cfg = getattr(vision, "vl_cfg", None)  # a VLM: M-RoPE positions come from its input_ids
-        # Groups of their own (collective: every rank creates every group, same order): the
-        # schedule's P2P must not share a communicator with the executor's, and the TP
-        # all-reduces get NCCL's default channels (braid caps its own TP group's, see
-        # ProcessGroups.create).
-        timeout = datetime.timedelta(seconds=timeout_s)
-        mine = {}
-        for dim in ("pp", "tp") if topo.tp > 1 else ("pp",):
-            for ranks in topo.groups(dim):
-                g = dist.new_group(ranks, timeout=timeout)
-                if groups.rank in ranks:
-                    mine[dim] = g
-        self.group = mine["pp"]
-        mesh = None
-        if topo.tp > 1:
-            from torch.distributed.device_mesh import DeviceMesh
-
-            mesh = DeviceMesh.from_group(mine["tp"], device.type)
+        comm = comm or BaselineGroups.create(groups, device, timeout_s)
+        self.group, mesh = comm.pp, comm.mesh
+        if mode.async_tp:
+            titan.enable_symmetric_memory(comm.tp)
         pp_rank = groups.coords.pp
         placement = placement_of(cls_name)
         self.stages, self.modules = [], []
@@ -213,7 +253,9 @@ class TorchPipeline:
             mod = StageModule(lm, layer_offset(layers_per_stage, s), layers_per_stage[s], s == 0, s == n_stages - 1,
                               vision if s == 0 else None).to(device=device, dtype=dtype)
             if mesh is not None:
-                tensor_parallel(mod, mesh)
+                (titan.titan_tensor_parallel if mode.tp == "titan" else tensor_parallel)(mod, mesh)
+            if mode.compile:
+                titan.compile_layers(mod, mode.backend)
             self.modules.append(mod)
             self.stages.append(pipe.PipelineStage(mod, s, n_stages, device, group=self.group))
         self.has_first = any(st.stage_index == 0 for st in self.stages)
@@ -222,6 +264,9 @@ class TorchPipeline:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for mod in self.modules for p in mod.parameters()]
+
+    def close(self) -> None:
+        """Nothing to release (the interface :class:`braid.baselines.mcore.McorePipeline` shares)."""
 
     def optimizer(self, lr: float, **kwargs: Any) -> torch.optim.AdamW:
         """AdamW over this rank's parameters, with the multi-tensor (``foreach``) kernels.
@@ -249,8 +294,11 @@ class TorchPipeline:
         losses: list[torch.Tensor] = []
         if self.vl_cfg is not None:
             self._set_positions(inputs)
+        if self.mode.tp == "titan":
+            titan.check_sequence(inputs[0].shape[1], self.tp)
         args = tuple(inputs) if self.has_first else ()
-        with loss_parallel() if self.tp > 1 else contextlib.nullcontext():
+        settings = titan.compile_settings(self.mode.async_tp, self.mode.compile)
+        with loss_parallel() if self.tp > 1 else contextlib.nullcontext(), settings:
             if self.has_last:
                 self.schedule.step(*args, target=labels, losses=losses)
             else:

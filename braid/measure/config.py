@@ -205,3 +205,4 @@ class BenchConfig:
     calibrate: bool = True  # fit a fresh profile to a measured probe run (see :func:`calibrate`)
     rounds: int = 1  # every run (schedules and baselines) this many times in turn; see :func:`round_ratios`
     cuda_graph: str | None = None  # braid's runs: "none", "step" or None (graphs where capturable; braid.runtime.graphs)
+    peers: tuple[Any, ...] | None = None  # external rows (braid.measure.peers.PeerRun: baseline x mode); None: the defaults

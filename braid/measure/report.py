@@ -12,6 +12,7 @@ from braid.io.files import atomic_write_text
 from braid.io.trace import Trace
 from braid.measure.calibrate import predict, rel_err
 from braid.measure.config import BenchConfig
+from braid.measure.peers import best_per_peer, format_per_peer
 
 MEASUREMENTS_FORMAT = "braid-measurements/1"
 
@@ -67,13 +68,15 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         rounds = ext_rounds[(e["schedule"], e["m"])]
         step_s = statistics.median(rounds)
         peaks = [x["peak"] for x in rk] if rk[0]["peak"] is not None else None
-        ext.append({"schedule": e["schedule"], "m": e["m"], "step_s": step_s, "step_s_rounds": rounds,
+        ext.append({"schedule": e["schedule"], "peer": e.get("peer"), "mode": e.get("mode"), "m": e["m"], "step_s": step_s,
+                    "step_s_rounds": rounds,
                     "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks,
                     "host_s": _host_s(rk)})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
            "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
             "external": ext, "best_over_external": round_ratios(out_runs, ext), "ranking": ranking(out_runs),
+            "best_per_peer": best_per_peer(out_runs, ext),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
 
 
@@ -136,22 +139,23 @@ def _ms(s: float | None) -> str:
 
 def format_report(summary: dict[str, Any]) -> str:
     """The text table: one line per run, measured next to predicted."""
-    head = (f"{'schedule':<28}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'raw %':>8}{'tokens/s':>11}{'MFU %':>7}"
+    w = max([28] + [len(r["schedule"]) + 2 for r in summary["runs"] + summary["external"]])  # baseline rows name their mode
+    head = (f"{'schedule':<{w}}{'m':>3}{'step ms':>10}{'pred ms':>10}{'err %':>8}{'raw %':>8}{'tokens/s':>11}{'MFU %':>7}"
             f"{'host ms':>9}  peak MiB per rank (measured / predicted)")
     lines = [head, "-" * len(head)]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     for r in summary["runs"]:
         peaks = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["peak_bytes"], r["predicted_peak_bytes"]))
         raw_err = f"{100 * r['raw_step_err']:>+8.1f}" if r.get("raw_step_err") is not None else f"{'-':>8}"
-        lines.append(f"{r['schedule']:<28}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
+        lines.append(f"{r['schedule']:<{w}}{r['m']:>3}{r['step_s'] * 1e3:>10.2f}{r['predicted_step_s'] * 1e3:>10.2f}"
                      f"{100 * r['step_err']:>+8.1f}{raw_err}{r['tokens_per_s']:>11.0f}{100 * r['mfu']:>7.1f}"
                      f"{_ms(r.get('host_s')):>9}  {peaks}" + ("  [CUDA graph]" if r.get("cuda_graph") == "step" else ""))
     for e in summary["external"]:
         if "error" in e:
-            lines.append(f"{e['schedule']:<28}{e['m']:>3}  could not run: {e['error']}")
+            lines.append(f"{e['schedule']:<{w}}{e['m']:>3}  could not run: {e['error']}")
         else:
             peaks = " ".join(mib(b) for b in e["peak_bytes"]) if e["peak_bytes"] else "-"
-            lines.append(f"{e['schedule']:<28}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
+            lines.append(f"{e['schedule']:<{w}}{e['m']:>3}{e['step_s'] * 1e3:>10.2f}{'-':>10}{'-':>8}{'-':>8}{e['tokens_per_s']:>11.0f}"
                          f"{'-':>7}{_ms(e.get('host_s')):>9}  {peaks}")
     for m, rk in sorted(summary.get("ranking", {}).items()):
         if len(rk["measured"]) > 1:
@@ -162,6 +166,7 @@ def format_report(summary: dict[str, Any]) -> str:
         n = len(b["rounds"])
         spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
         lines.append(f"braid's best / best external baseline at m={m} (tokens/s, within a round): {b['median']:.3f}x{spread}")
+    lines += format_per_peer(summary.get("best_per_peer", {}))
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:
         fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from braid.baselines.torch_pp import available_baselines, baseline_label
+from braid.measure.peers import PeerRun, peer_fields, peer_runs_default, peers_note, torch_groups
 from braid.cost.costs import Layout, costs_from_dict
 from braid.planner.braid_tune import count_blocks
 from braid.measure.calibrate import busy_by_phase, calibrate, probe_plan
@@ -123,15 +123,16 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
             "braided_blocks": count_blocks(plan)}
 
 
-def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[str, Any]:
-    """One external baseline (torch.distributed.pipelining, megatron-core) on the same model split (:mod:`braid.baselines.torch_pp`)."""
+def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, shared: dict[str, Any]) -> dict[str, Any]:
+    """One external baseline (torch.distributed.pipelining, megatron-core) in its mode on the same model split
+    (:mod:`braid.baselines.torch_pp`); ``shared`` holds the torch baselines' groups, made once per job."""
     from braid.baselines.torch_pp import baseline_pipeline
     from braid.measure.config import DTYPES
 
     pc = bc.profile
     dev = d.device
-    pipe = baseline_pipeline(name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
-                             seq_len=pc.seq)
+    pipe = baseline_pipeline(run.name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
+                             seq_len=pc.seq, mode=run.mode, comm=torch_groups(run, groups, dev, shared))
     toks, labs = _data(pc, m, dev)
     x, y = torch.cat(toks), torch.cat(labs)
 
@@ -141,6 +142,7 @@ def _run_external(d, bc: BenchConfig, groups, model, name: str, m: int) -> dict[
         return pipe.step((x,), y)
 
     times, peak, _, host = _timed_steps(bc, dev, step)
+    pipe.close()
     return {"times": times, "peak": peak if dev.type == "cuda" else None, "host": host}
 
 
@@ -180,7 +182,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             doc = calibrate(doc, pc, plan, step_s, busy)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
-    ext = [(c, m) for c in available_baselines() for m in bc.mbs] if bc.external else []
+    peers = bc.peers if bc.peers is not None else tuple(peer_runs_default(pc))
+    ext = [(p, m) for p in peers for m in bc.mbs] if bc.external else []
+    peer_groups: dict[str, Any] = {}  # the torch baselines' process groups, made once
     progress = Progress(bc.rounds * (len(jobs) + len(ext)), "bench", enabled=lead)
     external = []
     skip: set[tuple[str, int]] = set()  # runs that cannot run are tried in the first round only
@@ -201,24 +205,28 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             dist.all_gather_object(gathered, out)
             runs.append({"schedule": name, "m": m, "round": rnd, "ranks": gathered})
             progress.step(f"{name} m={m}{tag}")
-        for name, m in ext:
-            if (name, m) in skip:
-                progress.step(f"{baseline_label(name)} m={m} could not run")
+        for run, m in ext:
+            if (run.label, m) in skip:
+                progress.step(f"{run.label} m={m} could not run")
                 continue
-            try:
-                out = _run_external(d, bc, groups, model, name, m)
-                err = None
-            except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
-                out, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            out, err = None, run.why
+            if err is None:
+                try:
+                    out = _run_external(d, bc, groups, model, run, m, peer_groups)
+                except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+                    err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             gathered = [None] * pc.world_size
             dist.all_gather_object(gathered, (out, err))
             errs = sorted({e for _, e in gathered if e})
+            row = {"schedule": run.label, **peer_fields(run), "m": m, "round": rnd}
             if errs:
-                external.append({"schedule": baseline_label(name), "m": m, "round": rnd, "error": errs[0]})
-                skip.add((name, m))
+                external.append({**row, "error": errs[0]})
+                skip.add((run.label, m))
             else:
-                external.append({"schedule": baseline_label(name), "m": m, "round": rnd, "ranks": [o for o, _ in gathered]})
-            progress.step(f"{baseline_label(name)} m={m}{tag}")
+                external.append({**row, "ranks": [o for o, _ in gathered]})
+            progress.step(f"{run.label} m={m}{tag}")
+    if bc.external:
+        notes.append(peers_note(peers))
     # The uncalibrated profile travels too: its predictions are reported beside the calibrated
     # ones, so the raw model's error stays visible.
     raw = raw_doc if raw_doc is not doc else None
