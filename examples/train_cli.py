@@ -191,6 +191,7 @@ class Setup:
     model: torch.nn.Module
     parser: argparse.ArgumentParser | None = None
     resume_dir: Path | None = None  # the step folder --resume names (checked)
+    source: Any = None  # the data (task.source), read before any process group
 
     @property
     def plan(self) -> Any:
@@ -250,8 +251,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
     if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf):
         raise UsageError("--save, --save-hf, --resume and --trace take one --schedule (several schedules compare fresh runs)")
-    if args.save_hf and Path(args.save_hf).exists() and (not Path(args.save_hf).is_dir() or any(Path(args.save_hf).iterdir())):
-        raise UsageError(f"--save-hf {args.save_hf}: exists and is not an empty directory; give a new directory")
+    if args.save_hf:
+        check_new_dir("--save-hf", args.save_hf)
     if args.reference and (args.resume or args.cp > 1):
         raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
     check_training_flags(task, args, model_vocab=None)
@@ -279,6 +280,12 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             from train_step import pick_device
 
             model = braid.hf.load_meta(args.hf, device=pick_device(args))  # materialised chunk by chunk
+            if task.vision != hasattr(model.cfg, "lm"):
+                from braid.models.registry import family_of
+
+                kind, script = ("a vision-language", "qwen2_vl.py") if hasattr(model.cfg, "lm") else ("a language", "qwen2.py")
+                raise ValueError(f"--hf {args.hf}: config.json describes {kind} model ({family_of(model).name}); "
+                                 f"train it with examples/{script}")
         else:
             model = task.build_model(args)
         if args.save_hf:
@@ -298,9 +305,12 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         check_training_flags(task, args, model_vocab=model.cfg.lm.vocab_size if task.vision else model.cfg.vocab_size)
         if sp is not None:
             sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
+        # the data are read (and --data tokenised) here, on every rank before any process group: a bad file is
+        # one line and exit code 2, not a traceback per rank
+        source = task.source(model, args)
     except ValueError as err:
         raise UsageError(str(err).splitlines()[0]) from None
-    setup = Setup(args, world, rank, topo, runs, model, parser)
+    setup = Setup(args, world, rank, topo, runs, model, parser, source=source)
     if args.resume:
         from train_checkpoint import check_resume
 
@@ -364,6 +374,18 @@ def check_output_dir(what: str, path: str) -> None:
         raise UsageError(f"{what} {path!r}: directory {str(probe)!r} is not writable")
 
 
+def check_new_dir(what: str, path: str) -> None:
+    """A directory to be made whole at the end (a rename into its parent): absent or empty, its parent writable."""
+    p = Path(path)
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        raise UsageError(f"{what} {path}: exists and is not an empty directory; give a new directory")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{what} {path}: directory {str(parent)!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: directory {str(parent)!r} is not writable")
+
+
 def sp_config(task: Task, args: argparse.Namespace) -> Any:
     """The sequence-parallel degrees from the flags, or None without sequence parallelism."""
     from braid.models.sequence_parallel import SPConfig
@@ -415,12 +437,12 @@ def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int 
         raise UsageError("--data needs --tokenizer DIR (a directory with tokenizer.json)")
     if model_vocab is None:
         return
-    from braid.training.data import DataError, data_files, load_tokenizer
+    from braid.training.data import data_files, load_tokenizer
 
     try:
         data_files(args.data)
         tok, _ = load_tokenizer(args.tokenizer)
-    except DataError as err:
+    except ValueError as err:  # braid.training.data.DataError, braid.inputs.InputFileError
         raise UsageError(str(err)) from None
     if tok.get_vocab_size() > model_vocab:
         raise UsageError(f"--tokenizer has {tok.get_vocab_size()} tokens but --model {args.model}'s vocabulary is {model_vocab}; "

@@ -75,7 +75,7 @@ def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStat
         d = Dist.init(0, 1, master_port=_free_port(), device=device, timeout_s=args.timeout)
     try:
         groups = ProcessGroups.create(setup.topo, timeout_s=args.timeout)
-        source = source if source is not None else task.source(setup.model, args)
+        source = source if source is not None else setup.source
         ref = train_reference(task, setup, source, device, dtype) if args.reference else None
         stats = {r.name: train_schedule(task, setup, r, d, groups, source, device, dtype) for r in setup.runs}
         if setup.rank == 0 and (len(stats) > 1 or ref is not None):

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from braid.files import atomic_write_text
+from braid.inputs import InputFileError, read_json, safetensors_keys
 from braid.models.build import materialize, on_meta
 from braid.models.registry import Family, HFWeights, family_for_hf, family_of
 
@@ -35,22 +36,44 @@ def _safetensors() -> Any:
         import safetensors  # noqa: F401
         from safetensors import safe_open
     except ImportError:
-        raise ImportError("braid.hf needs the safetensors package: pip install 'braid[hf]' (or pip install safetensors)") from None
+        raise ImportError("braid.hf needs the safetensors package: pip install 'braid-pipeline[hf]' (or pip install safetensors)") from None
     return safe_open
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``config.json`` of a checkpoint directory as a dict (``ValueError`` if absent or not JSON)."""
+    """The ``config.json`` of a checkpoint directory as a dict (``ValueError`` naming the file if absent or not JSON)."""
     f = Path(path) / "config.json"
     if not f.is_file():
         raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: no config.json in it")
-    try:
-        d = json.loads(f.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{f}: not valid JSON ({err})") from None
+    d = read_json(f, "Hugging Face config.json")
     if "model_type" not in d:
         raise ValueError(f"{f}: no model_type")
     return d
+
+
+def read_family_config(path: str | os.PathLike) -> tuple[dict[str, Any], Family, Any]:
+    """``(config.json dict, family, the family's model config)`` of a checkpoint directory.
+
+    A missing or ill-typed field (no ``hidden_size``, a negative layer count, ...) is a
+    ``ValueError`` naming ``config.json`` and the field, never a ``KeyError``.
+    """
+    f = Path(path) / "config.json"
+    d = read_config(path)
+    if not isinstance(d["model_type"], str):
+        raise ValueError(f"{f}: model_type must be a string, got {d['model_type']!r}")
+    family = family_for_hf(d["model_type"])
+    try:
+        cfg = family.from_hf(d)
+    except KeyError as err:
+        raise ValueError(f"{f}: no {err.args[0]!r} (a {family.name} config.json needs it)") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"{f}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn"):
+        for part in (cfg, getattr(cfg, "lm", None)):
+            value = getattr(part, name, None)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f}: {name} must be a positive integer, got {value!r}")
+    return d, family, cfg
 
 
 class CheckpointReader:
@@ -63,10 +86,9 @@ class CheckpointReader:
         self.path = Path(path)
         self._safe_open = _safetensors()
         if (self.path / INDEX).is_file():
-            self.files = {k: self.path / f for k, f in json.loads((self.path / INDEX).read_text())["weight_map"].items()}
+            self.files = _index_files(self.path)
         elif (self.path / SINGLE).is_file():
-            with self._safe_open(self.path / SINGLE, framework="pt") as f:
-                self.files = {k: self.path / SINGLE for k in f.keys()}
+            self.files = {k: self.path / SINGLE for k in safetensors_keys(self.path / SINGLE)}
         else:
             raise ValueError(f"{str(path)!r}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read)")
 
@@ -77,8 +99,31 @@ class CheckpointReader:
         """The tensor ``key`` on the CPU, as stored."""
         if key not in self.files:
             raise KeyError(f"{self.path}: checkpoint has no tensor {key!r}")
-        with self._safe_open(self.files[key], framework="pt", device="cpu") as f:
-            return f.get_tensor(key)
+        try:
+            with self._safe_open(self.files[key], framework="pt", device="cpu") as f:
+                return f.get_tensor(key)
+        except Exception as err:  # noqa: BLE001 - the Rust reader's errors name no file
+            raise ValueError(f"{self.files[key]}: cannot read tensor {key!r} ({str(err).splitlines()[0]})") from None
+
+
+def _index_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> shard of a sharded checkpoint, every shard opened and checked against the index."""
+    index = path / INDEX
+    d = read_json(index, "safetensors index")
+    wm = d.get("weight_map")
+    if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise InputFileError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file name")
+    shards: dict[str, set[str]] = {}
+    for shard in sorted(set(wm.values())):
+        if Path(shard).name != shard:
+            raise InputFileError(f"{index}: shard {shard!r} is not a file name in the checkpoint directory")
+        if not (path / shard).is_file():
+            raise InputFileError(f"{index}: names shard {shard!r}, which is not in {str(path)!r}")
+        shards[shard] = set(safetensors_keys(path / shard))
+    for key, shard in wm.items():
+        if key not in shards[shard]:
+            raise InputFileError(f"{index}: maps tensor {key!r} to {shard}, which does not hold it")
+    return {k: path / f for k, f in wm.items()}
 
 
 @dataclass
@@ -115,9 +160,7 @@ def load_meta(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
 
     :func:`braid.models.build.materialize` reads all of it (as :func:`load`).
     """
-    d = read_config(path)
-    family = family_for_hf(d["model_type"])
-    cfg = family.from_hf(d)
+    _, family, cfg = read_family_config(path)
     reader = CheckpointReader(path)
     source = CheckpointSource(reader, family, torch.device(device), family.weights(cfg, reader.keys()))
     return on_meta(family.model_cls, cfg, source, dtype)
@@ -127,7 +170,9 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: to
     """The single-device braid model of a local HF checkpoint directory (``config.json`` + safetensors).
 
     Every checkpoint tensor must be used (a tied checkpoint may also carry ``lm_head.weight``);
-    a missing or unused tensor is a ``ValueError`` naming it. LMs have ``logits(input_ids)``, VLMs
+    a missing or unused tensor is a ``ValueError`` naming it, and so is a file that cannot be
+    used (``config.json`` without a field the family needs, an index naming a missing shard, an
+    empty, truncated or garbage shard: :mod:`braid.inputs`). LMs have ``logits(input_ids)``, VLMs
     ``logits(input_ids, pixel_values=..., image_grid_thw=...)`` (what HF's processor gives).
     """
     model = load_meta(path, dtype, device)
@@ -154,7 +199,7 @@ def save(model: nn.Module, path: str | os.PathLike, max_shard_size: str | int = 
     try:
         from huggingface_hub import save_torch_state_dict
     except ImportError:
-        raise ImportError("braid.hf.save needs huggingface_hub: pip install 'braid[hf]'") from None
+        raise ImportError("braid.hf.save needs huggingface_hub: pip install 'braid-pipeline[hf]'") from None
     target = Path(path)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ValueError(f"{str(path)!r} exists and is not an empty directory; give a new directory")
