@@ -250,7 +250,7 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
     except (RunError, CheckpointError, UsageError) as err:
         if rank == 0:
             print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
-        return err.exit_code if isinstance(err, RunError) else 2
+        return getattr(err, "exit_code", 2)  # 1 for a failed run (RunError, a save that could not be written)
     if ref is None:
         return 0
     dtype = compute_dtype(pick_device(setup.args))
