@@ -196,8 +196,9 @@ def _config_text(setup: Setup) -> str:
     from braid.runconfig import dump_config
 
     prog = setup.parser.prog if setup.parser is not None else "train"
+    launch = f"torchrun --nproc-per-node {setup.world}" if setup.world > 1 else "python"
     return dump_config(setup.parser, setup.args, header=f"effective configuration of a {prog} run; "
-                                                       f"replay: python {prog} --config FILE")
+                                                       f"replay: {launch} examples/{prog} --config FILE")
 
 
 def _write_config(setup: Setup, path: Path) -> None:
