@@ -30,27 +30,32 @@ class InputFileError(ValueError):
 def read_text(path: str | os.PathLike, what: str = "file") -> str:
     """The UTF-8 text of ``path``; a missing, unreadable or binary file is an :class:`InputFileError`."""
     p = Path(path)
+    try:
+        return _read_bytes(p, what).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputFileError(f"{p}: not a UTF-8 text file (byte {err.start}: {err.reason}); expected a {what}") from None
+
+
+def _read_bytes(p: Path, what: str) -> bytes:
     if p.is_dir():
         raise InputFileError(f"{p}: is a directory, expected a {what}")
     if not p.is_file():
         raise InputFileError(f"{p}: no such {what}")
     try:
-        return p.read_bytes().decode("utf-8")
+        return p.read_bytes()
     except OSError as err:
         raise InputFileError(f"{p}: cannot read ({err.strerror or err})") from None
-    except UnicodeDecodeError as err:
-        raise InputFileError(f"{p}: not a UTF-8 text file (byte {err.start}: {err.reason}); expected a {what}") from None
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file", expect: type = dict) -> Any:
     """The JSON document in ``path``, whose top level must be an ``expect`` (``dict`` or ``list``)."""
     p = Path(path)
-    text = read_text(p, what)
+    raw = _read_bytes(p, what)
     try:
-        d = json.loads(text)
+        d = json.loads(raw.decode("utf-8"))
     except RecursionError:
         raise InputFileError(f"{p}: JSON nested too deeply to be a {what}") from None
-    except ValueError as err:  # JSONDecodeError, or an integer literal too long
+    except ValueError as err:  # JSONDecodeError, an integer literal too long, or bytes that are not UTF-8
         raise InputFileError(f"{p}: not valid JSON ({err})") from None
     if not isinstance(d, expect):
         kind = {dict: "a JSON object", list: "a JSON list"}.get(expect, expect.__name__)
