@@ -10,7 +10,9 @@ traceback per rank:
   traces, ``config.json``, ``tokenizer_config.json``, a safetensors index);
 * :func:`safetensors_keys` -- the tensor names of a ``.safetensors`` file, its header
   checked against the file (length, JSON, dtypes, shapes, offsets within the file) by the
-  ``safetensors`` package itself.
+  ``safetensors`` package itself;
+* :func:`read_hf_config` / :func:`read_family_config` -- a Hugging Face ``config.json``, and
+  the model config its family reads from it (a missing or ill-typed field named).
 
 Each raises :class:`InputFileError`, a ``ValueError`` whose message starts with the file.
 """
@@ -88,3 +90,41 @@ def safetensors_keys(path: str | os.PathLike) -> list[str]:
     except (SafetensorError, OSError, ValueError) as err:
         raise InputFileError(f"{p}: not a valid safetensors file ({str(err).splitlines()[0]})") from None
     return keys
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint directory as a dict (``ValueError`` naming the file if absent or not JSON)."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: no config.json in it")
+    d = read_json(f, "Hugging Face config.json")
+    if "model_type" not in d:
+        raise ValueError(f"{f}: no model_type")
+    return d
+
+
+def read_family_config(path: str | os.PathLike) -> tuple[dict[str, Any], Any, Any]:
+    """``(config.json dict, family, the family's model config)`` of a checkpoint directory.
+
+    A missing or ill-typed field (no ``hidden_size``, a negative layer count, ...) is a
+    ``ValueError`` naming ``config.json`` and the field, never a ``KeyError``.
+    """
+    f = Path(path) / "config.json"
+    d = read_hf_config(path)
+    if not isinstance(d["model_type"], str):
+        raise ValueError(f"{f}: model_type must be a string, got {d['model_type']!r}")
+    from braid.models.registry import family_for_hf  # the registry loads the families' modules on first use
+
+    family = family_for_hf(d["model_type"])
+    try:
+        cfg = family.from_hf(d)
+    except KeyError as err:
+        raise ValueError(f"{f}: no {err.args[0]!r} (a {family.name} config.json needs it)") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(f"{f}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+    for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn"):
+        for part in (cfg, getattr(cfg, "lm", None)):
+            value = getattr(part, name, None)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f}: {name} must be a positive integer, got {value!r}")
+    return d, family, cfg

@@ -183,7 +183,7 @@ def get_model(name: str, *, prefix: str = "qwen2-") -> ModelConfig:
 
 def from_hf_config(path: str | os.PathLike) -> ModelConfig:
     """The shape of a Hugging Face checkpoint's ``config.json`` (a file path or its directory)."""
-    from braid.hf.checkpoint import read_family_config
+    from braid.inputs import read_family_config
 
     p = Path(path)
     d, family, cfg = read_family_config(p.parent if p.is_file() or p.suffix == ".json" else p)

@@ -23,9 +23,11 @@ import torch
 from torch import nn
 
 from braid.files import atomic_write_text
-from braid.inputs import InputFileError, read_json, safetensors_keys
+from braid.inputs import InputFileError, read_family_config, read_hf_config, read_json, safetensors_keys
 from braid.models.build import materialize, on_meta
-from braid.models.registry import Family, HFWeights, family_for_hf, family_of
+from braid.models.registry import Family, HFWeights, family_of
+
+read_config = read_hf_config  # braid.hf.read_config: the public name
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -38,42 +40,6 @@ def _safetensors() -> Any:
     except ImportError:
         raise ImportError("braid.hf needs the safetensors package: pip install 'braid-pipeline[hf]' (or pip install safetensors)") from None
     return safe_open
-
-
-def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``config.json`` of a checkpoint directory as a dict (``ValueError`` naming the file if absent or not JSON)."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: no config.json in it")
-    d = read_json(f, "Hugging Face config.json")
-    if "model_type" not in d:
-        raise ValueError(f"{f}: no model_type")
-    return d
-
-
-def read_family_config(path: str | os.PathLike) -> tuple[dict[str, Any], Family, Any]:
-    """``(config.json dict, family, the family's model config)`` of a checkpoint directory.
-
-    A missing or ill-typed field (no ``hidden_size``, a negative layer count, ...) is a
-    ``ValueError`` naming ``config.json`` and the field, never a ``KeyError``.
-    """
-    f = Path(path) / "config.json"
-    d = read_config(path)
-    if not isinstance(d["model_type"], str):
-        raise ValueError(f"{f}: model_type must be a string, got {d['model_type']!r}")
-    family = family_for_hf(d["model_type"])
-    try:
-        cfg = family.from_hf(d)
-    except KeyError as err:
-        raise ValueError(f"{f}: no {err.args[0]!r} (a {family.name} config.json needs it)") from None
-    except (TypeError, ValueError, AttributeError) as err:
-        raise ValueError(f"{f}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-    for name in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn"):
-        for part in (cfg, getattr(cfg, "lm", None)):
-            value = getattr(part, name, None)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{f}: {name} must be a positive integer, got {value!r}")
-    return d, family, cfg
 
 
 class CheckpointReader:
