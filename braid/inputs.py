@@ -93,14 +93,24 @@ def safetensors_keys(path: str | os.PathLike) -> list[str]:
 
 
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``config.json`` of a checkpoint directory as a dict (``ValueError`` naming the file if absent or not JSON)."""
-    f = Path(path) / "config.json"
-    if not f.is_file():
-        raise ValueError(f"{str(path)!r} is not a Hugging Face checkpoint directory: no config.json in it")
+    """The ``config.json`` of a checkpoint directory (or that file itself) as a dict; ``ValueError``
+    naming the file if it is absent, not JSON or has no ``model_type``."""
+    f = _config_file(path)
     d = read_json(f, "Hugging Face config.json")
     if "model_type" not in d:
         raise ValueError(f"{f}: no model_type")
     return d
+
+
+def _config_file(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if p.is_file():
+        return p
+    if p.suffix == ".json":
+        raise InputFileError(f"{p}: no such Hugging Face config file")
+    if not (p / "config.json").is_file():
+        raise InputFileError(f"{str(path)!r} is not a Hugging Face checkpoint directory: no config.json in it")
+    return p / "config.json"
 
 
 def read_family_config(path: str | os.PathLike) -> tuple[dict[str, Any], Any, Any]:
@@ -109,7 +119,7 @@ def read_family_config(path: str | os.PathLike) -> tuple[dict[str, Any], Any, An
     A missing or ill-typed field (no ``hidden_size``, a negative layer count, ...) is a
     ``ValueError`` naming ``config.json`` and the field, never a ``KeyError``.
     """
-    f = Path(path) / "config.json"
+    f = _config_file(path)
     d = read_hf_config(path)
     if not isinstance(d["model_type"], str):
         raise ValueError(f"{f}: model_type must be a string, got {d['model_type']!r}")

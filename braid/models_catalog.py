@@ -186,7 +186,7 @@ def from_hf_config(path: str | os.PathLike) -> ModelConfig:
     from braid.inputs import read_family_config
 
     p = Path(path)
-    d, family, cfg = read_family_config(p.parent if p.is_file() or p.suffix == ".json" else p)
+    d, family, cfg = read_family_config(p)
     name = str(d.get("_name_or_path") or (p.parent.name if p.is_file() else p.name) or family.name)
     if hasattr(cfg, "vit") and hasattr(cfg, "lm"):  # a vision-language model: its LM and its tower
         v = cfg.vit

@@ -115,6 +115,8 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
     "simulate-config-negative-layers": (["braid.simulate", "--model", "m"], {"m/config.json": _hf_config(num_hidden_layers=-2)},
                                         "m/config.json: layers must be a positive integer"),
     "simulate-config-not-json": (["braid.simulate", "--model", "m"], {"m/config.json": "{"}, "m/config.json: not valid JSON"),
+    "simulate-config-file-binary": (["braid.simulate", "--model", "b.json"], {"b.json": _BINARY}, "b.json: not valid JSON"),
+    "simulate-config-file-missing": (["braid.simulate", "--model", "nope.json"], {}, "nope.json: no such Hugging Face config"),
     "plan-config-no-hidden": (["braid.plan", "--model", "m", "--gpus", "2"], {"m/config.json": _hf_config(drop="hidden_size")},
                               "m/config.json: no 'hidden_size'"),
     # --- sizes checked before compiling
