@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -92,7 +93,14 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # python, torchrun of this venv
     env["CUDA_VISIBLE_DEVICES"] = ""  # the docs' CPU path, also on a machine with a GPU
+    env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port, so that a busy 29500 cannot fail a block
     return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _run(block: Block, cwd: Path) -> subprocess.CompletedProcess:
