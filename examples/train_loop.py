@@ -19,7 +19,8 @@ Outputs: a start-up banner and one log line per step on rank 0, ``--metrics`` (J
 lines), ``--tensorboard``, ``--trace`` (the last step's measured trace, all ranks merged),
 ``--save``/``--resume`` (``DIR/step_N`` folders, see ``train_checkpoint.py``; resuming
 reproduces the uninterrupted run's losses, exactly at the same layout). Exit codes: 2 for
-bad flags, layouts or checkpoints, 1 for a non-finite loss or a failed ``--reference``.
+bad flags, layouts, input files or checkpoints, 1 for a non-finite loss, a failed
+``--reference`` or a checkpoint that could not be written (a full disk).
 
 Real data: give :func:`main` a ``source`` -- any :class:`data.SampleSource` returning
 ``tokens``/``labels`` (and ``pixels`` for the VLM) per global sample index; the loop
