@@ -234,25 +234,6 @@ def _usage_barrier(rank: int) -> None:
         log.debug("no store to coordinate the usage error", exc_info=True)
 
 
-def _tell_launcher(line: str) -> None:
-    """Under torchrun, its failure summary's root cause shows ``line`` instead of "<N/A>".
-
-    torchrun's elastic agent reads the error file it names in ``TORCHELASTIC_ERROR_FILE``
-    (the format of ``torch.distributed.elastic``'s ``@record``); the launcher still prints
-    its own traceback for any worker that exits non-zero.
-    """
-    import json
-
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        log.debug("could not write the launcher's error file %s", path, exc_info=True)
-
-
 def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> int:
     """Entry point of the example scripts; returns the exit code (2 for bad flags, layouts or checkpoints, 1 for a failed run)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -262,7 +243,6 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
     except UsageError as err:
         if rank == 0:
             print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
-        _tell_launcher(f"{task.prog}: error: {err}")
         _usage_barrier(rank)
         return 2
     if rank == 0 and setup.args.metrics:
@@ -272,7 +252,6 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
     except (RunError, CheckpointError, UsageError) as err:
         if rank == 0:
             print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
-        _tell_launcher(f"{task.prog}: error: {err}")
         return getattr(err, "exit_code", 2)  # 1 for a failed run (RunError, a save that could not be written)
     if ref is None:
         return 0
