@@ -272,3 +272,24 @@ def test_the_vlm_example_refuses_a_language_model_checkpoint(example_inputs: Pat
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
     assert "--hf lm: config.json describes a language model" in out.stderr and "examples/qwen2.py" in out.stderr
     shutil.rmtree(tmp_path / "lm")
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_under_torchrun_is_one_line_from_rank_0(example_inputs: Path, tmp_path: Path) -> None:
+    """Every rank reads the checkpoint before any process group and reaches the same verdict: the
+    line appears once (rank 0), no rank prints a traceback, every rank exits 2 (torchrun adds its own summary)."""
+    import shutil
+    import socket
+
+    shutil.copytree(example_inputs, tmp_path, dirs_exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+                          str(ROOT / "examples" / "qwen2.py"), "--device", "cpu", "--steps", "1", "--pp", "2", "--hf", "trunc"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert text.count("qwen2.py: error: trunc/model.safetensors: its header claims") == 1, text[-3000:]
+    assert "[rank0]" not in text and "[rank1]" not in text and "SafetensorError" not in text, text[-3000:]
+    assert "exitcode  : 2" in text, text[-3000:]
