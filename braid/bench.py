@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from braid.baselines import available_baselines, baseline_label
-from braid.cli import Parser, check_output_dir, check_outputs, run_main
+from braid.cli import Parser, check_output_dir, check_outputs, check_plan_size, run_main
 from braid.costs import CostFileError, Layout, costs_from_dict, load_cost_json
 from braid.files import atomic_write_text
 from braid.profile import (
@@ -670,6 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error("--mbs, --steps and --rounds must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
+    check_plan_size(ap, pc.pp, max(args.mbs))
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,

@@ -92,6 +92,15 @@ def check_plan_size(ap: argparse.ArgumentParser, pp: int | None, mbs: int | None
                  f"pp x mbs and would take minutes to compile); lower --mbs")
 
 
+MAX_CPU_RANKS = 64  # gloo processes a CPU run spawns (one per rank): beyond this a spawn only exhausts the machine
+
+
+def check_cpu_ranks(ap: argparse.ArgumentParser, world: int) -> None:
+    """A parser error for a CPU run that would spawn more than :data:`MAX_CPU_RANKS` processes."""
+    if world > MAX_CPU_RANKS:
+        ap.error(f"tp x pp = {world} ranks on the CPU: at most {MAX_CPU_RANKS} processes (one per rank); lower --tp/--pp")
+
+
 def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """``main(argv)``, with a closed stdout (``| head``) ending the command quietly, exit 0."""
     try:

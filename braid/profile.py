@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from braid.autograd_calls import on_this_thread
 from braid.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
-from braid.cli import Parser, check_outputs, check_range, run_main
+from braid.cli import Parser, check_cpu_ranks, check_outputs, check_range, run_main
 from braid.costs import ChunkCosts, CostModel, Layout, UnitCost, costs_to_dict, model_forward_flops
 from braid.files import atomic_write_text
 from braid.ir import OpKind, Placement, Plan, ScheduleConfig, stage_of
@@ -795,6 +795,8 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu")
     if device == "cuda" and torch.cuda.device_count() < world:
         ap.error(f"--device cuda with tp*pp = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
+    if device == "cpu":
+        check_cpu_ranks(ap, world)
     from braid.runtime.compiled import resolve as resolve_compile
 
     try:

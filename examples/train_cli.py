@@ -327,6 +327,12 @@ def check_values(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    from braid.cli import MAX_MBS, MAX_PM, MAX_PP
+
+    mbs = args.mbs if args.mbs is not None else 2 * args.pp
+    if args.pp > MAX_PP or mbs > MAX_MBS or args.pp * mbs > MAX_PM:
+        raise UsageError(f"--pp {args.pp} x --mbs {mbs}: at most --pp {MAX_PP}, --mbs {MAX_MBS} and {MAX_PM:,} in product "
+                         "(the programs grow as pp x mbs)")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 0 (0: only at the end), got {args.save_every}")
     positive = {"lr": args.lr, "init_std": args.init_std, "timeout": args.timeout}

@@ -126,6 +126,10 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
                                 "48 layers cannot fill 1000 virtual stages"),
     "simulate-mbs-huge": (["braid.simulate", "--mbs", "100000"], {}, "--mbs 100000: at most"),
     "simulate-pp-x-mbs": (["braid.simulate", "--pp", "32", "--mbs", "4096"], {}, "at most 65,536"),
+    "bench-pp-huge": (["braid.bench", "--pp", "100000"], {}, "tp x pp = 100000 ranks on the CPU: at most 64"),
+    "bench-mbs-huge": (["braid.bench", "--pp", "2", "--mbs", "1000000"], {}, "--mbs 1000000: at most"),
+    "profile-too-many-cpu-ranks": (["braid.profile", "--tp", "8", "--pp", "9", "--device", "cpu"], {},
+                                   "tp x pp = 72 ranks on the CPU: at most 64"),
     "programs-pp-huge": (["braid.programs", "gpipe", "--pp", "5000"], {}, "--pp 5000: at most 1024"),
     # --- plan: outputs and the launch layout
     "plan-json-equals-html": (["braid.plan", "--model", "qwen2-7b", "--gpus", "8", "--json", "p.out", "--html", "p.out"], {},
