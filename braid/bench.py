@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Sequence
 
 from braid.cost.costs import CostFileError, load_cost_json
-from braid.io.cli import Parser, check_output_dir, check_outputs, run_main
+from braid.io.cli import Parser, check_output_dir, check_outputs, check_plan_size, run_main
 from braid.io.files import atomic_write_text
 from braid.measure.config import (
     DEFAULT_SCHEDULES,
@@ -94,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend)
         if why:
             ap.error(f"--cuda-graph step: {why}; use --cuda-graph none")
+    check_plan_size(ap, pc.pp, max(args.mbs))
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,

@@ -33,6 +33,7 @@ from braid.cost.catalog import MODELS
 from braid.planner.search import Evaluation, Problem, SearchResult, search
 from braid.simulate import resolve_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
+from braid.io.cli import check_outputs
 
 # catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
 # catalog name -> the examples' --model preset of the same shape (examples/qwen2.py: qwen2-*,
@@ -80,6 +81,8 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
     c, p, mdl = ev.cand, ev.cand.par, prob.model
     g = prob.cluster.gpus_per_node
     nodes = max(1, prob.gpus // g)
+    if nodes * min(g, prob.gpus) != prob.gpus:
+        raise ValueError(f"{prob.gpus} GPUs are not {nodes} node(s) of {g}: torchrun starts as many processes on every node")
     vision = mdl.vit is not None
     script = "examples/qwen2_vl.py" if vision else "examples/qwen2.py"
     spec = schedules.get_schedule(c.schedule)
@@ -164,7 +167,7 @@ def _write_html(prob: Problem, res: SearchResult, path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from braid.io.files import OutputPathError, atomic_write_text, check_output_path
+    from braid.io.files import atomic_write_text
 
     ap = _parser()
     args = ap.parse_args(argv)
@@ -182,12 +185,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--memory must be a positive number of GiB, got {args.memory}")
     if not args.time_budget > 0:
         ap.error(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
-    try:
-        for out in (args.json, args.html):
-            if out:
-                check_output_path(out)
-    except OutputPathError as err:
-        ap.error(str(err))
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        fits = [g for g in range(args.gpus_per_node - 1, 0, -1) if args.gpus % g == 0][0]
+        ap.error(f"--gpus {args.gpus} is not a whole number of nodes of --gpus-per-node {args.gpus_per_node} (torchrun "
+                 f"starts as many processes on every node): use --gpus {args.gpus - args.gpus % args.gpus_per_node} or "
+                 f"{args.gpus + args.gpus_per_node - args.gpus % args.gpus_per_node}, or --gpus-per-node {fits} "
+                 f"({args.gpus // fits} nodes)")
+    timeline = str(Path(args.html).with_suffix(".timeline.html")) if args.html else None
+    check_outputs(ap, [("--json", args.json), ("--html", args.html), ("--html's timeline page", timeline)],
+                  inputs=[args.model] if Path(args.model).exists() else [])
     if args.html:
         try:
             import plotly  # noqa: F401

@@ -25,6 +25,8 @@ from braid.core.compiler import ScheduleError, compile_plan, format_grid, peak_a
 from braid.io.files import atomic_write_text
 from braid.core.ir import Braided, programs_to_json
 from braid.core.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
+from braid.io.cli import check_plan_size
+from braid.io.inputs import InputFileError, read_text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,18 +66,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("-o writes the torch CSV: use it with --format torch-csv (or --json FILE for the programs)")
     check_outputs(ap, [("-o", args.output), ("--json", args.json)],
                   inputs=tuple(x for x in (args.import_torch_csv,) if x))
-    try:
-        if args.import_torch_csv:
-            try:
-                with open(args.import_torch_csv) as f:
-                    text = f.read()
-            except OSError as err:
-                raise ValueError(f"--import-torch-csv: cannot read {args.import_torch_csv!r} ({err.strerror})") from None
+    check_plan_size(ap, args.pp, args.mbs)
+    if args.import_torch_csv:
+        try:
+            text = read_text(args.import_torch_csv, "torch schedule CSV")
             plan = from_torch_csv(text, name=args.import_torch_csv.rsplit("/", 1)[-1].removesuffix(".csv"))
-        else:
+            programs = compile_plan(plan)
+        except InputFileError as err:
+            ap.error(f"--import-torch-csv {err}")
+        except (ScheduleError, ValueError, TorchFormatError) as err:  # a CSV that is not a runnable schedule: bad input
+            ap.error(f"--import-torch-csv {args.import_torch_csv}: {str(err).splitlines()[0]}")
+    try:
+        if not args.import_torch_csv:
             knobs = {} if args.braid is None else {"braid": args.braid}
             plan = schedules.build(args.schedule, args.pp, args.mbs, v=args.chunks, **knobs)
-        programs = compile_plan(plan)
+            programs = compile_plan(plan)
     except ScheduleError as err:
         # a generator that emits an invalid plan: a bug, shown with its grid (exit 1)
         print(f"{ap.prog}: error: {err}", file=sys.stderr)

@@ -39,7 +39,7 @@ import sys
 from typing import Any, Sequence
 
 from braid.io.cli import Parser as _Parser
-from braid.io.cli import check_outputs, run_main
+from braid.io.cli import check_outputs, check_plan_size, run_main
 from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers,
                          read_costs)
 from braid.io.files import atomic_write_text
@@ -275,7 +275,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
 
 def _max_pp(model, v: int, upto: int) -> int:
     """The most pipeline ranks (at most ``upto``) whose ``upto * v`` virtual stages the model's layers fill."""
-    for p in range(upto, 0, -1):
+    layers = model.layers + (model.vit.layers if model.vit is not None else 0)
+    for p in range(min(upto, layers // v), 0, -1):  # every virtual stage holds a layer at least
         try:
             model_stage_layers(model, Layout(1, p, v))
             return p
@@ -335,6 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         analytic_costs(model, get_hardware(args.hardware), Layout(args.tp, 1, 1 if model.vit is None else 2))
     except ValueError as err:
         ap.error(str(err))
+    check_plan_size(ap, args.pp, args.mbs)
+    if not args.torch_csv:  # layers enough for the stages, before anything is compiled
+        need = {n: (schedules.get_schedule(n).v, "layers") for n in chosen}
+        if all(_max_pp(model, v, args.pp) < args.pp for v, _ in need.values()):
+            ap.error(_nothing_ran(args, need))
     check_outputs(ap, [("--json", args.json), ("--trace", args.trace), ("--html", args.html)],
                   inputs=([args.costs] if args.costs else []) + list(args.torch_csv or []))
     if args.html:
@@ -350,14 +356,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     plans = []
     for path in args.torch_csv or []:
         from braid.core.torch_format import TorchFormatError, from_torch_csv
+        from braid.core.compiler import ScheduleError, compile_plan
+        from braid.io.inputs import InputFileError, read_text
 
         try:
-            with open(path) as f:
-                plan = from_torch_csv(f.read(), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
-        except OSError as err:
-            ap.error(f"--torch-csv: cannot read {path!r} ({err.strerror})")
-        except TorchFormatError as err:
-            ap.error(f"--torch-csv {path}: {err}")
+            plan = from_torch_csv(read_text(path, "torch schedule CSV"), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
+            compile_plan(plan)  # a plan torch wrote that cannot run (deadlock, a missing op) is bad input too
+        except InputFileError as err:
+            ap.error(f"--torch-csv {err}")
+        except (TorchFormatError, ScheduleError, ValueError) as err:
+            ap.error(f"--torch-csv {path}: {str(err).splitlines()[0]}")
         if (plan.p, plan.m) != (args.pp, args.mbs):
             ap.error(f"--torch-csv {path} has {plan.p} ranks and {plan.m} micro-batches: pass --pp {plan.p} --mbs {plan.m}")
         plans.append(plan)

@@ -198,6 +198,7 @@ class Setup:
     model: torch.nn.Module
     parser: argparse.ArgumentParser | None = None
     resume_dir: Path | None = None  # the step folder --resume names (checked)
+    source: Any = None  # the data (task.source), read before any process group
 
     @property
     def plan(self) -> Any:
@@ -264,8 +265,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
     if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf):
         raise UsageError("--save, --save-hf, --resume and --trace take one --schedule (several schedules compare fresh runs)")
-    if args.save_hf and Path(args.save_hf).exists() and (not Path(args.save_hf).is_dir() or any(Path(args.save_hf).iterdir())):
-        raise UsageError(f"--save-hf {args.save_hf}: exists and is not an empty directory; give a new directory")
+    if args.save_hf:
+        check_new_dir("--save-hf", args.save_hf)
     if args.reference and (args.resume or args.cp > 1):
         raise UsageError("--reference compares fresh runs without sequence parallelism: drop --resume / use --cp 1")
     torch_names = [n for n in names if n in BASELINES]
@@ -295,6 +296,12 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             from train_step import pick_device
 
             model = braid.hf.load_meta(args.hf, device=pick_device(args))  # materialised chunk by chunk
+            if task.vision != hasattr(model.cfg, "lm"):
+                from braid.models.registry import family_of
+
+                kind, script = ("a vision-language", "qwen2_vl.py") if hasattr(model.cfg, "lm") else ("a language", "qwen2.py")
+                raise ValueError(f"--hf {args.hf}: config.json describes {kind} model ({family_of(model).name}); "
+                                 f"train it with examples/{script}")
         else:
             model = task.build_model(args)
         if args.save_hf:
@@ -314,9 +321,12 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         check_training_flags(task, args, model_vocab=model.cfg.lm.vocab_size if task.vision else model.cfg.vocab_size)
         if sp is not None:
             sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
+        # the data are read (and --data tokenised) here, on every rank before any process group: a bad file is
+        # one line and exit code 2, not a traceback per rank
+        source = task.source(model, args)
     except ValueError as err:
         raise UsageError(str(err).splitlines()[0]) from None
-    setup = Setup(args, world, rank, topo, runs, model, parser)
+    setup = Setup(args, world, rank, topo, runs, model, parser, source=source)
     if args.resume:
         from train_checkpoint import check_resume
 
@@ -333,6 +343,12 @@ def check_values(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    from braid.io.cli import MAX_MBS, MAX_PM, MAX_PP
+
+    mbs = args.mbs if args.mbs is not None else 2 * args.pp
+    if args.pp > MAX_PP or mbs > MAX_MBS or args.pp * mbs > MAX_PM:
+        raise UsageError(f"--pp {args.pp} x --mbs {mbs}: at most --pp {MAX_PP}, --mbs {MAX_MBS} and {MAX_PM:,} in product "
+                         "(the programs grow as pp x mbs)")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 0 (0: only at the end), got {args.save_every}")
     positive = {"lr": args.lr, "init_std": args.init_std, "timeout": args.timeout}
@@ -378,6 +394,18 @@ def check_output_dir(what: str, path: str) -> None:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise UsageError(f"{what} {path!r}: directory {str(probe)!r} is not writable")
+
+
+def check_new_dir(what: str, path: str) -> None:
+    """A directory to be made whole at the end (a rename into its parent): absent or empty, its parent writable."""
+    p = Path(path)
+    if p.exists() and (not p.is_dir() or any(p.iterdir())):
+        raise UsageError(f"{what} {path}: exists and is not an empty directory; give a new directory")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{what} {path}: directory {str(parent)!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{what} {path}: directory {str(parent)!r} is not writable")
 
 
 def sp_config(task: Task, args: argparse.Namespace) -> Any:
@@ -430,12 +458,12 @@ def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int 
         raise UsageError("--data needs --tokenizer DIR (a directory with tokenizer.json)")
     if model_vocab is None:
         return
-    from braid.training.data import DataError, data_files, load_tokenizer
+    from braid.training.data import data_files, load_tokenizer
 
     try:
         data_files(args.data)
         tok, _ = load_tokenizer(args.tokenizer)
-    except DataError as err:
+    except ValueError as err:  # braid.training.data.DataError, braid.io.inputs.InputFileError
         raise UsageError(str(err)) from None
     if tok.get_vocab_size() > model_vocab:
         raise UsageError(f"--tokenizer has {tok.get_vocab_size()} tokens but --model {args.model}'s vocabulary is {model_vocab}; "

@@ -19,7 +19,8 @@ Outputs: a start-up banner and one log line per step on rank 0, ``--metrics`` (J
 lines), ``--tensorboard``, ``--trace`` (the last step's measured trace, all ranks merged),
 ``--save``/``--resume`` (``DIR/step_N`` folders, see ``train_checkpoint.py``; resuming
 reproduces the uninterrupted run's losses, exactly at the same layout). Exit codes: 2 for
-bad flags, layouts or checkpoints, 1 for a non-finite loss or a failed ``--reference``.
+bad flags, layouts, input files or checkpoints, 1 for a non-finite loss, a failed
+``--reference`` or a checkpoint that could not be written (a full disk).
 
 Real data: give :func:`main` a ``source`` -- any :class:`data.SampleSource` returning
 ``tokens``/``labels`` (and ``pixels`` for the VLM) per global sample index; the loop
@@ -75,7 +76,7 @@ def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStat
         d = Dist.init(0, 1, master_port=_free_port(), device=device, timeout_s=args.timeout)
     try:
         groups = ProcessGroups.create(setup.topo, timeout_s=args.timeout)
-        source = source if source is not None else task.source(setup.model, args)
+        source = source if source is not None else setup.source
         ref = train_reference(task, setup, source, device, dtype) if args.reference else None
         stats = {r.name: train_schedule(task, setup, r, d, groups, source, device, dtype) for r in setup.runs}
         if setup.rank == 0 and (len(stats) > 1 or ref is not None):
@@ -196,8 +197,9 @@ def _config_text(setup: Setup) -> str:
     from braid.io.runconfig import dump_config
 
     prog = setup.parser.prog if setup.parser is not None else "train"
+    launch = f"torchrun --nproc-per-node {setup.world}" if setup.world > 1 else "python"
     return dump_config(setup.parser, setup.args, header=f"effective configuration of a {prog} run; "
-                                                       f"replay: python {prog} --config FILE")
+                                                       f"replay: {launch} examples/{prog} --config FILE")
 
 
 def _write_config(setup: Setup, path: Path) -> None:
@@ -250,7 +252,7 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
     except (RunError, CheckpointError, UsageError) as err:
         if rank == 0:
             print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
-        return err.exit_code if isinstance(err, RunError) else 2
+        return getattr(err, "exit_code", 2)  # 1 for a failed run (RunError, a save that could not be written)
     if ref is None:
         return 0
     dtype = compute_dtype(pick_device(setup.args))

@@ -188,7 +188,7 @@ def tensorboard_writer(log_dir: str, purge_step: int | None = None) -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard "
-                         "(or pip install 'braid[tensorboard]')") from None
+                         "(or pip install 'braid-pipeline[tensorboard]')") from None
     return SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
 

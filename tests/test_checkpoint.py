@@ -235,3 +235,28 @@ def test_bad_toml_is_one_line(tmp_path: Path) -> None:
         config_argv(_parser(), ["--config", str(f)])
     assert "\n" not in str(err.value)
     assert json.dumps(str(err.value))  # printable as one line
+
+
+@pytest.mark.parametrize("where", ["dcp", "manifest"])
+def test_a_full_disk_mid_save_is_one_line_and_keeps_latest(tmp_path: Path, monkeypatch, where: str) -> None:
+    """ENOSPC while DCP writes the shards or while rank 0 writes the manifest: one line saying the
+    disk is full, the partial folder removed, ``latest`` still naming the previous step."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    _save(tmp_path, 1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "dcp":
+        monkeypatch.setattr(dcp, "save", full)
+    else:
+        monkeypatch.setattr(checkpoint, "atomic_write_text", full)
+    with pytest.raises(checkpoint.CheckpointWriteError) as info:
+        _save(tmp_path, 2)
+    msg = str(info.value)
+    assert "disk full" in msg and "step_00000002" in msg and "step_00000001" in msg and "\n" not in msg, msg
+    assert (tmp_path / "latest").read_text().strip() == "step_00000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]

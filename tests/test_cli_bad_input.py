@@ -31,9 +31,17 @@ def _trace(**changes) -> str:
     return json.dumps({"format": "braid-trace/1", "traces": [t]})
 
 
+def _hf_config(drop: str | None = None, **change) -> str:
+    cfg = {"model_type": "qwen2", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, **change}
+    cfg.pop(drop, None)
+    return json.dumps(cfg)
+
+
 GOOD_TRACE = _trace()
+_BINARY = bytes(range(128, 256)) * 8
 # name -> (argv after "python -m", input files {name: text}, fragment of the error line)
-CASES: dict[str, tuple[list[str], dict[str, str], str]] = {
+CASES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
     # --- simulate
     "simulate-pp0": (["braid.simulate", "--pp", "0"], {}, "--pp must be a positive integer"),
     "simulate-budget-nan": (["braid.simulate", "--offload-budget", "nan"], {}, "--offload-budget"),
@@ -95,6 +103,41 @@ CASES: dict[str, tuple[list[str], dict[str, str], str]] = {
     "bench-no-run-fits": (["braid.bench", "--pp", "2", "--chunks", "1", "--schedule", "braided_v"], {}, "no run fits"),
     "bench-peak-flops": (["braid.bench", "--peak-flops", "inf"], {}, "--peak-flops"),
     "bench-trace-dir-is-file": (["braid.bench", "--trace-dir", "m.json"], {"m.json": "{}"}, "not a directory"),
+    # --- files a command takes (braid.io.inputs): one line naming the file
+    "programs-import-binary": (["braid.programs", "--import-torch-csv", "b.csv"], {"b.csv": _BINARY},
+                               "b.csv: not a UTF-8 text file"),
+    "programs-import-missing": (["braid.programs", "--import-torch-csv", "nope.csv"], {}, "nope.csv: no such"),
+    "simulate-torch-csv-binary": (["braid.simulate", "--torch-csv", "b.csv"], {"b.csv": _BINARY},
+                                  "b.csv: not a UTF-8 text file"),
+    "simulate-costs-binary": (["braid.simulate", "--costs", "c.json"], {"c.json": _BINARY}, "c.json: not valid JSON"),
+    "simulate-config-no-hidden": (["braid.simulate", "--model", "m/config.json"], {"m/config.json": _hf_config(drop="hidden_size")},
+                                  "m/config.json: no 'hidden_size'"),
+    "simulate-config-negative-layers": (["braid.simulate", "--model", "m"], {"m/config.json": _hf_config(num_hidden_layers=-2)},
+                                        "m/config.json: layers must be a positive integer"),
+    "simulate-config-not-json": (["braid.simulate", "--model", "m"], {"m/config.json": "{"}, "m/config.json: not valid JSON"),
+    "simulate-config-file-binary": (["braid.simulate", "--model", "b.json"], {"b.json": _BINARY}, "b.json: not valid JSON"),
+    "simulate-config-file-missing": (["braid.simulate", "--model", "nope.json"], {}, "nope.json: no such Hugging Face config"),
+    "plan-config-no-hidden": (["braid.plan", "--model", "m", "--gpus", "2"], {"m/config.json": _hf_config(drop="hidden_size")},
+                              "m/config.json: no 'hidden_size'"),
+    # --- sizes checked before compiling
+    "simulate-pp-huge": (["braid.simulate", "--schedule", "gpipe", "--tp", "1", "--pp", "100000", "--mbs", "1"], {},
+                         "--pp 100000: at most 1024"),
+    "simulate-pp-over-layers": (["braid.simulate", "--schedule", "gpipe", "--tp", "1", "--pp", "1000", "--mbs", "1"], {},
+                                "48 layers cannot fill 1000 virtual stages"),
+    "simulate-mbs-huge": (["braid.simulate", "--mbs", "100000"], {}, "--mbs 100000: at most"),
+    "simulate-pp-x-mbs": (["braid.simulate", "--pp", "32", "--mbs", "4096"], {}, "at most 65,536"),
+    "bench-pp-huge": (["braid.bench", "--pp", "100000"], {}, "tp x pp = 100000 ranks on the CPU: at most 64"),
+    "bench-mbs-huge": (["braid.bench", "--pp", "2", "--mbs", "1000000"], {}, "--mbs 1000000: at most"),
+    "profile-too-many-cpu-ranks": (["braid.profile", "--tp", "8", "--pp", "9", "--device", "cpu"], {},
+                                   "tp x pp = 72 ranks on the CPU: at most 64"),
+    "programs-pp-huge": (["braid.programs", "gpipe", "--pp", "5000"], {}, "--pp 5000: at most 1024"),
+    # --- plan: outputs and the launch layout
+    "plan-json-equals-html": (["braid.plan", "--model", "qwen2-7b", "--gpus", "8", "--json", "p.out", "--html", "p.out"], {},
+                              "name the same file 'p.out'"),
+    "plan-json-is-timeline": (["braid.plan", "--model", "qwen2-7b", "--gpus", "8", "--json", "p.timeline.html", "--html",
+                               "p.html"], {}, "name the same file 'p.timeline.html'"),
+    "plan-gpus-not-whole-nodes": (["braid.plan", "--model", "qwen2-7b", "--gpus", "12", "--gpus-per-node", "8"], {},
+                                  "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
     # --- profile
     "profile-output-dir-missing": (["braid.profile", "-o", "missing/c.json"], {}, "does not exist"),
     "profile-pp0": (["braid.profile", "--pp", "0"], {}, "--pp must be a positive integer"),
@@ -118,7 +161,8 @@ def _snapshot(d: Path) -> dict[str, bytes]:
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, name: str) -> None:
     argv, files, fragment = CASES[name]
     for fname, text in files.items():
-        (tmp_path / fname).write_text(text)
+        (tmp_path / fname).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
     before = _snapshot(tmp_path)
     out = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                          timeout=300)
@@ -154,3 +198,102 @@ def test_programs_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
     assert rc == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
     doc = json.loads((tmp_path / "p.json").read_text())  # written whole before the printing began
     assert doc["name"] == "1f1b_i" and len(doc["programs"]) == 8
+
+
+# ----------------------------------------------------------------------------------------
+# The example training scripts: every file is read before any process group starts
+
+EXAMPLE_FILES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
+    # name -> (flags after examples/qwen2.py --device cpu --steps 1, input files, fragment naming the file and the fault);
+    # the other bad data files are read in-process (tests/test_data.py), through the same PackedText
+    "data-bad-json-line": (["--data", "d.jsonl", "--tokenizer", "tok"], {"d.jsonl": '{"text": "a b"}\n{"text": \n'},
+                           "d.jsonl: line 2 is not valid JSON"),
+    "data-garbage-parquet": (["--data", "d.parquet", "--tokenizer", "tok"], {"d.parquet": _BINARY},
+                             "d.parquet: cannot be read as parquet"),
+    "tokenizer-config-list": (["--data", "good.jsonl", "--tokenizer", "listtok"], {"listtok/tokenizer_config.json": "[1, 2]"},
+                              "listtok/tokenizer_config.json: expected a JSON object"),
+    "hf-truncated-shard": (["--hf", "trunc"], {}, "trunc/model.safetensors: its header claims"),
+    "hf-config-no-hidden": (["--hf", "nohid"], {}, "nohid/config.json: no 'hidden_size'"),
+    "save-hf-parent-missing": (["--save-hf", "nodir/sub/out"], {}, "--save-hf nodir/sub/out: directory 'nodir/sub' does not exist"),
+}
+
+
+@pytest.fixture(scope="module")
+def example_inputs(tmp_path_factory) -> Path:
+    """A tokenizer, a good jsonl file and a tiny checkpoint (plus damaged copies) to copy into each case."""
+    pytest.importorskip("datasets")
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("safetensors")
+    import shutil
+
+    from test_data import make_tokenizer, write_jsonl
+    from test_input_files import _tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("example_inputs")
+    make_tokenizer(root / "tok")
+    write_jsonl(root / "good.jsonl")
+    ckpt = _tiny_checkpoint(root / "hf")
+    shutil.copytree(root / "tok", root / "listtok")
+    shutil.copytree(ckpt, root / "trunc")
+    shard = root / "trunc" / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    shutil.copytree(ckpt, root / "nohid")
+    cfg = json.loads((root / "nohid" / "config.json").read_text())
+    del cfg["hidden_size"]
+    (root / "nohid" / "config.json").write_text(json.dumps(cfg))
+    shutil.rmtree(ckpt)
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXAMPLE_FILES))
+def test_example_bad_files_are_one_line_and_exit_2(example_inputs: Path, tmp_path: Path, name: str) -> None:
+    import shutil
+
+    flags, files, fragment = EXAMPLE_FILES[name]
+    shutil.copytree(example_inputs, tmp_path, dirs_exist_ok=True)
+    for fname, text in files.items():
+        (tmp_path / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
+    before = _snapshot(tmp_path)
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "qwen2.py"), "--device", "cpu", "--steps", "1", *flags],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    assert len(err) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert err[0].startswith("qwen2.py: error: ") and fragment in err[0], err[0]
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_the_vlm_example_refuses_a_language_model_checkpoint(example_inputs: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from test_input_files import _tiny_checkpoint
+
+    _tiny_checkpoint(tmp_path / "lm")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "qwen2_vl.py"), "--device", "cpu", "--steps", "1", "--hf", "lm"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
+    assert "--hf lm: config.json describes a language model" in out.stderr and "examples/qwen2.py" in out.stderr
+    shutil.rmtree(tmp_path / "lm")
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_under_torchrun_is_one_line_from_rank_0(example_inputs: Path, tmp_path: Path) -> None:
+    """Every rank reads the checkpoint before any process group and reaches the same verdict: the
+    line appears once (rank 0), no rank prints a traceback, every rank exits 2 (torchrun adds its own summary)."""
+    import shutil
+    import socket
+
+    shutil.copytree(example_inputs, tmp_path, dirs_exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+                          str(ROOT / "examples" / "qwen2.py"), "--device", "cpu", "--steps", "1", "--pp", "2", "--hf", "trunc"],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0
+    assert text.count("qwen2.py: error: trunc/model.safetensors: its header claims") == 1, text[-3000:]
+    assert "[rank0]" not in text and "[rank1]" not in text and "SafetensorError" not in text, text[-3000:]
+    assert "exitcode  : 2" in text, text[-3000:]

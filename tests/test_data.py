@@ -148,5 +148,46 @@ def test_missing_packages_name_the_extra(monkeypatch) -> None:
         return real(name, *a, **kw)
 
     monkeypatch.setattr(builtins, "__import__", fake)
-    with pytest.raises(data.DataError, match=r"pip install 'braid\[data\]'"):
+    with pytest.raises(data.DataError, match=r"pip install 'braid-pipeline\[data\]'"):
         data.PackedText("x", "y", 4)
+
+
+@pytest.mark.parametrize("name,content,fragment", [
+    ("d.jsonl", '{"text": "a b"}\n{"text": \n', "d.jsonl: line 2 is not valid JSON"),
+    ("d.jsonl", '{"text": "a b"}\n[1]\n', "d.jsonl: line 2 is a JSON list, expected one object per line"),
+    ("d.jsonl", "", "d.jsonl: empty data file"),
+    ("d.jsonl", '{"text": 5}\n{"text": 6}\n', "field 'text' holds int64, not text"),
+    ("d.jsonl", '{"text": "the cat"}\n{"text": null}\n', "document 1 has 'text' = None, not text"),
+    ("d.parquet", b"\x00garbage" * 64, "d.parquet: cannot be read as parquet"),
+])
+def test_bad_data_files_are_one_line_naming_the_file(corpus, tmp_path, name, content, fragment) -> None:
+    from braid.training.data import DataError
+
+    root, tok = corpus
+    f = tmp_path / name
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(DataError) as info:
+        _source(root, tok, f)
+    msg = str(info.value)
+    assert fragment in msg and name in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("name,content,fragment", [
+    ("tokenizer.json", '{"model": ', "tokenizer.json: not a tokenizers tokenizer"),
+    ("tokenizer.json", b"\xff\xfe", "tokenizer.json: not a UTF-8 text file"),
+    ("tokenizer_config.json", "[1, 2]", "tokenizer_config.json: expected a JSON object, got list"),
+    ("tokenizer_config.json", "{", "tokenizer_config.json: not valid JSON"),
+    ("tokenizer_config.json", '{"eos_token": 3}', "tokenizer_config.json: eos_token must be a string"),
+])
+def test_bad_tokenizer_files_are_one_line_naming_the_file(corpus, tmp_path, name, content, fragment) -> None:
+    import shutil
+
+    from braid.training.data import load_tokenizer
+
+    _, tok = corpus
+    d = Path(shutil.copytree(tok, tmp_path / "tok"))
+    (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError) as info:
+        load_tokenizer(d)
+    msg = str(info.value)
+    assert fragment in msg and str(d) in msg and "\n" not in msg, msg

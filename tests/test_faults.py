@@ -189,6 +189,7 @@ def test_silent_peer_is_a_timeout() -> None:
     kind, text = got[0]["wait"]
     assert kind == "CommTimeout", got[0]
     assert "did not finish within 2 s" in text, text
+    assert "silent: rank 1 (alive" in text, text  # rank 1 never timed out itself: it is the one to look at
 
 
 def _fails_on_rank_one(d) -> None:

@@ -135,3 +135,183 @@ def test_written_traces_read_back(tmp_path: Path) -> None:
     (back,) = load_traces(tmp_path / "t.json")
     assert back.events == t.events and back.memory == t.memory and back.meta == t.meta
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]  # no temporary file left beside it
+
+
+# ----------------------------------------------------------------------------------------
+# Hugging Face checkpoints: every damaged file is a ValueError naming it (braid.hf's documented type)
+
+def _tiny_checkpoint(directory: Path, shard_size: str = "5GB") -> Path:
+    import torch
+
+    import braid.hf
+    from braid.models.build import meta_model
+    from braid.models.registry import get_family
+    from braid.models.shapes import decoder_config
+
+    preset = get_model("qwen2-tiny")
+    model = meta_model(get_family(preset.family).model_cls, decoder_config(preset), seed=0, std=0.02,
+                       device=torch.device("cpu"))
+    from braid.models.build import materialize
+
+    return braid.hf.save(materialize(model), directory, max_shard_size=shard_size)
+
+
+def _shard_edit(path: Path, edit) -> None:
+    """Rewrite a safetensors file's JSON header with ``edit(header)`` (data bytes unchanged)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def _set_offsets(header: dict) -> None:
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"] = [0, 10**12]
+
+
+def _config_edit(change: dict, drop: str | None = None):
+    def run(ckpt: Path) -> Path:
+        cfg = json.loads((ckpt / "config.json").read_text())
+        cfg.update(change)
+        if drop:
+            cfg.pop(drop)
+        (ckpt / "config.json").write_text(json.dumps(cfg))
+        return ckpt / "config.json"
+    return run
+
+
+def _first_shard(ckpt: Path) -> Path:
+    return sorted(ckpt.glob("*.safetensors"))[0]
+
+
+def _truncate(size: int | None = None, by: int | None = None):
+    def run(ckpt: Path) -> Path:
+        f = _first_shard(ckpt)
+        raw = f.read_bytes()
+        f.write_bytes(raw[:size] if size is not None else raw[:-by])
+        return f
+    return run
+
+
+def _garbage(ckpt: Path) -> Path:
+    f = _first_shard(ckpt)
+    f.write_bytes(bytes(range(256)) * 64)
+    return f
+
+
+def _huge_header(ckpt: Path) -> Path:
+    f = _first_shard(ckpt)
+    raw = f.read_bytes()
+    f.write_bytes((10**15).to_bytes(8, "little") + raw[8:])
+    return f
+
+
+def _offsets(ckpt: Path) -> Path:
+    f = _first_shard(ckpt)
+    _shard_edit(f, _set_offsets)
+    return f
+
+
+def _missing_shard(ckpt: Path) -> Path:
+    f = _first_shard(ckpt)
+    f.unlink()
+    return ckpt / "model.safetensors.index.json"
+
+
+def _index_not_json(ckpt: Path) -> Path:
+    (ckpt / "model.safetensors.index.json").write_text('{"weight_map": ')
+    return ckpt / "model.safetensors.index.json"
+
+
+def _index_wrong_shard(ckpt: Path) -> Path:
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    key = next(k for k, v in index["weight_map"].items() if v == shards[0])
+    index["weight_map"][key] = shards[1]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+    return ckpt / "model.safetensors.index.json"
+
+
+HF_DAMAGE = {
+    "truncated-header": (_truncate(size=100), "header claims"),
+    "truncated-data": (_truncate(by=100), "not a valid safetensors file"),
+    "empty-shard": (_truncate(size=0), "too short for a safetensors file"),
+    "garbage-shard": (_garbage, "header claims"),
+    "header-1PB": (_huge_header, "header claims 1,000,000,000,000,000 bytes"),
+    "offsets-out-of-range": (_offsets, "not a valid safetensors file"),
+    "index-names-missing-shard": (_missing_shard, "names shard"),
+    "index-not-json": (_index_not_json, "not valid JSON"),
+    "index-maps-to-wrong-shard": (_index_wrong_shard, "which does not hold it"),
+    "config-no-hidden-size": (_config_edit({}, drop="hidden_size"), "no 'hidden_size'"),
+    "config-negative-layers": (_config_edit({"num_hidden_layers": -2}), "layers must be a positive integer"),
+    "config-layers-text": (_config_edit({"num_hidden_layers": "many"}), "config.json"),
+    "config-model-type-list": (_config_edit({"model_type": ["qwen2"]}), "model_type must be a string"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    pytest.importorskip("safetensors")
+    pytest.importorskip("huggingface_hub")
+    return _tiny_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt", shard_size="60KB")
+
+
+@pytest.mark.parametrize("case", list(HF_DAMAGE))
+def test_damaged_hf_checkpoints_are_a_value_error_naming_the_file(tiny_ckpt: Path, tmp_path: Path, case: str) -> None:
+    import shutil
+
+    import braid.hf
+    from braid.models.shapes import from_hf_config
+
+    assert len(list(tiny_ckpt.glob("*.safetensors"))) > 1  # sharded: the index is read
+    ckpt = Path(shutil.copytree(tiny_ckpt, tmp_path / "ckpt"))
+    damage, fragment = HF_DAMAGE[case]
+    bad_file = damage(ckpt)
+    for load in (braid.hf.load, braid.hf.load_meta):
+        with pytest.raises(ValueError) as info:
+            load(ckpt)
+        msg = str(info.value)
+        assert str(bad_file) in msg and fragment in msg and "\n" not in msg, msg
+    if case.startswith("config"):  # the cost model reads the same config.json (braid.simulate/plan --model DIR)
+        with pytest.raises(ValueError, match="config.json"):
+            from_hf_config(ckpt)
+
+
+def test_an_undamaged_tiny_checkpoint_loads(tiny_ckpt: Path) -> None:
+    import braid.hf
+
+    model = braid.hf.load(tiny_ckpt)
+    assert model.cfg.layers == get_model("qwen2-tiny").layers
+
+
+# ----------------------------------------------------------------------------------------
+# braid.io.inputs itself
+
+@pytest.mark.parametrize("content,match", [
+    (b"\xff\xfe\x00binary", "not a UTF-8 text file"),
+    (None, "no such"),
+])
+def test_read_text_names_the_file(tmp_path: Path, content: bytes | None, match: str) -> None:
+    from braid.io.inputs import InputFileError, read_text
+
+    p = tmp_path / "f.csv"
+    if content is not None:
+        p.write_bytes(content)
+    with pytest.raises(InputFileError, match=match) as info:
+        read_text(p, "torch schedule CSV")
+    assert str(p) in str(info.value)
+    with pytest.raises(InputFileError, match="is a directory"):
+        read_text(tmp_path)
+
+
+def test_read_json_checks_the_top_level_type(tmp_path: Path) -> None:
+    from braid.io.inputs import InputFileError, read_json
+
+    p = tmp_path / "tokenizer_config.json"
+    p.write_text("[1, 2]")
+    with pytest.raises(InputFileError, match="expected a JSON object, got list"):
+        read_json(p, "tokenizer_config.json")
+    assert read_json(p, expect=list) == [1, 2]

@@ -121,3 +121,17 @@ def test_config_validation():
         ScheduleConfig(0, 4)
     with pytest.raises(ValueError, match="V placement needs v=2"):
         Plan("x", ScheduleConfig(1, 1, 1), "v", ((),))
+
+
+def test_a_plan_with_an_unknown_placement_is_refused() -> None:
+    """Any placement but "v" used to mean "loop" silently (stage_of's else branch)."""
+    import json as _json
+
+    from braid import schedules as _schedules
+    from braid.core.ir import Plan as _Plan
+
+    d = _json.loads(_schedules.build("1f1b_i", 2, 4).to_json())
+    assert _Plan.from_dict(d).placement == "loop"
+    d["placement"] = "zigzag"
+    with pytest.raises(ValueError, match="unknown placement 'zigzag'; valid: loop, v"):
+        _Plan.from_dict(d)

@@ -93,7 +93,7 @@ def _all_extras() -> set[str]:
 
 @pytest.mark.parametrize("pkg,folder", _package_dirs(), ids=[n for n, _ in _package_dirs()])
 def test_every_import_is_declared_somewhere(pkg, folder):
-    """Lazy and guarded imports too: an optional package belongs to an extra (``pip install 'braid[x]'``)."""
+    """Lazy and guarded imports too: an optional package belongs to an extra (``pip install 'braid-pipeline[x]'``)."""
     declared = _declared() | _all_extras() | {"braid"}
     for path in sorted(folder.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -122,3 +122,17 @@ def test_test_imports_are_declared_test_dependencies():
             if name in sys.stdlib_module_names or name == "__future__":
                 continue
             assert name in declared, f"{path.name} imports {name!r} at module level; declare it in the 'test' extra"
+
+
+def test_install_hints_name_our_distribution_and_a_declared_extra() -> None:
+    """Every ``pip install 'NAME[extra]'`` in the code and the docs names this project's distribution
+    (the import name ``braid`` is another project's distribution name on the package index) and an extra
+    that pyproject.toml declares."""
+    name = PYPROJECT["project"]["name"]
+    extras = set(PYPROJECT["project"]["optional-dependencies"])
+    files = [p for folder in (*FOLDERS, "examples", "docs") for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md")]
+    hints = [(p, m) for p in [*files, ROOT / "README.md"] for m in re.finditer(r"pip install '([\w.-]+)\[(\w+)\]'", p.read_text())]
+    assert hints
+    for path, m in hints:
+        assert (m.group(1), m.group(2) in extras) == (name, True), f"{path.relative_to(ROOT)}: {m.group(0)}"
+    assert name != "braid"

@@ -185,7 +185,7 @@ def get_kernel(device: torch.device | str, backend: Backend = "auto") -> BlockKe
             raise ValueError("the flash_attn backend needs a CUDA device; use backend='auto' on CPU")
         if not flash_attn_available():
             raise ValueError("backend='flash_attn' but the flash-attn package is not installed: "
-                             "pip install 'braid[flash]', or use backend='auto'")
+                             "pip install 'braid-pipeline[flash]', or use backend='auto'")
         return FlashAttnKernel()
     if dev.type == "cuda":
         return TorchCUDAKernel() if backend == "torch_flash" else TorchCuDNNKernel()

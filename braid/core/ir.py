@@ -38,7 +38,7 @@ import enum
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Union
+from typing import Any, Iterable, Literal, Union, get_args
 
 
 class OpKind(str, enum.Enum):
@@ -275,6 +275,8 @@ class Plan:
     def __post_init__(self) -> None:
         if len(self.ranks) != self.config.p:
             raise ValueError(f"plan {self.name!r} has {len(self.ranks)} rank lists for p={self.config.p}")
+        if self.placement not in get_args(Placement):  # any other name would silently mean "loop" (stage_of)
+            raise ValueError(f"plan {self.name!r}: unknown placement {self.placement!r}; valid: {', '.join(get_args(Placement))}")
         if self.placement == "v" and self.config.v != 2:
             raise ValueError(f"V placement needs v=2 chunks per rank, got v={self.config.v}")
 

@@ -39,6 +39,7 @@ from braid.core.ir import Placement
 from braid.cost.catalog import ModelConfig
 from braid.core.partition import chunk_specs, split_layers
 from braid.cost.recompute_costs import full_recompute
+from braid.io.inputs import InputFileError, read_json
 
 AR_SLOWDOWN = 1.075  # paper Appendix F: a GEMM overlapped with an all-reduce runs ~7.5% slower
 ATTN_BWD_FACTOR = 2.0
@@ -572,17 +573,7 @@ def load_cost_json(path: str | Path) -> dict[str, Any]:
     """The JSON object of a cost file, before it is checked against a layout; any problem
     reading it (missing, unreadable, not JSON, nested too deeply, not an object) is one
     :class:`CostFileError`."""
-    p = Path(path)
-    if not p.is_file():
-        raise CostFileError(f"{p}: no such cost file")
     try:
-        d = json.loads(p.read_text())
-    except OSError as err:
-        raise CostFileError(f"{p}: cannot read ({err.strerror or err})") from None
-    except RecursionError:
-        raise CostFileError(f"{p}: JSON nested too deeply to be a cost file") from None
-    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, or an integer literal too long
-        raise CostFileError(f"{p}: not valid JSON ({err})") from None
-    if not isinstance(d, dict):
-        raise CostFileError(f"{p}: expected a JSON object, got {type(d).__name__}")
-    return d
+        return read_json(path, "cost file")
+    except InputFileError as err:
+        raise CostFileError(str(err)) from None

@@ -6,7 +6,7 @@ decoders, and Qwen2-VL / Qwen2.5-VL (``qwen2_vl``, ``qwen2_5_vl``: ``logits(inpu
 pixel_values=..., image_grid_thw=...)``), tied heads included. ``load_meta`` gives the model on the meta device so that
 each rank's chunks read only their own tensors; ``save_chunks`` writes a pipelined,
 tensor-parallel model as one checkpoint, each stage from its rank. Labels: HF shifts them inside its loss,
-braid expects them shifted -- :func:`shift_labels`. Needs ``pip install 'braid[hf]'``.
+braid expects them shifted -- :func:`shift_labels`. Needs ``pip install 'braid-pipeline[hf]'``.
 """
 
 from braid.hf.checkpoint import CheckpointReader, CheckpointSource, load, load_meta, save  # noqa: F401

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from braid.hf.config import read_config
+from braid.hf.config import read_family_config
 from braid.io.files import atomic_write_text
+from braid.io.inputs import InputFileError, read_json, safetensors_keys
 from braid.models.build import materialize, on_meta
-from braid.models.registry import Family, HFWeights, family_for_hf, family_of
+from braid.models.registry import Family, HFWeights, family_of
+
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -36,7 +38,7 @@ def _safetensors() -> Any:
         import safetensors  # noqa: F401
         from safetensors import safe_open
     except ImportError:
-        raise ImportError("braid.hf needs the safetensors package: pip install 'braid[hf]' (or pip install safetensors)") from None
+        raise ImportError("braid.hf needs the safetensors package: pip install 'braid-pipeline[hf]' (or pip install safetensors)") from None
     return safe_open
 
 
@@ -50,10 +52,9 @@ class CheckpointReader:
         self.path = Path(path)
         self._safe_open = _safetensors()
         if (self.path / INDEX).is_file():
-            self.files = {k: self.path / f for k, f in json.loads((self.path / INDEX).read_text())["weight_map"].items()}
+            self.files = _index_files(self.path)
         elif (self.path / SINGLE).is_file():
-            with self._safe_open(self.path / SINGLE, framework="pt") as f:
-                self.files = {k: self.path / SINGLE for k in f.keys()}
+            self.files = {k: self.path / SINGLE for k in safetensors_keys(self.path / SINGLE)}
         else:
             raise ValueError(f"{str(path)!r}: neither {SINGLE} nor {INDEX} (only safetensors checkpoints are read)")
 
@@ -64,8 +65,31 @@ class CheckpointReader:
         """The tensor ``key`` on the CPU, as stored."""
         if key not in self.files:
             raise KeyError(f"{self.path}: checkpoint has no tensor {key!r}")
-        with self._safe_open(self.files[key], framework="pt", device="cpu") as f:
-            return f.get_tensor(key)
+        try:
+            with self._safe_open(self.files[key], framework="pt", device="cpu") as f:
+                return f.get_tensor(key)
+        except Exception as err:  # noqa: BLE001 - the Rust reader's errors name no file
+            raise ValueError(f"{self.files[key]}: cannot read tensor {key!r} ({str(err).splitlines()[0]})") from None
+
+
+def _index_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> shard of a sharded checkpoint, every shard opened and checked against the index."""
+    index = path / INDEX
+    d = read_json(index, "safetensors index")
+    wm = d.get("weight_map")
+    if not isinstance(wm, dict) or not wm or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise InputFileError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> shard file name")
+    shards: dict[str, set[str]] = {}
+    for shard in sorted(set(wm.values())):
+        if Path(shard).name != shard:
+            raise InputFileError(f"{index}: shard {shard!r} is not a file name in the checkpoint directory")
+        if not (path / shard).is_file():
+            raise InputFileError(f"{index}: names shard {shard!r}, which is not in {str(path)!r}")
+        shards[shard] = set(safetensors_keys(path / shard))
+    for key, shard in wm.items():
+        if key not in shards[shard]:
+            raise InputFileError(f"{index}: maps tensor {key!r} to {shard}, which does not hold it")
+    return {k: path / f for k, f in wm.items()}
 
 
 @dataclass
@@ -102,9 +126,7 @@ def load_meta(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
 
     :func:`braid.models.build.materialize` reads all of it (as :func:`load`).
     """
-    d = read_config(path)
-    family = family_for_hf(d["model_type"])
-    cfg = family.from_hf(d)
+    _, family, cfg = read_family_config(path)
     reader = CheckpointReader(path)
     source = CheckpointSource(reader, family, torch.device(device), family.weights(cfg, reader.keys()))
     return on_meta(family.model_cls, cfg, source, dtype)
@@ -114,7 +136,9 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: to
     """The single-device braid model of a local HF checkpoint directory (``config.json`` + safetensors).
 
     Every checkpoint tensor must be used (a tied checkpoint may also carry ``lm_head.weight``);
-    a missing or unused tensor is a ``ValueError`` naming it. LMs have ``logits(input_ids)``, VLMs
+    a missing or unused tensor is a ``ValueError`` naming it, and so is a file that cannot be
+    used (``config.json`` without a field the family needs, an index naming a missing shard, an
+    empty, truncated or garbage shard: :mod:`braid.io.inputs`). LMs have ``logits(input_ids)``, VLMs
     ``logits(input_ids, pixel_values=..., image_grid_thw=...)`` (what HF's processor gives).
     """
     model = load_meta(path, dtype, device)
@@ -141,7 +165,7 @@ def save(model: nn.Module, path: str | os.PathLike, max_shard_size: str | int = 
     try:
         from huggingface_hub import save_torch_state_dict
     except ImportError:
-        raise ImportError("braid.hf.save needs huggingface_hub: pip install 'braid[hf]'") from None
+        raise ImportError("braid.hf.save needs huggingface_hub: pip install 'braid-pipeline[hf]'") from None
     target = Path(path)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ValueError(f"{str(path)!r} exists and is not an empty directory; give a new directory")

@@ -72,6 +72,35 @@ def check_range(ap: argparse.ArgumentParser, flag: str, value: float | None, lo:
         ap.error(f"{flag} must be {what} {bounds}, got {value:g}")
 
 
+# Upper bounds of a plan's size on the command line: programs grow as p x m (about 14 p m
+# instructions for the two-chunk schedules; p=32, m=256 compiles in about 2 s), so beyond
+# these a command would work for minutes before it could answer.
+MAX_PP = 1024
+MAX_MBS = 16384
+MAX_PM = 1 << 16
+
+
+def check_plan_size(ap: argparse.ArgumentParser, pp: int | None, mbs: int | None) -> None:
+    """A parser error (one line, exit 2) for a ``--pp`` / ``--mbs`` beyond what compiles in seconds."""
+    if pp is not None and pp > MAX_PP:
+        ap.error(f"--pp {pp}: at most {MAX_PP} pipeline ranks (each rank needs a layer of its own, and the programs "
+                 f"grow as pp x mbs)")
+    if mbs is not None and mbs > MAX_MBS:
+        ap.error(f"--mbs {mbs}: at most {MAX_MBS} micro-batches per step (the programs grow as pp x mbs)")
+    if pp is not None and mbs is not None and pp * mbs > MAX_PM:
+        ap.error(f"--pp {pp} x --mbs {mbs} = {pp * mbs:,} micro-batch stages: at most {MAX_PM:,} (the programs grow as "
+                 f"pp x mbs and would take minutes to compile); lower --mbs")
+
+
+MAX_CPU_RANKS = 64  # gloo processes a CPU run spawns (one per rank): beyond this a spawn only exhausts the machine
+
+
+def check_cpu_ranks(ap: argparse.ArgumentParser, world: int) -> None:
+    """A parser error for a CPU run that would spawn more than :data:`MAX_CPU_RANKS` processes."""
+    if world > MAX_CPU_RANKS:
+        ap.error(f"tp x pp = {world} ranks on the CPU: at most {MAX_CPU_RANKS} processes (one per rank); lower --tp/--pp")
+
+
 def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """``main(argv)``, with a closed stdout (``| head``) ending the command quietly, exit 0."""
     try:

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from braid.io.inputs import InputFileError, read_json
+
 FORMAT = "braid-trace/1"
 LANES: tuple[str, ...] = ("compute", "tp-comm", "p2p", "copy", "dp-comm")
 # RS/AG: the data-parallel reduce-scatter and all-gather (ZeRO-1), OPT: the optimizer step
@@ -165,16 +167,10 @@ def dump_traces(traces: Iterable[Trace], path: str | Path) -> None:
 def load_traces(path: str | Path) -> list[Trace]:
     """Read a trace file; any problem becomes one :class:`TraceError` naming the file."""
     p = Path(path)
-    if not p.is_file():
-        raise TraceError(f"{p}: no such trace file")
     try:
-        d = json.loads(p.read_text())
-    except OSError as err:
-        raise TraceError(f"{p}: cannot read ({err.strerror or err})") from None
-    except RecursionError:
-        raise TraceError(f"{p}: JSON nested too deeply to be a trace") from None
-    except (ValueError, UnicodeDecodeError) as err:  # JSONDecodeError, or an integer literal too long
-        raise TraceError(f"{p}: not valid JSON ({err})") from None
+        d = read_json(p, "trace file", expect=object)
+    except InputFileError as err:
+        raise TraceError(str(err)) from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         got = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise TraceError(f"{p}: not a braid trace (format={got!r}, expected {FORMAT!r})")

@@ -14,7 +14,7 @@ from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
 )
-from braid.io.cli import check_range
+from braid.io.cli import check_cpu_ranks, check_range
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
 
@@ -165,6 +165,8 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
                                                              ("ffn", "ffn"), ("vocab", "vocab_size")) if getattr(args, flag) is not None}
     world = args.tp * args.pp
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu")
+    if device == "cpu":
+        check_cpu_ranks(ap, world)
     if device == "cuda" and torch.cuda.device_count() < world:
         ap.error(f"--device cuda with tp*pp = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
     from braid.runtime.compiled import resolve as resolve_compile

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from braid.cost.catalog import ModelConfig, ViTConfig, get_model
-from braid.hf.config import read_config
-from braid.models.registry import family_for_hf, get_family
+from braid.hf.config import read_family_config
+from braid.models.registry import get_family
 
 
 def _is_path(name: str) -> bool:
@@ -30,9 +30,7 @@ def resolve_model(name: str, *, prefix: str = "qwen2-") -> ModelConfig:
 def from_hf_config(path: str | os.PathLike) -> ModelConfig:
     """The shape of a Hugging Face checkpoint's ``config.json`` (a file path or its directory)."""
     p = Path(path)
-    d = read_config(p.parent if p.is_file() or p.suffix == ".json" else p)
-    family = family_for_hf(d["model_type"])
-    cfg = family.from_hf(d)
+    d, family, cfg = read_family_config(p)
     name = str(d.get("_name_or_path") or (p.parent.name if p.is_file() else p.name) or family.name)
     if hasattr(cfg, "vit") and hasattr(cfg, "lm"):  # a vision-language model: its LM and its tower
         v = cfg.vit

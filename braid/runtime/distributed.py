@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ABORT_KEY = "braid/abort"
+TIMED_OUT_PREFIX = "braid/timed_out/"  # + rank: that rank's wait ran out (Abort.silent_ranks)
 _MAX_REASON = 2000
 
 
@@ -110,6 +111,7 @@ class Abort:
     # The record is read before a blocking wait at most this often: each read is a round trip
     # to the store (~0.2 ms on one host), and a pipeline step waits dozens of times.
     check_every_s: float = 0.05
+    world_size: int | None = None  # known: a timeout names the ranks that stayed silent
     _checked_at: float = field(default=float("-inf"), init=False, repr=False)
 
     def signal(self, reason: str) -> bool:
@@ -211,9 +213,34 @@ class Abort:
         if _mentions_closed(err):
             return self._lost(err, elapsed_s)
         if any(w in text for w in _TIMEOUT_WORDS) or elapsed_s >= 0.95 * self.timeout_s:
+            silent = self.silent_ranks()
+            who = (f"silent: rank {', '.join(map(str, silent))} (alive, but {'it' if len(silent) == 1 else 'they'} did not "
+                   "time out waiting too: look there)" if silent else "a peer is alive but did not send or join")
             return CommTimeout(f"rank {self.rank}: communication did not finish within {self.timeout_s:g} s "
-                               f"(a peer is alive but did not send or join; raise the timeout if it is only slow): {line}")
+                               f"({who}; raise the timeout if it is only slow): {line}")
         return RuntimeError(f"rank {self.rank}: communication failed after {elapsed_s:.1f} s: {line}")
+
+    def silent_ranks(self, grace_s: float = 5.0) -> list[int]:
+        """After a timeout: the ranks that did not time out themselves within ``grace_s``.
+
+        Every rank whose wait runs out records it in the store; a rank stuck outside
+        communication (a hang in its own code, a debugger, a stopped process) records
+        nothing, so it is the one the others were waiting for. Empty when the world size is
+        unknown or the store is gone.
+        """
+        if not self.world_size:
+            return []
+        try:
+            self.store.set(f"{TIMED_OUT_PREFIX}{self.rank}", "1")
+            deadline = time.monotonic() + min(grace_s, self.timeout_s)
+            while True:
+                quiet = [r for r in range(self.world_size)
+                         if r != self.rank and not self.store.check([f"{TIMED_OUT_PREFIX}{r}"])]
+                if not quiet or time.monotonic() >= deadline:
+                    return quiet
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store may be gone with the rank that hosted it
+            return []
 
     def _lost(self, err: BaseException, elapsed_s: float | None) -> PeerLost:
         after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
@@ -316,7 +343,7 @@ class Dist:
         timeout = datetime.timedelta(seconds=timeout_s)
         store = create_store(rank, world_size, addr, port, timeout)
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout)
-        return Dist(rank, world_size, device, store, Abort(store, rank, timeout_s, device.type == "cuda"), timeout_s)
+        return Dist(rank, world_size, device, store, Abort(store, rank, timeout_s, device.type == "cuda", world_size=world_size), timeout_s)
 
     @staticmethod
     def from_env(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> "Dist":

@@ -153,29 +153,90 @@ def save(directory: str | os.PathLike, step: int, state: dict[str, Any], layout:
 
     d = Path(directory)
     final, tmp = d / step_name(step), d / f".{step_name(step)}.partial"
+    failed = None
     if rank == 0:
-        d.mkdir(parents=True, exist_ok=True)
-        for stale in d.glob(".step_*.partial"):  # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        _clear_trash(d)
-        tmp.mkdir()
-    barrier()
-    dcp.save(state, checkpoint_id=tmp)  # every rank writes its part; rank 0 writes .metadata last
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            for stale in d.glob(".step_*.partial"):  # left by a killed save
+                shutil.rmtree(stale, ignore_errors=True)
+            _clear_trash(d)
+            tmp.mkdir()
+        except OSError as err:
+            failed = _write_failure(d, final, err)
+    _agree(failed, barrier)
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # every rank writes its part; rank 0 writes .metadata last
+    except Exception as err:  # noqa: BLE001 - DCP raises the same wrapped failure on every rank
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_write_failure(d, final, err)) from None
     if rank == 0:
-        atomic_write_text(tmp / LAYOUT, json.dumps({"format": FORMAT, "step": step, **layout}, indent=1) + "\n")
-        for name, text in (extra or {}).items():
-            atomic_write_text(tmp / name, text)
-        files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
-        atomic_write_text(tmp / MANIFEST, json.dumps({"format": FORMAT, "files": files}, indent=1) + "\n")
-        fsync_dir(tmp)
-        if final.exists():  # a step folder newer than the one this run resumed from
-            final.rename(d / f".trash-{final.name}")
-        os.replace(tmp, final)
-        fsync_dir(d)
-        atomic_write_text(d / LATEST, final.name + "\n")
-        prune(d, keep)
-    barrier()
+        try:
+            atomic_write_text(tmp / LAYOUT, json.dumps({"format": FORMAT, "step": step, **layout}, indent=1) + "\n")
+            for name, text in (extra or {}).items():
+                atomic_write_text(tmp / name, text)
+            files = {p.name: {"size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()}
+            atomic_write_text(tmp / MANIFEST, json.dumps({"format": FORMAT, "files": files}, indent=1) + "\n")
+            fsync_dir(tmp)
+            if final.exists():  # a step folder newer than the one this run resumed from
+                final.rename(d / f".trash-{final.name}")
+            os.replace(tmp, final)
+            fsync_dir(d)
+            atomic_write_text(d / LATEST, final.name + "\n")
+            prune(d, keep)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failed = _write_failure(d, final, err)
+    _agree(failed, barrier)
     return final
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save that could not be written (disk full, permissions); the previous checkpoint is kept."""
+
+    exit_code = 1
+
+
+def _agree(failed: str | None, barrier: Callable[[], None]) -> None:
+    """Every rank raises rank 0's verdict together (a rank left waiting in a barrier would hang)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        verdict = [failed]
+        dist.broadcast_object_list(verdict, src=0)
+        failed = verdict[0]
+    else:
+        barrier()
+    if failed is not None:
+        raise CheckpointWriteError(failed)
+
+
+def _write_failure(directory: Path, final: Path, err: BaseException) -> str:
+    """One line for a save that failed: disk full named as such; the checkpoint that stays."""
+    latest = directory / LATEST
+    kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
+    errno_ = _errno(err)
+    if errno_ in (28, 122):  # ENOSPC, EDQUOT
+        return f"{directory}: disk full while writing {final.name} (nothing of it is kept; {kept}); free space and resume"
+    return f"{directory}: cannot write {final.name} ({_cause(err)[:200]}; {kept})"
+
+
+def _errno(err: BaseException) -> int | None:
+    """The errno of an ``OSError`` anywhere in ``err``'s causes (or in DCP's per-rank failures)."""
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno:
+            return e.errno
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 def prune(directory: Path, keep: int) -> None:

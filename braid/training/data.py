@@ -14,17 +14,20 @@ tokenizer, ``seq`` and the seed -- every rank of every layout sees the same data
 the position (the next global sample) as its state dict: a resumed run continues at the
 same sample.
 
-``datasets`` and ``tokenizers`` are the optional ``data`` extra (``pip install braid[data]``).
+``datasets`` and ``tokenizers`` are the optional ``data`` extra (``pip install 'braid-pipeline[data]'``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from braid.io.inputs import read_json, read_text
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -39,7 +42,7 @@ def _require() -> tuple[Any, Any]:
         import tokenizers
     except ImportError as err:
         raise DataError(f"--data needs the optional packages datasets and tokenizers ({err.name} is missing): "
-                        "pip install 'braid[data]'") from None
+                        "pip install 'braid-pipeline[data]'") from None
     return datasets, tokenizers
 
 
@@ -65,13 +68,19 @@ def load_tokenizer(directory: str | Path, eos_token: str | None = None) -> tuple
     d = Path(directory)
     if not (d / "tokenizer.json").is_file():
         raise DataError(f"no tokenizer.json in {str(d)!r}; give --tokenizer the directory of a fast tokenizer")
-    tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    text = read_text(d / "tokenizer.json", "tokenizer.json")
+    try:
+        tok = tokenizers.Tokenizer.from_str(text)
+    except Exception as err:  # noqa: BLE001 - the Rust parser raises a bare Exception
+        raise DataError(f"{d / 'tokenizer.json'}: not a tokenizers tokenizer ({str(err).splitlines()[0]})") from None
     if eos_token is None:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             f = d / name
             if f.is_file():
-                got = json.loads(f.read_text()).get("eos_token")
+                got = read_json(f, name).get("eos_token")
                 eos_token = got.get("content") if isinstance(got, dict) else got
+                if eos_token is not None and not isinstance(eos_token, str):
+                    raise DataError(f"{f}: eos_token must be a string, got {eos_token!r}")
                 if eos_token:
                     break
     if not eos_token:
@@ -80,6 +89,29 @@ def load_tokenizer(directory: str | Path, eos_token: str | None = None) -> tuple
     if eos is None:
         raise DataError(f"end-of-document token {eos_token!r} is not in the tokenizer's vocabulary")
     return tok, eos
+
+
+def _one_file(files: list[str]) -> str:
+    return files[0] if len(files) == 1 else f"{files[0]} (or one of {len(files)} data files)"
+
+
+def _why_unreadable(builder: str, files: list[str], err: BaseException) -> str:
+    """One line for data ``datasets`` could not read: for JSON lines the first line that is
+    not a JSON object, else the innermost cause (``datasets`` wraps the parser's error twice)."""
+    if builder == "json":
+        for f in files:
+            for n, line in enumerate(read_text(f, "JSON lines file").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    doc = json.loads(line)
+                except ValueError as bad:
+                    return f"{f}: line {n} is not valid JSON ({bad})"
+                if not isinstance(doc, dict):
+                    return f"{f}: line {n} is a JSON {type(doc).__name__}, expected one object per line"
+    while err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__):
+        err = err.__cause__ or err.__context__
+    return f"{_one_file(files)}: cannot be read as {builder} ({(str(err).splitlines() or [type(err).__name__])[0]})"
 
 
 @dataclass
@@ -108,16 +140,42 @@ class PackedText:
             raise DataError(f"the tokenizer has {tok.get_vocab_size()} tokens but the model's vocabulary is {self.vocab_size}; "
                             "pick a larger model or a smaller tokenizer")
         builder, files = data_files(self.path)
-        ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=self.cache_dir)
+        for f in files:
+            if Path(f).stat().st_size == 0:
+                raise DataError(f"{f}: empty data file")
+        bars = datasets.utils.logging.is_progress_bar_enabled()
+        datasets.utils.logging.disable_progress_bar()  # a bad file is one line on stderr, with no bars before it
+        try:
+            self._read(datasets, tok, builder, files)
+        finally:
+            if bars:
+                datasets.utils.logging.enable_progress_bar()
+
+    def _read(self, datasets: Any, tok: Any, builder: str, files: list[str]) -> None:
+        quiet = logging.getLogger("datasets")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # datasets logs a parse error before raising it: the one line comes from here
+        try:
+            ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=self.cache_dir)
+        except Exception as err:  # noqa: BLE001 - datasets wraps the parser's error in its own types
+            raise DataError(_why_unreadable(builder, files, err)) from None
+        finally:
+            quiet.setLevel(level)
         if self.text_field not in ds.column_names:
             raise DataError(f"{str(self.path)!r} has no {self.text_field!r} field (fields: {', '.join(ds.column_names)})")
-        eos, field = self.eos, self.text_field
+        kind = str(getattr(ds.features[self.text_field], "dtype", ds.features[self.text_field]))
+        if kind not in ("string", "large_string"):
+            raise DataError(f"{str(self.path)!r}: field {self.text_field!r} holds {kind}, not text")
+        eos, field, where = self.eos, self.text_field, str(self.path)
 
-        def encode(batch: dict) -> dict:
+        def encode(batch: dict, idx: list[int]) -> dict:
+            for i, t in zip(idx, batch[field]):
+                if not isinstance(t, str):
+                    raise DataError(f"{where!r}: document {i} has {field!r} = {t!r}, not text")
             ids = [e.ids + [eos] for e in tok.encode_batch(batch[field])]
             return {"ids": ids, "n": [len(x) for x in ids]}
 
-        self.docs = ds.map(encode, batched=True, remove_columns=ds.column_names, desc="tokenising")
+        self.docs = ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names, desc="tokenising")
         lengths = torch.tensor(self.docs.data.column("n").to_pylist(), dtype=torch.int64)
         self.starts = torch.cumsum(lengths, 0) - lengths  # stream offset of each document
         self.total = int(lengths.sum())
