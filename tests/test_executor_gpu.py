@@ -25,7 +25,7 @@ def pool():
 @pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
 def test_two_gpus_match_reference(pool, pp: int, tp: int) -> None:
     combos = [("1f1b", 2 * pp + 1), ("zb_h1", 2 * pp + 1), ("braided_v", 2 * pp + 1), ("dualpipe_v", 2 * pp + 1)]
-    ran = pool.run(cases.equivalence, pp, tp, combos, (2e-2, 2e-3), timeout_s=300)
+    ran = pool.run(cases.equivalence, pp, tp, combos, timeout_s=300)
     assert {(n, m) for n, m, _ in ran[0]} == set(combos)
 
 
@@ -47,7 +47,7 @@ def test_chained_runs_on_a_side_stream_match_reference() -> None:
     pool4 = DistPool(4, timeout_s=120, device="cuda")
     try:
         combos = [("braided_v", 5), ("dualpipe_v", 5)]
-        ran = pool4.run(cases.equivalence, 2, 2, combos, (2e-2, 2e-3), timeout_s=600)
+        ran = pool4.run(cases.equivalence, 2, 2, combos, timeout_s=600)
     finally:
         pool4.close()
     assert {(n, m) for n, m, _ in ran[0]} == set(combos)
