@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install -e '.[megatron]')")
 
+from tests.conftest import GPU_RUN_S, GPU_TEST_S  # noqa: E402
 from tests.distributed_utils import DistPool  # noqa: E402
 
 M, B, SEQ = 4, 1, 8
@@ -197,15 +198,11 @@ def test_example_runs_mcore_beside_braid_with_reference_losses(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.timeout(GPU_TEST_S)
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])
-def test_mcore_1f1b_i_on_cuda_matches_reference(tp, pp):
+def test_mcore_1f1b_i_on_cuda_matches_reference(gpu_pools, tp, pp):
     """The same check on 2 GPUs over NCCL: megatron-core's CUDA paths (batched P2P, its RNG tracker), fp32."""
-    pool = DistPool(2, device="cuda")
-    try:
-        res = pool.run(_case_pipeline, tp, pp, "qwen2", "cuda", timeout_s=300)
-    finally:
-        pool.close()
-    _check_losses(res, f"cuda tp={tp} pp={pp}")
+    _check_losses(gpu_pools(2).run(_case_pipeline, tp, pp, "qwen2", "cuda", timeout_s=GPU_RUN_S), f"cuda tp={tp} pp={pp}")
 
 
 @pytest.mark.slow

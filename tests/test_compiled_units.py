@@ -232,6 +232,7 @@ def test_compile_switch() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not compiled.available("cuda"), reason="needs CUDA and Triton")
+@pytest.mark.timeout(180)  # a cold inductor cache (first compile on the machine) included
 def test_compiled_units_on_cuda() -> None:
     """On one GPU (fp32; Triton kernels): the executor equals the reference and the eager executor, and
     offloading compiled activations to pinned host memory (asynchronous copies) changes no gradient."""

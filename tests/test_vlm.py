@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from conftest import GPU_RUN_S, GPU_TEST_S
 from distributed_utils import DistPool
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
@@ -96,9 +97,10 @@ def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: s
     program = compile_plan(plan)[pp_rank]
     shape = (MB_SIZE, SEQ, cfg.lm.hidden)
     if groups is None:
-        ex = Executor(plan, program, chunks, act_shape=shape, dtype=dtype, **kw)
-    else:
-        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=shape, device=device, dtype=dtype)
+        ex = Executor(plan, program, chunks, act_shape=shape, dtype=dtype, compile=False, **kw)
+    else:  # eager units: compiled ones have their own tests (test_compiled_units, test_executor_gpu)
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=shape, device=device, dtype=dtype,
+                                  compile=False)
     res = ex.run([item for item, _ in mbs], [labels for _, labels in mbs])
     where = f"{kind} {schedule} pp={pp} tp={tp} m={m} rank={pp_rank}.{tp_rank}"
     if res.loss is not None:
@@ -154,16 +156,13 @@ def test_tp2_and_pp2_equal_reference(pool2) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_two_gpus_tp2_and_pp2_equal_reference() -> None:
+@pytest.mark.timeout(GPU_TEST_S)
+def test_two_gpus_tp2_and_pp2_equal_reference(gpu_pools) -> None:
     """NCCL, CUDA kernels (float32 against the float64 reference's error), both towers."""
-    pool = DistPool(2, timeout_s=120, device="cuda")
-    try:
-        for kind in ("qwen2_vl", "qwen2_5_vl"):
-            for pp, tp in ((1, 2), (2, 1)):
-                runs = pool.run(compare_with_reference, "braided_v", pp, tp, 4, kind, timeout_s=300)
-                assert all(r["checked"] > 0 for r in runs)
-    finally:
-        pool.close()
+    for kind in ("qwen2_vl", "qwen2_5_vl"):
+        for pp, tp in ((1, 2), (2, 1)):
+            runs = gpu_pools(2).run(compare_with_reference, "braided_v", pp, tp, 4, kind, timeout_s=GPU_RUN_S)
+            assert all(r["checked"] > 0 for r in runs)
 
 
 def test_patch_order_matches_positions() -> None:
