@@ -114,6 +114,23 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     d.close()
 
 
+def _write_json(path: str, res: dict) -> None:
+    import json
+
+    from braid.io.files import atomic_write_text
+
+    doc = {}
+    for backend, row in res.items():
+        if "error" in row:
+            doc[backend] = {"error": row["error"]}
+            continue
+        (tb, eb, _), (tp_, ep, _) = row["braided"], row["plain"]
+        doc[backend] = {"plain_ms": tp_ * 1e3, "braided_ms": tb * 1e3, "braided_over_plain": tb / tp_,
+                        "exposed_ar_ms": [ep * 1e3, eb * 1e3], "ar_hidden": (1 - eb / ep) if ep > 0 else None,
+                        "overlap": row.get("overlap")}
+    atomic_write_text(path, json.dumps(doc, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on CPU (smoke test)")
@@ -127,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="TP all-reduce backends to compare (braid.tp.comm), or 'all' (default nccl-capped; CPU: gloo)")
     ap.add_argument("--plain-first", action="store_true", help="measure the plain program first")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table of one step of each (GPU)")
+    ap.add_argument("--json", metavar="FILE", help="also write the table as JSON: per backend plain_ms, braided_ms, "
+                    "braided_over_plain, exposed_ar_ms [plain, braided], ar_hidden (or error)")
     args = ap.parse_args(argv)
+    if args.json:
+        from braid.io.cli import check_outputs
+
+        check_outputs(ap, [("--json", args.json)])
     if not args.tiny and torch.cuda.device_count() < 2:
         ap.error("needs 2 GPUs (or --tiny for the CPU smoke test)")
     from braid.tp.comm import CUDA_BACKENDS
@@ -149,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         hidden = f"{1 - eb / ep:.1%}" if ep > 0 else "-"
         print(f"{backend:<15}{tp_ * 1e3:>10.2f}{tb * 1e3:>12.2f}{tb / tp_:>15.3f}{f'{ep * 1e3:.2f} -> {eb * 1e3:.2f}':>30}"
               f"{hidden:>11}{slow:>15}{stretch:>12}")
+    if args.json:
+        _write_json(args.json, res)
     ran = [row for row in res.values() if "error" not in row]
     if ran:
         counts = ran[-1]["braided"][2]

@@ -16,8 +16,32 @@ def pools():
     made: dict = {}
 
     def get(n: int):
-        if n not in made:
+        if n not in made or made[n].closed:  # a pool that timed out was closed: start a fresh one
             made[n] = DistPool(n, timeout_s=60)
+        return made[n]
+
+    yield get
+    for p in made.values():
+        p.close()
+
+
+# Per-test limit of the GPU tests that run in ``gpu_pools`` (seconds, the pool's own answer
+# timeout is GPU_RUN_S so that it fires first and prints every stuck rank's stacks).
+GPU_TEST_S, GPU_RUN_S = 60, 45
+
+
+@pytest.fixture(scope="session")
+def gpu_pools():
+    """``gpu_pools(n)``: ``n`` ranks on cuda:0..n-1 (NCCL), started once per session and shared by
+    every GPU test: a CUDA context and NCCL communicators cost seconds per process on a fresh
+    machine, which per-test pools paid again and again. A pool closed by a timeout is replaced."""
+    from distributed_utils import DistPool
+
+    made: dict = {}
+
+    def get(n: int):
+        if n not in made or made[n].closed:
+            made[n] = DistPool(n, timeout_s=GPU_RUN_S - 5, device="cuda")
         return made[n]
 
     yield get

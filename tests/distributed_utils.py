@@ -75,6 +75,7 @@ class DistPool:
     def __init__(self, world_size: int, timeout_s: float = 60.0, device: str = "cpu") -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.closed = False  # set by close(), also after a timeout: a fixture then starts a new pool
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
@@ -120,6 +121,7 @@ class DistPool:
         time.sleep(2.0)
 
     def close(self) -> None:
+        self.closed = True
         for q, p in zip(self.tasks, self.procs):
             if p.is_alive():
                 q.put(None)

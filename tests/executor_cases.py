@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
+
+from reference_error import adamw_amplify, adamw_cap, assert_matches_reference, loss_amplify
 
 CFG_KW = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn=64)
 MBS, SEQ = 2, 8
@@ -38,6 +41,78 @@ def _reference(model, data_steps):
             grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
         opt.step()
     return ref, losses, grads
+
+
+def run_dtype(device, compile: bool | None = None) -> torch.dtype:
+    """The dtype of an equivalence run: float64 on CPU (rounding ~1e-16, so the bound is tiny and no
+    summation order can cross it), float32 on CUDA (checked against a float64 reference's error).
+    Compiled units run in float32 too: inductor evaluates the float32 RoPE angles of the eager
+    model at another precision (~1e-9 apart in float64), a difference no rounding bound of
+    float64 covers."""
+    return torch.float64 if torch.device(device).type == "cpu" and not compile else torch.float32
+
+
+@dataclass
+class Reference:
+    """The single-process reference in the run's dtype and, when that is not float64, in float64
+    too (its error is what :func:`reference_error.bound` allows). ``steps``: AdamW steps taken."""
+
+    model: torch.nn.Module  # the initial model
+    trained: torch.nn.Module
+    losses: list[float]
+    grads: dict[str, torch.Tensor]  # of the first step, before the optimizer
+    steps: int
+    trained64: torch.nn.Module | None = None
+    losses64: list[float] | None = None
+    grads64: dict[str, torch.Tensor] | None = None
+
+    @staticmethod
+    def run(model: torch.nn.Module, data_steps, fn=None) -> "Reference":
+        fn = fn or _reference
+        trained, losses, grads = fn(model, data_steps)
+        out = Reference(model, trained, losses, grads, len(data_steps))
+        if next(model.parameters()).dtype != torch.float64:
+            out.trained64, out.losses64, out.grads64 = fn(copy.deepcopy(model).double(), data_steps)
+        return out
+
+    def grad_scale(self) -> float:
+        return max(float(g.abs().max()) for g in self.grads.values())
+
+    def check_loss(self, loss, step: int, where: str) -> None:
+        amp = loss_amplify(self.grads.values(), lr=LR, eps=EPS, steps=step) if step else 0.0
+        dtype = next(self.model.parameters()).dtype  # the loss was computed in the run's dtype
+        assert_matches_reference(loss, torch.tensor(self.losses[step], dtype=dtype),
+                                 None if self.losses64 is None else self.losses64[step],
+                                 what=f"{where} step {step} loss", amplify=amp)
+
+    def check_grads(self, chunks: dict, shard, where: str) -> None:
+        """Every parameter of ``chunks`` has the reference's first-step gradient (before the optimizer).
+
+        ``shard(model)``: this rank's chunks cut from a whole model (to shard the reference's grads)."""
+        want = shard(_as_model(self.model, self.grads))
+        want64 = None if self.grads64 is None else shard(_as_model(copy.deepcopy(self.model).double(), self.grads64))
+        gscale = self.grad_scale()
+        for ci, ch in chunks.items():
+            w = dict(want[ci].named_parameters())
+            w64 = None if want64 is None else dict(want64[ci].named_parameters())
+            for n, p in ch.named_parameters():
+                assert p.grad is not None, f"{where}: chunk {ci} {n} has no gradient"
+                assert_matches_reference(p.grad, w[n], None if w64 is None else w64[n], what=f"{where} grad {ci}.{n}",
+                                         scale=gscale)
+
+    def check_params(self, chunks: dict, shard, where: str) -> None:
+        """Every parameter of ``chunks`` equals the reference's after its AdamW steps."""
+        final = shard(self.trained)
+        final64 = None if self.trained64 is None else shard(self.trained64)
+        pscale = max(float(p.detach().abs().max()) for p in self.trained.parameters())
+        amp = adamw_amplify(self.grad_scale(), lr=LR, eps=EPS, steps=self.steps)
+        cap = adamw_cap(lr=LR, steps=self.steps)
+        for ci, ch in chunks.items():
+            w = dict(final[ci].named_parameters())
+            w64 = None if final64 is None else dict(final64[ci].named_parameters())
+            for n, p in ch.named_parameters():
+                assert_matches_reference(p, w[n], None if w64 is None else w64[n], what=f"{where} param {ci}.{n}",
+                                         scale=pscale, amplify=amp, cap=cap)
 
 
 def _as_model(model, tensors: dict):
@@ -94,13 +169,16 @@ def _check_carried_overlap(program, chunks, trace, where: str) -> None:
             f"{where}: the carried all-reduce of op {i} ({ar[0]}) does not span op {carry.into}'s first unit ({first})")
 
 
-def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[float, float] = (1e-4, 1e-5),
+def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
                 compile: bool | None = None, tp_backend: str | None = None, recompute: str = "none") -> list[tuple[str, int, dict]]:
-    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference
-    (``compile``: the executor's compiled-units switch; ``tp_backend``: run the TP all-reduces
-    through this :mod:`braid.tp.comm` backend, over a TP group created with its options,
-    instead of the groups' default; ``recompute``: the chunks' recomputation mode). The
-    counts returned carry ``peak_bytes``: the rank's peak of the first step's memory series."""
+    """Run each (schedule, m) for two AdamW steps and compare with the single-process reference:
+    the loss of each step, every gradient before the first optimizer step and every parameter
+    after the last, within :func:`reference_error.bound` (float64 on CPU, float32 against a
+    float64 reference's error on CUDA). ``compile``: the executor's compiled-units switch;
+    ``tp_backend``: run the TP all-reduces through this :mod:`braid.tp.comm` backend, over a TP
+    group created with its options, instead of the groups' default; ``recompute``: the chunks'
+    recomputation mode. The counts returned carry ``peak_bytes``: the rank's peak of the first
+    step's memory series."""
     from braid import schedules
     from braid.core.braiding import carries
     from braid.core.compiler import compile_plan
@@ -127,21 +205,23 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[flo
         cfg = Qwen2Config(layers=sum(layers), **CFG_KW)
         topo.check_model(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, vocab_size=cfg.vocab_size, num_layers=cfg.layers, num_stages=stages)
         dev = ctx.dist.device
+        dtype = run_dtype(dev, compile)
         torch.manual_seed(1234)
-        model = Qwen2Model(cfg).to(dev)
+        model = Qwen2Model(cfg).to(dev, dtype)
         steps_data = [tuple([t.to(dev) for t in x] for x in _data(cfg, m, seed=s + 10 * c.dp)) for s in range(2)]
         if topo.dp > 1:
             raise AssertionError("cases use dp=1")
-        ref, ref_losses, ref_grads = _reference(model, steps_data)
+        ref = Reference.run(model, steps_data)
         program = compile_plan(plan)[c.pp]
         chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
         for ch in chunks.values():
             ch.set_recompute(recompute)
+        shard = lambda whole: build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)  # noqa: E731
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         kw = {} if tp_backend is None else {"tp_comm": _tp_comm(ctx, groups, tp_backend)}
         ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev,
-                                  compile=compile, **kw)
+                                  dtype=dtype, compile=compile, **kw)
         where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} "
                  f"tp_backend={tp_backend or groups.tp_backend}")
         for step, (toks, labs) in enumerate(steps_data):
@@ -149,15 +229,9 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[flo
             res = ex.run(toks, labs)
             reduce_gradients(params, groups, ctx.dist.abort)
             if res.loss is not None:
-                torch.testing.assert_close(res.loss, ref_losses[step], rtol=tol[0] / 10, atol=tol[1] / 10, msg=lambda s: f"{where} step {step} loss: {s}")
+                ref.check_loss(res.loss, step, where)
             if step == 0:
-                grad_model = _as_model(model, ref_grads)
-                ref_chunks = build_rank_chunks(grad_model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
-                for ci, ch in chunks.items():
-                    want = dict(ref_chunks[ci].named_parameters())
-                    for n, p in ch.named_parameters():
-                        assert p.grad is not None, f"{where}: chunk {ci} {n} has no gradient"
-                        torch.testing.assert_close(p.grad, want[n].detach(), rtol=tol[0], atol=tol[1], msg=lambda s: f"{where} grad {ci}.{n}: {s}")
+                ref.check_grads(chunks, shard, where)
                 braided, w, ar = _expected_counts(program, chunks)
                 assert res.counts["braided"] == braided and res.counts["W"] == w, f"{where}: counts {res.counts}"
                 assert res.counts["AR"] == (ar if tp > 1 else 0), f"{where}: {res.counts['AR']} all-reduces, expected {ar}"
@@ -171,11 +245,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple], tol: tuple[flo
                     chained = sum(c.chained for c in carries(program.instructions, lambda ci: chunks[ci].spec).values())
                     assert res.counts["chained"] == chained, f"{where}: {res.counts['chained']} chained runs, expected {chained}"
             opt.step()
-        final = build_rank_chunks(ref, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)
-        for ci, ch in chunks.items():
-            want = dict(final[ci].named_parameters())
-            for n, p in ch.named_parameters():
-                torch.testing.assert_close(p.detach(), want[n].detach(), rtol=tol[0], atol=tol[1], msg=lambda s: f"{where} param {ci}.{n}: {s}")
+        ref.check_params(chunks, shard, where)
         ran.append((name, m, dict(res.counts, peak_bytes=peak)))
     return ran
 

@@ -1,9 +1,10 @@
 """The executor against a single-process reference, in real gloo processes (CPU).
 
 One pool of processes per world size (1, 2, 4) runs every registered schedule for each
-layout (pp, tp) and m in {p, 2p+1}: loss, every gradient, and the parameters after two
-AdamW steps must equal the single-device model with the same seed and data (fp32,
-tolerances in ``executor_cases``). Braided blocks, W units and all-reduces are counted
+layout (pp, tp) and m in {p, p+1, 2p+1} (those the schedule accepts; p+1 and 2p+1 are not
+multiples of p): loss, every gradient, and the parameters after two AdamW steps must equal
+the single-device model with the same seed and data, in float64, within the rounding bound
+of ``reference_error``. Braided blocks, W units and all-reduces are counted
 from the executed run and compared with the program.
 """
 
@@ -17,18 +18,21 @@ from distributed_utils import DistPool
 import executor_cases as cases
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
+# m as a function of p: p, and two counts that are not multiples of p (for p > 1).
+M_OF_P = {"p": lambda p: p, "p+1": lambda p: p + 1, "2p+1": lambda p: 2 * p + 1}
 # (schedule, m) combinations that every generator must accept for p in {1, 2, 4}.
-MUST_RUN = {("gpipe", "p"), ("gpipe", "2p+1"), ("1f1b", "p"), ("1f1b", "2p+1"), ("zb_h1", "2p+1"), ("braided_v", "2p+1")}
+MUST_RUN = {("gpipe", "p"), ("gpipe", "p+1"), ("gpipe", "2p+1"), ("1f1b", "p"), ("1f1b", "p+1"), ("1f1b", "2p+1"),
+            ("zb_h1", "p+1"), ("zb_h1", "2p+1"), ("zb_v", "p+1"), ("braided_v", "2p+1")}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,tp", LAYOUTS, ids=[f"pp{p}-tp{t}" for p, t in LAYOUTS])
 def test_schedules_match_reference(pools, pp: int, tp: int) -> None:
-    combos = [(name, m) for name in schedules.names() for m in (pp, 2 * pp + 1)]
+    combos = [(name, m_of(pp)) for name in schedules.names() for m_of in M_OF_P.values()]
     ran_by_rank = pools(pp * tp).run(cases.equivalence, pp, tp, combos, timeout_s=400)
     ran = {(n, m) for n, m, _ in ran_by_rank[0]}
     for name, which in MUST_RUN:
-        m = pp if which == "p" else 2 * pp + 1
+        m = M_OF_P[which](pp)
         assert (name, m) in ran, f"{name} m={m} did not run at pp={pp} tp={tp}; ran: {sorted(ran)}"
     # The braided and W-split paths were really executed (counted on every rank).
     for rank_ran in ran_by_rank:

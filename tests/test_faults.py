@@ -366,6 +366,10 @@ def _exit_on_rank_one(ctx) -> int:
     return ctx.rank
 
 
+def _rank(ctx) -> int:
+    return ctx.rank
+
+
 def _stuck_on_rank_one(ctx) -> int:
     if ctx.rank == 1:
         time.sleep(60)
@@ -390,6 +394,7 @@ def test_pool_prints_a_stuck_ranks_stacks_on_timeout(capfd) -> None:
 
     pool = DistPool(2, timeout_s=30)
     try:
+        assert pool.run(_rank, timeout_s=120) == [0, 1]  # started: the 3 s below are the case's alone
         with pytest.raises(AssertionError, match=r"ranks \[1\] did not answer: no answer within 3 s"):
             pool.run(_stuck_on_rank_one, timeout_s=3)
     finally:

@@ -22,8 +22,8 @@ COMBOS = [("braided_v", 8), ("1f1b_i", 8)]
 @pytest.mark.slow
 def test_full_recomputation_at_tp2_pp2_matches_the_reference_and_lowers_the_peak(pools) -> None:
     pool = pools(4)
-    full = pool.run(cases.equivalence, 2, 2, COMBOS, (1e-4, 1e-5), None, None, "full", timeout_s=600)
-    none = pool.run(cases.equivalence, 2, 2, COMBOS, (1e-4, 1e-5), None, None, "none", timeout_s=600)
+    full = pool.run(cases.equivalence, 2, 2, COMBOS, None, None, "full", timeout_s=600)
+    none = pool.run(cases.equivalence, 2, 2, COMBOS, None, None, "none", timeout_s=600)
     for rank, (f, n) in enumerate(zip(full, none)):
         assert [(a, b) for a, b, _ in f] == COMBOS, f"rank {rank} ran {f}"
         for (name, _, cf), (_, _, cn) in zip(f, n):

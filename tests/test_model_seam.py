@@ -124,6 +124,7 @@ def test_tied_and_llama_pipelines_match_single_process(pools) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.timeout(60)
 def test_meta_chunks_on_cuda_equal_the_single_device_model_on_cuda() -> None:
     plan = schedules.build("braided_v", 2, 4)
     layers = (1, 1, 1, 1)

@@ -65,14 +65,15 @@ def _case_checkpoint(ctx) -> bool:
     from braid.runtime.distributed import reduce_gradients
     from braid.runtime.executor import Executor
     from braid.core.topology import Topology
-    from executor_cases import EPS, LR, MBS, SEQ, _data, _reference
+    from executor_cases import EPS, LR, MBS, SEQ, Reference, _data
+    from reference_error import assert_matches_reference
 
     groups = ctx.process_groups(Topology(2, pp=2, tp=1))
     cfg = McoreConfig(**cases.CFG_KW, layers=4)
     model = McoreGPT(cfg).init_weights(9)
     plan = schedules.build("braided_v", 2, 4)
     data = [tuple(list(x) for x in _data(cfg, 4, seed=s)) for s in range(2)]
-    ref = _reference(model, data)[0]
+    ref = Reference.run(model, data)  # float32 and float64 (see model_cases.FLOAT32_FAMILIES)
     chunks = build_rank_chunks(model, plan, groups.coords.pp, (1, 1, 1, 1))
     params = [p for ch in chunks.values() for p in ch.parameters()]
     opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
@@ -92,7 +93,8 @@ def _case_checkpoint(ctx) -> bool:
     toks = data[0][0][0]
     with torch.no_grad():
         got = gpt(toks, torch.arange(SEQ).expand(toks.shape), None).float()
-        torch.testing.assert_close(got, ref.logits(toks), rtol=1e-4, atol=1e-5)
+        # The reference's own float32 error after the same two AdamW steps bounds the drift.
+        assert_matches_reference(got, ref.trained.logits(toks), ref.trained64.logits(toks), what="logits after two AdamW steps")
     sharded = gpt.sharded_state_dict()
     assert {k for k in gpt.state_dict() if not k.endswith("_extra_state")} <= set(sharded)
     return True

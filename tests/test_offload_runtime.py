@@ -76,8 +76,9 @@ def test_fraction_is_nearest_whole_storages_largest_first() -> None:
 
 
 # -- the executor: offload on == offload off, bitwise ------------------------------------
-def offload_matches_plain(ctx, tp: int, m: int, alphas: tuple[float, ...]) -> dict:
-    """Run braided_v and braided_v_offload(alpha) for two steps each on this rank; compare bitwise."""
+def offload_matches_plain(ctx, tp: int, m: int, alphas: tuple[float, ...], compile: bool | None = None) -> dict:
+    """Run braided_v and braided_v_offload(alpha) for two steps each on this rank; compare bitwise
+    (``compile``: the executor's compiled-units switch)."""
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
     from braid.core.partition import split_layers
     from braid.runtime.executor import Executor
@@ -100,7 +101,7 @@ def offload_matches_plain(ctx, tp: int, m: int, alphas: tuple[float, ...]) -> di
             ch.fuse = False  # an offload program keeps the unit cuts: compare with the same cut computation
         params = [p for ch in chunks.values() for p in ch.parameters()]
         ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden),
-                                  device=dev)
+                                  device=dev, compile=compile)
         got, allocs = [], []
         for toks, labs in data:
             for p in params:

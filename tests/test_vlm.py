@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from conftest import GPU_RUN_S, GPU_TEST_S
 from distributed_utils import DistPool
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
@@ -26,9 +27,6 @@ from braid.models.vit import ViTConfig, patch_positions, patchify, vision_layout
 
 MB_SIZE, SEQ = 2, 30
 GRIDS = ((1, 4, 4), (1, 8, 8))  # patches per image of the two samples: 4 and 16 visual tokens
-# fp32 throughout; sums of the same terms in another order (TP partial sums, micro-batch
-# accumulation) differ by a few ulps.
-RTOL, ATOL = 1e-4, 1e-5
 
 
 def _microbatches(cfg, m: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
@@ -53,35 +51,42 @@ def _microbatches(cfg, m: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Ten
 
 def _reference(model, mbs):
     ref = copy.deepcopy(model)
+    dtype = next(ref.parameters()).dtype
     total = 0.0
     for (pixel_values, ids, grid), labels in mbs:
-        loss = ref(pixel_values, ids, labels, grid) / len(mbs)
+        loss = ref(pixel_values.to(dtype), ids, labels, grid) / len(mbs)
         loss.backward()
         total += loss.item()
     return total, {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
 
-def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: str = "qwen2_vl",
-                           tol: tuple[float, float] = (RTOL, ATOL)) -> dict:
-    """Run one step of ``schedule`` on this rank's chunks; assert loss and gradients equal the reference.
+def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: str = "qwen2_vl") -> dict:
+    """Run one step of ``schedule`` on this rank's chunks; assert loss and gradients equal the reference
+    within :func:`reference_error.bound`.
 
-    On the rank's CUDA device when the pool runs on GPUs (``ctx.dist.device``), else on the CPU.
+    On the rank's CUDA device when the pool runs on GPUs (``ctx.dist.device``: float32 against a
+    float64 reference's error), else on the CPU in float64.
     """
+    from executor_cases import run_dtype
+    from reference_error import assert_matches_reference
+
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.runtime.executor import Executor
     from braid.models.vision_chunk import build_vlm_rank_chunks
     from braid.core.topology import Topology
 
-    rtol, atol = tol
     device = torch.device("cpu") if ctx is None else torch.device(ctx.dist.device)
+    dtype = run_dtype(device)
     torch.manual_seed(7)
     cfg = vlm_preset("tiny", kind=kind)
-    model = Qwen2VLModel(cfg).to(device)
+    model = Qwen2VLModel(cfg).to(device, dtype)
     plan = schedules.build(schedule, pp, m)
     layers = vlm_stage_layers(cfg, plan.num_stages, last_stage_lighter=1)
-    mbs = [(tuple(t.to(device) for t in item), labels.to(device)) for item, labels in _microbatches(cfg, m)]
+    mbs = [((px.to(device, dtype), *(t.to(device) for t in rest)), labels.to(device))
+           for (px, *rest), labels in _microbatches(cfg, m)]
     want_loss, want_grads = _reference(model, mbs)
+    want_loss64, want_grads64 = (None, None) if dtype == torch.float64 else _reference(copy.deepcopy(model).double(), mbs)
     if ctx is None:
         pp_rank, tp_rank, kw, groups = 0, 0, {"pp_ranks": [0]}, None
     else:
@@ -92,24 +97,33 @@ def compare_with_reference(ctx, schedule: str, pp: int, tp: int, m: int, kind: s
     program = compile_plan(plan)[pp_rank]
     shape = (MB_SIZE, SEQ, cfg.lm.hidden)
     if groups is None:
-        ex = Executor(plan, program, chunks, act_shape=shape, **kw)
-    else:
-        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=shape, device=device)
+        ex = Executor(plan, program, chunks, act_shape=shape, dtype=dtype, compile=False, **kw)
+    else:  # eager units: compiled ones have their own tests (test_compiled_units, test_executor_gpu)
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=shape, device=device, dtype=dtype,
+                                  compile=False)
     res = ex.run([item for item, _ in mbs], [labels for _, labels in mbs])
     where = f"{kind} {schedule} pp={pp} tp={tp} m={m} rank={pp_rank}.{tp_rank}"
     if res.loss is not None:
-        torch.testing.assert_close(res.loss, want_loss, rtol=rtol, atol=atol, msg=lambda s: f"{where} loss: {s}")
-    grad_model = copy.deepcopy(model)
-    with torch.no_grad():
-        for n, p in grad_model.named_parameters():
-            p.copy_(want_grads[n])
-    want_chunks = build_vlm_rank_chunks(grad_model, plan, pp_rank, layers, tp_rank=tp_rank, tp_size=tp)
+        assert_matches_reference(torch.tensor(res.loss, dtype=dtype), torch.tensor(want_loss, dtype=dtype), want_loss64,
+                                 what=f"{where} loss")
+
+    def shard(grads, dt):
+        grad_model = copy.deepcopy(model).to(dt)
+        with torch.no_grad():
+            for n, p in grad_model.named_parameters():
+                p.copy_(grads[n])
+        return build_vlm_rank_chunks(grad_model, plan, pp_rank, layers, tp_rank=tp_rank, tp_size=tp)
+
+    want_chunks = shard(want_grads, dtype)
+    want64_chunks = None if want_grads64 is None else shard(want_grads64, torch.float64)
+    scale = max(float(g.abs().max()) for g in want_grads.values())
     checked = 0
     for c, ch in chunks.items():
         want = dict(want_chunks[c].named_parameters())
+        want64 = {} if want64_chunks is None else dict(want64_chunks[c].named_parameters())
         for n, p in ch.named_parameters():
             assert p.grad is not None, f"{where}: chunk {c} {n} has no gradient"
-            torch.testing.assert_close(p.grad, want[n], rtol=rtol, atol=atol, msg=lambda s: f"{where} grad {c}.{n}: {s}")
+            assert_matches_reference(p.grad, want[n], want64.get(n), what=f"{where} grad {c}.{n}", scale=scale)
             checked += 1
     return {"loss": res.loss, "checked": checked, "counts": res.counts, "merge": any(ch.spec.merge for ch in chunks.values())}
 
@@ -142,16 +156,13 @@ def test_tp2_and_pp2_equal_reference(pool2) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_two_gpus_tp2_and_pp2_equal_reference() -> None:
-    """NCCL, CUDA kernels (TF32 matmuls may be on: loose tolerances), both towers."""
-    pool = DistPool(2, timeout_s=120, device="cuda")
-    try:
-        for kind in ("qwen2_vl", "qwen2_5_vl"):
-            for pp, tp in ((1, 2), (2, 1)):
-                runs = pool.run(compare_with_reference, "braided_v", pp, tp, 4, kind, (2e-2, 2e-3), timeout_s=300)
-                assert all(r["checked"] > 0 for r in runs)
-    finally:
-        pool.close()
+@pytest.mark.timeout(GPU_TEST_S)
+def test_two_gpus_tp2_and_pp2_equal_reference(gpu_pools) -> None:
+    """NCCL, CUDA kernels (float32 against the float64 reference's error), both towers."""
+    for kind in ("qwen2_vl", "qwen2_5_vl"):
+        for pp, tp in ((1, 2), (2, 1)):
+            runs = gpu_pools(2).run(compare_with_reference, "braided_v", pp, tp, 4, kind, timeout_s=GPU_RUN_S)
+            assert all(r["checked"] > 0 for r in runs)
 
 
 def test_patch_order_matches_positions() -> None:

@@ -131,7 +131,8 @@ class StageModule(nn.Module):
                 x = layer.attn_core(*layer.qkv(layer.norm1(x), self.positions)) + x
                 x = layer.mlp_core(*layer.gate_up(layer.norm2(x))) + x
         if self.head is not None:
-            x = self.head(self.norm(x)).float()
+            x = self.head(self.norm(x))
+            x = x.to(torch.promote_types(x.dtype, torch.float32))
         return x
 
 

@@ -24,4 +24,4 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean cross-entropy of (b, s, V) ``logits`` against HF-convention ``labels`` (as HF's ``ForCausalLMLoss``)."""
     target = shift_labels(labels, ignore_index)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index)
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=ignore_index)

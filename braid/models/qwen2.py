@@ -67,8 +67,8 @@ class Qwen2Config:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of ``x`` over its last dimension, computed in fp32, scaled by ``weight``."""
-    xf = x.float()
+    """RMSNorm of ``x`` over its last dimension, computed in fp32 (or fp64 for fp64 input), scaled by ``weight``."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
@@ -298,11 +298,12 @@ class Qwen2Model(nn.Module):
         return parallelize_layer(layer, self.cfg, tp_rank, tp_size, self.layer_cls)  # type: ignore[arg-type]
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """(b, s) token ids -> (b, s, vocab) logits in fp32."""
+        """(b, s) token ids -> (b, s, vocab) logits in fp32 (fp64 for an fp64 model)."""
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(self.norm(x))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def reset_parameters(self, std: float = 0.2) -> None:
         """Deterministic init under the caller's seed; norms perturbed so their gradients matter."""

@@ -329,7 +329,8 @@ class Qwen2VLModel(nn.Module):
 
         ``pixels``: HF ``pixel_values`` with ``image_grid_thw``, or images (b, c, H, W).
         """
-        logits = self.logits(input_ids, pixels, image_grid_thw).float()
+        logits = self.logits(input_ids, pixels, image_grid_thw)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 

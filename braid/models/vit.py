@@ -223,7 +223,7 @@ def vision_layout(grid_thw: torch.Tensor, cfg: ViTConfig) -> VisionLayout:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (b, heads, N, d) by angles ``(N, d)`` in fp32 (rotate-half form), back to ``x``'s dtype."""
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     d = x.shape[-1]
     rot = torch.cat([-xf[..., d // 2 :], xf[..., : d // 2]], dim=-1)
     return (xf * cos + rot * sin).to(x.dtype)

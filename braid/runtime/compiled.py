@@ -72,7 +72,7 @@ def resolve(compile: bool | None, device: torch.device | str) -> bool:
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy (b, s) of full-vocabulary ``logits`` (b, s, V), in fp32; 0 at ignored labels
     (the head masks those out anyway)."""
-    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="none").view(labels.shape)
+    return F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten(), reduction="none").view(labels.shape)
 
 
 def _cross_entropy(compiled_ce):

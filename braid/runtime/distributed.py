@@ -342,7 +342,10 @@ class Dist:
         addr = os.environ.get("MASTER_ADDR", master_addr) if master_port is None else master_addr
         timeout = datetime.timedelta(seconds=timeout_s)
         store = create_store(rank, world_size, addr, port, timeout)
-        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout)
+        # device_id binds the NCCL communicator to this rank's GPU and creates it now (not at the
+        # first collective), so a wrong device or a missing peer shows up here, within the timeout.
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
         return Dist(rank, world_size, device, store, Abort(store, rank, timeout_s, device.type == "cuda", world_size=world_size), timeout_s)
 
     @staticmethod

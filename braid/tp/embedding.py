@@ -75,7 +75,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None) -> torch.Tensor:
         # logits: (tokens, V/tp) in fp32; labels: (tokens,)
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         lmax = logits.max(dim=-1).values
         if group is not None:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)

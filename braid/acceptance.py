@@ -1,0 +1,260 @@
+"""One GPU acceptance command: the GPU tests and the headline benchmarks, within a time budget.
+
+``python -m braid.acceptance --out DIR`` runs, on the GPUs it finds (1, 2 or 4), one after
+the other and each as a subprocess with its share of the budget (default 540 s):
+
+* ``gpu-tests`` -- ``python -m pytest -m gpu tests/`` (per-test ``--timeout``), junit XML;
+* ``executor-limit`` -- ``benchmarks/bench_executor_limit.py`` on one GPU (braid at pp=1
+  against plain loops of the same model);
+* ``bench-tp1-pp2`` and ``bench-tp2-pp1`` -- ``python -m braid.bench`` (7b-layer shape,
+  seq 4096, ``--mbs 4 8``, ``--rounds 5``): braid's best over the best external baseline;
+* ``braided-overlap`` -- ``benchmarks/bench_braided_overlap.py`` (braided vs plain at TP=2).
+
+A part that needs more GPUs than there are is skipped with the reason. A part that runs
+past its budget is interrupted (SIGINT, so pytest still writes its XML), then killed with
+its process group. DIR gets each part's log and result file and ``summary.json``: device,
+versions, every part's status, time and headline figures, and every test's outcome; a
+short table goes to stdout. Children run with ``NCCL_NVLS_ENABLE=0`` and
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``. Exit code: 0 when every part that ran passed, 1
+otherwise; without CUDA, 2 and one line -- except ``--cpu-smoke``, which runs every part at
+its tiniest size on CPU/gloo to check this plumbing (and the summary) for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from braid.io.cli import Parser, check_output_dir, check_range, run_main
+from braid.io.files import atomic_write_text
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: tests/ and benchmarks/ live here
+CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# Share of the total budget per part (2 GPUs: tests 4.3 min of 9, each bench ~1.5 min).
+WEIGHTS = {"gpu-tests": 0.47, "executor-limit": 0.11, "bench-tp1-pp2": 0.17, "bench-tp2-pp1": 0.17, "braided-overlap": 0.08}
+GRACE_S = 20.0  # after SIGINT: time to write what a part has before it is killed
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One subprocess of the acceptance run: what it needs, its command, where its result goes."""
+
+    name: str
+    gpus: int  # CUDA devices it needs (0 on CPU)
+    argv: tuple[str, ...]
+    result: str | None  # file in DIR the part writes (JSON or junit XML)
+    headline: Callable[[Path], Any] | None = None  # figures read from ``result``
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _py(*args: str) -> tuple[str, ...]:
+    return (sys.executable, *args)
+
+
+def parts(out: Path, smoke: bool) -> list[Part]:
+    """The parts, in the order they run, with the sizes of a GPU run or of ``--cpu-smoke``."""
+    gpu = 0 if smoke else 1
+    if smoke:  # a real CPU test through the same junit path (the GPU tests all skip on CPU)
+        tests = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_reference_error.py", "--timeout", "60")
+        limit = ("--preset", "tiny", "--device", "cpu", "--seq", "16", "--m", "2", "--layers-per-stage", "1",
+                 "--schedule", "braided_v", "--skip", "eager_compiled", "torch_pp", "--warmup", "1", "--steps", "1")
+        bench = ("--preset", "tiny", "--device", "cpu", "--seq", "16", "--mbs", "4", "--schedule", "braided_v", "--rounds", "1",
+                 "--warmup", "1", "--steps", "1", "--iters", "1", "--no-calibrate")
+        overlap = ("--tiny", "--layers", "1", "--mbs", "2", "--warmup", "1", "--iters", "1")
+    else:
+        tests = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/", "--timeout", "120")
+        # Eager units (--no-compile): a cold inductor cache alone would take the budget.
+        limit = ("--preset", "7b-layer", "--seq", "4096", "--m", "8", "--schedule", "braided_v", "zb_v", "--skip", "eager_compiled",
+                 "--no-compile", "--warmup", "2", "--steps", "5")
+        bench = ("--preset", "7b-layer", "--seq", "4096", "--mbs", "4", "8", "--schedule", "braided_v", "zb_v", "--rounds", "5",
+                 "--warmup", "1", "--steps", "2", "--iters", "3", "--no-calibrate", "--no-compile")
+        overlap = ("--layers", "2", "--mbs", "6", "--warmup", "1", "--iters", "3", "--tp-backend", "nccl-capped", "nccl")
+    return [
+        Part("gpu-tests", gpu, (*tests, "--junitxml", str(out / "gpu-tests.xml")), "gpu-tests.xml", None),
+        Part("executor-limit", gpu, _py("benchmarks/bench_executor_limit.py", *limit, "--out", str(out / "executor_limit.json")),
+             "executor_limit.json", _limit_headline, {} if smoke else {"CUDA_VISIBLE_DEVICES": "0"}),
+        Part("bench-tp1-pp2", 2 * gpu, _py("-m", "braid.bench", *bench, "--tp", "1", "--pp", "2", "--json", str(out / "bench_tp1_pp2.json")),
+             "bench_tp1_pp2.json", _bench_headline),
+        Part("bench-tp2-pp1", 2 * gpu, _py("-m", "braid.bench", *bench, "--tp", "2", "--pp", "1", "--json", str(out / "bench_tp2_pp1.json")),
+             "bench_tp2_pp1.json", _bench_headline),
+        Part("braided-overlap", 2 * gpu, _py("benchmarks/bench_braided_overlap.py", *overlap, "--json", str(out / "braided_overlap.json")),
+             "braided_overlap.json", _overlap_headline),
+    ]
+
+
+# -- headline figures from each part's result file -------------------------------------------
+def _limit_headline(path: Path) -> dict[str, float]:
+    """bench_executor_limit: each ratio's median (e.g. ``braid_best/eager``)."""
+    return {k: v["median"] for k, v in json.loads(path.read_text())["ratios"].items()}
+
+
+def _bench_headline(path: Path) -> dict[str, dict[str, float]]:
+    """braid.bench: braid's best over the best external baseline per m, median [min, max] over rounds."""
+    doc = json.loads(path.read_text())
+    return {f"m={m}": {k: r[k] for k in ("median", "min", "max")} for m, r in doc.get("best_over_external", {}).items()}
+
+
+def _overlap_headline(path: Path) -> dict[str, float]:
+    """bench_braided_overlap: braided step time over plain step time per TP backend."""
+    return {b: r["braided_over_plain"] for b, r in json.loads(path.read_text()).items() if "error" not in r}
+
+
+def read_junit(path: Path) -> dict[str, Any]:
+    """Counts and per-test outcomes (passed, failed, error, skipped) of a pytest junit XML file."""
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome, message = ("failed" if tag == "failure" else tag), (el.get("message") or "")[:300]
+                break
+        cases.append({"id": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "seconds": round(float(case.get("time") or 0.0), 2), "message": message})
+    counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
+    return {**counts, "cases": cases}
+
+
+# -- running -----------------------------------------------------------------------------
+def run_part(part: Part, out: Path, budget_s: float, env: dict[str, str]) -> dict[str, Any]:
+    """Run ``part`` with ``budget_s`` seconds; its stdout and stderr go to ``DIR/<name>.log``."""
+    log = out / f"{part.name}.log"
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(part.argv) + "\n")
+        f.flush()
+        proc = subprocess.Popen(part.argv, cwd=ROOT, env={**env, **part.env}, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group: ranks included in a kill
+        timed_out = False
+        try:
+            rc = proc.wait(timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = _stop(proc)
+    seconds = time.monotonic() - t0
+    status = "timeout" if timed_out else ("passed" if rc == 0 else "failed")
+    row: dict[str, Any] = {"name": part.name, "status": status, "returncode": rc, "seconds": round(seconds, 1),
+                           "budget_s": round(budget_s, 1), "log": log.name, "result": None, "headline": None}
+    res = out / part.result if part.result else None
+    if res is not None and res.is_file():
+        row["result"] = res.name
+        if part.headline is not None:
+            try:
+                row["headline"] = part.headline(res)
+            except (ValueError, KeyError, TypeError) as err:
+                row["headline_error"] = f"{type(err).__name__}: {err}"
+    return row
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGINT to the part's process group (pytest then writes its report), SIGKILL after GRACE_S."""
+    for sig, wait_s in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.wait()
+
+
+def environment(smoke: bool, gpus: int) -> dict[str, Any]:
+    """Device name and the versions a result depends on."""
+    import torch
+
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except (AttributeError, RuntimeError):
+            nccl = None
+    return {"device": "cpu" if smoke else torch.cuda.get_device_name(0), "gpus": gpus, "mode": "cpu-smoke" if smoke else "gpu",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl, "python": platform.python_version(),
+            "host": platform.node()}
+
+
+def summarize(rows: list[dict[str, Any]]) -> str:
+    """The short table printed at the end."""
+    lines = [f"{'part':<17}{'status':<9}{'time/budget s':>14}  headline"]
+    for r in rows:
+        t = f"{r['seconds']:.0f}/{r['budget_s']:.0f}" if r["status"] != "skipped" else "-"
+        lines.append(f"{r['name']:<17}{r['status']:<9}{t:>14}  {_headline_text(r)}")
+    return "\n".join(lines)
+
+
+def _headline_text(r: dict[str, Any]) -> str:
+    if r["status"] == "skipped":
+        return r["reason"]
+    h = r.get("headline")
+    if r["name"] == "gpu-tests" and "tests" in r:
+        t = r["tests"]
+        bad = [c["id"] for c in t["cases"] if c["outcome"] in ("failed", "error")]
+        return f"{t['passed']} passed, {t['failed']} failed, {t['error']} errors, {t['skipped']} skipped" + (
+            f" (first failure: {bad[0]})" if bad else "")
+    if not h:
+        return f"no result (see {r['log']})"
+    if r["name"].startswith("bench-"):
+        return "; ".join(f"{m} braid/best external {v['median']:.3f}x [{v['min']:.3f}, {v['max']:.3f}]" for m, v in h.items())
+    label = "braided/plain " if r["name"] == "braided-overlap" else ""
+    return "; ".join(f"{label}{k} {v:.3f}" for k, v in h.items())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = Parser(prog="python -m braid.acceptance", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, metavar="DIR", help="directory for the logs, result files and summary.json")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="total time budget in seconds, shared by the parts (default 540)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="every part at its tiniest size on CPU/gloo (checks the plumbing)")
+    ap.add_argument("--only", nargs="+", choices=list(WEIGHTS), metavar="PART", help=f"run only these parts ({', '.join(WEIGHTS)})")
+    args = ap.parse_args(argv)
+    check_output_dir(ap, "--out", args.out)
+    check_range(ap, "--budget-s", args.budget_s, lo=1.0, what="a number of seconds >= 1")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if not args.cpu_smoke and gpus == 0:
+        print("python -m braid.acceptance: no CUDA device found; run it on a GPU machine (or --cpu-smoke to check the "
+              "plumbing on CPU)", file=sys.stderr)
+        return 2
+    if not (ROOT / "tests").is_dir() or not (ROOT / "benchmarks").is_dir():
+        print(f"python -m braid.acceptance: needs the source checkout (tests/ and benchmarks/ beside braid/), not found in {ROOT}",
+              file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    todo = [p for p in parts(out.resolve(), args.cpu_smoke) if args.only is None or p.name in args.only]
+    total_w = sum(WEIGHTS[p.name] for p in todo)
+    summary: dict[str, Any] = {**environment(args.cpu_smoke, gpus), "budget_s": args.budget_s, "env": CHILD_ENV, "parts": []}
+    t0 = time.monotonic()
+    for p in todo:
+        budget = args.budget_s * WEIGHTS[p.name] / total_w
+        if p.gpus > gpus:
+            row = {"name": p.name, "status": "skipped", "reason": f"needs {p.gpus} GPUs, found {gpus}", "seconds": 0.0,
+                   "budget_s": round(budget, 1)}
+        else:
+            print(f"[acceptance] {p.name}: up to {budget:.0f} s ...", flush=True)
+            row = run_part(p, out, budget, env)
+            if p.name == "gpu-tests" and row["result"]:
+                row["tests"] = read_junit(out / row["result"])
+        summary["parts"].append(row)
+    summary["elapsed_s"] = round(time.monotonic() - t0, 1)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    print(summarize(summary["parts"]))
+    print(f"total {summary['elapsed_s']:.0f} s of {args.budget_s:.0f}; summary: {out / 'summary.json'}")
+    ran = [r for r in summary["parts"] if r["status"] != "skipped"]
+    return 0 if ran and all(r["status"] == "passed" for r in ran) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_main(main))

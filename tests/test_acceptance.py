@@ -1,0 +1,70 @@
+"""``python -m braid.acceptance``: its plumbing for real on CPU (``--cpu-smoke``), its refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _acceptance(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "braid.acceptance", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_without_cuda_it_exits_2_with_one_line(tmp_path) -> None:
+    proc = _acceptance("--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "no CUDA device found" in proc.stderr and "--cpu-smoke" in proc.stderr
+    assert not (tmp_path / "out").exists(), "refused before any work"
+
+
+def test_bad_arguments_are_one_line(tmp_path) -> None:
+    (tmp_path / "f").write_text("")
+    for args, msg in ((["--out", str(tmp_path / "f")], "exists and is not a directory"),
+                      (["--out", str(tmp_path), "--budget-s", "0"], "--budget-s"),
+                      (["--out", str(tmp_path), "--only", "nope"], "invalid choice")):
+        proc = _acceptance(*args, "--cpu-smoke")
+        assert proc.returncode == 2 and msg in proc.stderr and proc.stderr.count("\n") == 1, (args, proc.stderr)
+
+
+def test_cpu_smoke_writes_each_result_and_the_summary(tmp_path) -> None:
+    out = tmp_path / "acc"
+    parts = ["gpu-tests", "executor-limit", "bench-tp1-pp2", "braided-overlap"]  # bench-tp2-pp1: the same code path
+    proc = _acceptance("--out", str(out), "--cpu-smoke", "--only", *parts)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["mode"] == "cpu-smoke" and doc["device"] == "cpu" and doc["torch"] == torch.__version__
+    assert doc["env"] == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    rows = {r["name"]: r for r in doc["parts"]}
+    assert list(rows) == parts and all(r["status"] == "passed" for r in rows.values()), rows
+    tests = rows["gpu-tests"]["tests"]
+    assert tests["passed"] == len(tests["cases"]) > 0 and tests["failed"] == tests["error"] == 0
+    assert all(c["id"].startswith("tests.test_reference_error::") for c in tests["cases"]), tests["cases"]
+    assert rows["executor-limit"]["headline"]["braid_best/eager"] > 0
+    bench = rows["bench-tp1-pp2"]["headline"]["m=4"]
+    assert bench["min"] <= bench["median"] <= bench["max"] and bench["median"] > 0
+    assert rows["braided-overlap"]["headline"]["gloo"] > 0
+    for r in rows.values():
+        assert (out / r["log"]).is_file() and (out / r["result"]).is_file(), r
+        assert r["seconds"] <= r["budget_s"]
+    table = proc.stdout.splitlines()
+    assert any(line.startswith("bench-tp1-pp2") and "braid/best external" in line for line in table), proc.stdout
+
+
+def test_a_part_past_its_budget_is_stopped_and_reported(tmp_path) -> None:
+    out = tmp_path / "acc"
+    proc = _acceptance("--out", str(out), "--cpu-smoke", "--only", "bench-tp2-pp1", "--budget-s", "2")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (row,) = json.loads((out / "summary.json").read_text())["parts"]
+    assert row["status"] == "timeout" and row["result"] is None and row["headline"] is None
+    assert "timeout" in proc.stdout and "no result" in proc.stdout
