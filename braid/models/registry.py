@@ -134,19 +134,22 @@ def family_for_hf(model_type: str) -> Family:
     raise ValueError(f"unsupported HF model_type {model_type!r}; braid reads: {', '.join(known)}")
 
 
+def _most_derived(obj: object, kind: str) -> Family:
+    """The family whose ``kind`` class (``model_cls`` or ``config_cls``) ``obj`` is an instance of, the most
+    derived match first (a Llama model or config is also a Qwen2 one)."""
+    _load()
+    for f in sorted(_FAMILIES.values(), key=lambda f: -len(getattr(f, kind).__mro__)):
+        if isinstance(obj, getattr(f, kind)):
+            return f
+    what = "model" if kind == "model_cls" else "config"
+    raise ValueError(f"{type(obj).__name__} is the {what} of no registered model family ({', '.join(_FAMILIES)})")
+
+
 def family_of(model: object) -> Family:
     """The family whose model class ``model`` is (the most derived match)."""
-    _load()
-    for f in sorted(_FAMILIES.values(), key=lambda f: -len(f.model_cls.__mro__)):
-        if isinstance(model, f.model_cls):
-            return f
-    raise ValueError(f"{type(model).__name__} belongs to no registered model family ({', '.join(_FAMILIES)})")
+    return _most_derived(model, "model_cls")
 
 
 def family_of_config(cfg: object) -> Family:
-    """The family whose config class ``cfg`` is (the most derived match: a Llama config is not a Qwen2 one)."""
-    _load()
-    for f in sorted(_FAMILIES.values(), key=lambda f: -len(f.config_cls.__mro__)):
-        if isinstance(cfg, f.config_cls):
-            return f
-    raise ValueError(f"{type(cfg).__name__} is the config of no registered model family ({', '.join(_FAMILIES)})")
+    """The family whose config class ``cfg`` is (the most derived match)."""
+    return _most_derived(cfg, "config_cls")
