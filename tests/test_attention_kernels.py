@@ -86,7 +86,7 @@ def test_flash_attn_backend_without_the_package_is_one_clear_error(monkeypatch) 
 
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails as when it is not installed
     assert not flash_attn_available()
-    with pytest.raises(ValueError, match=r"flash-attn package is not installed: pip install 'braid\[flash\]'"):
+    with pytest.raises(ValueError, match=r"flash-attn package is not installed: pip install 'braid-pipeline\[flash\]'"):
         get_kernel("cuda", "flash_attn")
     assert isinstance(get_kernel("cpu"), TorchCPUKernel)  # the default backend needs no flash-attn
 

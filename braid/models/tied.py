@@ -41,13 +41,18 @@ def tie_of(p: torch.Tensor) -> Tie | None:
     return getattr(p, TIE_ATTR, None)
 
 
-def _grad(p: nn.Parameter) -> torch.Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
+def _grad(p: nn.Parameter, attr: str = "grad") -> torch.Tensor:
+    g = getattr(p, attr, None)
+    return g if g is not None else torch.zeros_like(p)
 
 
 def reduce_tied_gradients(params: Iterable[nn.Parameter], pp_ranks: Sequence[int] | None = None, pp_rank: int = 0,
-                          abort: Any = None) -> None:
+                          abort: Any = None, attr: str = "grad") -> None:
     """Give every copy of a tied parameter the sum of all copies' gradients.
+
+    ``attr``: where the gradients are: ``"grad"``, or ``"main_grad"`` (the fp32 buffer of
+    :class:`braid.training.optimizer.ShardedAdamW`, summed in place: its views stay the
+    optimizer's).
 
     ``pp_ranks``: global ranks of this rank's pipeline (``ProcessGroups.pp_ranks``),
     ``pp_rank`` this rank's index in it; not needed when one rank holds every copy.
@@ -62,9 +67,9 @@ def reduce_tied_gradients(params: Iterable[nn.Parameter], pp_ranks: Sequence[int
             ties[tie.key] = tie
     for key in sorted(by_key):
         copies, tie = by_key[key], ties[key]
-        total = _grad(copies[0])
+        total = _grad(copies[0], attr)
         for p in copies[1:]:
-            total = total + _grad(p)
+            total = total + _grad(p, attr)
         peers = [r for r in tie.pp_ranks if r != pp_rank]
         if peers:
             if pp_ranks is None:
@@ -79,4 +84,7 @@ def reduce_tied_gradients(params: Iterable[nn.Parameter], pp_ranks: Sequence[int
                 abort.wait(w) if abort is not None else w.wait()
             total = mine + theirs
         for i, p in enumerate(copies):
-            p.grad = total if i == 0 else total.clone()
+            if attr == "grad":
+                p.grad = total if i == 0 else total.clone()
+            else:
+                getattr(p, attr).copy_(total)

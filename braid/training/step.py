@@ -129,6 +129,12 @@ class Optimization:
         """Reduce, clip, update, advance the schedule; returns the global gradient norm before clipping."""
         clip = self.cfg.clip
         if isinstance(self.optimizer, ShardedAdamW):
+            if self.groups is not None:
+                # the copies of a tied embedding (first and last stage) sum their fp32 gradients
+                # before the optimizer reduces them over data-parallel ranks
+                from braid.models.tied import reduce_tied_gradients
+
+                reduce_tied_gradients(self.params, self.groups.pp_ranks, self.groups.coords.pp, self.abort, attr="main_grad")
             norm = self.optimizer.step(max_norm=clip)
         else:
             if self.groups is not None:
