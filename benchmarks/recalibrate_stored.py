@@ -18,16 +18,14 @@ import statistics
 import sys
 from typing import Any
 
-from braid.measure.calibrate import busy_by_phase
-from braid.measure.calibrate import calibrate
-from braid.measure.calibrate import predict
-from braid.measure.calibrate import probe_plan
-from braid.core.compiler import compile_plan
-from braid.cost.costs import Layout, costs_from_dict
-from braid.models.qwen2 import Qwen2Config
-from braid.core.partition import chunk_specs
-from braid.measure.config import ProfileConfig
 from braid.simulator import simulate
+
+from braid.core.compiler import compile_plan
+from braid.core.partition import chunk_specs
+from braid.cost.costs import Layout, costs_from_dict
+from braid.measure.calibrate import busy_by_phase, calibrate, predict, probe_plan
+from braid.measure.config import ProfileConfig
+from braid.models.qwen2 import Qwen2Config
 
 
 def refit(summary: dict[str, Any]) -> list[tuple[str, int, float, float, float]]:

@@ -46,7 +46,7 @@ from braid.io.files import atomic_write_text
 from braid.cost.hardware import HARDWARE, get_hardware
 from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
-from braid.cost.catalog import MODELS, ModelConfig
+from braid.cost.catalog import MODELS, ModelConfig, get_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS
 
 log = logging.getLogger(__name__)
@@ -130,11 +130,12 @@ def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
 def resolve_model(name: str) -> ModelConfig:
     """``--model``: a catalog preset, or a Hugging Face ``config.json`` read through the model
     registry (:func:`braid.models.shapes.resolve_model`; imported only then: it loads torch)."""
-    if name in MODELS or f"qwen2-{name}" in MODELS:
-        return MODELS.get(name) or MODELS[f"qwen2-{name}"]
-    from braid.models.shapes import resolve_model as from_path_or_preset
+    try:
+        return get_model(name)
+    except ValueError:  # not a preset: a config.json path, or an unknown name (reported from there)
+        from braid.models.shapes import resolve_model as from_path_or_preset
 
-    return from_path_or_preset(name)
+        return from_path_or_preset(name)
 
 
 def _with_options(plan: Plan, options: dict[str, Any]) -> Plan:

@@ -63,3 +63,22 @@ def test_bench_refuses_a_bad_mode_before_any_work(capsys) -> None:
         main(["--preset", "tiny", "--pp", "2", "--baselines", "deepspeed"])
     assert e.value.code == 2
     assert "unknown baseline 'deepspeed'" in capsys.readouterr().err
+
+
+def test_without_megatron_core_the_bench_has_no_mcore_rows_and_says_how_to_install_it(monkeypatch) -> None:
+    """megatron-core is an optional extra: with it absent (import fails), the baselines list and the
+    bench's rows leave it out and the report's note names the extra."""
+    import sys
+
+    from braid.baselines import megatron_gpt
+    from braid.baselines.torch_pp import available_baselines
+    from braid.measure.report import _megatron_line
+
+    for name in ("megatron", "megatron.core"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as when it is not installed
+    assert not megatron_gpt.available()
+    names = available_baselines()
+    assert names and not any(n.startswith("mcore") for n in names)
+    rows = peer_runs(names, default_torch_modes(1), ["eager", "graphed"], tp=1, device_type="cpu")
+    assert rows and {r.peer for r in rows} == {"torch"}
+    assert "not installed" in _megatron_line() and ".[megatron]" in _megatron_line()

@@ -1,4 +1,5 @@
-"""Predictions of bench runs from a profile, and the calibration that fits the profile to a probe run (a short measured step) so that the simulator predicts the rest (``docs/bench.md``)."""
+"""Predictions of bench runs from a profile, and the calibration that fits the profile to a probe
+run (a short measured step) so that the simulator predicts the rest (``docs/bench.md``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What a profile or bench job runs on: the model (any registered family through the catalog), the layout, the data shape and the device; the shared command-line flags."""
+"""What a profile or bench job runs on: the model (any registered family through the catalog), the
+layout, the data shape and the device; the shared command-line flags."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Multi-rank jobs without torchrun: spawn ``world`` processes (gloo on CPU, NCCL on GPU), run one function on each, collect the results; a dying rank stops the others and is named."""
+"""Multi-rank jobs without torchrun: spawn ``world`` processes (gloo on CPU, NCCL on GPU), run one
+function on each, collect the results; a dying rank stops the others and is named."""
 
 from __future__ import annotations
 

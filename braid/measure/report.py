@@ -1,4 +1,5 @@
-"""A bench job's results: measured against predicted per run, braid's best over the best external baseline per round, the printed table and the stored measurement sets (``--capture``)."""
+"""A bench job's results: measured against predicted per run, braid's best over the best external
+baseline per round, the printed table and the stored measurement sets (``--capture``)."""
 
 from __future__ import annotations
 

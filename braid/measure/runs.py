@@ -1,4 +1,5 @@
-"""The bench job on every rank: braid's schedules through the executor (eager or as whole-step CUDA graphs) and the external baselines on the same model, layout and data, step by step."""
+"""The bench job on every rank: braid's schedules through the executor (eager or as whole-step CUDA
+graphs) and the external baselines on the same model, layout and data, step by step."""
 
 from __future__ import annotations
 

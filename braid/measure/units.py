@@ -1,4 +1,6 @@
-"""The profiler: every unit task of the executor's own chunks timed as the executor runs it, the TP all-reduce alone and beside GEMMs, P2P and host copies; the measurements assembled into a cost model (``docs/costs.md``)."""
+"""The profiler: every unit task of the executor's own chunks timed as the executor runs it, the TP
+all-reduce alone and beside GEMMs, P2P and host copies; the measurements assembled into a cost model
+(``docs/costs.md``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The pieces a model chunk keeps per micro-batch and unit: entries into the autograd graph that hold no tensor, saved-tensor boxes (counted, offloaded), backward state, and the chunk-state error."""
+"""The pieces a model chunk keeps per micro-batch and unit: entries into the autograd graph that
+hold no tensor, saved-tensor boxes (counted, offloaded), backward state, and the chunk-state error."""
 
 from __future__ import annotations
 
