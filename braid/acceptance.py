@@ -75,8 +75,12 @@ def parts(out: Path, smoke: bool) -> list[Part]:
         # Eager units (--no-compile): a cold inductor cache alone would take the budget.
         limit = ("--preset", "7b-layer", "--seq", "4096", "--m", "8", "--schedule", "braided_v", "zb_v", "--skip", "eager_compiled",
                  "--no-compile", "--warmup", "2", "--steps", "5")
-        bench = ("--preset", "7b-layer", "--seq", "4096", "--mbs", "4", "8", "--schedule", "braided_v", "zb_v", "--rounds", "5",
-                 "--warmup", "1", "--steps", "2", "--iters", "3", "--no-calibrate", "--no-compile")
+        # One external row per peer (torch eager, megatron-core graphed when installed): the full
+        # peers-at-their-best job is docs/bench.md's, minutes longer than this part's share.
+        bench = ("--preset", "7b-layer", "--seq", "4096", "--mbs", "4", "8", "--schedule", "braided_v", "1f1b_i", "--rounds", "5",
+                 "--warmup", "2", "--steps", "2", "--iters", "3", "--no-calibrate", "--no-compile",
+                 "--baselines", "torch_1f1b_i", *(("mcore_1f1b_i",) if _has_mcore() else ()),
+                 "--torch-modes", "eager", "--mcore-modes", "graphed")
         overlap = ("--layers", "2", "--mbs", "6", "--warmup", "1", "--iters", "3", "--tp-backend", "nccl-capped", "nccl")
     return [
         Part("gpu-tests", gpu, (*tests, "--junitxml", str(out / "gpu-tests.xml")), "gpu-tests.xml", None),
@@ -89,6 +93,12 @@ def parts(out: Path, smoke: bool) -> list[Part]:
         Part("braided-overlap", 2 * gpu, _py("benchmarks/bench_braided_overlap.py", *overlap, "--json", str(out / "braided_overlap.json")),
              "braided_overlap.json", _overlap_headline),
     ]
+
+
+def _has_mcore() -> bool:
+    from braid.baselines.megatron_gpt import available
+
+    return available()
 
 
 # -- headline figures from each part's result file -------------------------------------------
@@ -234,11 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **CHILD_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     todo = [p for p in parts(out.resolve(), args.cpu_smoke) if args.only is None or p.name in args.only]
-    total_w = sum(WEIGHTS[p.name] for p in todo)
     summary: dict[str, Any] = {**environment(args.cpu_smoke, gpus), "budget_s": args.budget_s, "env": CHILD_ENV, "parts": []}
     t0 = time.monotonic()
-    for p in todo:
-        budget = args.budget_s * WEIGHTS[p.name] / total_w
+    for i, p in enumerate(todo):
+        # each part gets its weight's share of what is left: time a part did not use goes to the rest
+        left_w = sum(WEIGHTS[q.name] for q in todo[i:])
+        budget = max(args.budget_s - (time.monotonic() - t0), 0.0) * WEIGHTS[p.name] / left_w
         if p.gpus > gpus:
             row = {"name": p.name, "status": "skipped", "reason": f"needs {p.gpus} GPUs, found {gpus}", "seconds": 0.0,
                    "budget_s": round(budget, 1)}

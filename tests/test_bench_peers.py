@@ -32,9 +32,18 @@ def test_default_rows_are_eager_and_best_of_each_peer_and_say_why_on_cpu() -> No
                                        "mcore:interleaved 1F1B [eager]", "mcore:interleaved 1F1B [graphed]"]
     why = {r.label: r.why for r in rows}
     assert why["torch:ScheduleZBVZeroBubble [eager]"] is None and why["mcore:interleaved 1F1B [eager]"] is None
-    assert "async TP needs CUDA" in why["torch:ScheduleZBVZeroBubble [titan+compile+async_tp]"]
+    assert "compiled layer" in why["torch:ScheduleZBVZeroBubble [titan+compile+async_tp]"]
     assert "CUDA graph needs CUDA" in why["mcore:interleaved 1F1B [graphed]"]
     assert [r.peer for r in rows] == ["torch", "torch", "mcore", "mcore"]
+
+
+def test_split_backward_schedules_run_eager_only_and_interleaved_1f1b_compiles() -> None:
+    # torch's ZB-V and DualPipeV fail at the W step of a compiled layer on one rank only, which
+    # would leave its peer waiting in a P2P receive: those rows say why instead of running.
+    rows = peer_runs(["torch_1f1b_i", "torch_zb_v", "torch_dualpipe_v"], ["compile"], [], tp=1, device_type="cpu")
+    why = {r.name: r.why for r in rows}
+    assert "pytorch/pytorch#161904" in why["torch_zb_v"] and "pytorch/pytorch#161904" in why["torch_dualpipe_v"]
+    assert why["torch_1f1b_i"] is None or "compiled layer" not in why["torch_1f1b_i"]
 
 
 def test_best_per_peer_takes_each_peers_fastest_row_within_each_round() -> None:

@@ -145,8 +145,20 @@ def peer_of(name: str) -> str:
     return "mcore" if name.startswith("mcore_") else "torch"
 
 
+# torch schedules whose backward is split into input (B) and weight (W) grads by walking the
+# autograd graph: a compiled layer is one opaque node there, and the W step fails on the last
+# stage's rank only (pytorch/pytorch#161904) while its peer waits in a P2P receive.
+SPLIT_BACKWARD = ("torch_zb_v", "torch_dualpipe_v")
+
+
 def mode_unavailable(name: str, mode: PeerMode, device_type: str, tp: int) -> str | None:
-    return mode.unavailable(device_type) if isinstance(mode, McoreMode) else mode.unavailable(device_type, tp)
+    """Why baseline ``name`` cannot run in ``mode`` here, in one line, or None."""
+    if isinstance(mode, McoreMode):
+        return mode.unavailable(device_type)
+    if mode.compile and name in SPLIT_BACKWARD:
+        return ("torch's zero-bubble schedules split the backward through the autograd graph, which a compiled layer "
+                "hides (pytorch/pytorch#161904): they run eager only")
+    return mode.unavailable(device_type, tp)
 
 
 def row_label(schedule_label: str, mode: PeerMode) -> str:
