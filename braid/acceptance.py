@@ -74,7 +74,7 @@ def parts(out: Path, smoke: bool) -> list[Part]:
         tests = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/", "--timeout", "120")
         # Eager units (--no-compile): a cold inductor cache alone would take the budget.
         limit = ("--preset", "7b-layer", "--seq", "4096", "--m", "8", "--schedule", "braided_v", "zb_v", "--skip", "eager_compiled",
-                 "--no-compile", "--warmup", "2", "--steps", "5")
+                 "--no-compile", "--warmup", "3", "--steps", "5")
         # One external row per peer (torch eager, megatron-core graphed when installed): the full
         # peers-at-their-best job is docs/bench.md's, minutes longer than this part's share.
         bench = ("--preset", "7b-layer", "--seq", "4096", "--mbs", "4", "8", "--schedule", "braided_v", "1f1b_i", "--rounds", "5",

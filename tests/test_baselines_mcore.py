@@ -247,3 +247,16 @@ def test_mcore_1f1b_i_tp2_pp2_matches_reference():
         pool.close()
     assert len([r for r in res if r[0][0] is not None]) == 2, "both TP ranks of the last stage report the loss"
     _check_losses(res, "tp=2 pp=2")
+
+
+def test_mcore_p2p_is_unbatched_in_every_mode():
+    """megatron-core's batched P2P pairs the two directions wrongly when both neighbours are one rank
+    (pp=2: a received activation matched with a sent gradient); its unbatched ops keep them apart.
+    The CPU equivalence tests above run the unbatched ops at pp=2; every CUDA mode must use them too."""
+    from braid.baselines import megatron_gpt as bm
+
+    cfg = _model("qwen2").cfg
+    for device, graphed in (("cpu", False), ("cuda", False), ("cuda", True)):
+        conf = bm.transformer_config(cfg, pp=2, vp=2, device=device, graphed=graphed)
+        assert not conf.batch_p2p_comm, (device, graphed)
+        assert conf.overlap_p2p_comm == (device == "cuda" and not graphed), (device, graphed)

@@ -31,23 +31,24 @@ def _run(ctx, name: str, mode: TorchMode, world: int, tp: int, pp: int, device: 
     groups = ctx.process_groups(Topology(world, pp=pp, tp=tp))
     model = _model(False)
     layers = (model.cfg.layers // (2 * pp),) * (2 * pp)
-    pipe = TorchPipeline(name, model, layers, M, groups=groups, device=torch.device("cpu"), dtype=torch.float32, mode=mode)
+    dev = torch.device(f"cuda:{ctx.rank}" if device == "cuda" else "cpu")
+    pipe = TorchPipeline(name, model, layers, M, groups=groups, device=dev, dtype=torch.float32, mode=mode)
     opt = pipe.optimizer(lr=LR)
     (inputs, labels, _), = _data(model, False, 1)
-    inputs = tuple(x[: M * B] for x in inputs)
+    inputs = tuple(x[: M * B].to(dev) for x in inputs)
     opt.zero_grad(set_to_none=True)
-    loss = pipe.step(inputs, labels[: M * B])
+    loss = pipe.step(inputs, labels[: M * B].to(dev))
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
     grads, params = {}, {}
     for mod, st in zip(pipe.modules, pipe.stages):
         first = layer_offset(layers, st.stage_index)
         for n, p in mod.named_parameters():
-            grads[_ref_name(n.replace("._orig_mod", ""), first, False)] = full(p.grad).detach().clone()
+            grads[_ref_name(n.replace("._orig_mod", ""), first, False)] = full(p.grad).detach().to("cpu", copy=True)
     opt.step()
     for mod, st in zip(pipe.modules, pipe.stages):
         first = layer_offset(layers, st.stage_index)
         for n, p in mod.named_parameters():
-            params[_ref_name(n.replace("._orig_mod", ""), first, False)] = full(p).detach().clone()
+            params[_ref_name(n.replace("._orig_mod", ""), first, False)] = full(p).detach().to("cpu", copy=True)
     keep = groups.coords.tp == 0
     return loss, grads if keep else {}, params if keep else {}
 

@@ -113,7 +113,13 @@ def transformer_config(cfg: Any, *, tp: int = 1, pp: int = 1, vp: int | None = N
         virtual_pipeline_model_parallel_size=vp if pp > 1 else None,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=cpu, perform_initialization=False,
-        batch_p2p_comm=not cpu, batch_p2p_sync=not cpu and not graphed,  # gloo: one isend/irecv at a time, no cuda.synchronize()
+        # Unbatched P2P, as Megatron-LM runs its interleaved schedule (--overlap-p2p-communication,
+        # its default there): megatron-core's unbatched ops keep the two directions apart when
+        # both neighbours are one rank (pp=2), which its batched ops do not (the batched run at
+        # pp=2 matches a received activation with a sent gradient: loss and gradients off, on
+        # gloo as on NCCL). Overlapped on eager CUDA; a graphed step and gloo wait for each
+        # transfer where it is issued.
+        batch_p2p_comm=False, overlap_p2p_comm=not cpu and not graphed,
         **({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"} if graphed else {}),
     )
 

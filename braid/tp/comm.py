@@ -128,7 +128,11 @@ def _symm_mem_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> _EventWor
         t.view(-1).copy_(ag[:n])
         ev = torch.cuda.Event()
         ev.record(side)
-    t.record_stream(side)
+    # The gathered output and a padded input were allocated on the caller's stream but are
+    # used on the side stream: without this the allocator hands their memory to the caller's
+    # next tensors while the copies still run (seen as wrong losses when braided units overlap).
+    for used in (t, flat, ag):
+        used.record_stream(side)
     return _EventWork(ev)
 
 
