@@ -217,6 +217,14 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     doc = json.loads(out.read_text())
     assert [x["name"] for x in doc["sets"]] == ["cpu-b", "cpu-a"]
     assert doc["sets"][1]["runs"][0]["step_s"] == s["runs"][0]["step_s"]
+    # what a re-fit needs offline: the profile before calibration, how each run and the
+    # probe ran (eager here), and the probe's measured evidence
+    st = doc["sets"][1]
+    assert "calibration" not in st["raw_profile"]["meta"] and st["raw_profile"]["chunks"].keys() == st["profile"]["chunks"].keys()
+    assert {r["cuda_graph"] for r in st["runs"]} == {"none"} and all(r["host_s"] > 0 for r in st["runs"])
+    cal = st["profile"]["meta"]["calibration"]
+    assert cal["probe_runs"]["cuda_graph"] == "none" and cal["probe_runs"]["recorded_step_s"] > 0
+    assert cal["probe_runs"]["host_s"] > 0 and set(cal["measured_busy_s"]) == {"F", "B", "W"}
 
 
 def test_ranking_flags_only_pairs_apart_by_more_than_the_gap() -> None:

@@ -70,7 +70,7 @@ def _bisect(f, target: float, lo: float, hi: float, iters: int = 30) -> float:
 
 
 def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: float,
-              measured_busy_s: dict[str, float]) -> dict[str, Any]:
+              measured_busy_s: dict[str, float], probe: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fit the profile to one measured run of the probe plan (calibrated prediction).
 
     ``measured_busy_s``: seconds of unit compute per phase (``"F"``, ``"B"``, ``"W"``) in the
@@ -110,6 +110,7 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
         for c in out["chunks"].values():
             c[key] *= scale[ph]
     cal: dict[str, Any] = {"probe": f"{plan.name} p={plan.p} m={plan.m}", "measured_step_s": measured_step_s,
+                           "measured_busy_s": dict(measured_busy_s), "probe_runs": dict(probe or {}),
                            "profiled_host_task_s": float(doc.get("host_task_s", 0.0)),
                            "compute_scale": k_all, "compute_scale_per_phase": scale}
 

@@ -78,7 +78,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
             "external": ext, "best_over_external": round_ratios(out_runs, ext), "ranking": ranking(out_runs),
             "best_per_peer": best_per_peer(out_runs, ext),
-            "notes": raw["notes"] + [_megatron_line()], "profile": doc, "_traces": traces}
+            "notes": raw["notes"] + [_megatron_line()], "profile": doc, "raw_profile": raw.get("raw_profile"),
+            "_traces": traces}
 
 
 def _host_s(ranks: list[dict[str, Any]]) -> float | None:
@@ -210,8 +211,12 @@ def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
              "load_per_core": os.getloadavg()[0] / (os.cpu_count() or 1),
              "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
              "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
-             "runs": [{k: r[k] for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes")} for r in summary["runs"]],
-             "profile": summary["profile"]}
+             "runs": [{k: r.get(k) for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes", "step_s_rounds", "host_s",
+                                             "cuda_graph")} for r in summary["runs"]],
+             # the calibrated profile the runs are predicted from, and the profile before the
+             # calibration (None when the run read --costs): with the probe's evidence in
+             # profile.meta.calibration, enough to re-fit the calibration offline
+             "profile": summary["profile"], "raw_profile": summary.get("raw_profile")}
     doc["sets"] = [s for s in doc["sets"] if s.get("name") != name] + [entry]
     p.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(p, json.dumps(doc, indent=1))
