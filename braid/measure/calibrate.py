@@ -57,12 +57,22 @@ def probe_plan(p: int, m: int, v: int = 2):
     return Plan("probe", ScheduleConfig(p, m, v), placement, tuple(ranks))
 
 
-def _bisect(f, target: float, lo: float, hi: float, iters: int = 30) -> float:
-    """The x in [lo, hi] where the increasing ``f`` reaches ``target`` (clamped to the ends)."""
+SCALE_BOUNDS = (0.67, 1.5)  # a fitted scale outside these is a missing mechanism, not a constant
+
+
+def _clamp(x: float, lo: float = SCALE_BOUNDS[0], hi: float = SCALE_BOUNDS[1]) -> float:
+    return min(hi, max(lo, x))
+
+
+def _fit(f, target: float, lo: float, hi: float, limit: float | None = None, iters: int = 40) -> float:
+    """The x in [lo, hi] where the non-decreasing ``f`` reaches ``target``, or the end it is held at;
+    with ``limit``, ``hi`` doubles up to it first."""
     if f(lo) >= target:
         return lo
-    while f(hi) < target and hi < 1e3:
-        hi *= 2
+    while limit is not None and hi < limit and f(hi) < target:
+        hi = min(limit, 2 * hi)
+    if f(hi) <= target:
+        return hi
     for _ in range(iters):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
@@ -74,16 +84,40 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     """Fit the profile to one measured run of the probe plan (calibrated prediction).
 
     ``measured_busy_s``: seconds of unit compute per phase (``"F"``, ``"B"``, ``"W"``) in the
-    probe's measured trace, summed over the ranks that recorded one. Two kinds of figures,
-    written to ``meta.calibration``: ``compute_scale`` per phase -- measured unit compute in
-    the pipeline over the isolated unit times (caches, launch gaps, a busy neighbour; the
-    phases differ: a backward overlaps its launches better than a short forward unit) --
-    then the one communication figure that explains the rest of the measured step: the
-    effective P2P time (pp > 1; it absorbs the per-transfer latency of a loaded machine),
-    with pp=1 and tp > 1 a scale of the all-reduce times, and with pp=1 and tp=1 the host
-    time per unit task (``host_task_s``, the simulator's host lane: at pp=1 nothing but the
-    host can leave the device idle). With pp > 1, where even free P2P leaves the prediction
-    above the measured step, ``host_task_s`` is fitted below its profiled value too.
+    probe's recorded steps (eager, every unit timed), summed over the ranks that recorded one.
+    ``probe``: how the probe's timed steps ran (``cuda_graph``: ``"step"`` for a whole-step
+    graph replay) and the rest of its evidence, kept in ``meta.calibration.probe_runs``.
+
+    Every fitted figure is a physical quantity held to a physical range; a fit that would
+    leave it is stopped at the bound and the next mechanism explains the rest (the residual
+    stays visible as ``probe_error``). Written to ``meta.calibration``:
+
+    1. **Host lane** (``host_task_s``). Eager: the profiled host time per unit task. A graph
+       replay issues no unit task from the host, so a graphed probe (and the graphed runs
+       it predicts) has no host lane: ``host_task_s = 0``.
+    2. **Compute scales** per phase (``compute_scale_per_phase``, each in
+       :data:`SCALE_BOUNDS`): the probe's measured busy time per phase over the simulated
+       busy time of the same probe (which, like the measured one, includes the slowdown of
+       compute beside an in-flight all-reduce and excludes exposed all-reduce waits: the
+       recorder starts a unit's clock after its wait). The exposed all-reduce therefore
+       never lands in a compute scale. At tp = 1 the executor runs a BW op fused (its
+       weight gradients inside the backward: the W tasks record ~nothing), so B and W get
+       one joint scale. A graphed probe's busy time comes from eager recorded steps, whose
+       short units carry host launch gaps a replay does not have: only a scale below 1 is
+       evidence about the device there, so each is held at most 1.
+    3. **The one communication figure** that explains the rest of the probe's measured
+       step: with pp > 1 the effective P2P time (``p2p_s``, from 0; it absorbs a loaded
+       machine's per-transfer latency), with pp = 1 and tp > 1 a scale of the profiled
+       all-reduce times (``ar_scale``, in :data:`SCALE_BOUNDS`: the profile measured the
+       chosen backend's all-reduce alone and beside a GEMM), with pp = 1 and tp = 1 in
+       eager the host time per unit task (from 0; at pp = 1 nothing else can leave the
+       device idle).
+    4. Eager only: where that figure is at its lower bound and the prediction is still
+       longer than measured, the host lane is fitted below its profiled value
+       (host-bound units stretch their own measured busy time, so the compute scales
+       already hold part of the host time).
+    5. Whatever is left (the figures at their bounds) is one factor common to the phases
+       (``compute_factor``), each scaled phase held in :data:`SCALE_BOUNDS`.
     """
     import copy
 
@@ -91,59 +125,94 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     from braid.core.partition import chunk_specs
     from braid.simulator import simulate
 
+    probe = dict(probe or {})
+    graphed = probe.get("cuda_graph") == "step"
     programs = compile_plan(plan)
     lay = Layout(pc.tp, pc.pp, plan.v, plan.placement)
     specs = chunk_specs(pc.layers_per_stage, pc.pp, plan.placement)
+
     def sim(d: dict[str, Any], record: bool = False):
         return simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=record)
 
-    out = copy.deepcopy(doc)
-    # Nominal compute per phase: the probe's unit durations with no all-reduce slowdown.
-    nominal = busy_by_phase(sim({**doc, "ar_slowdown": 1.0}, record=True).trace)
+    base = copy.deepcopy(doc)
+    profiled_host = float(doc.get("host_task_s", 0.0))
+    if graphed:
+        base["host_task_s"] = 0.0
+    joint = pc.tp == 1
     total_meas = sum(measured_busy_s.values())
-    total_nom = sum(nominal.values())
-    k_all = total_meas / total_nom if total_nom > 0 else 1.0
-    scale = {}
-    for ph, key in (("F", "T_F"), ("B", "T_B"), ("W", "T_W")):
-        nom, meas = nominal.get(ph, 0.0), measured_busy_s.get(ph, 0.0)
-        scale[ph] = meas / nom if nom > 0 and meas > 0 else k_all
-        for c in out["chunks"].values():
-            c[key] *= scale[ph]
-    cal: dict[str, Any] = {"probe": f"{plan.name} p={plan.p} m={plan.m}", "measured_step_s": measured_step_s,
-                           "measured_busy_s": dict(measured_busy_s), "probe_runs": dict(probe or {}),
-                           "profiled_host_task_s": float(doc.get("host_task_s", 0.0)),
-                           "compute_scale": k_all, "compute_scale_per_phase": scale}
+    ones = {ph: 1.0 for ph in "FBW"}
 
-    def with_knob(x: float) -> dict[str, Any]:
-        d = copy.deepcopy(out)
-        if pc.pp == 1 and pc.tp == 1:
-            d["host_task_s"] = x
-            return d
-        for c, base in zip(d["chunks"].values(), doc["chunks"].values()):
-            if pc.pp > 1:
-                c["T_P2P"] = x
-            else:
-                c["T_AR"], c["T_AR_B"] = base["T_AR"] * x, base["T_AR_B"] * x
+    def build(sc: dict[str, float], ar: float = 1.0, p2p: float | None = None, host: float | None = None) -> dict[str, Any]:
+        d = copy.deepcopy(base)
+        for c in d["chunks"].values():
+            for ph in "FBW":
+                c[f"T_{ph}"] *= sc[ph]
+            if pc.tp > 1:
+                c["T_AR"], c["T_AR_B"] = c["T_AR"] * ar, c.get("T_AR_B", c["T_AR"]) * ar
+            if p2p is not None:
+                c["T_P2P"] = p2p
+        if host is not None:
+            d["host_task_s"] = host
         return d
 
-    if pc.pp > 1:
-        x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 1e-3)
-        out, cal["p2p_s"] = with_knob(x), x
-        host = float(out.get("host_task_s", 0.0))
-        if x == 0.0 and host > 0.0 and sim(out).report.step_time_s > measured_step_s:
-            # Free P2P still predicts a longer step: the host lane is shorter than profiled.
-            # Host-bound units stretch their own measured compute (the device waits for
-            # launches inside them), so the compute scales already hold part of the host time.
-            h = _bisect(lambda v: sim({**out, "host_task_s": v}).report.step_time_s, measured_step_s, 0.0, host)
-            out, cal["host_task_s"] = {**out, "host_task_s": h}, h
-    elif pc.tp > 1:
-        x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 2.0)
-        out, cal["ar_scale"] = with_knob(x), x
-    else:
-        x = _bisect(lambda v: sim(with_knob(v)).report.step_time_s, measured_step_s, 0.0, 1e-3)
-        out, cal["host_task_s"] = with_knob(x), x
-    cal["predicted_step_s"] = sim(out).report.step_time_s
+    def busy_scales(sc: dict[str, float], fit: dict[str, float]) -> tuple[dict[str, float], float]:
+        """``sc`` times measured over simulated busy time per phase (B and W joint at tp = 1),
+        the probe simulated with ``sc`` and the communication figures fitted so far (the
+        slowdown beside an all-reduce depends on how long it is in flight beside what)."""
+        nominal = busy_by_phase(sim(build(sc, fit.get("ar_scale", 1.0), fit.get("p2p_s")), record=True).trace)
+        total_nom = sum(nominal.values())
+        k_all = total_meas / total_nom if total_nom > 0 and total_meas > 0 else 1.0
+        out: dict[str, float] = {}
+        for group in ((("F",), ("B", "W")) if joint else (("F",), ("B",), ("W",))):
+            nom = sum(nominal.get(ph, 0.0) for ph in group)
+            meas = sum(measured_busy_s.get(ph, 0.0) for ph in group)
+            for ph in group:
+                out[ph] = sc[ph] * (meas / nom if nom > 0 and meas > 0 else k_all)
+        return out, k_all
+
+    step = lambda d: sim(d).report.step_time_s  # noqa: E731
+    fit: dict[str, float] = {}
+    raw_scale = ones
+    for _ in range(4 if pc.tp > 1 else 1):  # the all-reduce scale and the busy time beside it, to a fixed point
+        raw_scale, k_all = busy_scales(raw_scale, fit)
+        scale = {ph: _clamp(min(k, 1.0) if graphed else k) for ph, k in raw_scale.items()}
+        if pc.pp > 1:
+            fit["p2p_s"] = _fit(lambda x: step(build(scale, p2p=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
+        elif pc.tp > 1:
+            fit["ar_scale"] = _fit(lambda x: step(build(scale, ar=x)), measured_step_s, *SCALE_BOUNDS)
+        elif not graphed:
+            fit["host_task_s"] = _fit(lambda x: step(build(scale, host=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
+    knobs = lambda sc, **kw: build(sc, fit.get("ar_scale", 1.0), fit.get("p2p_s"), kw.get("host", fit.get("host_task_s")))  # noqa: E731
+    host = float(base.get("host_task_s", 0.0))
+    if not graphed and "host_task_s" not in fit and host > 0 and step(knobs(scale)) > measured_step_s * (1 + 1e-3):
+        fit["host_task_s"] = _fit(lambda x: step(knobs(scale, host=x)), measured_step_s, 0.0, host)
+    factor = 1.0
+    if abs(step(knobs(scale)) / measured_step_s - 1) > 1e-3:
+        lo = max(SCALE_BOUNDS[0] / v for v in scale.values())
+        hi = min(SCALE_BOUNDS[1] / v for v in scale.values())
+        if lo < hi:
+            factor = _fit(lambda x: step(knobs({ph: v * x for ph, v in scale.items()})), measured_step_s, lo, hi)
+            scale = {ph: v * factor for ph, v in scale.items()}
+    out = knobs(scale)
+    predicted = step(out)
+    cal: dict[str, Any] = {"probe": f"{plan.name} p={plan.p} m={plan.m}", "measured_step_s": measured_step_s,
+                           "measured_busy_s": dict(measured_busy_s), "probe_runs": probe,
+                           "profiled_host_task_s": profiled_host, "cuda_graph": "step" if graphed else "none",
+                           "compute_scale": k_all, "busy_scale_per_phase": raw_scale, "compute_scale_per_phase": scale,
+                           "compute_factor": factor, **fit, "predicted_step_s": predicted,
+                           "probe_error": rel_err(predicted, measured_step_s)}
+    if graphed:
+        cal["host_task_s"] = 0.0
     out["meta"] = {**out.get("meta", {}), "calibration": cal}
+    return out
+
+
+def fitted_factors(cal: dict[str, Any]) -> dict[str, float]:
+    """The fitted scales of a calibration (per-phase compute scales, the all-reduce scale) that
+    must stay in :data:`SCALE_BOUNDS`."""
+    out = {f"compute_{ph}": v for ph, v in cal.get("compute_scale_per_phase", {}).items()}
+    if "ar_scale" in cal:
+        out["ar_scale"] = cal["ar_scale"]
     return out
 
 
