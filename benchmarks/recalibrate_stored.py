@@ -19,7 +19,8 @@ import sys
 from typing import Any
 
 from braid.measure.calibrate import SCALE_BOUNDS, predict
-from braid.measure.refit import judge, profile_config, refit as refit_profile
+from braid.measure.refit import judge, profile_config, refit as refit_profile, stored_set
+from braid.measure.report import add_set
 
 TARGET_MEDIAN, TARGET_WORST = 0.05, 0.10
 
@@ -50,7 +51,12 @@ def _summaries(doc: Any) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="braid.bench --json files, files with a 'runs' list of them, or stored sets")
+    ap.add_argument("--store", metavar="FILE", help="add the (one) bench summary read, re-fitted, as a stored set to FILE "
+                    "(braid-measurements/1): for a run measured before --capture kept what a re-fit needs")
+    ap.add_argument("--name", help="the stored set's name (with --store)")
     a = ap.parse_args(argv)
+    if a.store and not a.name:
+        ap.error("--store needs --name")
     n = 0
     all_ok = True
     for f in a.files:
@@ -87,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"; OUT OF [{lo}, {hi}]: {', '.join(bad)}" if bad else ""))
             print(f"targets (median <= {TARGET_MEDIAN:.0%}, worst <= {TARGET_WORST:.0%}, ranking, factors): "
                   + ("met" if ok else "NOT met"))
+            if a.store:
+                if len(a.files) != 1 or len(summaries) != 1 or "config" not in s:
+                    ap.error("--store takes one braid.bench --json summary")
+                add_set(a.store, stored_set(s, a.name, f))
+                print(f"stored as set {a.name!r} in {a.store}")
     if not n:
         print("no runs", file=sys.stderr)
         return 1

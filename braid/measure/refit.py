@@ -118,3 +118,16 @@ def judge(entry: dict[str, Any], profile: dict[str, Any], gap: float | None = No
     cal = profile.get("meta", {}).get("calibration", {})
     return {"runs": runs, "median_abs_err": statistics.median(errs) if errs else 0.0, "worst_abs_err": max(errs, default=0.0),
             "ranked_wrong": wrong, "factors": fitted_factors(cal), "calibration": cal}
+
+
+def stored_set(summary: dict[str, Any], name: str, source: str) -> dict[str, Any]:
+    """A ``braid.bench --json`` summary as a stored set (``braid-measurements/1``), for a run
+    measured before ``--capture`` kept what a re-fit needs: the rebuilt uncalibrated profile and
+    the profile re-fitted by the current calibration. ``load_per_core`` is left out (it was
+    not recorded on the machine that ran it); ``converted_from`` names ``source``."""
+    from braid.measure.report import set_entry
+
+    raw = calibration_inputs(summary)[0]
+    entry = set_entry({**summary, "profile": refit(summary), "raw_profile": raw}, name)
+    del entry["load_per_core"]
+    return {**entry, "converted_from": source}

@@ -200,26 +200,35 @@ def read_measurements(path: str | Path) -> dict[str, Any]:
 def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
     """Add (or replace) the set ``name`` in a stored-measurements file (``braid-measurements/1``),
     written atomically: a run killed while capturing leaves the previous file whole."""
+    add_set(path, set_entry(summary, name))
+
+
+def add_set(path: str | Path, entry: dict[str, Any]) -> None:
+    """Add (or replace) the set ``entry["name"]`` in a stored-measurements file, atomically."""
     p = Path(path)
     doc = read_measurements(p)
+    doc["sets"] = [s for s in doc["sets"] if s.get("name") != entry["name"]] + [entry]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(p, json.dumps(doc, indent=1))
+
+
+def set_entry(summary: dict[str, Any], name: str) -> dict[str, Any]:
+    """The stored set of a bench summary (the ``--json`` document)."""
     cfg = summary["config"]
     import os
 
-    entry = {"name": name, "device": summary["device"], "memory": summary["memory"],
-             # runnable processes per core over the last minute when captured: > 1 means the
-             # machine was oversubscribed and the step times are not a timing reference
-             "load_per_core": os.getloadavg()[0] / (os.cpu_count() or 1),
-             "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
-             "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
-             "runs": [{k: r.get(k) for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes", "step_s_rounds", "host_s",
-                                             "cuda_graph")} for r in summary["runs"]],
-             # the calibrated profile the runs are predicted from, and the profile before the
-             # calibration (None when the run read --costs): with the probe's evidence in
-             # profile.meta.calibration, enough to re-fit the calibration offline
-             "profile": summary["profile"], "raw_profile": summary.get("raw_profile")}
-    doc["sets"] = [s for s in doc["sets"] if s.get("name") != name] + [entry]
-    p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(p, json.dumps(doc, indent=1))
+    return {"name": name, "device": summary["device"], "memory": summary["memory"],
+            # runnable processes per core over the last minute when captured: > 1 means the
+            # machine was oversubscribed and the step times are not a timing reference
+            "load_per_core": os.getloadavg()[0] / (os.cpu_count() or 1),
+            "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
+            "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
+            "runs": [{k: r.get(k) for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes", "step_s_rounds", "host_s",
+                                            "cuda_graph")} for r in summary["runs"]],
+            # the calibrated profile the runs are predicted from, and the profile before the
+            # calibration (None when the run read --costs): with the probe's evidence in
+            # profile.meta.calibration, enough to re-fit the calibration offline
+            "profile": summary["profile"], "raw_profile": summary.get("raw_profile")}
 
 
 # ----------------------------------------------------------------------------------------
