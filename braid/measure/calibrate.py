@@ -1,5 +1,17 @@
 """Predictions of bench runs from a profile, and the calibration that fits the profile to a probe
-run (a short measured step) so that the simulator predicts the rest (``docs/bench.md``)."""
+run (a short measured step) so that the simulator predicts the rest (``docs/bench.md``).
+
+The calibration fits physical quantities, each held to a physical range, never a free
+constant (:func:`calibrate` gives the rule): the host lane follows how the steps run (the
+profiled host time per unit task eager, none for a whole-step CUDA graph replay); compute
+scales per phase come from the probe's recorded busy time, which excludes exposed
+all-reduce waits and can only over-state device time (host gaps), so a scale is at most 1
+and at least 0.67, B and W sharing one where the executor fuses a BW op (tp = 1); then one
+communication figure explains the rest of the probe's step -- the all-reduce scale at
+tp > 1 (0.67 .. 1.5 of the profiled all-reduce), the P2P time at pp > 1 -- and what the
+bounded figures cannot explain stays visible (the host lane fitted lower, then a factor
+common to the phases, then ``probe_error``).
+"""
 
 from __future__ import annotations
 
@@ -96,15 +108,19 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
        replay issues no unit task from the host, so a graphed probe (and the graphed runs
        it predicts) has no host lane: ``host_task_s = 0``.
     2. **Compute scales** per phase (``compute_scale_per_phase``, each in
-       :data:`SCALE_BOUNDS`): the probe's measured busy time per phase over the simulated
-       busy time of the same probe (which, like the measured one, includes the slowdown of
-       compute beside an in-flight all-reduce and excludes exposed all-reduce waits: the
-       recorder starts a unit's clock after its wait). The exposed all-reduce therefore
-       never lands in a compute scale. At tp = 1 the executor runs a BW op fused (its
-       weight gradients inside the backward: the W tasks record ~nothing), so B and W get
-       one joint scale. A graphed probe's busy time comes from eager recorded steps, whose
-       short units carry host launch gaps a replay does not have: only a scale below 1 is
-       evidence about the device there, so each is held at most 1.
+       :data:`SCALE_BOUNDS`). The probe's recorded steps run eager with every unit timed;
+       their busy time per phase over the simulated busy time of the same probe
+       (``busy_scale_per_phase``; both include the slowdown of compute beside an in-flight
+       all-reduce, with the all-reduce times fitted so far, iterated to a fixed point, and
+       neither holds an exposed all-reduce wait: the recorder starts a unit's clock after
+       its wait) is an upper bound of the device time: a unit's recorded span is at least
+       the host time to issue it, so host-bound units (short forward units, more so at
+       tp > 1) record host gaps a device never spent. The profiled unit times are device
+       times (the profiler fills the device queue first), so each scale is that ratio where
+       it is below 1 and 1 otherwise; the host lane, not a compute scale, carries the host
+       (and a replay has none). The exposed all-reduce never lands in a compute scale. At
+       tp = 1 the executor runs a BW op fused (its weight gradients inside the backward:
+       its W tasks record ~nothing), so B and W get one joint scale.
     3. **The one communication figure** that explains the rest of the probe's measured
        step: with pp > 1 the effective P2P time (``p2p_s``, from 0; it absorbs a loaded
        machine's per-transfer latency), with pp = 1 and tp > 1 a scale of the profiled
@@ -113,9 +129,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
        eager the host time per unit task (from 0; at pp = 1 nothing else can leave the
        device idle).
     4. Eager only: where that figure is at its lower bound and the prediction is still
-       longer than measured, the host lane is fitted below its profiled value
-       (host-bound units stretch their own measured busy time, so the compute scales
-       already hold part of the host time).
+       longer than measured, the host lane is fitted below its profiled value (the
+       executor issues fused ops and runs ahead of the device; the profiler timed each
+       unit call alone).
     5. Whatever is left (the figures at their bounds) is one factor common to the phases
        (``compute_factor``), each scaled phase held in :data:`SCALE_BOUNDS`.
     """
@@ -175,7 +191,7 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     raw_scale = ones
     for _ in range(4 if pc.tp > 1 else 1):  # the all-reduce scale and the busy time beside it, to a fixed point
         raw_scale, k_all = busy_scales(raw_scale, fit)
-        scale = {ph: _clamp(min(k, 1.0) if graphed else k) for ph, k in raw_scale.items()}
+        scale = {ph: _clamp(min(k, 1.0)) for ph, k in raw_scale.items()}
         if pc.pp > 1:
             fit["p2p_s"] = _fit(lambda x: step(build(scale, p2p=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
         elif pc.tp > 1:
