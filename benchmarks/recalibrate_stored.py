@@ -33,7 +33,8 @@ def refit(summary: dict[str, Any]) -> list[tuple[str, int, float, float, float]]
     for r, n in zip(summary["runs"], new["runs"]):
         old = r.get("predicted_step_s")
         if old is None:
-            old = predict(summary["profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage)[0].report.step_time_s
+            old = predict(summary["profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage,
+                          cuda_graph=r.get("cuda_graph"))[0].report.step_time_s
         out.append((r["schedule"], r["m"], r["step_s"], old, n["predicted_step_s"]))
     return out
 

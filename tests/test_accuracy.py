@@ -58,7 +58,8 @@ def _predict(s: dict, timing: bool = False):
         s = {**s, "refitted": prof}
     out = []
     for r in s["runs"]:
-        sim, peaks = predict(prof, r["schedule"], r["m"], lay["pp"], lay["tp"], lay["layers_per_stage"], s["memory"])
+        sim, peaks = predict(prof, r["schedule"], r["m"], lay["pp"], lay["tp"], lay["layers_per_stage"], s["memory"],
+                             r.get("cuda_graph"))
         out.append((r, sim.report.step_time_s, peaks))
     return s, out
 

@@ -24,10 +24,11 @@ from braid.measure.config import ProfileConfig
 
 
 def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int, layers_per_stage: Sequence[int],
-            memory: str = "instruction_end"):
+            memory: str = "instruction_end", cuda_graph: str | None = None):
     """Simulate ``schedule`` (p=pp, m) on a profile dict; returns (SimResult, per-rank predicted peak bytes).
 
     ``memory``: ``"instruction_end"`` (CPU measurements) or ``"allocator_peak"`` (GPU: true peak).
+    ``cuda_graph``: how the run went (:func:`host_lane_for`); None takes the profile as it is.
     """
     from braid import schedules
     from braid.core.compiler import compile_plan
@@ -38,6 +39,8 @@ def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int
     if len(layers_per_stage) != plan.num_stages:
         raise ValueError(f"{schedule} has {plan.num_stages} virtual stages; the profile has {len(layers_per_stage)}")
     specs = chunk_specs(tuple(layers_per_stage), pp, plan.placement)
+    if cuda_graph is not None:
+        profile_doc = {**profile_doc, "host_task_s": host_lane_for(profile_doc, cuda_graph)}
     costs = costs_from_dict(profile_doc, Layout(tp, pp, plan.v, plan.placement), specs, where=f"profile for {schedule}")
     sim = simulate(compile_plan(plan), costs, name=schedule)
     if memory == "instruction_end":
@@ -45,6 +48,18 @@ def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int
     else:
         peaks = {r.rank: r.peak_activation_bytes for r in sim.report.ranks}
     return sim, [peaks.get(r, 0) for r in range(pp)]
+
+
+def host_lane_for(profile_doc: dict[str, Any], cuda_graph: str) -> float:
+    """The host time per unit task of a run that went as ``cuda_graph`` says: none for a
+    whole-step graph replay (``"step"``); for an eager run the profile's own, or the profiled
+    one where the profile was calibrated on a graphed probe (which set its host lane to 0)."""
+    if cuda_graph == "step":
+        return 0.0
+    cal = (profile_doc.get("meta") or {}).get("calibration") or {}
+    if cal.get("cuda_graph") == "step":
+        return float(cal.get("profiled_host_task_s", 0.0))
+    return float(profile_doc.get("host_task_s", 0.0))
 
 
 def rel_err(pred: float, meas: float) -> float:

@@ -110,7 +110,8 @@ def judge(entry: dict[str, Any], profile: dict[str, Any], gap: float | None = No
     pc = profile_config(entry)
     runs = []
     for r in entry["runs"]:
-        pred = predict(profile, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage)[0].report.step_time_s
+        pred = predict(profile, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage,
+                       cuda_graph=r.get("cuda_graph"))[0].report.step_time_s
         runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": r["step_s"], "predicted_step_s": pred,
                      "err": rel_err(pred, r["step_s"])})
     errs = [abs(r["err"]) for r in runs]

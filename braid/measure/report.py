@@ -36,11 +36,13 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         step_s = statistics.median(rounds)
         # one figure per pipeline rank: the max over its TP ranks (global rank = pp * tp + tp_rank)
         peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
-        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)
+        mode = ranks[0].get("cuda_graph")  # a graph replay has no host lane
+        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory, mode)
         pred = sim.report.step_time_s
         raw_pred = None
         if raw.get("raw_profile") is not None:
-            raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)[0].report.step_time_s
+            raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory,
+                               mode)[0].report.step_time_s
         mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
         out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s, "step_s_rounds": rounds,
                          "step_s_all": slowest_rank_steps(ranks),
@@ -171,11 +173,13 @@ def format_report(summary: dict[str, Any]) -> str:
     lines += format_per_peer(summary.get("best_per_peer", {}))
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:
-        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}
+        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s", "compute_factor")}
         scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
-        lines.append(f"calibration ({cal['probe']}): compute scale {scales}; "
+        graphed = cal.get("cuda_graph") == "step"
+        lines.append(f"calibration ({cal['probe']}{', graphed: no host lane' if graphed else ''}): compute scale {scales}; "
                      f"host time per unit task profiled {cal.get('profiled_host_task_s', 0.0) * 1e6:.0f} us; "
                      + (", ".join(f"{k}={v:.4g}" for k, v in fitted.items()) or "no communication figure")
+                     + (f"; probe predicted {100 * cal['probe_error']:+.1f}%" if abs(cal.get("probe_error", 0.0)) > 0.005 else "")
                      + "; 'raw %' is the uncalibrated profile's error")
     lines += [f"note: {n}" for n in summary["notes"]]
     return "\n".join(lines)
