@@ -193,7 +193,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             # recorded a trace.
             n_rec = len(out["recorded"])
             probe = {"cuda_graph": out["cuda_graph"],
-                     "host_s": max(statistics.median(rk["host"]) for rk in gathered if rk.get("host")),
+                     "host_s": max((statistics.median(rk["host"]) for rk in gathered if rk.get("host")), default=0.0),
                      "recorded_step_s": statistics.median(max(rk["recorded"][i]["wall_s"] for rk in gathered)
                                                           for i in range(n_rec)),
                      **{k: statistics.median(sum(rk["recorded"][i][k] for rk in gathered if rk["busy"] is not None)
