@@ -19,7 +19,8 @@ import sys
 from typing import Any
 
 from braid.measure.calibrate import SCALE_BOUNDS, predict
-from braid.measure.refit import judge, profile_config, refit as refit_profile, stored_set
+from braid.measure.refit import judge, profile_config, stored_set
+from braid.measure.refit import refit as refit_profile
 from braid.measure.report import add_set
 
 TARGET_MEDIAN, TARGET_WORST = 0.05, 0.10

@@ -5,6 +5,7 @@ held in [0.67, 1.5] and what it cannot explain goes to the next mechanism (visib
 from __future__ import annotations
 
 import pytest
+from braid.simulator import simulate
 
 from braid.core.compiler import compile_plan
 from braid.core.partition import chunk_specs
@@ -12,7 +13,6 @@ from braid.cost.costs import Layout, costs_from_dict
 from braid.measure.calibrate import SCALE_BOUNDS, calibrate, fitted_factors, probe_plan
 from braid.measure.config import ProfileConfig
 from braid.models.qwen2 import Qwen2Config
-from braid.simulator import simulate
 
 MODEL = Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
 STAGE = {"T_F": 1.0, "T_B": 1.2, "T_W": 0.8, "T_AR": 0.2, "T_AR_B": 0.15}

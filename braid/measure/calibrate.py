@@ -208,11 +208,11 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
         raw_scale, k_all = busy_scales(raw_scale, fit)
         scale = {ph: _clamp(min(k, 1.0)) for ph, k in raw_scale.items()}
         if pc.pp > 1:
-            fit["p2p_s"] = _fit(lambda x: step(build(scale, p2p=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
+            fit["p2p_s"] = _fit(lambda x, sc=scale: step(build(sc, p2p=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
         elif pc.tp > 1:
-            fit["ar_scale"] = _fit(lambda x: step(build(scale, ar=x)), measured_step_s, *SCALE_BOUNDS)
+            fit["ar_scale"] = _fit(lambda x, sc=scale: step(build(sc, ar=x)), measured_step_s, *SCALE_BOUNDS)
         elif not graphed:
-            fit["host_task_s"] = _fit(lambda x: step(build(scale, host=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
+            fit["host_task_s"] = _fit(lambda x, sc=scale: step(build(sc, host=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
     knobs = lambda sc, **kw: build(sc, fit.get("ar_scale", 1.0), fit.get("p2p_s"), kw.get("host", fit.get("host_task_s")))  # noqa: E731
     host = float(base.get("host_task_s", 0.0))
     if not graphed and "host_task_s" not in fit and host > 0 and step(knobs(scale)) > measured_step_s * (1 + 1e-3):

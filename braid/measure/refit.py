@@ -25,7 +25,14 @@ import statistics
 from typing import Any
 
 from braid.cost.costs import Layout, costs_from_dict
-from braid.measure.calibrate import busy_by_phase, calibrate, fitted_factors, predict, probe_plan, rel_err
+from braid.measure.calibrate import (
+    busy_by_phase,
+    calibrate,
+    fitted_factors,
+    predict,
+    probe_plan,
+    rel_err,
+)
 from braid.measure.config import ProfileConfig
 
 SPLIT_TOTALS = {"F": "T_F", "B": "T_B", "W": "T_W", "AR": "T_AR", "AR_B": "T_AR_B"}
@@ -48,9 +55,9 @@ def profile_config(entry: dict[str, Any]) -> ProfileConfig:
 def calibration_inputs(entry: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, float], dict[str, Any]]:
     """(profile before calibration, probe's measured step, its busy time per phase, probe evidence)
     of a stored run; ``ValueError`` if it was not calibrated."""
+    from braid.core.compiler import compile_plan
     from braid.core.partition import chunk_specs
     from braid.cost.costs import ChunkCosts
-    from braid.core.compiler import compile_plan
     from braid.simulator import simulate
 
     prof = entry["profile"]
