@@ -10,7 +10,7 @@ from braid.simulator import simulate
 from braid.core.compiler import compile_plan
 from braid.core.partition import chunk_specs
 from braid.cost.costs import Layout, costs_from_dict
-from braid.measure.calibrate import SCALE_BOUNDS, calibrate, fitted_factors, probe_plan
+from braid.measure.calibrate import SCALE_BOUNDS, calibrate, fitted_factors, pair_slowdown, probe_plan
 from braid.measure.config import ProfileConfig
 from braid.models.qwen2 import Qwen2Config
 
@@ -96,3 +96,22 @@ def test_what_the_bounded_figures_cannot_explain_is_one_common_compute_factor() 
     assert cal["ar_scale"] == SCALE_BOUNDS[1]
     assert cal["compute_factor"] == pytest.approx(1.3, rel=1e-3)
     assert cal["compute_scale_per_phase"] == pytest.approx({"F": 1.3, "B": 1.3, "W": 1.3}, rel=1e-3)
+
+
+def test_the_slowdown_beside_an_allreduce_reproduces_the_profiled_pair() -> None:
+    # Profiled: GEMMs of 1.3 ms beside an all-reduce of 0.6 ms were done after 1.55 ms. The
+    # simulator slows compute by f inside the all-reduce's window: 0.6 + (1.3 - 0.6 / f) = 1.55.
+    comm = {"ar_beside_s": 0.6e-3, "gemm_alone_s": 1.3e-3, "together_s": 1.55e-3}
+    f = pair_slowdown(comm)
+    assert comm["ar_beside_s"] + comm["gemm_alone_s"] - comm["ar_beside_s"] / f == pytest.approx(comm["together_s"])
+    assert pair_slowdown({**comm, "together_s": 1.2e-3}) == 1.0  # no longer than the GEMMs alone: no slowdown
+    assert pair_slowdown({**comm, "together_s": 1.9e-3}) == 4.0  # serial: held at the bound
+    assert pair_slowdown({"ar_s": 1e-3}) is None  # CPU or an older profile: the profile's own figure stays
+    # the calibration takes it (tp > 1), and keeps the profiled figure beside it
+    doc = {"format": "braid-costs/1", "ar_slowdown": 1.05, "meta": {"comm": comm},
+           "chunks": {"0": dict(STAGE), "1": dict(STAGE)}}
+    plan, step_s, busy = _probe(doc, 2, _scaled(doc, ar_slowdown=f))
+    cal = calibrate(doc, ProfileConfig(MODEL, (1, 1), seq=8, pp=1, tp=2), plan, step_s, busy, {"cuda_graph": "step"})["meta"]["calibration"]
+    assert cal["ar_slowdown"] == pytest.approx(f) and cal["profiled_ar_slowdown"] == 1.05
+    assert cal["ar_scale"] == pytest.approx(1.0, rel=1e-3)
+    assert cal["compute_scale_per_phase"] == pytest.approx({"F": 1.0, "B": 1.0, "W": 1.0}, rel=1e-6)

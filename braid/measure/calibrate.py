@@ -3,7 +3,9 @@ run (a short measured step) so that the simulator predicts the rest (``docs/benc
 
 The calibration fits physical quantities, each held to a physical range, never a free
 constant (:func:`calibrate` gives the rule): the host lane follows how the steps run (the
-profiled host time per unit task eager, none for a whole-step CUDA graph replay); compute
+profiled host time per unit task eager, none for a whole-step CUDA graph replay); at
+tp > 1 the slowdown of compute beside an in-flight all-reduce is the one that reproduces the
+profiled pair (GEMMs issued beside an all-reduce, :func:`pair_slowdown`); compute
 scales per phase come from the probe's recorded busy time, which excludes exposed
 all-reduce waits and can only over-state device time (host gaps), so a scale is at most 1
 and at least 0.67, B and W sharing one where the executor fuses a BW op (tp = 1); then one
@@ -106,6 +108,22 @@ def _fit(f, target: float, lo: float, hi: float, limit: float | None = None, ite
     return (lo + hi) / 2
 
 
+def pair_slowdown(comm: dict[str, Any]) -> float | None:
+    """The slowdown of compute beside an in-flight all-reduce that gives the profiled pair's time:
+    GEMMs of ``gemm_alone_s`` issued beside an all-reduce of ``ar_beside_s`` were both done after
+    ``together_s`` (:func:`braid.measure.units._ar_stretch`). The simulator slows compute by
+    ``f`` inside the all-reduce's window ``w``: ``together = w + g - w / f``, so
+    ``f = w / (w + g - together)`` (in [1, 4]). This holds what a GEMM measured on its own
+    stream misses: beside an all-reduce it starts late (persistent GEMM kernels wait for the
+    SMs the all-reduce holds). None where the profile has no such figures (CPU, tp = 1)."""
+    w, g, t = (comm.get(k) for k in ("ar_beside_s", "gemm_alone_s", "together_s"))
+    if not (isinstance(w, (int, float)) and isinstance(g, (int, float)) and isinstance(t, (int, float))) or w <= 0 or g <= 0:
+        return None
+    if t <= max(g, w):
+        return 1.0
+    return 4.0 if w + g - t <= w / 4.0 else w / (w + g - t)
+
+
 def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: float,
               measured_busy_s: dict[str, float], probe: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fit the profile to one measured run of the probe plan (calibrated prediction).
@@ -122,6 +140,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     1. **Host lane** (``host_task_s``). Eager: the profiled host time per unit task. A graph
        replay issues no unit task from the host, so a graphed probe (and the graphed runs
        it predicts) has no host lane: ``host_task_s = 0``.
+    1b. **Compute beside an all-reduce** (tp > 1, ``ar_slowdown``): :func:`pair_slowdown` of the
+       profile's pair figures where it has them (the profiled figure, from GEMMs timed on
+       their own stream, misses their late start; it stays as ``profiled_ar_slowdown``).
     2. **Compute scales** per phase (``compute_scale_per_phase``, each in
        :data:`SCALE_BOUNDS`). The probe's recorded steps run eager with every unit timed;
        their busy time per phase over the simulated busy time of the same probe
@@ -169,6 +190,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     profiled_host = float(doc.get("host_task_s", 0.0))
     if graphed:
         base["host_task_s"] = 0.0
+    slowdown = pair_slowdown((doc.get("meta") or {}).get("comm") or {}) if pc.tp > 1 else None
+    if slowdown is not None:
+        base["ar_slowdown"] = slowdown
     joint = pc.tp == 1
     total_meas = sum(measured_busy_s.values())
     ones = {ph: 1.0 for ph in "FBW"}
@@ -230,7 +254,8 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
                            "measured_busy_s": dict(measured_busy_s), "probe_runs": probe,
                            "profiled_host_task_s": profiled_host, "cuda_graph": "step" if graphed else "none",
                            "compute_scale": k_all, "busy_scale_per_phase": raw_scale, "compute_scale_per_phase": scale,
-                           "compute_factor": factor, **fit, "predicted_step_s": predicted,
+                           "compute_factor": factor, **fit,
+                           **({"ar_slowdown": slowdown, "profiled_ar_slowdown": doc.get("ar_slowdown")} if slowdown is not None else {}), "predicted_step_s": predicted,
                            "probe_error": rel_err(predicted, measured_step_s)}
     if graphed:
         cal["host_task_s"] = 0.0
