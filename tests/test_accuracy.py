@@ -24,7 +24,7 @@ import pytest
 from braid.measure.report import MEASUREMENTS_FORMAT
 from braid.measure.calibrate import SCALE_BOUNDS, fitted_factors, predict
 from braid.measure.calibrate import rel_err
-from braid.measure.refit import refit
+from braid.measure.refit import refit, run_mode
 
 DATA = Path(__file__).parent / "data"
 SETS = [(f.name, s) for f in sorted(DATA.glob("measurements_*.json")) for s in json.loads(f.read_text())["sets"]]
@@ -59,7 +59,7 @@ def _predict(s: dict, timing: bool = False):
     out = []
     for r in s["runs"]:
         sim, peaks = predict(prof, r["schedule"], r["m"], lay["pp"], lay["tp"], lay["layers_per_stage"], s["memory"],
-                             r.get("cuda_graph"))
+                             run_mode(s, r))
         out.append((r, sim.report.step_time_s, peaks))
     return s, out
 
@@ -105,7 +105,7 @@ def test_step_time_within_5_percent_median_10_worst(predicted_timed) -> None:
 
 def test_peak_memory_within_10_percent(predicted) -> None:
     s, runs = predicted
-    eager = [(r, p, peaks) for r, p, peaks in runs if r.get("cuda_graph") != "step"]
+    eager = [(r, p, peaks) for r, p, peaks in runs if run_mode(s, r) != "step"]
     if not eager:
         pytest.skip(f"{s['name']}: every run graphed (its peak is the capture's allocator peak, not simulated)")
     for r, _, peaks in eager:

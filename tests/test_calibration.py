@@ -4,14 +4,24 @@ held in [0.67, 1.5] and what it cannot explain goes to the next mechanism (visib
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from braid.simulator import simulate
 
 from braid.core.compiler import compile_plan
 from braid.core.partition import chunk_specs
 from braid.cost.costs import Layout, costs_from_dict
-from braid.measure.calibrate import SCALE_BOUNDS, calibrate, fitted_factors, pair_slowdown, probe_plan
+from braid.measure.calibrate import (
+    SCALE_BOUNDS,
+    calibrate,
+    fitted_factors,
+    pair_slowdown,
+    probe_plan,
+)
 from braid.measure.config import ProfileConfig
+from braid.measure.refit import judge, refit
 from braid.models.qwen2 import Qwen2Config
 
 MODEL = Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
@@ -115,3 +125,18 @@ def test_the_slowdown_beside_an_allreduce_reproduces_the_profiled_pair() -> None
     assert cal["ar_slowdown"] == pytest.approx(f) and cal["profiled_ar_slowdown"] == 1.05
     assert cal["ar_scale"] == pytest.approx(1.0, rel=1e-3)
     assert cal["compute_scale_per_phase"] == pytest.approx({"F": 1.0, "B": 1.0, "W": 1.0}, rel=1e-6)
+
+
+def test_a_run_stored_before_the_capture_kept_its_evidence_refits_like_its_stored_set() -> None:
+    # The bench --json run of the graphed tp=2 x pp=1 set: a calibrated profile only (no
+    # uncalibrated profile, no busy time per phase); its stored set has both.
+    root = Path(__file__).resolve().parents[1]
+    summary = json.loads((root / "benchmarks/results/bench_7b_h100x2_tp2_pp1_graphs.json").read_text())
+    stored = json.loads((root / "tests/data/measurements_h100x2.json").read_text())["sets"][0]
+    want = [r["predicted_step_s"] for r in judge(stored, refit(stored))["runs"]]
+    assert [r["predicted_step_s"] for r in judge(summary, refit(summary))["runs"]] == pytest.approx(want, rel=1e-9)
+    # runs that do not say how they ran: the set's own mark, else eager (with a host lane)
+    bare = {**summary, "runs": [{k: v for k, v in r.items() if k != "cuda_graph"} for r in summary["runs"]]}
+    marked = {**bare, "cuda_graph": "step"}
+    assert [r["predicted_step_s"] for r in judge(marked, refit(marked))["runs"]] == pytest.approx(want, rel=1e-9)
+    assert refit(bare)["meta"]["calibration"]["cuda_graph"] == "none"

@@ -10,7 +10,9 @@ file (``--capture``). What :func:`braid.measure.calibrate.calibrate` needs is re
 * the probe's measured step and busy time per phase (``meta.calibration``; sets stored
   before ``measured_busy_s`` was kept: the fitted per-phase scales times the busy time the
   calibration of that day simulated, with no all-reduce slowdown);
-* how the probe ran (``probe_runs.cuda_graph``; else the runs' own ``cuda_graph``).
+* how the probe ran (``probe_runs.cuda_graph``; else the runs' own ``cuda_graph``; else the
+  set's ``cuda_graph``, which a set captured before the runs kept their mode may be given
+  by hand: ``"step"`` for whole-step graphs; else eager).
 
 :func:`judge` gives the figures the accuracy targets are about: per run the relative
 step-time error, the median and worst of their magnitudes, the pairs of one m more than
@@ -92,9 +94,14 @@ def calibration_inputs(entry: dict[str, Any]) -> tuple[dict[str, Any], float, di
         busy = {ph: t * scale[ph] for ph, t in nominal.items()}
     probe = dict(cal.get("probe_runs") or {})
     if "cuda_graph" not in probe:
-        modes = {r.get("cuda_graph") for r in entry["runs"]}
+        modes = {run_mode(entry, r) for r in entry["runs"]}
         probe["cuda_graph"] = "step" if modes == {"step"} else "none"
     return raw, cal["measured_step_s"], busy, probe
+
+
+def run_mode(entry: dict[str, Any], run: dict[str, Any]) -> str:
+    """How a stored run went: its ``cuda_graph``, else its set's, else ``"none"`` (eager)."""
+    return run.get("cuda_graph") or entry.get("cuda_graph") or "none"
 
 
 def _stage(lay: Layout, rc: tuple[int, int]) -> int:
@@ -118,7 +125,7 @@ def judge(entry: dict[str, Any], profile: dict[str, Any], gap: float | None = No
     runs = []
     for r in entry["runs"]:
         pred = predict(profile, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage,
-                       cuda_graph=r.get("cuda_graph"))[0].report.step_time_s
+                       cuda_graph=run_mode(entry, r))[0].report.step_time_s
         runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": r["step_s"], "predicted_step_s": pred,
                      "err": rel_err(pred, r["step_s"])})
     errs = [abs(r["err"]) for r in runs]
