@@ -254,9 +254,10 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
                            "measured_busy_s": dict(measured_busy_s), "probe_runs": probe,
                            "profiled_host_task_s": profiled_host, "cuda_graph": "step" if graphed else "none",
                            "compute_scale": k_all, "busy_scale_per_phase": raw_scale, "compute_scale_per_phase": scale,
-                           "compute_factor": factor, **fit,
-                           **({"ar_slowdown": slowdown, "profiled_ar_slowdown": doc.get("ar_slowdown")} if slowdown is not None else {}), "predicted_step_s": predicted,
+                           "compute_factor": factor, **fit, "predicted_step_s": predicted,
                            "probe_error": rel_err(predicted, measured_step_s)}
+    if slowdown is not None:
+        cal.update(ar_slowdown=slowdown, profiled_ar_slowdown=doc.get("ar_slowdown"))
     if graphed:
         cal["host_task_s"] = 0.0
     out["meta"] = {**out.get("meta", {}), "calibration": cal}
