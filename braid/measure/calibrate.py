@@ -214,7 +214,8 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
         """``sc`` times measured over simulated busy time per phase (B and W joint at tp = 1),
         the probe simulated with ``sc`` and the communication figures fitted so far (the
         slowdown beside an all-reduce depends on how long it is in flight beside what)."""
-        nominal = busy_by_phase(sim(build(sc, fit.get("ar_scale", 1.0), fit.get("p2p_s")), record=True).trace)
+        # the recorded steps ran eager: with the profiled host lane, whatever the timed steps were
+        nominal = busy_by_phase(sim(build(sc, fit.get("ar_scale", 1.0), fit.get("p2p_s"), profiled_host), record=True).trace)
         total_nom = sum(nominal.values())
         k_all = total_meas / total_nom if total_nom > 0 and total_meas > 0 else 1.0
         out: dict[str, float] = {}
