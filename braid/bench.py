@@ -76,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
-    ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>)")
+    ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>, "
+                    "with -graphed where every run was one CUDA graph replay)")
     add_peer_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -136,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{ap.prog}: error: every run was skipped (see the notes above)", file=sys.stderr)
         return 1
     if args.capture:
-        capture(summary, args.capture, args.capture_name or f"{pc.device}-tp{pc.tp}-pp{pc.pp}")
+        graphed = "-graphed" if summary["runs"] and all(r.get("cuda_graph") == "step" for r in summary["runs"]) else ""
+        capture(summary, args.capture, args.capture_name or f"{pc.device}-tp{pc.tp}-pp{pc.pp}{graphed}")
     return 0
 
 

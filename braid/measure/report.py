@@ -36,11 +36,13 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         step_s = statistics.median(rounds)
         # one figure per pipeline rank: the max over its TP ranks (global rank = pp * tp + tp_rank)
         peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
-        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)
+        mode = ranks[0].get("cuda_graph")  # a graph replay has no host lane
+        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory, mode)
         pred = sim.report.step_time_s
         raw_pred = None
         if raw.get("raw_profile") is not None:
-            raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory)[0].report.step_time_s
+            raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory,
+                               mode)[0].report.step_time_s
         mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
         out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s, "step_s_rounds": rounds,
                          "step_s_all": slowest_rank_steps(ranks),
@@ -78,7 +80,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
             "external": ext, "best_over_external": round_ratios(out_runs, ext), "ranking": ranking(out_runs),
             "best_per_peer": best_per_peer(out_runs, ext),
-            "notes": raw["notes"] + [_megatron_line()], "profile": doc, "raw_profile": raw.get("raw_profile"), "_traces": traces}
+            "notes": raw["notes"] + [_megatron_line()], "profile": doc, "raw_profile": raw.get("raw_profile"),
+            "_traces": traces}
 
 
 def _host_s(ranks: list[dict[str, Any]]) -> float | None:
@@ -170,11 +173,13 @@ def format_report(summary: dict[str, Any]) -> str:
     lines += format_per_peer(summary.get("best_per_peer", {}))
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:
-        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s")}
+        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s", "compute_factor")}
         scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
-        lines.append(f"calibration ({cal['probe']}): compute scale {scales}; "
+        graphed = cal.get("cuda_graph") == "step"
+        lines.append(f"calibration ({cal['probe']}{', graphed: no host lane' if graphed else ''}): compute scale {scales}; "
                      f"host time per unit task profiled {cal.get('profiled_host_task_s', 0.0) * 1e6:.0f} us; "
                      + (", ".join(f"{k}={v:.4g}" for k, v in fitted.items()) or "no communication figure")
+                     + (f"; probe predicted {100 * cal['probe_error']:+.1f}%" if abs(cal.get("probe_error", 0.0)) > 0.005 else "")
                      + "; 'raw %' is the uncalibrated profile's error")
     lines += [f"note: {n}" for n in summary["notes"]]
     return "\n".join(lines)
@@ -199,24 +204,35 @@ def read_measurements(path: str | Path) -> dict[str, Any]:
 def capture(summary: dict[str, Any], path: str | Path, name: str) -> None:
     """Add (or replace) the set ``name`` in a stored-measurements file (``braid-measurements/1``),
     written atomically: a run killed while capturing leaves the previous file whole."""
+    add_set(path, set_entry(summary, name))
+
+
+def add_set(path: str | Path, entry: dict[str, Any]) -> None:
+    """Add (or replace) the set ``entry["name"]`` in a stored-measurements file, atomically."""
     p = Path(path)
     doc = read_measurements(p)
+    doc["sets"] = [s for s in doc["sets"] if s.get("name") != entry["name"]] + [entry]
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(p, json.dumps(doc, indent=1))
+
+
+def set_entry(summary: dict[str, Any], name: str) -> dict[str, Any]:
+    """The stored set of a bench summary (the ``--json`` document)."""
     cfg = summary["config"]
     import os
 
-    entry = {"name": name, "device": summary["device"], "memory": summary["memory"],
-             # runnable processes per core over the last minute when captured: > 1 means the
-             # machine was oversubscribed and the step times are not a timing reference
-             "load_per_core": os.getloadavg()[0] / (os.cpu_count() or 1),
-             "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
-             "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
-             "runs": [{k: r.get(k) for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes", "cuda_graph", "host_s")}
-                      for r in summary["runs"]],
-             # the uncalibrated profile beside the calibrated one: a changed calibration re-fits from it
-             "profile": summary["profile"], "raw_profile": summary.get("raw_profile")}
-    doc["sets"] = [s for s in doc["sets"] if s.get("name") != name] + [entry]
-    p.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(p, json.dumps(doc, indent=1))
+    return {"name": name, "device": summary["device"], "memory": summary["memory"],
+            # runnable processes per core over the last minute when captured: > 1 means the
+            # machine was oversubscribed and the step times are not a timing reference
+            "load_per_core": os.getloadavg()[0] / (os.cpu_count() or 1),
+            "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
+            "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
+            "runs": [{k: r.get(k) for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes", "step_s_rounds", "host_s",
+                                            "cuda_graph")} for r in summary["runs"]],
+            # the calibrated profile the runs are predicted from, and the profile before the
+            # calibration (None when the run read --costs): with the probe's evidence in
+            # profile.meta.calibration, enough to re-fit the calibration offline
+            "profile": summary["profile"], "raw_profile": summary.get("raw_profile")}
 
 
 # ----------------------------------------------------------------------------------------

@@ -111,16 +111,22 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         peak = mem["capture_peak_bytes"] or 0
     graph.release()
     busy: list[dict[str, float]] = []
+    recorded: list[dict[str, float]] = []  # per recorded step: its wall time and the all-reduce figures
     for _ in range(PROBE_BUSY_STEPS if name == "probe" else 1):
         _sync(dev)
         dist.barrier()
+        t0 = time.perf_counter()
         res = step("units")
+        _sync(dev)
+        summ = res.trace.meta.get("summary", {})
+        recorded.append({"wall_s": time.perf_counter() - t0, "exposed_ar_s": float(summ.get("exposed_ar_s", 0.0)),
+                         "ar_span_s": float(summ.get("ar_span_s", 0.0))})
         busy.append(busy_by_phase(res.trace))
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
     keep = groups.coords.tp == 0
     return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
-            "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
+            "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
             "braided_blocks": count_blocks(plan)}
 
 
@@ -180,7 +186,19 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             per_step = [{ph: sum(rk["busy"][i].get(ph, 0.0) for rk in gathered if rk["busy"] is not None) for ph in "FBW"}
                         for i in range(len(out["busy"]))]
             busy = {ph: statistics.median(b[ph] for b in per_step) for ph in "FBW"}
-            doc = calibrate(doc, pc, plan, step_s, busy)
+            # The probe's other evidence, kept with the calibration so that it can be re-fitted
+            # offline: how its timed steps ran (eager or one graph replay), the launching
+            # thread's CPU time per timed step, and per recorded (eager, unit-timed) step the
+            # slowest rank's wall time and the all-reduce figures summed over the ranks that
+            # recorded a trace.
+            n_rec = len(out["recorded"])
+            probe = {"cuda_graph": out["cuda_graph"],
+                     "host_s": max((statistics.median(rk["host"]) for rk in gathered if rk.get("host")), default=0.0),
+                     "recorded_step_s": statistics.median(max(rk["recorded"][i]["wall_s"] for rk in gathered)
+                                                          for i in range(n_rec)),
+                     **{k: statistics.median(sum(rk["recorded"][i][k] for rk in gathered if rk["busy"] is not None)
+                                             for i in range(n_rec)) for k in ("exposed_ar_s", "ar_span_s")}}
+            doc = calibrate(doc, pc, plan, step_s, busy, probe)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
     peers = bc.peers if bc.peers is not None else tuple(peer_runs_default(pc))

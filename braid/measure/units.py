@@ -132,6 +132,7 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
     work: dict[tuple[str, str, int], int] = {}
     ar = lambda out, task: dist.all_reduce(out, group=tp_group) if (task.ar and out is not None and tp_group is not None) else None  # noqa: E731
     host: list[float] = []
+    host_ph: dict[str, list[float]] = {}  # the same, per phase
     issue_s: dict[OpKind, float] = {}  # host time to issue each phase, from the last iteration
     for it in range(pc.warmup + pc.iters):
         keep = it >= pc.warmup
@@ -163,6 +164,7 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
                 if keep:
                     laps.append((key, lap))
                     host.append(h1 - h0)
+                    host_ph.setdefault(task.phase.value, []).append(h1 - h0)
                     after = timer.memory(chunk)
                     mem[key] = after - before
                     work[key] = max(work.get(key, 0), timer.workspace(before, after))
@@ -181,7 +183,8 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
             "work": [[*k, b] for k, b in work.items()],
             # Host time to issue one unit task (GPU: the host runs ahead of the device; on CPU
             # the unit times already hold it, so the host lane is off).
-            "host_s": statistics.median(host) if (host and timer.cuda) else 0.0}
+            "host_s": statistics.median(host) if (host and timer.cuda) else 0.0,
+            "host_s_per_phase": {ph: statistics.median(v) for ph, v in host_ph.items()} if timer.cuda else {}}
 
 
 def _median_time(timer: _Timer, fn: Callable[[], Any], n: int) -> float:
@@ -465,6 +468,10 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
             "tp_backend": results[0].get("tp_backend", "gloo")}
     if results[0].get("tp_backends"):
         meta["tp_backends"] = results[0]["tp_backends"]
+    per_phase = [st["host_s_per_phase"] for r in results for st in r["stages"].values() if st.get("host_s_per_phase")]
+    if per_phase:  # host time per unit task by phase (the host lane uses one figure: host_task_s)
+        meta["host_task_s_per_phase"] = {ph: statistics.fmean(p[ph] for p in per_phase if ph in p)
+                                         for ph in sorted({ph for p in per_phase for ph in p})}
     return CostModel(pc.layout, chunks, ma, statistics.fmean(c["copy_bytes_per_s"] for c in comm), False,
                      max(c["ar_slowdown"] for c in comm), pc.micro_batch_size, pc.seq,
                      3 * model_forward_flops(mc) / pc.micro_batch_size, pc.peak_flops, "profile", meta,

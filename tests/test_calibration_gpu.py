@@ -1,0 +1,48 @@
+"""The bench's calibration on 2 GPUs at tp=2 x pp=1 with whole-step CUDA graphs: the probe's
+evidence is kept, a graphed probe has no host lane, the fitted factors stay physical, and a
+stored set re-fits offline to the bench's own predictions.
+
+    PYTHONPATH=. NCCL_NVLS_ENABLE=0 timeout 300 python -m pytest -q tests/test_calibration_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from braid.measure.calibrate import SCALE_BOUNDS, fitted_factors
+from braid.measure.config import BenchConfig, ProfileConfig
+from braid.measure.refit import judge, refit
+from braid.measure.report import capture, format_report
+from braid.models.qwen2 import Qwen2Config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+
+
+def test_graphed_tp2_calibration_keeps_its_evidence_and_refits_offline(tmp_path) -> None:
+    from braid.measure.runs import run_bench
+
+    model = Qwen2Config(vocab_size=1024, hidden=256, layers=1, heads=8, kv_heads=4, ffn=512)
+    pc = ProfileConfig(model, (1, 1), seq=256, tp=2, pp=1, dtype="bfloat16", device="cuda", iters=3, compile=False)
+    s = run_bench(BenchConfig(pc, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=3, external=False, cuda_graph="step"))
+    cal = s["profile"]["meta"]["calibration"]
+    assert cal["cuda_graph"] == "step" and cal["probe_runs"]["cuda_graph"] == "step"
+    assert s["profile"]["host_task_s"] == 0.0 and s["raw_profile"]["host_task_s"] > 0.0
+    assert {r["cuda_graph"] for r in s["runs"]} == {"step"}
+    probe = cal["probe_runs"]
+    assert probe["recorded_step_s"] > 0 and probe["ar_span_s"] > 0 and probe["exposed_ar_s"] >= 0 and probe["host_s"] > 0
+    assert set(cal["measured_busy_s"]) == {"F", "B", "W"} and min(cal["measured_busy_s"].values()) > 0
+    assert set(s["raw_profile"]["meta"]["host_task_s_per_phase"]) == {"F", "B", "W"}
+    lo, hi = SCALE_BOUNDS
+    assert all(lo <= v <= hi for v in fitted_factors(cal).values()), cal
+    assert "graphed: no host lane" in format_report(s)
+    out = tmp_path / "m.json"
+    s.pop("_traces")
+    capture(s, out, "gpu-tp2-graphed")
+    entry = json.loads(out.read_text())["sets"][0]
+    # the stored set alone gives the bench's calibration and predictions back
+    again = judge(entry, refit(entry))
+    for r, j in zip(s["runs"], again["runs"]):
+        assert j["predicted_step_s"] == pytest.approx(r["predicted_step_s"], rel=1e-6), (r["schedule"], r["m"])
