@@ -89,6 +89,26 @@ def _scenario(rank: int, world: int, port: int, case: str, timeout_s: float, out
             result["check"] = None
         except PeerFailure as err:
             result["check"] = _report(err)
+    elif case in ("kill_in_all_reduce", "kill_in_gather_object"):
+        # the last rank is killed in the loss all-reduce (or an object collective) of step 20: the
+        # survivors next to it see the close at once, the others wait on a live neighbour
+        try:
+            for step in range(10**6):
+                if rank == world - 1 and step == 20:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if case == "kill_in_all_reduce":
+                    d.abort.all_reduce(torch.zeros(1 + 2 * world, dtype=torch.float64))
+                else:
+                    with d.abort.collective():
+                        dist.all_gather_object([None] * world, (rank, step))
+        except Exception as err:  # noqa: BLE001 - the report is what the test checks
+            result["wait"] = _report(err)
+            result["lost"] = getattr(err, "lost", None)
+            d.abort.fail(err)
+        try:
+            d.abort.check()
+        except PeerFailure as err:
+            result["check"] = _report(err)
     elif case == "kill_store_host":
         if rank == 0:
             time.sleep(0.3)
@@ -109,7 +129,8 @@ def _scenario(rank: int, world: int, port: int, case: str, timeout_s: float, out
     out.put(result)
     if rank == 0 and case != "kill_store_host":
         # rank 0 hosts the store: keep it until the other survivors have read the record.
-        others = [r for r in range(1, world) if not (case == "kill" and r == 2)]
+        killed = {"kill": 2, "kill_in_all_reduce": world - 1, "kill_in_gather_object": world - 1}.get(case)
+        others = [r for r in range(1, world) if r != killed]
         d.store.wait([f"done/{r}" for r in others], datetime.timedelta(seconds=120))
     else:
         try:
@@ -129,7 +150,7 @@ def _run(case: str, world: int, timeout_s: float = 60.0) -> dict[int, dict]:
     procs = [ctx.Process(target=_scenario, args=(r, world, port, case, timeout_s, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    expected = world - (1 if case in ("kill", "kill_store_host") else 0)
+    expected = world - (1 if case.startswith("kill") else 0)
     got: dict[int, dict] = {}
     try:
         while len(got) < expected:
@@ -171,8 +192,25 @@ def test_killed_rank_is_a_closed_peer_not_a_timeout() -> None:
         kind, text = got[r]["wait"]
         assert kind == "PeerLost", got[r]
         assert "closed its connection" in text and "did not finish within" not in text, text
+        assert text.startswith(f"rank {r} stops: rank 2 is gone"), text  # the roll call named it
         # nobody recorded a failure: no rank blames another
         assert got[r]["check"] is None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["kill_in_all_reduce", "kill_in_gather_object"])
+def test_a_rank_killed_in_a_collective_is_named_by_every_survivor(case: str) -> None:
+    """Rank 3 of 4 killed inside the loss all-reduce (through Abort.all_reduce) or an object
+    collective (inside Abort.collective): every survivor stops with one PeerLost naming rank 3
+    -- not gloo's raw error, not a timeout -- and the record names it for the ranks that read it."""
+    got = _run(case, 4, timeout_s=60.0)
+    assert set(got) == {0, 1, 2}
+    for r in (0, 1, 2):
+        kind, text = got[r]["wait"]
+        assert kind == "PeerLost" and got[r]["lost"] == [3], got[r]
+        assert text.startswith(f"rank {r} stops: rank 3 is gone"), text
+        assert "did not finish within" not in text and "pair.cc" not in text, text
+        assert got[r]["check"][0] == "PeerLost" and got[r]["check"][1].startswith(f"rank {r} stops: rank 3 is gone"), got[r]
 
 
 @pytest.mark.timeout(240)
