@@ -14,10 +14,10 @@ other ranks raise :class:`PeerFailure` naming the first failing rank and its exc
 text instead of hanging in a receive or an all-reduce whose peer is gone. A wait that
 fails with no record is told apart by what happened: a peer that closed its connection
 (its process exited or was killed; gloo notices at once) raises :class:`PeerLost`, a wait
-that ran out of time raises :class:`CommTimeout`. A lost peer is named: the rank that sees
-the close calls a roll through the store (:mod:`braid.runtime.liveness`), and the ranks
-that do not answer are the lost ones, recorded on their behalf so that every survivor
-names the same rank. Collectives outside the executor go through the same machinery:
+that ran out of time raises :class:`CommTimeout`. A lost peer is named: every rank holds a
+listening socket for as long as its process lives (:mod:`braid.runtime.liveness`), the rank
+that sees the close asks every peer's, and the ranks whose socket is closed are recorded as
+lost on their behalf, so that every survivor names the same rank. Collectives outside the executor go through the same machinery:
 tensor all-reduces through :meth:`Abort.all_reduce` (a bounded :meth:`Abort.wait`), object
 collectives and barriers inside :meth:`Abort.collective` (the record read first, a raw
 closed connection or expired wait translated, :meth:`Abort.translate`). On CUDA, waits are
@@ -74,8 +74,8 @@ class PeerFailure(RuntimeError):
 class PeerLost(PeerFailure):
     """A peer closed its connection (its process exited or was killed) before any rank recorded why.
 
-    ``lost``: the ranks that did not answer the roll call (:mod:`braid.runtime.liveness`);
-    empty when unknown (no world size, or the store is gone).
+    ``lost``: the ranks whose process is gone (:mod:`braid.runtime.liveness`); empty when
+    unknown (no world size, or the store is gone).
     """
 
     def __init__(self, message: str, failed_rank: int | None = None, reason: str | None = None,
@@ -128,7 +128,8 @@ def _gone(ranks: list[int]) -> str:
     """What a record of lost ranks says of them."""
     one = len(ranks) == 1
     return (f"{'its process' if one else 'their processes'} exited or {'was' if one else 'were'} killed "
-            f"({'it' if one else 'they'} closed {'its' if one else 'their'} connections and did not answer a roll call; "
+            f"({'it' if one else 'they'} closed {'its' if one else 'their'} connections and {'its' if one else 'their'} "
+            f"liveness {'socket is' if one else 'sockets are'} closed; "
             f"see {'that rank' if one else 'those ranks'}'s log)")
 
 
@@ -144,7 +145,7 @@ class Abort:
     # to the store (~0.2 ms on one host), and a pipeline step waits dozens of times.
     check_every_s: float = 0.05
     world_size: int | None = None  # known: a timeout names the ranks that stayed silent, a lost peer is named
-    grace_s: float = 3.0  # how long a roll call waits for the live ranks' answers (braid.runtime.liveness)
+    grace_s: float = 3.0  # how long a peer's liveness socket has to accept (braid.runtime.liveness)
     _checked_at: float = field(default=float("-inf"), init=False, repr=False)
 
     def signal(self, reason: str, lost: list[int] | None = None) -> bool:
@@ -332,18 +333,17 @@ class Abort:
             return []
 
     def _lost(self, err: BaseException, elapsed_s: float | None) -> PeerLost:
-        """A closed connection: the roll call names the lost ranks (:mod:`braid.runtime.liveness`)."""
-        from braid.runtime.liveness import roll_call
+        """A closed connection: the peers' liveness sockets name the lost ranks (:mod:`braid.runtime.liveness`)."""
+        from braid.runtime.liveness import lost_ranks
 
         after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
-        lost = roll_call(self.store, self.rank, self.world_size, min(self.grace_s, self.timeout_s)) if self.world_size else None
+        lost = lost_ranks(self.store, self.rank, self.world_size, min(self.grace_s, self.timeout_s)) if self.world_size else None
         if lost:
             one = len(lost) == 1
             return PeerLost(f"rank {self.rank} stops: {_ranks(lost)} {'is' if one else 'are'} gone: "
-                            f"{'it' if one else 'they'} closed {'its' if one else 'their'} connection{after} and did not answer "
-                            f"the others within {min(self.grace_s, self.timeout_s):g} s ({'its process' if one else 'their processes'} "
-                            f"exited or {'was' if one else 'were'} killed; see {'that rank' if one else 'those ranks'}'s log)",
-                            lost[0], "lost", lost)
+                            f"{'it' if one else 'they'} closed {'its' if one else 'their'} connection{after} "
+                            f"({'its process' if one else 'their processes'} exited or {'was' if one else 'were'} killed; "
+                            f"see {'that rank' if one else 'those ranks'}'s log)", lost[0], "lost", lost)
         return PeerLost(f"rank {self.rank}: a peer closed its connection{after} (its process exited or was killed; "
                         f"see that rank's log): {_first_line(err)}")
 
@@ -419,6 +419,7 @@ class Dist:
     store: dist.Store
     abort: Abort
     timeout_s: float
+    alive: socket.socket | None = None  # this rank's liveness socket (braid.runtime.liveness), open while it lives
 
     @staticmethod
     def init(
@@ -442,15 +443,18 @@ class Dist:
         addr = os.environ.get("MASTER_ADDR", master_addr) if master_port is None else master_addr
         timeout = datetime.timedelta(seconds=timeout_s)
         store = create_store(rank, world_size, addr, port, timeout)
+        alive = None
+        if world_size > 1:  # announced before the rendezvous below: every rank's is there once it returns
+            from braid.runtime.liveness import announce
+
+            one_host = _is_loopback(addr) or os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+            alive = announce(store, rank, addr, loopback=one_host)
         # device_id binds the NCCL communicator to this rank's GPU and creates it now (not at the
         # first collective), so a wrong device or a missing peer shows up here, within the timeout.
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
-        if world_size > 1:
-            from braid.runtime.liveness import answer_roll_calls
-
-            answer_roll_calls(store, rank)  # so that a peer that sees a close can tell who is gone
-        return Dist(rank, world_size, device, store, Abort(store, rank, timeout_s, device.type == "cuda", world_size=world_size), timeout_s)
+        abort = Abort(store, rank, timeout_s, device.type == "cuda", world_size=world_size)
+        return Dist(rank, world_size, device, store, abort, timeout_s, alive)
 
     @staticmethod
     def from_env(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> "Dist":
