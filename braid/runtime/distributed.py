@@ -128,8 +128,7 @@ def _gone(ranks: list[int]) -> str:
     """What a record of lost ranks says of them."""
     one = len(ranks) == 1
     return (f"{'its process' if one else 'their processes'} exited or {'was' if one else 'were'} killed "
-            f"({'it' if one else 'they'} closed {'its' if one else 'their'} connections and {'its' if one else 'their'} "
-            f"liveness {'socket is' if one else 'sockets are'} closed; "
+            f"({'it' if one else 'they'} closed {'its' if one else 'their'} connections; "
             f"see {'that rank' if one else 'those ranks'}'s log)")
 
 
@@ -338,12 +337,9 @@ class Abort:
 
         after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
         lost = lost_ranks(self.store, self.rank, self.world_size, min(self.grace_s, self.timeout_s)) if self.world_size else None
-        if lost:
-            one = len(lost) == 1
-            return PeerLost(f"rank {self.rank} stops: {_ranks(lost)} {'is' if one else 'are'} gone: "
-                            f"{'it' if one else 'they'} closed {'its' if one else 'their'} connection{after} "
-                            f"({'its process' if one else 'their processes'} exited or {'was' if one else 'were'} killed; "
-                            f"see {'that rank' if one else 'those ranks'}'s log)", lost[0], "lost", lost)
+        if lost:  # the same words as a survivor that reads the record (check)
+            return PeerLost(f"rank {self.rank} stops: {_ranks(lost)} {'is' if len(lost) == 1 else 'are'} gone: {_gone(lost)}",
+                            lost[0], "lost", lost)
         return PeerLost(f"rank {self.rank}: a peer closed its connection{after} (its process exited or was killed; "
                         f"see that rank's log): {_first_line(err)}")
 
