@@ -489,3 +489,22 @@ def test_ranks_of_a_killed_launcher_exit(tmp_path) -> None:
                 os.kill(int(p.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+# ----------------------------------------------------------------------------------------
+# How a failed rank ends (braid.runtime.ending): torchrun's summary reads the line
+def test_the_error_file_gives_torchruns_summary_the_line(tmp_path, monkeypatch, capsys) -> None:
+    """The file torch elastic's agent reads for its failure summary holds the line, not a
+    traceback: torch's own ProcessFailure and ChildFailedError show it as the rank's error."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from braid.runtime.ending import end_run
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    line = "qwen2.py: error: no tokenizer.json in 'nope'"
+    assert end_run(line, 2, rank=0, world=1) == 2
+    assert capsys.readouterr().err == line + "\n"  # printed once, by the one rank
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    summary = ChildFailedError("qwen2.py", {0: failure}).format_msg()
+    assert f"traceback : {line}" in summary and "To enable traceback" not in summary, summary

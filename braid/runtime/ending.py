@@ -98,8 +98,9 @@ def end_run(line: str, code: int, rank: int, world: int, leaving: int | None = N
     Every rank that meets the failure calls it; the line is printed on stderr once per job.
     ``leaving``: how many ranks end this way (default ``world``; fewer when some are lost).
     """
-    _leave_on_sigterm(code)
     store = _torchrun_store(LEAVE_WITHIN_S) if world > 1 else None
+    if store is not None:
+        _leave_on_sigterm(code)
     prefix = f"braid/end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     printer = rank == 0
     if store is not None:
