@@ -356,6 +356,28 @@ def test_classify(text: str, elapsed: float, expected: type) -> None:
         assert "did not finish within 5 s" in str(got)
 
 
+def test_translate_reports_raw_communication_failures_only() -> None:
+    """Abort.collective / translate: gloo's raw error becomes the report a wait would give; an
+    exception of the program (its own type, even one whose text says "timeout") passes unchanged."""
+
+    class OwnError(RuntimeError):
+        pass
+
+    a = Abort(dist.HashStore(), 0, timeout_s=5.0)
+    raw = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically ...")
+    assert type(a.translate(raw)) is PeerLost
+    for err in (OwnError("--timeout must be positive"), ValueError("Connection closed"), RuntimeError("shape mismatch")):
+        assert a.translate(err) is err
+    with pytest.raises(PeerLost) as info:
+        with a.collective():
+            raise raw
+    assert info.value.__cause__ is raw
+    Abort(a.store, 1).fail(ValueError("boom"))
+    with pytest.raises(PeerFailure, match="rank 1 failed first: ValueError: boom"):  # the record is read first
+        with a.collective():
+            pass
+
+
 def test_describe_exception() -> None:
     assert describe_exception(ValueError("bad thing")) == "ValueError: bad thing"
     assert describe_exception(KeyboardInterrupt()) == "KeyboardInterrupt"

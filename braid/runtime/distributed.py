@@ -284,7 +284,7 @@ class Abort:
         """``err`` as :meth:`wait` would report it when it is a raw communication failure (a
         closed connection, an expired wait): a recorded failure of another rank first, else
         :meth:`classify`'s answer. Anything else (a bug, a :class:`PeerFailure`) is returned as it is."""
-        if isinstance(err, (PeerFailure, CommTimeout)) or not isinstance(err, RuntimeError):
+        if not (type(err) is RuntimeError or isinstance(err, dist.DistError)):  # gloo raises the plain type
             return err
         text = str(err).lower()
         if not (_mentions_closed(err) or any(w in text for w in _TIMEOUT_WORDS)):
