@@ -17,11 +17,12 @@ fails with no record is told apart by what happened: a peer that closed its conn
 that ran out of time raises :class:`CommTimeout`. A lost peer is named: every rank holds a
 listening socket for as long as its process lives (:mod:`braid.runtime.liveness`), the rank
 that sees the close asks every peer's, and the ranks whose socket is closed are recorded as
-lost on their behalf, so that every survivor names the same rank. Collectives outside the executor go through the same machinery:
-tensor all-reduces through :meth:`Abort.all_reduce` (a bounded :meth:`Abort.wait`), object
-collectives and barriers inside :meth:`Abort.collective` (the record read first, a raw
-closed connection or expired wait translated, :meth:`Abort.translate`). On CUDA, waits are
-stream-ordered and the NCCL watchdog (same timeout) is the backstop.
+lost on their behalf, so that every survivor names the same rank. Collectives outside the
+executor go through the same machinery: tensor all-reduces through :meth:`Abort.all_reduce`
+(a bounded :meth:`Abort.wait`), object collectives and barriers inside
+:meth:`Abort.collective` (the record read first, a raw closed connection or expired wait
+translated, :meth:`Abort.translate`). On CUDA, waits are stream-ordered and the NCCL
+watchdog (same timeout) is the backstop.
 
 Stores. Without torchrun the job's store listens on the loopback interface only (or, for
 one process, lives in the process); a job whose ``MASTER_ADDR`` is not a loopback address
