@@ -30,10 +30,10 @@ from braid.cost.cluster import Cluster
 from braid.cost.costs import stage_lighter
 from braid.cost.hardware import HARDWARE, get_hardware
 from braid.cost.catalog import MODELS
-from braid.planner.search import Evaluation, Problem, SearchResult, search
+from braid.planner.search import MICRO_BATCH_SIZES, Evaluation, Problem, SearchResult, search
 from braid.simulate import resolve_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
-from braid.io.cli import check_outputs
+from braid.io.cli import MAX_MBS, check_outputs
 
 # catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
 # catalog name -> the examples' --model preset of the same shape (examples/qwen2.py: qwen2-*,
@@ -191,6 +191,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"starts as many processes on every node): use --gpus {args.gpus - args.gpus % args.gpus_per_node} or "
                  f"{args.gpus + args.gpus_per_node - args.gpus % args.gpus_per_node}, or --gpus-per-node {fits} "
                  f"({args.gpus // fits} nodes)")
+    gb = args.global_batch or 2 * args.gpus
+    fewest = -(-gb // (args.gpus * MICRO_BATCH_SIZES[-1]))  # micro-batches per replica with dp = every GPU
+    if fewest > MAX_MBS:
+        ap.error(f"--global-batch {gb} on {args.gpus} GPUs is at least {fewest:,} micro-batches per pipeline: at most "
+                 f"{MAX_MBS} (the programs grow with them); lower --global-batch or use more GPUs")
     timeline = str(Path(args.html).with_suffix(".timeline.html")) if args.html else None
     check_outputs(ap, [("--json", args.json), ("--html", args.html), ("--html's timeline page", timeline)],
                   inputs=[args.model] if Path(args.model).exists() else [])
@@ -202,7 +207,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     hw = get_hardware(args.hardware)
     model = resolve_model(args.model)
     model = model.with_(seq=args.seq) if args.seq else model
-    gb = args.global_batch or 2 * args.gpus
     cap = args.memory * 2**30 if args.memory else hw.memory_bytes
     prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer)
     res = search(prob, top=args.top, time_budget_s=args.time_budget)

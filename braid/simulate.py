@@ -127,6 +127,28 @@ def _offload_options(args: argparse.Namespace, name: str) -> dict[str, float]:
     return {"offload_alpha": args.offload_alpha, "offload_alpha_warmup": args.offload_alpha}
 
 
+def _profiled(doc: dict[str, Any], model: ModelConfig, path: str) -> tuple[str | None, str | None]:
+    """What a profiled cost file records of its origin: the device it was measured on
+    (``meta.device``, None when absent) and a note when the model shape it was measured for
+    (``meta.config``) differs from the one simulated -- the times are the file's, the labels the model's."""
+    meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
+    device = meta.get("device") if isinstance(meta.get("device"), str) else None
+    cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    shape = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    per_stage = cfg.get("layers_per_stage")
+    recorded = {"hidden": shape.get("hidden"), "heads": shape.get("heads"), "kv_heads": shape.get("kv_heads"),
+                "ffn": shape.get("ffn"), "vocab": shape.get("vocab_size"), "seq": cfg.get("seq"),
+                "layers": sum(per_stage) if isinstance(per_stage, list) and all(isinstance(n, int) for n in per_stage)
+                else None}
+    differ = [f"{k} {v} (simulated: {getattr(model, k)})" for k, v in recorded.items()
+              if isinstance(v, int) and not isinstance(v, bool) and v != getattr(model, k)]
+    if not differ:
+        return device, None
+    flags = " ".join(f"--{k.replace('_', '-')} {recorded[k]}" for k in recorded if any(d.startswith(k + " ") for d in differ))
+    return device, (f"{path} was profiled for another shape: {', '.join(differ)}; the times are the file's, the labels "
+                    f"--model's: add {flags} to simulate the profiled shape")
+
+
 def resolve_model(name: str) -> ModelConfig:
     """``--model``: a catalog preset, or a Hugging Face ``config.json`` read through the model
     registry (:func:`braid.models.shapes.resolve_model`; imported only then: it loads torch)."""
@@ -349,9 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             import plotly  # noqa: F401
         except ImportError as err:
             ap.error(f"--html needs plotly ({err}); pip install plotly")
+    measured_on, shape_note = None, None
     try:
-        if args.costs:
-            load_cost_json(args.costs)  # an unreadable file is one line before any simulation
+        if args.costs:  # an unreadable file is one line before any simulation
+            measured_on, shape_note = _profiled(load_cost_json(args.costs), model, args.costs)
     except CostFileError as err:
         ap.error(str(err))
     plans = []
@@ -382,7 +405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     dp_rows = doc.pop("dp_rows")
     skipped = doc.pop("skipped")
     cfg = doc["config"]
-    print(f"# {cfg['model']} on {cfg['hardware']}: tp={cfg['tp']} pp={cfg['pp']} m={cfg['mbs']} "
+    if shape_note:
+        notes.insert(0, shape_note)
+    changed = "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in _OVERRIDES if getattr(args, k, None) is not None)
+    where = f"{measured_on} (measured)" if measured_on else cfg["hardware"]
+    print(f"# {cfg['model']}{changed} on {where}: tp={cfg['tp']} pp={cfg['pp']} m={cfg['mbs']} "
           f"seq={cfg['seq']} micro-batch={cfg['micro_batch_size']}" + (f" costs={cfg['costs']}" if cfg["costs"] else ""))
     if reports:
         print(format_table(reports))

@@ -20,7 +20,10 @@ lines), ``--tensorboard``, ``--trace`` (the last step's measured trace, all rank
 ``--save``/``--resume`` (``DIR/step_N`` folders, see ``train_checkpoint.py``; resuming
 reproduces the uninterrupted run's losses, exactly at the same layout). Exit codes: 2 for
 bad flags, layouts, input files or checkpoints, 1 for a non-finite loss, a failed
-``--reference`` or a checkpoint that could not be written (a full disk).
+``--reference``, a checkpoint that could not be written (a full disk), or a rank that
+failed, was lost or stayed silent. Such a failure is one line on stderr per job, and under
+torchrun the line is every rank's recorded error, the root cause of torchrun's summary
+(:func:`braid.runtime.ending.end_run`).
 
 Real data: give :func:`main` a ``source`` -- any :class:`data.SampleSource` returning
 ``tokens``/``labels`` (and ``pixels`` for the VLM) per global sample index; the loop
@@ -75,17 +78,20 @@ def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStat
     else:
         d = Dist.init(0, 1, master_port=_free_port(), device=device, timeout_s=args.timeout)
     try:
-        groups = ProcessGroups.create(setup.topo, timeout_s=args.timeout)
-        source = source if source is not None else setup.source
-        ref = train_reference(task, setup, source, device, dtype) if args.reference else None
-        stats = {r.name: train_schedule(task, setup, r, d, groups, source, device, dtype) for r in setup.runs}
+        # a raw communication failure anywhere inside (a collective of a library call) leaves as the
+        # executor's would: PeerLost naming the lost rank, PeerFailure naming the first failing one
+        with d.abort.collective():
+            groups = ProcessGroups.create(setup.topo, timeout_s=args.timeout)
+            source = source if source is not None else setup.source
+            ref = train_reference(task, setup, source, device, dtype, d.abort) if args.reference else None
+            stats = {r.name: train_schedule(task, setup, r, d, groups, source, device, dtype) for r in setup.runs}
         if setup.rank == 0 and (len(stats) > 1 or ref is not None):
             print(format_comparison(task, setup, stats, ref, dtype), flush=True)
         return stats, ref
     except (RunError, CheckpointError):
         raise  # a verdict every rank reached together: nobody to abort
-    except Exception:
-        d.abort.signal("training loop failed")
+    except Exception as err:
+        d.abort.fail(err)  # first failing rank wins the record; a report of another rank's failure is not recorded
         raise
     finally:
         d.close()
@@ -94,8 +100,6 @@ def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStat
 def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, source: Any, device: torch.device,
                    dtype: torch.dtype) -> RunStats:
     """``--steps`` steps of one schedule; per-step log line, metrics, checkpoints and trace as asked."""
-    import torch.distributed as dist
-
     args, topo = setup.args, setup.topo
     c = groups.coords
     runner = make_runner(task, setup, run, d, groups, device, dtype)
@@ -142,7 +146,7 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
             loss = out.loss
             mems = torch.zeros(setup.world, dtype=torch.int64, device=device)
             mems[setup.rank] = mem
-            dist.all_reduce(mems)
+            d.abort.all_reduce(mems)
             step += 1
             pos += per_step
             stats.losses.append(loss)
@@ -176,7 +180,8 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
         if setup.rank == 0:
             log.info("saved a Hugging Face checkpoint to %s", args.save_hf)
     if args.trace and runner.res is not None:
-        write_trace(runner.res.trace, setup.rank, setup.world, args)
+        with d.abort.collective():
+            write_trace(runner.res.trace, setup.rank, setup.world, args)
     del runner, opt, state
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -188,7 +193,8 @@ def _banner(task: Task, setup: Setup, run: Run, runner: Any, dtype: torch.dtype)
 
     mine = (sum(p.numel() for p in local_tensors(runner.params)), runner.state_bytes)
     every: list[Any] = [None] * setup.world
-    dist.all_gather_object(every, mine)
+    with runner.abort.collective():
+        dist.all_gather_object(every, mine)
     if setup.rank == 0:
         log.info("%s", banner(task, setup, run.name, [n for n, _ in every], [b for _, b in every], dtype))
 
@@ -210,49 +216,28 @@ def _write_config(setup: Setup, path: Path) -> None:
     atomic_write_text(path, _config_text(setup))
 
 
-def _usage_barrier(rank: int) -> None:
-    """Under torchrun, other ranks wait (briefly) until rank 0 has printed the error.
-
-    The elastic agent stops the remaining workers as soon as one exits; without this, a
-    fast rank 1 could get rank 0 killed before its one line reached the terminal.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or "MASTER_PORT" not in os.environ:
-        return
-    key = "braid/usage_error_reported"
-    try:
-        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=10))
-        if rank == 0:
-            store.set(key, "1")
-        else:
-            store.wait([key])
-    except Exception:  # noqa: BLE001 - best effort: the exit code is 2 either way
-        log.debug("no store to coordinate the usage error", exc_info=True)
-
-
 def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> int:
     """Entry point of the example scripts; returns the exit code (2 for bad flags, layouts or checkpoints, 1 for a failed run)."""
+    from braid.runtime.distributed import CommTimeout, PeerFailure, PeerLost
+    from braid.runtime.ending import end_run
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        setup = prepare(task, argv)
+        setup = prepare(task, argv)  # every check that needs no process group: bad input ends here, on every rank
     except UsageError as err:
-        if rank == 0:
-            print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
-        _usage_barrier(rank)
-        return 2
+        return end_run(f"{task.prog}: error: {err}", 2, rank, world)
     if rank == 0 and setup.args.metrics:
         _write_config(setup, Path(setup.args.metrics).with_suffix(".toml"))
     try:
         stats, ref = run(task, setup, source)
     except (RunError, CheckpointError, UsageError) as err:
-        if rank == 0:
-            print(f"{task.prog}: error: {err}", file=sys.stderr, flush=True)
-        return getattr(err, "exit_code", 2)  # 1 for a failed run (RunError, a save that could not be written)
+        # 1 for a failed run (RunError, a save that could not be written), 2 for bad input
+        return end_run(f"{task.prog}: error: {err}", getattr(err, "exit_code", 2), rank, world)
+    except (PeerFailure, CommTimeout) as err:
+        # another rank failed first (its own report names it), was lost, or stayed silent: one line per job
+        lost = len(err.lost) if isinstance(err, PeerLost) else 0
+        return end_run(f"{task.prog}: error: {str(err).splitlines()[0]}", 1, rank, world, leaving=world - lost)
     if ref is None:
         return 0
     dtype = compute_dtype(pick_device(setup.args))

@@ -11,6 +11,7 @@ micro-batch, the loss known on every rank) before the optimizer update.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -141,6 +142,7 @@ class TorchRunner:
         self.params = self.pipe.parameters()
         self.state_bytes = model_state_bytes(self.params, "plain")
         self.tp_rank = groups.coords.tp
+        self.abort = d.abort
         self.res = None
 
     def step(self, toks: list, labs: list, traced: bool) -> tuple[float | None, int]:
@@ -201,8 +203,6 @@ def train_step(runner: BraidRunner | TorchRunner, opt: Any, toks: list, labs: li
     (:class:`NonFiniteError` naming the step and the first such rank), so no damaged
     weights are trained on or saved.
     """
-    import torch.distributed as dist
-
     opt.zero_grad(set_to_none=True)
     local_loss, mem = runner.step(toks, labs, traced)
     world = topo.world_size
@@ -212,7 +212,7 @@ def train_step(runner: BraidRunner | TorchRunner, opt: Any, toks: list, labs: li
         buf[0] = local_loss
         buf[1 + rank] = not math.isfinite(local_loss)
     buf[1 + world + rank] = not _grads_finite(runner)
-    dist.all_reduce(buf)
+    runner.abort.all_reduce(buf)  # bounded; a lost rank is named (braid.runtime.distributed.Abort)
     flags = buf[1:].tolist()
     if any(flags):
         what, first = ("loss", flags.index(1.0)) if any(flags[:world]) else ("gradient", flags.index(1.0, world) - world)
@@ -238,7 +238,8 @@ def _grads_finite(runner: BraidRunner | TorchRunner) -> bool:
     return bool(torch.isfinite(norm))
 
 
-def train_reference(task: Task, setup: Setup, source: Any, device: torch.device, dtype: torch.dtype) -> tuple[list[float], list[float]]:
+def train_reference(task: Task, setup: Setup, source: Any, device: torch.device, dtype: torch.dtype,
+                    abort: Any = None) -> tuple[list[float], list[float]]:
     """The unsplit model trained on rank 0's device (same weights, micro-batches, optimizer settings);
     per-step losses and gradient norms (before clipping), broadcast to all ranks."""
     import copy
@@ -273,5 +274,6 @@ def train_reference(task: Task, setup: Setup, source: Any, device: torch.device,
         log.info("reference (unsplit model, one device): losses %s; gradient norms %s", " ".join(f"{x:.4f}" for x in losses),
                  " ".join(f"{x:.4f}" for x in norms))
     box = [(losses, norms)]
-    dist.broadcast_object_list(box, src=0)
+    with abort.collective() if abort is not None else contextlib.nullcontext():
+        dist.broadcast_object_list(box, src=0)
     return box[0]

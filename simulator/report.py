@@ -115,7 +115,8 @@ def format_table(reports: Sequence[Report], baseline: str = "1f1b_i") -> str:
     for r in sorted(reports, key=lambda x: x.step_time_s):
         speed = f"{base.step_time_s / r.step_time_s:.3f}x" if base else "-"
         peak = r.worst_peak
-        lines.append(f"{r.schedule:<18}{r.step_time_s * 1e3:>11.2f}{r.throughput_samples_s:>11.2f}{r.mfu * 100:>7.1f}"
+        mfu = f"{r.mfu * 100:>7.1f}" if r.mfu > 0 else f"{'-':>7}"  # 0: the costs give no peak FLOP/s (a CPU profile)
+        lines.append(f"{r.schedule:<18}{r.step_time_s * 1e3:>11.2f}{r.throughput_samples_s:>11.2f}{mfu}"
                      f"{speed:>12}{100 * r.max_bubble_s / r.step_time_s:>10.1f}{100 * r.max_tp_exposed_s / r.step_time_s:>10.1f}"
                      f"{peak.peak_activation_bytes / 2**30:>10.2f}{peak.peak_activation_ma:>10.2f}")
     return "\n".join(lines)

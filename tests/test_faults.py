@@ -89,6 +89,26 @@ def _scenario(rank: int, world: int, port: int, case: str, timeout_s: float, out
             result["check"] = None
         except PeerFailure as err:
             result["check"] = _report(err)
+    elif case in ("kill_in_all_reduce", "kill_in_gather_object"):
+        # the last rank is killed in the loss all-reduce (or an object collective) of step 20: the
+        # survivors next to it see the close at once, the others wait on a live neighbour
+        try:
+            for step in range(10**6):
+                if rank == world - 1 and step == 20:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if case == "kill_in_all_reduce":
+                    d.abort.all_reduce(torch.zeros(1 + 2 * world, dtype=torch.float64))
+                else:
+                    with d.abort.collective():
+                        dist.all_gather_object([None] * world, (rank, step))
+        except Exception as err:  # noqa: BLE001 - the report is what the test checks
+            result["wait"] = _report(err)
+            result["lost"] = getattr(err, "lost", None)
+            d.abort.fail(err)
+        try:
+            d.abort.check()
+        except PeerFailure as err:
+            result["check"] = _report(err)
     elif case == "kill_store_host":
         if rank == 0:
             time.sleep(0.3)
@@ -109,7 +129,8 @@ def _scenario(rank: int, world: int, port: int, case: str, timeout_s: float, out
     out.put(result)
     if rank == 0 and case != "kill_store_host":
         # rank 0 hosts the store: keep it until the other survivors have read the record.
-        others = [r for r in range(1, world) if not (case == "kill" and r == 2)]
+        killed = {"kill": 2, "kill_in_all_reduce": world - 1, "kill_in_gather_object": world - 1}.get(case)
+        others = [r for r in range(1, world) if r != killed]
         d.store.wait([f"done/{r}" for r in others], datetime.timedelta(seconds=120))
     else:
         try:
@@ -129,7 +150,7 @@ def _run(case: str, world: int, timeout_s: float = 60.0) -> dict[int, dict]:
     procs = [ctx.Process(target=_scenario, args=(r, world, port, case, timeout_s, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    expected = world - (1 if case in ("kill", "kill_store_host") else 0)
+    expected = world - (1 if case.startswith("kill") else 0)
     got: dict[int, dict] = {}
     try:
         while len(got) < expected:
@@ -171,8 +192,25 @@ def test_killed_rank_is_a_closed_peer_not_a_timeout() -> None:
         kind, text = got[r]["wait"]
         assert kind == "PeerLost", got[r]
         assert "closed its connection" in text and "did not finish within" not in text, text
+        assert text.startswith(f"rank {r} stops: rank 2 is gone"), text  # the roll call named it
         # nobody recorded a failure: no rank blames another
         assert got[r]["check"] is None
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["kill_in_all_reduce", "kill_in_gather_object"])
+def test_a_rank_killed_in_a_collective_is_named_by_every_survivor(case: str) -> None:
+    """Rank 3 of 4 killed inside the loss all-reduce (through Abort.all_reduce) or an object
+    collective (inside Abort.collective): every survivor stops with one PeerLost naming rank 3
+    -- not gloo's raw error, not a timeout -- and the record names it for the ranks that read it."""
+    got = _run(case, 4, timeout_s=60.0)
+    assert set(got) == {0, 1, 2}
+    for r in (0, 1, 2):
+        kind, text = got[r]["wait"]
+        assert kind == "PeerLost" and got[r]["lost"] == [3], got[r]
+        assert text.startswith(f"rank {r} stops: rank 3 is gone"), text
+        assert "did not finish within" not in text and "pair.cc" not in text, text
+        assert got[r]["check"][0] == "PeerLost" and got[r]["check"][1].startswith(f"rank {r} stops: rank 3 is gone"), got[r]
 
 
 @pytest.mark.timeout(240)
@@ -318,6 +356,28 @@ def test_classify(text: str, elapsed: float, expected: type) -> None:
         assert "did not finish within 5 s" in str(got)
 
 
+def test_translate_reports_raw_communication_failures_only() -> None:
+    """Abort.collective / translate: gloo's raw error becomes the report a wait would give; an
+    exception of the program (its own type, even one whose text says "timeout") passes unchanged."""
+
+    class OwnError(RuntimeError):
+        pass
+
+    a = Abort(dist.HashStore(), 0, timeout_s=5.0)
+    raw = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically ...")
+    assert type(a.translate(raw)) is PeerLost
+    for err in (OwnError("--timeout must be positive"), ValueError("Connection closed"), RuntimeError("shape mismatch")):
+        assert a.translate(err) is err
+    with pytest.raises(PeerLost) as info:
+        with a.collective():
+            raise raw
+    assert info.value.__cause__ is raw
+    Abort(a.store, 1).fail(ValueError("boom"))
+    with pytest.raises(PeerFailure, match="rank 1 failed first: ValueError: boom"):  # the record is read first
+        with a.collective():
+            pass
+
+
 def test_describe_exception() -> None:
     assert describe_exception(ValueError("bad thing")) == "ValueError: bad thing"
     assert describe_exception(KeyboardInterrupt()) == "KeyboardInterrupt"
@@ -451,3 +511,22 @@ def test_ranks_of_a_killed_launcher_exit(tmp_path) -> None:
                 os.kill(int(p.read_text()), signal.SIGKILL)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+# ----------------------------------------------------------------------------------------
+# How a failed rank ends (braid.runtime.ending): torchrun's summary reads the line
+def test_the_error_file_gives_torchruns_summary_the_line(tmp_path, monkeypatch, capsys) -> None:
+    """The file torch elastic's agent reads for its failure summary holds the line, not a
+    traceback: torch's own ProcessFailure and ChildFailedError show it as the rank's error."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from braid.runtime.ending import end_run
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    line = "qwen2.py: error: no tokenizer.json in 'nope'"
+    assert end_run(line, 2, rank=0, world=1) == 2
+    assert capsys.readouterr().err == line + "\n"  # printed once, by the one rank
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    summary = ChildFailedError("qwen2.py", {0: failure}).format_msg()
+    assert f"traceback : {line}" in summary and "To enable traceback" not in summary, summary

@@ -258,6 +258,45 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, message, capsys) -> None:
     assert exc.value.code == 2 and len(err) == 1 and message in err[0]
 
 
+def test_divisors_stop_at_the_bound() -> None:
+    from braid.planner.search import _divisors
+
+    for n in range(1, 200):
+        every = [d for d in range(1, n + 1) if n % d == 0]
+        assert _divisors(n) == every
+        assert _divisors(n, upto=12) == [d for d in every if d <= 12]
+
+
+def test_a_billion_gpus_enumerate_only_pipelines_the_layers_can_fill() -> None:
+    """The layouts of 10**18 GPUs (a search over every divisor of the world would never end):
+    pp stays within the layers, every layout fills the GPUs, and none is lost below the bound."""
+    model = get_model("qwen2-7b")
+    huge = Problem(model, 10**18, Cluster(H200, 8), 2 * 10**18, 141 * 2**30)
+    got = list(layouts(huge))
+    assert got and all(1 <= p.pp <= model.layers and p.tp * p.pp * p.dp * p.cp == huge.gpus for p in got)
+    # pp = 2^a 5^b <= 28 layers: 1, 2, 4, 5, 8, 10, 16, 20, 25
+    assert {p.pp for p in got} == {1, 2, 4, 5, 8, 10, 16, 20, 25}
+
+
+def test_micro_batch_counts_stay_within_what_compiles() -> None:
+    from braid.io.cli import MAX_MBS, MAX_PM
+
+    prob = Problem(SMALL, 8, Cluster(H200, 4), 8 * 4 * 20000, 141 * 2**30)  # m = 20000 at dp=8, mbs=4
+    cands = [c for par in layouts(prob) for c in schedule_candidates(prob, par, plain=True)]
+    assert all(c.m <= MAX_MBS and c.m * c.par.pp <= MAX_PM for c in cands)
+    assert not cands  # m >= 20000 everywhere: nothing left to simulate for minutes
+
+
+def test_cli_refuses_a_global_batch_of_more_micro_batches_than_compile(capsys) -> None:
+    from braid.plan import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "qwen2-7b", "--gpus", "8", "--global-batch", "1000000000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert "--global-batch 1000000000 on 8 GPUs is at least 31,250,000 micro-batches per pipeline: at most 16384" in err[0]
+
+
 def test_cli_nothing_fits_is_exit_2(capsys) -> None:
     from braid.plan import main
 

@@ -49,6 +49,27 @@ def test_cost_file_and_skip_note(tmp_path, capsys):
     assert doc["schedules"]["1f1b_i"]["ranks"][0]["tp_exposed_s"] == pytest.approx(2 * 4 * 0.25)
 
 
+def test_a_profiled_cost_file_labels_its_device_and_shape(tmp_path, capsys):
+    """The header names the device a profile was measured on, not the hardware preset; a
+    profile of another shape than the simulated model gets a note with the flags that match it."""
+    meta = {"device": "cpu (2 cores)", "config": {"model": {"vocab_size": 128, "hidden": 64, "heads": 4, "kv_heads": 2,
+                                                             "ffn": 128}, "seq": 16, "layers_per_stage": [1, 1, 1, 1]}}
+    costs = tmp_path / "c.json"
+    costs.write_text(json.dumps({"T_F": 1e-3, "T_B": 1e-3, "T_W": 1e-3, "T_AR": 0.0, "T_P2P": 0.0, "peak_flops": 0.0, "meta": meta}))
+    argv = ["--pp", "2", "--tp", "1", "--mbs", "4", "--costs", str(costs), "--schedule", "zb_v"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# qwen2-12b on cpu (2 cores) (measured): tp=1 pp=2 m=4 seq=4096"), text
+    assert "was profiled for another shape: hidden 64 (simulated: 4096)" in text and "layers 4 (simulated: 48)" in text
+    flags = text.split("add ", 1)[1].split(" to simulate", 1)[0]
+    assert main(["--model", "qwen2-12b", *flags.split(), *argv]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# qwen2-12b --layers 4 --hidden 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 128 on cpu (2 cores) "
+                           "(measured): tp=1 pp=2 m=4 seq=16"), text
+    assert "profiled for another shape" not in text
+    assert text.splitlines()[3].split()[3] == "-"  # MFU: the file gives no peak FLOP/s (a CPU profile)
+
+
 @pytest.mark.parametrize("argv,names", [
     (["--schedule", "nope"], "1f1b_i"),
     (["--model", "nope"], "qwen2-12b"),

@@ -227,8 +227,48 @@ def test_diverging_run_keeps_its_earlier_checkpoints_and_strict_metrics(tmp_path
 def test_non_finite_loss_names_the_last_stage_rank_under_torchrun(tmp_path: Path) -> None:
     proc = _torchrun(2, LLM, *COMMON, "--pp", "2", "--schedule", "1f1b", "--steps", "2", "--init-std", "1e30")
     assert proc.returncode != 0
-    out = proc.stdout + proc.stderr
-    assert out.count("error: non-finite loss at step 1 (first on rank 1)") == 1, out[-3000:]  # 1f1b: last stage on rank 1
+    from test_examples import _torchrun_summary_reads
+
+    # 1f1b: the last stage is on rank 1; every rank stops with exit code 1 and the line
+    _torchrun_summary_reads(proc.stdout + proc.stderr, "qwen2.py: error: non-finite loss at step 1 (first on rank 1)", 2, code=1)
+
+
+def test_a_killed_rank_is_named_in_one_line_by_the_survivors(tmp_path: Path) -> None:
+    """Three ranks started as a launcher without an agent would (``RANK``/``WORLD_SIZE``/``MASTER_*``,
+    rank 0 hosting the store); rank 2 is killed mid-run. The survivors stop at once (a closed connection,
+    not a timeout) and the job says so in one line naming rank 2 -- no gloo error, no traceback -- and
+    each survivor exits 1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = tmp_path / "m.jsonl"
+    procs = []
+    for r in range(3):
+        env = dict(_env(), RANK=str(r), WORLD_SIZE="3", LOCAL_WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, LLM, *COMMON, "--pp", "3", "--schedule", "1f1b", "--steps", "10000",
+                                       "--timeout", "120", *(["--metrics", str(metrics)] if r == 0 else [])],
+                                      env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        end = time.monotonic() + 240
+        while _logged_step(metrics) < 2 and all(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        procs[2].kill()
+        errs = [p.communicate(timeout=60)[1] for p in procs[:2]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    lines = [ln for e in errs for ln in e.splitlines() if ln.startswith("qwen2.py: error:")]
+    assert len(lines) == 1, errs
+    assert lines[0] == ("qwen2.py: error: rank 0 stops: rank 2 is gone: its process exited or was killed (it closed its "
+                        "connections; see that rank's log)"), lines
+    assert [p.returncode for p in procs[:2]] == [1, 1], errs
+    text = "".join(errs)
+    assert "Traceback" not in text and "pair.cc" not in text and "did not finish within" not in text, text[-3000:]
 
 
 # -- bad input ----------------------------------------------------------------------------------------

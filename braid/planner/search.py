@@ -9,7 +9,9 @@ the memory cap:
    sequence into shards of at least ``MIN_LOCAL_SEQ`` tokens (LLMs only: the VLM example runs
    no SP), pp whose stages each get a layer, dp the
    rest, micro-batch sizes that split the per-replica batch, every registered schedule that
-   accepts (p, m). Memory-saving variants (a schedule's ``saves_memory_of``, recomputation)
+   accepts (p, m), with m and p x m within what the command lines accept
+   (:data:`braid.io.cli.MAX_MBS`, :data:`braid.io.cli.MAX_PM`). Divisors are enumerated only up
+   to the layer count (pp), so the search's cost does not grow with ``gpus``. Memory-saving variants (a schedule's ``saves_memory_of``, recomputation)
    are tried only for layouts whose plain form does not fit.
 2. **Prune by memory**: weights, gradients and optimizer states (:func:`braid.cost.cluster.static_bytes`)
    plus the smallest activation any schedule keeps (one micro-batch of one chunk) above the
@@ -40,6 +42,7 @@ from braid.cost.cluster import Cluster, Parallel, dp_costs, job_costs, reduce_ti
 from braid.cost.costs import CostModel, Layout, model_forward_flops, stage_lighter
 from braid.cost.catalog import ModelConfig
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER
+from braid.io.cli import MAX_MBS, MAX_PM
 
 RESERVE_BYTES = 2 * 2**30  # CUDA context, allocator slack and communication buffers per GPU
 MICRO_BATCH_SIZES = (1, 2, 4)
@@ -120,8 +123,9 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, upto: int | None = None) -> list[int]:
+    """The divisors of ``n`` up to ``upto`` (all of them by default): the search runs to ``upto``, not to ``n``."""
+    return [d for d in range(1, min(n, n if upto is None else upto) + 1) if n % d == 0]
 
 
 def layouts(prob: Problem) -> Iterator[Parallel]:
@@ -134,9 +138,9 @@ def layouts(prob: Problem) -> Iterator[Parallel]:
             if cp > 1 and (mdl.seq % (2 * cp) or mdl.seq // cp < MIN_LOCAL_SEQ):
                 continue
             for sp in _sp_options(mdl, tp, cp, g):
-                for pp in _divisors(prob.gpus // (tp * cp)):
+                for pp in _divisors(prob.gpus // (tp * cp), upto=mdl.layers):  # a stage per layer at most
                     dp = prob.gpus // (tp * cp * pp)
-                    if prob.global_batch % dp or pp > mdl.layers:
+                    if prob.global_batch % dp:
                         continue
                     for mbs in MICRO_BATCH_SIZES:
                         if (prob.global_batch // dp) % mbs == 0:
@@ -166,6 +170,8 @@ def schedule_candidates(prob: Problem, par: Parallel, plain: bool) -> Iterator[C
     from braid import schedules
 
     m = prob.global_batch // par.dp // par.micro_batch_size
+    if m > MAX_MBS or par.pp * m > MAX_PM:  # beyond what compiles and simulates in seconds (braid.io.cli)
+        return
     for name in schedules.names():
         spec = schedules.get_schedule(name)
         if (spec.saves_memory_of is not None) == plain or not spec.accepts_m(par.pp, m):

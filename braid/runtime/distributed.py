@@ -14,10 +14,15 @@ other ranks raise :class:`PeerFailure` naming the first failing rank and its exc
 text instead of hanging in a receive or an all-reduce whose peer is gone. A wait that
 fails with no record is told apart by what happened: a peer that closed its connection
 (its process exited or was killed; gloo notices at once) raises :class:`PeerLost`, a wait
-that ran out of time raises :class:`CommTimeout`. Collectives the executor does not wait
-on itself (the loss's small all-reduces) are bounded by the process-group ``timeout``
-too. On CUDA, waits are stream-ordered and the NCCL watchdog (same timeout) is the
-backstop.
+that ran out of time raises :class:`CommTimeout`. A lost peer is named: every rank holds a
+listening socket for as long as its process lives (:mod:`braid.runtime.liveness`), the rank
+that sees the close asks every peer's, and the ranks whose socket is closed are recorded as
+lost on their behalf, so that every survivor names the same rank. Collectives outside the
+executor go through the same machinery: tensor all-reduces through :meth:`Abort.all_reduce`
+(a bounded :meth:`Abort.wait`), object collectives and barriers inside
+:meth:`Abort.collective` (the record read first, a raw closed connection or expired wait
+translated, :meth:`Abort.translate`). On CUDA, waits are stream-ordered and the NCCL
+watchdog (same timeout) is the backstop.
 
 Stores. Without torchrun the job's store listens on the loopback interface only (or, for
 one process, lives in the process); a job whose ``MASTER_ADDR`` is not a loopback address
@@ -68,11 +73,27 @@ class PeerFailure(RuntimeError):
 
 
 class PeerLost(PeerFailure):
-    """A peer closed its connection (its process exited or was killed) before any rank recorded why."""
+    """A peer closed its connection (its process exited or was killed) before any rank recorded why.
+
+    ``lost``: the ranks whose process is gone (:mod:`braid.runtime.liveness`); empty when
+    unknown (no world size, or the store is gone).
+    """
+
+    def __init__(self, message: str, failed_rank: int | None = None, reason: str | None = None,
+                 lost: list[int] | None = None) -> None:
+        super().__init__(message, failed_rank, reason)
+        self.lost = list(lost or [])
 
 
 class CommTimeout(TimeoutError):
-    """A communication did not finish within the job's timeout (peers alive but silent)."""
+    """A communication did not finish within the job's timeout (peers alive but silent).
+
+    ``silent``: the ranks that did not time out themselves (the ones to look at; empty when unknown).
+    """
+
+    def __init__(self, message: str, silent: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.silent = list(silent or [])
 
 
 def backend_for(device: torch.device) -> str:
@@ -100,6 +121,18 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+def _gone(ranks: list[int]) -> str:
+    """What a record of lost ranks says of them."""
+    one = len(ranks) == 1
+    return (f"{'its process' if one else 'their processes'} exited or {'was' if one else 'were'} killed "
+            f"({'it' if one else 'they'} closed {'its' if one else 'their'} connections; "
+            f"see {'that rank' if one else 'those ranks'}'s log)")
+
+
 @dataclass(slots=True)
 class Abort:
     """A job-wide failure record in the store, consulted around every communication wait."""
@@ -111,16 +144,19 @@ class Abort:
     # The record is read before a blocking wait at most this often: each read is a round trip
     # to the store (~0.2 ms on one host), and a pipeline step waits dozens of times.
     check_every_s: float = 0.05
-    world_size: int | None = None  # known: a timeout names the ranks that stayed silent
+    world_size: int | None = None  # known: a timeout names the ranks that stayed silent, a lost peer is named
+    grace_s: float = 3.0  # how long a peer's liveness socket has to accept (braid.runtime.liveness)
     _checked_at: float = field(default=float("-inf"), init=False, repr=False)
 
-    def signal(self, reason: str) -> bool:
-        """Record that this rank failed with ``reason``, unless another rank already did.
+    def signal(self, reason: str, lost: list[int] | None = None) -> bool:
+        """Record that this rank failed with ``reason`` (or, with ``lost``, that those ranks were
+        lost: recorded on their behalf), unless another rank already recorded a failure.
 
-        Returns True when this rank's record is the one kept (it failed first). Never
-        raises: the store itself may be gone.
+        Returns True when this record is the one kept (it came first). Never raises: the
+        store itself may be gone.
         """
-        record = json.dumps({"rank": self.rank, "reason": reason[:_MAX_REASON]})
+        entry = {"rank": lost[0] if lost else self.rank, "reason": reason[:_MAX_REASON], **({"lost": lost} if lost else {})}
+        record = json.dumps(entry)
         try:
             # compare_set on an absent key with expected "" sets it; on a present key it
             # leaves the value and returns it: an atomic "first writer wins".
@@ -139,7 +175,7 @@ class Abort:
         if not isinstance(err, (PeerLost, CommTimeout)) and _mentions_closed(err):
             # a collective outside :meth:`wait` (a barrier, an all_gather_object) met a dead peer
             err = self._lost(err, None)
-        return self.signal(describe_exception(err))
+        return self.signal(describe_exception(err), err.lost if isinstance(err, PeerLost) else None)
 
     @contextlib.contextmanager
     def on_failure(self) -> Iterator[None]:
@@ -154,8 +190,8 @@ class Abort:
         """Forget an earlier failure (tests that reuse a job after a failure case)."""
         self.store.delete_key(ABORT_KEY)
 
-    def first_failure(self) -> tuple[int, str] | None:
-        """``(rank, exception text)`` of the rank that failed first, or None if none has.
+    def _record(self) -> dict | None:
+        """The failure record (``rank``, ``reason`` and, for lost ranks, ``lost``), or None if none.
 
         Raises :class:`PeerLost` when the store cannot be reached (its host has exited).
         """
@@ -165,19 +201,34 @@ class Abort:
             raw = self.store.get(ABORT_KEY).decode(errors="replace")
         except Exception as err:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError by version
             raise PeerLost(f"rank {self.rank} stops: the job's store cannot be reached (the rank that hosts it, "
-                           f"rank 0, has exited or was killed): {_first_line(err)}") from err
+                           f"rank 0, has exited or was killed): {_first_line(err)}", 0, "store gone",
+                           [] if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else [0]) from err
         try:
             rec = json.loads(raw)
-            return int(rec["rank"]), str(rec["reason"])
-        except (ValueError, KeyError, TypeError):
-            return -1, raw
+            lost = [int(r) for r in rec.get("lost") or []]
+            return {"rank": int(rec["rank"]), "reason": str(rec["reason"]), "lost": lost}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return {"rank": -1, "reason": raw, "lost": []}
+
+    def first_failure(self) -> tuple[int, str] | None:
+        """``(rank, exception text)`` of the rank that failed first, or None if none has.
+
+        Raises :class:`PeerLost` when the store cannot be reached (its host has exited).
+        """
+        rec = self._record()
+        return None if rec is None else (rec["rank"], rec["reason"])
 
     def check(self) -> None:
-        """Raise :class:`PeerFailure` naming the first failing rank if any rank has recorded one."""
-        first = self.first_failure()
-        if first is not None:
-            r, reason = first
-            raise PeerFailure(f"rank {self.rank} stops: rank {r} failed first: {reason}", r, reason)
+        """Raise :class:`PeerFailure` naming the first failing rank if any rank has recorded one
+        (:class:`PeerLost` when the record is of lost ranks)."""
+        rec = self._record()
+        if rec is None:
+            return
+        r, reason, lost = rec["rank"], rec["reason"], rec["lost"]
+        if lost:
+            raise PeerLost(f"rank {self.rank} stops: {_ranks(lost)} {'is' if len(lost) == 1 else 'are'} gone: {_gone(lost)}",
+                           r, reason, lost)
+        raise PeerFailure(f"rank {self.rank} stops: rank {r} failed first: {reason}", r, reason)
 
     def wait(self, work: dist.Work | None) -> None:
         """Wait for an async work handle at most ``timeout_s``.
@@ -206,6 +257,45 @@ class Abort:
             self.check()
             raise self.classify(err, elapsed) from err
 
+    def all_reduce(self, tensor: "torch.Tensor", op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                   group: dist.ProcessGroup | None = None) -> None:
+        """``dist.all_reduce`` in place, through :meth:`wait`: bounded by ``timeout_s``, the record
+        read first, a lost peer or an expired wait reported as such (not gloo's raw error)."""
+        self.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True))
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Around blocking collectives that have no work handle to :meth:`wait` on (object
+        collectives, barriers; or a whole phase that calls them): the record is read first,
+        and a communication failure inside leaves as :meth:`wait`'s would
+        (:class:`PeerFailure`, :class:`PeerLost` naming the lost rank, :class:`CommTimeout`).
+        Other exceptions pass unchanged."""
+        if not self.cuda:
+            self.check()
+        t0 = time.monotonic()
+        try:
+            yield
+        except RuntimeError as err:
+            new = self.translate(err, time.monotonic() - t0)
+            if new is err:
+                raise
+            raise new from err
+
+    def translate(self, err: BaseException, elapsed_s: float = 0.0) -> BaseException:
+        """``err`` as :meth:`wait` would report it when it is a raw communication failure (a
+        closed connection, an expired wait): a recorded failure of another rank first, else
+        :meth:`classify`'s answer. Anything else (a bug, a :class:`PeerFailure`) is returned as it is."""
+        if not (type(err) is RuntimeError or isinstance(err, dist.DistError)):  # gloo raises the plain type
+            return err
+        text = str(err).lower()
+        if not (_mentions_closed(err) or any(w in text for w in _TIMEOUT_WORDS)):
+            return err
+        try:
+            self.check()
+        except PeerFailure as recorded:
+            return recorded
+        return self.classify(err, elapsed_s)
+
     def classify(self, err: BaseException, elapsed_s: float) -> Exception:
         """The exception a failed communication of this rank becomes (see :meth:`wait`)."""
         text = str(err).lower()
@@ -217,7 +307,7 @@ class Abort:
             who = (f"silent: rank {', '.join(map(str, silent))} (alive, but {'it' if len(silent) == 1 else 'they'} did not "
                    "time out waiting too: look there)" if silent else "a peer is alive but did not send or join")
             return CommTimeout(f"rank {self.rank}: communication did not finish within {self.timeout_s:g} s "
-                               f"({who}; raise the timeout if it is only slow): {line}")
+                               f"({who}; raise the timeout if it is only slow): {line}", silent)
         return RuntimeError(f"rank {self.rank}: communication failed after {elapsed_s:.1f} s: {line}")
 
     def silent_ranks(self, grace_s: float = 5.0) -> list[int]:
@@ -243,7 +333,14 @@ class Abort:
             return []
 
     def _lost(self, err: BaseException, elapsed_s: float | None) -> PeerLost:
+        """A closed connection: the peers' liveness sockets name the lost ranks (:mod:`braid.runtime.liveness`)."""
+        from braid.runtime.liveness import lost_ranks
+
         after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
+        lost = lost_ranks(self.store, self.rank, self.world_size, min(self.grace_s, self.timeout_s)) if self.world_size else None
+        if lost:  # the same words as a survivor that reads the record (check)
+            return PeerLost(f"rank {self.rank} stops: {_ranks(lost)} {'is' if len(lost) == 1 else 'are'} gone: {_gone(lost)}",
+                            lost[0], "lost", lost)
         return PeerLost(f"rank {self.rank}: a peer closed its connection{after} (its process exited or was killed; "
                         f"see that rank's log): {_first_line(err)}")
 
@@ -319,6 +416,7 @@ class Dist:
     store: dist.Store
     abort: Abort
     timeout_s: float
+    alive: socket.socket | None = None  # this rank's liveness socket (braid.runtime.liveness), open while it lives
 
     @staticmethod
     def init(
@@ -342,11 +440,18 @@ class Dist:
         addr = os.environ.get("MASTER_ADDR", master_addr) if master_port is None else master_addr
         timeout = datetime.timedelta(seconds=timeout_s)
         store = create_store(rank, world_size, addr, port, timeout)
+        alive = None
+        if world_size > 1:  # announced before the rendezvous below: every rank's is there once it returns
+            from braid.runtime.liveness import announce
+
+            one_host = _is_loopback(addr) or os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+            alive = announce(store, rank, addr, loopback=one_host)
         # device_id binds the NCCL communicator to this rank's GPU and creates it now (not at the
         # first collective), so a wrong device or a missing peer shows up here, within the timeout.
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
-        return Dist(rank, world_size, device, store, Abort(store, rank, timeout_s, device.type == "cuda", world_size=world_size), timeout_s)
+        abort = Abort(store, rank, timeout_s, device.type == "cuda", world_size=world_size)
+        return Dist(rank, world_size, device, store, abort, timeout_s, alive)
 
     @staticmethod
     def from_env(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> "Dist":

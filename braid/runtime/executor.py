@@ -259,9 +259,15 @@ class Executor:
             if leftover:
                 raise ExecutionError(f"rank {self.rank}: program ended with work left: {'; '.join(leftover[:8])}")
         except Exception as err:
-            if self.abort is not None:
-                self.abort.fail(err)  # first failing rank wins the record; a PeerFailure is not recorded
-            raise
+            if self.abort is None:
+                raise
+            # a raw communication failure (a collective inside a chunk: the vocabulary-parallel loss)
+            # leaves as a wait's would: PeerLost naming the lost rank, or the recorded failure
+            reported = self.abort.translate(err)
+            self.abort.fail(reported)  # first failing rank wins the record; a PeerFailure is not recorded
+            if reported is err:
+                raise
+            raise reported from err
         losses = [v for c in self.chunks.values() if c.spec.head for v in c.losses.values()]
         if any(c.spec.head for c in self.chunks.values()) and len(losses) != self.plan.m:
             raise ExecutionError(f"rank {self.rank}: {len(losses)} micro-batch losses for m={self.plan.m}")

@@ -20,7 +20,7 @@ torch's (``max_norm / (norm + 1e-6)``, at most 1), so clipping matches
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,18 +75,22 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
-def global_grad_norm(grads: Sequence[torch.Tensor | None], counted: Sequence[bool], group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def global_grad_norm(grads: Sequence[torch.Tensor | None], counted: Sequence[bool], group: dist.ProcessGroup | None = None,
+                     abort: Any = None) -> torch.Tensor:
     """sqrt of the sum over the job of the squares of the counted gradients (collective over ``group``, default all ranks).
 
     ``counted[i]``: whether this rank counts ``grads[i]``; for gradients replicated over
-    data-parallel ranks, pass False on all but one replica (:func:`replica_mask`).
+    data-parallel ranks, pass False on all but one replica (:func:`replica_mask`). ``abort``
+    (a :class:`braid.runtime.distributed.Abort`): the all-reduce goes through it (bounded, a lost rank named).
     """
     dev = next((g.device for g in grads if g is not None), torch.device("cpu"))
     sq = torch.zeros((), dtype=torch.float64, device=dev)
     for g, c in zip(grads, counted):
         if c and g is not None:
             sq += g.double().square().sum()
-    if dist.is_initialized():
+    if abort is not None:
+        abort.all_reduce(sq, group=group)
+    elif dist.is_initialized():
         dist.all_reduce(sq, group=group)
     return sq.sqrt()
 
@@ -98,14 +102,14 @@ def replica_mask(mask: Sequence[bool], first_replica: bool) -> list[bool]:
 
 @torch.no_grad()
 def clip_grads_(params: Sequence[nn.Parameter], counted: Sequence[bool], max_norm: float | None,
-                group: dist.ProcessGroup | None = None) -> float:
+                group: dist.ProcessGroup | None = None, abort: Any = None) -> float:
     """Global norm of ``p.grad`` over the job; scales the gradients to ``max_norm`` if given and finite.
 
     For an optimizer that steps on ``p.grad`` (plain AdamW after the data-parallel
     all-reduce). Returns the norm before clipping.
     """
     grads = [p.grad for p in params]
-    norm = global_grad_norm(grads, counted, group)
+    norm = global_grad_norm(grads, counted, group, abort)
     if max_norm is not None and torch.isfinite(norm):
         coef = clip_coefficient(norm, max_norm)
         for g in grads:

@@ -142,7 +142,7 @@ class Optimization:
 
                 reduce_gradients(self.params, self.groups, self.abort)
                 first = self.groups.dp_cp_ranks[0] == self.groups.rank
-                norm = clip_grads_(self.params, replica_mask(self.counted, first), clip)
+                norm = clip_grads_(self.params, replica_mask(self.counted, first), clip, abort=self.abort)
             else:
                 norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip if clip is not None else math.inf))
             if math.isfinite(norm):
