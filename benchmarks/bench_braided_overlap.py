@@ -7,6 +7,14 @@ left exposed on the compute stream (from the measured trace) for both, per TP co
 backend (:mod:`braid.tp.comm`), with the backend's GEMM slowdown (GEMMs with its
 all-reduce beside them over the same GEMMs alone, ``braid.profile``'s measurement).
 
+Steps are timed as they train (``record="off"``), as whole-step CUDA graphs where the backend
+can be captured (``--cuda-graph``, default ``step`` on GPU; ``symm-mem`` runs eager), so the
+host's launch time is not in the comparison. The all-reduce time left exposed is the step
+time with the units' all-reduces over the step time of the same program with them skipped
+(a timing-only run: its sums are wrong), and ``AR hidden`` is the braided step's exposed
+time over the time the step's all-reduces take alone (``AR count x`` one all-reduce alone),
+subtracted from 1.
+
     python benchmarks/bench_braided_overlap.py                             # GPU: Qwen2-7B-sized layers, seq 4096, bf16
     python benchmarks/bench_braided_overlap.py --tp-backend all            # every CUDA backend, side by side
     python benchmarks/bench_braided_overlap.py --tiny                      # CPU smoke test
@@ -35,6 +43,54 @@ def _time(fn, device: torch.device) -> float:
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / 1e3
+
+
+class _Done:
+    """The handle of an all-reduce that was skipped: nothing to wait for."""
+
+    def wait(self, timeout: object | None = None) -> bool:  # noqa: ARG002 - dist.Work.wait's signature
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _SkipAllReduce:
+    """A TP communicator whose all-reduce does nothing (``backend`` kept: the same capture rules).
+    For timing the step without its all-reduces only: the sums it leaves are wrong."""
+
+    def __init__(self, backend: str, group) -> None:
+        self.backend, self.group = backend, group
+
+    def all_reduce(self, t: torch.Tensor) -> _Done:
+        return _Done()
+
+
+def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device) -> tuple[list[float], dict, str]:
+    """Step times (s) of ``ex`` run ``warmup + iters`` times under CUDA-graph ``mode`` (the
+    warm-up steps dropped), its op counts and the mode it got."""
+    import time
+
+    from braid.runtime.graphs import WARMUP_STEPS, step_runner
+
+    runner = step_runner(ex, mode)
+    if runner.mode == "step":
+        warmup = max(warmup, WARMUP_STEPS + 1)
+    times, counts = [], {}
+    for it in range(warmup + iters):
+        for ch in ex.chunks.values():
+            ch.zero_grad(set_to_none=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        res = runner.run(toks, toks, record="off")
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if it >= warmup:
+            times.append(time.perf_counter() - t0)
+        counts = res.counts or counts
+    runner.release()
+    return times, counts, runner.mode
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
@@ -75,20 +131,21 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
             results[backend] = {"error": str(err).splitlines()[0]}
             continue
         row = {}
+        mode = args.cuda_graph or ("step" if device.type == "cuda" and backend != "symm-mem" else "none")
+        if backend == "symm-mem":
+            mode = "none"  # symmetric memory's ops synchronise with the host: not capturable
         for name in order:
             text = progs[name]
             prog = Program.from_text(0, text)
             plan = Plan(name, ScheduleConfig(1, args.mbs), "loop", ((),))
-            ex = Executor(plan, prog, {0: chunk}, pp_ranks=[rank], act_shape=(1, seq, cfg.hidden), dtype=dtype,
-                          device=device, tp_group=groups.tp, abort=d.abort, tp_comm=comm)
-            times, exposed = [], []
-            for it in range(args.warmup + args.iters):
-                chunk.zero_grad(set_to_none=True)
-                res = ex.run(toks, toks)
-                if it >= args.warmup:
-                    times.append(res.trace.step_time)
-                    exposed.append(res.trace.meta["summary"]["exposed_ar_s"])
-            row[name] = (statistics.median(times), statistics.median(exposed), res.counts)
+            got = {}
+            for variant, c in (("ar", comm), ("skip", _SkipAllReduce(comm.backend, comm.group))):
+                ex = Executor(plan, prog, {0: chunk}, pp_ranks=[rank], act_shape=(1, seq, cfg.hidden), dtype=dtype,
+                              device=device, tp_group=groups.tp, abort=d.abort, tp_comm=c)
+                got[variant] = _step_s(ex, toks, mode, args.warmup, args.iters, device)
+            step, counts, ran = statistics.median(got["ar"][0]), got["ar"][1], got["ar"][2]
+            row[name] = (step, max(step - statistics.median(got["skip"][0]), 0.0), counts)
+            row["cuda_graph"] = ran
             if args.profile and device.type == "cuda":
                 from torch.profiler import ProfilerActivity, profile
 
@@ -114,6 +171,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     d.close()
 
 
+def _ar_alone_s(row: dict, counts: dict) -> float | None:
+    """The time the step's unit all-reduces take one after another with nothing beside them."""
+    ov = row.get("overlap")
+    return ov["ar_alone_s"] * counts.get("AR", 0) if ov and counts.get("AR") else None
+
+
 def _write_json(path: str, res: dict) -> None:
     import json
 
@@ -124,10 +187,13 @@ def _write_json(path: str, res: dict) -> None:
         if "error" in row:
             doc[backend] = {"error": row["error"]}
             continue
-        (tb, eb, _), (tp_, ep, _) = row["braided"], row["plain"]
+        (tb, eb, counts), (tp_, ep, _) = row["braided"], row["plain"]
+        alone = _ar_alone_s(row, counts)
         doc[backend] = {"plain_ms": tp_ * 1e3, "braided_ms": tb * 1e3, "braided_over_plain": tb / tp_,
-                        "exposed_ar_ms": [ep * 1e3, eb * 1e3], "ar_hidden": (1 - eb / ep) if ep > 0 else None,
-                        "overlap": row.get("overlap")}
+                        "exposed_ar_ms": [ep * 1e3, eb * 1e3], "ar_alone_ms": alone * 1e3 if alone else None,
+                        "ar_hidden": (1 - eb / alone) if alone else None,
+                        "ar_hidden_vs_plain": (1 - eb / ep) if ep > 0 else None,
+                        "cuda_graph": row.get("cuda_graph"), "overlap": row.get("overlap")}
     atomic_write_text(path, json.dumps(doc, indent=1))
 
 
@@ -143,14 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp-backend", nargs="+", default=["nccl-capped"], metavar="NAME",
                     help="TP all-reduce backends to compare (braid.tp.comm), or 'all' (default nccl-capped; CPU: gloo)")
     ap.add_argument("--plain-first", action="store_true", help="measure the plain program first")
+    ap.add_argument("--cuda-graph", choices=["none", "step"], default=None,
+                    help="steps as whole-step CUDA graphs (default: step on GPU where the backend can be captured)")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table of one step of each (GPU)")
     ap.add_argument("--json", metavar="FILE", help="also write the table as JSON: per backend plain_ms, braided_ms, "
-                    "braided_over_plain, exposed_ar_ms [plain, braided], ar_hidden (or error)")
+                    "braided_over_plain, exposed_ar_ms [plain, braided], ar_alone_ms, ar_hidden, ar_hidden_vs_plain, "
+                    "cuda_graph (or error)")
     args = ap.parse_args(argv)
     if args.json:
         from braid.io.cli import check_outputs
 
         check_outputs(ap, [("--json", args.json)])
+    if args.tiny and args.cuda_graph == "step":
+        ap.error("--cuda-graph step needs CUDA; --tiny runs on CPU")
     if not args.tiny and torch.cuda.device_count() < 2:
         ap.error("needs 2 GPUs (or --tiny for the CPU smoke test)")
     from braid.tp.comm import CUDA_BACKENDS
@@ -159,18 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown TP backend {bad[0]!r}; choose from all, {', '.join(CUDA_BACKENDS)}")
     (res,) = spawn_two(_worker, args)
-    print(f"{'TP backend':<15}{'plain ms':>10}{'braided ms':>12}{'braided/plain':>15}{'exposed AR plain->braided ms':>30}"
-          f"{'AR hidden':>11}{'GEMM slowdown':>15}{'AR stretch':>12}")
+    print(f"{'TP backend':<15}{'graph':>6}{'plain ms':>10}{'braided ms':>12}{'braided/plain':>15}"
+          f"{'exposed AR plain->braided ms':>30}{'AR alone ms':>12}{'AR hidden':>11}{'GEMM slowdown':>15}{'AR stretch':>12}")
     for backend, row in res.items():
         if "error" in row:
             print(f"{backend:<15}  not available: {row['error']}")
             continue
-        (tb, eb, _), (tp_, ep, _) = row["braided"], row["plain"]
+        (tb, eb, counts), (tp_, ep, _) = row["braided"], row["plain"]
         ov = row.get("overlap")
         slow = f"{ov['gemm_slowdown']:.3f}" if ov else "-"
         stretch = f"{ov['ar_stretch']:.2f}" if ov else "-"
-        hidden = f"{1 - eb / ep:.1%}" if ep > 0 else "-"
-        print(f"{backend:<15}{tp_ * 1e3:>10.2f}{tb * 1e3:>12.2f}{tb / tp_:>15.3f}{f'{ep * 1e3:.2f} -> {eb * 1e3:.2f}':>30}"
+        alone = _ar_alone_s(row, counts)
+        hidden = f"{1 - eb / alone:.1%}" if alone else "-"
+        print(f"{backend:<15}{row.get('cuda_graph', '-'):>6}{tp_ * 1e3:>10.2f}{tb * 1e3:>12.2f}{tb / tp_:>15.3f}"
+              f"{f'{ep * 1e3:.2f} -> {eb * 1e3:.2f}':>30}{(f'{alone * 1e3:.2f}' if alone else '-'):>12}"
               f"{hidden:>11}{slow:>15}{stretch:>12}")
     if args.json:
         _write_json(args.json, res)
