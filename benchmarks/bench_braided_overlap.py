@@ -48,7 +48,7 @@ def _time(fn, device: torch.device) -> float:
 class _Done:
     """The handle of an all-reduce that was skipped: nothing to wait for."""
 
-    def wait(self, timeout: object | None = None) -> bool:  # noqa: ARG002 - dist.Work.wait's signature
+    def wait(self, timeout: object | None = None) -> bool:  # dist.Work.wait's signature
         return True
 
     def is_completed(self) -> bool:
