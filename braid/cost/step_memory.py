@@ -66,20 +66,32 @@ def shard_pieces(params: Sequence[Param], ways: int, rank: int) -> list[Param]:
     return out
 
 
-def step_transient_bytes(mode: str, d: int, params: Sequence[Param], ways: int, rank: int) -> float:
-    """Peak bytes the step allocates above the static state on sharding-group rank ``rank`` of ``ways``."""
-    zero1 = mode == "zero1" and ways > 1
-    pieces = shard_pieces(params, ways, rank) if zero1 else list(params)
-    owner = zero1 or rank == 0
-    norm = 2 * FP64 * max((p.numel for p in pieces), default=0) if owner else 0.0
+def _pieces(mode: str, params: Sequence[Param], ways: int, rank: int) -> list[Param]:
+    return shard_pieces(params, ways, rank) if mode == "zero1" and ways > 1 else list(params)
+
+
+def norm_bytes(mode: str, params: Sequence[Param], ways: int, rank: int) -> float:
+    """The global norm's fp64 copy and square of the largest counted piece (0 on a rank that counts none)."""
+    if not (mode == "zero1" and ways > 1) and rank != 0:
+        return 0.0
+    return float(2 * FP64 * max((p.numel for p in _pieces(mode, params, ways, rank)), default=0))
+
+
+def update_bytes(mode: str, d: int, params: Sequence[Param], ways: int, rank: int) -> float:
+    """AdamW's temporaries: foreach ``sqrt`` of a whole group (``plain``), else fp32 ``denom`` piece by piece."""
+    pieces = _pieces(mode, params, ways, rank)
     groups = [[p.numel for p in pieces if p.decays], [p.numel for p in pieces if not p.decays]]
     if mode == "plain":
-        update = d * max(sum(g) for g in groups)
-    else:
-        # torch steps the decay group, then the other; the last denom of one group is still bound in the next
-        order = groups[0] + groups[1]
-        update = max((FP32 * (2 * k + (order[i - 1] if i else 0)) for i, k in enumerate(order)), default=0)
-    return float(max(norm, update))
+        return float(d * max(sum(g) for g in groups))
+    # torch steps the decay group, then the other; the previous piece's denom is still bound
+    order = groups[0] + groups[1]
+    return float(max((FP32 * (2 * k + (order[i - 1] if i else 0)) for i, k in enumerate(order)), default=0))
+
+
+def step_transient_bytes(mode: str, d: int, params: Sequence[Param], ways: int, rank: int) -> float:
+    """Peak bytes the step allocates above the static state on sharding-group rank ``rank`` of ``ways``
+    (the norm's and the update's temporaries are freed before the other starts)."""
+    return max(norm_bytes(mode, params, ways, rank), update_bytes(mode, d, params, ways, rank))
 
 
 def extra_state_bytes(mode: str, params: Sequence[Param], ways: int) -> float:
