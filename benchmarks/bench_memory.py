@@ -76,11 +76,11 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_b
     and the optimizer step's temporaries on that rank (:mod:`braid.cost.step_memory`): the two never
     coexist, the step runs after the last backward.
     """
-    from braid.cost.cluster import Cluster, Parallel, dp_costs
+    from braid.cost.cluster import Cluster, Parallel, dp_costs, rank_param_list
     from braid.cost.costs import Layout, analytic_costs
     from braid.cost.hardware import get_hardware
     from braid.cost.catalog import get_model
-    from braid.cost.step_memory import extra_state_bytes, param_sizes, step_transient_bytes
+    from braid.cost.step_memory import step_transient_bytes
     from braid.simulator.fast import simulate_schedule
 
     model = get_model(args.model).with_(layers=args.layers, seq=args.seq, micro_batch_size=args.micro_batch_size,
@@ -92,19 +92,11 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_b
     dc = dp_costs(model, costs, Cluster(hw), Parallel(args.tp, args.pp, args.dp, optimizer=mode))
     out = {}
     for r in rep.ranks:
-        params = [q for c in range(plan.v) for q in _chunk_params(model, costs.chunks[(r.rank, c)].spec, args.tp)]
+        params = rank_param_list(model, costs, r.rank)
         for k in range(args.dp):
             step = step_transient_bytes(mode, dtype_bytes, params, args.dp, k)
-            out[(r.rank, k)] = (dc.static_bytes[r.rank] + extra_state_bytes(mode, params, args.dp)
-                                + max(r.peak_activation_bytes, step))
+            out[(r.rank, k)] = dc.static_bytes[r.rank] + dc.extra_bytes[r.rank] + max(r.peak_activation_bytes, step)
     return out
-
-
-def _chunk_params(model, spec, tp: int):
-    from braid.cost.step_memory import param_sizes
-
-    return param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, spec.layers,
-                       bool(spec.embed), bool(spec.head), tp)
 
 
 def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.device,

@@ -17,7 +17,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from braid.cost.step_memory import Param, extra_state_bytes, norm_bytes, param_sizes, shard_pieces, update_bytes
+from braid.cost.step_memory import (Param, extra_state_bytes, norm_bytes, param_sizes, shard_pieces, step_transient_bytes,
+                                    update_bytes, worst_step_transient_bytes)
 from test_examples import ROOT
 
 
@@ -78,6 +79,14 @@ def test_param_sizes_follow_the_chunks_parameters() -> None:
         real = [Param(p.numel(), decays(p)) for ch in chunks.values() for p in ch.parameters()]
         assert real == param_sizes(preset.hidden, preset.kv_heads * preset.head_dim, preset.ffn, preset.vocab, 2,
                                    embed=stage == 0, head=stage == 1)
+
+
+@pytest.mark.parametrize("mode", ["zero1", "master", "plain"])
+@pytest.mark.parametrize("ways", [1, 2, 3, 7, 40])
+def test_worst_rank_is_the_max_over_ranks(mode: str, ways: int) -> None:
+    params = _sizes()
+    want = max(step_transient_bytes(mode, 2, params, ways, k) for k in range(ways))
+    assert worst_step_transient_bytes(mode, 2, params, ways) == want
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2])
@@ -149,7 +158,20 @@ def test_stored_two_gpu_run_is_predicted_within_ten_percent() -> None:
     plan = schedules.build(args.schedule, args.pp, args.mbs)
     # ranks of the stored run in global order: dp outermost at tp = pp = 1
     assert args.tp == args.pp == 1
+    from braid.cost.cluster import Cluster, Parallel, dp_costs
+    from braid.cost.catalog import get_model
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
+    from braid.simulator.fast import simulate_schedule
+
     for run in doc["runs"]:
         pred = bench.predicted(args, plan, run["optimizer"], run["recompute"], 2)
+        # the planner's and the simulator's peak (DpCosts.peak_bytes) is the worst data-parallel rank's
+        model = get_model(args.model).with_(layers=args.layers, seq=args.seq, micro_batch_size=args.micro_batch_size)
+        costs = analytic_costs(model, get_hardware(args.hardware), Layout(1, 1, 1, plan.placement), activations="runtime",
+                               recompute=run["recompute"])
+        act = simulate_schedule(args.schedule, 1, args.mbs, costs).report.ranks[0].peak_activation_bytes
+        dc = dp_costs(model, costs, Cluster(get_hardware(args.hardware)), Parallel(1, 1, args.dp, optimizer=run["optimizer"]))
+        assert dc.peak_bytes(0, act) == max(pred.values())
         for k, meas in enumerate(run["measured_bytes"]):
             assert abs(pred[(0, k)] - meas) <= 0.10 * meas, (run["optimizer"], run["recompute"], k, pred[(0, k)], meas)

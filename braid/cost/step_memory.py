@@ -94,6 +94,25 @@ def step_transient_bytes(mode: str, d: int, params: Sequence[Param], ways: int, 
     return max(norm_bytes(mode, params, ways, rank), update_bytes(mode, d, params, ways, rank))
 
 
+def worst_step_transient_bytes(mode: str, d: int, params: Sequence[Param], ways: int) -> float:
+    """:func:`step_transient_bytes` of the worst rank of the sharding group (one pass over the shards)."""
+    if not (mode == "zero1" and ways > 1):
+        return step_transient_bytes(mode, d, params, ways, 0)  # rank 0 counts the norm, the update is the same
+    n = sum(p.numel for p in params)
+    size = -(-n // ways)
+    shards: list[list[Param]] = [[] for _ in range(ways)]
+    start = 0
+    for p in params:
+        pos, end = start, start + p.numel
+        while pos < end:
+            r = pos // size
+            hi = min(end, (r + 1) * size)
+            shards[r].append(Param(hi - pos, p.decays))
+            pos = hi
+        start = end
+    return max(step_transient_bytes(mode, d, s, 1, 0) if s else 0.0 for s in shards)
+
+
 def extra_state_bytes(mode: str, params: Sequence[Param], ways: int) -> float:
     """State the mode table leaves out: ``zero1``'s fp32 reduce-scatter output shard (0 otherwise)."""
     if mode != "zero1" or ways <= 1:
