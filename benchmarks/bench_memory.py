@@ -6,13 +6,15 @@ preset's layer shape (``--model``, default ``qwen2-7b``) but ``--layers`` layers
 ``--warmup`` steps (the optimizer's state exists after them), resets the peak counter and
 trains ``--steps`` more: the measured peak is ``torch.cuda.max_memory_allocated()`` (on CPU:
 the executor's saved-activation series plus the optimizer mode's state bytes, as the example
-loop estimates it). The prediction is the simulator's: the activation peak of the schedule
-on the analytic cost model with ``activations="runtime"`` and the recomputation's transform,
-plus weights, gradients and optimizer state by the optimizer mode (:func:`braid.cost.cluster.dp_costs`,
-:mod:`braid.cost.optimizer_modes`). Printed and written (rank 0, atomically) as JSON::
+loop estimates it). The prediction, per rank: weights, gradients and optimizer state by the
+optimizer mode (:func:`braid.cost.cluster.dp_costs`, :mod:`braid.cost.optimizer_modes`, plus
+:func:`braid.cost.step_memory.extra_state_bytes`), plus the larger of the simulator's activation
+peak (analytic cost model, ``activations="runtime"``, the recomputation's transform) and the
+optimizer step's temporaries on that data-parallel rank (:mod:`braid.cost.step_memory`). Printed and written (rank 0, atomically) as JSON::
 
     {"device": ..., "config": {...}, "command": ..., "runs": [{"optimizer": "zero1", "recompute": "full",
-      "measured_bytes": [per rank], "predicted_bytes": [per rank], "rel_err": worst |pred - meas| / meas}, ...]}
+      "measured_bytes": [per rank], "predicted_bytes": [per rank], "rel_err": worst |pred - meas| / meas,
+      "leftover_bytes": [per rank: allocated from earlier cases when this one starts]}, ...]}
 
 The 2-GPU check of issue 37 (dp=2, 7B-shaped layers, seq 4096)::
 
@@ -65,12 +67,20 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_bytes: int) -> list[float]:
-    """The simulator's peak per pipeline rank: static bytes of the mode + the activation peak."""
-    from braid.cost.cluster import Cluster, Parallel, dp_costs
+def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_bytes: int) -> dict[tuple[int, int], float]:
+    """The predicted peak per (pipeline rank, data-parallel rank).
+
+    Static bytes of the mode (:func:`braid.cost.cluster.dp_costs`) plus what the mode table leaves
+    out (``zero1``'s reduce-scatter shard), plus the larger of the schedule's activation peak (the
+    simulator on the analytic cost model, ``activations="runtime"``, the recomputation's transform)
+    and the optimizer step's temporaries on that rank (:mod:`braid.cost.step_memory`): the two never
+    coexist, the step runs after the last backward.
+    """
+    from braid.cost.cluster import Cluster, Parallel, dp_costs, rank_param_list
     from braid.cost.costs import Layout, analytic_costs
     from braid.cost.hardware import get_hardware
     from braid.cost.catalog import get_model
+    from braid.cost.step_memory import step_transient_bytes
     from braid.simulator.fast import simulate_schedule
 
     model = get_model(args.model).with_(layers=args.layers, seq=args.seq, micro_batch_size=args.micro_batch_size,
@@ -80,11 +90,20 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_b
                            recompute=recompute)
     rep = simulate_schedule(args.schedule, args.pp, args.mbs, costs).report
     dc = dp_costs(model, costs, Cluster(hw), Parallel(args.tp, args.pp, args.dp, optimizer=mode))
-    return [dc.static_bytes[r.rank] + r.peak_activation_bytes for r in rep.ranks]
+    out = {}
+    for r in rep.ranks:
+        params = rank_param_list(model, costs, r.rank)
+        for k in range(args.dp):
+            step = step_transient_bytes(mode, dtype_bytes, params, args.dp, k)
+            out[(r.rank, k)] = dc.static_bytes[r.rank] + dc.extra_bytes[r.rank] + max(r.peak_activation_bytes, step)
+    return out
 
 
-def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.device, dtype: torch.dtype) -> int:
-    """This rank's peak bytes over ``--steps`` steps after ``--warmup`` (module doc)."""
+def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.device,
+            dtype: torch.dtype) -> tuple[int, int]:
+    """This rank's peak bytes over ``--steps`` steps after ``--warmup`` (module doc), and the bytes still
+    allocated from the cases before when this one starts (0 on CPU; should be 0 on CUDA)."""
+    import gc
     from braid.core.compiler import compile_plan
     from braid.models.build import meta_model
     from braid.models.registry import get_family
@@ -96,6 +115,11 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
     from braid.cost.optimizer_modes import state_bytes_per_param
     from braid.training.step import OptimConfig, Optimization
 
+    leftover = 0
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        leftover = torch.cuda.memory_allocated(device)
     preset = get_model(args.model)
     cfg = decoder_config(preset, layers=args.layers)
     model = meta_model(get_family(preset.family).model_cls, cfg, seed=1, std=0.02, device=device)
@@ -132,10 +156,11 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
         n = sum(p.numel() for _, p in named)
         out = int(peak_act + n * state_bytes_per_param(mode, torch.empty((), dtype=dtype).element_size(), args.dp))
     opt.close()
-    del ex, opt, chunks, named, model
+    del ex, opt, chunks, named, model, res, toks, labs
+    gc.collect()  # the executor and its chunks may hold each other: free them before the next case
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return int(out)
+    return int(out), int(leftover)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,15 +186,16 @@ def main(argv: list[str] | None = None) -> int:
         for rc in args.recompute:
             mine = measure(args, d, groups, plan, mode, rc, device, dtype)
             every = [None] * d.world_size
-            dist.all_gather_object(every, (groups.coords.pp, mine))
+            dist.all_gather_object(every, ((groups.coords.pp, groups.coords.dp), mine))
             pred = predicted(args, plan, mode, rc, torch.empty((), dtype=dtype).element_size())
-            meas = [m for _, m in every]
-            worst = max(abs(pred[pp] - m) / m for pp, m in every)
+            meas = [m for _, (m, _) in every]
+            worst = max(abs(pred[at] - m) / m for at, (m, _) in every)
             runs.append({"optimizer": mode, "recompute": rc, "measured_bytes": meas,
-                         "predicted_bytes": [pred[pp] for pp, _ in every], "rel_err": worst})
+                         "predicted_bytes": [pred[at] for at, _ in every], "rel_err": worst,
+                         "leftover_bytes": [left for _, (_, left) in every]})
             if d.rank == 0:
                 print(f"{mode:<7} {rc:<10} measured {max(meas) / 2**20:10.1f} MiB  predicted "
-                      f"{max(pred) / 2**20:10.1f} MiB  worst error {100 * worst:5.1f}%", flush=True)
+                      f"{max(pred.values()) / 2**20:10.1f} MiB  worst error {100 * worst:5.1f}%", flush=True)
     if d.rank == 0:
         doc = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "config": {k: v for k, v in vars(args).items() if k != "out"},

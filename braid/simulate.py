@@ -279,7 +279,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             traces[-1].events.extend(tail.events)
         dp_rows.append((name, report, tail, dc))
         doc["schedules"][name]["dp"] = {**tail.to_dict(), "static_bytes": list(dc.static_bytes),
-                                        "peak_memory_gib": max(dc.static_bytes[r.rank] + r.peak_activation_bytes
+                                        "peak_memory_gib": max(dc.peak_bytes(r.rank, r.peak_activation_bytes)
                                                                for r in report.ranks) / 2**30}
     if unsearched:
         notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")

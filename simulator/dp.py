@@ -72,12 +72,13 @@ def grad_ready_of(events: Sequence[Event]) -> dict[tuple[int, int], float]:
 
 def format_dp_table(rows: Sequence[tuple[str, Any, DpTail, DpCosts]]) -> str:
     """One line per schedule (name, report, tail, costs): pipeline step, the tail, the step with it,
-    and memory per GPU (weights + gradients + optimizer state, plus the worst rank's activations)."""
+    and memory per GPU (weights + gradients + optimizer state, plus the larger of the worst rank's
+    activations and the optimizer step's temporaries: :meth:`braid.cost.cluster.DpCosts.peak_bytes`)."""
     head = (f"{'schedule':<18}{'pipeline ms':>12}{'reduce exp ms':>14}{'optimizer ms':>13}{'step ms':>10}"
             f"{'state GiB':>10}{'peak GiB':>10}")
     lines = [head, "-" * len(head)]
     for name, rep, tail, dc in sorted(rows, key=lambda row: row[2].step_s):
-        peak = max(dc.static_bytes[r.rank] + r.peak_activation_bytes for r in rep.ranks)
+        peak = max(dc.peak_bytes(r.rank, r.peak_activation_bytes) for r in rep.ranks)
         lines.append(f"{name:<18}{rep.step_time_s * 1e3:>12.2f}{max(tail.reduce_exposed_s) * 1e3:>14.2f}"
                      f"{max(tail.optimizer_s) * 1e3:>13.2f}{tail.step_s * 1e3:>10.2f}"
                      f"{max(dc.static_bytes) / 2**30:>10.2f}{peak / 2**30:>10.2f}")

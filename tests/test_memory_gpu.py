@@ -26,3 +26,7 @@ def test_predicted_peak_memory_is_within_ten_percent_for_every_mode(tmp_path) ->
     assert len(runs) == 9
     bad = [f"{r['optimizer']}/{r['recompute']}: {100 * r['rel_err']:.1f}%" for r in runs if r["rel_err"] > 0.10]
     assert not bad, "prediction off by more than 10%: " + ", ".join(bad)
+    # each case starts from what the cases before it freed (the peak would otherwise carry their leftovers)
+    left = [f"{r['optimizer']}/{r['recompute']}: {max(r['leftover_bytes']) / 2**20:.0f} MiB" for r in runs
+            if max(r["leftover_bytes"]) > 0.01 * min(r["measured_bytes"])]
+    assert not left, "memory left from earlier cases: " + ", ".join(left)

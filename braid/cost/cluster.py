@@ -39,6 +39,7 @@ from braid.core.ir import rank_chunk_of
 from braid.cost.catalog import ModelConfig
 from braid.cost.recompute_costs import full_recompute
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OptimizerMode, mode_bytes
+from braid.cost.step_memory import Param, extra_state_bytes, param_sizes, worst_step_transient_bytes
 
 SpPlacement = Literal["head_first", "context_first"]
 
@@ -207,6 +208,24 @@ def chunk_params(model: ModelConfig, costs: CostModel, rank: int, chunk: int) ->
     return n
 
 
+def rank_param_list(model: ModelConfig, costs: CostModel, rank: int) -> list[Param]:
+    """One TP rank's parameters of pipeline rank ``rank``, chunk by chunk in module order (what the
+    optimizer step's temporaries depend on: :mod:`braid.cost.step_memory`)."""
+    t, out = costs.layout.tp, []
+    for c in range(costs.layout.v):
+        spec = costs.chunks[(rank, c)].spec
+        if model.vit is not None and spec.embed:
+            v = model.vit
+            vit = [Param(v.hidden * v.hidden // t, True)] * 4 + [Param(v.hidden * v.ffn // t, True)] * 2
+            out += vit * spec.layers + [Param(v.patch_pixels * v.hidden, True), Param(16 * v.hidden * v.hidden // t, True),
+                                        Param(4 * v.hidden * model.hidden // t, True)]
+            out += param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, 0, True, False, t)
+        else:
+            out += param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, spec.layers,
+                               bool(spec.embed), bool(spec.head), t)
+    return out
+
+
 def rank_params(model: ModelConfig, costs: CostModel, rank: int) -> float:
     return sum(chunk_params(model, costs, rank, c) for c in range(costs.layout.v))
 
@@ -240,7 +259,10 @@ class DpCosts:
     ``reduce_s[(rank, chunk)]``: reducing the chunk's gradients (all-reduce, or a
     reduce-scatter when ``reduce_kind`` is ``"RS"``); ``step_s[rank]``: the update at HBM
     speed; ``gather_s[rank]``: the all-gather of the updated weights (0 without sharding);
-    ``static_bytes[rank]``: weights, gradients and optimizer state; ``mode``: the optimizer mode.
+    ``static_bytes[rank]``: weights, gradients and optimizer state; ``mode``: the optimizer mode;
+    ``extra_bytes[rank]``: state the mode's table leaves out (``zero1``'s reduce-scatter shard);
+    ``step_bytes[rank]``: the optimizer step's temporaries, worst over the data-parallel ranks
+    (:mod:`braid.cost.step_memory`). The peak of a rank: :meth:`peak_bytes`.
     """
 
     reduce_s: Mapping[tuple[int, int], float]
@@ -249,6 +271,15 @@ class DpCosts:
     static_bytes: Sequence[float]
     mode: str
     reduce_kind: str = "AR"
+    extra_bytes: Sequence[float] = ()
+    step_bytes: Sequence[float] = ()
+
+    def peak_bytes(self, rank: int, activation_bytes: float) -> float:
+        """Static state + the larger of the activation peak and the step's temporaries (never at once:
+        the step runs after the last backward)."""
+        extra = self.extra_bytes[rank] if self.extra_bytes else 0.0
+        step = self.step_bytes[rank] if self.step_bytes else 0.0
+        return self.static_bytes[rank] + extra + max(activation_bytes, step)
 
 
 
@@ -265,6 +296,10 @@ def dp_costs(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parall
     mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
     reduce = {(r, c): reduce_time(model, costs, cluster, par, r, c) for r in range(lay.p) for c in range(lay.v)}
     n = [rank_params(model, costs, r) for r in range(lay.p)]
+    ways = par.dp * par.cp
+    plist = [rank_param_list(model, costs, r) for r in range(lay.p)]
+    step = [worst_step_transient_bytes(par.optimizer, model.dtype_bytes, ps, ways) for ps in plist]
     return DpCosts(reduce, [mb.step * k / cluster.hw.hbm_bytes_per_s for k in n],
                    [cluster.reduce_scatter(mb.gather * k, size, stride) if mb.gather else 0.0 for k in n],
-                   [k * mb.state for k in n], par.optimizer, "RS" if mb.reduce_scatter else "AR")
+                   [k * mb.state for k in n], par.optimizer, "RS" if mb.reduce_scatter else "AR",
+                   [extra_state_bytes(par.optimizer, ps, ways) for ps in plist], step)

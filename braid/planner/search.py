@@ -268,7 +268,7 @@ def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bou
     dc = dp_costs(prob.model, costs, prob.cluster, cand.par)
     tail = dp_tail([r.end_s for r in rep.ranks], res.grad_ready, dc, chunks=costs.layout.v)
     step, tails, opts = tail.step_s, tail.reduce_exposed_s, tail.optimizer_s
-    peak = max(dc.static_bytes[r.rank] + r.peak_activation_bytes for r in rep.ranks) + RESERVE_BYTES
+    peak = max(dc.peak_bytes(r.rank, r.peak_activation_bytes) for r in rep.ranks) + RESERVE_BYTES
     stat = max(dc.static_bytes)
     tokens = prob.global_batch * prob.model.seq
     flops = 3 * model_forward_flops(prob.model.with_(micro_batch_size=1)) * prob.global_batch

@@ -1,0 +1,120 @@
+"""Memory the optimizer step adds on top of the static state, per rank. Torch-free.
+
+The static bytes of a mode (:mod:`braid.cost.optimizer_modes`) are not the peak: the step
+allocates temporaries, and they depend on the parameters' sizes and on which rank owns
+which piece of the flat gradient buffer. What the step allocates, as the code does it:
+
+* the global gradient norm (:meth:`braid.training.optimizer.ShardedAdamW.grad_norm`,
+  :func:`braid.training.grads.global_grad_norm`) squares each counted gradient (piece) in
+  fp64: ``g.double().square()`` holds two fp64 copies of the largest counted piece
+  (16 bytes per element). Counted on every rank of the sharding group under ``zero1``, on
+  the group's first rank under ``master`` and ``plain`` (the others hold copies);
+* ``master``/``zero1``: :class:`torch.optim.AdamW` with ``foreach=False`` steps piece by piece
+  in fp32; ``denom = (exp_avg_sq.sqrt() / c).add_(eps)`` holds two fp32 temporaries of the
+  piece while the previous piece's ``denom`` is still bound: ``4 * (2 * p_i + p_{i-1})``;
+* ``plain``: torch's foreach AdamW (the CUDA default) takes ``_foreach_sqrt`` of all the
+  group's ``exp_avg_sq`` at once: ``d`` bytes per element of the largest param group;
+* ``zero1`` at more than one rank also keeps the reduce-scatter's output, an fp32 shard of
+  the gradients (``4 / n`` bytes per parameter), besides the full fp32 accumulation buffer.
+
+Parameters are listed in the order the chunks hold them (decoder layers, then embedding,
+final norm and head: :func:`param_sizes`); the flat buffer is cut into ``n`` equal shards
+(padded) as :class:`~braid.training.optimizer.ShardedAdamW` cuts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+FP32, FP64 = 4, 8
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A parameter's elements on one TP rank and whether weight decay applies (matrices; not norms or biases)."""
+
+    numel: int
+    decays: bool
+
+
+def param_sizes(hidden: int, kv: int, ffn: int, vocab: int, layers: int, embed: bool, head: bool,
+                tp: int = 1) -> list[Param]:
+    """A Qwen2/Llama decoder chunk's parameters in module order (``kv``: key/value width, heads x head dim)."""
+    h = hidden
+    layer = [Param(h, False), Param(h * h // tp, True), Param(h // tp, False), Param(kv * h // tp, True),
+             Param(kv // tp, False), Param(kv * h // tp, True), Param(kv // tp, False), Param(h * h // tp, True),
+             Param(h, False), Param(ffn * h // tp, True), Param(ffn * h // tp, True), Param(h * ffn // tp, True)]
+    out = layer * layers
+    if embed:
+        out.append(Param(vocab * h // tp, True))
+    if head:
+        out += [Param(h, False), Param(vocab * h // tp, True)]
+    return out
+
+
+def shard_pieces(params: Sequence[Param], ways: int, rank: int) -> list[Param]:
+    """The pieces of ``params`` (flattened, concatenated, padded to ``ways`` equal shards) in shard ``rank``."""
+    n = sum(p.numel for p in params)
+    size = -(-n // ways)
+    lo, hi, start, out = rank * size, (rank + 1) * size, 0, []
+    for p in params:
+        a, b = max(start, lo), min(start + p.numel, hi)
+        if a < b:
+            out.append(Param(b - a, p.decays))
+        start += p.numel
+    return out
+
+
+def _pieces(mode: str, params: Sequence[Param], ways: int, rank: int) -> list[Param]:
+    return shard_pieces(params, ways, rank) if mode == "zero1" and ways > 1 else list(params)
+
+
+def norm_bytes(mode: str, params: Sequence[Param], ways: int, rank: int) -> float:
+    """The global norm's fp64 copy and square of the largest counted piece (0 on a rank that counts none)."""
+    if not (mode == "zero1" and ways > 1) and rank != 0:
+        return 0.0
+    return float(2 * FP64 * max((p.numel for p in _pieces(mode, params, ways, rank)), default=0))
+
+
+def update_bytes(mode: str, d: int, params: Sequence[Param], ways: int, rank: int) -> float:
+    """AdamW's temporaries: foreach ``sqrt`` of a whole group (``plain``), else fp32 ``denom`` piece by piece."""
+    pieces = _pieces(mode, params, ways, rank)
+    groups = [[p.numel for p in pieces if p.decays], [p.numel for p in pieces if not p.decays]]
+    if mode == "plain":
+        return float(d * max(sum(g) for g in groups))
+    # torch steps the decay group, then the other; the previous piece's denom is still bound
+    order = groups[0] + groups[1]
+    return float(max((FP32 * (2 * k + (order[i - 1] if i else 0)) for i, k in enumerate(order)), default=0))
+
+
+def step_transient_bytes(mode: str, d: int, params: Sequence[Param], ways: int, rank: int) -> float:
+    """Peak bytes the step allocates above the static state on sharding-group rank ``rank`` of ``ways``
+    (the norm's and the update's temporaries are freed before the other starts)."""
+    return max(norm_bytes(mode, params, ways, rank), update_bytes(mode, d, params, ways, rank))
+
+
+def worst_step_transient_bytes(mode: str, d: int, params: Sequence[Param], ways: int) -> float:
+    """:func:`step_transient_bytes` of the worst rank of the sharding group (one pass over the shards)."""
+    if not (mode == "zero1" and ways > 1):
+        return step_transient_bytes(mode, d, params, ways, 0)  # rank 0 counts the norm, the update is the same
+    n = sum(p.numel for p in params)
+    size = -(-n // ways)
+    shards: list[list[Param]] = [[] for _ in range(ways)]
+    start = 0
+    for p in params:
+        pos, end = start, start + p.numel
+        while pos < end:
+            r = pos // size
+            hi = min(end, (r + 1) * size)
+            shards[r].append(Param(hi - pos, p.decays))
+            pos = hi
+        start = end
+    return max(step_transient_bytes(mode, d, s, 1, 0) if s else 0.0 for s in shards)
+
+
+def extra_state_bytes(mode: str, params: Sequence[Param], ways: int) -> float:
+    """State the mode table leaves out: ``zero1``'s fp32 reduce-scatter output shard (0 otherwise)."""
+    if mode != "zero1" or ways <= 1:
+        return 0.0
+    return float(FP32 * -(-sum(p.numel for p in params) // ways))

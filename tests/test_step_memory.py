@@ -1,0 +1,177 @@
+"""The optimizer step's memory model (:mod:`braid.cost.step_memory`) against the real code on CPU.
+
+The parameter list follows the chunks' own parameters; the shards follow
+:class:`~braid.training.optimizer.ShardedAdamW`'s pieces; the step's temporaries are the bytes
+the real step allocates, counted by a dispatch mode that follows every fresh tensor storage
+until it is freed (CPU's allocator keeps no peak counter). The stored 2-GPU run
+(``benchmarks/results/memory_dp2_h100.json``) is re-predicted from its config alone.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from braid.cost.step_memory import (Param, extra_state_bytes, norm_bytes, param_sizes, shard_pieces, step_transient_bytes,
+                                    update_bytes, worst_step_transient_bytes)
+from test_examples import ROOT
+
+
+class _PeakBytes(TorchDispatchMode):
+    """Peak bytes of the storages that ops allocate while active (in-place results and views excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live, self.peak, self.ptrs = 0, 0, set()
+
+    def _free(self, ptr: int, n: int) -> None:
+        self.ptrs.discard(ptr)
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            ptr, n = st.data_ptr(), st.nbytes()
+            if n == 0 or ptr in inputs or ptr in self.ptrs:
+                continue
+            self.ptrs.add(ptr)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, ptr, n)
+        return out
+
+
+def _sizes() -> list[Param]:
+    # two big matrices (embedding and head) dominate, as in a real LM
+    return param_sizes(hidden=64, kv=16, ffn=128, vocab=3000, layers=2, embed=True, head=True)
+
+
+def _tensors(params: list[Param], dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(*((p.numel // 8, 8) if p.decays else (p.numel,)), generator=g).to(dtype))
+            for p in params]
+
+
+def test_param_sizes_follow_the_chunks_parameters() -> None:
+    from braid import schedules
+    from braid.core.partition import split_layers
+    from braid.cost.catalog import get_model
+    from braid.models.build import build_rank_chunks, meta_model
+    from braid.models.registry import get_family
+    from braid.models.shapes import decoder_config
+    from braid.training.grads import decays
+
+    preset = get_model("qwen2-tiny")
+    cfg = decoder_config(preset, layers=4)
+    model = meta_model(get_family(preset.family).model_cls, cfg, seed=1, std=0.02, device=torch.device("cpu"))
+    plan = schedules.build("1f1b", 2, 2)
+    for stage in range(2):
+        chunks = build_rank_chunks(model, plan, stage, split_layers(4, plan.num_stages), tp_rank=0, tp_size=1, tp_group=None)
+        real = [Param(p.numel(), decays(p)) for ch in chunks.values() for p in ch.parameters()]
+        assert real == param_sizes(preset.hidden, preset.kv_heads * preset.head_dim, preset.ffn, preset.vocab, 2,
+                                   embed=stage == 0, head=stage == 1)
+
+
+@pytest.mark.parametrize("mode", ["zero1", "master", "plain"])
+@pytest.mark.parametrize("ways", [1, 2, 3, 7, 40])
+def test_worst_rank_is_the_max_over_ranks(mode: str, ways: int) -> None:
+    params = _sizes()
+    want = max(step_transient_bytes(mode, 2, params, ways, k) for k in range(ways))
+    assert worst_step_transient_bytes(mode, 2, params, ways) == want
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_shard_pieces_and_reduce_shard_match_sharded_adamw(monkeypatch, rank: int) -> None:
+    from braid.training import optimizer as mod
+
+    monkeypatch.setattr(mod.dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(mod.dist, "get_rank", lambda group=None: rank)
+    params = _sizes()
+    opt = mod.ShardedAdamW([(f"p{i}", p) for i, p in enumerate(_tensors(params, torch.float32))], group=object())
+    assert [pc.hi - pc.lo for pc in opt.pieces] == [p.numel for p in shard_pieces(params, 3, rank)]
+    assert extra_state_bytes("zero1", params, 3) == opt.grad_shard.numel() * opt.grad_shard.element_size()
+
+
+@pytest.mark.parametrize("mode", ["master", "zero1"])
+def test_sharded_step_temporaries_match_the_model(monkeypatch, mode: str) -> None:
+    from braid.training import optimizer as mod
+
+    ways = 2 if mode == "zero1" else 1
+    if ways > 1:  # no collective runs below: reduce() is skipped, the norm is not all-reduced without a group
+        monkeypatch.setattr(mod.dist, "get_world_size", lambda group=None: ways)
+        monkeypatch.setattr(mod.dist, "get_rank", lambda group=None: 1)
+    params = _sizes()
+    opt = mod.ShardedAdamW([(f"p{i}", p) for i, p in enumerate(_tensors(params, torch.float32))], weight_decay=0.01,
+                           group=object() if ways > 1 else None, shard=ways > 1)
+    opt._group = None
+    opt.main_grad.normal_()
+    if opt.grad_shard is not None:
+        opt.grad_shard.normal_()
+    with _PeakBytes() as norm:
+        opt.grad_norm()
+    with _PeakBytes() as update:
+        torch.optim.AdamW.step(opt)
+    rank = 1 if ways > 1 else 0
+    assert norm.peak == norm_bytes(mode, params, ways, rank) + 8  # + the fp64 sum
+    assert update.peak == update_bytes(mode, 4, params, ways, rank)
+
+
+def test_plain_foreach_step_temporaries_match_the_model() -> None:
+    from braid.training.grads import clip_grads_, param_groups
+
+    params = _sizes()
+    ps = _tensors(params, torch.bfloat16)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(param_groups(ps, 0.01), foreach=True)  # torch's default on CUDA
+    opt.step()  # the moments exist after the first step, as in a run's later steps
+    with _PeakBytes() as norm:
+        clip_grads_(ps, [True] * len(ps), None)
+    with _PeakBytes() as update:
+        opt.step()
+    assert norm.peak == norm_bytes("plain", params, 2, 0) + 8
+    assert norm_bytes("plain", params, 2, 1) == 0  # the other replica counts nothing
+    assert update.peak == update_bytes("plain", 2, params, 2, 1)
+
+
+def test_stored_two_gpu_run_is_predicted_within_ten_percent() -> None:
+    """The model (simulator activations + mode state + step temporaries), from the stored run's config only."""
+    import argparse
+    import importlib.util
+
+    from braid import schedules
+
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "benchmarks" / "bench_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    doc = json.loads((ROOT / "benchmarks" / "results" / "memory_dp2_h100.json").read_text())
+    args = argparse.Namespace(**doc["config"])
+    plan = schedules.build(args.schedule, args.pp, args.mbs)
+    # ranks of the stored run in global order: dp outermost at tp = pp = 1
+    assert args.tp == args.pp == 1
+    from braid.cost.cluster import Cluster, Parallel, dp_costs
+    from braid.cost.catalog import get_model
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
+    from braid.simulator.fast import simulate_schedule
+
+    for run in doc["runs"]:
+        pred = bench.predicted(args, plan, run["optimizer"], run["recompute"], 2)
+        # the planner's and the simulator's peak (DpCosts.peak_bytes) is the worst data-parallel rank's
+        model = get_model(args.model).with_(layers=args.layers, seq=args.seq, micro_batch_size=args.micro_batch_size)
+        costs = analytic_costs(model, get_hardware(args.hardware), Layout(1, 1, 1, plan.placement), activations="runtime",
+                               recompute=run["recompute"])
+        act = simulate_schedule(args.schedule, 1, args.mbs, costs).report.ranks[0].peak_activation_bytes
+        dc = dp_costs(model, costs, Cluster(get_hardware(args.hardware)), Parallel(1, 1, args.dp, optimizer=run["optimizer"]))
+        assert dc.peak_bytes(0, act) == max(pred.values())
+        for k, meas in enumerate(run["measured_bytes"]):
+            assert abs(pred[(0, k)] - meas) <= 0.10 * meas, (run["optimizer"], run["recompute"], k, pred[(0, k)], meas)
