@@ -225,6 +225,10 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     cal = st["profile"]["meta"]["calibration"]
     assert cal["probe_runs"]["cuda_graph"] == "none" and cal["probe_runs"]["recorded_step_s"] > 0
     assert cal["probe_runs"]["host_s"] > 0 and set(cal["measured_busy_s"]) == {"F", "B", "W"}
+    # where the busy time was spent: per rank, chunk and phase, every rank and chunk of the probe
+    per_chunk = cal["probe_runs"]["busy_per_chunk_s"]
+    assert {k[:4] for k in per_chunk} == {f"r{r}c{c}" for r in range(2) for c in range(2)}
+    assert all(v >= 0 for v in per_chunk.values()) and sum(per_chunk.values()) > 0
 
 
 def test_ranking_flags_only_pairs_apart_by_more_than_the_gap() -> None:

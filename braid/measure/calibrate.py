@@ -299,3 +299,14 @@ def busy_by_phase(trace: Trace) -> dict[str, float]:
         if e.lane == "compute":
             out[e.kind] = out.get(e.kind, 0.0) + e.dur
     return out
+
+
+def busy_by_chunk(trace: Trace) -> dict[str, float]:
+    """Seconds of unit compute per rank, chunk and phase in a measured trace, keyed
+    ``"r<rank>c<chunk><phase>"`` (``"r0c1F"``): where on the pipeline a phase's busy time is."""
+    out: dict[str, float] = {}
+    for e in trace.events:
+        if e.lane == "compute":
+            key = f"r{e.rank}c{e.chunk}{e.kind}"
+            out[key] = out.get(key, 0.0) + e.dur
+    return out

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from braid.measure.peers import PeerRun, peer_fields, peer_runs_default, peers_note, torch_groups
 from braid.cost.costs import Layout, costs_from_dict
 from braid.planner.braid_tune import count_blocks
-from braid.measure.calibrate import busy_by_phase, calibrate, probe_plan
+from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_plan
 from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
 from braid.measure.launch import Progress, launch
 from braid.measure.report import slowest_rank_steps, summarize
@@ -111,6 +111,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         peak = mem["capture_peak_bytes"] or 0
     graph.release()
     busy: list[dict[str, float]] = []
+    chunk_busy: list[dict[str, float]] = []  # the same per rank, chunk and phase (where it was spent)
     recorded: list[dict[str, float]] = []  # per recorded step: its wall time and the all-reduce figures
     for _ in range(PROBE_BUSY_STEPS if name == "probe" else 1):
         _sync(dev)
@@ -122,10 +123,12 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         recorded.append({"wall_s": time.perf_counter() - t0, "exposed_ar_s": float(summ.get("exposed_ar_s", 0.0)),
                          "ar_span_s": float(summ.get("ar_span_s", 0.0))})
         busy.append(busy_by_phase(res.trace))
+        chunk_busy.append(busy_by_chunk(res.trace))
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
     keep = groups.coords.tp == 0
     return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
+            "chunk_busy": chunk_busy if keep else None,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
             "braided_blocks": count_blocks(plan)}
 
@@ -190,14 +193,19 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             # offline: how its timed steps ran (eager or one graph replay), the launching
             # thread's CPU time per timed step, and per recorded (eager, unit-timed) step the
             # slowest rank's wall time and the all-reduce figures summed over the ranks that
-            # recorded a trace.
+            # recorded a trace; and the busy time per rank, chunk and phase (medians), which
+            # tells where on the pipeline a phase's busy time above the profile's was spent.
             n_rec = len(out["recorded"])
+            per_chunk = [{k: v for rk in gathered if rk.get("chunk_busy") is not None for k, v in rk["chunk_busy"][i].items()}
+                         for i in range(n_rec)]
             probe = {"cuda_graph": out["cuda_graph"],
                      "host_s": max((statistics.median(rk["host"]) for rk in gathered if rk.get("host")), default=0.0),
                      "recorded_step_s": statistics.median(max(rk["recorded"][i]["wall_s"] for rk in gathered)
                                                           for i in range(n_rec)),
                      **{k: statistics.median(sum(rk["recorded"][i][k] for rk in gathered if rk["busy"] is not None)
-                                             for i in range(n_rec)) for k in ("exposed_ar_s", "ar_span_s")}}
+                                             for i in range(n_rec)) for k in ("exposed_ar_s", "ar_span_s")},
+                     "busy_per_chunk_s": {k: statistics.median(b.get(k, 0.0) for b in per_chunk)
+                                          for k in sorted(set().union(*per_chunk))}}
             doc = calibrate(doc, pc, plan, step_s, busy, probe)
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
