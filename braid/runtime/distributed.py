@@ -175,6 +175,12 @@ class Abort:
         if not isinstance(err, (PeerLost, CommTimeout)) and _mentions_closed(err):
             # a collective outside :meth:`wait` (a barrier, an all_gather_object) met a dead peer
             err = self._lost(err, None)
+        elif not isinstance(err, PeerLost) and (isinstance(err, CommTimeout) or any(w in str(err).lower() for w in _TIMEOUT_WORDS)):
+            # a wait that ran out while a peer is gone (a rank whose neighbours are alive but
+            # stopped waiting for the dead one): the lost peer is the cause, not this timeout
+            lost = self._lost(err, None)
+            if lost.lost:
+                err = lost
         return self.signal(describe_exception(err), err.lost if isinstance(err, PeerLost) else None)
 
     @contextlib.contextmanager
