@@ -31,7 +31,7 @@ from torch import nn
 from braid.baselines import megatron_gpt as bm
 from braid.core.ir import stage_of
 from braid.core.partition import layer_offset
-from braid.baselines.modes import McoreMode
+from braid.baselines.modes import McoreMode, check_baseline_layout
 
 MCORE_SCHEDULES: dict[str, str] = {"mcore_1f1b_i": "megatron-core interleaved 1F1B"}
 IGNORE_INDEX = -100
@@ -62,11 +62,7 @@ class McorePipeline:
         cfg = lm.cfg
         bm.check_config(cfg)
         topo = groups.topo
-        if topo.dp != 1 or topo.cp != 1:
-            raise ValueError(f"{name} runs tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")
-        pp, n_stages = topo.pp, len(layers_per_stage)
-        if n_stages != 2 * pp:
-            raise ValueError(f"{name} runs 2 virtual stages per rank: {n_stages} stages for pp={pp}")
+        pp, n_stages = check_baseline_layout(name, topo, layers_per_stage)
         if len(set(layers_per_stage)) != 1:
             raise ValueError(f"{name}: megatron-core splits layers evenly over stages; got {list(layers_per_stage)}")
         if sum(layers_per_stage) != cfg.layers:

@@ -140,6 +140,17 @@ def parse_modes(names: Sequence[str], torch_modes: Sequence[str], mcore_modes: S
     return [(n, mode) for n in names for mode in (mm if peer_of(n) == "mcore" else tm)]
 
 
+def check_baseline_layout(name: str, topo, layers_per_stage: Sequence[int]) -> tuple[int, int]:
+    """``(pp, number of stages)`` of an external baseline's layout, or ``ValueError``: the baselines
+    run tp x pp layouts (dp = cp = 1) with two virtual stages per rank."""
+    if topo.dp != 1 or topo.cp != 1:
+        raise ValueError(f"{name} runs tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")
+    pp, n_stages = topo.pp, len(layers_per_stage)
+    if n_stages != 2 * pp:
+        raise ValueError(f"{name} runs 2 virtual stages per rank: {n_stages} stages for pp={pp}")
+    return pp, n_stages
+
+
 def peer_of(name: str) -> str:
     """The peer a baseline name belongs to: ``torch`` or ``mcore``."""
     return "mcore" if name.startswith("mcore_") else "torch"

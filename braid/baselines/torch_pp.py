@@ -39,7 +39,7 @@ from braid.baselines.mcore import MCORE_SCHEDULES
 from braid.core.ir import stage_of
 from braid.core.partition import layer_offset
 from braid.baselines import titan
-from braid.baselines.modes import McoreMode, PeerMode, TorchMode
+from braid.baselines.modes import McoreMode, PeerMode, TorchMode, check_baseline_layout
 
 TORCH_SCHEDULES: dict[str, str] = {
     "torch_1f1b_i": "ScheduleInterleaved1F1B",
@@ -228,11 +228,7 @@ class TorchPipeline:
             raise ValueError(f"{name}: the torch baselines do not sum a tied embedding's gradients across stages; "
                              "use an untied model or braid's schedules")
         topo = groups.topo
-        if topo.dp != 1 or topo.cp != 1:
-            raise ValueError(f"the torch baselines run tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")
-        pp, n_stages = topo.pp, len(layers_per_stage)
-        if n_stages != 2 * pp:
-            raise ValueError(f"{name} runs 2 virtual stages per rank: {n_stages} stages for pp={pp}")
+        pp, n_stages = check_baseline_layout(name, topo, layers_per_stage)
         if cls_name == "ScheduleDualPipeV" and m < n_stages:
             raise ValueError(f"{name} needs at least as many micro-batches as stages: m={m} < {n_stages}; use m >= {n_stages}")
         why = mode.unavailable(device.type, topo.tp)

@@ -117,6 +117,11 @@ def _mentions_closed(err: BaseException) -> bool:
     return any(w in text for w in _CLOSED_WORDS)
 
 
+def _mentions_timeout(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(w in text for w in _TIMEOUT_WORDS)
+
+
 def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
@@ -175,7 +180,7 @@ class Abort:
         if not isinstance(err, (PeerLost, CommTimeout)) and _mentions_closed(err):
             # a collective outside :meth:`wait` (a barrier, an all_gather_object) met a dead peer
             err = self._lost(err, None)
-        elif not isinstance(err, PeerLost) and (isinstance(err, CommTimeout) or any(w in str(err).lower() for w in _TIMEOUT_WORDS)):
+        elif not isinstance(err, PeerLost) and (isinstance(err, CommTimeout) or _mentions_timeout(err)):
             # a wait that ran out while a peer is gone (a rank whose neighbours are alive but
             # stopped waiting for the dead one): the lost peer is the cause, not this timeout
             lost = self._lost(err, None)
@@ -293,8 +298,7 @@ class Abort:
         :meth:`classify`'s answer. Anything else (a bug, a :class:`PeerFailure`) is returned as it is."""
         if not (type(err) is RuntimeError or isinstance(err, dist.DistError)):  # gloo raises the plain type
             return err
-        text = str(err).lower()
-        if not (_mentions_closed(err) or any(w in text for w in _TIMEOUT_WORDS)):
+        if not (_mentions_closed(err) or _mentions_timeout(err)):
             return err
         try:
             self.check()
@@ -304,11 +308,10 @@ class Abort:
 
     def classify(self, err: BaseException, elapsed_s: float) -> Exception:
         """The exception a failed communication of this rank becomes (see :meth:`wait`)."""
-        text = str(err).lower()
         line = _first_line(err)
         if _mentions_closed(err):
             return self._lost(err, elapsed_s)
-        if any(w in text for w in _TIMEOUT_WORDS) or elapsed_s >= 0.95 * self.timeout_s:
+        if _mentions_timeout(err) or elapsed_s >= 0.95 * self.timeout_s:
             silent = self.silent_ranks()
             who = (f"silent: rank {', '.join(map(str, silent))} (alive, but {'it' if len(silent) == 1 else 'they'} did not "
                    "time out waiting too: look there)" if silent else "a peer is alive but did not send or join")
