@@ -197,11 +197,12 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     total_meas = sum(measured_busy_s.values())
     ones = {ph: 1.0 for ph in "FBW"}
 
-    def build(sc: dict[str, float], ar: float = 1.0, p2p: float | None = None, host: float | None = None) -> dict[str, Any]:
+    def build(sc: dict[str, float], ar: float = 1.0, p2p: float | None = None, host: float | None = None,
+              per_stage: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
         d = copy.deepcopy(base)
-        for c in d["chunks"].values():
+        for key, c in d["chunks"].items():
             for ph in "FBW":
-                c[f"T_{ph}"] *= sc[ph]
+                c[f"T_{ph}"] *= sc[ph] * (per_stage[key][ph] if per_stage else 1.0)
             if pc.tp > 1:
                 c["T_AR"], c["T_AR_B"] = c["T_AR"] * ar, c.get("T_AR_B", c["T_AR"]) * ar
             if p2p is not None:
@@ -238,7 +239,18 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
             fit["ar_scale"] = _fit(lambda x, sc=scale: step(build(sc, ar=x)), measured_step_s, *SCALE_BOUNDS)
         elif not graphed:
             fit["host_task_s"] = _fit(lambda x, sc=scale: step(build(sc, host=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
-    knobs = lambda sc, **kw: build(sc, fit.get("ar_scale", 1.0), fit.get("p2p_s"), kw.get("host", fit.get("host_task_s")))  # noqa: E731
+    # 2b. A graphed probe at tp = 1: its busy time per stage and phase, where the probe's own step
+    # confirms it is device time (see stage_busy_scales).
+    per_stage = None
+    if graphed and joint and pc.pp > 1 and probe.get("busy_per_chunk_s"):
+        per_stage = stage_busy_scales(base, probe["busy_per_chunk_s"], programs, lay, specs)
+        if step(build(ones, p2p=0.0, per_stage=per_stage)) <= measured_step_s * (1 + 1e-3):
+            scale = ones
+            fit["p2p_s"] = _fit(lambda x: step(build(ones, p2p=x, per_stage=per_stage)), measured_step_s, 0.0, 1e-3, measured_step_s)
+        else:  # the spans hold more than the device's time: the capped per-phase scales stand
+            per_stage = None
+    knobs = lambda sc, **kw: build(sc, fit.get("ar_scale", 1.0), fit.get("p2p_s"), kw.get("host", fit.get("host_task_s")),  # noqa: E731
+                                   per_stage)
     host = float(base.get("host_task_s", 0.0))
     if not graphed and "host_task_s" not in fit and host > 0 and step(knobs(scale)) > measured_step_s * (1 + 1e-3):
         fit["host_task_s"] = _fit(lambda x: step(knobs(scale, host=x)), measured_step_s, 0.0, host)
@@ -257,6 +269,8 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
                            "compute_scale": k_all, "busy_scale_per_phase": raw_scale, "compute_scale_per_phase": scale,
                            "compute_factor": factor, **fit, "predicted_step_s": predicted,
                            "probe_error": rel_err(predicted, measured_step_s)}
+    if per_stage is not None:
+        cal["compute_scale_per_stage"] = {key: {ph: v * scale[ph] for ph, v in sc.items()} for key, sc in per_stage.items()}
     if slowdown is not None:
         cal.update(ar_slowdown=slowdown, profiled_ar_slowdown=doc.get("ar_slowdown"))
     if graphed:
@@ -265,10 +279,44 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     return out
 
 
+def stage_busy_scales(doc: dict[str, Any], busy_per_chunk_s: dict[str, float], programs, lay: Layout,
+                      specs) -> dict[str, dict[str, float]]:
+    """Per stage (the profile's chunk keys) and phase: the probe's recorded busy time over the
+    profiled time of the same ops (B and W joint: the executor fuses a BW op at tp = 1), each
+    held to :data:`SCALE_BOUNDS`.
+
+    The profiler times each unit alone, on an idle device at full clocks; in the pipeline the
+    same ops run slower (both devices busy, the power cap lowering clocks; the stage holding
+    the LM head and loss more so), and by how much differs per stage. Recorded spans can also
+    hold host gaps, so :func:`calibrate` takes these scales only where a whole-step graph probe
+    (no host in its step) confirms them: the probe simulated with them and no P2P time at all
+    must not be longer than measured."""
+    from braid.core.ir import stage_of
+    from braid.simulator import simulate
+
+    nominal = busy_by_chunk(simulate(programs, costs_from_dict(doc, lay, specs), name="probe", record=True).trace)
+    out: dict[str, dict[str, float]] = {}
+    for rank in range(lay.p):
+        for chunk in range(lay.v):
+            key = str(stage_of(lay.placement, lay.p, rank, chunk))
+            if key not in doc["chunks"]:
+                continue
+            pre = f"r{rank}c{chunk}"
+            scales = {}
+            for group in (("F",), ("B", "W")):
+                meas = sum(busy_per_chunk_s.get(pre + ph, 0.0) for ph in group)
+                nom = sum(nominal.get(pre + ph, 0.0) for ph in group)
+                scales.update({ph: _clamp(meas / nom) if meas > 0 and nom > 0 else 1.0 for ph in group})
+            out[key] = scales
+    return out
+
+
 def fitted_factors(cal: dict[str, Any]) -> dict[str, float]:
     """The fitted scales of a calibration (per-phase compute scales, the all-reduce scale) that
     must stay in :data:`SCALE_BOUNDS`."""
     out = {f"compute_{ph}": v for ph, v in cal.get("compute_scale_per_phase", {}).items()}
+    for key, sc in cal.get("compute_scale_per_stage", {}).items():
+        out.update({f"compute_stage{key}_{ph}": v for ph, v in sc.items()})
     if "ar_scale" in cal:
         out["ar_scale"] = cal["ar_scale"]
     return out

@@ -84,7 +84,7 @@ def calibration_inputs(entry: dict[str, Any]) -> tuple[dict[str, Any], float, di
                 if part in split:  # the profiler's per-unit times, untouched by the calibration
                     ch[total] = sum(split[part].get(u.value, 0.0) for u in inst)
                 elif part in scale:
-                    ch[total] /= scale[part]
+                    ch[total] /= cal.get("compute_scale_per_stage", {}).get(key, scale)[part]
     busy = cal.get("measured_busy_s")
     if busy is None:  # stored before it was kept: the scales times the busy time they were fitted against
         lay = Layout(pc.tp, pc.pp, plan.v, plan.placement)

@@ -175,6 +175,9 @@ def format_report(summary: dict[str, Any]) -> str:
     if cal:
         fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s", "compute_factor")}
         scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
+        if cal.get("compute_scale_per_stage"):  # a graphed tp=1 probe's busy time per stage (F, then BW)
+            scales += " per stage (F/BW) " + " ".join(f"{k}:{sc['F']:.3f}/{sc['B']:.3f}"
+                                                      for k, sc in sorted(cal["compute_scale_per_stage"].items()))
         graphed = cal.get("cuda_graph") == "step"
         lines.append(f"calibration ({cal['probe']}{', graphed: no host lane' if graphed else ''}): compute scale {scales}; "
                      f"host time per unit task profiled {cal.get('profiled_host_task_s', 0.0) * 1e6:.0f} us; "
