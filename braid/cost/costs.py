@@ -222,7 +222,7 @@ def eager_loss_workspace(tokens: int, vocab_t: int, d: int) -> float:
     at its peak it holds the logits in the model's dtype, their fp32 copy (none when ``d`` >= 4), the
     shifted logits and their exponentials (the kept softmax) -- 14 bytes per token and vocabulary entry
     of the TP shard in bf16, 10 above the softmax. The simulator charges it on top of the kept bytes
-    in the head's backward: the forward's peak. Compiled (tp=1) the loss is fused: no workspace."""
+    in the head's backward: the forward's peak. Compiled (tp=1) the loss is fused; none is counted."""
     c = max(d, 4)  # the loss computes in fp32 (fp64 for an fp64 model)
     return float(tokens * vocab_t * (d + (c if d < c else 0) + c))
 
