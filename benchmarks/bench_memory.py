@@ -9,8 +9,9 @@ the executor's saved-activation series plus the optimizer mode's state bytes, as
 loop estimates it). The prediction, per rank: weights, gradients and optimizer state by the
 optimizer mode (:func:`braid.cost.cluster.dp_costs`, :mod:`braid.cost.optimizer_modes`, plus
 :func:`braid.cost.step_memory.extra_state_bytes`), plus the larger of the simulator's activation
-peak (analytic cost model, ``activations="runtime"``, the recomputation's transform) and the
-optimizer step's temporaries on that data-parallel rank (:mod:`braid.cost.step_memory`). Printed and written (rank 0, atomically) as JSON::
+peak (analytic cost model, ``activations="runtime"``, the recomputation's transform, the eager
+loss's workspace when the units run uncompiled: :func:`braid.cost.costs.eager_loss_workspace`) and
+the optimizer step's temporaries on that data-parallel rank (:mod:`braid.cost.step_memory`). Printed and written (rank 0, atomically) as JSON::
 
     {"device": ..., "config": {...}, "command": ..., "runs": [{"optimizer": "zero1", "recompute": "full",
       "measured_bytes": [per rank], "predicted_bytes": [per rank], "rel_err": worst |pred - meas| / meas,
@@ -74,7 +75,9 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_b
     out (``zero1``'s reduce-scatter shard), plus the larger of the schedule's activation peak (the
     simulator on the analytic cost model, ``activations="runtime"``, the recomputation's transform)
     and the optimizer step's temporaries on that rank (:mod:`braid.cost.step_memory`): the two never
-    coexist, the step runs after the last backward.
+    coexist, the step runs after the last backward. ``args.compile``: whether the units ran compiled
+    (``None``: the executor's default, compiled on CUDA); uncompiled, the head holds the eager loss's
+    workspace.
     """
     from braid.cost.cluster import Cluster, Parallel, dp_costs, rank_param_list
     from braid.cost.costs import Layout, analytic_costs
@@ -86,8 +89,10 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_b
     model = get_model(args.model).with_(layers=args.layers, seq=args.seq, micro_batch_size=args.micro_batch_size,
                                         dtype_bytes=dtype_bytes)
     hw = get_hardware(args.hardware)
+    # the units compile by default on CUDA (a stored config's null compile is that default)
+    compiled = args.compile if args.compile is not None else args.device == "cuda"
     costs = analytic_costs(model, hw, Layout(args.tp, plan.p, plan.v, plan.placement), activations="runtime",
-                           recompute=recompute)
+                           recompute=recompute, compiled=compiled)
     rep = simulate_schedule(args.schedule, args.pp, args.mbs, costs).report
     dc = dp_costs(model, costs, Cluster(hw), Parallel(args.tp, args.pp, args.dp, optimizer=mode))
     out = {}
@@ -177,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    from braid.runtime.compiled import resolve
+
+    try:
+        args.compile = resolve(args.compile, device)  # what runs, recorded in the config and used by the prediction
+    except ValueError as e:
+        print(f"bench_memory: {e}", file=sys.stderr)
+        return 2
     d = Dist.from_env(device)
     topo = Topology(d.world_size, pp=args.pp, tp=args.tp, dp=args.dp)
     groups = ProcessGroups.create(topo)

@@ -80,7 +80,8 @@ class UnitCost:
     ``act``: bytes its forward keeps for the backward; ``w_res``: bytes kept after a split
     B until W; ``tmp``: workspace -- bytes allocated on top of those while the unit runs
     and freed when it ends (logits and their gradient, MLP intermediates), the most of its
-    F, B and W (0 in the analytic model; a GPU profile measures it).
+    F, B and W (a GPU profile measures it; the analytic model counts the eager loss's, see
+    :func:`eager_loss_workspace`, and full recomputation's re-run).
     """
 
     f: float
@@ -216,6 +217,16 @@ def _runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: 
     }
 
 
+def eager_loss_workspace(tokens: int, vocab_t: int, d: int) -> float:
+    """The head's workspace under the eager loss (:func:`braid.tp.embedding.vocab_parallel_cross_entropy`):
+    at its peak it holds the logits in the model's dtype, their fp32 copy (none when ``d`` >= 4), the
+    shifted logits and their exponentials (the kept softmax) -- 14 bytes per token and vocabulary entry
+    of the TP shard in bf16, 10 above the softmax. The simulator charges it on top of the kept bytes
+    in the head's backward: the forward's peak. Compiled (tp=1) the loss is fused; none is counted."""
+    c = max(d, 4)  # the loss computes in fp32 (fp64 for an fp64 model)
+    return float(tokens * vocab_t * (d + (c if d < c else 0) + c))
+
+
 def selective_recompute(units: Mapping[Unit, UnitCost], tokens: int, seq: int, h: int, heads: int, ffn: int, t: int, d: int,
                         hw: Hardware, activations: str = "runtime") -> dict[Unit, UnitCost]:
     """LM layer units under selective recomputation (:mod:`braid.models.recompute`): the attention
@@ -305,7 +316,8 @@ def _split(model: ModelConfig, n: int, lighter: int) -> tuple[int, ...]:
 
 
 def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown: float = AR_SLOWDOWN,
-                   activations: Literal["korthikanti", "runtime"] = "korthikanti", recompute: str = "none") -> CostModel:
+                   activations: Literal["korthikanti", "runtime"] = "korthikanti", recompute: str = "none",
+                   compiled: bool = True) -> CostModel:
     """The analytic cost model of ``model`` on ``hw`` under ``layout`` (see module doc).
 
     ``activations``: how the LM units' (and the head's, embedding's) saved bytes are
@@ -313,7 +325,9 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     what braid's runtime really saves (:func:`_runtime_act`), for predictions that are
     compared with a measured activation peak (Sec. 4.4 offload benchmark).
     ``recompute``: ``"selective"`` applies :func:`selective_recompute`, ``"full"``
-    :func:`braid.cost.recompute_costs.full_recompute` to the LM layers.
+    :func:`braid.cost.recompute_costs.full_recompute` to the LM layers. ``compiled``: whether the
+    executor compiles its unit functions (its default on CUDA); with ``"runtime"`` the head's
+    workspace is :func:`eager_loss_workspace` unless the loss runs compiled (tp=1).
     """
     if activations not in ("korthikanti", "runtime"):
         raise ValueError(f"activations must be 'korthikanti' or 'runtime', got {activations!r}")
@@ -336,7 +350,8 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         acts = _runtime_act(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, t, d)
         lm = {u: replace(c, act=acts[u]) for u, c in lm.items()}
         # norm, its output, fp32 logits of the vocab shard; labels copy and masks (11 bytes per token)
-        head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + 4 * model.vocab // t + 11))
+        head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + 4 * model.vocab // t + 11),
+                       tmp=0.0 if compiled and t == 1 else eager_loss_workspace(tok, model.vocab // t, d))
         embed = replace(embed, act=tok * 9)  # shifted token ids and the shard mask
     layer_act = sum(u.act for u in lm.values())  # M_a counts the layer without recomputation (a fixed yardstick)
     if recompute == "selective":
