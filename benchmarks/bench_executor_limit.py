@@ -266,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import asdict
 
     cfg = Qwen2Config(**{**asdict(PRESETS[args.preset]), "layers": 2 * args.layers_per_stage})
-    torch.manual_seed(1234)
-    model = Qwen2Model(cfg).to(dtype)  # the master copy, on the host; every contender copies it
+    from braid.models.build import materialize, meta_model
+
+    # the master copy, on the host, initialised by name in one pass (not Qwen2Model(cfg): its linear
+    # layers' default init, overwritten at once, was most of a 7B-shaped model's seconds); every contender copies it
+    model = materialize(meta_model(Qwen2Model, cfg, seed=1234, dtype=dtype))
     g = torch.Generator().manual_seed(7)
     shape = (args.micro_batch_size, args.seq)
     args.data = tuple([torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.m)] for _ in range(2))

@@ -43,24 +43,26 @@ ROOT = Path(__file__).resolve().parent.parent  # the checkout: tests/ and benchm
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # Each part's share of the budget, as seconds of the default 540 (scaled with --budget-s); a part's
 # unused time goes to the parts after it. Expected times on 2 H200s (torch 2.11, NCCL 2.28, fresh
-# machine, cold Inductor cache), from the first full run there, whose parts were cut (its logs
-# give how far each got and when) -- the figure a part is expected to take, then its share:
-#   gpu-tests        ~220 s / 260: the tests' own times summed 254 s + ~33 s for the test cut
-#                    off + ~14 s for tests/test_vlm.py + ~20 s collection = ~320 s, less ~100 s
-#                    of rank-process starts and closes (~9 s + ~5 s per pool on that machine)
-#                    that the shared GPU pool now saves (titan, tp_comm, graphs, attention2d,
-#                    calibration).
-#   executor-limit    ~40 s / 52: 5 contenders had taken 45 s with 8 steps each, of which
-#                    ~14 s start + model; now 5 contenders (braided_v; eager; torch's 3) of
-#                    6 steps, ~5 s each.
-#   bench-tp1-pp2     ~88 s / 110: start + model + profile took ~44 s before the first run,
-#                    then ~3 s per run (megatron-core's included): 15 runs ~45 s; one model
-#                    build fewer saves ~8 s; a rank stuck closing is killed within 10 s.
-#   bench-tp2-pp1     ~62 s / 75: all 15 runs had finished within 59 s (it was then lost to
-#                    a rank hanging in destroy_process_group: now killed after 10 s).
-#   braided-overlap   ~28 s / 43: start + model ~17 s, then ~8 s per TP backend (one now).
-# A bench part stopped early still leaves its JSON of the rounds it finished.
-WEIGHTS = {"gpu-tests": 260, "executor-limit": 52, "bench-tp1-pp2": 110, "bench-tp2-pp1": 75, "braided-overlap": 43}
+# machine, cold Inductor cache), from the first full run there, whose parts were all cut (its logs
+# say how far each got, its NCCL warnings when): expected time / share.
+#   gpu-tests        ~215 s / 270: the tests' own times summed 254 s, + ~33 s for the test cut
+#                    off, ~14 s for tests/test_vlm.py and ~20 s of collection = ~320 s; less
+#                    ~105 s of rank processes started and closed per test or module (~9 s to
+#                    start, ~3-5 s to close a pool there), which now run on the session's pool:
+#                    tp_comm ~42 s, titan ~28 s, graphs ~14 s, calibration ~12 s, attention2d
+#                    ~10 s. Of the rest, ~71 s are test_memory_gpu and test_training_gpu's two.
+#   executor-limit    ~35 s / 50: 5 contenders had taken ~45 s with 8 steps each, ~14 s of it
+#                    start and model; now 5 contenders (braided_v; eager; torch's 3) of 6 steps,
+#                    ~5 s each, and its model built in half the time.
+#   bench-tp1-pp2     ~75 s / 110: ~44 s went before the first run: start, profile and two
+#                    builds of the 1.17e9-parameter model on one thread (16-18 s each on a
+#                    2-core VM; now one build of ~8 s), then ~3 s per run with megatron-core's:
+#                    15 runs ~45 s; a rank hanging in its teardown is killed within 10 s.
+#   bench-tp2-pp1     ~50 s / 70: its 15 runs had ended within 59 s (then lost to a rank hanging
+#                    in destroy_process_group); its 0.7e9-parameter model now built once, faster.
+#   braided-overlap   ~24 s / 40: start + model ~17 s (~-3 s now), then ~8 s per TP backend (one).
+# A bench part stopped early still leaves the JSON of the rounds it finished.
+WEIGHTS = {"gpu-tests": 270, "executor-limit": 50, "bench-tp1-pp2": 110, "bench-tp2-pp1": 70, "braided-overlap": 40}
 GRACE_S = 20.0  # after SIGINT: time to write what a part has before it is killed
 
 
