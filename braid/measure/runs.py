@@ -3,6 +3,7 @@ graphs) and the external baselines on the same model, layout and data, step by s
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any
@@ -18,6 +19,8 @@ from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
 from braid.measure.launch import Progress, launch
 from braid.measure.report import slowest_rank_steps, summarize
 from braid.measure.units import measure_rank, tp_comm_for
+
+log = logging.getLogger(__name__)
 
 PROBE_STEPS = 11  # measured steps of the calibration probe (at least --steps)
 
@@ -274,9 +277,12 @@ def _write_partial(bc: BenchConfig, raw: dict[str, Any]) -> None:
 
     from braid.io.files import atomic_write_text
 
-    summary = summarize(bc, raw)
-    summary.pop("_traces")
-    atomic_write_text(bc.partial_json, json.dumps(summary, indent=1))
+    try:
+        summary = summarize(bc, raw)
+        summary.pop("_traces")
+        atomic_write_text(bc.partial_json, json.dumps(summary, indent=1))
+    except (OSError, ValueError, KeyError, TypeError) as err:  # the job goes on; its final JSON is written as usual
+        log.warning("could not write the partial results to %s: %s: %s", bc.partial_json, type(err).__name__, err)
 
 
 def run_bench(bc: BenchConfig) -> dict[str, Any]:
