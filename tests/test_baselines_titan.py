@@ -134,10 +134,23 @@ def test_titan_compiled_on_cuda_matches_single_process(gpu_pools, refs, text: st
 
     On the session's GPU ranks (a pool of its own cost ~14 s to start and close per mode): the
     baseline sets its compiler flags only around its steps (:func:`braid.baselines.titan.compile_settings`),
-    as it must beside braid's own compiled units in ``braid.bench``, so nothing of it reaches the
-    other tests; the second mode reuses the first one's warm Inductor workers."""
-    got = gpu_pools(2).run(_run, "torch_1f1b_i", TorchMode.parse(text), 2, 2, 1, "cuda", timeout_s=GPU_RUN_S)
+    as it must beside braid's own compiled units in ``braid.bench``, and :func:`_run_fresh` clears
+    Dynamo's caches before and after, so each mode compiles its own graphs (the async-TP pass is a
+    global Inductor flag, which no guard of the other mode's cached code would see) and nothing
+    compiled here stays for the other tests; the second mode reuses the first one's warm Inductor workers."""
+    got = gpu_pools(2).run(_run_fresh, "torch_1f1b_i", TorchMode.parse(text), 2, 2, 1, "cuda", timeout_s=GPU_RUN_S)
     _compare(got, refs)
+
+
+def _run_fresh(ctx, *args):
+    """:func:`_run` between two ``torch._dynamo.reset()``: compiled as in a process of its own."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        return _run(ctx, *args)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_titan_mode_refuses_what_it_cannot_shard() -> None:
