@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -21,6 +22,12 @@ def spawn_two(worker: Callable[..., None], args: Any, *, results: int = 1, timeo
     for p in procs:
         p.start()
     got = [out.get(timeout=timeout_s) for _ in range(results)]
+    # The results are in: a rank still closing (NCCL's destroy_process_group can hang) gets a
+    # short grace, then is killed, so a finished run is never lost to its teardown.
+    stop = time.monotonic() + 10.0
     for p in procs:
-        p.join()
+        p.join(timeout=max(0.0, stop - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
     return got

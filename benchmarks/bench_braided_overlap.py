@@ -113,9 +113,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     else:
         cfg = Qwen2Config(vocab_size=1024, hidden=3584, layers=args.layers, heads=28, kv_heads=4, ffn=18944)
         dtype, seq = torch.bfloat16, args.seq
-    torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = Qwen2Model(cfg).to(dtype)
+    from braid.models.build import materialize, meta_model
+
+    model = materialize(meta_model(Qwen2Model, cfg, seed=0, dtype=dtype))  # by name, in one pass (same on both ranks)
     spec = ChunkSpec(cfg.layers, embed=True, head=True)
     chunk = build_chunk(model, spec, 0, tp_rank=rank, tp_size=2, tp_group=groups.tp, num_microbatches=args.mbs).to(device)
     del model

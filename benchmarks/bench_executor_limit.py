@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
-KINDS = ("braid", "braid_eager", "eager", "eager_compiled", "torch_pp")
+KINDS = ("braid", "braid_eager", "braid_nograph", "eager", "eager_compiled", "torch_pp")
 
 
 def gpu_slug(device: torch.device) -> str:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="+", default=[], choices=KINDS, help="contenders to leave out")
     ap.add_argument("--cuda-graph", choices=["none", "step"], default=None,
                     help="braid's steps as whole-step CUDA graphs (step) or eager (none); default: step on CUDA. "
-                         "With graphs on, braided_v also runs without them (braid_braided_v_nograph)")
+                         "With graphs on, braided_v also runs without them (braid_braided_v_nograph; --skip braid_nograph leaves it out)")
     ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per contender; the median is reported (default 10)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds over all contenders; ratios are taken per round (default 1)")
@@ -266,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import asdict
 
     cfg = Qwen2Config(**{**asdict(PRESETS[args.preset]), "layers": 2 * args.layers_per_stage})
-    torch.manual_seed(1234)
-    model = Qwen2Model(cfg).to(dtype)  # the master copy, on the host; every contender copies it
+    from braid.models.build import materialize, meta_model
+
+    # the master copy, on the host, initialised by name in one pass (not Qwen2Model(cfg): its linear
+    # layers' default init, overwritten at once, was most of a 7B-shaped model's seconds); every contender copies it
+    model = materialize(meta_model(Qwen2Model, cfg, seed=1234, dtype=dtype))
     g = torch.Generator().manual_seed(7)
     shape = (args.micro_batch_size, args.seq)
     args.data = tuple([torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.m)] for _ in range(2))
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         if "braid" not in args.skip:
             makers += [(f"braid_{s}", lambda s=s: braid_step(model, s, args, device, dtype, compile_units, args.cuda_graph))
                        for s in args.schedule]
-            if graphs_on and "braided_v" in args.schedule:
+            if graphs_on and "braided_v" in args.schedule and "braid_nograph" not in args.skip:
                 makers.append(("braid_braided_v_nograph", lambda: braid_step(model, "braided_v", args, device, dtype, compile_units, "none")))
         if compile_units and "braid_eager" not in args.skip and "braided_v" in args.schedule:
             makers.append(("braid_braided_v_eager", lambda: braid_step(model, "braided_v", args, device, dtype, False, args.cuda_graph)))

@@ -4,11 +4,13 @@
 the other and each as a subprocess with its share of the budget (default 540 s):
 
 * ``gpu-tests`` -- ``python -m pytest -m gpu tests/`` (per-test ``--timeout``), junit XML;
-* ``executor-limit`` -- ``benchmarks/bench_executor_limit.py`` on one GPU (braid at pp=1
-  against plain loops of the same model);
+* ``executor-limit`` -- ``benchmarks/bench_executor_limit.py`` on one GPU (braid's braided_v
+  at pp=1 against the plain loop and torch's pipelining schedules on the same model);
 * ``bench-tp1-pp2`` and ``bench-tp2-pp1`` -- ``python -m braid.bench`` (7b-layer shape,
-  seq 4096, ``--mbs 4``, ``--rounds 5``, one external row): braid's best over it;
-* ``braided-overlap`` -- ``benchmarks/bench_braided_overlap.py`` (braided vs plain at TP=2).
+  seq 4096, ``--mbs 4``, ``--rounds 5``, one external row): braid's best over it; the JSON is
+  written after every round, so a part stopped early still reports the rounds it finished;
+* ``braided-overlap`` -- ``benchmarks/bench_braided_overlap.py`` (braided vs plain at TP=2,
+  the default CUDA backend ``nccl-capped``).
 
 A part that needs more GPUs than there are is skipped with the reason. A part that runs
 past its budget is interrupted (SIGINT, so pytest still writes its XML), then killed with
@@ -39,8 +41,28 @@ from braid.io.files import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: tests/ and benchmarks/ live here
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# Share of the total budget per part (2 GPUs: tests 5 min of 9, each bench ~1.3 min); a part's unused time goes to the next.
-WEIGHTS = {"gpu-tests": 0.56, "executor-limit": 0.09, "bench-tp1-pp2": 0.14, "bench-tp2-pp1": 0.14, "braided-overlap": 0.07}
+# Each part's share of the budget, as seconds of the default 540 (scaled with --budget-s); a part's
+# unused time goes to the parts after it. Expected times on 2 H200s (torch 2.11, NCCL 2.28, fresh
+# machine, cold Inductor cache), from the first full run there, whose parts were all cut (its logs
+# say how far each got, its NCCL warnings when): expected time / share.
+#   gpu-tests        ~215 s / 270: the tests' own times summed 254 s, + ~33 s for the test cut
+#                    off, ~14 s for tests/test_vlm.py and ~20 s of collection = ~320 s; less
+#                    ~105 s of rank processes started and closed per test or module (~9 s to
+#                    start, ~3-5 s to close a pool there), which now run on the session's pool:
+#                    tp_comm ~42 s, titan ~28 s, graphs ~14 s, calibration ~12 s, attention2d
+#                    ~10 s. Of the rest, ~71 s are test_memory_gpu and test_training_gpu's two.
+#   executor-limit    ~35 s / 50: 5 contenders had taken ~45 s with 8 steps each, ~14 s of it
+#                    start and model; now 5 contenders (braided_v; eager; torch's 3) of 6 steps,
+#                    ~5 s each, and its model built in half the time.
+#   bench-tp1-pp2     ~75 s / 110: ~44 s went before the first run: start, profile and two
+#                    builds of the 1.17e9-parameter model on one thread (16-18 s each on a
+#                    2-core VM; now one build of ~8 s), then ~3 s per run with megatron-core's:
+#                    15 runs ~45 s; a rank hanging in its teardown is killed within 10 s.
+#   bench-tp2-pp1     ~50 s / 70: its 15 runs had ended within 59 s (then lost to a rank hanging
+#                    in destroy_process_group); its 0.7e9-parameter model now built once, faster.
+#   braided-overlap   ~24 s / 40: start + model ~17 s (~-3 s now), then ~8 s per TP backend (one).
+# A bench part stopped early still leaves the JSON of the rounds it finished.
+WEIGHTS = {"gpu-tests": 270, "executor-limit": 50, "bench-tp1-pp2": 110, "bench-tp2-pp1": 70, "braided-overlap": 40}
 GRACE_S = 20.0  # after SIGINT: time to write what a part has before it is killed
 
 
@@ -73,16 +95,18 @@ def parts(out: Path, smoke: bool) -> list[Part]:
     else:
         tests = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/", "--timeout", "120")
         # Eager units (--no-compile): a cold inductor cache alone would take the budget.
-        limit = ("--preset", "7b-layer", "--seq", "4096", "--m", "8", "--schedule", "braided_v", "zb_v", "--skip", "eager_compiled",
-                 "--no-compile", "--warmup", "3", "--steps", "5")
-        # m=4 and one external row (megatron-core graphed where installed, else torch eager): 20
-        # runs in five rounds fit the part's share; the full peers-at-their-best jobs (m=4 and 8,
-        # every peer's modes) are docs/bench.md's, several minutes each.
+        # braided_v only, no graph-less rerun of it: the headline is braid's best over the plain
+        # loop and over torch's schedules (warm-up 3: two eager steps and the graph's capture).
+        limit = ("--preset", "7b-layer", "--seq", "4096", "--m", "8", "--schedule", "braided_v",
+                 "--skip", "eager_compiled", "braid_nograph", "--no-compile", "--warmup", "3", "--steps", "3")
+        # m=4, braided_v and zb_v, one external row (megatron-core graphed where installed, else
+        # torch eager): 15 runs in five rounds fit the part's share (see WEIGHTS); the full
+        # peers-at-their-best jobs (m=4 and 8, every peer's modes) are docs/bench.md's, minutes each.
         bench = ("--preset", "7b-layer", "--seq", "4096", "--mbs", "4", "--schedule", "braided_v", "zb_v", "--rounds", "5",
                  "--warmup", "2", "--steps", "2", "--iters", "3", "--no-calibrate", "--no-compile",
                  "--baselines", *(("mcore_1f1b_i",) if _has_mcore() else ("torch_1f1b_i",)),
                  "--torch-modes", "eager", "--mcore-modes", "graphed")
-        overlap = ("--layers", "2", "--mbs", "6", "--warmup", "1", "--iters", "3", "--tp-backend", "nccl-capped", "nccl")
+        overlap = ("--layers", "2", "--mbs", "6", "--warmup", "1", "--iters", "3", "--tp-backend", "nccl-capped")
     return [
         Part("gpu-tests", gpu, (*tests, "--junitxml", str(out / "gpu-tests.xml")), "gpu-tests.xml", None),
         Part("executor-limit", gpu, _py("benchmarks/bench_executor_limit.py", *limit, "--out", str(out / "executor_limit.json")),
@@ -109,9 +133,11 @@ def _limit_headline(path: Path) -> dict[str, float]:
 
 
 def _bench_headline(path: Path) -> dict[str, dict[str, float]]:
-    """braid.bench: braid's best over the best external baseline per m, median [min, max] over rounds."""
+    """braid.bench: braid's best over the best external baseline per m, median [min, max] over the
+    rounds it has (fewer than asked where the part was stopped after writing a round's JSON)."""
     doc = json.loads(path.read_text())
-    return {f"m={m}": {k: r[k] for k in ("median", "min", "max")} for m, r in doc.get("best_over_external", {}).items()}
+    return {f"m={m}": {**{k: r[k] for k in ("median", "min", "max")}, "rounds": len(r["rounds"])}
+            for m, r in doc.get("best_over_external", {}).items()}
 
 
 def _overlap_headline(path: Path) -> dict[str, float]:
@@ -216,7 +242,8 @@ def _headline_text(r: dict[str, Any]) -> str:
     if not h:
         return f"no result (see {r['log']})"
     if r["name"].startswith("bench-"):
-        return "; ".join(f"{m} braid/best external {v['median']:.3f}x [{v['min']:.3f}, {v['max']:.3f}]" for m, v in h.items())
+        return "; ".join(f"{m} braid/best external {v['median']:.3f}x [{v['min']:.3f}, {v['max']:.3f}] over {v['rounds']} "
+                         f"round{'s' if v['rounds'] != 1 else ''}" for m, v in h.items())
     label = "braided/plain " if r["name"] == "braided-overlap" else ""
     return "; ".join(f"{label}{k} {v:.3f}" for k, v in h.items())
 

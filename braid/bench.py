@@ -73,7 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--costs", metavar="FILE", help="predict from this cost file instead of a fresh profile")
     ap.add_argument("--no-calibrate", action="store_true", help="predict from the raw profile (no probe-run calibration)")
     ap.add_argument("--no-external", action="store_true", help="skip the external baselines (torch.distributed.pipelining; megatron-core when installed)")
-    ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ap.add_argument("--json", metavar="FILE", help="write the results as JSON (with --rounds N, also after each round: "
+                    "the rounds so far, 'rounds_done' of N, so a run stopped early leaves what it measured)")
     ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
     ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>, "
@@ -99,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
-                     not args.no_calibrate, args.rounds, args.cuda_graph, peers=peers)
+                     not args.no_calibrate, args.rounds, args.cuda_graph, peers=peers,
+                     partial_json=str(Path(args.json).resolve()) if args.json else None)
     runs, skipped = planned_runs(bc)
     if not runs:
         ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))

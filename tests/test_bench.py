@@ -157,8 +157,15 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     # torch eager (its compiled mode builds C++ kernels on CPU: minutes on a small machine),
     # megatron-core eager and graphed (a row that says it needs CUDA)
     peers = tuple(peer_runs(available_baselines(), ["eager"], ["eager", "graphed"], tp=1, device_type="cpu"))
-    bc = BenchConfig(cfg, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=2, rounds=2, peers=peers)
+    partial = tmp_path / "partial.json"
+    bc = BenchConfig(cfg, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=2, rounds=2, peers=peers, partial_json=str(partial))
     s = run_bench(bc)
+    # after round 1 of 2, rank 0 left the summary so far: a job stopped there keeps its first round
+    first = json.loads(partial.read_text())
+    assert first["rounds_done"] == 1 and s["rounds_done"] == 2 and "partial: 1 of 2 rounds" in first["notes"]
+    assert [(r["schedule"], len(r["step_s_rounds"])) for r in first["runs"]] == [("braided_v", 1), ("1f1b_i", 1)]
+    assert [r["step_s_rounds"][0] for r in first["runs"]] == [r["step_s_rounds"][0] for r in s["runs"]]
+    assert len(first["best_over_external"]["4"]["rounds"]) == 1
     assert [(r["schedule"], r["m"]) for r in s["runs"]] == [("braided_v", 4), ("1f1b_i", 4)]
     from braid import schedules
     from braid.planner.braid_tune import count_blocks

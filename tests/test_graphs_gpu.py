@@ -14,18 +14,18 @@ import pytest
 import torch
 
 import graph_cases as cases
-from distributed_utils import DistPool
+from conftest import GPU_RUN_S, GPU_TEST_S
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
+              pytest.mark.timeout(GPU_TEST_S)]
 
 V_SCHEDULES = ["braided_v", "zb_v", "dualpipe_v"]
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(2, timeout_s=120, device="cuda")
-    yield p
-    p.close()
+@pytest.fixture
+def pool(gpu_pools):
+    """The session's two GPU ranks (a pool of this module's own cost ~9 s to start and ~5 s to close)."""
+    return gpu_pools(2)
 
 
 def _check(got: list[list[dict]], n_runs: int) -> None:
@@ -42,18 +42,20 @@ def test_graphed_replay_equals_eager_bitwise(pool, pp: int, tp: int) -> None:
     """braided_v, zb_v, dualpipe_v at pp=2 (P2P) and tp=2 (async and carried all-reduces)."""
     m = 2 * pp + 1
     runs = [(name, m, {}) for name in V_SCHEDULES]
-    _check(pool.run(cases.graphed_matches_eager, pp, tp, runs, timeout_s=300), len(runs))
+    _check(pool.run(cases.graphed_matches_eager, pp, tp, runs, timeout_s=GPU_RUN_S), len(runs))
 
 
 def test_graphed_offload_equals_eager_bitwise(pool) -> None:
     """braided_v with activation offload at pp=2: D2H/H2D copies on their streams inside the graph."""
     runs = [("braided_v_offload", 5, {"offload_alpha": 0.5, "offload_alpha_warmup": 0.5})]
-    _check(pool.run(cases.graphed_matches_eager, 2, 1, runs, timeout_s=300), len(runs))
+    _check(pool.run(cases.graphed_matches_eager, 2, 1, runs, timeout_s=GPU_RUN_S), len(runs))
 
 
+@pytest.mark.timeout(3 * GPU_TEST_S)
 def test_graphed_compiled_units_equal_eager_bitwise(pool) -> None:
-    """The units' torch.compile'd functions (the default on CUDA) inside the graph, at tp=2."""
-    _check(pool.run(cases.graphed_matches_eager, 1, 2, [("braided_v", 3, {})], 3, None, timeout_s=300), 1)
+    """The units' torch.compile'd functions (the default on CUDA) inside the graph, at tp=2 (a cold
+    compile cache gets the time test_executor_gpu's compiled-units case gets)."""
+    _check(pool.run(cases.graphed_matches_eager, 1, 2, [("braided_v", 3, {})], 3, None, timeout_s=3 * GPU_RUN_S), 1)
 
 
 def test_example_reference_with_cuda_graphs() -> None:
@@ -64,21 +66,17 @@ def test_example_reference_with_cuda_graphs() -> None:
 
     proc = _torchrun(2, LLM, "--model", "tiny", "--pp", "2", "--device", "cuda", "--mbs", "4", "--micro-batch-size", "2",
                      "--seq", "64", "--steps", "5", "--seed", "1", "--schedule", "braided_v", "--cuda-graph", "step", "--no-compile",
-                     "--reference", timeout=300)
+                     "--reference", "--timeout", str(GPU_RUN_S - 15), timeout=GPU_RUN_S + 5)  # a stuck wait fails the run, naming it
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "capture of" in out and "norm diff" in proc.stdout, out[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
-def test_graphed_chained_runs_on_the_side_stream_equal_eager_bitwise() -> None:
+def test_graphed_chained_runs_on_the_side_stream_equal_eager_bitwise(gpu_pools) -> None:
     """PP=2 x TP=2: Send/Recv runs chained to a carried all-reduce leave from the executor's side
     stream, which joins the capture and is joined back at its end."""
-    pool4 = DistPool(4, timeout_s=120, device="cuda")
-    try:
-        runs = [("braided_v", 5, {}), ("dualpipe_v", 5, {})]
-        got = pool4.run(cases.graphed_matches_eager, 2, 2, runs, timeout_s=600)
-    finally:
-        pool4.close()
+    runs = [("braided_v", 5, {}), ("dualpipe_v", 5, {})]
+    got = gpu_pools(4).run(cases.graphed_matches_eager, 2, 2, runs, timeout_s=GPU_RUN_S)
     _check(got, len(runs))
     assert any("chained runs" in e and " 0 chained" not in e for rank in got for r in rank for e in r["events"]), got

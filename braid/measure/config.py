@@ -87,21 +87,29 @@ class ProfileConfig:
         return replace(self.model, layers=sum(self.layers_per_stage))
 
     def build_model(self) -> torch.nn.Module:
-        """The single-device model of :meth:`full_model` on the CPU (seeded: every rank builds the same weights)."""
-        torch.manual_seed(1234)
-        with torch.device("cpu"):
-            return family_of_config(self.model).model_cls(self.full_model()).to(DTYPES[self.dtype])
+        """The single-device model of :meth:`full_model` on the CPU, in :attr:`dtype`, every parameter
+        initialised from seed 1234 and its name (:mod:`braid.models.init`), so every rank builds the
+        same weights. Built on the meta device and materialised once: constructing it for real would
+        first give every linear layer its default (Kaiming-uniform) values, only for the family's
+        initialisation to overwrite them -- most of the ~15 s a 7B-shaped model of four layers took."""
+        from braid.models.build import materialize, meta_model
+
+        return materialize(meta_model(family_of_config(self.model).model_cls, self.full_model(), seed=1234,
+                                      dtype=DTYPES[self.dtype]))
 
     def act_shape(self) -> tuple[int, int, int]:
         return (self.micro_batch_size, self.seq, self.model.hidden)
 
 
-def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan: Plan | None = None) -> dict:
-    """This rank's TP-sharded model chunks on ``dev`` (same seed on every rank, so shards agree)."""
+def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan: Plan | None = None,
+                 model: torch.nn.Module | None = None) -> dict:
+    """This rank's TP-sharded model chunks on ``dev`` (same seed on every rank, so shards agree),
+    cut from ``model`` (default: a fresh :meth:`ProfileConfig.build_model`; a 7B-shaped one takes
+    seconds to initialise, so a job that has it passes it)."""
     from braid.models.build import build_rank_chunks
 
     plan = plan or Plan("profile", ScheduleConfig(pc.pp, m, pc.v), pc.placement, tuple(() for _ in range(pc.pp)))
-    model = pc.build_model()
+    model = pc.build_model() if model is None else model
     tp_group = groups.tp if pc.tp > 1 else None
     chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
                                tp_size=pc.tp, tp_group=tp_group)
@@ -209,3 +217,4 @@ class BenchConfig:
     rounds: int = 1  # every run (schedules and baselines) this many times in turn; see :func:`round_ratios`
     cuda_graph: str | None = None  # braid's runs: "none", "step" or None (graphs where capturable; braid.runtime.graphs)
     peers: tuple[Any, ...] | None = None  # external rows (braid.measure.peers.PeerRun: baseline x mode); None: the defaults
+    partial_json: str | None = None  # rank 0 writes the summary so far here after each round but the last

@@ -41,6 +41,7 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
 
 
 _GRACE_AFTER_DEATH_S = 30.0
+_GRACE_AFTER_RESULTS_S = 10.0  # for a rank to close once every rank has reported
 
 
 class JobFailed(RuntimeError):
@@ -98,10 +99,15 @@ def launch(world: int, device: str, fn: Callable, *args: Any, timeout_s: float =
                 missing = sorted(set(range(world)) - set(got) - set(died))
                 raise JobFailed(f"ranks {missing} did not finish within {timeout_s} s")
     finally:
+        # Once every rank has reported, a rank still closing (NCCL's destroy_process_group can
+        # hang after unbatched P2P) holds nothing of the result: it gets a short grace, then is
+        # killed, so a finished job is never lost to its teardown. One deadline for all ranks.
+        stop = time.monotonic() + (_GRACE_AFTER_RESULTS_S if len(got) == world else _GRACE_AFTER_DEATH_S)
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=max(0.0, stop - time.monotonic()))
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5.0)
     failed = {r: v for r, (ok, v) in sorted(got.items()) if not ok}
     if failed or died:
         firsts = [first for _, first in failed.values() if first is not None]

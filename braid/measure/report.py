@@ -77,7 +77,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                     "host_s": _host_s(rk)})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
            "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
-    return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "runs": out_runs,
+    done = 1 + max((r.get("round", 0) for r in raw["runs"] + raw["external"]), default=-1)
+    return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "rounds_done": done, "runs": out_runs,
             "external": ext, "best_over_external": round_ratios(out_runs, ext), "ranking": ranking(out_runs),
             "best_per_peer": best_per_peer(out_runs, ext),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "raw_profile": raw.get("raw_profile"),

@@ -3,6 +3,7 @@ graphs) and the external baselines on the same model, layout and data, step by s
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any
@@ -18,6 +19,8 @@ from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
 from braid.measure.launch import Progress, launch
 from braid.measure.report import slowest_rank_steps, summarize
 from braid.measure.units import measure_rank, tp_comm_for
+
+log = logging.getLogger(__name__)
 
 PROBE_STEPS = 11  # measured steps of the calibration probe (at least --steps)
 
@@ -170,12 +173,12 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     raw_doc = None
     # The TP all-reduce every run uses: the flag's backend, or with 'all' the profile's pick.
     comm, choice = tp_comm_for(pc, groups, d.device)
+    model = pc.build_model()  # once: the profile's chunks and every run are cut from it
     if doc is None:
-        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device), comm, choice)
+        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device, model=model), comm, choice)
         gathered: list[Any] = [None] * pc.world_size
         dist.all_gather_object(gathered, res)
         doc = raw_doc = profile_to_dict(assemble(pc, gathered))
-    model = pc.build_model()
     if bc.costs is None and bc.calibrate:
         # The probe is short (m = 2p): more steps than a benchmarked run, medians of the step
         # time and of each phase's busy time, so one slow step on a shared machine does not
@@ -252,6 +255,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             else:
                 external.append({**row, "ranks": [o for o, _ in gathered]})
             progress.step(f"{run.label} m={m}{tag}")
+        if lead and bc.partial_json and rnd + 1 < bc.rounds:
+            _write_partial(bc, {"profile": doc, "raw_profile": raw_doc if raw_doc is not doc else None, "runs": runs,
+                                "external": external, "notes": notes + [f"partial: {rnd + 1} of {bc.rounds} rounds"]})
     if bc.external:
         notes.append(peers_note(peers))
     # The uncalibrated profile travels too: its predictions are reported beside the calibrated
@@ -261,6 +267,22 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         notes.append(f"TP all-reduce backend: {comm.backend}"
                      + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
     return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes} if lead else None
+
+
+def _write_partial(bc: BenchConfig, raw: dict[str, Any]) -> None:
+    """The summary of the rounds so far to ``bc.partial_json`` (atomically; ``rounds_done`` says how
+    many): a job stopped before its last round still leaves what it measured. The other ranks go
+    on to the next run meanwhile and wait for this one at its first barrier, outside any timing."""
+    import json
+
+    from braid.io.files import atomic_write_text
+
+    try:
+        summary = summarize(bc, raw)
+        summary.pop("_traces")
+        atomic_write_text(bc.partial_json, json.dumps(summary, indent=1))
+    except (OSError, ValueError, KeyError, TypeError) as err:  # the job goes on; its final JSON is written as usual
+        log.warning("could not write the partial results to %s: %s: %s", bc.partial_json, type(err).__name__, err)
 
 
 def run_bench(bc: BenchConfig) -> dict[str, Any]:

@@ -39,7 +39,7 @@ def init_tensor(t: torch.Tensor, seed: int, name: str, std: float) -> None:
     if is_norm_weight(name):
         t.copy_(1.0 + 0.1 * torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32))
     else:
-        t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32) * std)
+        t.copy_(torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float32).mul_(std))  # in place: no second buffer
 
 
 def init_by_name(module: nn.Module, seed: int, std: float = 0.2, prefix: str = "") -> None:
