@@ -45,12 +45,14 @@ CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # unused time goes to the parts after it. Expected times on 2 H200s (torch 2.11, NCCL 2.28, fresh
 # machine, cold Inductor cache), from the first full run there, whose parts were all cut (its logs
 # say how far each got, its NCCL warnings when): expected time / share.
-#   gpu-tests        ~215 s / 270: the tests' own times summed 254 s, + ~33 s for the test cut
+#   gpu-tests        ~185 s / 270: the tests' own times summed 254 s, + ~33 s for the test cut
 #                    off, ~14 s for tests/test_vlm.py and ~20 s of collection = ~320 s; less
 #                    ~105 s of rank processes started and closed per test or module (~9 s to
 #                    start, ~3-5 s to close a pool there), which now run on the session's pool:
 #                    tp_comm ~42 s, titan ~28 s, graphs ~14 s, calibration ~12 s, attention2d
-#                    ~10 s. Of the rest, ~71 s are test_memory_gpu and test_training_gpu's two.
+#                    ~10 s. Of the rest, ~42 s are test_memory_gpu and test_training_gpu's one
+#                    (23 s and 19 s measured there; the training file's 33 s memory test is
+#                    now part of test_memory_gpu's job), so ~185 s.
 #   executor-limit    ~35 s / 50: 5 contenders had taken ~45 s with 8 steps each, ~14 s of it
 #                    start and model; now 5 contenders (braided_v; eager; torch's 3) of 6 steps,
 #                    ~5 s each, and its model built in half the time.
