@@ -63,6 +63,9 @@ CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 #   bench-tp2-pp1     ~50 s / 70: its 15 runs had ended within 59 s (then lost to a rank hanging
 #                    in destroy_process_group); its 0.7e9-parameter model now built once, faster.
 #   braided-overlap   ~24 s / 40: start + model ~17 s (~-3 s now), then ~8 s per TP backend (one).
+# Measured since on a fresh pair of H200s (benchmarks/results/acceptance_h200x2.txt): every part
+# passed in 348 s of 530 -- gpu-tests 154 s (186 s alone with a cold Inductor cache, just before),
+# executor-limit 36 s, bench-tp1-pp2 75 s, bench-tp2-pp1 57 s, braided-overlap 26 s.
 # A bench part stopped early still leaves the JSON of the rounds it finished.
 WEIGHTS = {"gpu-tests": 270, "executor-limit": 50, "bench-tp1-pp2": 110, "bench-tp2-pp1": 70, "braided-overlap": 40}
 GRACE_S = 20.0  # after SIGINT: time to write what a part has before it is killed
