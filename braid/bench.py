@@ -76,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON (with --rounds N, also after each round: "
                     "the rounds so far, 'rounds_done' of N, so a run stopped early leaves what it measured)")
     ap.add_argument("--trace-dir", metavar="DIR", help="write <schedule>_m<m>.json (simulated + measured trace) per run")
+    ap.add_argument("--probe-mbs", type=int, default=None, metavar="M",
+                    help="micro-batches of the calibration probe (default 4 x --pp: long enough that a power-capped "
+                         "GPU runs it at the clock of the benchmarked steps; it holds all M micro-batches' "
+                         "activations at once, so lower it where that does not fit)")
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
     ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>, "
                     "with -graphed where every run was one CUDA graph replay)")
@@ -86,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [s for s in args.schedule if s not in names]
     if bad:
         ap.error(f"unknown schedule {bad[0]!r}; valid names: {', '.join(names)}")
+    if args.probe_mbs is not None and args.probe_mbs < args.pp:
+        ap.error(f"--probe-mbs must be >= --pp ({args.pp}): every pipeline rank needs a micro-batch")
     if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error("--mbs, --steps and --rounds must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
@@ -96,12 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend)
         if why:
             ap.error(f"--cuda-graph step: {why}; use --cuda-graph none")
-    check_plan_size(ap, pc.pp, max(args.mbs))
+    check_plan_size(ap, pc.pp, max([*args.mbs, args.probe_mbs or 0]))
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
                      not args.no_calibrate, args.rounds, args.cuda_graph, peers=peers,
-                     partial_json=str(Path(args.json).resolve()) if args.json else None)
+                     partial_json=str(Path(args.json).resolve()) if args.json else None, probe_mbs=args.probe_mbs)
     runs, skipped = planned_runs(bc)
     if not runs:
         ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))

@@ -236,6 +236,41 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
     per_chunk = cal["probe_runs"]["busy_per_chunk_s"]
     assert {k[:4] for k in per_chunk} == {f"r{r}c{c}" for r in range(2) for c in range(2)}
     assert all(v >= 0 for v in per_chunk.values()) and sum(per_chunk.values()) > 0
+    # the probe's default length (m = 4p) and when its measured steps and each run's ran
+    assert cal["probe"] == "probe p=2 m=8"
+    t0, t1 = cal["probe_runs"]["timed_wall"]
+    for r in s["runs"]:
+        walls = r["timed_wall_rounds"]
+        assert len(walls) == 2 and all(a < b for a, b in walls) and walls[0][1] <= walls[1][0] and t1 <= walls[0][0]
+        assert {k[:4] for k in r["busy_per_chunk_s"]} == {f"r{rk}c{c}" for rk in range(2) for c in range(2)}
+    _clocks_by_run_lines_up_an_smi_log(s, tmp_path, monkeypatch)
+
+
+def _clocks_by_run_lines_up_an_smi_log(s: dict, tmp_path, monkeypatch) -> None:
+    """benchmarks/clocks_by_run.py: each run's mean clock and power over its own measured steps."""
+    import datetime
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    clocks = importlib.import_module("clocks_by_run")
+    lines = ["index, timestamp, clocks.current.sm [MHz], power.draw [W]"]
+
+    def at(t: float) -> str:
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+    # GPU 0 at 1000 + 100 x (run index) MHz inside each run's measured steps, GPU 1 at 500 MHz
+    for i, r in enumerate(s["runs"]):
+        for a, b in r["timed_wall_rounds"]:
+            mid = (a + b) / 2
+            lines += [f"0, {at(mid)}, {1000 + 100 * i}, {200 + i}", f"1, {at(mid)}, 500, 100"]
+    smi = tmp_path / "smi.csv"
+    smi.write_text("\n".join(lines) + "\n")
+    out = clocks.report(s, clocks.read_smi(str(smi), 0.0))
+    for i, r in enumerate(s["runs"]):
+        row = next(line for line in out if line.startswith(f"{r['schedule']:<16}"))
+        assert row.count(f"{1000 + 100 * i} MHz  {200 + i} W   500 MHz  100 W") == 2, row
+    bench = tmp_path / "b.json"
+    bench.write_text(json.dumps({"runs": [{k: v for k, v in r.items() if k != "timed_wall_rounds"} for r in s["runs"]]}))
+    assert clocks.main([str(bench), str(smi)]) == 2  # a bench from before the epoch times were kept: one line
 
 
 def test_ranking_flags_only_pairs_apart_by_more_than_the_gap() -> None:

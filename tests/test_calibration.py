@@ -142,14 +142,15 @@ def test_a_run_stored_before_the_capture_kept_its_evidence_refits_like_its_store
     assert refit(bare)["meta"]["calibration"]["cuda_graph"] == "none"
 
 
-def _probe_pp2(truth: dict):
-    """The probe at pp=2, V placement (four stages): its graphed step under ``truth`` (no host
-    lane) and the busy time per rank, chunk and phase its recorded steps would show."""
+def _probe_pp2(truth: dict, graphed: bool = True):
+    """The probe at pp=2, V placement (four stages): its step under ``truth`` (graphed: no host
+    lane; eager: ``truth``'s) and the busy time per rank, chunk and phase its recorded steps would show."""
     from braid.measure.calibrate import busy_by_chunk
 
     plan = probe_plan(2, 4, 2)
     lay, specs = Layout(1, 2, 2, plan.placement), chunk_specs((1, 1, 1, 1), 2, plan.placement)
-    run = simulate(compile_plan(plan), costs_from_dict({**truth, "host_task_s": 0.0}, lay, specs), name="probe", record=True)
+    lane = {"host_task_s": 0.0} if graphed else {}
+    run = simulate(compile_plan(plan), costs_from_dict({**truth, **lane}, lay, specs), name="probe", record=True)
     per_chunk = busy_by_chunk(run.trace)
     fused = {}  # the executor fuses a BW op at tp=1: W's time is recorded inside B
     for key, t in per_chunk.items():
@@ -159,24 +160,26 @@ def _probe_pp2(truth: dict):
     return plan, run.report.step_time_s, {**busy, "W": 0.0}, fused
 
 
-def test_a_graphed_probe_at_tp1_gives_each_stage_its_own_measured_scale() -> None:
+@pytest.mark.parametrize("mode", ["step", "none"])
+def test_a_probe_at_tp1_gives_each_stage_its_own_measured_scale(mode: str) -> None:
     # The stage holding the head (3) runs its backward 1.2x and stage 0 its forward 1.1x slower
     # in the pipeline than profiled; the P2P takes its profiled time. The per-stage busy time of
-    # the probe, confirmed by its graphed step, gives each stage its scale and leaves the P2P time
-    # where it was, where one per-phase scale (capped at 1) had put the whole difference into P2P.
+    # the probe, confirmed by its own step (graphed, or eager with its host lane), gives each
+    # stage its scale and leaves the P2P time where it was, where one per-phase scale (capped
+    # at 1) had put the whole difference into P2P.
     stage = dict(STAGE, T_AR=0.0, T_AR_B=0.0, T_P2P=0.05)
     doc = {"format": "braid-costs/1", "host_task_s": 0.3, "chunks": {str(s): dict(stage) for s in range(4)}}
     truth = {**doc, "chunks": {**doc["chunks"], "0": dict(stage, T_F=1.1), "3": dict(stage, T_B=1.44, T_W=0.96)}}
-    plan, step_s, busy, per_chunk = _probe_pp2(truth)
+    plan, step_s, busy, per_chunk = _probe_pp2(truth, graphed=mode == "step")
     cfg = ProfileConfig(MODEL, (1, 1, 1, 1), seq=8, pp=2, tp=1)
-    cal = calibrate(doc, cfg, plan, step_s, busy, {"cuda_graph": "step", "busy_per_chunk_s": per_chunk})["meta"]["calibration"]
+    cal = calibrate(doc, cfg, plan, step_s, busy, {"cuda_graph": mode, "busy_per_chunk_s": per_chunk})["meta"]["calibration"]
     per_stage = cal["compute_scale_per_stage"]
     assert per_stage["0"]["F"] == pytest.approx(1.1, rel=1e-6) and per_stage["3"]["B"] == pytest.approx(1.2, rel=1e-6)
     assert per_stage["3"]["W"] == per_stage["3"]["B"] and per_stage["1"] == pytest.approx({"F": 1.0, "B": 1.0, "W": 1.0})
     assert cal["p2p_s"] == pytest.approx(0.05, rel=1e-3) and abs(cal["probe_error"]) < 1e-3
     assert all(SCALE_BOUNDS[0] <= v <= SCALE_BOUNDS[1] for v in fitted_factors(cal).values())
     # without the per-chunk evidence (an older capture) the capped per-phase rule stands
-    old = calibrate(doc, cfg, plan, step_s, busy, {"cuda_graph": "step"})["meta"]["calibration"]
+    old = calibrate(doc, cfg, plan, step_s, busy, {"cuda_graph": mode})["meta"]["calibration"]
     assert "compute_scale_per_stage" not in old and old["compute_scale_per_phase"] == pytest.approx({"F": 1.0, "B": 1.0, "W": 1.0})
 
 

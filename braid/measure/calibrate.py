@@ -86,6 +86,22 @@ def probe_plan(p: int, m: int, v: int = 2):
     return Plan("probe", ScheduleConfig(p, m, v), placement, tuple(ranks))
 
 
+# The probe's default m = 4p (bench --probe-mbs sets another). Under a power cap the SM clock
+# follows how long a device stays busy: on 2 H200s at 700 W a probe of m = 2p ran its busiest
+# rank at ~1730 MHz, the benchmarked m = 8 steps at ~1480-1540 MHz, and every run was
+# predicted 3-12% fast; at m = 4p the probe ran at ~1550 MHz, as the runs do
+# (benchmarks/results/probe_clocks_h200x2.txt).
+PROBE_MBS_PER_RANK = 4
+
+
+def probe_mbs(p: int, cal: dict[str, Any] | None = None) -> int:
+    """The probe's micro-batch count: the one a stored calibration names (``"probe p=2 m=8"``),
+    else the default ``PROBE_MBS_PER_RANK * p``."""
+    label = (cal or {}).get("probe", "")
+    m = next((w[2:] for w in label.split() if w.startswith("m=")), "")
+    return int(m) if m.isdigit() else PROBE_MBS_PER_RANK * p
+
+
 SCALE_BOUNDS = (0.67, 1.5)  # a fitted scale outside these is a missing mechanism, not a constant
 
 
@@ -239,10 +255,10 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
             fit["ar_scale"] = _fit(lambda x, sc=scale: step(build(sc, ar=x)), measured_step_s, *SCALE_BOUNDS)
         elif not graphed:
             fit["host_task_s"] = _fit(lambda x, sc=scale: step(build(sc, host=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
-    # 2b. A graphed probe at tp = 1: its busy time per stage and phase, where the probe's own step
-    # confirms it is device time (see stage_busy_scales).
+    # 2b. A probe at tp = 1 (graphed or eager): its busy time per stage and phase, where the
+    # probe's own timed step confirms it is device time (see stage_busy_scales).
     per_stage = None
-    if graphed and joint and pc.pp > 1 and probe.get("busy_per_chunk_s"):
+    if joint and pc.pp > 1 and probe.get("busy_per_chunk_s"):
         per_stage = stage_busy_scales(base, probe["busy_per_chunk_s"], programs, lay, specs)
         if step(build(ones, p2p=0.0, per_stage=per_stage)) <= measured_step_s * (1 + 1e-3):
             scale = ones
@@ -288,9 +304,10 @@ def stage_busy_scales(doc: dict[str, Any], busy_per_chunk_s: dict[str, float], p
     The profiler times each unit alone, on an idle device at full clocks; in the pipeline the
     same ops run slower (both devices busy, the power cap lowering clocks; the stage holding
     the LM head and loss more so), and by how much differs per stage. Recorded spans can also
-    hold host gaps, so :func:`calibrate` takes these scales only where a whole-step graph probe
-    (no host in its step) confirms them: the probe simulated with them and no P2P time at all
-    must not be longer than measured."""
+    hold host gaps, so :func:`calibrate` takes these scales only where the probe's own timed
+    step confirms them: the probe simulated with them, no P2P time at all and its host lane
+    (none for a whole-step graph replay; the profiled one eager) must not be longer than
+    measured."""
     from braid.core.ir import stage_of
     from braid.simulator import simulate
 

@@ -218,3 +218,4 @@ class BenchConfig:
     cuda_graph: str | None = None  # braid's runs: "none", "step" or None (graphs where capturable; braid.runtime.graphs)
     peers: tuple[Any, ...] | None = None  # external rows (braid.measure.peers.PeerRun: baseline x mode); None: the defaults
     partial_json: str | None = None  # rank 0 writes the summary so far here after each round but the last
+    probe_mbs: int | None = None  # the calibration probe's m (None: calibrate.probe_mbs's default)

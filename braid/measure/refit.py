@@ -32,6 +32,7 @@ from braid.measure.calibrate import (
     calibrate,
     fitted_factors,
     predict,
+    probe_mbs,
     probe_plan,
     rel_err,
 )
@@ -67,7 +68,7 @@ def calibration_inputs(entry: dict[str, Any]) -> tuple[dict[str, Any], float, di
     if not cal:
         raise ValueError("the run was not calibrated (--no-calibrate or --costs): nothing to re-fit")
     pc = profile_config(entry)
-    plan = probe_plan(pc.pp, 2 * pc.pp, pc.v)
+    plan = probe_plan(pc.pp, probe_mbs(pc.pp, cal), pc.v)
     specs = chunk_specs(pc.layers_per_stage, pc.pp, plan.placement)
     raw = entry.get("raw_profile")
     if raw is None:
@@ -114,7 +115,8 @@ def refit(entry: dict[str, Any]) -> dict[str, Any]:
     """The profile a stored run's probe gives under the current calibration."""
     raw, step_s, busy, probe = calibration_inputs(entry)
     pc = profile_config(entry)
-    return calibrate(raw, pc, probe_plan(pc.pp, 2 * pc.pp, pc.v), step_s, busy, probe)
+    cal = entry["profile"]["meta"]["calibration"]
+    return calibrate(raw, pc, probe_plan(pc.pp, probe_mbs(pc.pp, cal), pc.v), step_s, busy, probe)
 
 
 def judge(entry: dict[str, Any], profile: dict[str, Any], gap: float | None = None) -> dict[str, Any]:

@@ -28,6 +28,9 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
     out_runs = []
     traces = {}
     by_round = _round_steps(raw["runs"])
+    walls: dict[tuple[str, int], list] = {}
+    for r in sorted(raw["runs"], key=lambda r: r.get("round", 0)):
+        walls.setdefault((r["schedule"], r["m"]), []).append(r["ranks"][0].get("wall"))
     for r in raw["runs"]:
         if r.get("round", 0) != 0:
             continue  # later rounds only add step times (step_s_rounds)
@@ -54,7 +57,11 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "host_s": _host_s(ranks), "cuda_graph": ranks[0].get("cuda_graph"),
                          "graph_pool_bytes": [rk.get("graph_pool_bytes") for rk in ranks],
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None),
-                         "braided_blocks": ranks[0].get("braided_blocks")})
+                         "braided_blocks": ranks[0].get("braided_blocks"),
+                         # where its time went: the epoch seconds of each round's measured steps (rank 0),
+                         # and the busy time per rank, chunk and phase of the recorded step after them
+                         "timed_wall_rounds": walls[(r["schedule"], r["m"])],
+                         "busy_per_chunk_s": _chunk_busy(ranks)})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
         merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
                        [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})
@@ -83,6 +90,13 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
             "best_per_peer": best_per_peer(out_runs, ext),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "raw_profile": raw.get("raw_profile"),
             "_traces": traces}
+
+
+def _chunk_busy(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Busy seconds per rank, chunk and phase (``r<rank>c<chunk><phase>``) of a run's recorded step,
+    merged over the ranks that recorded one (None where none did)."""
+    got = [rk["chunk_busy"][0] for rk in ranks if rk.get("chunk_busy")]
+    return {k: v for b in got for k, v in b.items()} or None
 
 
 def _host_s(ranks: list[dict[str, Any]]) -> float | None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from braid.measure.peers import PeerRun, peer_fields, peer_runs_default, peers_note, torch_groups
 from braid.cost.costs import Layout, costs_from_dict
 from braid.planner.braid_tune import count_blocks
-from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_plan
+from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_mbs, probe_plan
 from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
 from braid.measure.launch import Progress, launch
 from braid.measure.report import slowest_rank_steps, summarize
@@ -45,16 +45,21 @@ def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[torch.Tens
 
 
 def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None = None,
-                 on_result=None, warmup: int | None = None) -> tuple[list[float], int, Any, list[float]]:
+                 on_result=None, warmup: int | None = None, wall: list[float] | None = None
+                 ) -> tuple[list[float], int, Any, list[float]]:
     """Warm-up then measured steps (``steps``, default ``bc.steps``); returns (per-step seconds,
     peak bytes above the pre-step baseline, last result, per-step CPU seconds of this thread
-    launching the step). ``on_result`` sees each measured step's result."""
+    launching the step). ``on_result`` sees each measured step's result; ``wall`` gets the
+    epoch seconds at the start and the end of the measured steps (to line them up with a
+    clock or power log taken beside the job)."""
     times, peak, res, host = [], 0, None, []
     steps = bc.steps if steps is None else steps
     warmup = bc.warmup if warmup is None else warmup
     for i in range(warmup + steps):
         _sync(dev)
         dist.barrier()
+        if wall is not None and i == warmup:
+            wall.append(time.time())
         base = 0
         if dev.type == "cuda":
             base = torch.cuda.memory_allocated(dev)
@@ -71,6 +76,8 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None
                 on_result(res)
             if dev.type == "cuda":
                 peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
+    if wall is not None:
+        wall.append(time.time())
     return times, peak, res, host
 
 
@@ -108,7 +115,9 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
             ch.zero_grad(set_to_none=False)
         return graph.run(toks, labs, record=record)
 
-    times, peak, _, host = _timed_steps(bc, dev, step, steps, warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None)
+    wall: list[float] = []
+    times, peak, _, host = _timed_steps(bc, dev, step, steps, warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None,
+                                        wall=wall)
     mem = graph.memory()
     if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took
         peak = mem["capture_peak_bytes"] or 0
@@ -131,7 +140,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         peak = res.trace.peak_memory(groups.coords.pp)
     keep = groups.coords.tp == 0
     return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
-            "chunk_busy": chunk_busy if keep else None,
+            "chunk_busy": chunk_busy if keep else None, "wall": wall,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
             "braided_blocks": count_blocks(plan)}
 
@@ -180,10 +189,10 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         dist.all_gather_object(gathered, res)
         doc = raw_doc = profile_to_dict(assemble(pc, gathered))
     if bc.costs is None and bc.calibrate:
-        # The probe is short (m = 2p): more steps than a benchmarked run, medians of the step
+        # The probe is short (m = 4p by default): more steps than a benchmarked run, medians of the step
         # time and of each phase's busy time, so one slow step on a shared machine does not
         # land in the fitted communication figure.
-        plan = probe_plan(pc.pp, 2 * pc.pp, pc.v)
+        plan = probe_plan(pc.pp, bc.probe_mbs or probe_mbs(pc.pp), pc.v)
         out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps), comm=comm)
         gathered = [None] * pc.world_size
         dist.all_gather_object(gathered, out)
@@ -201,7 +210,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             n_rec = len(out["recorded"])
             per_chunk = [{k: v for rk in gathered if rk.get("chunk_busy") is not None for k, v in rk["chunk_busy"][i].items()}
                          for i in range(n_rec)]
-            probe = {"cuda_graph": out["cuda_graph"],
+            probe = {"cuda_graph": out["cuda_graph"], "timed_wall": out["wall"],
                      "host_s": max((statistics.median(rk["host"]) for rk in gathered if rk.get("host")), default=0.0),
                      "recorded_step_s": statistics.median(max(rk["recorded"][i]["wall_s"] for rk in gathered)
                                                           for i in range(n_rec)),
