@@ -287,3 +287,18 @@ def test_ranking_flags_only_pairs_apart_by_more_than_the_gap() -> None:
     assert [(a, b) for a, b, _ in r[4]["wrong"]] == [("a", "b")]  # c vs b: 2.9% apart, within the gap
     assert r[4]["wrong"][0][2] == pytest.approx(0.05)
     assert r[8]["wrong"] == []
+
+
+def test_a_probe_out_of_device_memory_says_how_to_make_it_fit(monkeypatch) -> None:
+    import torch
+
+    from braid.measure import runs
+    from braid.measure.calibrate import probe_plan
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(runs, "_run_schedule", oom)
+    cfg = ProfileConfig(Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64), (1, 1, 1, 1), seq=8, pp=2)
+    with pytest.raises(RuntimeError, match=r"probe \(m=8.*--probe-mbs \(at least --pp 2\) or skip it with --no-calibrate"):
+        runs._run_probe(None, BenchConfig(cfg), None, None, probe_plan(2, 8, 2), None)

@@ -193,7 +193,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         # time and of each phase's busy time, so one slow step on a shared machine does not
         # land in the fitted communication figure.
         plan = probe_plan(pc.pp, bc.probe_mbs or probe_mbs(pc.pp), pc.v)
-        out = _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps), comm=comm)
+        out = _run_probe(d, bc, groups, model, plan, comm)
         gathered = [None] * pc.world_size
         dist.all_gather_object(gathered, out)
         if lead:
@@ -276,6 +276,16 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         notes.append(f"TP all-reduce backend: {comm.backend}"
                      + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
     return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes} if lead else None
+
+
+def _run_probe(d, bc: BenchConfig, groups, model, plan, comm) -> dict[str, Any]:
+    """The calibration probe's run; one that runs out of device memory says how to make it fit."""
+    try:
+        return _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps), comm=comm)
+    except torch.cuda.OutOfMemoryError as err:
+        raise RuntimeError(f"the calibration probe (m={plan.m}: every micro-batch's activations at once) ran out of "
+                           f"device memory; lower it with --probe-mbs (at least --pp {plan.p}) or skip it with "
+                           f"--no-calibrate") from err
 
 
 def _write_partial(bc: BenchConfig, raw: dict[str, Any]) -> None:
