@@ -189,9 +189,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         dist.all_gather_object(gathered, res)
         doc = raw_doc = profile_to_dict(assemble(pc, gathered))
     if bc.costs is None and bc.calibrate:
-        # The probe is short (m = 4p by default): more steps than a benchmarked run, medians of the step
-        # time and of each phase's busy time, so one slow step on a shared machine does not
-        # land in the fitted communication figure.
+        # The probe (m = 4p by default, see calibrate.PROBE_MBS_PER_RANK): more steps than a
+        # benchmarked run, medians of the step time and of each phase's busy time, so one slow
+        # step on a shared machine does not land in the fitted communication figure.
         plan = probe_plan(pc.pp, bc.probe_mbs or probe_mbs(pc.pp), pc.v)
         out = _run_probe(d, bc, groups, model, plan, comm)
         gathered = [None] * pc.world_size
