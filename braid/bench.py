@@ -83,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
     ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>, "
                     "with -graphed where every run was one CUDA graph replay)")
+    ap.add_argument("--compute-busy", action="store_true",
+                    help="profile one more step of every run and baseline in the first round (CUDA): each rank's "
+                         "compute time, NCCL kernels and copies left out, and from it the most any schedule of this "
+                         "partition and these kernels could gain over the best baseline")
     add_peer_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -102,12 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend)
         if why:
             ap.error(f"--cuda-graph step: {why}; use --cuda-graph none")
+    if args.compute_busy and pc.device != "cuda":
+        ap.error("--compute-busy reads the CUDA profiler; it needs --device cuda")
     check_plan_size(ap, pc.pp, max([*args.mbs, args.probe_mbs or 0]))
     check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
                      not args.no_calibrate, args.rounds, args.cuda_graph, peers=peers,
-                     partial_json=str(Path(args.json).resolve()) if args.json else None, probe_mbs=args.probe_mbs)
+                     partial_json=str(Path(args.json).resolve()) if args.json else None, probe_mbs=args.probe_mbs,
+                     compute_busy=args.compute_busy)
     runs, skipped = planned_runs(bc)
     if not runs:
         ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))

@@ -243,6 +243,8 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
         walls = r["timed_wall_rounds"]
         assert len(walls) == 2 and all(a < b for a, b in walls) and walls[0][1] <= walls[1][0] and t1 <= walls[0][0]
         assert {k[:4] for k in r["busy_per_chunk_s"]} == {f"r{rk}c{c}" for rk in range(2) for c in range(2)}
+        assert r["compute_s"] is None  # profiled only with --compute-busy (CUDA)
+    assert s["compute_bound"] == {} and all(e.get("compute_s") is None for e in s["external"])
     _clocks_by_run_lines_up_an_smi_log(s, tmp_path, monkeypatch)
 
 

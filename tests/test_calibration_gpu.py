@@ -37,7 +37,8 @@ def test_graphed_tp2_calibration_keeps_its_evidence_and_refits_offline(gpu_pools
 
     model = Qwen2Config(vocab_size=1024, hidden=256, layers=1, heads=8, kv_heads=4, ffn=512)
     pc = ProfileConfig(model, (1, 1), seq=256, tp=2, pp=1, dtype="bfloat16", device="cuda", iters=3, compile=False)
-    bc = BenchConfig(pc, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=3, external=False, cuda_graph="step")
+    bc = BenchConfig(pc, ("braided_v", "1f1b_i"), (4,), warmup=1, steps=3, external=False, cuda_graph="step",
+                     compute_busy=True)
     s = summarize(bc, gpu_pools(2).run(_bench_on_rank, bc, timeout_s=GPU_RUN_S)[0])
     cal = s["profile"]["meta"]["calibration"]
     assert cal["cuda_graph"] == "step" and cal["probe_runs"]["cuda_graph"] == "step"
@@ -49,7 +50,11 @@ def test_graphed_tp2_calibration_keeps_its_evidence_and_refits_offline(gpu_pools
     assert set(s["raw_profile"]["meta"]["host_task_s_per_phase"]) == {"F", "B", "W"}
     lo, hi = SCALE_BOUNDS
     assert all(lo <= v <= hi for v in fitted_factors(cal).values()), cal
-    assert "graphed: no host lane" in format_report(s)
+    # --compute-busy: one profiled replay per run, every rank's compute (NCCL kernels left out)
+    for r in s["runs"]:
+        assert len(r["compute_s"]) == 2 and min(r["compute_s"]) > 0, r["compute_s"]
+    assert s["compute_bound"][4]["busiest_s"] == min(max(r["compute_s"]) for r in s["runs"])
+    assert "graphed: no host lane" in format_report(s) and "compute per rank at m=4" in format_report(s)
     out = tmp_path / "m.json"
     s.pop("_traces")
     capture(s, out, "gpu-tp2-graphed")

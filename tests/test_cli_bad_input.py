@@ -100,6 +100,7 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
     "bench-capture-not-measurements": (["braid.bench", "--capture", "m.json"], {"m.json": "{}"}, "not a measurements file"),
     "bench-mbs0": (["braid.bench", "--mbs", "0"], {}, "--mbs"),
     "bench-rounds0": (["braid.bench", "--rounds", "0"], {}, "--rounds"),
+    "bench-compute-busy-cpu": (["braid.bench", "--device", "cpu", "--compute-busy"], {}, "--compute-busy reads the CUDA profiler"),
     "bench-no-run-fits": (["braid.bench", "--pp", "2", "--chunks", "1", "--schedule", "braided_v"], {}, "no run fits"),
     "bench-peak-flops": (["braid.bench", "--peak-flops", "inf"], {}, "--peak-flops"),
     "bench-trace-dir-is-file": (["braid.bench", "--trace-dir", "m.json"], {"m.json": "{}"}, "not a directory"),

@@ -219,3 +219,4 @@ class BenchConfig:
     peers: tuple[Any, ...] | None = None  # external rows (braid.measure.peers.PeerRun: baseline x mode); None: the defaults
     partial_json: str | None = None  # rank 0 writes the summary so far here after each round but the last
     probe_mbs: int | None = None  # the calibration probe's m (None: calibrate.probe_mbs's default)
+    compute_busy: bool = False  # profile one more step per run and row in the first round: compute per rank (CUDA)

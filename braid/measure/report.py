@@ -61,7 +61,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          # where its time went: the epoch seconds of each round's measured steps (rank 0),
                          # and the busy time per rank, chunk and phase of the recorded step after them
                          "timed_wall_rounds": walls[(r["schedule"], r["m"])],
-                         "busy_per_chunk_s": _chunk_busy(ranks)})
+                         "busy_per_chunk_s": _chunk_busy(ranks), "compute_s": _compute(ranks)})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
         merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
                        [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})
@@ -81,13 +81,13 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         ext.append({"schedule": e["schedule"], "peer": e.get("peer"), "mode": e.get("mode"), "m": e["m"], "step_s": step_s,
                     "step_s_rounds": rounds,
                     "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks,
-                    "host_s": _host_s(rk)})
+                    "host_s": _host_s(rk), "compute_s": _compute(rk)})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
            "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
     done = 1 + max((r.get("round", 0) for r in raw["runs"] + raw["external"]), default=-1)
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "rounds_done": done, "runs": out_runs,
             "external": ext, "best_over_external": round_ratios(out_runs, ext), "ranking": ranking(out_runs),
-            "best_per_peer": best_per_peer(out_runs, ext),
+            "best_per_peer": best_per_peer(out_runs, ext), "compute_bound": compute_bound(out_runs, ext),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "raw_profile": raw.get("raw_profile"),
             "_traces": traces}
 
@@ -97,6 +97,58 @@ def _chunk_busy(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
     merged over the ranks that recorded one (None where none did)."""
     got = [rk["chunk_busy"][0] for rk in ranks if rk.get("chunk_busy")]
     return {k: v for b in got for k, v in b.items()} or None
+
+
+def _compute(ranks: list[dict[str, Any]]) -> list[float] | None:
+    """Each rank's compute seconds in its profiled step (``--compute-busy``), or None where not measured."""
+    got = [rk.get("compute_s") for rk in ranks]
+    return None if any(g is None for g in got) else got
+
+
+def compute_bound(runs: list[dict[str, Any]], external: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per m with profiled compute (``--compute-busy``): how far a schedule of this partition and these
+    kernels could go.
+
+    A step is at least its busiest rank's compute, and no placement of the same work is shorter than
+    the ranks' mean compute. Over braid's runs at m, the least busiest-rank figure (``busiest_s``, its
+    schedule ``busiest_of``) and the least mean (``mean_s``, ``mean_of``); against the best baseline
+    row's median step (``external``, ``external_step_s``), ``ceiling`` = that step / ``busiest_s``
+    (what no schedule of this partition can beat) and ``ceiling_balanced`` = that step / ``mean_s``
+    (the work spread evenly, no bubble)."""
+    out: dict[int, dict[str, Any]] = {}
+    for m in sorted({r["m"] for r in runs}):
+        rs = [r for r in runs if r["m"] == m and r.get("compute_s")]
+        if not rs:
+            continue
+        busiest = min(rs, key=lambda r: max(r["compute_s"]))
+        even = min(rs, key=lambda r: statistics.mean(r["compute_s"]))
+        row = {"busiest_s": max(busiest["compute_s"]), "busiest_of": busiest["schedule"],
+               "mean_s": statistics.mean(even["compute_s"]), "mean_of": even["schedule"]}
+        ext = [e for e in external if e["m"] == m and "step_s" in e]
+        if ext:
+            best = min(ext, key=lambda e: e["step_s"])
+            row.update(external=best["schedule"], external_step_s=best["step_s"],
+                       ceiling=best["step_s"] / row["busiest_s"], ceiling_balanced=best["step_s"] / row["mean_s"])
+        out[m] = row
+    return out
+
+
+def format_compute(summary: dict[str, Any]) -> list[str]:
+    """The report's lines on profiled compute per rank and the ceiling it sets (``--compute-busy``)."""
+    lines = []
+    ms = lambda xs: "/".join(f"{x * 1e3:.1f}" for x in xs)  # noqa: E731
+    for m, b in sorted(summary.get("compute_bound", {}).items()):
+        rows = [f"{r['schedule']} {ms(r['compute_s'])}" for r in summary["runs"] if r["m"] == m and r.get("compute_s")]
+        rows += [f"{e['schedule']} {ms(e['compute_s'])}" for e in summary["external"] if e["m"] == m and e.get("compute_s")]
+        lines.append(f"compute per rank at m={m} (ms, one profiled step, NCCL kernels and copies left out): " + "; ".join(rows))
+        line = (f"ceiling at m={m}: braid's busiest rank computes at least {b['busiest_s'] * 1e3:.1f} ms ({b['busiest_of']}), "
+                f"its ranks {b['mean_s'] * 1e3:.1f} ms on average ({b['mean_of']})")
+        if "ceiling" in b:
+            line += (f"; against the best baseline row ({b['external']}, {b['external_step_s'] * 1e3:.1f} ms) no schedule of "
+                     f"this partition and these kernels gets past {b['ceiling']:.3f}x, the work spread evenly with no "
+                     f"bubble {b['ceiling_balanced']:.3f}x")
+        lines.append(line)
+    return lines
 
 
 def _host_s(ranks: list[dict[str, Any]]) -> float | None:
@@ -186,6 +238,7 @@ def format_report(summary: dict[str, Any]) -> str:
         spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
         lines.append(f"braid's best / best external baseline at m={m} (tokens/s, within a round): {b['median']:.3f}x{spread}")
     lines += format_per_peer(summary.get("best_per_peer", {}))
+    lines += format_compute(summary)
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:
         fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s", "compute_factor")}

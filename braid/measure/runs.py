@@ -82,7 +82,7 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None
 
 
 def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
-                  comm=None) -> dict[str, Any]:
+                  comm=None, busy_step: bool = False) -> dict[str, Any]:
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.models.build import build_rank_chunks
@@ -121,6 +121,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     mem = graph.memory()
     if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took
         peak = mem["capture_peak_bytes"] or 0
+    compute_s = _compute_step(dev, step) if busy_step else None
     graph.release()
     busy: list[dict[str, float]] = []
     chunk_busy: list[dict[str, float]] = []  # the same per rank, chunk and phase (where it was spent)
@@ -142,10 +143,21 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
             "chunk_busy": chunk_busy if keep else None, "wall": wall,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
-            "braided_blocks": count_blocks(plan)}
+            "braided_blocks": count_blocks(plan), "compute_s": compute_s}
 
 
-def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, shared: dict[str, Any]) -> dict[str, Any]:
+def _compute_step(dev: torch.device, step) -> float:
+    """One more step, as the timed ones ran, under the CUDA profiler: this rank's compute seconds
+    (:mod:`braid.measure.device_busy`). The ranks start it together, as every timed step."""
+    from braid.measure.device_busy import compute_busy_s
+
+    _sync(dev)
+    dist.barrier()
+    return compute_busy_s(step, dev)[0]
+
+
+def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, shared: dict[str, Any],
+                  busy_step: bool = False) -> dict[str, Any]:
     """One external baseline (torch.distributed.pipelining, megatron-core) in its mode on the same model split
     (:mod:`braid.baselines.torch_pp`); ``shared`` holds the torch baselines' groups, made once per job."""
     from braid.baselines.torch_pp import baseline_pipeline
@@ -164,8 +176,9 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
         return pipe.step((x,), y)
 
     times, peak, _, host = _timed_steps(bc, dev, step)
+    compute_s = _compute_step(dev, step) if busy_step else None
     pipe.close()
-    return {"times": times, "peak": peak if dev.type == "cuda" else None, "host": host}
+    return {"times": times, "peak": peak if dev.type == "cuda" else None, "host": host, "compute_s": compute_s}
 
 
 def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
@@ -234,7 +247,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
                 progress.step(f"{name} m={m} skipped")
                 continue
             try:
-                out = _run_schedule(d, bc, groups, model, name, m, comm=comm)
+                out = _run_schedule(d, bc, groups, model, name, m, comm=comm, busy_step=bc.compute_busy and rnd == 0)
             except ValueError as err:
                 notes.append(f"skipped {name} m={m}: {err}")
                 skip.add((name, m))
@@ -251,7 +264,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             out, err = None, run.why
             if err is None:
                 try:
-                    out = _run_external(d, bc, groups, model, run, m, peer_groups)
+                    out = _run_external(d, bc, groups, model, run, m, peer_groups, busy_step=bc.compute_busy and rnd == 0)
                 except Exception as e:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
                     err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             gathered = [None] * pc.world_size

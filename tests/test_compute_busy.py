@@ -1,0 +1,92 @@
+"""The compute busy time per rank (``braid.bench --compute-busy``): the union of a profiled step's
+kernels on one device, NCCL kernels and copies left out, and the ceiling it sets against the best
+baseline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.measure.device_busy import compute_busy_s, compute_intervals, union_length
+from braid.measure.report import compute_bound, format_compute
+
+
+def test_union_counts_overlaps_once_and_gaps_not_at_all() -> None:
+    assert union_length([]) == 0.0
+    assert union_length([(0, 2), (1, 3), (5, 6), (5.5, 5.7), (3, 4)]) == pytest.approx(5.0)  # [0, 4] and [5, 6]
+    with pytest.raises(ValueError, match="ends before it starts"):
+        union_length([(2, 1)])
+
+
+def test_compute_intervals_keep_this_devices_kernels_and_memsets_only() -> None:
+    def ev(cat, name, ts, dur, device=0, ph="X"):
+        return {"ph": ph, "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"device": device, "stream": 7}}
+
+    events = [ev("kernel", "sm90_xmma_gemm_bf16", 10, 5),
+              ev("gpu_memset", "Memset (Device)", 16, 1),
+              ev("kernel", "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 0, 100),  # spins on its peer
+              ev("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 20, 30),  # a copy engine, beside the kernels
+              ev("kernel", "sm90_xmma_gemm_bf16", 12, 50, device=1),  # another device's
+              ev("cpu_op", "aten::mm", 10, 5),
+              {"ph": "M", "name": "process_name", "args": {"name": "python"}}]
+    assert compute_intervals(events, 0) == [(10.0, 15.0), (16.0, 17.0)]
+    assert compute_intervals(events, 1) == [(12.0, 62.0)]
+
+
+def test_compute_busy_needs_cuda() -> None:
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        compute_busy_s(lambda: None, torch.device("cpu"))
+
+
+def _run(name: str, m: int, compute: list[float] | None, step: float) -> dict:
+    return {"schedule": name, "m": m, "step_s": step, "compute_s": compute}
+
+
+def test_compute_bound_takes_the_least_busiest_rank_and_the_least_mean_against_the_best_baseline() -> None:
+    runs = [_run("a", 8, [0.20, 0.16], 0.21), _run("b", 8, [0.21, 0.13], 0.22), _run("a", 4, None, 0.1)]
+    ext = [{"schedule": "x [compile]", "m": 8, "step_s": 0.25, "compute_s": [0.24, 0.23]},
+           {"schedule": "y [eager]", "m": 8, "step_s": 0.30, "compute_s": None},
+           {"schedule": "z [graphed]", "m": 8, "error": "needs CUDA"}]
+    b = compute_bound(runs, ext)
+    assert list(b) == [8]  # m=4 was not profiled
+    row = b[8]
+    assert (row["busiest_of"], row["busiest_s"]) == ("a", 0.20)
+    assert row["mean_of"] == "b" and row["mean_s"] == pytest.approx(0.17)
+    assert row["external"] == "x [compile]" and row["ceiling"] == pytest.approx(1.25)
+    assert row["ceiling_balanced"] == pytest.approx(0.25 / 0.17)
+    assert compute_bound(runs, [])[8].get("ceiling") is None  # no baseline row: the figures without a ceiling
+    lines = format_compute({"runs": runs, "external": ext, "compute_bound": b})
+    assert lines[0].startswith("compute per rank at m=8") and "a 200.0/160.0" in lines[0] and "x [compile] 240.0/230.0" in lines[0]
+    assert "y [eager]" not in lines[0]
+    assert "gets past 1.250x" in lines[1] and f"no bubble {0.25 / 0.17:.3f}x" in lines[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compute_busy_sees_a_graph_replays_kernels_and_not_its_idle_time() -> None:
+    """A CUDA graph of GEMMs with a host sleep before its replay: the profiler sees the graph's
+    kernels (busy > 0), and the 50 ms the device sat idle are not counted (20 GEMMs of 2048^3
+    take well under a millisecond on any GPU that runs bf16)."""
+    import time
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            b = a @ a  # warm-up (cuBLAS workspaces) outside the capture
+    torch.cuda.current_stream(dev).wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            b = a @ a
+    def step():
+        time.sleep(0.05)  # idle device, then the replay
+        g.replay()
+
+    t = time.perf_counter()
+    busy, _ = compute_busy_s(step, dev)
+    wall = time.perf_counter() - t
+    assert 0 < busy < 0.05 < wall
+    del b
