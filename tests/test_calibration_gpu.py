@@ -53,6 +53,7 @@ def test_graphed_tp2_calibration_keeps_its_evidence_and_refits_offline(gpu_pools
     # --compute-busy: one profiled replay per run, every rank's compute (NCCL kernels left out)
     for r in s["runs"]:
         assert len(r["compute_s"]) == 2 and min(r["compute_s"]) > 0, r["compute_s"]
+        assert all(k and all(t > 0 and n > 0 for _, t, n in k) for k in r["compute_kernels"])
     assert s["compute_bound"][4]["busiest_s"] == min(max(r["compute_s"]) for r in s["runs"])
     assert "graphed: no host lane" in format_report(s) and "compute per rank at m=4" in format_report(s)
     out = tmp_path / "m.json"

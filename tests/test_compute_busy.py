@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.measure.device_busy import compute_busy_s, compute_intervals, union_length
+from braid.measure.device_busy import compute_busy_s, compute_intervals, top_kernels, union_length
 from braid.measure.report import compute_bound, format_compute
 
 
@@ -31,6 +31,9 @@ def test_compute_intervals_keep_this_devices_kernels_and_memsets_only() -> None:
               {"ph": "M", "name": "process_name", "args": {"name": "python"}}]
     assert compute_intervals(events, 0) == [(10.0, 15.0), (16.0, 17.0)]
     assert compute_intervals(events, 1) == [(12.0, 62.0)]
+    events.append(ev("kernel", "Memset (Device)", 30, 3))
+    events.append(ev("kernel", "sm90_xmma_gemm_bf16", 40, 6))
+    assert top_kernels(events, 0, 2) == [("sm90_xmma_gemm_bf16", pytest.approx(11e-6), 2), ("Memset (Device)", pytest.approx(4e-6), 2)]
 
 
 def test_compute_busy_needs_cuda() -> None:
@@ -86,7 +89,8 @@ def test_compute_busy_sees_a_graph_replays_kernels_and_not_its_idle_time() -> No
         g.replay()
 
     t = time.perf_counter()
-    busy, _ = compute_busy_s(step, dev)
+    busy, _, top = compute_busy_s(step, dev, 3)
     wall = time.perf_counter() - t
     assert 0 < busy < 0.05 < wall
+    assert top and top[0][2] == 20  # the 20 GEMMs of one replay, one kernel name
     del b

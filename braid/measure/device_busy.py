@@ -53,9 +53,27 @@ def compute_intervals(events: list[dict[str, Any]], device: int) -> list[tuple[f
     return out
 
 
-def compute_busy_s(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+def top_kernels(events: list[dict[str, Any]], device: int, n: int) -> list[tuple[str, float, int]]:
+    """The ``n`` kernels (and memsets) of ``device`` with the most time in ``events``, NCCL's left out:
+    ``(name, seconds, calls)``, most time first -- where two schedules' compute differs."""
+    total: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in COMPUTE_CATEGORIES:
+            continue
+        name = str(e.get("name", ""))
+        if (e.get("args") or {}).get("device") != device or name.startswith("nccl"):
+            continue
+        t = total.setdefault(name, [0.0, 0])
+        t[0] += float(e.get("dur", 0.0)) / 1e6
+        t[1] += 1
+    return [(k, v[0], int(v[1])) for k, v in sorted(total.items(), key=lambda kv: -kv[1][0])[:n]]
+
+
+def compute_busy_s(fn: Callable[[], Any], device: torch.device, top: int = 0
+                   ) -> tuple[float, Any, list[tuple[str, float, int]]]:
     """Run ``fn`` once under ``torch.profiler`` (CUDA activity) and return the seconds ``device``
-    spent computing in it (see the module doc) and ``fn``'s result. CUDA only."""
+    spent computing in it (see the module doc), ``fn``'s result and the ``top`` kernels with the
+    most time (:func:`top_kernels`). CUDA only."""
     if device.type != "cuda":
         raise ValueError(f"the compute busy time is read off the CUDA profiler; {device} is not a CUDA device")
     from torch.profiler import ProfilerActivity, profile
@@ -69,4 +87,4 @@ def compute_busy_s(fn: Callable[[], Any], device: torch.device) -> tuple[float, 
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return union_length(compute_intervals(events, index)) / 1e6, res
+    return union_length(compute_intervals(events, index)) / 1e6, res, top_kernels(events, index, top)

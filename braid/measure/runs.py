@@ -121,7 +121,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     mem = graph.memory()
     if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took
         peak = mem["capture_peak_bytes"] or 0
-    compute_s = _compute_step(dev, step) if busy_step else None
+    compute_s, kernels = _compute_step(dev, step) if busy_step else (None, None)
     graph.release()
     busy: list[dict[str, float]] = []
     chunk_busy: list[dict[str, float]] = []  # the same per rank, chunk and phase (where it was spent)
@@ -143,17 +143,22 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
             "chunk_busy": chunk_busy if keep else None, "wall": wall,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
-            "braided_blocks": count_blocks(plan), "compute_s": compute_s}
+            "braided_blocks": count_blocks(plan), "compute_s": compute_s, "compute_kernels": kernels}
 
 
-def _compute_step(dev: torch.device, step) -> float:
+COMPUTE_TOP_KERNELS = 30  # kernels kept per rank and run with --compute-busy (most time first)
+
+
+def _compute_step(dev: torch.device, step) -> tuple[float, list]:
     """One more step, as the timed ones ran, under the CUDA profiler: this rank's compute seconds
-    (:mod:`braid.measure.device_busy`). The ranks start it together, as every timed step."""
+    (:mod:`braid.measure.device_busy`) and its kernels with the most time. The ranks start it
+    together, as every timed step."""
     from braid.measure.device_busy import compute_busy_s
 
     _sync(dev)
     dist.barrier()
-    return compute_busy_s(step, dev)[0]
+    busy, _, top = compute_busy_s(step, dev, COMPUTE_TOP_KERNELS)
+    return busy, top
 
 
 def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, shared: dict[str, Any],
@@ -176,9 +181,10 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
         return pipe.step((x,), y)
 
     times, peak, _, host = _timed_steps(bc, dev, step)
-    compute_s = _compute_step(dev, step) if busy_step else None
+    compute_s, kernels = _compute_step(dev, step) if busy_step else (None, None)
     pipe.close()
-    return {"times": times, "peak": peak if dev.type == "cuda" else None, "host": host, "compute_s": compute_s}
+    return {"times": times, "peak": peak if dev.type == "cuda" else None, "host": host, "compute_s": compute_s,
+            "compute_kernels": kernels}
 
 
 def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
