@@ -94,3 +94,27 @@ def test_compute_busy_sees_a_graph_replays_kernels_and_not_its_idle_time() -> No
     assert 0 < busy < 0.05 < wall
     assert top and top[0][2] == 20  # the 20 GEMMs of one replay, one kernel name
     del b
+
+
+def test_compare_kernels_lines_up_two_schedules_kernels(monkeypatch, tmp_path, capsys) -> None:
+    """benchmarks/compare_kernels.py: the kernels of two profiled runs of one rank side by side."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    ck = importlib.import_module("compare_kernels")
+    doc = {"runs": [{"schedule": "a", "m": 8, "compute_kernels": [[["gemm", 0.002, 4]], [["gemm", 0.003, 4], ["add", 0.001, 9]]]},
+                    {"schedule": "b", "m": 8, "compute_kernels": [[["gemm", 0.002, 4]], [["gemm", 0.004, 4]]]},
+                    {"schedule": "a", "m": 4, "compute_kernels": None}],
+           "external": [{"schedule": "x [eager]", "m": 8, "error": "needs CUDA"}]}
+    lines = ck.table(doc, 8, 1, None, 10)
+    assert lines[1].split() == ["3.00", "x4", "4.00", "x4", "gemm"]
+    assert lines[2].split() == ["1.00", "x9", "-", "add"]
+    assert lines[-1].split()[:2] == ["4.00", "4.00"]
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps(doc))
+    assert ck.main([str(path), "--m", "4"]) == 2 and "no run at m=4 was profiled" in capsys.readouterr().err
+    assert ck.main([str(path), "--m", "8", "--schedule", "c"]) == 2 and "'c' has no profiled kernels" in capsys.readouterr().err
+    assert ck.main([str(path), "--m", "8", "--rank", "2"]) == 2 and "rank 2 outside 0..1" in capsys.readouterr().err
+    assert ck.main([str(path), "--m", "8", "--rank", "0"]) == 0 and "gemm" in capsys.readouterr().out
