@@ -514,7 +514,7 @@ class ProcessGroups:
         uncapped NCCL kernel holds its SMs while it waits for the peer and slows those
         GEMMs. Measured on 2 H200s (``benchmarks/bench_braided_overlap.py``, Qwen2-7B-sized
         layers, seq 4096, TP=2): uncapped, braided ran 1.33x slower than unbraided; with 4
-        channels it ran 0.97x (faster) with 72% of the all-reduce time hidden. Only the TP
+        channels it ran 0.97x (faster). Only the TP
         group is capped, so data-parallel and pipeline traffic keep full bandwidth. Ignored
         on gloo; ``None`` leaves NCCL's default.
         """
