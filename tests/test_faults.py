@@ -337,6 +337,25 @@ def test_a_raw_closed_connection_is_recorded_as_a_lost_peer() -> None:
     assert rank == 3 and reason.startswith("PeerLost: rank 3: a peer closed its connection (its process exited")
 
 
+def test_a_lost_rank_still_answering_for_a_moment_is_asked_again(monkeypatch) -> None:
+    """A killed rank's liveness socket can outlast the connection whose close told a survivor by
+    a few milliseconds: every peer answers at first, and the survivor asks again until one does
+    not, instead of blaming itself; where all keep answering past the settle time, it names none."""
+    import braid.runtime.liveness as liveness
+
+    answers = iter([[], [], [2]])
+    asked = []
+    monkeypatch.setattr(liveness, "lost_ranks", lambda *a: (asked.append(1), next(answers))[1])
+    a = Abort(dist.HashStore(), 1, world_size=3)
+    got = a.classify(RuntimeError("Connection reset by peer"), 0.0)
+    assert isinstance(got, PeerLost) and got.lost == [2] and len(asked) == 3
+    assert str(got).startswith("rank 1 stops: rank 2 is gone")
+    monkeypatch.setattr(liveness, "lost_ranks", lambda *a: [])
+    monkeypatch.setattr("braid.runtime.distributed.LOST_SETTLE_S", 0.1)
+    got = a.classify(RuntimeError("Connection reset by peer"), 0.0)
+    assert isinstance(got, PeerLost) and got.lost == [] and "a peer closed its connection" in str(got)
+
+
 @pytest.mark.parametrize("text,elapsed,expected", [
     ("[pair.cc:553] Connection closed by peer [127.0.0.1]:18608. This is typically caused by a remote worker crashing.",
      0.6, PeerLost),

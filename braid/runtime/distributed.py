@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 ABORT_KEY = "braid/abort"
 TIMED_OUT_PREFIX = "braid/timed_out/"  # + rank: that rank's wait ran out (Abort.silent_ranks)
 _MAX_REASON = 2000
+LOST_SETTLE_S = 1.0  # after a closed connection, how long every peer may still answer before none is named lost
 
 
 class PeerFailure(RuntimeError):
@@ -346,7 +347,15 @@ class Abort:
         from braid.runtime.liveness import lost_ranks
 
         after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
-        lost = lost_ranks(self.store, self.rank, self.world_size, min(self.grace_s, self.timeout_s)) if self.world_size else None
+        within = min(self.grace_s, self.timeout_s)
+        lost = lost_ranks(self.store, self.rank, self.world_size, within) if self.world_size else None
+        settle = time.monotonic() + LOST_SETTLE_S
+        while lost == [] and time.monotonic() < settle:
+            # The connection closed, yet every peer still accepts: a killed process closes its
+            # sockets one after another as it exits, so its liveness socket can outlast the
+            # connection that told this rank by a few milliseconds. Ask again.
+            time.sleep(0.02)
+            lost = lost_ranks(self.store, self.rank, self.world_size, within)
         if lost:  # the same words as a survivor that reads the record (check)
             return PeerLost(f"rank {self.rank} stops: {_ranks(lost)} {'is' if len(lost) == 1 else 'are'} gone: {_gone(lost)}",
                             lost[0], "lost", lost)
