@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from braid.measure.device_busy import compute_busy_s
 
 SCHEDULES = ("braided_v", "1f1b_i", "zb_v")
 KINDS = ("braid", "braid_eager", "braid_nograph", "eager", "eager_compiled", "torch_pp")
@@ -235,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="hold every contender at once and time their steps in turn (robust to a host whose speed "
                          "drifts; needs the memory of all contenders together: small presets)")
+    ap.add_argument("--compute-busy", action="store_true",
+                    help="profile one more step of every contender (CUDA, not with --interleave): its compute "
+                         "(braid.measure.device_busy) and kernels, and braid's best compute over each loop's step")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/executor_limit_<gpu>.json)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -250,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     graphs_on = args.cuda_graph != "none" and config_reason(device) is None
     if args.cuda_graph == "step" and not graphs_on:
         ap.error(f"--cuda-graph step: {config_reason(device)}")
+    if args.compute_busy and (device.type != "cuda" or args.interleave):
+        ap.error("--compute-busy reads the CUDA profiler of one contender at a time: it needs CUDA and no --interleave")
     if graphs_on and args.warmup < WARMUP_STEPS + 1:
         ap.error(f"--warmup must be >= {WARMUP_STEPS + 1} with CUDA graphs ({WARMUP_STEPS} eager steps, then the capture)")
     try:
@@ -307,11 +313,15 @@ def main(argv: list[str] | None = None) -> int:
                 for name, make in makers:
                     print(f"round {r + 1}/{args.repeat}: running {name} ...", file=sys.stderr, flush=True)
                     try:
-                        times, loss = _timed(make(), device, args.warmup, args.steps)
+                        step = make()
+                        times, loss = _timed(step, device, args.warmup, args.steps)
+                        busy = compute_busy_s(step, device, 20) if args.compute_busy and r == 0 else None
                     except Exception as err:  # noqa: BLE001 - a contender that cannot run is reported, not fatal
                         results[name] = {"error": _error(err)}
                     else:
                         results[name] = {"step_s_all": times, "loss": loss}
+                        if busy is not None:
+                            results[name].update(compute_s=busy[0], compute_kernels=busy[2])
                     _free(device)
             for res in results.values():
                 if "step_s_all" in res:
@@ -351,11 +361,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<26}  could not run: {r['error']}")
     for other, rs in ratios.items():
         print(f"braid best / {other}: {statistics.median(rs):.3f}x  [{min(rs):.3f}, {max(rs):.3f}] over {len(rs)} round(s)")
+    compute = {k: v["compute_s"] for k, v in rounds[0].items() if "compute_s" in v}
+    if compute:
+        print("compute per step (ms, one profiled step, first round): " + "; ".join(f"{k} {v * 1e3:.1f}" for k, v in compute.items()))
+        ours = min((v, k) for k, v in compute.items() if k.startswith("braid_") and not k.endswith("_eager"))
+        for other in ("eager", "eager_compiled"):
+            if other in rounds[0] and "step_s" in rounds[0][other]:
+                print(f"ceiling: braid's least compute ({ours[1]}, {ours[0] * 1e3:.1f} ms) is "
+                      f"{rounds[0][other]['step_s'] / ours[0]:.3f}x {other}'s step in that round: no braid step of these kernels gets past it")
     doc = {"device": dev_name, "torch": torch.__version__, "tokens_per_s": tps, "tokens_per_s_rounds": tps_rounds,
            "ratios": {f"braid_best/{k}": {"median": statistics.median(v), "min": min(v), "max": max(v), "rounds": v}
                       for k, v in ratios.items()},
            "step_s": {k: args.m * args.micro_batch_size * args.seq / v for k, v in tps.items()},  # of the median tokens/s
            "errors": {k: v["error"] for k, v in results.items() if "error" in v},
+           "compute_s": {k: v["compute_s"] for k, v in rounds[0].items() if "compute_s" in v},
+           "compute_kernels": {k: v["compute_kernels"] for k, v in rounds[0].items() if "compute_kernels" in v},
            "losses": {k: v["loss"] for k, v in results.items() if "loss" in v},
            "config": {"preset": args.preset, "layers": cfg.layers, "hidden": cfg.hidden, "ffn": cfg.ffn, "vocab": cfg.vocab_size,
                       "seq": args.seq, "m": args.m, "micro_batch_size": args.micro_batch_size, "dtype": str(dtype),

@@ -46,7 +46,8 @@ def test_bad_arguments_are_one_line_and_exit_2(monkeypatch, tmp_path, capsys) ->
     bench = _bench(monkeypatch)
     for argv, msg in ((["--device", "cpu", "--schedule", "gpipe"], "pp=1 runs braided_v"),
                       (["--device", "cpu", "--m", "0"], "must be >= 1"),
-                      (["--device", "cpu", "--out", str(tmp_path / "no" / "x.json")], "does not exist")):
+                      (["--device", "cpu", "--out", str(tmp_path / "no" / "x.json")], "does not exist"),
+                      (["--device", "cpu", "--compute-busy"], "--compute-busy reads the CUDA profiler")):
         with pytest.raises(SystemExit) as exc:
             bench.main(argv)
         assert exc.value.code == 2
