@@ -71,10 +71,11 @@ def test_a_part_past_its_budget_is_stopped_and_reported(tmp_path) -> None:
     assert row["status"] == "timeout" and "timeout" in proc.stdout
     if row["result"] is None:  # stopped before its first round ended
         assert row["headline"] is None and "no result" in proc.stdout
-    else:  # a round ended in the grace after the stop: the bench left the rounds it finished, fewer than asked
+    else:  # rounds ended in the grace after the stop (SIGINT, then 20 s): the bench left what it finished
         doc = json.loads((out / row["result"]).read_text())
-        assert doc["rounds_done"] < doc["config"]["rounds"], doc["rounds_done"]
-        assert any(n.startswith("partial:") for n in doc["notes"]), doc["notes"]
+        assert 1 <= doc["rounds_done"] <= doc["config"]["rounds"], doc["rounds_done"]
+        partial = any(n.startswith("partial:") for n in doc["notes"])
+        assert partial == (doc["rounds_done"] < doc["config"]["rounds"]), doc["notes"]
 
 
 def test_overlap_hidden_in_blocks_leaves_out_the_unbraided_ends(monkeypatch) -> None:
