@@ -26,8 +26,13 @@ import sys
 from typing import Any
 
 
+def _number(cell: str) -> float:
+    """A logged figure, with or without its unit (``--format=csv`` writes "1530 MHz", ``csv,nounits`` "1530")."""
+    return float(cell.strip().split()[0])
+
+
 def read_smi(path: str, utc_offset_h: float) -> list[tuple[int, float, float, float]]:
-    """(gpu index, epoch s, SM MHz, W) per logged line (plain or gzipped CSV, header skipped)."""
+    """(gpu index, epoch s, SM MHz, W) per logged line (plain or gzipped CSV, header skipped; units allowed)."""
     opener = gzip.open if path.endswith(".gz") else open
     tz = datetime.timezone(datetime.timedelta(hours=utc_offset_h))
     rows = []
@@ -36,7 +41,7 @@ def read_smi(path: str, utc_offset_h: float) -> list[tuple[int, float, float, fl
             if len(r) < 4 or not r[0].strip().isdigit():
                 continue
             when = datetime.datetime.strptime(r[1].strip(), "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=tz)
-            rows.append((int(r[0]), when.timestamp(), float(r[2]), float(r[3])))
+            rows.append((int(r[0]), when.timestamp(), _number(r[2]), _number(r[3])))
     return rows
 
 

@@ -263,7 +263,7 @@ def _clocks_by_run_lines_up_an_smi_log(s: dict, tmp_path, monkeypatch) -> None:
     for i, r in enumerate(s["runs"]):
         for a, b in r["timed_wall_rounds"]:
             mid = (a + b) / 2
-            lines += [f"0, {at(mid)}, {1000 + 100 * i}, {200 + i}", f"1, {at(mid)}, 500, 100"]
+            lines += [f"0, {at(mid)}, {1000 + 100 * i}, {200 + i}", f"1, {at(mid)}, 500 MHz, 100.00 W"]  # with units: --format=csv
     smi = tmp_path / "smi.csv"
     smi.write_text("\n".join(lines) + "\n")
     out = clocks.report(s, clocks.read_smi(str(smi), 0.0))
