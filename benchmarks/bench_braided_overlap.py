@@ -13,9 +13,10 @@ host's launch time is not in the comparison. The all-reduce time left exposed is
 time with the units' all-reduces over the step time of the same program with them skipped
 (a timing-only run: its sums are wrong), and ``AR hidden`` is the braided step's exposed
 time over the time the step's all-reduces take alone (the step's count of them issued back to
-back with nothing beside them, median of 5 bursts), subtracted from 1. Both programs' first F and last BW have no partner; that pair is timed alone
-too (``ends exposed``), and ``hidden in blocks`` is the same share for the all-reduces inside the
-braided blocks, the ends' exposed time taken out.
+back with nothing beside them, median of 5 bursts), subtracted from 1. Both programs' first F
+and last BW have no partner; that pair is timed alone too (``ends exposed``), and ``hidden in
+blocks`` is the same share for the all-reduces inside the braided blocks, the ends' exposed time
+taken out.
 
     python benchmarks/bench_braided_overlap.py                             # GPU: Qwen2-7B-sized layers, seq 4096, bf16
     python benchmarks/bench_braided_overlap.py --tp-backend all            # every CUDA backend, side by side
@@ -189,6 +190,7 @@ def _burst_s(comm, x: torch.Tensor, n: int, group, device: torch.device) -> floa
 
     if n <= 0:
         return None
+
     def burst() -> None:
         works = [comm.all_reduce(x) for _ in range(n)]
         for w in works:

@@ -364,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     compute = {k: v["compute_s"] for k, v in rounds[0].items() if "compute_s" in v}
     if compute:
         print("compute per step (ms, one profiled step, first round): " + "; ".join(f"{k} {v * 1e3:.1f}" for k, v in compute.items()))
-        ours = min((v, k) for k, v in compute.items() if k.startswith("braid_") and not k.endswith("_eager"))
-        for other in ("eager", "eager_compiled"):
+        ours = min(((v, k) for k, v in compute.items() if k.startswith("braid_") and not k.endswith("_eager")), default=None)
+        for other in ("eager", "eager_compiled") if ours else ():
             if other in rounds[0] and "step_s" in rounds[0][other]:
                 print(f"ceiling: braid's least compute ({ours[1]}, {ours[0] * 1e3:.1f} ms) is "
                       f"{rounds[0][other]['step_s'] / ours[0]:.3f}x {other}'s step in that round: no braid step of these kernels gets past it")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,33 +40,28 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def compute_intervals(events: list[dict[str, Any]], device: int) -> list[tuple[float, float]]:
-    """``(start, end)`` in microseconds of the compute on CUDA ``device`` in chrome-trace ``events``
-    (``torch.profiler``'s export): kernels and memsets, NCCL kernels left out."""
-    out = []
+def _compute_events(events: list[dict[str, Any]], device: int) -> Iterator[dict[str, Any]]:
+    """The chrome-trace ``events`` (``torch.profiler``'s export) of compute on CUDA ``device``:
+    kernels and memsets, NCCL kernels left out."""
     for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in COMPUTE_CATEGORIES:
-            continue
-        if (e.get("args") or {}).get("device") != device or str(e.get("name", "")).startswith("nccl"):
-            continue
-        out.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
-    return out
+        if (e.get("ph") == "X" and e.get("cat") in COMPUTE_CATEGORIES and (e.get("args") or {}).get("device") == device
+                and not str(e.get("name", "")).startswith("nccl")):
+            yield e
+
+
+def compute_intervals(events: list[dict[str, Any]], device: int) -> list[tuple[float, float]]:
+    """``(start, end)`` in microseconds of the compute on CUDA ``device`` (:func:`_compute_events`)."""
+    return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in _compute_events(events, device)]
 
 
 def top_kernels(events: list[dict[str, Any]], device: int, n: int) -> list[tuple[str, float, int]]:
     """The ``n`` kernels (and memsets) of ``device`` with the most time in ``events``, NCCL's left out:
     ``(name, seconds, calls)``, most time first -- where two schedules' compute differs."""
-    total: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in COMPUTE_CATEGORIES:
-            continue
-        name = str(e.get("name", ""))
-        if (e.get("args") or {}).get("device") != device or name.startswith("nccl"):
-            continue
-        t = total.setdefault(name, [0.0, 0])
-        t[0] += float(e.get("dur", 0.0)) / 1e6
-        t[1] += 1
-    return [(k, v[0], int(v[1])) for k, v in sorted(total.items(), key=lambda kv: -kv[1][0])[:n]]
+    total: dict[str, tuple[float, int]] = {}
+    for e in _compute_events(events, device):
+        t, c = total.get(str(e.get("name", "")), (0.0, 0))
+        total[str(e.get("name", ""))] = (t + float(e.get("dur", 0.0)) / 1e6, c + 1)
+    return [(k, t, c) for k, (t, c) in sorted(total.items(), key=lambda kv: -kv[1][0])[:n]]
 
 
 def compute_busy_s(fn: Callable[[], Any], device: torch.device, top: int = 0

@@ -61,8 +61,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          # where its time went: the epoch seconds of each round's measured steps (rank 0),
                          # and the busy time per rank, chunk and phase of the recorded step after them
                          "timed_wall_rounds": walls[(r["schedule"], r["m"])],
-                         "busy_per_chunk_s": _chunk_busy(ranks), "compute_s": _compute(ranks),
-                         "compute_kernels": _kernels(ranks)})
+                         "busy_per_chunk_s": _chunk_busy(ranks), "compute_s": _per_rank(ranks, "compute_s"),
+                         "compute_kernels": _per_rank(ranks, "compute_kernels")})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
         merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
                        [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})
@@ -82,7 +82,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         ext.append({"schedule": e["schedule"], "peer": e.get("peer"), "mode": e.get("mode"), "m": e["m"], "step_s": step_s,
                     "step_s_rounds": rounds,
                     "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks,
-                    "host_s": _host_s(rk), "compute_s": _compute(rk), "compute_kernels": _kernels(rk)})
+                    "host_s": _host_s(rk), "compute_s": _per_rank(rk, "compute_s"),
+                    "compute_kernels": _per_rank(rk, "compute_kernels")})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
            "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
     done = 1 + max((r.get("round", 0) for r in raw["runs"] + raw["external"]), default=-1)
@@ -100,16 +101,11 @@ def _chunk_busy(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
     return {k: v for b in got for k, v in b.items()} or None
 
 
-def _compute(ranks: list[dict[str, Any]]) -> list[float] | None:
-    """Each rank's compute seconds in its profiled step (``--compute-busy``), or None where not measured."""
-    got = [rk.get("compute_s") for rk in ranks]
+def _per_rank(ranks: list[dict[str, Any]], key: str) -> list[Any] | None:
+    """Each rank's ``key`` from its profiled step (``--compute-busy``: ``compute_s``, ``compute_kernels``),
+    or None where a rank did not measure it."""
+    got = [rk.get(key) for rk in ranks]
     return None if any(g is None for g in got) else got
-
-
-def _kernels(ranks: list[dict[str, Any]]) -> list[list] | None:
-    """Each rank's kernels with the most time in its profiled step (``[name, seconds, calls]``), or None."""
-    got = [rk.get("compute_kernels") for rk in ranks]
-    return None if any(g is None for g in got) else [[list(k) for k in g] for g in got]
 
 
 def compute_bound(runs: list[dict[str, Any]], external: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
