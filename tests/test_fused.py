@@ -84,7 +84,7 @@ def test_fused_chunk_runner_matches_cut_mode(kind: str, recompute: str, joint: s
     """Fused mode agrees with cut mode, with the BW op's micro-batch split (weight gradients
     stashed for its W tasks) or joint (one backward() call): there the linears run as plain
     ``F.linear`` or, above the size limit (here: all of them), add their weight gradient
-    into ``.grad`` during the call."""
+    into ``.grad`` during the call (grouped linears always do)."""
     from braid.tp import layers as tp_layers
 
     layers, embed, head = SPECS[kind]
@@ -101,9 +101,11 @@ def test_fused_chunk_runner_matches_cut_mode(kind: str, recompute: str, joint: s
         monkeypatch.setattr(tp_layers, "JOINT_NATIVE_WORK", 0)
     fused = _chunk_run(True, layers, embed, head, recompute, joint=joint != "split")
     # mb 2 (BW2c0): stashed when split; when joint, plain modules, or (above the limit, the
-    # linears only: the embedding is always plain) accumulated during the call.
+    # linears only: the embedding is always plain) accumulated during the call; grouped linears
+    # (Q/K/V, gate/up) are never plain modules: they accumulate at any size.
     assert (2 in seen) is (joint == "split") and None not in seen, sorted(set(map(str, seen)))
-    assert ("now" in seen) is (joint == "joint-accumulate" and layers + head > 0), sorted(set(map(str, seen)))
+    accumulated = (joint == "joint-accumulate" and layers + head > 0) or (joint == "joint" and layers > 0)
+    assert ("now" in seen) is accumulated, sorted(set(map(str, seen)))
     assert {0, 1} <= set(seen)
     assert fused[0] == pytest.approx(cut[0], abs=1e-6, rel=0) and len(fused[0]) == (3 if head else 0)
     assert sorted(fused[1]) == sorted(cut[1]) == ([] if embed else [0, 1, 2])

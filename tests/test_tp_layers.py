@@ -46,6 +46,68 @@ def test_split_weight_grad_accumulates_like_full_backward_in_any_order() -> None
         b.weight_backward(0)
 
 
+def _group(bias: bool, dtype=torch.float64):
+    from braid.tp.layers import ColumnParallelGroup
+
+    torch.manual_seed(0)
+    fulls = [nn.Linear(6, n, bias=bias).to(dtype) for n in (8, 2, 2)]
+    parts = [ColumnParallelLinear.from_full(f, 0, 1) for f in fulls]
+    return fulls, parts, ColumnParallelGroup(parts)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("mode", ["full", "split", "accumulate"])
+def test_a_group_computes_what_its_linears_compute(bias: bool, mode: str) -> None:
+    """One GEMM over Q/K/V-shaped parts: the joined output, the input gradient and every
+    part's weight (and bias) gradient, summed over micro-batches, equal the separate
+    linears' (fp64), in full mode, split (B now, W later) and accumulated in the GEMM."""
+    fulls, parts, group = _group(bias)
+    w = group.joined()[0]
+    assert all(p.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() for p in parts)
+    xs = [torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    dys = [torch.randn(2, 3, 12, dtype=torch.float64) for _ in range(3)]
+    for x, dy in zip(xs, dys):
+        torch.cat([f(x) for f in fulls], -1).backward(dy)
+    want_x = [x.grad.clone() for x in xs]
+    for mb, (x, dy) in enumerate(zip(xs, dys)):
+        x.grad = None
+        y = group(x)
+        torch.testing.assert_close(y, torch.cat([f(x) for f in fulls], -1))
+        if mode == "split":
+            with split_weight_grads([group], mb):
+                y.backward(dy)
+            assert group.has_stash(mb) and all(p.weight.grad is None for p in parts)
+        else:
+            group.native.accumulate = mode == "accumulate"
+            y.backward(dy)
+        torch.testing.assert_close(x.grad, want_x[mb])
+    for mb in range(3) if mode == "split" else ():
+        group.weight_backward(mb)
+    for f, p in zip(fulls, parts):
+        torch.testing.assert_close(p.weight.grad, f.weight.grad)
+        if bias:
+            torch.testing.assert_close(p.bias.grad, f.bias.grad)
+    if mode != "full":  # the grads it made lie back to back: later ones are added inside the GEMM
+        assert group._joined_grads() is not None
+
+
+def test_a_group_packs_its_parts_again_after_they_moved() -> None:
+    """Parts re-allocated apart (as ``module.to`` does) are laid back to back again by the next
+    call, with the values they had; a group refuses parts of different input widths."""
+    from braid.tp.layers import ColumnParallelGroup
+
+    fulls, parts, group = _group(True)
+    for p in parts:
+        p.weight.data = p.weight.data.clone()
+    assert torch.equal(parts[1].weight, fulls[1].weight) and group.joined() is not None
+    x = torch.randn(4, 6, dtype=torch.float64)
+    torch.testing.assert_close(group(x), torch.cat([f(x) for f in fulls], -1))
+    w, b = group.joined()
+    assert parts[2].weight.data_ptr() == w.data_ptr() + (8 + 2) * 6 * w.element_size()
+    with pytest.raises(ValueError, match="one input width"):
+        ColumnParallelGroup([parts[0], ColumnParallelLinear.from_full(nn.Linear(5, 2).double(), 0, 1)])
+
+
 def test_vocab_parallel_embedding_and_cross_entropy_match_full() -> None:
     torch.manual_seed(0)
     emb = nn.Embedding(10, 4)

@@ -54,6 +54,7 @@ from braid.runtime.offload import ActivationOffloader, Parked
 from braid.tp.autograd_calls import edge, fast_apply, grad
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.tp.layers import (
+    ColumnParallelGroup,
     ColumnParallelLinear,
     DeferredWeightGrad,
     NativeMode,
@@ -288,7 +289,11 @@ class ModelChunk(FusedOps, nn.Module):
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "ModelChunk":
         self._ptrs = None  # .to()/.cuda()/.half() may move the parameters
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        for m in self.modules():  # and move grouped linears' parts apart: lay them back to back again
+            if isinstance(m, ColumnParallelGroup):
+                m.pack()
+        return out
 
     def _param_ptrs(self) -> frozenset[int]:
         if self._ptrs is None:

@@ -31,7 +31,7 @@ from braid.models.registry import Family, register
 from braid.models.seam import UnitMethods
 from braid.tp.embedding import vocab_parallel_cross_entropy
 from braid.models.recompute import recomputed
-from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
+from braid.tp.layers import ColumnParallelGroup, ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
     from braid.models.sequence_parallel import SequenceParallel
@@ -112,8 +112,35 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, theta: float, positions: torch.Ten
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The joined Q/K/V projection (b, s, (H + 2 Hkv) d) -> q (b, H, s, d), k, v (b, Hkv, s, d), views.
+
+    Their backward is one node that writes the joined gradient (a concatenation)."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return (q.view(b, s, heads, head_dim).transpose(1, 2), k.view(b, s, kv_heads, head_dim).transpose(1, 2),
+            v.view(b, s, kv_heads, head_dim).transpose(1, 2))
+
+
+def split_rope_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, theta: float,
+                   positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`split_qkv` and :func:`rope_qk`: q and k rotated, v copied out (so no view keeps the
+    joined projection alive; compiled, the three come out of one kernel and its backward
+    writes the joined gradient in one more)."""
+    q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
+    q, k = rope_qk(q, k, theta, positions, inv_freq)
+    return q, k, v.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The SwiGLU gate ``silu(gate) * up`` (b, s, ffn/t)."""
+    return F.silu(gate) * up
+
+
+def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`swiglu` of the joined gate/up projection (b, s, 2 ffn/t): gate first, then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -134,12 +161,14 @@ class UnitFns(NamedTuple):
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     rope_qk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    split_rope_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # of a joined Q/K/V projection
     swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    swiglu_joined: Callable[[torch.Tensor], torch.Tensor]  # of a joined gate/up projection
     add_residual: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     cross_entropy: Callable[..., torch.Tensor]  # per-token loss of the head: (logits, labels, vocab_start, tp_group)
 
 
-EAGER = UnitFns(rms_norm, rope_qk, swiglu, add_residual, vocab_parallel_cross_entropy)
+EAGER = UnitFns(rms_norm, rope_qk, split_rope_qkv, swiglu, swiglu_joined, add_residual, vocab_parallel_cross_entropy)
 
 
 class RMSNorm(nn.Module):
@@ -161,6 +190,11 @@ class Qwen2Layer(UnitMethods, nn.Module):
     Llama, sets it False in a subclass). ``recompute``: ``"selective"`` recomputes the
     attention core and the SwiGLU product in the backward instead of keeping their
     activations (:mod:`braid.models.recompute`).
+
+    ``qkv_group`` / ``gate_up_group``: a TP shard (:func:`parallelize_layer`) runs Q/K/V and
+    gate/up as one GEMM each (:class:`braid.tp.layers.ColumnParallelGroup`), and its Pre-MLP
+    unit hands on the joined gate/up projection; the single-device layer runs them one by
+    one, as Hugging Face's does (None).
     """
 
     qkv_bias: bool = True
@@ -184,6 +218,8 @@ class Qwen2Layer(UnitMethods, nn.Module):
         self.gate_proj = nn.Linear(h, f, bias=False)
         self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
+        self.qkv_group: ColumnParallelGroup | None = None
+        self.gate_up_group: ColumnParallelGroup | None = None
 
     # -- units (each a forward piece; see the module doc) --------------------------------
     def norm1(self, x: torch.Tensor) -> torch.Tensor:
@@ -191,11 +227,21 @@ class Qwen2Layer(UnitMethods, nn.Module):
 
     def qkv(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pre-Attn after the norm: (b, s, h) -> q (b, H/t, s, d), k, v (b, Hkv/t, s, d); RoPE at ``positions``."""
+        if self.qkv_group is not None:
+            return self.fns.split_rope_qkv(self.qkv_group(h), self.heads, self.kv_heads, self.head_dim, self.theta,
+                                           positions, self.rope_freqs(h.device))
+        q, k, v = self.project_qkv(h)
+        q, k = self.fns.rope_qk(q, k, self.theta, positions, self.rope_freqs(q.device))
+        return q, k, v
+
+    def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Q/K/V projections before RoPE: (b, s, h) -> q (b, H/t, s, d), k, v (b, Hkv/t, s, d)."""
+        if self.qkv_group is not None:
+            return split_qkv(self.qkv_group(h), self.heads, self.kv_heads, self.head_dim)
         b, s, _ = h.shape
         q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = self.fns.rope_qk(q, k, self.theta, positions, self.rope_freqs(q.device))
         return q, k, v
 
     def rope_freqs(self, device: torch.device) -> torch.Tensor | None:
@@ -233,16 +279,22 @@ class Qwen2Layer(UnitMethods, nn.Module):
     def norm2(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm(x)
 
-    def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gate_proj(h), self.up_proj(h)  # (b, s, ffn/t) each
+    def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Pre-MLP after the norm: gate and up (b, s, ffn/t) each, or both joined (b, s, 2 ffn/t) in a group."""
+        if self.gate_up_group is not None:
+            return (self.gate_up_group(h),)
+        return self.gate_proj(h), self.up_proj(h)
 
-    def mlp_core(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        swiglu_fn = self.fns.swiglu
-        return self.down_proj(recomputed(swiglu_fn, gate, up) if self.recompute == "selective" else swiglu_fn(gate, up))
+    def mlp_core(self, *acts: torch.Tensor) -> torch.Tensor:
+        """SwiGLU and the down-projection of :meth:`gate_up`'s activations."""
+        swiglu_fn = self.fns.swiglu_joined if len(acts) == 1 else self.fns.swiglu
+        return self.down_proj(recomputed(swiglu_fn, *acts) if self.recompute == "selective" else swiglu_fn(*acts))
 
-    def mlp(self, gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP)."""
-        return self.fns.add_residual(self.mlp_core(gate, up), residual, self.tp)
+    def mlp(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP); ``inputs``:
+        :meth:`gate_up`'s activations, then the residual."""
+        *acts, residual = inputs
+        return self.fns.add_residual(self.mlp_core(*acts), residual, self.tp)
 
     # -- the model seam (braid.models.seam.UnitLayer) ------------------------------------
     def unit_norm(self, unit: Unit) -> RMSNorm:
@@ -250,9 +302,9 @@ class Qwen2Layer(UnitMethods, nn.Module):
 
     def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
         return {
-            Unit.PRE_ATTN: (self.q_proj, self.k_proj, self.v_proj),
+            Unit.PRE_ATTN: (self.q_proj, self.k_proj, self.v_proj) if self.qkv_group is None else (self.qkv_group,),
             Unit.ATTN: (self.o_proj,),
-            Unit.PRE_MLP: (self.gate_proj, self.up_proj),
+            Unit.PRE_MLP: (self.gate_proj, self.up_proj) if self.gate_up_group is None else (self.gate_up_group,),
             Unit.MLP: (self.down_proj,),
         }[unit]
 
@@ -330,8 +382,8 @@ def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size
                       layer_cls: type[Qwen2Layer] = Qwen2Layer) -> Qwen2Layer:
     """The TP shard of ``layer`` for ``tp_rank``: heads, KV heads and FFN split over ``tp_size`` ranks.
 
-    Q/K/V and gate/up become column-parallel, out- and down-projections row-parallel; the
-    norms are replicated. The shard copies its slices, so it can be trained independently.
+    Q/K/V and gate/up become column-parallel, grouped into one GEMM each, out- and
+    down-projections row-parallel; the norms are replicated. The shard copies its slices, so it can be trained independently.
     ``layer_cls``: the shard's class (a family's layer class; its constructor takes Qwen2Layer's arguments).
     """
     for what, n in (("heads", cfg.heads), ("KV heads", cfg.kv_heads), ("ffn", cfg.ffn)):
@@ -349,6 +401,8 @@ def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size
     out.gate_proj = ColumnParallelLinear.from_full(layer.gate_proj, tp_rank, tp_size)
     out.up_proj = ColumnParallelLinear.from_full(layer.up_proj, tp_rank, tp_size)
     out.down_proj = RowParallelLinear.from_full(layer.down_proj, tp_rank, tp_size)
+    out.qkv_group = ColumnParallelGroup((out.q_proj, out.k_proj, out.v_proj))
+    out.gate_up_group = ColumnParallelGroup((out.gate_proj, out.up_proj))
     return out
 
 

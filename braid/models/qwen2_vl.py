@@ -220,10 +220,7 @@ class MRopeLayer(Qwen2Layer):
     def qkv(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if positions is None or positions.dim() != 3:
             return super().qkv(h, positions)
-        b, s, _ = h.shape
-        q = self.q_proj(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_qkv(h)
         return mrope(q, positions, self.theta, self.mrope_section), mrope(k, positions, self.theta, self.mrope_section), v
 
 

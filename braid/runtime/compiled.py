@@ -93,7 +93,8 @@ def compiled_fns() -> UnitFns:
     def jit(fn):
         return torch.compile(fn, dynamic=False, fullgraph=True)
 
-    return UnitFns(rms_norm=jit(EAGER.rms_norm), rope_qk=jit(EAGER.rope_qk), swiglu=jit(EAGER.swiglu),
+    return UnitFns(rms_norm=jit(EAGER.rms_norm), rope_qk=jit(EAGER.rope_qk), split_rope_qkv=jit(EAGER.split_rope_qkv),
+                   swiglu=jit(EAGER.swiglu), swiglu_joined=jit(EAGER.swiglu_joined),
                    # one add (and a division at tp > 1) is one kernel in eager mode too; compiled, it
                    # would only add a compiled call's host time to every unit
                    add_residual=EAGER.add_residual,

@@ -19,7 +19,7 @@ from abc import abstractmethod
 
 import contextlib
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Iterator
+from typing import Hashable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -213,6 +213,132 @@ class _ParallelLinear(DeferredWeightGrad):
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}"
+
+
+def _joined(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over ``ts`` (contiguous, same dtype and storage, back to back along dim 0),
+    sharing their memory; None when they do not lie that way."""
+    first = ts[0]
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for t in ts:
+        if (t.data_ptr() != end or not t.is_contiguous() or t.dtype != first.dtype
+                or t.untyped_storage().data_ptr() != storage):
+            return None
+        end += t.numel() * t.element_size()
+    shape = (sum(t.shape[0] for t in ts), *first.shape[1:])
+    return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+
+
+class _GroupFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mod: "ColumnParallelGroup", *params: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, *params)
+        ctx.mod = mod
+        weight, bias = mod.joined()
+        return nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, *_ = ctx.saved_tensors
+        weight, _ = ctx.mod.joined()
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        return (grad_x, None, *ctx.mod._stash_or_grad(x, grad_out))
+
+
+_group_linear = fast_apply(_GroupFn)
+
+
+class ColumnParallelGroup(DeferredWeightGrad):
+    """Column-parallel linears that read the same input, run as one GEMM (Megatron's fused
+    ``linear_qkv`` and ``linear_fc1``): Q/K/V, gate/up.
+
+    The parts stay the layer's modules, with their parameters and names (checkpoints, TP
+    blocks and the single-device reference are unchanged); the group only lays their weights
+    (and biases) out back to back in one buffer (:meth:`pack`), so a single GEMM reads them
+    as one ``(sum of outputs, in)`` matrix. Its output is the parts' outputs side by side
+    along the last dimension; the consumer splits them (in one compiled kernel, whose
+    backward writes the joined output gradient at once). Backward is then one input-gradient
+    GEMM instead of one per part plus the adds of their sums, and the weight gradient one
+    GEMM, added into the parts' ``.grad`` in the GEMM where those lie back to back too (they
+    do when the group made them). Where something re-allocated the parts since
+    (``module.to``), :meth:`joined` copies them together again; correct either way.
+    """
+
+    def __init__(self, parts: Sequence[ColumnParallelLinear]) -> None:
+        super().__init__()
+        if len(parts) < 2:
+            raise ValueError(f"a group joins at least two linears, got {len(parts)}")
+        if len({p.weight.shape[1] for p in parts}) != 1 or len({p.bias is None for p in parts}) != 1:
+            raise ValueError("grouped linears need one input width and all or none with a bias")
+        self._parts = tuple(parts)  # a plain tuple: not submodules, so their parameters keep their names
+        self.sizes = [p.weight.shape[0] for p in parts]
+        self._init_deferred()
+        self.pack()
+
+    def _lists(self) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        return [p.weight for p in self._parts], [p.bias for p in self._parts if p.bias is not None]
+
+    def pack(self) -> None:
+        """Put the parts' weights (and biases) back to back in one new buffer each, unless they already are."""
+        for ps in self._lists():
+            if not ps or ps[0].is_meta or _joined(ps) is not None:
+                continue
+            buf = torch.cat([p.detach() for p in ps])
+            start = 0
+            for p in ps:
+                p.data = buf[start:start + p.shape[0]]
+                start += p.shape[0]
+
+    def joined(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The joined weight and bias (views of the parts' memory; packed again first if they moved apart)."""
+        ws, bs = self._lists()
+        w = _joined(ws)
+        b = _joined(bs) if bs else None
+        if w is None or (bs and b is None):
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("grouped linears moved apart during CUDA-graph capture; pack() them before capturing")
+            self.pack()
+            return self.joined()
+        return w, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ws, bs = self._lists()
+        return _group_linear(x, self, *ws, *bs)
+
+    def _deferred_params(self) -> list[nn.Parameter | None]:
+        ws, bs = self._lists()
+        return [*ws, *bs]
+
+    def _weight_grads(self, inp: torch.Tensor, grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, sum of outputs)
+        dw = g2.t().matmul(inp.reshape(-1, inp.shape[-1])).split(self.sizes)  # row blocks: back to back
+        return [*dw, *g2.sum(0).split(self.sizes)] if self._parts[0].bias is not None else list(dw)
+
+    def _joined_grads(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The parts' ``.grad`` as one weight (and bias) gradient, where they lie back to back
+        (the group's first accumulation makes them so); None where they do not, or where a
+        part adds into an fp32 ``main_grad`` instead."""
+        ws, bs = self._lists()
+        if any(getattr(p, "main_grad", None) is not None or p.grad is None for p in ws + bs):
+            return None
+        dw = _joined([p.grad for p in ws])
+        db = _joined([p.grad for p in bs]) if bs else None
+        return None if dw is None or (bs and db is None) else (dw, db)
+
+    def _accumulate_weight_grads(self, params: list[nn.Parameter | None], inp: torch.Tensor, grad_out: torch.Tensor) -> None:
+        joined = self._joined_grads()
+        if joined is None:  # per part (the first time: the parts' grads become views of one product)
+            super()._accumulate_weight_grads(params, inp, grad_out)
+            return
+        dw, db = joined
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        dw.addmm_(g2.t(), inp.reshape(-1, inp.shape[-1]))
+        if db is not None:
+            db.add_(g2.sum(0))
+
+    def extra_repr(self) -> str:
+        return f"in={self._parts[0].weight.shape[1]}, out={'+'.join(map(str, self.sizes))}, bias={self._parts[0].bias is not None}"
 
 
 def _check_split(n: int, tp: int, rank: int, what: str) -> int:
