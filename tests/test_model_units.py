@@ -35,20 +35,35 @@ def test_units_compose_to_the_layer_forward() -> None:
     torch.testing.assert_close(out, layer(x))
 
 
-def test_tp_shards_sum_to_the_full_unit_output() -> None:
+@pytest.mark.parametrize("grouped", [True, False])
+def test_tp_shards_sum_to_the_full_unit_output(grouped: bool, monkeypatch) -> None:
+    """Q/K/V and gate/up grouped into one GEMM each (small layers) or one by one (above
+    :data:`braid.tp.layers.GROUP_MAX_WEIGHT`): the shards' units sum to the full layer's."""
+    from braid.tp import layers as tp_layers
+
+    if not grouped:
+        monkeypatch.setattr(tp_layers, "GROUP_MAX_WEIGHT", 0)
     cfg, model, _, _ = _setup()
     layer = model.layers[1]
     x = torch.randn(2, 8, cfg.hidden)
     shards = [parallelize_layer(layer, cfg, r, 2) for r in range(2)]
+    assert all((s.qkv_group is not None) is grouped and (s.gate_up_group is not None) is grouped for s in shards)
     total = sum(s.attn(*s.qkv(s.norm1(x)), x) for s in shards)  # the all-reduce (operator g)
     torch.testing.assert_close(total, layer.attn(*layer.qkv(layer.norm1(x)), x))
+    h = layer.norm2(x)
+    torch.testing.assert_close(sum(s.mlp(*s.gate_up(h), x) for s in shards), layer.mlp(*layer.gate_up(h), x))
     with pytest.raises(ValueError, match="KV heads \\(2\\) not divisible by tp=4"):
         parallelize_layer(layer, cfg, 0, 4)
 
 
 @pytest.mark.parametrize("program", [["F0c0", "F1c0", "F2c0", "BW0c0", "BW1c0", "BW2c0"],
                                      ["F0c0", "F1c0", "B0c0", "F2c0&B1c0", "W1c0", "W0c0", "BW2c0"]])
-def test_chunk_runner_matches_reference_gradients(program: list[str]) -> None:
+@pytest.mark.parametrize("grouped", [True, False])
+def test_chunk_runner_matches_reference_gradients(program: list[str], grouped: bool, monkeypatch) -> None:
+    from braid.tp import layers as tp_layers
+
+    if not grouped:  # the linears one by one, as large layers run
+        monkeypatch.setattr(tp_layers, "GROUP_MAX_WEIGHT", 0)
     cfg, model, toks, labs = _setup()
     model = model.double()  # float64: the bound of reference_error is ~1e-13 of the largest gradient
     ref = copy.deepcopy(model)
@@ -56,6 +71,7 @@ def test_chunk_runner_matches_reference_gradients(program: list[str]) -> None:
         (ref(t, l) / len(toks)).backward()
     spec = ChunkSpec(cfg.layers, embed=True, head=True)
     ch = build_chunk(model, spec, 0, num_microbatches=len(toks))
+    assert all((lay.qkv_group is not None) is grouped for lay in ch.layers)
     ch.set_batch(toks, labs)
     for text in program:
         ins = parse_instruction(text)

@@ -31,7 +31,7 @@ from braid.models.registry import Family, register
 from braid.models.seam import UnitMethods
 from braid.tp.embedding import vocab_parallel_cross_entropy
 from braid.models.recompute import recomputed
-from braid.tp.layers import ColumnParallelGroup, ColumnParallelLinear, RowParallelLinear
+from braid.tp.layers import ColumnParallelGroup, ColumnParallelLinear, RowParallelLinear, group_pays
 
 if TYPE_CHECKING:
     from braid.models.sequence_parallel import SequenceParallel
@@ -191,10 +191,10 @@ class Qwen2Layer(UnitMethods, nn.Module):
     attention core and the SwiGLU product in the backward instead of keeping their
     activations (:mod:`braid.models.recompute`).
 
-    ``qkv_group`` / ``gate_up_group``: a TP shard (:func:`parallelize_layer`) runs Q/K/V and
-    gate/up as one GEMM each (:class:`braid.tp.layers.ColumnParallelGroup`), and its Pre-MLP
-    unit hands on the joined gate/up projection; the single-device layer runs them one by
-    one, as Hugging Face's does (None).
+    ``qkv_group`` / ``gate_up_group``: a TP shard (:func:`parallelize_layer`) of small layers
+    runs Q/K/V and gate/up as one GEMM each (:class:`braid.tp.layers.ColumnParallelGroup`),
+    and its Pre-MLP unit hands on the joined gate/up projection; large layers and the
+    single-device layer run them one by one, as Hugging Face's does (None).
     """
 
     qkv_bias: bool = True
@@ -382,8 +382,9 @@ def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size
                       layer_cls: type[Qwen2Layer] = Qwen2Layer) -> Qwen2Layer:
     """The TP shard of ``layer`` for ``tp_rank``: heads, KV heads and FFN split over ``tp_size`` ranks.
 
-    Q/K/V and gate/up become column-parallel, grouped into one GEMM each, out- and
-    down-projections row-parallel; the norms are replicated. The shard copies its slices, so it can be trained independently.
+    Q/K/V and gate/up become column-parallel, each set grouped into one GEMM where that pays
+    (:func:`braid.tp.layers.group_pays`), out- and down-projections row-parallel; the norms
+    are replicated. The shard copies its slices, so it can be trained independently.
     ``layer_cls``: the shard's class (a family's layer class; its constructor takes Qwen2Layer's arguments).
     """
     for what, n in (("heads", cfg.heads), ("KV heads", cfg.kv_heads), ("ffn", cfg.ffn)):
@@ -401,8 +402,9 @@ def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size
     out.gate_proj = ColumnParallelLinear.from_full(layer.gate_proj, tp_rank, tp_size)
     out.up_proj = ColumnParallelLinear.from_full(layer.up_proj, tp_rank, tp_size)
     out.down_proj = RowParallelLinear.from_full(layer.down_proj, tp_rank, tp_size)
-    out.qkv_group = ColumnParallelGroup((out.q_proj, out.k_proj, out.v_proj))
-    out.gate_up_group = ColumnParallelGroup((out.gate_proj, out.up_proj))
+    for name, parts in (("qkv_group", (out.q_proj, out.k_proj, out.v_proj)), ("gate_up_group", (out.gate_proj, out.up_proj))):
+        if group_pays(parts):
+            setattr(out, name, ColumnParallelGroup(parts))
     return out
 
 
