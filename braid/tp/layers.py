@@ -233,7 +233,7 @@ def _joined(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
 # Column-parallel linears are grouped into one GEMM when the joined weight has at most this
 # many elements. Measured on 2 H200s (tp=1 x pp=2, CUDA graphs): the small preset's Q/K/V and
 # gate/up (1.6M and 5.8M elements) took its best step 7.6% shorter; 7B-shaped layers' (16.5M
-# and 136M) made it 1.5-2.4% longer -- their GEMMs already run near peak apart, and the joined
+# and 136M) made it 1.7-2.8% longer -- their GEMMs already run near peak apart, and the joined
 # ones got slower kernels. Between the two is not measured.
 GROUP_MAX_WEIGHT = 6 * 2 ** 20
 
