@@ -29,7 +29,7 @@ from braid.core.compiler import compile_plan
 from braid.core.ir import OpKind
 from braid.models.chunk_parts import ChunkStateError
 from braid.models.build import build_chunk
-from braid.models.qwen2 import EAGER, Qwen2Config, Qwen2Model
+from braid.models.qwen2 import EAGER, Qwen2Config, Qwen2Model, rope_tables
 from braid.runtime import compiled
 from braid.runtime.executor import Executor
 from braid.models.build import build_rank_chunks
@@ -63,11 +63,15 @@ def test_each_compiled_function_gives_the_eager_values_and_gradients() -> None:
     k = torch.randn(MBS, 2, SEQ, 8, generator=g)
     gate, up = torch.randn(MBS, SEQ, 64, generator=g), torch.randn(MBS, SEQ, 64, generator=g)
     pos = torch.arange(SEQ).flip(0)
+    tables = rope_tables(1e6, SEQ, 8, torch.device("cpu"), torch.float32)
+    qkv = torch.randn(MBS, SEQ, (4 + 2 * 2) * 8, generator=g)
     cases = {
         "rms_norm": ((x, w), (1e-6,)),
-        "rope_qk": ((q, k), (1e6, None)),
-        "rope_qk at positions": ((q, k), (1e6, pos)),
+        "rope_qk": ((q, k), tables),
+        "rope_qk at positions": ((q, k), rope_tables(1e6, SEQ, 8, torch.device("cpu"), torch.float32, pos)),
+        "split_rope_qkv": ((qkv,), (4, 2, 8, *tables)),
         "swiglu": ((gate, up), ()),
+        "swiglu_joined": ((torch.cat([gate, up], -1),), ()),
         "add_residual": ((gate, up), (2,)),
     }
     for name, (tensors, rest) in cases.items():

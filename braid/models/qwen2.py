@@ -104,12 +104,28 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, i
     return _rotate(x, *rope_tables(theta, x.shape[-2], x.shape[-1], x.device, x.dtype, positions, inv_freq))
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, theta: float, positions: torch.Tensor | None = None,
-            inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope` of the queries and the keys, from one pair of tables (one function, so a
-    compiler fuses both)."""
-    cos, sin = rope_tables(theta, q.shape[-2], q.shape[-1], q.device, q.dtype, positions, inv_freq)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+def cached_rope_tables(cache: dict, theta: float, s: int, d: int, device: torch.device, dtype: torch.dtype,
+                       positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_tables`, kept in ``cache`` (a layer's) for the default positions 0..s-1.
+
+    Every micro-batch and step then reuses two small tables, and a compiled RoPE reads them
+    instead of evaluating sin and cos for every element of q and k (at large angles that
+    evaluation cost more than the rotation). Positions given (sequence parallelism, M-RoPE)
+    are tabled per call."""
+    if positions is not None:
+        return rope_tables(theta, s, d, device, dtype, positions, inv_freq)
+    key = (s, d, device, dtype)
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = rope_tables(theta, s, d, device, dtype, None, inv_freq)
+    return hit
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of the queries and the keys (b, heads, s, d) from one pair of :func:`rope_tables`,
+    both returned contiguous (b, heads, s, d): the layout of the gradients SDPA hands back, so
+    a compiled RoPE's backward takes them without a copy."""
+    return _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin).contiguous()
 
 
 def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,15 +138,14 @@ def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tu
             v.view(b, s, kv_heads, head_dim).transpose(1, 2))
 
 
-def split_rope_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, theta: float,
-                   positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None
+def split_rope_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`split_qkv` and :func:`rope_qk`: q and k rotated, v copied out (so no view keeps the
-    joined projection alive; compiled, the three come out of one kernel and its backward
-    writes the joined gradient in one more)."""
+    """:func:`split_qkv` and :func:`rope_qk`: q and k rotated, v copied out, all three
+    contiguous (so no view keeps the joined projection alive; compiled, the three come out of
+    one kernel and its backward writes the joined gradient in one more)."""
     q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
-    q, k = rope_qk(q, k, theta, positions, inv_freq)
-    return q, k, v.transpose(1, 2).contiguous().transpose(1, 2)
+    q, k = rope_qk(q, k, cos, sin)
+    return q, k, v.contiguous()
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -139,9 +154,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:
-    """:func:`swiglu` of the joined gate/up projection (b, s, 2 ffn/t): gate first, then up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """:func:`swiglu` of the joined gate/up projection (b, s, 2 ffn/t): gate first, then up.
+
+    Read as (b, s, 2, ffn/t) and indexed rather than split: compiled, the backward then
+    writes the joined gradient without a concatenation's per-element branch (one kernel
+    either way; this one the shorter on GPUs)."""
+    pair = gate_up.unflatten(-1, (2, -1))
+    return F.silu(pair[..., 0, :]) * pair[..., 1, :]
 
 
 def add_residual(out: torch.Tensor, residual: torch.Tensor, tp: int) -> torch.Tensor:
@@ -220,6 +239,7 @@ class Qwen2Layer(UnitMethods, nn.Module):
         self.down_proj = nn.Linear(f, h, bias=False)
         self.qkv_group: ColumnParallelGroup | None = None
         self.gate_up_group: ColumnParallelGroup | None = None
+        self._rope_cache: dict = {}  # RoPE tables by (length, head_dim, device, dtype): see cached_rope_tables
 
     # -- units (each a forward piece; see the module doc) --------------------------------
     def norm1(self, x: torch.Tensor) -> torch.Tensor:
@@ -227,11 +247,11 @@ class Qwen2Layer(UnitMethods, nn.Module):
 
     def qkv(self, h: torch.Tensor, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pre-Attn after the norm: (b, s, h) -> q (b, H/t, s, d), k, v (b, Hkv/t, s, d); RoPE at ``positions``."""
+        cos, sin = self.rope_tables(h.shape[1], h.device, h.dtype, positions)
         if self.qkv_group is not None:
-            return self.fns.split_rope_qkv(self.qkv_group(h), self.heads, self.kv_heads, self.head_dim, self.theta,
-                                           positions, self.rope_freqs(h.device))
+            return self.fns.split_rope_qkv(self.qkv_group(h), self.heads, self.kv_heads, self.head_dim, cos, sin)
         q, k, v = self.project_qkv(h)
-        q, k = self.fns.rope_qk(q, k, self.theta, positions, self.rope_freqs(q.device))
+        q, k = self.fns.rope_qk(q, k, cos, sin)
         return q, k, v
 
     def project_qkv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,6 +268,11 @@ class Qwen2Layer(UnitMethods, nn.Module):
         """RoPE's inverse frequencies on ``device``: None for plain base ``theta``; a family
         with scaled frequencies (Llama-3.1) overrides this."""
         return None
+
+    def rope_tables(self, s: int, device: torch.device, dtype: torch.dtype,
+                    positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) tables (s, head_dim) at ``positions``, with the family's frequencies (:func:`cached_rope_tables`)."""
+        return cached_rope_tables(self._rope_cache, self.theta, s, self.head_dim, device, dtype, positions, self.rope_freqs(device))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """RoPE of q or k (b, heads, s, d), with the family's frequencies."""

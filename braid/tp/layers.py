@@ -145,6 +145,16 @@ def accumulate_grad(p: nn.Parameter, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
+def accumulate_bias_grad(p: nn.Parameter, g2: torch.Tensor) -> None:
+    """:func:`accumulate_grad` of a bias: the column sums of the output gradient ``g2``
+    (tokens, out). Into an existing ``.grad`` of its dtype they go as one GEMV that adds
+    itself (beta=1), instead of a reduction and an add."""
+    if p.grad is None or p.grad.dtype != g2.dtype or getattr(p, "main_grad", None) is not None:
+        accumulate_grad(p, g2.sum(0))
+    else:
+        p.grad.addmv_(g2.t(), g2.new_ones(g2.shape[0]))
+
+
 @contextlib.contextmanager
 def split_weight_grads(modules: Iterable[DeferredWeightGrad], key: Hashable) -> Iterator[None]:
     """Within the block, backward passes through ``modules`` stash under ``key`` instead of computing dW."""
@@ -209,7 +219,7 @@ class _ParallelLinear(DeferredWeightGrad):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
         self.weight.grad.addmm_(g2.t(), inp.reshape(-1, inp.shape[-1]))
         if self.bias is not None:
-            accumulate_grad(self.bias, g2.sum(0))
+            accumulate_bias_grad(self.bias, g2)
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}"
@@ -246,14 +256,14 @@ def group_pays(parts: Sequence[nn.Module]) -> bool:
 class _GroupFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, mod: "ColumnParallelGroup", *params: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, *params)
+        ctx.save_for_backward(x)  # the parameters are arguments only so that autograd reaches them
         ctx.mod = mod
         weight, bias = mod.joined()
         return nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x, *_ = ctx.saved_tensors
+        x, = ctx.saved_tensors
         weight, _ = ctx.mod.joined()
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         return (grad_x, None, *ctx.mod._stash_or_grad(x, grad_out))
@@ -348,7 +358,7 @@ class ColumnParallelGroup(DeferredWeightGrad):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         dw.addmm_(g2.t(), inp.reshape(-1, inp.shape[-1]))
         if db is not None:
-            db.add_(g2.sum(0))
+            db.addmv_(g2.t(), g2.new_ones(g2.shape[0]))  # the column sums, added by the GEMV (as accumulate_bias_grad)
 
     def extra_repr(self) -> str:
         return f"in={self._parts[0].weight.shape[1]}, out={'+'.join(map(str, self.sizes))}, bias={self._parts[0].bias is not None}"
