@@ -103,3 +103,28 @@ def test_saved_activations_are_counted_and_freed_and_missing_input_is_an_error()
     later = build_chunk(model, ChunkSpec(1, head=True), 2, num_microbatches=1)
     with pytest.raises(ChunkStateError, match="F0: input activation missing"):
         later.run(0, UnitTask(Phase.F, Unit.PRE_ATTN, 0, False))
+
+
+def test_rope_tables_are_made_once_and_never_counted_as_saved_activations() -> None:
+    """RoPE's tables persist across micro-batches (one pair per layer): autograd saves them
+    for RoPE's backward, but the chunk neither counts nor offloads them, as with parameters."""
+    import pickle
+
+    cfg, model, toks, labs = _setup(2)
+    ch = build_chunk(model, ChunkSpec(1, embed=True), 0, num_microbatches=2)
+    ch.set_batch(toks, labs)
+    layer = ch.layers[0]
+    held = []
+    for mb in range(2):
+        ch.run(mb, UnitTask(Phase.F, Unit.EMBED, -1, True))
+        ch.run(mb, UnitTask(Phase.F, Unit.PRE_ATTN, 0, False))
+        held.append(ch.live_bytes())
+    tables = layer.rope_cache[(8, cfg.head_dim, torch.device("cpu"), torch.float32)]
+    assert len(layer.rope_cache) == 1 and layer.rope_cache.ptrs == {t.data_ptr() for t in tables}
+    # eager RoPE saves cos and sin, yet no box holds them, and the second micro-batch adds what the first did
+    saved = {t.data_ptr() for b in ch._boxes.values() for t in b.tensors if isinstance(t, torch.Tensor)}
+    assert saved and not saved & layer.rope_cache.ptrs
+    assert held[1] == 2 * held[0]
+    assert ch.offload(0) > 0 and all(t.data_ptr() in layer.rope_cache.ptrs for t in tables)
+    # copies and pickles start empty: their tables are made where they run
+    assert len(copy.deepcopy(layer).rope_cache) == 0 and len(pickle.loads(pickle.dumps(layer)).rope_cache) == 0

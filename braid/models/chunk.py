@@ -47,7 +47,7 @@ from braid.models.chunk_parts import (
 )
 from braid.models import full_recompute
 from braid.models.fused import FusedOps
-from braid.models.qwen2 import EAGER, UnitFns
+from braid.models.qwen2 import EAGER, RopeCache, UnitFns
 from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.runtime.offload import ActivationOffloader, Parked
@@ -120,6 +120,8 @@ class ModelChunk(FusedOps, nn.Module):
         # Per-unit lookups, computed once: parameter data pointers (reset when the
         # parameters may have moved: .to(), set_batch), weight-gradient modules per unit.
         self._ptrs: frozenset[int] | None = None
+        # the layers' RoPE tables: persistent as parameters are, so never counted as saved activations
+        self._rope_caches = [m.rope_cache for m in self.modules() if isinstance(getattr(m, "rope_cache", None), RopeCache)]
         self._unit_mods: dict[tuple[Unit, int], tuple[DeferredWeightGrad, ...]] = {}
         self._all_mods: list[DeferredWeightGrad] | None = None
         self._anchors: dict[torch.device, torch.Tensor] = {}
@@ -302,10 +304,11 @@ class ModelChunk(FusedOps, nn.Module):
 
     def _saving(self, mb: int, unit: Unit, layer: int):
         box = self._boxes.setdefault((mb, unit, layer), _Box())
-        ptrs = self._param_ptrs()
+        ptrs, caches = self._param_ptrs(), self._rope_caches
 
         def pack(t: torch.Tensor) -> Any:
-            if t.data_ptr() in ptrs:
+            p = t.data_ptr()
+            if p in ptrs or any(p in c.ptrs for c in caches):
                 return t
             box.tensors.append(t)
             return (box, len(box.tensors) - 1)

@@ -28,7 +28,7 @@ from torch import nn
 
 from braid.core.braiding import Unit
 from braid.models.init import init_by_name
-from braid.models.qwen2 import EAGER, Qwen2Config, UnitFns, cached_rope_tables, qwen2_to_hf
+from braid.models.qwen2 import EAGER, Qwen2Config, RopeCache, UnitFns, cached_rope_tables, qwen2_to_hf
 from braid.models.registry import Family, register
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -63,7 +63,7 @@ class McoreUnitLayer(nn.Module):
         self.tp, self.theta, self.head_dim = tp_size, cfg.rope_theta, cfg.head_dim
         self.groups, self.per_group = cfg.kv_heads // tp_size, cfg.heads // cfg.kv_heads
         self.sp: SequenceParallel | None = None
-        self._rope_cache: dict = {}  # RoPE tables (braid.models.qwen2.cached_rope_tables)
+        self.rope_cache = RopeCache()
         att, mlp = layer.self_attention, layer.mlp
         self.input_layernorm = copy.deepcopy(layer.input_layernorm)
         self.pre_mlp_layernorm = copy.deepcopy(layer.pre_mlp_layernorm)
@@ -112,7 +112,7 @@ class McoreUnitLayer(nn.Module):
         g = self.self_attention.linear_qkv(h).view(b, s, self.groups, self.per_group + 2, self.head_dim)
         q = g[:, :, :, : self.per_group].reshape(b, s, self.groups * self.per_group, self.head_dim).transpose(1, 2)
         k, v = g[:, :, :, self.per_group].transpose(1, 2), g[:, :, :, self.per_group + 1].transpose(1, 2)
-        q, k = self.fns.rope_qk(q, k, *cached_rope_tables(self._rope_cache, self.theta, s, self.head_dim, h.device, h.dtype, positions))
+        q, k = self.fns.rope_qk(q, k, *cached_rope_tables(self.rope_cache, self.theta, s, self.head_dim, h.device, h.dtype, positions))
         return q, k, v
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -104,7 +104,26 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, i
     return _rotate(x, *rope_tables(theta, x.shape[-2], x.shape[-1], x.device, x.dtype, positions, inv_freq))
 
 
-def cached_rope_tables(cache: dict, theta: float, s: int, d: int, device: torch.device, dtype: torch.dtype,
+class RopeCache(dict):
+    """A layer's RoPE tables by (length, head_dim, device, dtype) (:func:`cached_rope_tables`).
+
+    ``ptrs``: the data pointers of the tensors it holds. They outlive every micro-batch and
+    step, as parameters do, so a chunk keeps them out of the saved activations it counts and
+    offloads. A copy or a pickle starts empty (its tables are made again where it runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ptrs: set[int] = set()
+
+    def __setitem__(self, key: Any, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
+        super().__setitem__(key, tables)
+        self.ptrs.update(t.data_ptr() for t in tables)
+
+    def __reduce__(self) -> tuple:
+        return RopeCache, ()
+
+
+def cached_rope_tables(cache: RopeCache, theta: float, s: int, d: int, device: torch.device, dtype: torch.dtype,
                        positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_tables`, kept in ``cache`` (a layer's) for the default positions 0..s-1.
 
@@ -239,7 +258,7 @@ class Qwen2Layer(UnitMethods, nn.Module):
         self.down_proj = nn.Linear(f, h, bias=False)
         self.qkv_group: ColumnParallelGroup | None = None
         self.gate_up_group: ColumnParallelGroup | None = None
-        self._rope_cache: dict = {}  # RoPE tables by (length, head_dim, device, dtype): see cached_rope_tables
+        self.rope_cache = RopeCache()
 
     # -- units (each a forward piece; see the module doc) --------------------------------
     def norm1(self, x: torch.Tensor) -> torch.Tensor:
@@ -272,7 +291,7 @@ class Qwen2Layer(UnitMethods, nn.Module):
     def rope_tables(self, s: int, device: torch.device, dtype: torch.dtype,
                     positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's (cos, sin) tables (s, head_dim) at ``positions``, with the family's frequencies (:func:`cached_rope_tables`)."""
-        return cached_rope_tables(self._rope_cache, self.theta, s, self.head_dim, device, dtype, positions, self.rope_freqs(device))
+        return cached_rope_tables(self.rope_cache, self.theta, s, self.head_dim, device, dtype, positions, self.rope_freqs(device))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """RoPE of q or k (b, heads, s, d), with the family's frequencies."""
