@@ -145,14 +145,19 @@ def accumulate_grad(p: nn.Parameter, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
+def add_column_sums(out: torch.Tensor, g2: torch.Tensor) -> None:
+    """``out += g2.sum(0)`` for ``g2`` (tokens, n): one GEMV that adds itself (beta=1), instead
+    of a reduction and an add (a bias gradient of an output gradient ``g2``)."""
+    out.addmv_(g2.t(), g2.new_ones(g2.shape[0]))
+
+
 def accumulate_bias_grad(p: nn.Parameter, g2: torch.Tensor) -> None:
     """:func:`accumulate_grad` of a bias: the column sums of the output gradient ``g2``
-    (tokens, out). Into an existing ``.grad`` of its dtype they go as one GEMV that adds
-    itself (beta=1), instead of a reduction and an add."""
+    (tokens, out), into an existing ``.grad`` of its dtype by :func:`add_column_sums`."""
     if p.grad is None or p.grad.dtype != g2.dtype or getattr(p, "main_grad", None) is not None:
         accumulate_grad(p, g2.sum(0))
     else:
-        p.grad.addmv_(g2.t(), g2.new_ones(g2.shape[0]))
+        add_column_sums(p.grad, g2)
 
 
 @contextlib.contextmanager
@@ -358,7 +363,7 @@ class ColumnParallelGroup(DeferredWeightGrad):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         dw.addmm_(g2.t(), inp.reshape(-1, inp.shape[-1]))
         if db is not None:
-            db.addmv_(g2.t(), g2.new_ones(g2.shape[0]))  # the column sums, added by the GEMV (as accumulate_bias_grad)
+            add_column_sums(db, g2)
 
     def extra_repr(self) -> str:
         return f"in={self._parts[0].weight.shape[1]}, out={'+'.join(map(str, self.sizes))}, bias={self._parts[0].bias is not None}"
