@@ -128,3 +128,18 @@ def test_rope_tables_are_made_once_and_never_counted_as_saved_activations() -> N
     assert ch.offload(0) > 0 and all(t.data_ptr() in layer.rope_cache.ptrs for t in tables)
     # copies and pickles start empty: their tables are made where they run
     assert len(copy.deepcopy(layer).rope_cache) == 0 and len(pickle.loads(pickle.dumps(layer)).rope_cache) == 0
+
+
+def test_a_compiled_layer_fills_its_rope_cache_and_then_reads_it() -> None:
+    """``torch.compile(fullgraph=True)`` of a layer (as the torch baselines compile theirs)
+    traces the cache's first fill, then reads the stored tables; values as eager."""
+    cfg, model, _, _ = _setup()
+    layer = model.layers[0]
+    x = torch.randn(2, 8, cfg.hidden)
+    want = layer(x)
+    layer.rope_cache.clear()
+    fn = torch.compile(layer, fullgraph=True, backend="eager")
+    got = [fn(x) for _ in range(2)]
+    assert len(layer.rope_cache) == 1 and len(layer.rope_cache.ptrs) == 2
+    for g in got:
+        assert torch.equal(g, want)

@@ -308,7 +308,7 @@ class ModelChunk(FusedOps, nn.Module):
 
         def pack(t: torch.Tensor) -> Any:
             p = t.data_ptr()
-            if p in ptrs or any(p in c.ptrs for c in caches):
+            if p in ptrs or any(p in c.ptrs for c in caches):  # (a cache holds a table or two)
                 return t
             box.tensors.append(t)
             return (box, len(box.tensors) - 1)

@@ -107,17 +107,15 @@ def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, i
 class RopeCache(dict):
     """A layer's RoPE tables by (length, head_dim, device, dtype) (:func:`cached_rope_tables`).
 
-    ``ptrs``: the data pointers of the tensors it holds. They outlive every micro-batch and
-    step, as parameters do, so a chunk keeps them out of the saved activations it counts and
-    offloads. A copy or a pickle starts empty (its tables are made again where it runs)."""
+    :attr:`ptrs`: the data pointers of the tensors it holds. They outlive every micro-batch
+    and step, as parameters do, so a chunk keeps them out of the saved activations it counts
+    and offloads. Filling it is a plain dict store, which ``torch.compile`` traces (a compiled
+    layer, as the baselines', then reads the tables as inputs). A copy or a pickle starts
+    empty: its tables are made again where it runs."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.ptrs: set[int] = set()
-
-    def __setitem__(self, key: Any, tables: tuple[torch.Tensor, torch.Tensor]) -> None:
-        super().__setitem__(key, tables)
-        self.ptrs.update(t.data_ptr() for t in tables)
+    @property
+    def ptrs(self) -> set[int]:
+        return {t.data_ptr() for tables in self.values() for t in tables}
 
     def __reduce__(self) -> tuple:
         return RopeCache, ()
