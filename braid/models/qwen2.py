@@ -80,7 +80,12 @@ def rope_inv_freq(theta: float, d: int, device: torch.device | str | None = None
 
 def rope_tables(theta: float, s: int, d: int, device: torch.device, dtype: torch.dtype,
                 positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE's (cos, sin) tables (s, d) in ``dtype`` for positions ``positions`` (default 0..s-1)."""
+    """RoPE's (cos, sin) tables (s, d) in ``dtype`` for positions ``positions`` (default 0..s-1),
+    for Qwen2's rotate-half form (:func:`rope_qk`).
+
+    Under sequence parallelism a rank holds tokens of scattered (zigzag) positions; RoPE
+    must rotate each by its position in the full sequence. ``inv_freq`` overrides the
+    frequencies of base ``theta`` (a family's RoPE scaling)."""
     inv = rope_inv_freq(theta, d, device) if inv_freq is None else inv_freq.to(device)
     pos = torch.arange(s, device=device) if positions is None else positions.to(device)
     ang = torch.outer(pos.to(torch.float32), inv)
@@ -92,16 +97,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-def rope(x: torch.Tensor, theta: float, positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotary position embedding of ``x`` (b, heads, s, d) at ``positions`` (s,), default 0..s-1 (Qwen2's rotate-half form).
-
-    Under sequence parallelism a rank holds tokens of scattered (zigzag) positions; RoPE
-    must rotate each by its position in the full sequence. ``inv_freq`` overrides the
-    frequencies of base ``theta`` (a family's RoPE scaling).
-    """
-    return _rotate(x, *rope_tables(theta, x.shape[-2], x.shape[-1], x.device, x.dtype, positions, inv_freq))
 
 
 class RopeCache(dict):
@@ -290,10 +285,6 @@ class Qwen2Layer(UnitMethods, nn.Module):
                     positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's (cos, sin) tables (s, head_dim) at ``positions``, with the family's frequencies (:func:`cached_rope_tables`)."""
         return cached_rope_tables(self.rope_cache, self.theta, s, self.head_dim, device, dtype, positions, self.rope_freqs(device))
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """RoPE of q or k (b, heads, s, d), with the family's frequencies."""
-        return rope(x, self.theta, positions, self.rope_freqs(x.device))
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal GQA attention and the out-projection: (b, H/t, s, d) -> (b, s, h) partial over TP.
