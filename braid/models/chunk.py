@@ -292,7 +292,7 @@ class ModelChunk(FusedOps, nn.Module):
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "ModelChunk":
         self._ptrs = None  # .to()/.cuda()/.half() may move the parameters
         out = super()._apply(fn, *args, **kwargs)
-        for m in self.modules():  # and move grouped linears' parts apart: lay them back to back again
+        for m in self.modules():  # .to() re-allocates a group's parts one by one: lay them back to back again
             if isinstance(m, ColumnParallelGroup):
                 m.pack()
         return out
