@@ -170,15 +170,17 @@ def _check_carried_overlap(program, chunks, trace, where: str) -> None:
 
 
 def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
-                compile: bool | None = None, tp_backend: str | None = None, recompute: str = "none") -> list[tuple[str, int, dict]]:
+                compile: bool | None = None, tp_backend: str | None = None, recompute: str = "none",
+                stage_layers: dict[int, tuple[float, ...]] | None = None) -> list[tuple[str, int, dict]]:
     """Run each (schedule, m) for two AdamW steps and compare with the single-process reference:
     the loss of each step, every gradient before the first optimizer step and every parameter
     after the last, within :func:`reference_error.bound` (float64 on CPU, float32 against a
     float64 reference's error on CUDA). ``compile``: the executor's compiled-units switch;
     ``tp_backend``: run the TP all-reduces through this :mod:`braid.tp.comm` backend, over a TP
     group created with its options, instead of the groups' default; ``recompute``: the chunks'
-    recomputation mode. The counts returned carry ``peak_bytes``: the rank's peak of the first
-    step's memory series."""
+    recomputation mode; ``stage_layers``: the layout per number of virtual stages (half layers
+    allowed) instead of the default split. The counts returned carry ``peak_bytes``: the rank's
+    peak of the first step's memory series."""
     from braid import schedules
     from braid.core.braiding import carries
     from braid.core.compiler import compile_plan
@@ -202,7 +204,9 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
             continue
         stages = plan.num_stages
         layers = split_layers(2 * stages - 1, stages) if stages > 1 else (2,)
-        cfg = Qwen2Config(layers=sum(layers), **CFG_KW)
+        if stage_layers is not None:
+            layers = stage_layers[stages]
+        cfg = Qwen2Config(layers=int(sum(layers)), **CFG_KW)
         topo.check_model(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, vocab_size=cfg.vocab_size, num_layers=cfg.layers, num_stages=stages)
         dev = ctx.dist.device
         dtype = run_dtype(dev, compile)

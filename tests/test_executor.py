@@ -102,6 +102,21 @@ def _every_choice(name: str, pp: int, m: int) -> str:
     return apply_choices(plan, {blk: VARIANTS[k % len(VARIANTS)] for k, blk in enumerate(blocks)}).to_json()
 
 
+# Stages cut between a layer's attention and its MLP: one ends with an attention half, the
+# next starts with the MLP half (stage 1 of four holds only that); the head's stage too.
+HALVES = {1: (2,), 2: (1.5, 1.5), 4: (1.5, 0.5, 1.5, 0.5)}
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)], ids=["pp2-tp1-fused", "pp2-tp2-cut"])
+def test_half_layer_stages_match_reference(pools, pp: int, tp: int) -> None:
+    combos = [(name, 2 * pp + 1) for name in schedules.names()]
+    ran_by_rank = pools(pp * tp).run(cases.equivalence, pp, tp, combos, None, None, "none", HALVES, timeout_s=400)
+    ran = {n for n, _, _ in ran_by_rank[0]}
+    assert {"1f1b", "zb_v", "braided_v", "dualpipe_v"} <= ran, sorted(ran)
+    if tp > 1:
+        assert all(dict((n, c) for n, _, c in r)["braided_v"]["AR"] > 0 for r in ran_by_rank)
+
+
 @pytest.mark.parametrize("name", ["braided_v", "dualpipe_v"])
 def test_braid_choices_match_reference(pools, name: str) -> None:
     # What the braiding pass may choose (split blocks in either order, a fixed lead, a trailing

@@ -83,23 +83,50 @@ class Phase(str, enum.Enum):
 class ChunkSpec:
     """What one model chunk (virtual stage) contains, as far as scheduling cares.
 
-    ``layers``: transformer layers in the chunk (0 allowed for a chunk that holds only the
-    embedding or only the head); ``embed``/``head``: whether it is the first/last stage;
+    ``layers``: whole transformer layers in the chunk (0 allowed for a chunk that holds only
+    the embedding or only the head); ``embed``/``head``: whether it is the first/last stage;
     ``merge``: the chunk ends with a VLM's patch merger joined with the text embedding.
+
+    **Half-layer cuts.** ``half_in``: the chunk starts with the MLP half (``pre_mlp``,
+    ``mlp``) of a layer whose attention half ended the stage before; ``half_out``: it ends
+    with the attention half (``pre_attn``, ``attn``) of a layer the next stage finishes. The
+    cut lies on the residual stream between ``attn`` and ``pre_mlp``, so the tensor that
+    crosses it has a layer boundary's shape. Chunk-local layer indices count the half
+    layers: with ``half_in`` layer 0 is the MLP half, the whole layers follow, the
+    attention half of ``half_out`` comes last (:meth:`layer_units`).
     """
 
     layers: int
     embed: bool = False
     head: bool = False
     merge: bool = False
+    half_in: bool = False
+    half_out: bool = False
 
     def __post_init__(self) -> None:
         if self.layers < 0:
             raise ValueError(f"ChunkSpec.layers must be >= 0, got {self.layers}")
-        if self.layers == 0 and not (self.embed or self.head):
-            raise ValueError("a chunk needs at least one layer, the embedding or the head")
+        if self.layers == 0 and not (self.embed or self.head or self.half_in or self.half_out):
+            raise ValueError("a chunk needs at least one layer, half a layer, the embedding or the head")
         if self.merge and self.head:
             raise ValueError("a chunk with the vision merger cannot also hold the LM head; give the LM its own stage")
+        if self.merge and (self.half_in or self.half_out):
+            raise ValueError("the vision stage holds whole ViT blocks; half-layer cuts are for decoder stages")
+
+    @property
+    def modules(self) -> int:
+        """Layer modules the chunk holds: its whole layers and each half layer."""
+        return self.layers + self.half_in + self.half_out
+
+    def layer_units(self) -> list[tuple[Unit, int]]:
+        """The chunk's layer units in forward order, as (unit, chunk-local layer)."""
+        out = [(u, 0) for u in LAYER_UNITS[2:]] if self.half_in else []
+        first = int(self.half_in)
+        for layer in range(first, first + self.layers):
+            out += [(u, layer) for u in LAYER_UNITS]
+        if self.half_out:
+            out += [(u, first + self.layers) for u in LAYER_UNITS[:2]]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +153,7 @@ def _forward_tasks(spec: ChunkSpec) -> list[UnitTask]:
     out = []
     if spec.embed:
         out.append(UnitTask(Phase.F, Unit.EMBED, -1, True))
-    for layer in range(spec.layers):
-        out += [UnitTask(Phase.F, u, layer, u in AR_FORWARD) for u in LAYER_UNITS]
+    out += [UnitTask(Phase.F, u, layer, u in AR_FORWARD) for u, layer in spec.layer_units()]
     if spec.merge:
         out.append(UnitTask(Phase.F, Unit.MERGE, -1, True))
     if spec.head:
@@ -141,8 +167,7 @@ def _backward_units(spec: ChunkSpec) -> list[tuple[Unit, int]]:
         out.append((Unit.HEAD, -1))
     if spec.merge:
         out.append((Unit.MERGE, -1))
-    for layer in reversed(range(spec.layers)):
-        out += [(u, layer) for u in reversed(LAYER_UNITS)]
+    out += spec.layer_units()[::-1]
     if spec.embed:
         out.append((Unit.EMBED, -1))
     return out

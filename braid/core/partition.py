@@ -3,9 +3,13 @@
 Paper Sec. 5 (setup): LLM layers are split evenly, the last virtual stage two layers
 lighter (its head over a 152K vocabulary is heavy); for an MLLM the ViT takes the first
 virtual stage of device 0 and the language model is spread over the remaining ones.
+A stage may also hold half a layer (:func:`stage_halves`): the cut between a layer's
+attention and its MLP evens out a head whose work is a fraction of a layer's.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 from braid.core.braiding import ChunkSpec
 from braid.core.ir import Placement, rank_chunk_of
@@ -56,15 +60,51 @@ def split_layers(num_layers: int, num_stages: int, last_stage_lighter: int = 0, 
     return tuple(counts + shares)
 
 
-def chunk_specs(layers_per_stage: tuple[int, ...], p: int, placement: Placement) -> dict[tuple[int, int], ChunkSpec]:
-    """``(rank, chunk) -> ChunkSpec`` for a placement; stage 0 has the embedding, the last the head."""
-    n = len(layers_per_stage)
+def stage_halves(layers_per_stage: Sequence[float]) -> tuple[int, ...]:
+    """Each stage's size in half layers; raises ``ValueError`` unless every entry is a whole
+    or half number of layers (>= 0) and the stages add up to whole layers.
+
+    A half (``1.5``, ``0.5``) cuts a layer between its attention and its MLP
+    (:class:`braid.core.braiding.ChunkSpec`'s ``half_in``/``half_out``): the stage before runs
+    the attention half, the stage after the MLP half.
+    """
+    out = []
+    for n in layers_per_stage:
+        h = n * 2
+        if isinstance(n, bool) or h != int(h) or n < 0:
+            raise ValueError(f"layers per stage must be whole or half layers (>= 0), got {list(layers_per_stage)}")
+        out.append(int(h))
+    if sum(out) % 2:
+        raise ValueError(f"the stages add up to {sum(out) / 2} layers; a model has whole layers: {list(layers_per_stage)}")
+    return tuple(out)
+
+
+def chunk_specs(layers_per_stage: Sequence[float], p: int, placement: Placement) -> dict[tuple[int, int], ChunkSpec]:
+    """``(rank, chunk) -> ChunkSpec`` for a placement; stage 0 has the embedding, the last the head.
+
+    Entries may be half layers (:func:`stage_halves`).
+    """
+    halves = stage_halves(layers_per_stage)
+    n = len(halves)
     out = {}
-    for stage, layers in enumerate(layers_per_stage):
-        out[rank_chunk_of(placement, p, stage)] = ChunkSpec(layers, embed=stage == 0, head=stage == n - 1)
+    start = 0
+    for stage, size in enumerate(halves):
+        end = start + size
+        if size:
+            first, last = -(-start // 2), end // 2  # whole layers [first, last)
+            spec = ChunkSpec(last - first, embed=stage == 0, head=stage == n - 1, half_in=start % 2 == 1, half_out=end % 2 == 1)
+        else:
+            spec = ChunkSpec(0, embed=stage == 0, head=stage == n - 1)
+        out[rank_chunk_of(placement, p, stage)] = spec
+        start = end
     return out
 
 
-def layer_offset(layers_per_stage: tuple[int, ...], stage: int) -> int:
-    """Global index of the first layer of ``stage``."""
-    return sum(layers_per_stage[:stage])
+def layer_offset(layers_per_stage: Sequence[float], stage: int) -> int:
+    """Global index of the first layer (or half layer) of ``stage``."""
+    return sum(stage_halves(layers_per_stage)[:stage]) // 2
+
+
+def whole_layers(layers_per_stage: Sequence[float]) -> bool:
+    """Whether no stage cuts a layer in half."""
+    return all(h % 2 == 0 for h in stage_halves(layers_per_stage))

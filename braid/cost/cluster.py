@@ -203,7 +203,9 @@ def chunk_params(model: ModelConfig, costs: CostModel, rank: int, chunk: int) ->
         n += spec.layers * (4 * v.hidden * v.hidden + 2 * v.hidden * v.ffn) / t + v.patch_pixels * v.hidden
         n += (16 * v.hidden * v.hidden + 4 * v.hidden * model.hidden) / t  # patch merger
     else:
-        n += spec.layers * model.lm_layer_params() / t
+        h, kv = model.hidden, model.kv_heads * model.head_dim
+        attn_half, mlp_half = h * (h + 2 * kv) + h * h, 3 * h * model.ffn  # lm_layer_params(), cut at the half
+        n += (spec.layers * model.lm_layer_params() + spec.half_out * attn_half + spec.half_in * mlp_half) / t
     n += (spec.embed + spec.head) * model.vocab * model.hidden / t
     return n
 
@@ -222,7 +224,7 @@ def rank_param_list(model: ModelConfig, costs: CostModel, rank: int) -> list[Par
             out += param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, 0, True, False, t)
         else:
             out += param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, spec.layers,
-                               bool(spec.embed), bool(spec.head), t)
+                               bool(spec.embed), bool(spec.head), t, half_in=spec.half_in, half_out=spec.half_out)
     return out
 
 

@@ -103,9 +103,9 @@ class ChunkCosts:
     p2p: float = 0.0
 
     def instances(self) -> list[Unit]:
-        """Every unit instance of the chunk (layer units repeated per layer)."""
+        """Every unit instance of the chunk (layer units repeated per layer, half layers' halves)."""
         out = [Unit.EMBED] if self.spec.embed else []
-        out += [u for _ in range(self.spec.layers) for u in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)]
+        out += [u for u, _ in self.spec.layer_units()]
         out += [Unit.MERGE] if self.spec.merge else []
         return out + ([Unit.HEAD] if self.spec.head else [])
 

@@ -39,13 +39,15 @@ class Param:
 
 
 def param_sizes(hidden: int, kv: int, ffn: int, vocab: int, layers: int, embed: bool, head: bool,
-                tp: int = 1) -> list[Param]:
-    """A Qwen2/Llama decoder chunk's parameters in module order (``kv``: key/value width, heads x head dim)."""
+                tp: int = 1, *, half_in: bool = False, half_out: bool = False) -> list[Param]:
+    """A Qwen2/Llama decoder chunk's parameters in module order (``kv``: key/value width, heads x head dim);
+    ``half_in``/``half_out``: the MLP half of a layer first, the attention half of one last
+    (:class:`braid.core.braiding.ChunkSpec`)."""
     h = hidden
     layer = [Param(h, False), Param(h * h // tp, True), Param(h // tp, False), Param(kv * h // tp, True),
              Param(kv // tp, False), Param(kv * h // tp, True), Param(kv // tp, False), Param(h * h // tp, True),
              Param(h, False), Param(ffn * h // tp, True), Param(ffn * h // tp, True), Param(h * ffn // tp, True)]
-    out = layer * layers
+    out = layer[8:] * half_in + layer * layers + layer[:8] * half_out  # the attention half: norm, q, k, v, o
     if embed:
         out.append(Param(vocab * h // tp, True))
     if head:

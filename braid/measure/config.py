@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from braid.core.ir import Placement, Plan, ScheduleConfig
+from braid.core.partition import split_layers, stage_halves, whole_layers
 from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
@@ -29,16 +30,25 @@ PRESETS: dict[str, Any] = {name: decoder_config(get_model(m), layers=1, vocab_si
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _layer_count(text: str) -> int | float:
+    """``"2"`` -> 2, ``"1.5"`` -> 1.5 (a whole or half number of layers; ValueError otherwise)."""
+    n = float(text)
+    if n * 2 != int(n * 2):
+        raise ValueError(text)
+    return int(n) if n == int(n) else n
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileConfig:
     """What to profile: model shape, layout and data shape (see the module doc).
 
-    ``layers_per_stage``: decoder layers of each virtual stage (``pp * v`` entries);
+    ``layers_per_stage``: decoder layers of each virtual stage (``pp * v`` entries; a half,
+    e.g. ``(1, 1, 1.5, 0.5)``, cuts a layer between attention and MLP: :func:`braid.core.partition.stage_halves`);
     ``peak_flops``: the MFU denominator written to the file (0 = unknown).
     """
 
     model: Any  # the family's config (braid.models.registry), one layer: ``layers_per_stage`` sets the count
-    layers_per_stage: tuple[int, ...]
+    layers_per_stage: tuple[float, ...]
     seq: int = 16
     micro_batch_size: int = 1
     tp: int = 1
@@ -61,8 +71,8 @@ class ProfileConfig:
             resolve_tp_backend(self.tp_backend, self.device)  # one clear error for a backend that cannot run here
         if len(self.layers_per_stage) != self.pp * self.v:
             raise ValueError(f"layers_per_stage has {len(self.layers_per_stage)} entries; pp*v = {self.pp * self.v} stages need one each")
-        if any(n < 1 for n in self.layers_per_stage):
-            raise ValueError(f"every stage needs at least one layer, got {self.layers_per_stage}")
+        if any(h < 1 for h in stage_halves(self.layers_per_stage)):
+            raise ValueError(f"every stage needs at least half a layer, got {self.layers_per_stage}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
@@ -82,9 +92,22 @@ class ProfileConfig:
     def layout(self) -> Layout:
         return Layout(self.tp, self.pp, self.v, self.placement)
 
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers the stages hold."""
+        return sum(stage_halves(self.layers_per_stage)) // 2
+
+    @property
+    def peer_layers_per_stage(self) -> tuple[int, ...]:
+        """The layout for the external baselines, which split whole layers: :attr:`layers_per_stage`
+        itself, or where a stage holds half a layer, the layers spread as evenly as whole layers go."""
+        if whole_layers(self.layers_per_stage):
+            return tuple(int(n) for n in self.layers_per_stage)
+        return split_layers(self.num_layers, len(self.layers_per_stage))
+
     def full_model(self) -> Any:
         """The model config with as many layers as the stages hold."""
-        return replace(self.model, layers=sum(self.layers_per_stage))
+        return replace(self.model, layers=self.num_layers)
 
     def build_model(self) -> torch.nn.Module:
         """The single-device model of :meth:`full_model` on the CPU, in :attr:`dtype`, every parameter
@@ -182,10 +205,10 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
 
     try:
         try:
-            lps = [int(x) for x in str(args.layers_per_stage).split(",")]
+            lps = [_layer_count(x) for x in str(args.layers_per_stage).split(",")]
         except ValueError:
-            raise ValueError(f"--layers-per-stage must be a whole number or a comma list of them, "
-                             f"got {args.layers_per_stage!r}") from None
+            raise ValueError(f"--layers-per-stage must be a whole or half number of layers (2, 1.5) or a comma list "
+                             f"of them, got {args.layers_per_stage!r}") from None
         stages = args.pp * args.chunks
         if len(lps) == 1:
             lps = lps * stages

@@ -170,7 +170,7 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
 
     pc = bc.profile
     dev = d.device
-    pipe = baseline_pipeline(run.name, model, pc.layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
+    pipe = baseline_pipeline(run.name, model, pc.peer_layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
                              seq_len=pc.seq, mode=run.mode, comm=torch_groups(run, groups, dev, shared))
     toks, labs = _data(pc, m, dev)
     x, y = torch.cat(toks), torch.cat(labs)
@@ -288,6 +288,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
                                 "external": external, "notes": notes + [f"partial: {rnd + 1} of {bc.rounds} rounds"]})
     if bc.external:
         notes.append(peers_note(peers))
+        if pc.peer_layers_per_stage != pc.layers_per_stage:
+            notes.append(f"braid's stages cut a layer in half (layers/stage={_counts(pc.layers_per_stage)}); the external "
+                         f"baselines split whole layers, {_counts(pc.peer_layers_per_stage)}")
     # The uncalibrated profile travels too: its predictions are reported beside the calibrated
     # ones, so the raw model's error stays visible.
     raw = raw_doc if raw_doc is not doc else None
@@ -356,3 +359,7 @@ def _check_costs(doc: dict[str, Any], where: str, pc: ProfileConfig, runs: list[
 
     for placement, v in sorted({(plan.placement, plan.v) for _, _, plan in runs}):
         costs_from_dict(doc, Layout(pc.tp, pc.pp, v, placement), chunk_specs(pc.layers_per_stage, pc.pp, placement), where=where)
+
+
+def _counts(layers_per_stage) -> str:
+    return ",".join(map(str, layers_per_stage))

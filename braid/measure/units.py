@@ -5,6 +5,7 @@ all-reduce alone and beside GEMMs, P2P and host copies; the measurements assembl
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 import time
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
@@ -428,7 +429,8 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
             m.setdefault((ph, u), []).append(b)
     mean = lambda d, k: statistics.fmean(d[k]) if k in d else 0.0  # noqa: E731
     units = sorted({u for _, u in t}, key=[x.value for x in Unit].index)
-    count = {u: (1 if Unit(u) in (Unit.EMBED, Unit.HEAD) else spec.layers) for u in units}
+    per_chunk = Counter(u.value for u, _ in spec.layer_units())  # half layers count their half
+    count = {u: (1 if Unit(u) in (Unit.EMBED, Unit.HEAD) else per_chunk[u]) for u in units}
     act = {u: max(0.0, mean(m, ("F", u))) for u in units}
     kept = {u: mean(m, ("F", u)) + mean(m, ("B", u)) for u in units}
     # Boxes freed one unit late (norm backward at the start of the next unit) can make a
@@ -461,7 +463,7 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
         chunks[(rank, c)] = ChunkCosts(spec, _unit_costs(entries, spec, ar_s), p2p)
     ma = statistics.fmean(cc.total("act") for cc in chunks.values())
     mcfg = pc.model
-    mc = ModelConfig("profiled", sum(pc.layers_per_stage), mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
+    mc = ModelConfig("profiled", pc.num_layers, mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
                      mcfg.vocab_size, pc.seq, pc.micro_batch_size, torch.finfo(DTYPES[pc.dtype]).bits // 8)
     meta = {"config": {**asdict(pc), "model": asdict(pc.model)}, "device": device_name(pc.device),
             "torch": torch.__version__, "comm": {k: statistics.fmean(c[k] for c in comm) for k in comm[0]},

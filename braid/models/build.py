@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from braid.core.braiding import ChunkSpec
+from braid.core.braiding import LAYER_UNITS, ChunkSpec
 from braid.core.ir import Plan
 from braid.models.chunk import ModelChunk
 from braid.models.init import init_tensor
-from braid.models.seam import StageModel, UnitLayer
+from braid.models.seam import StageModel, UnitLayer, keep_units
 from braid.models.sequence_parallel import SequenceParallel
 from braid.models.tied import Tie, mark, tie_of
 from braid.core.partition import chunk_specs, layer_offset
@@ -147,7 +147,10 @@ def build_chunk(
     seq_len: int | None = None,
     fuse: bool | None = None,
 ) -> ModelChunk:
-    """The TP shard of layers ``[first_layer, first_layer + spec.layers)`` of a single-device model (copied).
+    """The TP shard of layers ``[first_layer, first_layer + spec.modules)`` of a single-device model (copied).
+
+    A half layer (``spec.half_in``: the first, ``spec.half_out``: the last) keeps only its
+    half's parameters (:func:`braid.models.seam.keep_units`).
 
     ``fuse``: fused mode (:meth:`ModelChunk.choose_fused`): None lets the executor choose,
     False keeps the unit cuts.
@@ -162,11 +165,16 @@ def build_chunk(
         sp.config.check_model(heads=cfg.heads, kv_heads=cfg.kv_heads, tp=tp_size, seq_len=seq_len)
     source = _source(model)
     layers = []
-    for i in range(first_layer, first_layer + spec.layers):
+    halves = {first_layer: LAYER_UNITS[2:]} if spec.half_in else {}
+    if spec.half_out:
+        halves[first_layer + spec.modules - 1] = LAYER_UNITS[:2]
+    for i in range(first_layer, first_layer + spec.modules):
         lay = model.shard_layer(_real(model.layers[i], source, f"layers.{i}."), tp_rank, tp_size)
         if not isinstance(lay, UnitLayer):
             raise TypeError(f"{type(model).__name__}.shard_layer returned a {type(lay).__name__}, which lacks the "
                             "unit methods of braid.models.seam.UnitLayer (unit_norm, unit_forward, unit_weights)")
+        if i in halves:
+            keep_units(lay, halves[i])
         lay.sp = sp
         layers.append(lay)
     embed = norm = lm_head = None

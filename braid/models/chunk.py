@@ -93,7 +93,7 @@ class ModelChunk(FusedOps, nn.Module):
         fuse: bool | None = None,
     ) -> None:
         super().__init__()
-        if len(layers) != spec.layers or (embed is not None) != spec.embed or (lm_head is not None) != spec.head:
+        if len(layers) != spec.modules or (embed is not None) != spec.embed or (lm_head is not None) != spec.head:
             raise ValueError(f"chunk modules do not match {spec}")
         self.spec = spec
         self.layers = nn.ModuleList(layers)
@@ -175,6 +175,9 @@ class ModelChunk(FusedOps, nn.Module):
         from braid.models.recompute import check_mode
 
         check_mode(mode)
+        if mode == "full" and (self.spec.half_in or self.spec.half_out):
+            raise ValueError("full recomputation re-runs whole layers; this chunk holds half a layer "
+                             "(use whole layers per stage, or --recompute selective)")
         if mode != "none" and self.sp is not None:
             raise ValueError(f"{mode} recomputation does not cover 2D-Attention's sequence-parallel core (--cp > 1); "
                              "use --recompute none there")

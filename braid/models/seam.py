@@ -89,3 +89,32 @@ class StageModel(Protocol):
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """(b, s) token ids -> (b, s, vocab) float logits."""
         ...
+
+
+def keep_units(layer: nn.Module, units: tuple[Unit, ...]) -> nn.Module:
+    """``layer`` (a :class:`UnitLayer`) cut down, in place, to the parameters of ``units`` (a half-layer cut's side).
+
+    The other units' norms and linears (:meth:`UnitLayer.unit_norm`, :meth:`UnitLayer.unit_weights`
+    and the parts of a joined group) are set to None where the layer holds them, so the
+    chunk holds, counts, reduces and saves only its own half. Raises ``ValueError`` where a
+    parameter would be left that none of ``units`` names (a family with more per-layer
+    weights than the seam declares): such a layer cannot be cut in half.
+    """
+    def mods(us: tuple[Unit, ...]) -> set[int]:
+        out: set[int] = set()
+        for u in us:
+            for m in (layer.unit_norm(u), *layer.unit_weights(u)) if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else layer.unit_weights(u):
+                out.update(id(s) for s in (m, *getattr(m, "_parts", ())))
+        return out
+
+    keep = mods(units)
+    drop = mods(tuple(u for u in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP) if u not in units)) - keep
+    for parent in list(layer.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in drop:
+                setattr(parent, name, None)
+    kept = {id(p) for m in layer.modules() if id(m) in keep for p in m.parameters()}
+    left = [n for n, p in layer.named_parameters() if id(p) not in kept]
+    if left:
+        raise ValueError(f"{type(layer).__name__} cannot be cut in half: {left} belong to no unit the seam names")
+    return layer
