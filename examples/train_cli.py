@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
+from braid.io.cli import layer_count
 
 
 class UsageError(ValueError):
@@ -95,8 +96,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                      help="inner ring size w of Double-Ring-Attention, dividing d_cp = cp/hp (default: one ring of d_cp)")
     lay.add_argument("--placement", default="head_first", choices=["head_first", "context_first"],
                      help="put the head-parallel (head_first) or the context-parallel group on adjacent ranks")
-    lay.add_argument("--last-stage-lighter", type=int, default=None,
-                     help="layers fewer on the last virtual stage (heavy LM head; default: 2, 0 for --model tiny)")
+    lay.add_argument("--last-stage-lighter", type=layer_count, default=None,
+                     help="layers fewer on the last virtual stage (heavy LM head; default: 2, 0 for --model tiny); "
+                          "a half (0.5, 2.5) cuts a layer between attention and MLP, the stage before taking the attention half")
     run = p.add_argument_group("batch and model")
     run.add_argument("--model", default="tiny", choices=list(task.models), help="size preset (default: %(default)s)")
     run.add_argument("--hf", metavar="DIR", help="start from a local Hugging Face checkpoint (config.json + safetensors) "
@@ -315,6 +317,9 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             n_stages = 2 * args.pp if plan is None else plan.num_stages
             task.check(model, topo, n_stages, args)
             runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
+            if n in BASELINES and any(x != int(x) for x in runs[-1].stage_layers):
+                raise ValueError(f"{n}: the external baselines split whole layers; --last-stage-lighter "
+                                 f"{args.last_stage_lighter} cuts one in half (braid's schedules only)")
             if n.startswith("mcore_") and len(set(runs[-1].stage_layers)) != 1:
                 raise ValueError(f"{n}: megatron-core splits layers evenly, got {list(runs[-1].stage_layers)} per stage; "
                                  "use --last-stage-lighter 0 and a layer count divisible by 2 * pp")

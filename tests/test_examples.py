@@ -104,6 +104,7 @@ def test_resume_continues_with_the_same_losses(reference, tmp_path) -> None:
     (["--schedule", "zb_v", "zb_v"], "names a schedule twice"),
     (["--schedule", "zb_v", "1f1b_i", "--trace", "t.json"], "take one --schedule"),
     (["--schedule", "torch_zb_v", "--dp", "1", "--cp", "1", "--save", "ckpt"], "checkpoint braid's schedules"),
+    (["--last-stage-lighter", "0.5"], "the VLM's stages hold whole layers"),
 ])
 def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
     proc = _python(VLM, *args)
@@ -175,6 +176,28 @@ def test_llm_example_pp2(tmp_path) -> None:
     assert [m["step"] for m in got] == [1, 2]
     assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in got)
     assert len(got[0]["peak_memory_bytes"]) == 2
+
+
+def test_llm_example_half_layer_cut_matches_single_process() -> None:
+    # --last-stage-lighter 0.5: stage 2 ends with layer 3's attention, stage 3 starts with its MLP;
+    # --reference exits 1 when a loss leaves the unsplit model's tolerance.
+    proc = _torchrun(2, LLM, *COMMON, "--pp", "2", "--schedule", "zb_v", "braided_v", "--last-stage-lighter", "0.5",
+                     "--steps", "2", "--seq", "16", "--reference")
+    _ok(proc)
+    out = proc.stdout + proc.stderr
+    assert out.count("4 virtual stages of [1, 1, 1.5, 0.5] layers") == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--last-stage-lighter", "0.3"], "invalid layer_count value: '0.3'"),
+    (["--pp", "2", "--schedule", "torch_1f1b_i", "--last-stage-lighter", "0.5"], "split whole layers"),
+])
+def test_bad_half_layer_flags_exit_2(args: list[str], message: str) -> None:
+    proc = _python(LLM, "--model", "tiny", "--device", "cpu", "--steps", "1", *args) if "--pp" not in args else \
+        _torchrun(2, LLM, "--model", "tiny", "--device", "cpu", "--steps", "1", *args)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    if "--pp" not in args:
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_llm_example_sequence_parallel_matches_single_process(tmp_path) -> None:

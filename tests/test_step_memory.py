@@ -62,9 +62,10 @@ def _tensors(params: list[Param], dtype: torch.dtype) -> list[torch.nn.Parameter
             for p in params]
 
 
-def test_param_sizes_follow_the_chunks_parameters() -> None:
+@pytest.mark.parametrize("layout", [(2, 2), (1.5, 2.5)], ids=["whole", "half-cut"])
+def test_param_sizes_follow_the_chunks_parameters(layout) -> None:
     from braid import schedules
-    from braid.core.partition import split_layers
+    from braid.core.partition import chunk_specs
     from braid.cost.catalog import get_model
     from braid.models.build import build_rank_chunks, meta_model
     from braid.models.registry import get_family
@@ -76,10 +77,11 @@ def test_param_sizes_follow_the_chunks_parameters() -> None:
     model = meta_model(get_family(preset.family).model_cls, cfg, seed=1, std=0.02, device=torch.device("cpu"))
     plan = schedules.build("1f1b", 2, 2)
     for stage in range(2):
-        chunks = build_rank_chunks(model, plan, stage, split_layers(4, plan.num_stages), tp_rank=0, tp_size=1, tp_group=None)
+        chunks = build_rank_chunks(model, plan, stage, layout, tp_rank=0, tp_size=1, tp_group=None)
         real = [Param(p.numel(), decays(p)) for ch in chunks.values() for p in ch.parameters()]
-        assert real == param_sizes(preset.hidden, preset.kv_heads * preset.head_dim, preset.ffn, preset.vocab, 2,
-                                   embed=stage == 0, head=stage == 1)
+        spec = chunk_specs(layout, 2, plan.placement)[(stage, 0)]
+        assert real == param_sizes(preset.hidden, preset.kv_heads * preset.head_dim, preset.ffn, preset.vocab, spec.layers,
+                                   embed=stage == 0, head=stage == 1, half_in=spec.half_in, half_out=spec.half_out)
 
 
 @pytest.mark.parametrize("mode", ["zero1", "master", "plain"])

@@ -146,6 +146,9 @@ def check_baseline_layout(name: str, topo, layers_per_stage: Sequence[int]) -> t
     if topo.dp != 1 or topo.cp != 1:
         raise ValueError(f"{name} runs tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")
     pp, n_stages = topo.pp, len(layers_per_stage)
+    if any(n != int(n) for n in layers_per_stage):
+        raise ValueError(f"{name} splits whole layers over its stages, got {list(layers_per_stage)}; "
+                         "a half-layer cut (--last-stage-lighter 0.5) is braid's own")
     if n_stages != 2 * pp:
         raise ValueError(f"{name} runs 2 virtual stages per rank: {n_stages} stages for pp={pp}")
     return pp, n_stages

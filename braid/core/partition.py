@@ -15,14 +15,28 @@ from braid.core.braiding import ChunkSpec
 from braid.core.ir import Placement, rank_chunk_of
 
 
-def split_layers(num_layers: int, num_stages: int, last_stage_lighter: int = 0, first_stage_layers: int | None = None) -> tuple[int, ...]:
+def split_layers(num_layers: int, num_stages: int, last_stage_lighter: float = 0,
+                 first_stage_layers: int | None = None) -> tuple[float, ...]:
     """Layers per virtual stage, as even as possible.
 
     ``last_stage_lighter``: the last stage gets this many layers fewer than an even share
-    (the rest spread over the other stages). ``first_stage_layers``: pin the first stage
-    (e.g. 0 when the first stage holds a ViT, not LM layers). Raises ``ValueError`` when
-    the layers cannot cover the stages.
+    (the rest spread over the other stages). A half (``0.5``, ``2.5``) moves the attention
+    half of the last stage's first layer to the stage before it (:func:`stage_halves`): the
+    split of the whole number, then that half cut. ``first_stage_layers``: pin the first
+    stage (e.g. 0 when the first stage holds a ViT, not LM layers). Raises ``ValueError``
+    when the layers cannot cover the stages.
     """
+    whole = int(last_stage_lighter)
+    if last_stage_lighter != whole:
+        if last_stage_lighter * 2 != int(last_stage_lighter * 2) or last_stage_lighter < 0:
+            raise ValueError(f"last_stage_lighter must be a whole or half number of layers >= 0, got {last_stage_lighter}")
+        counts = list(split_layers(num_layers, num_stages, whole, first_stage_layers))
+        first = int(first_stage_layers is not None)
+        if len(counts) - first < 2:
+            raise ValueError(f"a half-layer cut needs two stages with decoder layers, got {len(counts) - first}")
+        counts[-1] -= 0.5
+        counts[-2] += 0.5
+        return tuple(counts)
     if num_stages < 1:
         raise ValueError(f"need at least one stage, got {num_stages}")
     rest_stages = num_stages

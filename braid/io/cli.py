@@ -12,6 +12,7 @@ paths checked before the work, quiet ends when the reader of stdout goes away.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -58,6 +59,15 @@ def check_output_dir(ap: argparse.ArgumentParser, flag: str, path: str | os.Path
         ancestor = ancestor.parent
     if not os.access(ancestor if str(ancestor) else ".", os.W_OK | os.X_OK):
         ap.error(f"{flag} {str(path)!r}: directory {str(ancestor)!r} is not writable")
+
+
+def layer_count(text: str) -> int | float:
+    """``"2"`` -> 2, ``"1.5"`` -> 1.5: a whole or half number of layers >= 0 (``ValueError`` otherwise;
+    an argparse ``type``). A half cuts a layer between attention and MLP (:func:`braid.core.partition.stage_halves`)."""
+    n = float(text)
+    if not math.isfinite(n) or n < 0 or n * 2 != int(n * 2):
+        raise ValueError(f"not a whole or half number of layers >= 0: {text!r}")
+    return int(n) if n == int(n) else n
 
 
 def check_range(ap: argparse.ArgumentParser, flag: str, value: float | None, lo: float | None = None,

@@ -16,7 +16,7 @@ from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
 )
-from braid.io.cli import check_cpu_ranks, check_range
+from braid.io.cli import check_cpu_ranks, check_range, layer_count
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
 
@@ -28,14 +28,6 @@ PRESETS: dict[str, Any] = {name: decoder_config(get_model(m), layers=1, vocab_si
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _layer_count(text: str) -> int | float:
-    """``"2"`` -> 2, ``"1.5"`` -> 1.5 (a whole or half number of layers; ValueError otherwise)."""
-    n = float(text)
-    if n * 2 != int(n * 2):
-        raise ValueError(text)
-    return int(n) if n == int(n) else n
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +197,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
 
     try:
         try:
-            lps = [_layer_count(x) for x in str(args.layers_per_stage).split(",")]
+            lps = [layer_count(x) for x in str(args.layers_per_stage).split(",")]
         except ValueError:
             raise ValueError(f"--layers-per-stage must be a whole or half number of layers (2, 1.5) or a comma list "
                              f"of them, got {args.layers_per_stage!r}") from None

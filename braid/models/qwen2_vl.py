@@ -363,6 +363,9 @@ def vlm_stage_layers(cfg: Qwen2VLConfig, num_stages: int, last_stage_lighter: in
     """
     if num_stages < 2:
         raise ValueError("a VLM needs at least 2 virtual stages (the ViT has its own): use pp >= 2 or a 2-chunk schedule (braided_v, zb_v, 1f1b_i)")
+    if last_stage_lighter != int(last_stage_lighter):
+        raise ValueError(f"--last-stage-lighter {last_stage_lighter}: the VLM's stages hold whole layers; "
+                         "half-layer cuts are for the decoder LM (examples/qwen2.py)")
     lm = split_layers(cfg.lm.layers, num_stages, last_stage_lighter=last_stage_lighter, first_stage_layers=0)
     return (cfg.vit.layers,) + lm[1:]
 
