@@ -453,6 +453,9 @@ def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int 
         raise UsageError(str(err)) from None
     if args.recompute != "none" and args.cp > 1:
         raise UsageError(f"--recompute {args.recompute} does not cover 2D-Attention's sequence-parallel core: use --cp 1")
+    if args.recompute == "full" and args.last_stage_lighter != int(args.last_stage_lighter):
+        raise UsageError(f"--recompute full re-runs whole layers; --last-stage-lighter {args.last_stage_lighter} cuts one "
+                         "in half: use a whole number or --recompute selective")
     if args.data is None:
         if args.tokenizer is not None:
             raise UsageError("--tokenizer needs --data")

@@ -190,6 +190,7 @@ def test_llm_example_half_layer_cut_matches_single_process() -> None:
 
 @pytest.mark.parametrize("args,message", [
     (["--last-stage-lighter", "0.3"], "invalid layer_count value: '0.3'"),
+    (["--last-stage-lighter", "0.5", "--recompute", "full"], "re-runs whole layers"),
     (["--pp", "2", "--schedule", "torch_1f1b_i", "--last-stage-lighter", "0.5"], "split whole layers"),
 ])
 def test_bad_half_layer_flags_exit_2(args: list[str], message: str) -> None:
