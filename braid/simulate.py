@@ -39,7 +39,7 @@ import sys
 from typing import Any, Sequence
 
 from braid.io.cli import Parser as _Parser
-from braid.io.cli import check_outputs, check_plan_size, run_main
+from braid.io.cli import check_outputs, check_plan_size, layer_count, run_main
 from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers,
                          read_costs)
 from braid.io.files import atomic_write_text
@@ -89,6 +89,9 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="also simulate a schedule torch.distributed.pipelining dumped as a compute-only CSV "
                          "(repeatable; its ranks and micro-batches must match --pp and --mbs; alone, without "
                          "--schedule, only these run)")
+    ap.add_argument("--last-stage-lighter", type=layer_count, default=None, metavar="N",
+                    help="layers fewer on the last virtual stage (default: the paper's split, 2 where the layers allow); "
+                         "a half (0.5, 2.5) cuts a layer between attention and MLP")
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
                     help="activation recomputation of the LM layers: 'selective' re-runs the attention core and the "
                          "SwiGLU product in the backward, 'full' the whole layer before its backward, keeping only its "
@@ -109,7 +112,7 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
 
 def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     layout = Layout(args.tp, plan.p, plan.v, plan.placement)
-    base = analytic_costs(model, hw, layout, recompute=args.recompute)
+    base = analytic_costs(model, hw, layout, recompute=args.recompute, last_stage_lighter=args.last_stage_lighter)
     if not args.costs:
         return base
     specs = {k: c.spec for k, c in base.chunks.items()}
@@ -138,7 +141,8 @@ def _profiled(doc: dict[str, Any], model: ModelConfig, path: str) -> tuple[str |
     per_stage = cfg.get("layers_per_stage")
     recorded = {"hidden": shape.get("hidden"), "heads": shape.get("heads"), "kv_heads": shape.get("kv_heads"),
                 "ffn": shape.get("ffn"), "vocab": shape.get("vocab_size"), "seq": cfg.get("seq"),
-                "layers": sum(per_stage) if isinstance(per_stage, list) and all(isinstance(n, int) for n in per_stage)
+                "layers": int(sum(per_stage)) if isinstance(per_stage, list) and per_stage
+                and all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in per_stage) and sum(per_stage) == int(sum(per_stage))
                 else None}
     differ = [f"{k} {v} (simulated: {getattr(model, k)})" for k, v in recorded.items()
               if isinstance(v, int) and not isinstance(v, bool) and v != getattr(model, k)]
@@ -196,6 +200,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs,
                                       "recompute": args.recompute, "dp": args.dp,
+                                      "last_stage_lighter": getattr(args, "last_stage_lighter", None),
                                       "optimizer": args.optimizer or DEFAULT_OPTIMIZER}, "schedules": {}}
     dp_rows = []
     traces, notes, reports, extrapolated = [], [], [], []
@@ -283,6 +288,9 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                                                for r in report.ranks) / 2**30}
     if unsearched:
         notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")
+    if getattr(args, "last_stage_lighter", None) is not None and cost_of:
+        layouts = {cm.layout.num_stages: model_stage_layers(model, cm.layout, args.last_stage_lighter) for cm in cost_of.values()}
+        notes.append("layers per virtual stage: " + "; ".join(",".join(map(str, ls)) for _, ls in sorted(layouts.items())))
     note = plain_beats_braided(reports, cost_of, choices)
     if note:
         notes.append(note)
@@ -360,6 +368,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         ap.error(str(err))
     check_plan_size(ap, args.pp, args.mbs)
+    if args.last_stage_lighter is not None:
+        if args.recompute == "full" and args.last_stage_lighter != int(args.last_stage_lighter):
+            ap.error(f"--recompute full re-runs whole layers; --last-stage-lighter {args.last_stage_lighter} cuts one in half")
+        for v in sorted({schedules.get_schedule(n).v for n in chosen}):
+            try:
+                model_stage_layers(model, Layout(1, args.pp, v), args.last_stage_lighter)
+            except ValueError as err:
+                ap.error(f"--last-stage-lighter {args.last_stage_lighter} with {args.pp * v} virtual stages: {err}")
     if not args.torch_csv:  # layers enough for the stages, before anything is compiled
         need = {n: (schedules.get_schedule(n).v, "layers") for n in chosen}
         if all(_max_pp(model, v, args.pp) < args.pp for v, _ in need.values()):

@@ -89,6 +89,37 @@ def test_bad_arguments_exit_2_with_one_line(argv, names, capsys):
         assert names in msg and "valid names" in msg
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--last-stage-lighter", "0.7"], "invalid layer_count value"),
+    (["--last-stage-lighter", "9.5"], "with 8 virtual stages"),
+    (["--last-stage-lighter", "0.5", "--recompute", "full"], "re-runs whole layers"),
+])
+def test_bad_last_stage_lighter_exits_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["--pp", "4", "--mbs", "8", "--model", "qwen2-1.5b", "--schedule", "zb_v", *argv])
+    assert err.value.code == 2
+    msg = capsys.readouterr().err.strip().splitlines()[-1]
+    assert msg.startswith("python -m braid.simulate: error:") and message in msg, msg
+
+
+def test_a_half_layer_cut_moves_the_heads_work_and_is_predicted(tmp_path, capsys):
+    # 4 layers of a 7B shape on 4 virtual stages: the head's stage gives layer 3's attention to the stage before
+    base = ["--model", "qwen2-7b", "--layers", "4", "--vocab", "32768", "--pp", "2", "--tp", "1", "--mbs", "8",
+            "--schedule", "zb_v"]
+    steps = {}
+    for lighter in (None, "0.5"):
+        out = tmp_path / f"{lighter}.json"
+        assert main(base + ["--json", str(out)] + (["--last-stage-lighter", lighter] if lighter else [])) == 0
+        text = capsys.readouterr().out
+        assert ("layers per virtual stage: 1,1,1.5,0.5" in text) == (lighter is not None), text
+        steps[lighter] = json.loads(out.read_text())["schedules"]["zb_v"]
+    whole, half = steps[None], steps["0.5"]
+    assert half["step_time_s"] < whole["step_time_s"]
+    # rank 0 (embedding and head) computes less, rank 1 more
+    assert half["ranks"][0]["compute_s"] < whole["ranks"][0]["compute_s"]
+    assert half["ranks"][1]["compute_s"] > whole["ranks"][1]["compute_s"]
+
+
 def test_bad_cost_file_exits_2(tmp_path, capsys):
     bad = tmp_path / "c.json"
     bad.write_text(json.dumps({"T_F": "fast"}))

@@ -37,7 +37,7 @@ from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit
 from braid.cost.hardware import Hardware
 from braid.core.ir import Placement
 from braid.cost.catalog import ModelConfig
-from braid.core.partition import chunk_specs, split_layers
+from braid.core.partition import chunk_specs, split_layers, whole_layers
 from braid.cost.recompute_costs import full_recompute
 from braid.io.inputs import InputFileError, read_json
 
@@ -284,11 +284,16 @@ def model_forward_flops(model: ModelConfig) -> float:
 _UNIT_RATE = Hardware("flops", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0)
 
 
-def model_stage_layers(model: ModelConfig, layout: Layout) -> tuple[int, ...]:
+def model_stage_layers(model: ModelConfig, layout: Layout, last_stage_lighter: float | None = None) -> tuple[float, ...]:
     """Layers per virtual stage as the paper splits them (Sec. 5): last stage two lighter
     (fewer when the layers are too few for that, see :func:`stage_lighter`); an MLLM's ViT
-    alone on the first stage."""
-    return _split(model, layout.num_stages, stage_lighter(model, layout.num_stages))
+    alone on the first stage. ``last_stage_lighter``: that count instead (a half cuts a
+    layer: :func:`braid.core.partition.split_layers`)."""
+    if last_stage_lighter is None:
+        last_stage_lighter = stage_lighter(model, layout.num_stages)
+    elif model.vit is not None and last_stage_lighter != int(last_stage_lighter):
+        raise ValueError(f"model {model.name!r} has a ViT: its stages hold whole layers (last_stage_lighter {last_stage_lighter})")
+    return _split(model, layout.num_stages, last_stage_lighter)
 
 
 def stage_lighter(model: ModelConfig, num_stages: int) -> int:
@@ -307,7 +312,7 @@ def stage_lighter(model: ModelConfig, num_stages: int) -> int:
     return 0
 
 
-def _split(model: ModelConfig, n: int, lighter: int) -> tuple[int, ...]:
+def _split(model: ModelConfig, n: int, lighter: float) -> tuple[float, ...]:
     if model.vit is None:
         return split_layers(model.layers, n, last_stage_lighter=lighter)
     if n < 2:
@@ -317,7 +322,7 @@ def _split(model: ModelConfig, n: int, lighter: int) -> tuple[int, ...]:
 
 def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown: float = AR_SLOWDOWN,
                    activations: Literal["korthikanti", "runtime"] = "korthikanti", recompute: str = "none",
-                   compiled: bool = True) -> CostModel:
+                   compiled: bool = True, last_stage_lighter: float | None = None) -> CostModel:
     """The analytic cost model of ``model`` on ``hw`` under ``layout`` (see module doc).
 
     ``activations``: how the LM units' (and the head's, embedding's) saved bytes are
@@ -328,6 +333,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     :func:`braid.cost.recompute_costs.full_recompute` to the LM layers. ``compiled``: whether the
     executor compiles its unit functions (its default on CUDA); with ``"runtime"`` the head's
     workspace is :func:`eager_loss_workspace` unless the loss runs compiled (tp=1).
+    ``last_stage_lighter``: the layer split's (:func:`model_stage_layers`; None: the paper's).
     """
     if activations not in ("korthikanti", "runtime"):
         raise ValueError(f"activations must be 'korthikanti' or 'runtime', got {activations!r}")
@@ -336,7 +342,9 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     t, d = layout.tp, model.dtype_bytes
     if model.heads % t or model.kv_heads % t and t % model.kv_heads:
         raise ValueError(f"tp={t} must divide the {model.heads} attention heads of {model.name!r} (and match its {model.kv_heads} KV heads)")
-    per_stage = model_stage_layers(model, layout)
+    per_stage = model_stage_layers(model, layout, last_stage_lighter)
+    if recompute == "full" and not whole_layers(per_stage):
+        raise ValueError(f"full recomputation re-runs whole layers; the stages {list(per_stage)} cut one in half")
     specs = chunk_specs(per_stage, layout.p, layout.placement)
     tok, h = model.tokens, model.hidden
     ar_lm = _allreduce_time(tok * h * d, t, hw)
