@@ -93,7 +93,8 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
     args += [script, "--model", _EXAMPLE_PRESETS.get(mdl.name, mdl.name), "--schedule", c.schedule,
              "--tp", str(p.tp), "--pp", str(p.pp), "--dp", str(p.dp), "--mbs", str(c.m),
              "--micro-batch-size", str(p.micro_batch_size), "--seq", str(seq),
-             "--last-stage-lighter", str(stage_lighter(mdl, p.pp * spec.v)), "--optimizer", p.optimizer]
+             "--last-stage-lighter", f"{stage_lighter(mdl, p.pp * spec.v) if c.lighter is None else c.lighter:g}",
+             "--optimizer", p.optimizer]
     if p.recompute:
         args += ["--recompute", "full"]
     if p.cp > 1:

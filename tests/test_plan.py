@@ -141,9 +141,37 @@ def test_search_best_equals_exhaustive_search(cap_gib: float) -> None:
     res = search(prob, top=3, time_budget_s=1e9)
     ref = _exhaustive(prob)
     assert res.complete and ref is not None
-    assert res.best[0].step_s == pytest.approx(ref.step_s, rel=1e-12)
+    whole = min(e.step_s for e in res.evaluated if e.cand.lighter is None and e.peak_bytes <= prob.memory_bytes)
+    assert whole == pytest.approx(ref.step_s, rel=1e-12)  # the bound's proof covers the whole-layer splits
+    assert res.best[0].step_s <= whole  # a half-layer cut of a ranked one may beat it
     assert len(res.evaluated) < res.enumerated  # the bound and the memory prune saved simulations
     assert all(e.step_s >= e.lower_bound_s > 0 for e in res.evaluated)  # the bound is one
+
+
+def test_ranked_pipelines_are_tried_with_half_layer_cuts() -> None:
+    from dataclasses import replace
+
+    from braid.plan import torchrun_command
+    from braid.planner.search import half_cuts
+
+    # a heavy head (vocabulary 64K): the paper's split leaves the head's stage the busiest
+    model = ModelConfig("headheavy", layers=8, hidden=512, heads=8, kv_heads=4, ffn=1024, vocab=65536, seq=2048)
+    prob = Problem(model, 4, Cluster(H200, 4), 16, 141.0 * 2**30)
+    res = search(prob, top=4, time_budget_s=1e9, only=lambda c: c.par.pp == 4 and c.par.cp == 1)
+    cuts = [e for e in res.evaluated if e.cand.lighter is not None]
+    assert cuts and all(e.cand.lighter != int(e.cand.lighter) for e in cuts)
+    for ev in cuts:  # what the search reports is the simulation of that split
+        assert ev.step_s == pytest.approx(evaluate(prob, ev.cand).step_s, rel=1e-12)
+        whole = replace(ev.cand, lighter=None)
+        assert ev.cand in set(half_cuts(prob, whole))
+    # a cut faster than the whole-layer split it refines takes its place in the ranking
+    ranked = {e.cand for e in res.best}
+    slowest = max(e.step_s for e in res.best)
+    assert all(e.cand in ranked for e in cuts if e.step_s < slowest and e.peak_bytes <= prob.memory_bytes)
+    assert [e.step_s for e in res.best] == sorted(e.step_s for e in res.best)
+    best_cut = min(cuts, key=lambda e: e.step_s)
+    assert f" --last-stage-lighter {best_cut.cand.lighter:g} " in torchrun_command(prob, best_cut)
+    assert not list(half_cuts(prob, replace(best_cut.cand, lighter=None, par=replace(best_cut.cand.par, recompute=True))))
 
 
 def test_a_tight_cap_forces_memory_savers() -> None:
@@ -177,7 +205,7 @@ def test_every_reported_configuration_compiles_validates_and_fits() -> None:
         assert ev.peak_bytes <= prob.memory_bytes
         assert ev.step_s >= ev.lower_bound_s == pytest.approx(lower_bound(prob, c, job_costs(
             prob.model, prob.cluster, c.par, Layout(c.par.tp, c.par.pp, schedules.get_schedule(c.schedule).v,
-                                                    schedules.get_schedule(c.schedule).placement))))
+                                                    schedules.get_schedule(c.schedule).placement), c.lighter)))
 
 
 def _decisive_measurements():
@@ -206,7 +234,8 @@ def test_planner_picks_the_measured_fastest(mset: dict, m: int, fastest: str) ->
 
     res = search(prob, top=len(measured), time_budget_s=1e9, costs_fn=costs_fn,
                  only=lambda c: (c.schedule in measured and c.par.tp == lay["tp"] and c.par.pp == lay["pp"]
-                                 and c.par.micro_batch_size == mset["micro_batch_size"]))
+                                 and c.par.micro_batch_size == mset["micro_batch_size"]
+                                 and c.lighter is None))  # the measured layer split (its costs are per split)
     assert {e.cand.schedule for e in res.best} == measured
     assert res.best[0].cand.schedule == fastest
 

@@ -120,14 +120,17 @@ class Parallel:
         return self.tp * ring_ranks, self.tp
 
 
-def job_costs(model: ModelConfig, cluster: Cluster, par: Parallel, layout: Layout) -> CostModel:
-    """The cost model of one pipeline of the job (see the module doc); ``model.seq`` is the full sequence."""
+def job_costs(model: ModelConfig, cluster: Cluster, par: Parallel, layout: Layout,
+              last_stage_lighter: float | None = None) -> CostModel:
+    """The cost model of one pipeline of the job (see the module doc); ``model.seq`` is the full sequence.
+    ``last_stage_lighter``: the layer split's (:func:`braid.cost.costs.model_stage_layers`; None: the paper's)."""
     hw, t, d = cluster.hw, par.tp, model.dtype_bytes
     if model.seq % par.cp:
         raise ValueError(f"cp={par.cp} must divide the sequence length {model.seq}")
     local = model.with_(seq=model.seq // par.cp, micro_batch_size=par.micro_batch_size)
     tp_bw, tp_lat = cluster._link(1, t)
-    base = analytic_costs(local, replace(hw, ar_bus_bytes_per_s=tp_bw, ar_latency_s=tp_lat), layout)
+    base = analytic_costs(local, replace(hw, ar_bus_bytes_per_s=tp_bw, ar_latency_s=tp_lat), layout,
+                          last_stage_lighter=last_stage_lighter)
     lm = _lm_units(base, local, model.seq, cluster, par)
     boundary = local.tokens * model.hidden * d
     chunks = {}

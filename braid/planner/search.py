@@ -28,6 +28,11 @@ the memory cap:
    the first is the exhaustive search's best (``SearchResult.complete``), and places 2..top
    are the fastest of the candidates simulated by then. ``time_budget_s`` stops the search
    earlier (``complete`` False: the ranking covers what was simulated).
+5. **Half-layer cuts**: each ranked LM configuration of several pipeline ranks (no full
+   recomputation) is simulated again with the head's stage half a layer lighter and half a
+   layer heavier than the paper's split (:func:`braid.core.partition.split_layers`), and
+   the ranking takes those that fit. This refines the ranked configurations; the bound of
+   step 4 covers the whole-layer splits only.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from functools import lru_cache
 from typing import Any, Callable, Iterator
 
 from braid.cost.cluster import Cluster, Parallel, dp_costs, job_costs, reduce_time, static_bytes
-from braid.cost.costs import CostModel, Layout, model_forward_flops, stage_lighter
+from braid.cost.costs import CostModel, Layout, model_forward_flops, model_stage_layers, stage_lighter
 from braid.cost.catalog import ModelConfig
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER
 from braid.io.cli import MAX_MBS, MAX_PM
@@ -55,13 +60,14 @@ class Candidate:
     schedule: str
     m: int
     options: tuple[tuple[str, Any], ...] = ()
+    lighter: float | None = None  # layers fewer on the last stage (a half cuts a layer); None: the paper's split
 
     def describe(self) -> str:
         p = self.par
         sp = f" cp={p.cp} hp={p.hp}" + (f" ring={p.ring}" if p.ring else "") + f" {p.sp_placement}" if p.cp > 1 else ""
         opts = "".join(f" {k}={v:g}" if isinstance(v, float) else f" {k}={v}" for k, v in self.options)
         return (f"tp={p.tp} pp={p.pp} dp={p.dp}{sp} {self.schedule}{opts} m={self.m} mbs={p.micro_batch_size}"
-                + (" recompute" if p.recompute else ""))
+                + (" recompute" if p.recompute else "") + (f" lighter={self.lighter:g}" if self.lighter is not None else ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +91,7 @@ class Evaluation:
         return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "cp": p.cp, "hp": p.hp, "ring": p.ring, "sp_placement": p.sp_placement,
                 "schedule": self.cand.schedule, "options": dict(self.cand.options), "m": self.cand.m,
                 "micro_batch_size": p.micro_batch_size, "recompute": p.recompute, "optimizer": p.optimizer,
+                "last_stage_lighter": self.cand.lighter,
                 "step_s": self.step_s, "tokens_per_s": self.tokens_s, "mfu": self.mfu,
                 "peak_memory_gib": self.peak_bytes / 2**30, "static_memory_gib": self.static_bytes / 2**30,
                 "bubble": self.bubble_frac, "exposed_comm": self.exposed_comm_frac,
@@ -192,9 +199,30 @@ def schedule_candidates(prob: Problem, par: Parallel, plain: bool) -> Iterator[C
                 yield Candidate(par, name, m, ((k.name, val),))
 
 
+def half_cuts(prob: Problem, cand: Candidate) -> Iterator[Candidate]:
+    """``cand`` with the head's stage half a layer lighter and half a layer heavier than the paper's
+    split (an LM of several pipeline ranks; not under full recomputation, which re-runs whole layers)."""
+    from dataclasses import replace
+
+    from braid import schedules
+
+    par = cand.par
+    if prob.model.vit is not None or par.pp < 2 or par.recompute or cand.lighter is not None:
+        return
+    stages = par.pp * schedules.get_schedule(cand.schedule).v
+    lighter = stage_lighter(prob.model, stages)
+    for half in (lighter - 0.5, lighter + 0.5):
+        try:
+            if half > 0:
+                model_stage_layers(prob.model, Layout(par.tp, par.pp, stages // par.pp), half)
+                yield replace(cand, lighter=half)
+        except ValueError:
+            continue
+
+
 @lru_cache(maxsize=4096)
-def _costs(prob: Problem, par: Parallel, v: int, placement: str) -> CostModel:
-    return job_costs(prob.model, prob.cluster, par, Layout(par.tp, par.pp, v, placement))  # type: ignore[arg-type]
+def _costs(prob: Problem, par: Parallel, v: int, placement: str, lighter: float | None) -> CostModel:
+    return job_costs(prob.model, prob.cluster, par, Layout(par.tp, par.pp, v, placement), lighter)  # type: ignore[arg-type]
 
 
 def costs_of(prob: Problem, cand: Candidate) -> CostModel:
@@ -204,7 +232,7 @@ def costs_of(prob: Problem, cand: Candidate) -> CostModel:
     from braid import schedules
 
     spec = schedules.get_schedule(cand.schedule)
-    return _costs(prob, replace(cand.par, dp=1, optimizer=DEFAULT_OPTIMIZER), spec.v, spec.placement)
+    return _costs(prob, replace(cand.par, dp=1, optimizer=DEFAULT_OPTIMIZER), spec.v, spec.placement, cand.lighter)
 
 
 _TERMS: dict[int, tuple[CostModel, list[tuple[float, float]]]] = {}
@@ -337,6 +365,22 @@ def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0,
         heapq.heappush(best, (-ev.step_s, id(ev), ev))
         if len(best) > top:
             heapq.heappop(best)
+    for ev in [e for _, _, e in best]:  # step 5: half-layer cuts of the ranked configurations
+        if time.perf_counter() - t0 > time_budget_s:
+            break
+        for cand in half_cuts(prob, ev.cand):
+            if only is not None and not only(cand):
+                continue
+            try:
+                costs = costs_fn(cand) if costs_fn is not None else costs_of(prob, cand)
+                cut = evaluate(prob, cand, costs, lower_bound(prob, cand, costs))
+            except ValueError:
+                continue
+            out.evaluated.append(cut)
+            if cut.peak_bytes <= prob.memory_bytes:
+                heapq.heappush(best, (-cut.step_s, id(cut), cut))
+                if len(best) > top:
+                    heapq.heappop(best)
     out.best = sorted((e for _, _, e in best), key=lambda e: e.step_s)
     out.elapsed_s = time.perf_counter() - t0
     return out
@@ -351,7 +395,7 @@ def _savers(prob: Problem, cand: Candidate) -> Iterator[Candidate]:
     if cand.par.recompute or schedules.get_schedule(cand.schedule).saves_memory_of is not None:
         return
     for c in schedule_candidates(prob, cand.par, plain=False):
-        if schedules.get_schedule(c.schedule).saves_memory_of == cand.schedule:
+        if schedules.get_schedule(c.schedule).saves_memory_of == cand.schedule and c.lighter == cand.lighter:
             yield c
-    if cand.par.cp == 1:  # full recomputation does not cover 2D-Attention's sequence-parallel core
+    if cand.par.cp == 1 and cand.lighter is None:  # full recomputation: not of 2D-Attention's core, nor of half layers
         yield replace(cand, par=replace(cand.par, recompute=True))
