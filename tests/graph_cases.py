@@ -25,7 +25,7 @@ def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int 
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, tp=tp))
     c = groups.coords
-    cfg = Qwen2Config(layers=sum(layers), **CFG_KW)
+    cfg = Qwen2Config(layers=int(sum(layers)), **CFG_KW)
     torch.manual_seed(seed)
     model = Qwen2Model(cfg).to(ctx.dist.device)
     chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
@@ -45,9 +45,10 @@ def _first_difference(a: dict, b: dict) -> str | None:
 
 
 def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict]], replays: int = 3,
-                          compile: bool | None = False) -> list[dict]:
+                          compile: bool | None = False, stage_layers: dict[int, tuple[float, ...]] | None = None) -> list[dict]:
     """For each (schedule, m, schedule options): eager and graphed training from the same weights,
     ``WARMUP_STEPS + 1 + replays`` steps of different micro-batches, compared bitwise every step.
+    ``stage_layers``: the layout per number of virtual stages (half layers allowed) instead of the default.
 
     Returns per run what the graphed step reported (its step-by-step events and memory figures)."""
     from braid import schedules
@@ -59,6 +60,8 @@ def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict
         plan = schedules.build(name, pp, m, **opts)
         stages = plan.num_stages
         layers = split_layers(2 * stages - 1, stages) if stages > 1 else (2,)
+        if stage_layers is not None:
+            layers = stage_layers[stages]
         cfg, chunks_e, ex_e = _build(ctx, plan, pp, tp, layers, compile)
         _, chunks_g, ex_g = _build(ctx, plan, pp, tp, layers, compile)
         runner = GraphedStep(ex_g)

@@ -45,6 +45,13 @@ def test_graphed_replay_equals_eager_bitwise(pool, pp: int, tp: int) -> None:
     _check(pool.run(cases.graphed_matches_eager, pp, tp, runs, timeout_s=GPU_RUN_S), len(runs))
 
 
+def test_graphed_half_layer_stages_equal_eager_bitwise(pool) -> None:
+    """Stages cut between a layer's attention and its MLP (1.5, 0.5, 1.5, 0.5 layers) at pp=2: fused chunks replayed."""
+    runs = [(name, 5, {}) for name in V_SCHEDULES]
+    got = pool.run(cases.graphed_matches_eager, 2, 1, runs, 3, False, {4: (1.5, 0.5, 1.5, 0.5)}, timeout_s=GPU_RUN_S)
+    _check(got, len(runs))
+
+
 def test_graphed_offload_equals_eager_bitwise(pool) -> None:
     """braided_v with activation offload at pp=2: D2H/H2D copies on their streams inside the graph."""
     runs = [("braided_v_offload", 5, {"offload_alpha": 0.5, "offload_alpha_warmup": 0.5})]
@@ -70,6 +77,18 @@ def test_example_reference_with_cuda_graphs() -> None:
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "capture of" in out and "norm diff" in proc.stdout, out[-3000:]
+
+
+def test_example_half_layer_cut_reference_with_cuda_graphs() -> None:
+    """The same with --last-stage-lighter 0.5 (layer 3 cut between its attention and its MLP), zb_v."""
+    from test_examples import LLM, _ok, _torchrun
+
+    proc = _torchrun(2, LLM, "--model", "tiny", "--pp", "2", "--device", "cuda", "--mbs", "4", "--micro-batch-size", "2",
+                     "--seq", "64", "--steps", "5", "--seed", "1", "--schedule", "zb_v", "--cuda-graph", "step", "--no-compile",
+                     "--last-stage-lighter", "0.5", "--reference", "--timeout", str(GPU_RUN_S - 15), timeout=GPU_RUN_S + 5)
+    _ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "capture of" in out and "[1, 1, 1.5, 0.5] layers" in out and "norm diff" in proc.stdout, out[-3000:]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
