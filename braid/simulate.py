@@ -369,8 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(err))
     check_plan_size(ap, args.pp, args.mbs)
     if args.last_stage_lighter is not None:
-        if args.recompute == "full" and args.last_stage_lighter != int(args.last_stage_lighter):
+        half = args.last_stage_lighter != int(args.last_stage_lighter)
+        if half and args.recompute == "full":
             ap.error(f"--recompute full re-runs whole layers; --last-stage-lighter {args.last_stage_lighter} cuts one in half")
+        if half and model.vit is not None:
+            ap.error(f"--last-stage-lighter {args.last_stage_lighter}: the VLM's stages hold whole layers (the example runs no half-layer cut there)")
         for v in sorted({schedules.get_schedule(n).v for n in chosen}):
             try:
                 model_stage_layers(model, Layout(1, args.pp, v), args.last_stage_lighter)

@@ -93,6 +93,7 @@ def test_bad_arguments_exit_2_with_one_line(argv, names, capsys):
     (["--last-stage-lighter", "0.7"], "invalid layer_count value"),
     (["--last-stage-lighter", "9.5"], "with 8 virtual stages"),
     (["--last-stage-lighter", "0.5", "--recompute", "full"], "re-runs whole layers"),
+    (["--last-stage-lighter", "0.5", "--model", "qwen2-vl-7b"], "the VLM's stages hold whole layers"),
 ])
 def test_bad_last_stage_lighter_exits_2_with_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as err:

@@ -291,8 +291,6 @@ def model_stage_layers(model: ModelConfig, layout: Layout, last_stage_lighter: f
     layer: :func:`braid.core.partition.split_layers`)."""
     if last_stage_lighter is None:
         last_stage_lighter = stage_lighter(model, layout.num_stages)
-    elif model.vit is not None and last_stage_lighter != int(last_stage_lighter):
-        raise ValueError(f"model {model.name!r} has a ViT: its stages hold whole layers (last_stage_lighter {last_stage_lighter})")
     return _split(model, layout.num_stages, last_stage_lighter)
 
 
