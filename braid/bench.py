@@ -100,6 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--mbs, --steps and --rounds must be >= 1, --warmup >= 0")
     pc = config_from_args(ap, args)
     peers = tuple(peer_runs_from_args(ap, args, pc.tp, pc.device))
+    if not args.no_external:
+        try:
+            pc.peer_layers_per_stage  # the external baselines' whole-layer split
+        except ValueError as err:
+            ap.error(f"--layers-per-stage {args.layers_per_stage}: the external baselines split whole layers, and {err}; "
+                     "use --no-external or more layers")
     if args.cuda_graph == "step":
         from braid.runtime.graphs import config_reason
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from typing import Any, Sequence
 
@@ -142,8 +143,8 @@ def _profiled(doc: dict[str, Any], model: ModelConfig, path: str) -> tuple[str |
     recorded = {"hidden": shape.get("hidden"), "heads": shape.get("heads"), "kv_heads": shape.get("kv_heads"),
                 "ffn": shape.get("ffn"), "vocab": shape.get("vocab_size"), "seq": cfg.get("seq"),
                 "layers": int(sum(per_stage)) if isinstance(per_stage, list) and per_stage
-                and all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in per_stage) and sum(per_stage) == int(sum(per_stage))
-                else None}
+                and all(isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) for n in per_stage)
+                and sum(per_stage) == int(sum(per_stage)) else None}
     differ = [f"{k} {v} (simulated: {getattr(model, k)})" for k, v in recorded.items()
               if isinstance(v, int) and not isinstance(v, bool) and v != getattr(model, k)]
     if not differ:
@@ -374,11 +375,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--recompute full re-runs whole layers; --last-stage-lighter {args.last_stage_lighter} cuts one in half")
         if half and model.vit is not None:
             ap.error(f"--last-stage-lighter {args.last_stage_lighter}: the VLM's stages hold whole layers (the example runs no half-layer cut there)")
-        for v in sorted({schedules.get_schedule(n).v for n in chosen}):
+        if args.costs:
+            ap.error("--last-stage-lighter re-splits the analytic model's layers; a --costs file's times are for the split "
+                     "it was profiled with (profile that split: braid.profile --layers-per-stage)")
+        errors = []
+        for v in sorted({schedules.get_schedule(n).v for n in chosen}):  # a schedule the split does not fit is skipped
             try:
                 model_stage_layers(model, Layout(1, args.pp, v), args.last_stage_lighter)
             except ValueError as err:
-                ap.error(f"--last-stage-lighter {args.last_stage_lighter} with {args.pp * v} virtual stages: {err}")
+                errors.append(f"{args.pp * v} virtual stages: {err}")
+        if len(errors) == len({schedules.get_schedule(n).v for n in chosen}):
+            ap.error(f"--last-stage-lighter {args.last_stage_lighter} with {errors[0]}")
     if not args.torch_csv:  # layers enough for the stages, before anything is compiled
         need = {n: (schedules.get_schedule(n).v, "layers") for n in chosen}
         if all(_max_pp(model, v, args.pp) < args.pp for v, _ in need.values()):

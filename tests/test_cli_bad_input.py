@@ -145,6 +145,12 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
     "profile-preset": (["braid.profile", "--preset", "huge"], {}, "unknown preset"),
     "profile-layers": (["braid.profile", "--layers-per-stage", "a"], {}, "--layers-per-stage"),
     "profile-iters": (["braid.profile", "--iters", "0"], {}, "--iters must be a positive integer"),
+    # --- half-layer stages
+    "bench-layers-not-half": (["braid.bench", "--pp", "2", "--layers-per-stage", "1,1,1.3,0.7"], {}, "whole or half number"),
+    "bench-layers-half-total": (["braid.bench", "--pp", "2", "--layers-per-stage", "1,1,1,0.5"], {}, "add up to 3.5 layers"),
+    "bench-peers-whole-layers": (["braid.bench", "--pp", "2", "--layers-per-stage", "0.5"], {},
+                                 "the external baselines split whole layers"),
+    "simulate-lighter-negative": (["braid.simulate", "--last-stage-lighter", "-1"], {}, "--last-stage-lighter"),
 }
 
 

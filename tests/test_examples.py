@@ -189,7 +189,7 @@ def test_llm_example_half_layer_cut_matches_single_process() -> None:
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--last-stage-lighter", "0.3"], "invalid layer_count value: '0.3'"),
+    (["--last-stage-lighter", "0.3"], "not a whole or half number of layers >= 0: '0.3'"),
     (["--last-stage-lighter", "0.5", "--recompute", "full"], "re-runs whole layers"),
     (["--pp", "2", "--schedule", "torch_1f1b_i", "--last-stage-lighter", "0.5"], "split whole layers"),
 ])

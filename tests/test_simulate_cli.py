@@ -90,8 +90,10 @@ def test_bad_arguments_exit_2_with_one_line(argv, names, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--last-stage-lighter", "0.7"], "invalid layer_count value"),
+    (["--last-stage-lighter", "0.7"], "not a whole or half number of layers >= 0: '0.7'"),
+    (["--last-stage-lighter", "nan"], "not a whole or half number of layers >= 0: 'nan'"),
     (["--last-stage-lighter", "9.5"], "with 8 virtual stages"),
+    (["--last-stage-lighter", "0.5", "--costs", "tests/data/measurements_h200.json"], "re-splits the analytic model"),
     (["--last-stage-lighter", "0.5", "--recompute", "full"], "re-runs whole layers"),
     (["--last-stage-lighter", "0.5", "--model", "qwen2-vl-7b"], "the VLM's stages hold whole layers"),
 ])
@@ -101,6 +103,14 @@ def test_bad_last_stage_lighter_exits_2_with_one_line(argv, message, capsys):
     assert err.value.code == 2
     msg = capsys.readouterr().err.strip().splitlines()[-1]
     assert msg.startswith("python -m braid.simulate: error:") and message in msg, msg
+
+
+def test_a_split_one_schedule_cannot_hold_skips_that_schedule(capsys):
+    # 6 layers: 8 virtual stages (zb_v at pp=4) cannot hold them, 4 (1f1b) can
+    assert main(["--model", "qwen2-toy", "--layers", "6", "--pp", "4", "--mbs", "8", "--schedule", "1f1b",
+                 "--schedule", "zb_v", "--last-stage-lighter", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "1f1b" in out and "layers per virtual stage: 2,2,1.5,0.5" in out and "skipped zb_v" in out, out
 
 
 def test_a_half_layer_cut_moves_the_heads_work_and_is_predicted(tmp_path, capsys):

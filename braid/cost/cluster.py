@@ -125,6 +125,8 @@ def job_costs(model: ModelConfig, cluster: Cluster, par: Parallel, layout: Layou
     """The cost model of one pipeline of the job (see the module doc); ``model.seq`` is the full sequence.
     ``last_stage_lighter``: the layer split's (:func:`braid.cost.costs.model_stage_layers`; None: the paper's)."""
     hw, t, d = cluster.hw, par.tp, model.dtype_bytes
+    if par.recompute and last_stage_lighter is not None and last_stage_lighter != int(last_stage_lighter):
+        raise ValueError(f"full recomputation re-runs whole layers; last_stage_lighter {last_stage_lighter} cuts one in half")
     if model.seq % par.cp:
         raise ValueError(f"cp={par.cp} must divide the sequence length {model.seq}")
     local = model.with_(seq=model.seq // par.cp, micro_batch_size=par.micro_batch_size)

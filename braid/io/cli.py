@@ -62,11 +62,14 @@ def check_output_dir(ap: argparse.ArgumentParser, flag: str, path: str | os.Path
 
 
 def layer_count(text: str) -> int | float:
-    """``"2"`` -> 2, ``"1.5"`` -> 1.5: a whole or half number of layers >= 0 (``ValueError`` otherwise;
-    an argparse ``type``). A half cuts a layer between attention and MLP (:func:`braid.core.partition.stage_halves`)."""
-    n = float(text)
+    """``"2"`` -> 2, ``"1.5"`` -> 1.5: a whole or half number of layers >= 0 (``argparse.ArgumentTypeError``
+    otherwise, so argparse prints the message; an argparse ``type``). A half cuts a layer between attention and MLP (:func:`braid.core.partition.stage_halves`)."""
+    try:
+        n = float(text)
+    except ValueError:
+        n = math.nan
     if not math.isfinite(n) or n < 0 or n * 2 != int(n * 2):
-        raise ValueError(f"not a whole or half number of layers >= 0: {text!r}")
+        raise argparse.ArgumentTypeError(f"not a whole or half number of layers >= 0: {text!r}")
     return int(n) if n == int(n) else n
 
 

@@ -92,7 +92,8 @@ class ProfileConfig:
     @property
     def peer_layers_per_stage(self) -> tuple[int, ...]:
         """The layout for the external baselines, which split whole layers: :attr:`layers_per_stage`
-        itself, or where a stage holds half a layer, the layers spread as evenly as whole layers go."""
+        itself, or where a stage holds half a layer, the layers spread as evenly as whole layers go
+        (``ValueError`` where there are fewer layers than stages)."""
         if whole_layers(self.layers_per_stage):
             return tuple(int(n) for n in self.layers_per_stage)
         return split_layers(self.num_layers, len(self.layers_per_stage))
@@ -198,7 +199,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     try:
         try:
             lps = [layer_count(x) for x in str(args.layers_per_stage).split(",")]
-        except ValueError:
+        except argparse.ArgumentTypeError:
             raise ValueError(f"--layers-per-stage must be a whole or half number of layers (2, 1.5) or a comma list "
                              f"of them, got {args.layers_per_stage!r}") from None
         stages = args.pp * args.chunks

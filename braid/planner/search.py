@@ -30,9 +30,10 @@ the memory cap:
    earlier (``complete`` False: the ranking covers what was simulated).
 5. **Half-layer cuts**: each ranked LM configuration of several pipeline ranks (no full
    recomputation) is simulated again with the head's stage half a layer lighter and half a
-   layer heavier than the paper's split (:func:`braid.core.partition.split_layers`), and
-   the ranking takes those that fit. This refines the ranked configurations; the bound of
-   step 4 covers the whole-layer splits only.
+   layer heavier than the paper's split (:func:`braid.core.partition.split_layers`; a split
+   already tried is not repeated), and the ranking takes those that fit. This refines the
+   ranked configurations; the bound of step 4 covers the whole-layer splits only. Not with a
+   ``costs_fn`` (a cost file prices the split it was measured with).
 """
 
 from __future__ import annotations
@@ -209,15 +210,17 @@ def half_cuts(prob: Problem, cand: Candidate) -> Iterator[Candidate]:
     par = cand.par
     if prob.model.vit is not None or par.pp < 2 or par.recompute or cand.lighter is not None:
         return
-    stages = par.pp * schedules.get_schedule(cand.schedule).v
-    lighter = stage_lighter(prob.model, stages)
+    layout = Layout(par.tp, par.pp, schedules.get_schedule(cand.schedule).v)
+    seen = {model_stage_layers(prob.model, layout)}  # the paper's split; a half may round to the same stages
+    lighter = stage_lighter(prob.model, layout.num_stages)
     for half in (lighter - 0.5, lighter + 0.5):
         try:
-            if half > 0:
-                model_stage_layers(prob.model, Layout(par.tp, par.pp, stages // par.pp), half)
-                yield replace(cand, lighter=half)
+            split = model_stage_layers(prob.model, layout, half) if half > 0 else None
         except ValueError:
             continue
+        if split is not None and split not in seen:
+            seen.add(split)
+            yield replace(cand, lighter=half)
 
 
 @lru_cache(maxsize=4096)
@@ -365,14 +368,16 @@ def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0,
         heapq.heappush(best, (-ev.step_s, id(ev), ev))
         if len(best) > top:
             heapq.heappop(best)
-    for ev in [e for _, _, e in best]:  # step 5: half-layer cuts of the ranked configurations
+    # step 5: half-layer cuts of the ranked configurations (the analytic costs; a costs_fn prices one split)
+    for ev in [e for _, _, e in best] if costs_fn is None else []:
         if time.perf_counter() - t0 > time_budget_s:
+            out.complete = False
             break
         for cand in half_cuts(prob, ev.cand):
             if only is not None and not only(cand):
                 continue
             try:
-                costs = costs_fn(cand) if costs_fn is not None else costs_of(prob, cand)
+                costs = costs_of(prob, cand)
                 cut = evaluate(prob, cand, costs, lower_bound(prob, cand, costs))
             except ValueError:
                 continue
