@@ -7,7 +7,8 @@ the other and each as a subprocess with its share of the budget (default 540 s):
 * ``executor-limit`` -- ``benchmarks/bench_executor_limit.py`` on one GPU (braid's braided_v
   at pp=1 against the plain loop and torch's pipelining schedules on the same model);
 * ``bench-tp1-pp2`` and ``bench-tp2-pp1`` -- ``python -m braid.bench`` (7b-layer shape,
-  seq 4096, ``--mbs 4``, ``--rounds 5``, one external row): braid's best over it; the JSON is
+  seq 4096, ``--mbs 4``, ``--rounds 5``, one external row; tp=1 x pp=2 with a half-layer cut,
+  ``--layers-per-stage 1,1,1.5,0.5``): braid's best over it; the JSON is
   written after every round, so a part stopped early still reports the rounds it finished;
 * ``braided-overlap`` -- ``benchmarks/bench_braided_overlap.py`` (braided vs plain at TP=2,
   the default CUDA backend ``nccl-capped``).
@@ -116,7 +117,9 @@ def parts(out: Path, smoke: bool) -> list[Part]:
         Part("gpu-tests", gpu, (*tests, "--junitxml", str(out / "gpu-tests.xml")), "gpu-tests.xml", None),
         Part("executor-limit", gpu, _py("benchmarks/bench_executor_limit.py", *limit, "--out", str(out / "executor_limit.json")),
              "executor_limit.json", _limit_headline, {} if smoke else {"CUDA_VISIBLE_DEVICES": "0"}),
-        Part("bench-tp1-pp2", 2 * gpu, _py("-m", "braid.bench", *bench, "--tp", "1", "--pp", "2", "--json", str(out / "bench_tp1_pp2.json")),
+        # tp=1 x pp=2 with the head's stage half a layer lighter (braid's best split; the baselines split whole layers)
+        Part("bench-tp1-pp2", 2 * gpu, _py("-m", "braid.bench", *bench, "--tp", "1", "--pp", "2", "--layers-per-stage", "1,1,1.5,0.5",
+                                           "--json", str(out / "bench_tp1_pp2.json")),
              "bench_tp1_pp2.json", _bench_headline),
         Part("bench-tp2-pp1", 2 * gpu, _py("-m", "braid.bench", *bench, "--tp", "2", "--pp", "1", "--json", str(out / "bench_tp2_pp1.json")),
              "bench_tp2_pp1.json", _bench_headline),
