@@ -378,13 +378,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.costs:
             ap.error("--last-stage-lighter re-splits the analytic model's layers; a --costs file's times are for the split "
                      "it was profiled with (profile that split: braid.profile --layers-per-stage)")
-        errors = []
-        for v in sorted({schedules.get_schedule(n).v for n in chosen}):  # a schedule the split does not fit is skipped
+        chunks_per_rank, errors = sorted({schedules.get_schedule(n).v for n in chosen}), []
+        for v in chunks_per_rank:  # a schedule the split does not fit is skipped; none fitting is an error
             try:
                 model_stage_layers(model, Layout(1, args.pp, v), args.last_stage_lighter)
             except ValueError as err:
                 errors.append(f"{args.pp * v} virtual stages: {err}")
-        if len(errors) == len({schedules.get_schedule(n).v for n in chosen}):
+        if len(errors) == len(chunks_per_rank):
             ap.error(f"--last-stage-lighter {args.last_stage_lighter} with {errors[0]}")
     if not args.torch_csv:  # layers enough for the stages, before anything is compiled
         need = {n: (schedules.get_schedule(n).v, "layers") for n in chosen}

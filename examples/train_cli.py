@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from braid.core.partition import whole_layers
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
 from braid.io.cli import layer_count
 
@@ -317,7 +318,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             n_stages = 2 * args.pp if plan is None else plan.num_stages
             task.check(model, topo, n_stages, args)
             runs.append(Run(n, plan, tuple(task.stage_layers(model, n_stages, args))))
-            if n in BASELINES and any(x != int(x) for x in runs[-1].stage_layers):
+            if n in BASELINES and not whole_layers(runs[-1].stage_layers):
                 raise ValueError(f"{n}: the external baselines split whole layers; --last-stage-lighter "
                                  f"{args.last_stage_lighter} cuts one in half (braid's schedules only)")
             if n.startswith("mcore_") and len(set(runs[-1].stage_layers)) != 1:

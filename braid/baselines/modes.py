@@ -30,6 +30,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+from braid.core.partition import whole_layers
+
 TORCH_PARTS = ("eager", "titan", "compile", "async_tp")
 MCORE_PARTS = ("eager", "graphed", "te")
 DEFAULT_MCORE_MODES = ("eager", "graphed")
@@ -146,7 +148,7 @@ def check_baseline_layout(name: str, topo, layers_per_stage: Sequence[int]) -> t
     if topo.dp != 1 or topo.cp != 1:
         raise ValueError(f"{name} runs tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")
     pp, n_stages = topo.pp, len(layers_per_stage)
-    if any(n != int(n) for n in layers_per_stage):
+    if not whole_layers(layers_per_stage):
         raise ValueError(f"{name} splits whole layers over its stages, got {list(layers_per_stage)}; "
                          "a half-layer cut (--last-stage-lighter 0.5) is braid's own")
     if n_stages != 2 * pp:

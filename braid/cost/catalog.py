@@ -106,9 +106,13 @@ class ModelConfig:
         """A copy with some fields changed (``seq``, ``micro_batch_size``, ...)."""
         return replace(self, **changes)  # type: ignore[arg-type]
 
-    def lm_layer_params(self) -> int:
+    def lm_layer_halves(self) -> tuple[int, int]:
+        """A decoder layer's weights in its attention half (Q, K, V, O) and its MLP half (gate, up, down)."""
         h, kv = self.hidden, self.kv_heads * self.head_dim
-        return h * (h + 2 * kv) + h * h + 3 * h * self.ffn
+        return h * (h + 2 * kv) + h * h, 3 * h * self.ffn
+
+    def lm_layer_params(self) -> int:
+        return sum(self.lm_layer_halves())
 
     def params(self) -> int:
         """Parameter count (norms and biases ignored; a tied head counted once)."""

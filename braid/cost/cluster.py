@@ -208,8 +208,7 @@ def chunk_params(model: ModelConfig, costs: CostModel, rank: int, chunk: int) ->
         n += spec.layers * (4 * v.hidden * v.hidden + 2 * v.hidden * v.ffn) / t + v.patch_pixels * v.hidden
         n += (16 * v.hidden * v.hidden + 4 * v.hidden * model.hidden) / t  # patch merger
     else:
-        h, kv = model.hidden, model.kv_heads * model.head_dim
-        attn_half, mlp_half = h * (h + 2 * kv) + h * h, 3 * h * model.ffn  # lm_layer_params(), cut at the half
+        attn_half, mlp_half = model.lm_layer_halves()
         n += (spec.layers * model.lm_layer_params() + spec.half_out * attn_half + spec.half_in * mlp_half) / t
     n += (spec.embed + spec.head) * model.vocab * model.hidden / t
     return n

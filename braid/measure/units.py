@@ -5,8 +5,8 @@ all-reduce alone and beside GEMMs, P2P and host copies; the measurements assembl
 from __future__ import annotations
 
 import statistics
-from collections import Counter
 import time
+from collections import Counter
 from dataclasses import asdict
 from typing import Any, Callable, Sequence
 

@@ -214,11 +214,13 @@ def half_cuts(prob: Problem, cand: Candidate) -> Iterator[Candidate]:
     seen = {model_stage_layers(prob.model, layout)}  # the paper's split; a half may round to the same stages
     lighter = stage_lighter(prob.model, layout.num_stages)
     for half in (lighter - 0.5, lighter + 0.5):
+        if half <= 0:
+            continue
         try:
-            split = model_stage_layers(prob.model, layout, half) if half > 0 else None
+            split = model_stage_layers(prob.model, layout, half)
         except ValueError:
             continue
-        if split is not None and split not in seen:
+        if split not in seen:
             seen.add(split)
             yield replace(cand, lighter=half)
 
