@@ -156,7 +156,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
     ap.add_argument("--chunks", type=int, default=2, help="chunks (virtual stages) per rank (default 2)")
-    ap.add_argument("--layers-per-stage", default="1", help="layers of each virtual stage: one number or a comma list (default 1)")
+    ap.add_argument("--layers-per-stage", default="1", help="layers of each virtual stage: one number or a comma list, whole or half layers "
+                         "(1,1,1.5,0.5 cuts layer 3 between attention and MLP; default 1)")
     ap.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
     ap.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when enough GPUs, else cpu")
