@@ -72,9 +72,11 @@ class _SkipAllReduce:
         return _Done()
 
 
-def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device) -> tuple[list[float], dict, str]:
+def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, busy: bool = False
+            ) -> tuple[list[float], dict, str, tuple | None]:
     """Step times (s) of ``ex`` run ``warmup + iters`` times under CUDA-graph ``mode`` (the
-    warm-up steps dropped), its op counts and the mode it got."""
+    warm-up steps dropped), its op counts, the mode it got and, when ``busy`` (CUDA), one more
+    step under the profiler: its compute busy seconds and kernels (:func:`compute_busy_s`)."""
     import time
 
     from braid.runtime.graphs import WARMUP_STEPS, step_runner
@@ -95,8 +97,17 @@ def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device) 
         if it >= warmup:
             times.append(time.perf_counter() - t0)
         counts = res.counts or counts
+    prof = None
+    if busy and device.type == "cuda":
+        from braid.measure.device_busy import compute_busy_s
+
+        secs, _, top = compute_busy_s(lambda: runner.run(toks, toks, record="off"), device, PROFILE_KERNELS)
+        prof = (secs, {name: t for name, t, _ in top})
     runner.release()
-    return times, counts, runner.mode
+    return times, counts, runner.mode, prof
+
+
+PROFILE_KERNELS = 400  # kernels kept per profiled step: every distinct kernel of these programs
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
@@ -148,20 +159,13 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
             for variant, c in (("ar", comm), ("skip", _SkipAllReduce(comm.backend, comm.group))):
                 ex = Executor(plan, prog, {0: chunk}, pp_ranks=[rank], act_shape=(1, seq, cfg.hidden), dtype=dtype,
                               device=device, tp_group=groups.tp, abort=d.abort, tp_comm=c)
-                got[variant] = _step_s(ex, toks[:plan.config.m], mode, args.warmup, args.iters, device)
+                got[variant] = _step_s(ex, toks[:plan.config.m], mode, args.warmup, args.iters, device,
+                                       busy=args.profile and name != "ends")
             step, counts, ran = statistics.median(got["ar"][0]), got["ar"][1], got["ar"][2]
             row[name] = (step, max(step - statistics.median(got["skip"][0]), 0.0), counts)
             row["cuda_graph"] = ran
-            if args.profile and device.type == "cuda":
-                from torch.profiler import ProfilerActivity, profile
-
-                chunk.zero_grad(set_to_none=True)
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    ex.run(toks[:plan.config.m], toks[:plan.config.m])
-                    torch.cuda.synchronize(device)
-                if rank == 0:
-                    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
-                    print(f"== profile of one {name} step, {backend} (rank 0) ==\n{table}", flush=True)
+            if got["ar"][3] is not None:
+                row[f"busy_{name}"] = (got["ar"][3], got["skip"][3])
         if device.type == "cuda":
             from braid.measure.units import _ar_stretch
 
@@ -225,6 +229,22 @@ def _hidden_in_blocks(row: dict) -> float | None:
     return 1 - max(eb - ee, 0.0) / (alone * n / total)
 
 
+def _exposed_split(row: dict, name: str, top: int = 5) -> dict | None:
+    """Where program ``name``'s exposed all-reduce time goes (profiled rows only): the compute
+    busy time with and without the all-reduces (:mod:`braid.measure.device_busy`), ``slowed``
+    (their difference: kernels that ran longer beside an all-reduce) and ``waiting`` (the rest
+    of the exposed time: the compute stream idle, waiting for an all-reduce), with the ``top``
+    kernels whose time grew most."""
+    got = row.get(f"busy_{name}")
+    if got is None:
+        return None
+    (ar_s, ar_k), (skip_s, skip_k) = got
+    grew = sorted(((k, ar_k.get(k, 0.0) - skip_k.get(k, 0.0)) for k in set(ar_k) | set(skip_k)), key=lambda kv: -kv[1])
+    slowed = ar_s - skip_s
+    return {"busy_ms": [ar_s * 1e3, skip_s * 1e3], "slowed_ms": slowed * 1e3, "waiting_ms": (row[name][1] - slowed) * 1e3,
+            "kernels_grown_ms": [(k, d * 1e3) for k, d in grew[:top]]}
+
+
 def _write_json(path: str, res: dict) -> None:
     import json
 
@@ -244,7 +264,8 @@ def _write_json(path: str, res: dict) -> None:
                         "ends_exposed_ar_ms": row["ends"][1] * 1e3, "ends_ar": row["ends"][2].get("AR", 0),
                         "ar_hidden_in_blocks": inner,
                         "ar_hidden_vs_plain": (1 - eb / ep) if ep > 0 else None,
-                        "cuda_graph": row.get("cuda_graph"), "overlap": row.get("overlap")}
+                        "cuda_graph": row.get("cuda_graph"), "overlap": row.get("overlap"),
+                        "exposed_split": {n: _exposed_split(row, n) for n in ("plain", "braided") if f"busy_{n}" in row} or None}
     atomic_write_text(path, json.dumps(doc, indent=1))
 
 
@@ -262,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain-first", action="store_true", help="measure the plain program first")
     ap.add_argument("--cuda-graph", choices=["none", "step"], default=None,
                     help="steps as whole-step CUDA graphs (default: step on GPU where the backend can be captured)")
-    ap.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table of one step of each (GPU)")
+    ap.add_argument("--profile", action="store_true", help="profile one more step of the plain and braided programs with and without their "
+                    "all-reduces (GPU) and split the exposed time into compute slowed beside the all-reduces and compute waiting for them")
     ap.add_argument("--json", metavar="FILE", help="also write the table as JSON: per backend plain_ms, braided_ms, "
                     "braided_over_plain, exposed_ar_ms [plain, braided], ar_alone_ms, ar_hidden, ar_hidden_vs_plain, "
                     "cuda_graph (or error)")
@@ -302,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{hidden:>11}{ends:>17}{inner:>18}{slow:>15}{stretch:>12}")
     if args.json:
         _write_json(args.json, res)
+    for backend, row in res.items():
+        for name in ("plain", "braided"):
+            split = _exposed_split(row, name) if "error" not in row else None
+            if split:
+                print(f"{backend} {name}: exposed {row[name][1] * 1e3:.2f} ms = compute slowed beside all-reduces "
+                      f"{split['slowed_ms']:.2f} ms (busy {split['busy_ms'][0]:.2f} vs {split['busy_ms'][1]:.2f} ms without them)"
+                      f" + compute waiting {split['waiting_ms']:.2f} ms; grew most: "
+                      + "; ".join(f"{k[:48]} {d:+.2f}" for k, d in split["kernels_grown_ms"][:3]))
     ran = [row for row in res.values() if "error" not in row]
     if ran:
         counts = ran[-1]["braided"][2]

@@ -92,3 +92,19 @@ def test_overlap_hidden_in_blocks_leaves_out_the_unbraided_ends(monkeypatch) -> 
     assert bench._hidden_in_blocks({**row, "ends": (0.01, 2e-3, {"AR": 10})}) == 1.0  # the ends alone exposed more
     # a burst of the step's 60 all-reduces timed alone (3 ms) is what they take, where it was timed
     assert bench._hidden_in_blocks({**row, "ar_burst_s": 3e-3}) == pytest.approx(1 - 4e-4 / 2.5e-3)
+
+
+def test_overlap_profile_splits_exposed_time_into_slowed_and_waiting(monkeypatch) -> None:
+    """bench_braided_overlap --profile: 3 ms exposed, compute busy 70 ms with the all-reduces and
+    68 ms without: 2 ms of kernels slowed beside them, 1 ms waiting; the GEMM grew most."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("bench_braided_overlap")
+    row = {"braided": (0.075, 3e-3, {"AR": 60}),
+           "busy_braided": ((0.070, {"gemm": 0.050, "norm": 0.020}), (0.068, {"gemm": 0.0485, "norm": 0.0195}))}
+    split = bench._exposed_split(row, "braided")
+    assert split["slowed_ms"] == pytest.approx(2.0) and split["waiting_ms"] == pytest.approx(1.0)
+    assert [k for k, _ in split["kernels_grown_ms"]] == ["gemm", "norm"]
+    assert split["kernels_grown_ms"][0][1] == pytest.approx(1.5)
+    assert bench._exposed_split(row, "plain") is None  # not profiled
