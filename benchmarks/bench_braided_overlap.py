@@ -18,8 +18,15 @@ and last BW have no partner; that pair is timed alone too (``ends exposed``), an
 blocks`` is the same share for the all-reduces inside the braided blocks, the ends' exposed time
 taken out.
 
+``--profile`` says where the exposed time goes: one more step of each program with and one
+without its all-reduces runs under the profiler (both ranks starting it together), and the
+difference of their spans is split into kernels slowed beside the all-reduces (busy time),
+compute waiting for an all-reduce to end, and other idle time
+(:func:`braid.measure.device_busy.idle_split`); ``--trace DIR`` keeps those timelines.
+
     python benchmarks/bench_braided_overlap.py                             # GPU: Qwen2-7B-sized layers, seq 4096, bf16
     python benchmarks/bench_braided_overlap.py --tp-backend all            # every CUDA backend, side by side
+    python benchmarks/bench_braided_overlap.py --tp-backend all --profile  # ... and where the exposed time goes
     python benchmarks/bench_braided_overlap.py --tiny                      # CPU smoke test
 """
 
@@ -72,11 +79,12 @@ class _SkipAllReduce:
         return _Done()
 
 
-def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, busy: bool = False
-            ) -> tuple[list[float], dict, str, tuple | None]:
+def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, busy: bool = False,
+            keep: str | None = None) -> tuple[list[float], dict, str, object | None]:
     """Step times (s) of ``ex`` run ``warmup + iters`` times under CUDA-graph ``mode`` (the
     warm-up steps dropped), its op counts, the mode it got and, when ``busy`` (CUDA), one more
-    step under the profiler: its compute busy seconds and kernels (:func:`compute_busy_s`)."""
+    step under the profiler, both ranks starting it together: its
+    :class:`~braid.measure.device_busy.StepProfile` (its trace written to ``keep``)."""
     import time
 
     from braid.runtime.graphs import WARMUP_STEPS, step_runner
@@ -99,10 +107,14 @@ def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, 
         counts = res.counts or counts
     prof = None
     if busy and device.type == "cuda":
-        from braid.measure.device_busy import compute_busy_s
+        import torch.distributed as dist
 
-        secs, _, top = compute_busy_s(lambda: runner.run(toks, toks, record="off"), device, PROFILE_KERNELS)
-        prof = (secs, {name: t for name, t, _ in top})
+        from braid.measure.device_busy import profile_step
+
+        for ch in ex.chunks.values():
+            ch.zero_grad(set_to_none=False)
+        dist.barrier(group=ex.tp_group)  # the ranks start the profiled step together: no wait for a late peer in it
+        prof, _ = profile_step(lambda: runner.run(toks, toks, record="off"), device, PROFILE_KERNELS, keep)
     runner.release()
     return times, counts, runner.mode, prof
 
@@ -159,8 +171,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
             for variant, c in (("ar", comm), ("skip", _SkipAllReduce(comm.backend, comm.group))):
                 ex = Executor(plan, prog, {0: chunk}, pp_ranks=[rank], act_shape=(1, seq, cfg.hidden), dtype=dtype,
                               device=device, tp_group=groups.tp, abort=d.abort, tp_comm=c)
+                keep = f"{args.trace}/{backend}_{name}_{variant}_rank{rank}.json.gz" if args.trace and name != "ends" else None
                 got[variant] = _step_s(ex, toks[:plan.config.m], mode, args.warmup, args.iters, device,
-                                       busy=args.profile and name != "ends")
+                                       busy=args.profile and name != "ends", keep=keep)
             step, counts, ran = statistics.median(got["ar"][0]), got["ar"][1], got["ar"][2]
             row[name] = (step, max(step - statistics.median(got["skip"][0]), 0.0), counts)
             row["cuda_graph"] = ran
@@ -230,18 +243,21 @@ def _hidden_in_blocks(row: dict) -> float | None:
 
 
 def _exposed_split(row: dict, name: str, top: int = 5) -> dict | None:
-    """Where program ``name``'s exposed all-reduce time goes (profiled rows only): the compute
-    busy time with and without the all-reduces (:mod:`braid.measure.device_busy`), ``slowed``
-    (their difference: kernels that ran longer beside an all-reduce) and ``waiting`` (the rest
-    of the exposed time: the compute stream idle, waiting for an all-reduce), with the ``top``
-    kernels whose time grew most."""
+    """Where program ``name``'s all-reduce cost goes, from one profiled step with and one without
+    its all-reduces (profiled rows only; :class:`~braid.measure.device_busy.StepProfile`): the
+    profiled step's exposed time (span with less span without) is ``slowed`` (compute busy time
+    with less without: kernels that ran longer beside an all-reduce) + ``waiting`` (compute idle
+    until an all-reduce ended) + ``other_idle`` (the rest of the idle time: dependencies between
+    streams, launch gaps), with the ``top`` kernels whose time grew most."""
     got = row.get(f"busy_{name}")
     if got is None:
         return None
-    (ar_s, ar_k), (skip_s, skip_k) = got
+    ar, skip = got
+    ar_k, skip_k = ({k: t for k, t, _ in p.top} for p in (ar, skip))
     grew = sorted(((k, ar_k.get(k, 0.0) - skip_k.get(k, 0.0)) for k in set(ar_k) | set(skip_k)), key=lambda kv: -kv[1])
-    slowed = ar_s - skip_s
-    return {"busy_ms": [ar_s * 1e3, skip_s * 1e3], "slowed_ms": slowed * 1e3, "waiting_ms": (row[name][1] - slowed) * 1e3,
+    return {"profiled_exposed_ms": (ar.span_s - skip.span_s) * 1e3, "span_ms": [ar.span_s * 1e3, skip.span_s * 1e3],
+            "busy_ms": [ar.busy_s * 1e3, skip.busy_s * 1e3], "slowed_ms": (ar.busy_s - skip.busy_s) * 1e3,
+            "waiting_ms": (ar.waiting_s - skip.waiting_s) * 1e3, "other_idle_ms": (ar.other_idle_s - skip.other_idle_s) * 1e3,
             "kernels_grown_ms": [(k, d * 1e3) for k, d in grew[:top]]}
 
 
@@ -284,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graph", choices=["none", "step"], default=None,
                     help="steps as whole-step CUDA graphs (default: step on GPU where the backend can be captured)")
     ap.add_argument("--profile", action="store_true", help="profile one more step of the plain and braided programs with and without their "
-                    "all-reduces (GPU) and split the exposed time into compute slowed beside the all-reduces and compute waiting for them")
+                    "all-reduces (GPU) and split the exposed time into kernels slowed beside the all-reduces, "
+                    "compute waiting for them and other idle time")
+    ap.add_argument("--trace", metavar="DIR", help="with --profile: write each profiled step's chrome trace (gzipped JSON, "
+                    "one per backend, program, with/without all-reduces and rank) into DIR")
     ap.add_argument("--json", metavar="FILE", help="also write the table as JSON: per backend plain_ms, braided_ms, "
                     "braided_over_plain, exposed_ar_ms [plain, braided], ar_alone_ms, ar_hidden, ar_hidden_vs_plain, "
                     "cuda_graph (or error)")
@@ -293,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         from braid.io.cli import check_outputs
 
         check_outputs(ap, [("--json", args.json)])
+    if args.trace:
+        if not args.profile:
+            ap.error("--trace writes the profiled steps' traces: it needs --profile")
+        from pathlib import Path
+
+        if not Path(args.trace).is_dir():
+            ap.error(f"--trace {args.trace}: not a directory")
     if args.tiny and args.cuda_graph == "step":
         ap.error("--cuda-graph step needs CUDA; --tiny runs on CPU")
     if not args.tiny and torch.cuda.device_count() < 2:
@@ -328,10 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("plain", "braided"):
             split = _exposed_split(row, name) if "error" not in row else None
             if split:
-                print(f"{backend} {name}: exposed {row[name][1] * 1e3:.2f} ms = compute slowed beside all-reduces "
-                      f"{split['slowed_ms']:.2f} ms (busy {split['busy_ms'][0]:.2f} vs {split['busy_ms'][1]:.2f} ms without them)"
-                      f" + compute waiting {split['waiting_ms']:.2f} ms; grew most: "
-                      + "; ".join(f"{k[:48]} {d:+.2f}" for k, d in split["kernels_grown_ms"][:3]))
+                print(f"{backend} {name}: exposed {row[name][1] * 1e3:.2f} ms timed, {split['profiled_exposed_ms']:.2f} ms in the "
+                      f"profiled step = kernels slowed beside all-reduces {split['slowed_ms']:.2f} + waiting for all-reduces "
+                      f"{split['waiting_ms']:.2f} + other idle {split['other_idle_ms']:.2f} ms; grew most: "
+                      + "; ".join(f"{k[:40]} {d:+.2f}" for k, d in split["kernels_grown_ms"][:3]))
     ran = [row for row in res.values() if "error" not in row]
     if ran:
         counts = ran[-1]["braided"][2]

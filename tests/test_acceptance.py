@@ -94,17 +94,23 @@ def test_overlap_hidden_in_blocks_leaves_out_the_unbraided_ends(monkeypatch) -> 
     assert bench._hidden_in_blocks({**row, "ar_burst_s": 3e-3}) == pytest.approx(1 - 4e-4 / 2.5e-3)
 
 
-def test_overlap_profile_splits_exposed_time_into_slowed_and_waiting(monkeypatch) -> None:
-    """bench_braided_overlap --profile: 3 ms exposed, compute busy 70 ms with the all-reduces and
-    68 ms without: 2 ms of kernels slowed beside them, 1 ms waiting; the GEMM grew most."""
+def test_overlap_profile_splits_exposed_time_into_slowed_waiting_and_other_idle(monkeypatch) -> None:
+    """bench_braided_overlap --profile: the profiled step spans 75 ms with its all-reduces and 71 ms
+    without; busy 70 vs 68 ms, waiting for collectives 1.5 vs 0.5 ms, other idle 3.5 vs 2.5 ms: of
+    the 4 ms exposed, 2 ms kernels slowed beside the all-reduces, 1 ms waiting, 1 ms other idle."""
     import importlib
+
+    from braid.measure.device_busy import StepProfile
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench = importlib.import_module("bench_braided_overlap")
-    row = {"braided": (0.075, 3e-3, {"AR": 60}),
-           "busy_braided": ((0.070, {"gemm": 0.050, "norm": 0.020}), (0.068, {"gemm": 0.0485, "norm": 0.0195}))}
-    split = bench._exposed_split(row, "braided")
-    assert split["slowed_ms"] == pytest.approx(2.0) and split["waiting_ms"] == pytest.approx(1.0)
+    ar = StepProfile(0.075, 0.070, 0.0015, 0.0035, [("gemm", 0.050, 9), ("norm", 0.020, 9)])
+    skip = StepProfile(0.071, 0.068, 0.0005, 0.0025, [("gemm", 0.0485, 9), ("norm", 0.0195, 9)])
+    split = bench._exposed_split({"braided": (0.075, 4e-3, {"AR": 60}), "busy_braided": (ar, skip)}, "braided")
+    assert split["profiled_exposed_ms"] == pytest.approx(4.0)
+    assert (split["slowed_ms"], split["waiting_ms"], split["other_idle_ms"]) == (pytest.approx(2.0), pytest.approx(1.0),
+                                                                                 pytest.approx(1.0))
+    assert split["profiled_exposed_ms"] == pytest.approx(split["slowed_ms"] + split["waiting_ms"] + split["other_idle_ms"])
     assert [k for k, _ in split["kernels_grown_ms"]] == ["gemm", "norm"]
     assert split["kernels_grown_ms"][0][1] == pytest.approx(1.5)
-    assert bench._exposed_split(row, "plain") is None  # not profiled
+    assert bench._exposed_split({"braided": (0.075, 4e-3, {})}, "plain") is None  # not profiled

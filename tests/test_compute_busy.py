@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.measure.device_busy import compute_busy_s, compute_intervals, top_kernels, union_length
+from braid.measure.device_busy import compute_busy_s, compute_intervals, idle_split, top_kernels, union_length
 from braid.measure.report import compute_bound, format_compute
 
 
@@ -118,3 +118,20 @@ def test_compare_kernels_lines_up_two_schedules_kernels(monkeypatch, tmp_path, c
     assert ck.main([str(path), "--m", "8", "--schedule", "c"]) == 2 and "'c' has no profiled kernels" in capsys.readouterr().err
     assert ck.main([str(path), "--m", "8", "--rank", "2"]) == 2 and "rank 2 outside 0..1" in capsys.readouterr().err
     assert ck.main([str(path), "--m", "8", "--rank", "0"]) == 0 and "gemm" in capsys.readouterr().out
+
+
+def test_idle_split_separates_waiting_for_a_collective_from_other_gaps() -> None:
+    """Compute [0,10] [30,40] [42,50], an NCCL kernel ending at 25 on this device and one at 41
+    on another: the 20 us gap closed 5 us after the collective ended (waited for it); the 2 us
+    gap had no collective of this device ending in it (other idle)."""
+    def ev(name, ts, dur, device=0):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"device": device}}
+
+    events = [ev("gemm", 0, 10), ev("gemm", 30, 10), ev("norm", 42, 8),
+              ev("ncclDevKernel_AllReduce_Sum_bf16", 5, 20), ev("ncclDevKernel_AllReduce_Sum_bf16", 20, 21, device=1)]
+    span, waiting, other = idle_split(events, 0)
+    assert (span, waiting, other) == (pytest.approx(50e-6), pytest.approx(20e-6), pytest.approx(2e-6))
+    assert span == pytest.approx(union_length(compute_intervals(events, 0)) / 1e6 + waiting + other)
+    # a collective that ended long before the gap closed did not hold the next kernel back
+    assert idle_split(events, 0, slack_us=4.0)[1:] == (0.0, pytest.approx(22e-6))
+    assert idle_split([], 0) == (0.0, 0.0, 0.0)

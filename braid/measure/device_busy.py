@@ -8,13 +8,21 @@ all-reduce kernel spins on its stream until the peer arrives, which is waiting, 
 (offload, P2P staging) run on copy engines beside the kernels. What remains is the compute a
 schedule has to fit in, whether it runs as one CUDA graph replay (the profiler sees the graph's
 kernels) or eagerly.
+
+:func:`profile_step` also splits the step's idle time (its span less the busy time): *waiting for
+a collective* -- a gap in the compute that ends as an NCCL kernel of the device ends, the next
+kernel having waited for its result -- and *other idle* (dependencies between streams, launch
+gaps). Two profiles of the same work with and without its collectives then say where the
+collectives' cost went: kernels slowed beside them, waiting for them, or other gaps.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +72,54 @@ def top_kernels(events: list[dict[str, Any]], device: int, n: int) -> list[tuple
     return [(k, t, c) for k, (t, c) in sorted(total.items(), key=lambda kv: -kv[1][0])[:n]]
 
 
-def compute_busy_s(fn: Callable[[], Any], device: torch.device, top: int = 0
-                   ) -> tuple[float, Any, list[tuple[str, float, int]]]:
-    """Run ``fn`` once under ``torch.profiler`` (CUDA activity) and return the seconds ``device``
-    spent computing in it (see the module doc), ``fn``'s result and the ``top`` kernels with the
-    most time (:func:`top_kernels`). CUDA only."""
+COLLECTIVE_SLACK_US = 15.0  # a gap ending this soon after an NCCL kernel ends waited for it (launch latency)
+
+
+def _collective_ends(events: list[dict[str, Any]], device: int) -> list[float]:
+    """End times (us) of the NCCL kernels of CUDA ``device`` in ``events``, sorted."""
+    return sorted(float(e["ts"]) + float(e.get("dur", 0.0)) for e in events
+                  if e.get("ph") == "X" and e.get("cat") == "kernel" and (e.get("args") or {}).get("device") == device
+                  and str(e.get("name", "")).startswith("nccl"))
+
+
+def idle_split(events: list[dict[str, Any]], device: int, slack_us: float = COLLECTIVE_SLACK_US) -> tuple[float, float, float]:
+    """``(span, waiting for a collective, other idle)`` in seconds of CUDA ``device``'s compute in
+    ``events``: the span from its first compute start to its last compute end, and its gaps split
+    by whether an NCCL kernel of the device ends inside the gap, at most ``slack_us`` before it
+    closes (the next kernel waited for that collective)."""
+    spans = sorted(compute_intervals(events, device))
+    if not spans:
+        return 0.0, 0.0, 0.0
+    ends = _collective_ends(events, device)
+    waiting = other = 0.0
+    start, reach = spans[0]
+    for s, e in spans[1:]:
+        if s > reach:
+            gap = s - reach
+            if any(reach <= t <= s and t >= s - slack_us for t in ends):
+                waiting += gap
+            else:
+                other += gap
+        reach = max(reach, e)
+    return (reach - start) / 1e6, waiting / 1e6, other / 1e6
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One profiled step of one device (seconds): ``busy_s + waiting_s + other_idle_s == span_s``."""
+
+    span_s: float
+    busy_s: float
+    waiting_s: float  # compute idle until a collective ends
+    other_idle_s: float
+    top: list[tuple[str, float, int]]  # the kernels with the most time (top_kernels)
+
+
+def profile_step(fn: Callable[[], Any], device: torch.device, top: int = 0, keep: str | Path | None = None
+                 ) -> tuple[StepProfile, Any]:
+    """Run ``fn`` once under ``torch.profiler`` (CUDA activity): ``device``'s :class:`StepProfile`
+    and ``fn``'s result; ``keep``: also write the chrome trace there, gzipped (a timeline for
+    Perfetto or ``chrome://tracing``). CUDA only."""
     if device.type != "cuda":
         raise ValueError(f"the compute busy time is read off the CUDA profiler; {device} is not a CUDA device")
     from torch.profiler import ProfilerActivity, profile
@@ -80,6 +131,20 @@ def compute_busy_s(fn: Callable[[], Any], device: torch.device, top: int = 0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
+        text = path.read_text()
+    if keep is not None:
+        Path(keep).write_bytes(gzip.compress(text.encode()))
+    events = json.loads(text).get("traceEvents", [])
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return union_length(compute_intervals(events, index)) / 1e6, res, top_kernels(events, index, top)
+    span, waiting, other = idle_split(events, index)
+    busy = union_length(compute_intervals(events, index)) / 1e6
+    return StepProfile(span, busy, waiting, other, top_kernels(events, index, top)), res
+
+
+def compute_busy_s(fn: Callable[[], Any], device: torch.device, top: int = 0
+                   ) -> tuple[float, Any, list[tuple[str, float, int]]]:
+    """Run ``fn`` once under ``torch.profiler`` and return the seconds ``device`` spent computing
+    in it (see the module doc), ``fn``'s result and the ``top`` kernels with the most time
+    (:func:`top_kernels`). CUDA only."""
+    prof, res = profile_step(fn, device, top)
+    return prof.busy_s, res, prof.top
