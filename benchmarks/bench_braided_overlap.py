@@ -18,11 +18,11 @@ and last BW have no partner; that pair is timed alone too (``ends exposed``), an
 blocks`` is the same share for the all-reduces inside the braided blocks, the ends' exposed time
 taken out.
 
-``--profile`` says where the exposed time goes: one more step of each program with and one
-without its all-reduces runs under the profiler (both ranks starting it together), and the
-difference of their spans is split into kernels slowed beside the all-reduces (busy time),
+``--profile [N]`` says where the exposed time goes: N more steps (default 3) of each program
+with and without its all-reduces run under the profiler (both ranks starting each together),
+and the difference of their mean spans is split into kernels slowed beside the all-reduces (busy time),
 compute waiting for an all-reduce to end, and other idle time
-(:func:`braid.measure.device_busy.idle_split`); ``--trace DIR`` keeps those timelines.
+(:func:`braid.measure.device_busy.idle_split`); ``--trace DIR`` keeps the first of those timelines.
 
     python benchmarks/bench_braided_overlap.py                             # GPU: Qwen2-7B-sized layers, seq 4096, bf16
     python benchmarks/bench_braided_overlap.py --tp-backend all            # every CUDA backend, side by side
@@ -79,12 +79,12 @@ class _SkipAllReduce:
         return _Done()
 
 
-def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, busy: bool = False,
+def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, profiled: int = 0,
             keep: str | None = None) -> tuple[list[float], dict, str, object | None]:
     """Step times (s) of ``ex`` run ``warmup + iters`` times under CUDA-graph ``mode`` (the
-    warm-up steps dropped), its op counts, the mode it got and, when ``busy`` (CUDA), one more
-    step under the profiler, both ranks starting it together: its
-    :class:`~braid.measure.device_busy.StepProfile` (its trace written to ``keep``)."""
+    warm-up steps dropped), its op counts, the mode it got and, when ``profiled`` > 0 (CUDA),
+    that many more steps under the profiler, both ranks starting each together: their mean
+    :class:`~braid.measure.device_busy.StepProfile` (the first one's trace written to ``keep``)."""
     import time
 
     from braid.runtime.graphs import WARMUP_STEPS, step_runner
@@ -106,15 +106,19 @@ def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, 
             times.append(time.perf_counter() - t0)
         counts = res.counts or counts
     prof = None
-    if busy and device.type == "cuda":
+    if profiled > 0 and device.type == "cuda":
         import torch.distributed as dist
 
-        from braid.measure.device_busy import profile_step
+        from braid.measure.device_busy import StepProfile, profile_step
 
-        for ch in ex.chunks.values():
-            ch.zero_grad(set_to_none=False)
-        dist.barrier(group=ex.tp_group)  # the ranks start the profiled step together: no wait for a late peer in it
-        prof, _ = profile_step(lambda: runner.run(toks, toks, record="off"), device, PROFILE_KERNELS, keep)
+        got = []
+        for k in range(profiled):
+            for ch in ex.chunks.values():
+                ch.zero_grad(set_to_none=False)
+            dist.barrier(group=ex.tp_group)  # the ranks start each profiled step together: no wait for a late peer in it
+            got.append(profile_step(lambda: runner.run(toks, toks, record="off"), device, PROFILE_KERNELS,
+                                    keep if k == 0 else None)[0])
+        prof = StepProfile.mean(got)
     runner.release()
     return times, counts, runner.mode, prof
 
@@ -173,7 +177,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
                               device=device, tp_group=groups.tp, abort=d.abort, tp_comm=c)
                 keep = f"{args.trace}/{backend}_{name}_{variant}_rank{rank}.json.gz" if args.trace and name != "ends" else None
                 got[variant] = _step_s(ex, toks[:plan.config.m], mode, args.warmup, args.iters, device,
-                                       busy=args.profile and name != "ends", keep=keep)
+                                       profiled=args.profile if name != "ends" else 0, keep=keep)
             step, counts, ran = statistics.median(got["ar"][0]), got["ar"][1], got["ar"][2]
             row[name] = (step, max(step - statistics.median(got["skip"][0]), 0.0), counts)
             row["cuda_graph"] = ran
@@ -243,9 +247,9 @@ def _hidden_in_blocks(row: dict) -> float | None:
 
 
 def _exposed_split(row: dict, name: str, top: int = 5) -> dict | None:
-    """Where program ``name``'s all-reduce cost goes, from one profiled step with and one without
+    """Where program ``name``'s all-reduce cost goes, from its profiled steps (mean) with and without
     its all-reduces (profiled rows only; :class:`~braid.measure.device_busy.StepProfile`): the
-    profiled step's exposed time (span with less span without) is ``slowed`` (compute busy time
+    profiled exposed time (mean span with less mean span without) is ``slowed`` (compute busy time
     with less without: kernels that ran longer beside an all-reduce) + ``waiting`` (compute idle
     until an all-reduce ended) + ``other_idle`` (the rest of the idle time: dependencies between
     streams, launch gaps), with the ``top`` kernels whose time grew most."""
@@ -299,10 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain-first", action="store_true", help="measure the plain program first")
     ap.add_argument("--cuda-graph", choices=["none", "step"], default=None,
                     help="steps as whole-step CUDA graphs (default: step on GPU where the backend can be captured)")
-    ap.add_argument("--profile", action="store_true", help="profile one more step of the plain and braided programs with and without their "
-                    "all-reduces (GPU) and split the exposed time into kernels slowed beside the all-reduces, "
+    ap.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="N",
+                    help="profile N more steps (default 3) of the plain and braided programs with and without their "
+                    "all-reduces (GPU) and split the mean exposed time into kernels slowed beside the all-reduces, "
                     "compute waiting for them and other idle time")
-    ap.add_argument("--trace", metavar="DIR", help="with --profile: write each profiled step's chrome trace (gzipped JSON, "
+    ap.add_argument("--trace", metavar="DIR", help="with --profile: write the first profiled step's chrome trace (gzipped JSON, "
                     "one per backend, program, with/without all-reduces and rank) into DIR")
     ap.add_argument("--json", metavar="FILE", help="also write the table as JSON: per backend plain_ms, braided_ms, "
                     "braided_over_plain, exposed_ar_ms [plain, braided], ar_alone_ms, ar_hidden, ar_hidden_vs_plain, "
@@ -312,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         from braid.io.cli import check_outputs
 
         check_outputs(ap, [("--json", args.json)])
+    if args.profile < 0:
+        ap.error(f"--profile {args.profile}: the number of profiled steps is 0 or more")
     if args.trace:
         if not args.profile:
             ap.error("--trace writes the profiled steps' traces: it needs --profile")
@@ -355,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             split = _exposed_split(row, name) if "error" not in row else None
             if split:
                 print(f"{backend} {name}: exposed {row[name][1] * 1e3:.2f} ms timed, {split['profiled_exposed_ms']:.2f} ms in the "
-                      f"profiled step = kernels slowed beside all-reduces {split['slowed_ms']:.2f} + waiting for all-reduces "
+                      f"profiled steps (mean) = kernels slowed beside all-reduces {split['slowed_ms']:.2f} + waiting for all-reduces "
                       f"{split['waiting_ms']:.2f} + other idle {split['other_idle_ms']:.2f} ms; grew most: "
                       + "; ".join(f"{k[:40]} {d:+.2f}" for k, d in split["kernels_grown_ms"][:3]))
     ran = [row for row in res.values() if "error" not in row]

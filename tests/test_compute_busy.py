@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.measure.device_busy import compute_busy_s, compute_intervals, idle_split, top_kernels, union_length
+from braid.measure.device_busy import StepProfile, compute_busy_s, compute_intervals, idle_split, top_kernels, union_length
 from braid.measure.report import compute_bound, format_compute
 
 
@@ -135,3 +135,15 @@ def test_idle_split_separates_waiting_for_a_collective_from_other_gaps() -> None
     # a collective that ended long before the gap closed did not hold the next kernel back
     assert idle_split(events, 0, slack_us=4.0)[1:] == (0.0, pytest.approx(22e-6))
     assert idle_split([], 0) == (0.0, 0.0, 0.0)
+
+
+def test_mean_of_step_profiles_keeps_the_split_additive() -> None:
+    a = StepProfile(0.075, 0.070, 0.002, 0.003, [("gemm", 0.050, 10), ("norm", 0.020, 4)])
+    b = StepProfile(0.077, 0.071, 0.001, 0.005, [("gemm", 0.052, 10)])
+    m = StepProfile.mean([a, b])
+    assert (m.span_s, m.busy_s, m.waiting_s, m.other_idle_s) == (pytest.approx(0.076), pytest.approx(0.0705),
+                                                                 pytest.approx(0.0015), pytest.approx(0.004))
+    assert m.span_s == pytest.approx(m.busy_s + m.waiting_s + m.other_idle_s)
+    assert m.top == [("gemm", pytest.approx(0.051), 10), ("norm", pytest.approx(0.010), 2)]  # norm unlisted in b: 0 there
+    with pytest.raises(ValueError, match="no step profiles"):
+        StepProfile.mean([])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import gzip
 import json
 import tempfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +113,22 @@ class StepProfile:
     waiting_s: float  # compute idle until a collective ends
     other_idle_s: float
     top: list[tuple[str, float, int]]  # the kernels with the most time (top_kernels)
+
+    @staticmethod
+    def mean(profiles: Sequence["StepProfile"]) -> "StepProfile":
+        """The mean of several profiles of the same step (still ``busy + waiting + other == span``);
+        a kernel's time and calls are averaged over all of them (0 where one did not list it)."""
+        if not profiles:
+            raise ValueError("the mean of no step profiles")
+        n = len(profiles)
+        kernels: dict[str, tuple[float, int]] = {}
+        for p in profiles:
+            for name, t, calls in p.top:
+                t0, c0 = kernels.get(name, (0.0, 0))
+                kernels[name] = (t0 + t, c0 + calls)
+        top = sorted(((k, t / n, round(c / n)) for k, (t, c) in kernels.items()), key=lambda x: -x[1])
+        return StepProfile(sum(p.span_s for p in profiles) / n, sum(p.busy_s for p in profiles) / n,
+                           sum(p.waiting_s for p in profiles) / n, sum(p.other_idle_s for p in profiles) / n, top)
 
 
 def profile_step(fn: Callable[[], Any], device: torch.device, top: int = 0, keep: str | Path | None = None
