@@ -115,9 +115,10 @@ def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, 
         for k in range(profiled):
             for ch in ex.chunks.values():
                 ch.zero_grad(set_to_none=False)
-            dist.barrier(group=ex.tp_group)  # the ranks start each profiled step together: no wait for a late peer in it
+            # the ranks start each profiled step together (the barrier runs once both profilers have started):
+            # no wait for a late peer in it
             got.append(profile_step(lambda: runner.run(toks, toks, record="off"), device, PROFILE_KERNELS,
-                                    keep if k == 0 else None)[0])
+                                    keep if k == 0 else None, prologue=lambda: dist.barrier(group=ex.tp_group))[0])
         prof = StepProfile.mean(got)
     runner.release()
     return times, counts, runner.mode, prof

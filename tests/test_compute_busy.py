@@ -147,3 +147,19 @@ def test_mean_of_step_profiles_keeps_the_split_additive() -> None:
     assert m.top == [("gemm", pytest.approx(0.051), 10), ("norm", pytest.approx(0.010), 2)]  # norm unlisted in b: 0 there
     with pytest.raises(ValueError, match="no step profiles"):
         StepProfile.mean([])
+
+
+def test_after_mark_leaves_out_what_ran_before_the_profiled_step() -> None:
+    """A barrier's kernels (before the step's annotation) are not the step's: the span starts at the step."""
+    from braid.measure.device_busy import STEP_MARK, after_mark
+
+    def ev(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"device": 0}}
+
+    events = [ev("kernel", "fill", 0, 1), ev("kernel", "ncclDevKernel_AllReduce_Sum_f32", 1, 500),
+              ev("user_annotation", STEP_MARK, 600, 100), ev("kernel", "gemm", 605, 50), ev("kernel", "gemm", 660, 30),
+              {"ph": "M", "name": "process_name", "args": {"name": "python"}}]
+    kept = after_mark(events)
+    assert [e["name"] for e in kept] == [STEP_MARK, "gemm", "gemm", "process_name"]
+    assert idle_split(kept, 0) == (pytest.approx(85e-6), 0.0, pytest.approx(5e-6))
+    assert after_mark(events[:2]) == events[:2]  # no mark: every event

@@ -131,26 +131,46 @@ class StepProfile:
                            sum(p.waiting_s for p in profiles) / n, sum(p.other_idle_s for p in profiles) / n, top)
 
 
-def profile_step(fn: Callable[[], Any], device: torch.device, top: int = 0, keep: str | Path | None = None
-                 ) -> tuple[StepProfile, Any]:
+STEP_MARK = "braid.profiled_step"  # the annotation around the profiled step when a prologue runs before it
+
+
+def after_mark(events: list[dict[str, Any]], mark: str = STEP_MARK) -> list[dict[str, Any]]:
+    """The events of ``events`` that start at or after the CPU annotation ``mark`` starts (device
+    work launched by a prologue before it left out); all of them where the mark is absent."""
+    starts = [float(e["ts"]) for e in events if e.get("ph") == "X" and e.get("name") == mark and e.get("cat") == "user_annotation"]
+    if not starts:
+        return events
+    t0 = min(starts)
+    return [e for e in events if e.get("ph") != "X" or float(e.get("ts", t0)) >= t0]
+
+
+def profile_step(fn: Callable[[], Any], device: torch.device, top: int = 0, keep: str | Path | None = None,
+                 prologue: Callable[[], Any] | None = None) -> tuple[StepProfile, Any]:
     """Run ``fn`` once under ``torch.profiler`` (CUDA activity): ``device``'s :class:`StepProfile`
     and ``fn``'s result; ``keep``: also write the chrome trace there, gzipped (a timeline for
-    Perfetto or ``chrome://tracing``). CUDA only."""
+    Perfetto or ``chrome://tracing``). ``prologue`` runs under the profiler first and is left
+    out of the profile (e.g. a barrier, so that ranks whose profilers started at different
+    times start the step together). CUDA only."""
     if device.type != "cuda":
         raise ValueError(f"the compute busy time is read off the CUDA profiler; {device} is not a CUDA device")
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if prologue is not None else [])
     torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        res = fn()
-        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        if prologue is not None:
+            prologue()
+            torch.cuda.synchronize(device)
+        with record_function(STEP_MARK):
+            res = fn()
+            torch.cuda.synchronize(device)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         text = path.read_text()
     if keep is not None:
         Path(keep).write_bytes(gzip.compress(text.encode()))
-    events = json.loads(text).get("traceEvents", [])
+    events = after_mark(json.loads(text).get("traceEvents", []))
     index = device.index if device.index is not None else torch.cuda.current_device()
     span, waiting, other = idle_split(events, index)
     busy = union_length(compute_intervals(events, index)) / 1e6
