@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     "one per backend, program, with/without all-reduces and rank) into DIR")
     ap.add_argument("--json", metavar="FILE", help="also write the table as JSON: per backend plain_ms, braided_ms, "
                     "braided_over_plain, exposed_ar_ms [plain, braided], ar_alone_ms, ar_hidden, ar_hidden_vs_plain, "
-                    "cuda_graph (or error)")
+                    "cuda_graph, with --profile exposed_split (or error)")
     args = ap.parse_args(argv)
     if args.json:
         from braid.io.cli import check_outputs
@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         check_outputs(ap, [("--json", args.json)])
     if args.profile < 0:
         ap.error(f"--profile {args.profile}: the number of profiled steps is 0 or more")
+    if args.profile and args.tiny:
+        ap.error("--profile reads the CUDA profiler; --tiny runs on CPU")
     if args.trace:
         if not args.profile:
             ap.error("--trace writes the profiled steps' traces: it needs --profile")

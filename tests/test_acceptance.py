@@ -114,3 +114,20 @@ def test_overlap_profile_splits_exposed_time_into_slowed_waiting_and_other_idle(
     assert [k for k, _ in split["kernels_grown_ms"]] == ["gemm", "norm"]
     assert split["kernels_grown_ms"][0][1] == pytest.approx(1.5)
     assert bench._exposed_split({"braided": (0.075, 4e-3, {})}, "plain") is None  # not profiled
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tiny", "--profile"], "--tiny runs on CPU"),
+    (["--tiny", "--profile", "-1"], "0 or more"),
+    (["--tiny", "--trace", "."], "needs --profile"),
+    (["--profile", "--trace", "no/such/dir"], "not a directory"),
+])
+def test_overlap_bench_refuses_bad_profile_options_in_one_line(monkeypatch, capsys, argv, says) -> None:
+    import importlib
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    bench = importlib.import_module("bench_braided_overlap")
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
