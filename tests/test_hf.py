@@ -129,6 +129,31 @@ def test_chunks_read_only_their_tensors(tmp_path) -> None:
                 assert torch.equal(p, w[n]), f"rank {pp_rank} chunk {c} {n}"
 
 
+def test_half_layer_chunks_read_only_their_halfs_tensors(tmp_path) -> None:
+    """Stages of 1.5 layers: the first reads layer 1's attention half only, the second its MLP
+    half (and layer 2), and the chunks equal those built from the loaded model."""
+    hf = _hf_model("qwen2.5-tied")
+    hf.save_pretrained(tmp_path)
+    full = bhf.load(tmp_path)
+    plan = schedules.build("1f1b", 2, 2)
+    layers = (1.5, 1.5)
+    attn = {"input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+            "self_attn.k_proj.bias", "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight"}
+    mlp = {"post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+    for pp_rank, want_layer1 in ((0, attn), (1, mlp)):
+        meta = bhf.load_meta(tmp_path)
+        chunks = build_rank_chunks(meta, plan, pp_rank, layers, tp_rank=0, tp_size=2)
+        want = build_rank_chunks(full, plan, pp_rank, layers, tp_rank=0, tp_size=2)
+        read = set(meta.braid_source.read)
+        assert {k.split(".", 3)[3] for k in read if k.startswith("model.layers.1.")} == want_layer1
+        assert {int(k.split(".")[2]) for k in read if ".layers." in k} == ({0, 1} if pp_rank == 0 else {1, 2})
+        for c in chunks:
+            w = dict(want[c].named_parameters())
+            assert {n for n, _ in chunks[c].named_parameters()} == set(w)
+            for n, p in chunks[c].named_parameters():
+                assert torch.equal(p, w[n]), f"rank {pp_rank} chunk {c} {n}"
+
+
 def test_bad_checkpoints_are_one_clear_error(tmp_path) -> None:
     with pytest.raises(ValueError, match="no config.json"):
         bhf.load(tmp_path)

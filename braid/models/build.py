@@ -122,16 +122,28 @@ def materialize(model: nn.Module) -> nn.Module:
     return model
 
 
-def _real(module: nn.Module, source: ParamSource | None, prefix: str, name_of: dict[str, str] | None = None) -> nn.Module:
+def _real(module: nn.Module, source: ParamSource | None, prefix: str, name_of: dict[str, str] | None = None,
+          only: set[str] | None = None) -> nn.Module:
     """``module`` itself, or (meta model) a materialised copy whose parameter ``n`` has global name
-    ``prefix + n`` (or ``name_of[n]``)."""
+    ``prefix + n`` (or ``name_of[n]``); with ``only``, the other parameters are allocated but not
+    read (their values are about to be dropped)."""
     if source is None:
         return module
     out = copy.deepcopy(module).to_empty(device=source.device)
     with torch.no_grad():
         for n, p in out.named_parameters():
-            source.fill(p, name_of[n] if name_of is not None else prefix + n)
+            if only is None or n in only:
+                source.fill(p, name_of[n] if name_of is not None else prefix + n)
     return out
+
+
+def _half_names(layer: nn.Module, units: tuple) -> set[str] | None:
+    """The parameter names of a meta-device ``layer`` that a half-layer cut keeping ``units``
+    keeps (:func:`braid.models.seam.keep_units` on a copy), so that only they are read; None
+    where the single-device layer is not a :class:`~braid.models.seam.UnitLayer` (all are read)."""
+    if not isinstance(layer, UnitLayer):
+        return None
+    return {n for n, _ in keep_units(copy.deepcopy(layer), units).named_parameters()}
 
 
 def build_chunk(
@@ -169,7 +181,8 @@ def build_chunk(
     if spec.half_out:
         halves[first_layer + spec.modules - 1] = LAYER_UNITS[:2]
     for i in range(first_layer, first_layer + spec.modules):
-        lay = model.shard_layer(_real(model.layers[i], source, f"layers.{i}."), tp_rank, tp_size)
+        only = _half_names(model.layers[i], halves[i]) if i in halves and source is not None else None
+        lay = model.shard_layer(_real(model.layers[i], source, f"layers.{i}.", only=only), tp_rank, tp_size)
         if not isinstance(lay, UnitLayer):
             raise TypeError(f"{type(model).__name__}.shard_layer returned a {type(lay).__name__}, which lacks the "
                             "unit methods of braid.models.seam.UnitLayer (unit_norm, unit_forward, unit_weights)")
