@@ -23,6 +23,8 @@ with and without its all-reduces run under the profiler (both ranks starting eac
 and the difference of their mean spans is split into kernels slowed beside the all-reduces (busy time),
 compute waiting for an all-reduce to end, and other idle time
 (:func:`braid.measure.device_busy.idle_split`); ``--trace DIR`` keeps the first of those timelines.
+Not for ``symm-mem``: its all-reduce waits in barrier kernels that spin beside the compute, so
+its waiting would read as busy time.
 
     python benchmarks/bench_braided_overlap.py                             # GPU: Qwen2-7B-sized layers, seq 4096, bf16
     python benchmarks/bench_braided_overlap.py --tp-backend all            # every CUDA backend, side by side
@@ -34,9 +36,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import TYPE_CHECKING
 
 import torch
 from _spawn import spawn_two
+
+if TYPE_CHECKING:
+    from braid.measure.device_busy import StepProfile
 
 
 def _programs(m: int) -> dict[str, str]:
@@ -80,7 +86,7 @@ class _SkipAllReduce:
 
 
 def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, profiled: int = 0,
-            keep: str | None = None) -> tuple[list[float], dict, str, object | None]:
+            keep: str | None = None) -> tuple[list[float], dict, str, StepProfile | None]:
     """Step times (s) of ``ex`` run ``warmup + iters`` times under CUDA-graph ``mode`` (the
     warm-up steps dropped), its op counts, the mode it got and, when ``profiled`` > 0 (CUDA),
     that many more steps under the profiler, both ranks starting each together: their mean
@@ -177,8 +183,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
                 ex = Executor(plan, prog, {0: chunk}, pp_ranks=[rank], act_shape=(1, seq, cfg.hidden), dtype=dtype,
                               device=device, tp_group=groups.tp, abort=d.abort, tp_comm=c)
                 keep = f"{args.trace}/{backend}_{name}_{variant}_rank{rank}.json.gz" if args.trace and name != "ends" else None
+                # symm-mem's all-reduce waits in barrier kernels that spin beside the compute: its waiting would read as busy
+                profiled = args.profile if name != "ends" and backend != "symm-mem" else 0
                 got[variant] = _step_s(ex, toks[:plan.config.m], mode, args.warmup, args.iters, device,
-                                       profiled=args.profile if name != "ends" else 0, keep=keep)
+                                       profiled=profiled, keep=keep if profiled else None)
             step, counts, ran = statistics.median(got["ar"][0]), got["ar"][1], got["ar"][2]
             row[name] = (step, max(step - statistics.median(got["skip"][0]), 0.0), counts)
             row["cuda_graph"] = ran
@@ -324,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--profile reads the CUDA profiler; --tiny runs on CPU")
     if args.trace:
         if not args.profile:
-            ap.error("--trace writes the profiled steps' traces: it needs --profile")
+            ap.error("--trace writes the profiled steps' traces: it needs --profile N with N > 0")
         from pathlib import Path
 
         if not Path(args.trace).is_dir():

@@ -163,3 +163,11 @@ def test_after_mark_leaves_out_what_ran_before_the_profiled_step() -> None:
     assert [e["name"] for e in kept] == [STEP_MARK, "gemm", "gemm", "process_name"]
     assert idle_split(kept, 0) == (pytest.approx(85e-6), 0.0, pytest.approx(5e-6))
     assert after_mark(events[:2]) == events[:2]  # no mark: every event
+
+
+def test_after_mark_refuses_a_trace_without_the_mark_when_it_is_required() -> None:
+    from braid.measure.device_busy import after_mark
+
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 5, "args": {"device": 0}}]
+    with pytest.raises(RuntimeError, match="not in the trace"):
+        after_mark(events, required=True)

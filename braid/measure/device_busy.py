@@ -134,11 +134,14 @@ class StepProfile:
 STEP_MARK = "braid.profiled_step"  # the annotation around the profiled step when a prologue runs before it
 
 
-def after_mark(events: list[dict[str, Any]], mark: str = STEP_MARK) -> list[dict[str, Any]]:
+def after_mark(events: list[dict[str, Any]], mark: str = STEP_MARK, required: bool = False) -> list[dict[str, Any]]:
     """The events of ``events`` that start at or after the CPU annotation ``mark`` starts (device
-    work launched by a prologue before it left out); all of them where the mark is absent."""
+    work launched by a prologue before it left out); all of them where the mark is absent, or
+    (``required``) a RuntimeError."""
     starts = [float(e["ts"]) for e in events if e.get("ph") == "X" and e.get("name") == mark and e.get("cat") == "user_annotation"]
     if not starts:
+        if required:
+            raise RuntimeError(f"the profiled step's annotation {mark!r} is not in the trace: cannot leave the prologue out")
         return events
     t0 = min(starts)
     return [e for e in events if e.get("ph") != "X" or float(e.get("ts", t0)) >= t0]
@@ -150,7 +153,8 @@ def profile_step(fn: Callable[[], Any], device: torch.device, top: int = 0, keep
     and ``fn``'s result; ``keep``: also write the chrome trace there, gzipped (a timeline for
     Perfetto or ``chrome://tracing``). ``prologue`` runs under the profiler first and is left
     out of the profile (e.g. a barrier, so that ranks whose profilers started at different
-    times start the step together). CUDA only."""
+    times start the step together); the CPU activity this needs (for the step's annotation)
+    adds per-op overhead to an eager step's launches, not to a CUDA graph's replay. CUDA only."""
     if device.type != "cuda":
         raise ValueError(f"the compute busy time is read off the CUDA profiler; {device} is not a CUDA device")
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -170,7 +174,7 @@ def profile_step(fn: Callable[[], Any], device: torch.device, top: int = 0, keep
         text = path.read_text()
     if keep is not None:
         Path(keep).write_bytes(gzip.compress(text.encode()))
-    events = after_mark(json.loads(text).get("traceEvents", []))
+    events = after_mark(json.loads(text).get("traceEvents", []), required=prologue is not None)
     index = device.index if device.index is not None else torch.cuda.current_device()
     span, waiting, other = idle_split(events, index)
     busy = union_length(compute_intervals(events, index)) / 1e6

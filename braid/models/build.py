@@ -125,8 +125,8 @@ def materialize(model: nn.Module) -> nn.Module:
 def _real(module: nn.Module, source: ParamSource | None, prefix: str, name_of: dict[str, str] | None = None,
           only: set[str] | None = None) -> nn.Module:
     """``module`` itself, or (meta model) a materialised copy whose parameter ``n`` has global name
-    ``prefix + n`` (or ``name_of[n]``); with ``only``, the other parameters are allocated but not
-    read (their values are about to be dropped)."""
+    ``prefix + n`` (or ``name_of[n]``); with ``only``, the other parameters are not read but set
+    to NaN (their values are about to be dropped; one that was not would show)."""
     if source is None:
         return module
     out = copy.deepcopy(module).to_empty(device=source.device)
@@ -134,6 +134,8 @@ def _real(module: nn.Module, source: ParamSource | None, prefix: str, name_of: d
         for n, p in out.named_parameters():
             if only is None or n in only:
                 source.fill(p, name_of[n] if name_of is not None else prefix + n)
+            else:
+                p.fill_(float("nan"))
     return out
 
 
