@@ -48,13 +48,20 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def _compute_events(events: list[dict[str, Any]], device: int) -> Iterator[dict[str, Any]]:
-    """The chrome-trace ``events`` (``torch.profiler``'s export) of compute on CUDA ``device``:
-    kernels and memsets, NCCL kernels left out."""
+def _device_work(events: list[dict[str, Any]], device: int, collectives: bool) -> Iterator[dict[str, Any]]:
+    """The chrome-trace ``events`` (``torch.profiler``'s export) of work on CUDA ``device``: its
+    NCCL kernels (``collectives``) or its compute -- kernels and memsets, NCCL kernels left out."""
     for e in events:
-        if (e.get("ph") == "X" and e.get("cat") in COMPUTE_CATEGORIES and (e.get("args") or {}).get("device") == device
-                and not str(e.get("name", "")).startswith("nccl")):
+        if e.get("ph") != "X" or (e.get("args") or {}).get("device") != device:
+            continue
+        nccl = str(e.get("name", "")).startswith("nccl")
+        if (e.get("cat") == "kernel" and nccl) if collectives else (e.get("cat") in COMPUTE_CATEGORIES and not nccl):
             yield e
+
+
+def _compute_events(events: list[dict[str, Any]], device: int) -> Iterator[dict[str, Any]]:
+    """The compute on CUDA ``device`` in ``events``: kernels and memsets, NCCL kernels left out."""
+    return _device_work(events, device, collectives=False)
 
 
 def compute_intervals(events: list[dict[str, Any]], device: int) -> list[tuple[float, float]]:
@@ -77,9 +84,7 @@ COLLECTIVE_SLACK_US = 15.0  # a gap ending this soon after an NCCL kernel ends w
 
 def _collective_ends(events: list[dict[str, Any]], device: int) -> list[float]:
     """End times (us) of the NCCL kernels of CUDA ``device`` in ``events``, sorted."""
-    return sorted(float(e["ts"]) + float(e.get("dur", 0.0)) for e in events
-                  if e.get("ph") == "X" and e.get("cat") == "kernel" and (e.get("args") or {}).get("device") == device
-                  and str(e.get("name", "")).startswith("nccl"))
+    return sorted(float(e["ts"]) + float(e.get("dur", 0.0)) for e in _device_work(events, device, collectives=True))
 
 
 def idle_split(events: list[dict[str, Any]], device: int, slack_us: float = COLLECTIVE_SLACK_US) -> tuple[float, float, float]:
