@@ -153,6 +153,11 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     out = p.add_argument_group("outputs")
     out.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (rank 0 writes)")
     out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m braid.viz)")
+    out.add_argument("--profile", metavar="DIR", help="profile one step under torch.profiler: per rank the device's busy, "
+                     "waiting and idle time, the host's, the data loader's share, host synchronisations, top operators "
+                     "(DIR/profile.txt, DIR/profile.json, DIR/rank{r}.json.gz chrome traces)")
+    out.add_argument("--profile-step", type=int, default=None, metavar="N",
+                     help="the step --profile profiles (1-based; default: the last, after any CUDA-graph warm-up)")
     out.add_argument("--tensorboard", metavar="DIR", help="also write the per-step metrics as TensorBoard events (needs tensorboard)")
     out.add_argument("--save", metavar="DIR",
                      help="checkpoint at the end (and every --save-every steps) into DIR/step_N/, DIR/latest naming the newest")
@@ -248,7 +253,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         from braid.runtime.graphs import config_reason
 
         dev = "cpu" if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()) else "cuda"
-        why = config_reason(dev, cp=args.cp, vision=task.vision, tp=args.tp)
+        why = config_reason(dev, cp=args.cp, tp=args.tp)
         if why:
             raise UsageError(f"--cuda-graph step: {why}; use --cuda-graph none")
     check_outputs(args)
@@ -266,8 +271,9 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
                 raise UsageError(f"--schedule {n}: megatron-core's GPT model is a decoder LM; use a torch_* baseline for a VLM")
     if len(set(names)) != len(names):
         raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
-    if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf):
-        raise UsageError("--save, --save-hf, --resume and --trace take one --schedule (several schedules compare fresh runs)")
+    if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf or args.profile):
+        raise UsageError("--save, --save-hf, --resume, --trace and --profile take one --schedule "
+                         "(several schedules compare fresh runs)")
     if args.save_hf:
         check_new_dir("--save-hf", args.save_hf)
     if args.reference and (args.resume or args.cp > 1):
@@ -380,7 +386,10 @@ def check_outputs(args: argparse.Namespace) -> None:
                 check_output_path(path, what=what, inputs=tuple(p for w, p in files.items() if p and w != what))
     except OutputPathError as err:
         raise UsageError(str(err)) from None
-    for what, path in (("--save", args.save), ("--tensorboard", args.tensorboard)):
+    if args.profile_step is not None and not (args.profile and 1 <= args.profile_step <= args.steps):
+        raise UsageError(f"--profile-step must be a step of the run (1..--steps={args.steps}) and needs --profile DIR, "
+                         f"got {args.profile_step}")
+    for what, path in (("--save", args.save), ("--tensorboard", args.tensorboard), ("--profile", args.profile)):
         if path:
             check_output_dir(what, path)
     if args.tensorboard:

@@ -33,6 +33,7 @@ resumed run needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -48,7 +49,7 @@ from train_checkpoint import TrainState, describe_resume, verify_resume
 from train_cli import Run, RunError, Setup, Task, UsageError, prepare
 from train_report import (MetricsLog, Progress, RunStats, banner, format_comparison, max_norm_diff, max_rel_diff,  # noqa: E501
                           reference_norm_rtol, reference_rtol, write_trace)
-from train_step import (compute_dtype, local_tensors, make_optimizer, make_runner, micro_batches, peak_flops, pick_device,
+from train_step import (Prefetcher, compute_dtype, local_tensors, make_optimizer, make_runner, peak_flops, pick_device,
                         train_reference, train_step)
 
 __all__ = ["Task", "main", "run"]
@@ -128,16 +129,24 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
     if setup.rank == 0 and args.save:
         _write_config(setup, Path(args.save) / "config.toml")
     stats = RunStats(run.name, [], [], [0] * setup.world)
+    prof = None
+    if args.profile:
+        from train_profile import StepProfiler
+
+        prof = StepProfiler(args.profile, args.profile_step or args.steps, device, setup.rank)
+    data = Prefetcher(task, setup, source, c.dp, per_step, device, dtype)  # the next step's samples drawn beside this one
     try:
         while step < args.steps:
-            toks, labs = micro_batches(task, setup, source, pos, c.dp, device, dtype)
+            fetch = lambda: data.take(pos, more=step + 1 < args.steps)  # noqa: E731
+            toks, labs = fetch() if prof is None else prof.time_data(fetch)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
                 torch.cuda.synchronize(device)
             lr = float(getattr(opt, "lr", args.lr))  # this step's learning rate (the schedule advances in the step)
             t0 = time.perf_counter()
-            out = train_step(runner, opt, toks, labs, traced=bool(args.trace) and step + 1 == args.steps, step=step + 1,
-                             topo=topo, rank=setup.rank, device=device)
+            with prof.step(step + 1) if prof is not None else contextlib.nullcontext():
+                out = train_step(runner, opt, toks, labs, traced=bool(args.trace) and step + 1 == args.steps, step=step + 1,
+                                 topo=topo, rank=setup.rank, device=device)
             mem = out.mem
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -169,6 +178,7 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
                 if setup.rank == 0:
                     log.info("checkpoint: %s", folder)
     finally:
+        data.close()
         bar.close()
         if metrics is not None:
             metrics.close()
@@ -179,6 +189,12 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
         braid.hf.save_chunks(runner.chunks, setup.model.cfg, family_of(setup.model), args.save_hf, groups)
         if setup.rank == 0:
             log.info("saved a Hugging Face checkpoint to %s", args.save_hf)
+    if prof is not None:
+        from train_profile import gather_and_write
+
+        with d.abort.collective():
+            gather_and_write(prof, setup.world, f"{run.name} step {prof.at} of {args.steps}, tp={topo.tp} pp={topo.pp} "
+                                                f"dp={topo.dp} cp={topo.cp}, m={args.mbs}, {getattr(runner.graph, 'mode', 'torch')}")
     if args.trace and runner.res is not None:
         with d.abort.collective():
             write_trace(runner.res.trace, setup.rank, setup.world, args)

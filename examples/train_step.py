@@ -52,11 +52,11 @@ def gather_batch(source: Any, first: int, count: int) -> dict[str, torch.Tensor]
     return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
 
-def to_device(item: Any, device: torch.device, dtype: torch.dtype) -> Any:
+def to_device(item: Any, device: torch.device, dtype: torch.dtype, non_blocking: bool = False) -> Any:
     """A tensor (or tuple of tensors) on ``device``; floating-point ones in ``dtype``."""
     if isinstance(item, tuple):
-        return tuple(to_device(x, device, dtype) for x in item)
-    return item.to(device=device, dtype=dtype if item.is_floating_point() else item.dtype)
+        return tuple(to_device(x, device, dtype, non_blocking) for x in item)
+    return item.to(device=device, dtype=dtype if item.is_floating_point() else item.dtype, non_blocking=non_blocking)
 
 
 def local_tensors(params: list) -> list[torch.Tensor]:
@@ -169,9 +169,9 @@ def make_optimizer(args: argparse.Namespace, runner: BraidRunner | TorchRunner) 
     return Optimization(optim_config(args), runner.named, runner.chunks.values(), groups=runner.groups, abort=runner.abort)
 
 
-def micro_batches(task: Task, setup: Setup, source: Any, pos: int, dp_rank: int, device: torch.device,
-                  dtype: torch.dtype) -> tuple[list, list]:
-    """This data-parallel replica's ``--mbs`` micro-batches of the step that starts at global sample ``pos``.
+def host_micro_batches(task: Task, setup: Setup, source: Any, pos: int, dp_rank: int, pin: bool) -> tuple[list, list]:
+    """This data-parallel replica's ``--mbs`` micro-batches of the step that starts at global sample ``pos``, on the
+    host (``pin``: in pinned memory, so that their copies to the device are asynchronous).
 
     Replica ``r``'s micro-batch ``k`` is global micro-batch ``r * mbs + k``.
     """
@@ -180,9 +180,44 @@ def micro_batches(task: Task, setup: Setup, source: Any, pos: int, dp_rank: int,
     toks, labs = [], []
     for i in range(args.mbs):
         tok, lab = task.inputs(setup.model, gather_batch(source, first + i * args.micro_batch_size, args.micro_batch_size))
-        toks.append(to_device(tok, device, dtype))
-        labs.append(lab.to(device))
+        toks.append(_pinned(tok) if pin else tok)
+        labs.append(_pinned(lab) if pin else lab)
     return toks, labs
+
+
+def _pinned(item: Any) -> Any:
+    return tuple(_pinned(x) for x in item) if isinstance(item, tuple) else item.pin_memory()
+
+
+class Prefetcher:
+    """Prepares the next step's micro-batches on a background thread while the current step runs.
+
+    The samples are drawn, stacked and pinned on the host by a worker thread (the data
+    source's work is off the critical path); :meth:`take` returns them on the device through
+    asynchronous copies, and starts on the step after. A position other than the one
+    prepared (a resume) is prepared on the spot."""
+
+    def __init__(self, task: Task, setup: Setup, source: Any, dp_rank: int, step_samples: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.device, self.dtype, self.step_samples = device, dtype, step_samples
+        pin = device.type == "cuda"
+        self._load = lambda pos: host_micro_batches(task, setup, source, pos, dp_rank, pin)  # noqa: E731
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="braid-data")
+        self._next: tuple[int, Any] | None = None
+
+    def take(self, pos: int, more: bool) -> tuple[list, list]:
+        """The micro-batches of the step at ``pos`` on the device; ``more``: prepare the next step's now."""
+        ready = self._next[1].result() if self._next is not None and self._next[0] == pos else None
+        toks, labs = ready if ready is not None else self._load(pos)
+        self._next = (pos + self.step_samples, self._pool.submit(self._load, pos + self.step_samples)) if more else None
+        nb = self.device.type == "cuda"
+        return ([to_device(t, self.device, self.dtype, non_blocking=nb) for t in toks],
+                [lab.to(self.device, non_blocking=nb) for lab in labs])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass

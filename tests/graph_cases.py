@@ -104,6 +104,66 @@ def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict
     return out
 
 
+def vlm_graphed_matches_eager(ctx, schedule: str, pp: int, tp: int, m: int, kind: str) -> list[str]:
+    """A tiny Qwen2-VL (``kind``) trained eager and graphed side by side, compared bitwise every step: the
+    vision tower, the merge unit and the M-RoPE chunks captured. After the first replays the images move
+    in the text (another batch key, the same tensor shapes): the step is captured again. Returns the events."""
+    from test_vlm import MB_SIZE, SEQ, _microbatches
+
+    from braid import schedules
+    from braid.core.compiler import compile_plan
+    from braid.core.topology import Topology
+    from braid.models.qwen2_vl import Qwen2VLModel, vlm_preset, vlm_stage_layers
+    from braid.models.vision_chunk import build_vlm_rank_chunks
+    from braid.runtime.executor import Executor
+    from braid.runtime.graphs import WARMUP_STEPS, GraphedStep
+
+    dev = ctx.dist.device
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, tp=tp))
+    c = groups.coords
+    cfg = vlm_preset("tiny", kind=kind)
+    plan = schedules.build(schedule, pp, m)
+    layers = vlm_stage_layers(cfg, plan.num_stages, last_stage_lighter=1)
+
+    def build():
+        torch.manual_seed(7)
+        model = Qwen2VLModel(cfg).to(dev)
+        chunks = build_vlm_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp if tp > 1 else None)
+        ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
+                                  act_shape=(MB_SIZE, SEQ, cfg.lm.hidden), device=dev, compile=False, record="off")
+        params = {f"{k}.{n}": p for k, ch in chunks.items() for n, p in ch.named_parameters()}
+        return ex, params, torch.optim.AdamW(params.values(), lr=LR, eps=EPS)
+
+    ex_e, params_e, opt_e = build()
+    ex_g, params_g, opt_g = build()
+    runner = GraphedStep(ex_g)
+    where = f"rank {ctx.rank} {kind} {schedule} m={m} pp={pp} tp={tp}"
+    steps = WARMUP_STEPS + 3
+    for step in range(steps + 2):
+        lead = 1 if step < steps else 3  # the last two steps: images further into the text (a new key)
+        mbs = _microbatches(cfg, m, seed=100 + step, lead=lead)
+        toks = [tuple(t.to(dev) for t in item) for item, _ in mbs]
+        labs = [lab.to(dev) for _, lab in mbs]
+        opt_e.zero_grad(set_to_none=True)
+        opt_g.zero_grad(set_to_none=True)
+        res_e, res_g = ex_e.run(toks, labs), runner.run(toks, labs)
+        at = f"{where} step {step} ({runner.events[-1] if runner.events else 'nothing'})"
+        le, lg = res_e.loss_tensor, res_g.loss_tensor
+        assert (le is None) == (lg is None), f"{at}: loss on one side only"
+        if le is not None:
+            assert torch.equal(le, lg), f"{at}: loss eager {le.item()!r} graphed {lg.item()!r}"
+        diff = _first_difference({k: p.grad for k, p in params_e.items()}, {k: p.grad for k, p in params_g.items()})
+        assert diff is None, f"{at}: gradient {diff}"
+        opt_e.step()
+        opt_g.step()
+        diff = _first_difference({k: p.detach() for k, p in params_e.items()}, {k: p.detach() for k, p in params_g.items()})
+        assert diff is None, f"{at}: parameter after AdamW {diff}"
+    events = list(runner.events)
+    assert runner.captures == 2, f"{where}: {runner.captures} captures ({events})"
+    runner.release()
+    return events
+
+
 def smoke(ctx, case: str) -> list[str]:
     """One named case of ``benchmarks/graph_smoke.py``, as printable lines (raises on a mismatch)."""
     _, pp, tp, runs, compile = SMOKE_CASES[case]

@@ -99,3 +99,14 @@ def test_graphed_chained_runs_on_the_side_stream_equal_eager_bitwise(gpu_pools) 
     got = gpu_pools(4).run(cases.graphed_matches_eager, 2, 2, runs, timeout_s=GPU_RUN_S)
     _check(got, len(runs))
     assert any("chained runs" in e and " 0 chained" not in e for rank in got for r in rank for e in r["events"]), got
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])
+def test_graphed_vlm_equals_eager_bitwise(pool, pp: int, tp: int) -> None:
+    """Qwen2-VL and Qwen2.5-VL (window attention) captured whole: the tower, the merge unit and the M-RoPE
+    chunks replay bitwise like eager; micro-batches whose images sit elsewhere in the text are captured again."""
+    for kind in ("qwen2_vl", "qwen2_5_vl"):
+        got = pool.run(cases.vlm_graphed_matches_eager, "braided_v", pp, tp, 2 * pp + 1, kind, timeout_s=GPU_RUN_S)
+        for rank, events in enumerate(got):
+            kinds = [e.split(": ", 1)[1].split(" ")[0] for e in events]
+            assert kinds[:3] == ["eager", "eager", "capture"] and "new" in kinds, f"rank {rank} {kind}: {events}"

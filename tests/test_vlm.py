@@ -29,9 +29,10 @@ MB_SIZE, SEQ = 2, 30
 GRIDS = ((1, 4, 4), (1, 8, 8))  # patches per image of the two samples: 4 and 16 visual tokens
 
 
-def _microbatches(cfg, m: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    """``m`` items ``(pixel_values, input_ids, image_grid_thw)`` with braid-shifted labels."""
-    g = torch.Generator().manual_seed(3)
+def _microbatches(cfg, m: int, seed: int = 3, lead: int = 1) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """``m`` items ``(pixel_values, input_ids, image_grid_thw)`` with braid-shifted labels; ``lead`` text tokens
+    before each image."""
+    g = torch.Generator().manual_seed(seed)
     grid = torch.tensor(GRIDS)
     text_ids = cfg.vision_start_token_id  # ids below the vision tokens are text
     out = []
@@ -39,8 +40,8 @@ def _microbatches(cfg, m: int) -> list[tuple[tuple[torch.Tensor, ...], torch.Ten
         pixel_values = torch.randn(int(grid.prod(-1).sum()), cfg.vit.patch_dim, generator=g)
         rows, labs = [], []
         for t, h, w in GRIDS:
-            n_text = int(torch.randint(4, SEQ - t * h * w // 4 - 2, (1,), generator=g))
-            ids = [3] + cfg.image_tokens(t * h * w // 4) + torch.randint(0, text_ids, (n_text,), generator=g).tolist()
+            n_text = int(torch.randint(4, SEQ - t * h * w // 4 - 1 - lead, (1,), generator=g))
+            ids = [3] * lead + cfg.image_tokens(t * h * w // 4) + torch.randint(0, text_ids, (n_text,), generator=g).tolist()
             lab = ids[1:] + [-100]
             lab = [x if x < text_ids else -100 for x in lab]
             rows.append(ids + [0] * (SEQ - len(ids)))

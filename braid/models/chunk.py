@@ -190,6 +190,20 @@ class ModelChunk(FusedOps, nn.Module):
             self.choose_fused()
 
     # -- data in and out -----------------------------------------------------------------
+    # Whether set_batch reads nothing on the host while a CUDA graph captures the step: the base
+    # chunk keeps its token tensors as they are; a chunk that derives host-side facts from its
+    # micro-batches does so in prepare_batch, which the graph runner calls before a capture.
+    graph_safe_batch = True
+
+    def batch_key(self, tokens: Sequence[Any]) -> Any:
+        """The host-side facts of these micro-batches that the step depends on beyond their tensors' values
+        (None: nothing; a captured step then replays for any micro-batches of the captured shapes)."""
+        return None
+
+    def prepare_batch(self, tokens: Sequence[Any]) -> Any:
+        """Do the host-side work for these micro-batches now (outside any capture); returns :meth:`batch_key`."""
+        return self.batch_key(tokens)
+
     def set_batch(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
         """Micro-batches (b, s) of token ids (for the embedding) and labels (for the loss).
 

@@ -55,18 +55,17 @@ from braid.models.qwen2_vl import (
     MRopeLayer,
     Qwen2VLConfig,
     Qwen2VLModel,
-    check_image_tokens,
     rope_index,
-    scatter_visual,
-    split_item,
 )
 from braid.models.tied import Tie, mark
+from braid.models.vlm_batch import BatchShape, ShapeCache, batch_shapes, capturing, flat_positions, scatter_rows
 from braid.models.vit import (
     PatchMerger,
     VisionBlock,
     VisionLayout,
     check_pixels,
     parallelize_block,
+    patch_rows,
     vision_layout,
 )
 from braid.tp.embedding import VocabParallelEmbedding
@@ -106,26 +105,50 @@ class VisionChunk(ModelChunk):
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.ids: list[torch.Tensor] = []
         self.layouts: list[VisionLayout] = []
+        self.image_rows: list[torch.Tensor] = []
+        self._plan_of = ShapeCache(self._build_plan)
+        self._plans: list = []
 
     def global_name(self, local: str, *, vlm: bool = True) -> str:
         """The tower's blocks, patch embedding and merger under ``visual.``."""
         head, _, rest = local.partition(".")
         return f"{_VISION[head]}.{rest}"
 
+    graph_safe_batch = True  # host reads happen in prepare_batch, once per step and outside a capture
+
+    def batch_key(self, tokens: Sequence) -> tuple[BatchShape, ...]:
+        """Each micro-batch's :class:`~braid.models.vlm_batch.BatchShape` (one host read of the step's ``input_ids``)."""
+        return batch_shapes(tokens, self.vit.patch, self.vit.merge, self.cfg.image_token_id)
+
+    def prepare_batch(self, tokens: Sequence) -> tuple[BatchShape, ...]:
+        """The layouts and visual-token positions of these micro-batches, on this chunk's device (cached per shape)."""
+        key = self.batch_key(tokens)
+        self._plans = [self._plan_of(shape) for shape in key]
+        return key
+
+    def _build_plan(self, shape: BatchShape) -> tuple[VisionLayout, torch.Tensor, torch.Tensor]:
+        dev = next(self.parameters()).device
+        grid = torch.tensor(shape.grids, dtype=torch.long)
+        return vision_layout(grid.to(dev), self.vit), flat_positions(shape).to(dev), grid
+
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
         """Per micro-batch: the patches in the tower's order (window order for Qwen2.5-VL), this TP rank's
-        slice of their features, the layout the blocks need, and the ``input_ids``."""
+        slice of their features, the layout the blocks need, where the visual tokens go, and the ``input_ids``.
+
+        Outside a CUDA-graph capture the micro-batches' shapes are read here (:meth:`prepare_batch`);
+        inside one, the graph runner has prepared them: everything below is device work."""
+        if not capturing():
+            self.prepare_batch(tokens)
         n = self.vit.patch_dim // self.tp_size
-        patches, self.ids, self.layouts = [], [], []
-        for item in tokens:
-            pixel_values, ids, grid = split_item(self.cfg, item)
-            check_pixels(pixel_values, grid, self.vit)
-            check_image_tokens(ids, pixel_values.shape[0] // self.vit.merge ** 2, self.cfg.image_token_id)
-            layout = vision_layout(grid, self.vit)
+        patches, self.ids, self.layouts, self.image_rows = [], [], [], []
+        for item, (layout, rows, grid) in zip(tokens, self._plans):
+            pixel_values = item[0] if len(item) == 3 else patch_rows(item[0], self.vit)
+            check_pixels(pixel_values, grid, self.vit)  # shapes only: the grid is on the host
             x = layout.reorder(pixel_values, self.vit.merge ** 2)
             patches.append(x[:, self.tp_rank * n : (self.tp_rank + 1) * n].unsqueeze(0))  # (1, N, pd/t)
-            self.ids.append(ids)
+            self.ids.append(item[1])
             self.layouts.append(layout)
+            self.image_rows.append(rows)
         super().set_batch(patches, labels)
 
     def cut_reason(self) -> str | None:
@@ -161,7 +184,7 @@ class VisionChunk(ModelChunk):
             if layout.reverse is not None:
                 vis = vis[layout.reverse]
             text = self.text_embed(ids)  # (b, s, H) partial
-            out = scatter_visual(text, ids, vis.to(text.dtype), self.cfg.image_token_id, check=False)
+            out = scatter_rows(text, self.image_rows[mb], vis)  # the image pads' rows, no host read
         self._saved[key] = [_Piece((x,), (h,), tuple(self.merger.ln_q.parameters())), _Piece((hl,), (out,))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]
@@ -198,18 +221,37 @@ class MRopeChunk(ModelChunk):
                          tp_group=base.tp_group, vocab_start=base.vocab_start, fuse=base.fuse)
         self.cfg = cfg
         self.mrope: list[torch.Tensor] = []
+        self._positions_of = ShapeCache(self._build_positions)
 
 
     def global_name(self, local: str, *, vlm: bool = True) -> str:
         """LM parameters of a vision-language model: under ``lm.``."""
         return super().global_name(local, vlm=True)
 
+    graph_safe_batch = True
+
+    def batch_key(self, tokens: Sequence) -> tuple[BatchShape, ...]:
+        return batch_shapes(tokens, self.cfg.vit.patch, self.cfg.vit.merge, self.cfg.image_token_id)
+
+    def prepare_batch(self, tokens: Sequence) -> tuple[BatchShape, ...]:
+        """The M-RoPE positions of these micro-batches on this chunk's device (cached per shape)."""
+        key = self.batch_key(tokens)
+        self.mrope = [self._positions_of(shape) for shape in key]
+        return key
+
+    def _build_positions(self, shape: BatchShape) -> torch.Tensor:
+        # The positions follow from the shape alone: ids with the image pads where the shape has them.
+        cfg = self.cfg
+        ids = torch.full(shape.ids_shape, (cfg.image_token_id + 1) % cfg.lm.vocab_size, dtype=torch.long)
+        for i, start, n in shape.runs:
+            ids[i, start : start + n] = cfg.image_token_id
+        grid = torch.tensor(shape.grids, dtype=torch.long).reshape(-1, 3)
+        return rope_index(cfg, ids, grid).to(next(self.parameters()).device)
+
     def set_batch(self, tokens: Sequence, labels: Sequence[torch.Tensor]) -> None:
-        """Micro-batch items as the vision chunk's; this chunk reads their ``input_ids`` and image grids."""
-        self.mrope = []
-        for item in tokens:
-            _, ids, grid = split_item(self.cfg, item, pixels=False)
-            self.mrope.append(rope_index(self.cfg, ids, grid))
+        """Micro-batch items as the vision chunk's; this chunk reads their shapes (outside a capture)."""
+        if not capturing():
+            self.prepare_batch(tokens)
         super().set_batch(tokens, labels)
 
     def _forward(self, mb: int, unit: Unit, layer: int) -> torch.Tensor | None:

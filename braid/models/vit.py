@@ -119,6 +119,14 @@ def patchify(images: torch.Tensor, cfg: ViTConfig) -> tuple[torch.Tensor, torch.
     Each image is one frame repeated ``temporal_patch`` times (HF's image path); no
     resizing or normalisation. ``H`` and ``W`` must be multiples of ``patch * merge``.
     """
+    b, _, hgt, wid = images.shape
+    pixel_values = patch_rows(images, cfg)
+    grid = torch.tensor([[1, hgt // cfg.patch, wid // cfg.patch]] * b, dtype=torch.long, device=images.device)
+    return pixel_values, grid
+
+
+def patch_rows(images: torch.Tensor, cfg: ViTConfig) -> torch.Tensor:
+    """The ``pixel_values`` of :func:`patchify` alone: device work only (no grid tensor made from the host)."""
     b, c, hgt, wid = images.shape
     p, m, t = cfg.patch, cfg.merge, cfg.temporal_patch
     if c != cfg.channels or hgt % (p * m) or wid % (p * m):
@@ -126,8 +134,7 @@ def patchify(images: torch.Tensor, cfg: ViTConfig) -> tuple[torch.Tensor, torch.
     gh, gw = hgt // p, wid // p
     x = images.unsqueeze(1).expand(b, t, c, hgt, wid)
     x = x.reshape(b, t, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    grid = torch.tensor([[1, gh, gw]] * b, dtype=torch.long, device=images.device)
-    return x.reshape(b * gh * gw, cfg.patch_dim), grid
+    return x.reshape(b * gh * gw, cfg.patch_dim)
 
 
 def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:

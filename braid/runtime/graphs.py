@@ -49,11 +49,19 @@ differently (two-rank sums are exact either way).
 
 Not capturable (:func:`not_capturable` says why in one line; ``mode=None`` then runs
 eager): a CPU device (gloo), the ``symm-mem`` TP backend (its own stream and buffers),
-sequence parallelism (2D-Attention's rings are not checked under capture), a
-vision-language model (its image grids are read on the host every step, and dynamic
-resolution changes the shapes: one graph per shape would be needed, so it stays eager),
-and an :class:`~braid.runtime.distributed.Abort` that reads its store before waits.
-A graphed step is for one input shape; another shape is an error that says so.
+sequence parallelism (2D-Attention's rings are not checked under capture), a chunk
+whose ``set_batch`` reads its micro-batches on the host and does not say it is safe
+(``graph_safe_batch``), and an :class:`~braid.runtime.distributed.Abort` that reads its
+store before waits. A graphed step is for one input shape; another tensor shape is an error
+that says so.
+
+Vision-language models: what their chunks read on the host (image grids, where the image
+tokens sit: :mod:`braid.models.vlm_batch`) is read before the capture
+(``ModelChunk.prepare_batch``) into device tensors the captured step uses, and is the
+captured graph's *key* (``ModelChunk.batch_key``). Before each replay the new micro-batches'
+keys are read (one host copy of their ``input_ids``); micro-batches of another shape are
+captured again, and after :data:`MAX_CAPTURES` captures the run stays eager and says why
+(dynamic resolution wants a few shape buckets, as production VLM trainers use).
 """
 
 from __future__ import annotations
@@ -75,6 +83,7 @@ log = logging.getLogger(__name__)
 CudaGraphMode = Literal["none", "step"]
 CUDA_GRAPH_MODES: tuple[str, ...] = ("none", "step")
 WARMUP_STEPS = 2
+MAX_CAPTURES = 4  # captures for new micro-batch shapes before a run stays eager
 
 
 class GraphCaptureError(RuntimeError):
@@ -88,8 +97,7 @@ def check_mode(mode: str | None) -> CudaGraphMode | None:
     return mode  # type: ignore[return-value]
 
 
-def config_reason(device: torch.device | str, *, cp: int = 1, vision: bool = False, tp: int = 1,
-                  tp_backend: str | None = None) -> str | None:
+def config_reason(device: torch.device | str, *, cp: int = 1, tp: int = 1, tp_backend: str | None = None) -> str | None:
     """Why a run of this configuration cannot be captured (None: it can). Needs no process
     group, so command lines check it before any work."""
     dev = torch.device(device)
@@ -99,9 +107,6 @@ def config_reason(device: torch.device | str, *, cp: int = 1, vision: bool = Fal
         return "TP backend symm-mem: its copy-engine all-reduce runs on its own stream and buffers, not captured"
     if cp > 1:
         return "sequence parallelism (cp > 1): 2D-Attention's ring communication is not checked under capture"
-    if vision:
-        return ("vision-language model: image grids are read on the host every step and dynamic resolution changes "
-                "the shapes (one graph per shape), so it runs eager")
     return None
 
 
@@ -114,7 +119,7 @@ def not_capturable(ex: Executor) -> str | None:
     for c, ch in sorted(ex.chunks.items()):
         if ch.sp is not None:
             return config_reason(ex.device, cp=2)
-        if type(ch).set_batch is not ModelChunk.set_batch:
+        if type(ch).set_batch is not ModelChunk.set_batch and not vars(type(ch)).get("graph_safe_batch", False):
             return f"chunk {c} ({type(ch).__name__}) reads its micro-batches on the host every step; it runs eager"
     if ex.abort is not None and not ex.abort.cuda:
         return "the failure record is read from the store before waits (Abort with cuda=False)"
@@ -152,6 +157,15 @@ def graphed_costs(doc: dict[str, Any], mode: str | None) -> dict[str, Any]:
     meta["profiled_host_task_s"] = doc.get("host_task_s", 0.0)
     doc["host_task_s"] = 0.0
     return doc
+
+
+def _leaves(items: Sequence[Any]) -> list[Any]:
+    """The tensors of micro-batch items that are tensors or tuples of tensors (a VLM's ``(images, input_ids)``)."""
+    return [x for it in items for x in (it if isinstance(it, tuple) else (it,))]
+
+
+def _empty_like(item: Any, dev: torch.device) -> Any:
+    return tuple(torch.empty_like(t, device=dev) for t in item) if isinstance(item, tuple) else torch.empty_like(item, device=dev)
 
 
 def _line(err: BaseException) -> str:
@@ -231,6 +245,10 @@ class GraphedStep:
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._counts: dict[str, int] = {}
         self._host_allocs: list[int] = []
+        self._keys: list[Any] = []  # the chunks' batch keys the graph was captured for
+        self._keyed = False  # whether any chunk's step depends on host-side facts of its micro-batches
+        self.captures = 0
+        self.eager_reason: str | None = None  # set when the inputs changed shape too often to keep a graph
         self.capture_peak_bytes: int | None = None  # allocator peak of the captured step above what was allocated before
         self.pool_bytes: int | None = None  # device memory the graph's private pool holds
         self.capture_s: float | None = None
@@ -248,12 +266,31 @@ class GraphedStep:
         if record not in (None, "off"):
             self.events.append(f"step {self.steps}: eager (record={record})")
             return self.ex.run(tokens, labels, record=record)  # type: ignore[arg-type]
+        if self.eager_reason is not None:
+            self.steps += 1
+            return self.ex.run(tokens, labels, record="off")
         if self.graph is None and self.steps < self.warmup:
             return self._warm(tokens, labels)
         fresh = self.graph is None
+        if not fresh and self._keyed:
+            keys = self._batch_keys(tokens)
+            if keys != self._keys:  # micro-batches of another shape (image grids, image positions): another graph
+                self.release()
+                if self.captures >= MAX_CAPTURES:
+                    self.eager_reason = (f"the micro-batches changed shape {self.captures} times; eager from step {self.steps} on "
+                                         "(bucket or pad the inputs to a few shapes to keep the graph)")
+                    self.events.append(f"step {self.steps}: {self.eager_reason}")
+                    log.info("rank %d: CUDA graphs off: %s", self.ex.rank, self.eager_reason)
+                    return self.run(tokens, labels)
+                self.events.append(f"step {self.steps}: new micro-batch shapes, captured again")
+                fresh = True
         if fresh:
             self._capture(tokens, labels)
         return self._replay(tokens, labels, "captured, then replayed" if fresh else "replay")
+
+    def _batch_keys(self, tokens: Sequence[Any]) -> list[Any]:
+        """Every chunk's host-side key of these micro-batches (ModelChunk.batch_key), in chunk order."""
+        return [ch.batch_key(tokens) for _, ch in sorted(self.ex.chunks.items())]
 
     def _warm(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> StepResult:
         pool = self.ex.offloader.pool
@@ -274,9 +311,14 @@ class GraphedStep:
         if self._host_allocs[-1]:
             raise GraphCaptureError(f"rank {ex.rank}: the last warm-up step still allocated {self._host_allocs[-1]} pinned "
                                     "host buffers: the offload pool is not steady, a capture would allocate")
-        self._tokens = [torch.empty_like(t, device=dev) for t in tokens]
+        self._tokens = [_empty_like(t, dev) for t in tokens]
         self._labels = [torch.empty_like(t, device=dev) for t in labels]
         self._copy_in(tokens, labels)
+        # Host-side facts of the micro-batches (a VLM's image grids and image positions) are read now,
+        # outside the capture, into the chunks' device tensors; a replay needs the same keys.
+        self._keys = [ch.prepare_batch(self._tokens) for _, ch in sorted(ex.chunks.items())]
+        self._keyed = any(k is not None for k in self._keys)
+        self.captures += 1
         params = self._params()
         for p in params:
             if getattr(p, "main_grad", None) is None:
@@ -324,9 +366,9 @@ class GraphedStep:
         log.info("rank %d: %s", ex.rank, self.events[-1])
 
     def _copy_in(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
-        if len(tokens) != len(self._tokens) or len(labels) != len(self._labels):
+        if len(_leaves(tokens)) != len(_leaves(self._tokens)) or len(labels) != len(self._labels):
             raise ValueError(f"rank {self.ex.rank}: the graph was captured for {len(self._tokens)} micro-batches, got {len(tokens)}")
-        for dst, src in zip(self._tokens + self._labels, list(tokens) + list(labels)):
+        for dst, src in zip(_leaves(self._tokens) + self._labels, _leaves(tokens) + list(labels)):
             if not isinstance(src, torch.Tensor) or dst.shape != src.shape or dst.dtype != src.dtype:
                 got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
                 raise ValueError(f"rank {self.ex.rank}: the graph was captured for micro-batches {tuple(dst.shape)} "
