@@ -47,6 +47,13 @@ class RankContext:
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tasks, results, parent: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if device == "cuda":
+        # CUDA loads a kernel's module at its first launch ("lazy loading", the default), and loading waits
+        # for the device's queue to drain (cuLibraryLoadData under the context lock): a first launch behind
+        # an NCCL kernel that waits for a peer which waits for this rank deadlocks. The test cases launch new
+        # kernels in every case (new shapes, fp32 and fp64 references) beside in-flight P2P and all-reduces;
+        # on 4-GPU hosts test_two_gpus_match_reference hung this way 2 runs of 2, and passed with eager loading.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # DistPool.run dumps a stuck rank's stacks
     import torch
 
