@@ -80,6 +80,7 @@ def _floor_step(chunks, toks, labs, m: int) -> None:
     no chunk bookkeeping, no saved-tensor hooks: what any unit-granular runtime must pay.
     """
     from braid.models.chunk_parts import _masked_mean
+    from braid.core.braiding import Unit
     from braid.tp.embedding import vocab_parallel_cross_entropy
     from braid.tp.layers import split_weight_grads
 
@@ -109,11 +110,13 @@ def _floor_step(chunks, toks, labs, m: int) -> None:
                     weights((ch.embed,), mb)
                 back.append(bw)
             for lay in ch.layers:
+                # the units' weights as the layer declares them (a joined Q/K/V or gate/up group
+                # where it pays, else the separate projections)
                 for norm, proj, core, mods_pre, mods_core in (
                     (lay.input_layernorm, lambda hl, lay=lay: lay.qkv(hl), lambda a, r, lay=lay: lay.attn(*a, r),
-                     (lay.q_proj, lay.k_proj, lay.v_proj), (lay.o_proj,)),
+                     lay.unit_weights(Unit.PRE_ATTN), lay.unit_weights(Unit.ATTN)),
                     (lay.post_attention_layernorm, lambda hl, lay=lay: lay.gate_up(hl), lambda a, r, lay=lay: lay.mlp(*a, r),
-                     (lay.gate_proj, lay.up_proj), (lay.down_proj,)),
+                     lay.unit_weights(Unit.PRE_MLP), lay.unit_weights(Unit.MLP)),
                 ):
                     x0 = leaf(x)
                     h = norm(x0)
