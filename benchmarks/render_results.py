@@ -135,6 +135,24 @@ def executor_limit(file: str) -> list[str]:
                           for k, r in doc["ratios"].items())]
 
 
+# -- benchmarks/bench_executor_overhead.py --json ----------------------------------------------
+def executor_overhead(file: str) -> list[str]:
+    """Per unit task by this process's CPU time: the floor, then the executor on cut and fused chunks
+    in each recording mode, with the ratio to the floor."""
+    doc = _load(file)
+    us = doc["us_per_unit_task"]
+    floor = us["floor"]["cpu_us"]
+
+    def runs(kind: str) -> str:
+        cells = [(k.split("=")[1], v["cpu_us"]) for k, v in us.items() if k.startswith(kind + " ")]
+        return " / ".join(f"{v:.1f} ({v / floor:.2f}x)" for _, v in cells) + " us"
+
+    kinds = [k for k in ("cut", "fused") if any(u.startswith(k + " ") for u in us)]
+    modes = " / ".join(f'`"{k.split("=")[1]}"`' for k in us if k.startswith(kinds[0] + " "))
+    return _table(["floor", *(f"{k}, {modes}" for k in kinds), "file"],
+                  [[f"{floor:.1f} us", *(runs(k) for k in kinds), f"`{file}`"]])
+
+
 # -- python -m braid.acceptance, stored as its printed output --------------------------------
 def acceptance(file: str) -> list[str]:
     """The table an acceptance run printed, with the command it ran and what it ran braid as."""
@@ -151,6 +169,7 @@ BLOCKS: dict[str, Callable[[], list[str]]] = {
     "acceptance": lambda: [*acceptance("acceptance_h200x2.txt"), "", *acceptance("acceptance_h100x2.txt")],
     "braided-overlap": lambda: overlap("braided_overlap_burst_h200x2.json"),
     "executor-limit": lambda: executor_limit("executor_limit_h100.json"),
+    "executor-overhead": lambda: executor_overhead("executor_overhead_cpu.json"),
     "graphs-tp2": lambda: bench_steps("bench_7b_h100x2_tp2_pp1_graphs.json"),
     "peers-h100x2": lambda: bench_steps("peers_2gpu_tp2_pp1.json", "peers_2gpu_tp1_pp2.json", "peers_2gpu_tp1_pp2_mcore.json"),
     "bench-headlines": bench_headlines,

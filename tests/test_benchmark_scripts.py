@@ -21,11 +21,11 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 RESULTS = "benchmarks/results/"
 
-# script -> (argv, run as a subprocess?, a line its output must hold)
+# script -> (argv, run as a subprocess?, a line its output must hold); {tmp}: the test's own directory
 RUNS: dict[str, tuple[list[str], bool, str]] = {
     "bench_attention2d.py": (["--device", "cpu", "--tiny", "--seqs", "64", "--iters", "1", "--warmup", "0"], True, "HP2"),
-    "bench_executor_overhead.py": (["--m", "2", "--layers", "1", "--steps", "1", "--warmup", "0"], True,
-                                   "cut record=off"),
+    "bench_executor_overhead.py": (["--m", "2", "--layers", "1", "--steps", "1", "--warmup", "0", "--json", "{tmp}/o.json"],
+                                   True, "cut record=off"),
     "bench_compile.py": (["--tiny"], False, "braided_v"),
     "bench_simulator.py": (["--tiny"], False, "all schedules simulated"),
     "clocks_by_run.py": ([RESULTS + "bench_h200x2_tp1_pp2_graphed_probe2p_clocks.json",
@@ -56,8 +56,9 @@ def test_every_script_is_run_somewhere() -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("script", sorted(RUNS))
-def test_script_runs_at_its_tiniest_size(script, monkeypatch, capsys) -> None:
+def test_script_runs_at_its_tiniest_size(script, monkeypatch, capsys, tmp_path) -> None:
     argv, subproc, says = RUNS[script]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     if subproc:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, str(BENCH / script), *argv], cwd=ROOT, env=env, capture_output=True,
@@ -71,6 +72,8 @@ def test_script_runs_at_its_tiniest_size(script, monkeypatch, capsys) -> None:
         out = capsys.readouterr().out
         assert rc in (0, None), out
     assert says in out, out[-2000:]
+    for written in (a for a in argv if a.startswith(str(tmp_path))):
+        assert Path(written).stat().st_size > 0, written
 
 
 @pytest.mark.parametrize("script", sorted(GPU_ONLY))
