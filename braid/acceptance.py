@@ -105,7 +105,8 @@ def parts(out: Path, smoke: bool) -> list[Part]:
         tests = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/", "--timeout", "120")
         # braid compiled and graphed (the defaults) on one GPU against the plain loop eager and
         # compiled and torch's schedules; braid's units have the tp=1 bench part's shapes, so that
-        # part finds them compiled in Inductor's on-disk cache.
+        # part can read them from Inductor's on-disk cache, warmed here. One layer a chunk (the
+        # script's default is 2): the compiled loop compiles the whole model, so the shape shrinks.
         limit = ("--preset", "7b-layer", "--layers-per-stage", "1", "--seq", "4096", "--m", "8",
                  "--skip", "braid_eager", "braid_nograph", "--warmup", "3", "--steps", "3")
         # m=4, every default schedule of braid, against the peers at their best (_peers)
