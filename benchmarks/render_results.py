@@ -153,16 +153,21 @@ def executor_overhead(file: str) -> list[str]:
                   [[f"{floor:.1f} us", *(runs(k) for k in kinds), f"`{file}`"]])
 
 
-# -- python -m braid.acceptance, stored as its printed output --------------------------------
+# -- python -m braid.acceptance: its summary.json, or its printed output ---------------------------
 def acceptance(file: str) -> list[str]:
-    """The table an acceptance run printed, with the command it ran and what it ran braid as."""
-    text = (RESULTS / file).read_text().splitlines()
-    start = next(i for i, line in enumerate(text) if line.startswith("part "))
-    end = next(i for i in range(start, len(text)) if text[i].startswith("total "))
-    bench = next((line for line in text if line.startswith("$ ") and "braid.bench" in line), "")
-    how = "eager units (`--no-compile`)" if "--no-compile" in bench else "compiled units"
-    return [f"`{file}` ({text[0].lstrip('# ').split(';')[0]}; braid's bench parts ran {how}):", "", "```text",
-            *text[start:end + 1], "```"]
+    """The table an acceptance run printed: from its ``summary.json`` (which holds it), or from a
+    file of its printed output, whose bench parts' lines then say nothing of how braid ran."""
+    if file.endswith(".json"):
+        doc = _load(file)
+        head, table = f"{doc['gpus']} x {doc['device']}, torch {doc['torch']}, NCCL {doc['nccl']}", doc["table"]
+    else:
+        text = (RESULTS / file).read_text().splitlines()
+        start = next(i for i, line in enumerate(text) if line.startswith("part "))
+        end = next(i for i in range(start, len(text)) if text[i].startswith("total "))
+        bench = next((line for line in text if line.startswith("$ ") and "braid.bench" in line), "")
+        how = "eager units (`--no-compile`)" if "--no-compile" in bench else "compiled units"
+        head, table = f"{text[0].lstrip('# ').split(';')[0]}; braid's bench parts ran {how}", text[start:end + 1]
+    return [f"`{file}` ({head}):", "", "```text", *table, "```"]
 
 
 BLOCKS: dict[str, Callable[[], list[str]]] = {

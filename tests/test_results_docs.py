@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib
+import json
 import re
 from pathlib import Path
 
@@ -62,3 +63,17 @@ def test_every_stored_file_the_documents_name_exists(render_results) -> None:
     assert len(named) > 20, sorted(named)  # the documents do cite their files
     missing = sorted(n for n in named if not glob.glob(str(ROOT / "benchmarks" / "results" / n)))
     assert not missing, f"named in the docs but not in benchmarks/results/ (drop the figures or restore the files): {missing}"
+
+
+def test_an_acceptance_summary_renders_its_printed_table(render_results, monkeypatch, tmp_path) -> None:
+    """A stored ``summary.json`` of ``python -m braid.acceptance`` renders the table it printed, headed
+    by the machine it ran on."""
+    table = ["part             status    time/budget s  headline",
+             "bench-tp2-pp1    passed          90/105  m=4 braid (braided_v, compiled units, CUDA graph) / best external 1.070x",
+             "                                        memory m=4 braided_v: peak MiB per rank measured/predicted 1.0/1.0",
+             "total 500 s of 540"]
+    summary = {"device": "NVIDIA H100 80GB HBM3", "gpus": 2, "torch": "2.11.0", "nccl": "2.28.9", "table": table, "parts": []}
+    (tmp_path / "acceptance_x.json").write_text(json.dumps(summary))
+    monkeypatch.setattr(render_results, "RESULTS", tmp_path)
+    assert render_results.acceptance("acceptance_x.json") == [
+        "`acceptance_x.json` (2 x NVIDIA H100 80GB HBM3, torch 2.11.0, NCCL 2.28.9):", "", "```text", *table, "```"]
