@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -109,7 +108,10 @@ def overlap(file: str) -> list[str]:
     """Per TP backend: plain and braided step, the all-reduces alone (a burst), the share hidden,
     the unbraided ends, the share hidden in the blocks, the GEMM slowdown beside an all-reduce."""
     doc = _load(file)
-    pct = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1%}"
+
     rows = [[f"`{b}`", f"{r['plain_ms']:.2f} ms", f"{r['braided_ms']:.2f} ms", f"{r['braided_over_plain']:.3f}",
              f"{r['ar_alone_ms']:.2f} ms", pct(r.get("ar_hidden")), f"{r['ends_exposed_ar_ms']:.2f} ms",
              pct(r.get("ar_hidden_in_blocks")), f"{r['overlap']['gemm_slowdown']:.3f}" if r.get("overlap") else "-", f"`{file}`"]
