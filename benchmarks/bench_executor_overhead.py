@@ -34,9 +34,11 @@ import copy
 import cProfile
 import inspect
 import io
+import json
 import pstats
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -80,6 +82,7 @@ def _floor_step(chunks, toks, labs, m: int) -> None:
     no chunk bookkeeping, no saved-tensor hooks: what any unit-granular runtime must pay.
     """
     from braid.models.chunk_parts import _masked_mean
+    from braid.core.braiding import Unit
     from braid.tp.embedding import vocab_parallel_cross_entropy
     from braid.tp.layers import split_weight_grads
 
@@ -109,11 +112,13 @@ def _floor_step(chunks, toks, labs, m: int) -> None:
                     weights((ch.embed,), mb)
                 back.append(bw)
             for lay in ch.layers:
+                # the units' weights as the layer declares them (a joined Q/K/V or gate/up group
+                # where it pays, else the separate projections)
                 for norm, proj, core, mods_pre, mods_core in (
                     (lay.input_layernorm, lambda hl, lay=lay: lay.qkv(hl), lambda a, r, lay=lay: lay.attn(*a, r),
-                     (lay.q_proj, lay.k_proj, lay.v_proj), (lay.o_proj,)),
+                     lay.unit_weights(Unit.PRE_ATTN), lay.unit_weights(Unit.ATTN)),
                     (lay.post_attention_layernorm, lambda hl, lay=lay: lay.gate_up(hl), lambda a, r, lay=lay: lay.mlp(*a, r),
-                     (lay.gate_proj, lay.up_proj), (lay.down_proj,)),
+                     lay.unit_weights(Unit.PRE_MLP), lay.unit_weights(Unit.MLP)),
                 ):
                     x0 = leaf(x)
                     h = norm(x0)
@@ -163,7 +168,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="run the executor on fused chunks (tp=1's default), cut chunks (fuse=False, as at tp > 1) or both")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile one mode's steps, print the top N functions")
     ap.add_argument("--compile", action="store_true", help="compiled units (executor and floor alike; default: eager)")
+    ap.add_argument("--json", metavar="FILE", help="also write the medians as JSON: microseconds per unit task, wall and "
+                    "CPU, of the floor and of every (chunks, record) run")
     args = ap.parse_args(argv)
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        ap.exit(2, f"--json {args.json}: its directory does not exist\n")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.exit(2, "--device cuda: no CUDA device here\n")
     torch.set_num_threads(1)
@@ -234,6 +243,13 @@ def main(argv: list[str] | None = None) -> None:
             label = f"{k} record={mode}"
             print(f"  {label:<26} {w * 1e3:8.2f} ms/step  {w / n * 1e6:7.1f} us/unit task wall  {c / n * 1e6:7.1f} us cpu"
                   f"  {w / fw:5.2f}x the floor (wall), {c / fc:5.2f}x (cpu)")
+        if args.json:
+            per_task = {"floor" if run == FLOOR else f"{run[0]} record={run[1]}": {"wall_us": w / n * 1e6, "cpu_us": c / n * 1e6}
+                        for run, (w, c) in med.items()}
+            doc = {"device": args.device, "torch": torch.__version__, "unit_tasks": n, "us_per_unit_task": per_task,
+                   "config": {"schedule": "braided_v", "p": 1, "m": args.m, "layers_per_chunk": args.layers, "hidden": cfg.hidden,
+                              "seq": args.seq, "steps": args.steps, "warmup": args.warmup, "compile": args.compile}}
+            Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         if args.profile:
             mode = (kinds[0], modes[-1])
             prof = cProfile.Profile()

@@ -220,19 +220,26 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= args.budget < 1.0:
         ap.error(f"--budget must be a fraction in [0, 1), e.g. 0.03 for 3%, got {args.budget}")
     got, pred = measure(args)
+    print("\n".join(report(args, got, pred)))
+    return 0
+
+
+def report(args: argparse.Namespace, got: dict, pred: dict) -> list[str]:
+    """The printed table of :func:`measure`'s figures: per schedule and rank, step time (measured
+    and predicted), throughput and memory against braided_v's, and the predicted activation peak."""
     base = {r: got[r]["braided_v"]["step_s"] for r in got}
     unit = "GiB" if not args.tiny else "KiB"
     div = 2**30 if not args.tiny else 2**10
     runs = args.runs
     auto = next(opts for label, _, opts in runs if label == "offload auto")
-    print(f"pp=2 tp=1 m={args.mbs} seq={_model_config(args).seq} {_model_config(args).name} layers={args.layers}; offload auto = "
-          + ", ".join(f"{k.removeprefix('offload_')} {v:g}" for k, v in auto.items()))
+    lines = [f"pp=2 tp=1 m={args.mbs} seq={_model_config(args).seq} {_model_config(args).name} layers={args.layers}; offload auto = "
+             + ", ".join(f"{k.removeprefix('offload_')} {v:g}" for k, v in auto.items())]
     if getattr(args, "link", None):
-        print(f"host link (measured): {args.link[0] / 1e9:.1f} GB/s per direction, x{args.link[1]:.2f} with both at once")
-    print(f"(act: live saved bytes; alloc: max_memory_allocated - allocated at step start; max: max_memory_allocated"
-          f"{'; CUDA only' if args.tiny else ''}; pred: simulated activation peak and step time)")
-    print(f"{'schedule':<14}{'rank':>5}{'step ms':>9}{'pred ms':>9}{'thr vs bv':>10}{'max ' + unit:>9}{'vs bv':>8}{'alloc':>8}{'vs bv':>8}"
-          f"{'act':>8}{'vs bv':>8}{'pred':>8}{'err':>8}{'offl':>8}{'pool':>8}")
+        lines.append(f"host link (measured): {args.link[0] / 1e9:.1f} GB/s per direction, x{args.link[1]:.2f} with both at once")
+    lines.append(f"(act: live saved bytes; alloc: max_memory_allocated - allocated at step start; max: max_memory_allocated"
+                 f"{'; CUDA only' if args.tiny else ''}; pred: simulated activation peak and step time)")
+    lines.append(f"{'schedule':<14}{'rank':>5}{'step ms':>9}{'pred ms':>9}{'thr vs bv':>10}{'max ' + unit:>9}{'vs bv':>8}{'alloc':>8}"
+                 f"{'vs bv':>8}{'act':>8}{'vs bv':>8}{'pred':>8}{'err':>8}{'offl':>8}{'pool':>8}")
     for label, _, _ in runs:
         for r in sorted(got):
             x, bv = got[r][label], got[r]["braided_v"]
@@ -240,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
             err = (pr[r] - pk) / pk if pk else float("nan")
             al = f"{x['alloc'] / bv['alloc'] - 1:+.1%}" if bv["alloc"] else "-"
             mx = f"{x['max_alloc'] / bv['max_alloc'] - 1:+.1%}" if bv["max_alloc"] else "-"
-            print(f"{label:<14}{r:>5}{x['step_s'] * 1e3:>9.1f}{pstep * 1e3:>9.1f}{base[r] / x['step_s']:>10.3f}"
-                  f"{x['max_alloc'] / div:>9.2f}{mx:>8}{x['alloc'] / div:>8.2f}{al:>8}{pk / div:>8.2f}{pk / bv['peak'] - 1:>+8.1%}"
-                  f"{pr[r] / div:>8.2f}{err:>+8.1%}{x['offloaded'] / div:>8.2f}{x['host_pool_bytes'] / div:>8.2f}")
-    return 0
-
+            lines.append(f"{label:<14}{r:>5}{x['step_s'] * 1e3:>9.1f}{pstep * 1e3:>9.1f}{base[r] / x['step_s']:>10.3f}"
+                         f"{x['max_alloc'] / div:>9.2f}{mx:>8}{x['alloc'] / div:>8.2f}{al:>8}{pk / div:>8.2f}"
+                         f"{pk / bv['peak'] - 1:>+8.1%}{pr[r] / div:>8.2f}{err:>+8.1%}{x['offloaded'] / div:>8.2f}"
+                         f"{x['host_pool_bytes'] / div:>8.2f}")
+    return lines
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,14 +1,16 @@
 """Simulator speed: every registered schedule at p=8, m=64 and p=32, m=256, unit-level events on.
 
-Run: ``python benchmarks/bench_simulator.py``. Prints per-schedule compile and simulate
-times and the number of trace events; the cost model is the analytic one for a model with
-two layers per virtual stage (so every op has ~8 unit tasks) on H200 at TP=2. The totals
-are wall-clock and process CPU time (the CPU figure is the steadier one on a shared machine).
+Run: ``python benchmarks/bench_simulator.py`` (``--tiny``: p=2, m=4 only, a smoke run).
+Prints per-schedule compile and simulate times and the number of trace events; the cost
+model is the analytic one for a model with two layers per virtual stage (so every op has ~8
+unit tasks) on H200 at TP=2. The totals are wall-clock and process CPU time (the CPU figure
+is the steadier one on a shared machine).
 Targets: p=8, m=64 under 1 s and p=32, m=256 under 10 s for all schedules together.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -20,9 +22,12 @@ from braid.cost.catalog import get_model
 from braid.simulator import simulate
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="p=2, m=4 only (a smoke run)")
+    args = ap.parse_args(argv)
     hw = get_hardware("h200")
-    for p, m in ((8, 64), (32, 256)):
+    for p, m in ((2, 4),) if args.tiny else ((8, 64), (32, 256)):
         model = get_model("qwen2-7b").with_(layers=4 * p + 2, name=f"qwen2-7b-{4 * p + 2}L")
         print(f"p={p} m={m} ({model.layers} layers, tp=2)")
         total = cpu = 0.0

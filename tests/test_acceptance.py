@@ -59,8 +59,18 @@ def test_cpu_smoke_writes_each_result_and_the_summary(tmp_path) -> None:
     for r in rows.values():
         assert (out / r["log"]).is_file() and (out / r["result"]).is_file(), r
         assert r["seconds"] <= r["budget_s"]
-    table = proc.stdout.splitlines()
-    assert any(line.startswith("bench-tp1-pp2") and "braid/best external" in line for line in table), proc.stdout
+    assert doc["table"] == proc.stdout.splitlines()[-len(doc["table"]) - 1:-1], "summary.json holds the printed table"
+    bench_line = next(line for line in doc["table"] if line.startswith("bench-tp1-pp2"))
+    assert "m=4 braid (braided_v, eager units, no graph) / best external" in bench_line, bench_line
+    assert "braid / torch:ScheduleInterleaved1F1B [eager]" in bench_line, bench_line
+    assert bench["peers"]["torch"]["best_row"] == "torch:ScheduleInterleaved1F1B [eager]"
+    # the memory line: braid's fastest run's peak per rank, measured / predicted, as the bench's JSON has it
+    run = json.loads((out / rows["bench-tp1-pp2"]["result"]).read_text())["runs"][0]
+    mem = bench["memory"]
+    assert mem["measured_mib"] == [round(b / 2**20, 1) for b in run["peak_bytes"]] and len(mem["measured_mib"]) == 2
+    assert mem["predicted_mib"] == [round(b / 2**20, 1) for b in run["predicted_peak_bytes"]]
+    line = doc["table"][doc["table"].index(bench_line) + 1]
+    assert line.strip().startswith("memory m=4 braided_v: peak MiB per rank measured/predicted"), line
 
 
 def test_a_part_past_its_budget_is_stopped_and_reported(tmp_path) -> None:
@@ -131,3 +141,66 @@ def test_overlap_bench_refuses_bad_profile_options_in_one_line(monkeypatch, caps
         bench.main(argv)
     assert exc.value.code == 2
     assert says in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _flag(argv: tuple[str, ...], name: str) -> list[str]:
+    """The values after ``name`` in ``argv``, up to the next flag ([] where it is absent)."""
+    if name not in argv:
+        return []
+    rest = argv[argv.index(name) + 1:]
+    return list(next((rest[:i] for i, a in enumerate(rest) if a.startswith("--")), rest))
+
+
+@pytest.mark.parametrize("mcore", [True, False])
+def test_gpu_parts_run_braid_at_its_defaults_against_each_peer_at_its_best(monkeypatch, tmp_path, mcore) -> None:
+    """The GPU plan: braid as the benches run it by default (no --no-compile, no --cuda-graph, the
+    default schedules and TP backend), each peer in its best mode; sizes only are the part's own."""
+    from braid import acceptance
+    from braid.baselines.modes import BEST_MCORE_MODE, best_torch_mode
+
+    monkeypatch.setattr(acceptance, "_has_mcore", lambda: mcore)
+    plan = {p.name: p for p in acceptance.parts(tmp_path, smoke=False)}
+    assert list(plan) == list(acceptance.WEIGHTS)
+    for p in plan.values():
+        assert not {"--no-compile", "--cuda-graph", "--tp-backend", "--schedule", "--device"} & set(p.argv), p.argv
+        assert p.gpus == (1 if p.name in ("gpu-tests", "executor-limit") else 2)
+    assert set(_flag(plan["executor-limit"].argv, "--skip")) == {"braid_eager", "braid_nograph"}  # the compiled loop runs
+    for name, tp in (("bench-tp1-pp2", 1), ("bench-tp2-pp1", 2)):
+        argv = plan[name].argv
+        assert argv[1:3] == ("-m", "braid.bench") and _flag(argv, "--tp") == [str(tp)]
+        assert _flag(argv, "--baselines") == ["torch_1f1b_i", *(["mcore_1f1b_i"] if mcore else [])]
+        assert _flag(argv, "--torch-modes") == [best_torch_mode(tp)] and _flag(argv, "--mcore-modes") == [BEST_MCORE_MODE]
+        assert _flag(argv, "--json") == [str(tmp_path / plan[name].result)]
+    assert best_torch_mode(1) == "compile" and best_torch_mode(2) == "titan+compile+async_tp"
+    smoke = {p.name: p for p in acceptance.parts(tmp_path, smoke=True)}
+    assert all(p.gpus == 0 for p in smoke.values()) and "--tiny" in smoke["braided-overlap"].argv
+    assert all(_flag(smoke[n].argv, "--device") == ["cpu"] for n in ("executor-limit", "bench-tp1-pp2", "bench-tp2-pp1"))
+
+
+def test_bench_headline_names_braids_run_each_peers_best_row_and_the_memory_line(tmp_path) -> None:
+    """Of a bench JSON with two schedules at m=4 (zb_v the faster, graphed) and two peers: zb_v's
+    run, its peak per rank measured (the capture's) and predicted, and each peer's best row."""
+    from braid.acceptance import _bench_headline, summarize
+
+    mib = 2**20
+    runs = [{"schedule": "braided_v", "m": 4, "step_s": 0.12, "cuda_graph": "step", "peak_bytes": [9 * mib, 9 * mib],
+             "predicted_peak_bytes": [8 * mib, 8 * mib], "peak_err": 0.125},
+            {"schedule": "zb_v", "m": 4, "step_s": 0.10, "cuda_graph": "step", "peak_bytes": [7.5 * mib, 6 * mib],
+             "predicted_peak_bytes": [7 * mib, 6.5 * mib], "peak_err": 0.0714}]
+    per_peer = {"mcore": {"median": 1.1, "best_rows": ["mcore:interleaved 1F1B [graphed]"] * 2},
+                "torch": {"median": 1.3, "best_rows": ["torch:ScheduleInterleaved1F1B [compile]"] * 2}}
+    doc = {"config": {"compile": True}, "runs": runs, "best_per_peer": {"4": per_peer},
+           "best_over_external": {"4": {"rounds": [1.1, 1.12], "median": 1.11, "min": 1.1, "max": 1.12}}}
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    h = _bench_headline(tmp_path / "b.json")["m=4"]
+    assert h["braid"] == {"schedule": "zb_v", "compiled": True, "cuda_graph": True} and h["rounds"] == 2
+    assert h["peers"] == {"mcore": {"median": 1.1, "best_row": "mcore:interleaved 1F1B [graphed]"},
+                          "torch": {"median": 1.3, "best_row": "torch:ScheduleInterleaved1F1B [compile]"}}
+    assert h["memory"] == {"schedule": "zb_v", "graph_capture": True, "measured_mib": [7.5, 6.0], "predicted_mib": [7.0, 6.5],
+                           "max_err": 0.0714}
+    row = {"name": "bench-tp1-pp2", "status": "passed", "seconds": 90.0, "budget_s": 105.0, "log": "x.log", "headline": {"m=4": h}}
+    head, line, mem = summarize([row])
+    assert line.endswith("m=4 braid (zb_v, compiled units, CUDA graph) / best external 1.110x [1.100, 1.120] over 2 rounds; "
+                         "braid / mcore:interleaved 1F1B [graphed] 1.100x; braid / torch:ScheduleInterleaved1F1B [compile] 1.300x")
+    assert mem.strip() == ("memory m=4 zb_v: peak MiB per rank measured/predicted 7.5/7.0 6.0/6.5 (worst error 7.1%; "
+                           "measured: the CUDA graph's capture peak, with the gradients)")

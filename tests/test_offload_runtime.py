@@ -251,8 +251,11 @@ def test_offload_bench_predicts_the_measured_activation_peak_within_10_percent(m
     # on the path while the bench runs: its spawned workers import it by name
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     bench = importlib.import_module("bench_offload")
-    got, pred = bench.measure(bench.parse_args(["--tiny", "--warmup", "0", "--iters", "1"]))
+    args = bench.parse_args(["--tiny", "--warmup", "0", "--iters", "1"])
+    got, pred = bench.measure(args)
     labels = ["braided_v", "offload auto"] + [f"offload a={a:g}" for a in ALPHAS]
+    table = bench.report(args, got, pred)  # what main prints: a row per schedule and rank
+    assert all(sum(line.split()[:-14] == label.split() for line in table) == 2 for label in labels), table
     for label in labels:
         for r in (0, 1):
             act, peaks = got[r][label]["peak"], pred[label][0]

@@ -34,7 +34,8 @@ from braid.core.partition import whole_layers
 
 TORCH_PARTS = ("eager", "titan", "compile", "async_tp")
 MCORE_PARTS = ("eager", "graphed", "te")
-DEFAULT_MCORE_MODES = ("eager", "graphed")
+BEST_MCORE_MODE = "graphed"  # megatron-core at its best on the local spec (te needs Transformer Engine built)
+DEFAULT_MCORE_MODES = ("eager", BEST_MCORE_MODE)
 
 
 def _parts(text: str, valid: Sequence[str], what: str) -> set[str]:
@@ -126,9 +127,15 @@ class McoreMode:
 PeerMode = TorchMode | McoreMode
 
 
+def best_torch_mode(tp: int) -> str:
+    """torch at its best: torchtitan's TP with compile and async TP at tp > 1, compile at tp = 1
+    (run by ``torch_1f1b_i``: the zero-bubble schedules cannot compile, see :data:`SPLIT_BACKWARD`)."""
+    return "titan+compile+async_tp" if tp > 1 else "compile"
+
+
 def default_torch_modes(tp: int) -> tuple[str, ...]:
-    """torch's eager mode and its best: torchtitan's TP with compile and async TP at tp > 1, compile at tp = 1."""
-    return ("eager", "titan+compile+async_tp") if tp > 1 else ("eager", "compile")
+    """torch's eager mode and its best (:func:`best_torch_mode`)."""
+    return ("eager", best_torch_mode(tp))
 
 
 def parse_modes(names: Sequence[str], torch_modes: Sequence[str], mcore_modes: Sequence[str], tp: int

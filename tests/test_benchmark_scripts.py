@@ -1,0 +1,87 @@
+"""Every script under ``benchmarks/`` runs at its tiniest size on CPU, so none breaks unnoticed.
+
+:data:`RUNS` names each script's smallest invocation, run here; a script another test already
+runs end to end at its tiny size names that test instead (:data:`ELSEWHERE`); a script that
+needs GPUs refuses in one line with exit code 2. A new script must be added to one of them.
+Scripts that start process groups or spawn ranks run as a subprocess, the rest in this process
+through their ``main(argv)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+RESULTS = "benchmarks/results/"
+
+# script -> (argv, run as a subprocess?, a line its output must hold); {tmp}: the test's own directory
+RUNS: dict[str, tuple[list[str], bool, str]] = {
+    "bench_attention2d.py": (["--device", "cpu", "--tiny", "--seqs", "64", "--iters", "1", "--warmup", "0"], True, "HP2"),
+    "bench_executor_overhead.py": (["--m", "2", "--layers", "1", "--steps", "1", "--warmup", "0", "--json", "{tmp}/o.json"],
+                                   True, "cut record=off"),
+    "bench_compile.py": (["--tiny"], False, "braided_v"),
+    "bench_simulator.py": (["--tiny"], False, "all schedules simulated"),
+    "clocks_by_run.py": ([RESULTS + "bench_h200x2_tp1_pp2_graphed_probe2p_clocks.json",
+                          RESULTS + "smi_h200x2_tp1_pp2_probe2p.csv.gz"], False, "zb_v"),
+    "compare_kernels.py": ([RESULTS + "kernels_small_h200x2_tp1_pp2.json", "--m", "8", "--rows", "3"], False,
+                           "sum of the kernels listed"),
+    "recalibrate_stored.py": ([RESULTS + "bench_7b_h100x2_tp2_pp1_graphs.json"], False, "re-fitted: median |error|"),
+    "render_results.py": (["--check"], False, ""),
+}
+# script -> the test that runs it at its tiny size (the test's file must name the script)
+ELSEWHERE = {
+    "bench_braided_overlap.py": "tests/test_acceptance.py",  # --cpu-smoke runs it with --tiny
+    "bench_executor_limit.py": "tests/test_bench_executor_limit.py",
+    "bench_memory.py": "tests/test_bench_memory.py",
+    "bench_offload.py": "tests/test_offload_runtime.py",  # measure() and report() of --tiny
+}
+GPU_ONLY = {"graph_smoke.py": "needs 2 CUDA devices"}  # the one line it refuses with on CPU
+HELPERS = {"_spawn.py"}  # imported by the scripts, not run
+
+
+def test_every_script_is_run_somewhere() -> None:
+    scripts = {p.name for p in BENCH.glob("*.py")} - HELPERS
+    listed = [*RUNS, *ELSEWHERE, *GPU_ONLY]
+    assert sorted(listed) == sorted(scripts), "add the new script's tiniest run to tests/test_benchmark_scripts.py"
+    for script, test in ELSEWHERE.items():
+        assert script.removesuffix(".py") in (ROOT / test).read_text(), (script, test)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_script_runs_at_its_tiniest_size(script, monkeypatch, capsys, tmp_path) -> None:
+    argv, subproc, says = RUNS[script]
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if subproc:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        proc = subprocess.run([sys.executable, str(BENCH / script), *argv], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=110)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        out = proc.stdout
+    else:
+        monkeypatch.chdir(ROOT)
+        monkeypatch.syspath_prepend(str(BENCH))
+        rc = importlib.import_module(script.removesuffix(".py")).main(argv)
+        out = capsys.readouterr().out
+        assert rc in (0, None), out
+    assert says in out, out[-2000:]
+    for written in (a for a in argv if a.startswith(str(tmp_path))):
+        assert Path(written).stat().st_size > 0, written
+
+
+@pytest.mark.parametrize("script", sorted(GPU_ONLY))
+def test_gpu_only_script_refuses_in_one_line_without_gpus(script, monkeypatch, capsys) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as on a CPU machine, whatever this one has
+    monkeypatch.syspath_prepend(str(BENCH))
+    assert importlib.import_module(script.removesuffix(".py")).main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and GPU_ONLY[script] in err, err
