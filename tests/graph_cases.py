@@ -16,20 +16,29 @@ import torch
 from executor_cases import CFG_KW, EPS, LR, MBS, SEQ, _data
 
 
-def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int = 1234):
+def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int = 1234, cp: int = 1):
     from braid.core.compiler import compile_plan
-    from braid.models.qwen2 import Qwen2Config, Qwen2Model
-    from braid.runtime.executor import Executor
-    from braid.models.build import build_rank_chunks
     from braid.core.topology import Topology
+    from braid.models.build import build_rank_chunks
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.models.sequence_parallel import SequenceParallel, SPConfig
+    from braid.runtime.executor import Executor
 
-    groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, tp=tp))
+    topo = Topology(ctx.world_size, pp=pp, tp=tp, cp=cp)
+    groups = ctx.process_groups(topo)
+    sp = None
+    if cp > 1:  # 2D-Attention over the cp ranks (one ring), built once per process like the groups
+        key = ("sp", topo)
+        if key not in ctx.groups:
+            ctx.groups[key] = SequenceParallel.create(SPConfig(cp, 1), groups)
+        sp = ctx.groups[key]
     c = groups.coords
     cfg = Qwen2Config(layers=int(sum(layers)), **CFG_KW)
     torch.manual_seed(seed)
     model = Qwen2Model(cfg).to(ctx.dist.device)
-    chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
-    ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden),
+    chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, sp=sp, seq_len=SEQ)
+    local = SEQ if sp is None else sp.local_len(SEQ)
+    ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, local, cfg.hidden),
                               device=ctx.dist.device, compile=compile, record="off")
     return cfg, chunks, ex
 
@@ -45,7 +54,8 @@ def _first_difference(a: dict, b: dict) -> str | None:
 
 
 def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict]], replays: int = 3,
-                          compile: bool | None = False, stage_layers: dict[int, tuple[float, ...]] | None = None) -> list[dict]:
+                          compile: bool | None = False, stage_layers: dict[int, tuple[float, ...]] | None = None,
+                          cp: int = 1) -> list[dict]:
     """For each (schedule, m, schedule options): eager and graphed training from the same weights,
     ``WARMUP_STEPS + 1 + replays`` steps of different micro-batches, compared bitwise every step.
     ``stage_layers``: the layout per number of virtual stages (half layers allowed) instead of the default.
@@ -62,15 +72,15 @@ def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict
         layers = split_layers(2 * stages - 1, stages) if stages > 1 else (2,)
         if stage_layers is not None:
             layers = stage_layers[stages]
-        cfg, chunks_e, ex_e = _build(ctx, plan, pp, tp, layers, compile)
-        _, chunks_g, ex_g = _build(ctx, plan, pp, tp, layers, compile)
+        cfg, chunks_e, ex_e = _build(ctx, plan, pp, tp, layers, compile, cp=cp)
+        _, chunks_g, ex_g = _build(ctx, plan, pp, tp, layers, compile, cp=cp)
         runner = GraphedStep(ex_g)
         params_e = {f"{c}.{n}": p for c, ch in chunks_e.items() for n, p in ch.named_parameters()}
         params_g = {f"{c}.{n}": p for c, ch in chunks_g.items() for n, p in ch.named_parameters()}
         opt_e = torch.optim.AdamW(params_e.values(), lr=LR, eps=EPS)
         opt_g = torch.optim.AdamW(params_g.values(), lr=LR, eps=EPS)
         dev = ctx.dist.device
-        where = f"rank {ctx.rank} {name} m={m} {opts or ''} pp={pp} tp={tp} compile={ex_g.compiled}"
+        where = f"rank {ctx.rank} {name} m={m} {opts or ''} pp={pp} tp={tp} cp={cp} compile={ex_g.compiled}"
         for step in range(WARMUP_STEPS + 1 + replays):
             toks, labs = (list(t.to(dev) for t in x) for x in _data(cfg, m, seed=100 + step))
             opt_e.zero_grad(set_to_none=True)

@@ -27,7 +27,7 @@ group splits the local heads; the SP group of a rank is the ranks with the same
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,7 +43,6 @@ from braid.attention.attention2d import (
     attention_2d,
     zigzag_order,
     zigzag_positions,
-    zigzag_shard,
 )
 
 if TYPE_CHECKING:
@@ -123,6 +122,9 @@ class SequenceParallel:
     config: SPConfig
     groups: Attention2DGroups
     group: dist.ProcessGroup  # the whole SP group (sums the loss for reporting)
+    # (seq_len, device) -> this rank's positions there: made once, so that a step captured in a CUDA
+    # graph finds them on the device (a host-to-device copy cannot be captured)
+    _positions: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(cls, config: SPConfig, process_groups: "ProcessGroups", pool: GroupPool | None = None) -> "SequenceParallel | None":
@@ -157,15 +159,19 @@ class SequenceParallel:
 
     def positions(self, seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Original positions (0..seq_len-1) of this rank's tokens, in local order (RoPE, labels)."""
-        try:
-            return zigzag_positions(seq_len, self.layout, self.rank).to(device)
-        except ValueError as err:
-            raise SequenceParallelError(f"{self.config._name()}: {err}") from None
+        key = (seq_len, str(torch.device(device)))
+        got = self._positions.get(key)
+        if got is None:
+            try:
+                got = self._positions[key] = zigzag_positions(seq_len, self.layout, self.rank).to(device)
+            except ValueError as err:
+                raise SequenceParallelError(f"{self.config._name()}: {err}") from None
+        return got
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's tokens of a full-sequence tensor (sequence along ``dim``; (b, s) tokens by default)."""
-        self.positions(x.shape[dim])
-        return zigzag_shard(x, self.layout, self.rank, dim=dim)
+        """This rank's tokens of a full-sequence tensor (sequence along ``dim``; (b, s) tokens by default):
+        :func:`braid.attention.attention2d.zigzag_shard` with the positions made once per length and device."""
+        return x.index_select(dim, self.positions(x.shape[dim], x.device))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                   scale: float | None = None) -> torch.Tensor:
