@@ -112,7 +112,9 @@ class DistPool:
                     self._dump_stacks(missing)
                     self.close()
                     why = f"rank processes died (exit codes {dead})" if dead else f"no answer within {timeout_s} s"
-                    raise AssertionError(f"{fn.__name__}: ranks {missing} did not answer: {why}") from None
+                    # A rank that failed first often leaves its peers waiting for it: say what it raised.
+                    errors = "".join(f"\n--- rank {r} failed first ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok)
+                    raise AssertionError(f"{fn.__name__}: ranks {missing} did not answer: {why}{errors}") from None
                 continue
             got[rank] = (ok, val)
         errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
