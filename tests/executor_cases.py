@@ -171,7 +171,7 @@ def _check_carried_overlap(program, chunks, trace, where: str) -> None:
 
 def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
                 compile: bool | None = None, tp_backend: str | None = None, recompute: str = "none",
-                stage_layers: dict[int, tuple[float, ...]] | None = None) -> list[tuple[str, int, dict]]:
+                stage_layers: dict[int, tuple[float, ...]] | None = None, seq_shard: bool = False) -> list[tuple[str, int, dict]]:
     """Run each (schedule, m) for two AdamW steps and compare with the single-process reference:
     the loss of each step, every gradient before the first optimizer step and every parameter
     after the last, within :func:`reference_error.bound` (float64 on CPU, float32 against a
@@ -179,7 +179,8 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
     ``tp_backend``: run the TP all-reduces through this :mod:`braid.tp.comm` backend, over a TP
     group created with its options, instead of the groups' default; ``recompute``: the chunks'
     recomputation mode; ``stage_layers``: the layout per number of virtual stages (half layers
-    allowed) instead of the default split. The counts returned carry ``peak_bytes``: the rank's
+    allowed) instead of the default split; ``seq_shard``: sequence parallelism inside TP
+    (:mod:`braid.tp.seq_shard`). The counts returned carry ``peak_bytes``: the rank's
     peak of the first step's memory series."""
     from braid import schedules
     from braid.core.braiding import carries
@@ -217,16 +218,17 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
             raise AssertionError("cases use dp=1")
         ref = Reference.run(model, steps_data)
         program = compile_plan(plan)[c.pp]
-        chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+        chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, seq_shard=seq_shard)
         for ch in chunks.values():
             ch.set_recompute(recompute)
         shard = lambda whole: build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)  # noqa: E731
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         kw = {} if tp_backend is None else {"tp_comm": _tp_comm(ctx, groups, tp_backend)}
-        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev,
+        seq = SEQ // tp if seq_shard else SEQ
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, seq, cfg.hidden), device=dev,
                                   dtype=dtype, compile=compile, **kw)
-        where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} "
+        where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} seq_shard={seq_shard} "
                  f"tp_backend={tp_backend or groups.tp_backend}")
         for step, (toks, labs) in enumerate(steps_data):
             opt.zero_grad(set_to_none=True)

@@ -53,6 +53,7 @@ from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.runtime.offload import ActivationOffloader, Parked
 from braid.tp.autograd_calls import edge, fast_apply, grad
 from braid.tp.embedding import VocabParallelEmbedding
+from braid.tp.seq_shard import Scatter, all_gather, scatter_request
 from braid.tp.layers import (
     ColumnParallelGroup,
     ColumnParallelLinear,
@@ -74,6 +75,13 @@ class ModelChunk(FusedOps, nn.Module):
     sequence-parallel context ``sp`` the chunk holds the rank's zigzag share of every
     sequence (:mod:`braid.models.sequence_parallel`), and a micro-batch's loss is its
     local tokens' loss sum over the micro-batch's *global* number of target tokens.
+
+    ``seq_shard`` (tp > 1): Megatron's sequence parallelism inside TP (:mod:`braid.tp.seq_shard`):
+    the units that end with the TP all-reduce ask for a reduce-scatter over the sequence
+    instead (a :class:`~braid.tp.seq_shard.Scatter`), the norms and residual adds run on
+    the rank's ``s/t`` tokens, and the column-parallel linears (and the head) read the
+    sequence all-gathered inside their unit; the backward mirrors it. The norms' weight
+    gradients are then shares, summed over TP at the end of the step (:meth:`sum_seq_grads`).
     """
 
     fns: UnitFns = EAGER  # the head's loss function (eager or compiled, see braid.runtime.compiled)
@@ -91,6 +99,7 @@ class ModelChunk(FusedOps, nn.Module):
         vocab_start: int = 0,
         sp: SequenceParallel | None = None,
         fuse: bool | None = None,
+        seq_shard: bool = False,
     ) -> None:
         super().__init__()
         if len(layers) != spec.modules or (embed is not None) != spec.embed or (lm_head is not None) != spec.head:
@@ -103,6 +112,9 @@ class ModelChunk(FusedOps, nn.Module):
         self.tp_group = tp_group
         self.vocab_start = vocab_start
         self.sp = sp
+        self.seq_shard = seq_shard and tp_group is not None and dist.get_world_size(tp_group) > 1
+        self._seq_grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # seq_shard: this step's norm-weight shares
+        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None  # seq_shard: (gathered, local) of the unit running
         self.tokens: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []  # SP: target tokens of each full micro-batch (loss normaliser)
@@ -313,16 +325,27 @@ class ModelChunk(FusedOps, nn.Module):
             p = t.data_ptr()
             if p in ptrs or any(p in c.ptrs for c in caches):  # (a cache holds a table or two)
                 return t
+            g = self._gather
+            if g is not None and p == g[0].data_ptr() and t.shape == g[0].shape:
+                # A linear's input all-gathered over the sequence: keep the rank's tokens, gather again when unpacked
+                # (Korthikanti et al. Sec. 4.2.2: the saved input of a column-parallel linear is s/t too).
+                box.tensors.append(g[1])
+                return (box, len(box.tensors) - 1, True)
             box.tensors.append(t)
-            return (box, len(box.tensors) - 1)
+            return (box, len(box.tensors) - 1, False)
 
         def unpack(h: Any) -> torch.Tensor:
             if isinstance(h, torch.Tensor):
                 return h
-            b, i = h
+            b, i, gathered = h
             t = b.tensors[i]
             if isinstance(t, Parked):
                 raise ChunkStateError(f"micro-batch {mb}: a saved activation of {unit.value} is on the host (no RELOAD before its use)")
+            if gathered:  # in the unit's backward, on every TP rank at the same point (a blocking all-gather)
+                full = b.gathered.get(i)
+                if full is None:
+                    full = b.gathered[i] = all_gather(t, self.tp_group)
+                return full
             return t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -345,8 +368,7 @@ class ModelChunk(FusedOps, nn.Module):
             with self._saving(mb, unit, layer):
                 out = self.embed(self.tokens[mb])
             self._saved[(mb, unit, layer)] = [_Piece((), (edge(out),))]
-            self._fwd[mb] = (out.detach(),)
-            return self._fwd[mb][0]
+            return self._reduction(mb, out)
         if mb not in self._fwd:
             if mb not in self._inputs:
                 raise ChunkStateError(f"F{mb}: input activation missing (not received)")
@@ -359,13 +381,14 @@ class ModelChunk(FusedOps, nn.Module):
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
                 x = self._enter(state[0])
                 norm = self.norm if unit is Unit.HEAD else self._layer_seq[layer].unit_norm(unit)
-                h = norm(x)
-                hl = self._enter(h)
+                h = norm(x)  # (b, s/t, h) under seq_shard
+                hl = self._enter(self._gathered(h))  # (b, s, h)
                 if unit is Unit.HEAD:
                     outs: tuple[torch.Tensor, ...] = (self._loss(mb, self.lm_head(hl)),)  # logits (b, s, V/t)
                 else:
                     outs = tuple(self._layer_seq[layer].unit_forward(unit, hl, positions=self.positions))
                 ends = outs if unit is Unit.HEAD else tuple(edge(o) for o in outs)  # the loss: a 0-dim tensor
+                self._gather = None
                 self._saved[key] = [_Piece((edge(x),), (edge(h),), (norm.weight,)), _Piece((edge(hl),), ends)]
                 self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
                 return None
@@ -373,8 +396,38 @@ class ModelChunk(FusedOps, nn.Module):
             leaves = tuple(self._enter(a) for a in acts)
             out = self._layer_seq[layer].unit_forward(unit, *leaves, residual=residual)  # partial over TP
         self._saved[key] = [_Piece(tuple(edge(t) for t in leaves), (edge(out),))]
-        self._fwd[mb] = (out.detach(),)
-        return self._fwd[mb][0]
+        return self._reduction(mb, out)
+
+    def _reduction(self, mb: int, out: torch.Tensor) -> torch.Tensor | Scatter:
+        """What the executor reduces over TP after a unit whose output ``out`` is partial. The
+        unit's result (``_fwd[mb]``) is the reduced tensor, filled in place: ``out`` itself (the
+        all-reduce), or under ``seq_shard`` the reduce-scatter's output (b, s/t, h)."""
+        out = out.detach()
+        if not self.seq_shard:
+            self._fwd[mb] = (out,)
+            return out
+        req = scatter_request(out, dist.get_world_size(self.tp_group))
+        self._fwd[mb] = (req.out,)
+        return req
+
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (b, s/t, h) with the whole sequence all-gathered under ``seq_shard`` (blocking); else ``t``.
+
+        The forward's gather is remembered (:attr:`_gather`) until the unit ends, so that the
+        saved-tensor hook keeps the local tokens of a linear input that is this tensor."""
+        if not self.seq_shard:
+            return t
+        local = t.detach()
+        full = all_gather(local, self.tp_group)
+        self._gather = (full, local)
+        return full
+
+    def _pend(self, st: _Backward, piece: _Piece, dh: torch.Tensor, residual: torch.Tensor | None,
+              key: tuple) -> torch.Tensor | Scatter:
+        """Leave ``piece``'s norm backward until ``dh`` (partial over TP) is reduced; returns the reduction to start."""
+        req = scatter_request(dh, dist.get_world_size(self.tp_group)) if self.seq_shard else dh
+        st.pending = (piece, req.out if self.seq_shard else dh, residual, key)
+        return req
 
     # -- backward ------------------------------------------------------------------------
     def _finish(self, mb: int, st: _Backward) -> torch.Tensor:
@@ -383,7 +436,11 @@ class ModelChunk(FusedOps, nn.Module):
         st.pending = None
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
         for p, g in zip(piece.params, dps):
-            accumulate_grad(p, g)
+            if self.seq_shard:  # a share (this rank's tokens): summed over TP at the end of the step
+                held = self._seq_grads.get(id(p))
+                self._seq_grads[id(p)] = (p, g if held is None else held[1] + g)
+            else:
+                accumulate_grad(p, g)
         self._boxes.pop(box_key, None)
         return dx if residual is None else dx + residual
 
@@ -421,23 +478,36 @@ class ModelChunk(FusedOps, nn.Module):
             if unit is Unit.HEAD:
                 (hl,) = pieces[1].inputs
                 (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))  # the loss: implicit ones
-                st.pending = (pieces[0], dh, None, key)
-                return dh  # partial over TP: all-reduced (operator f)
+                return self._pend(st, pieces[0], dh, None, key)  # partial over TP: reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
                 (hl,) = pieces[1].inputs
                 (dh,) = grad(pieces[1].outputs, (hl,), st.grads)
-                st.pending = (pieces[0], dh, st.residual, key)
+                req = self._pend(st, pieces[0], dh, st.residual, key)
                 st.grads, st.residual = (), None
-                return dh
+                return req
             g = self._finish(mb, st) if st.pending is not None else self._grad_out.pop(mb)
+            gf = self._gathered(g)  # the whole sequence's gradient under seq_shard
             if unit is Unit.EMBED:
-                torch.autograd.backward(pieces[0].outputs, (g,), inputs=[self.embed.weight])
+                torch.autograd.backward(pieces[0].outputs, (gf,), inputs=[self.embed.weight])
                 self._boxes.pop(key, None)
                 return None
-            st.grads = grad(pieces[0].outputs, pieces[0].inputs, (g,))
+            st.grads = grad(pieces[0].outputs, pieces[0].inputs, (gf,))
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             self._boxes.pop(key, None)
             return None
+
+    def sum_seq_grads(self, wait: Any) -> None:
+        """Under ``seq_shard``: sum this step's norm-weight gradient shares over TP (one all-reduce,
+        ``wait`` waits for it) and add them to the parameters' gradients. Kept apart from ``.grad``
+        until then, so gradients accumulated before the step are not summed again."""
+        if not self._seq_grads:
+            return
+        held = list(self._seq_grads.values())
+        self._seq_grads.clear()
+        flat = torch.cat([g.reshape(-1) for _, g in held])
+        wait(dist.all_reduce(flat, group=self.tp_group, async_op=True))
+        for (p, _), g in zip(held, flat.split([g.numel() for _, g in held])):
+            accumulate_grad(p, g.view_as(p))
 
     # -- modules per unit ----------------------------------------------------------------
     def _deferred(self, unit: Unit, layer: int) -> Sequence[DeferredWeightGrad]:

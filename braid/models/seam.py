@@ -27,6 +27,17 @@ import torch
 from torch import nn
 
 from braid.core.braiding import Unit
+from braid.tp.seq_shard import add_shard_residual
+
+
+def fused_residual(layer: Any, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The fused residual of an ``attn``/``mlp`` unit: ``out + residual/tp``; under sequence
+    sharding (``layer.seq_rank`` set by the chunk builder, :mod:`braid.tp.seq_shard`) the
+    residual holds the rank's tokens only and goes once into those tokens of ``out``."""
+    rank = getattr(layer, "seq_rank", None)
+    if rank is None:
+        return layer.fns.add_residual(out, residual, layer.tp)
+    return add_shard_residual(out, residual, rank)
 
 
 class UnitMethods:

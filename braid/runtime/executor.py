@@ -5,7 +5,8 @@ loop"). Compute instructions -- F, B, W, BW and braided blocks -- run at unit gr
 in the order :func:`braid.core.braiding.steps` gives (the braid pattern is defined there, once).
 A unit task with ``ar`` starts an async TP all-reduce of its output
 (``dist.all_reduce(..., async_op=True)``: NCCL runs it on its own stream ordered by
-events, gloo on its worker thread); the next F/B task of the same op waits for it, and an
+events, gloo on its worker thread; under sequence sharding a reduce-scatter over the
+sequence, :mod:`braid.tp.seq_shard`); the next F/B task of the same op waits for it, and an
 instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
 trailing one that :func:`braid.core.braiding.carries` carries into the next compute instruction,
 whose first unit task then runs beside it, as the simulator models. When the Send/Recv run
@@ -258,6 +259,8 @@ class Executor:
             leftover = [f"chunk {c}: {w}" for c, ch in self.chunks.items() for w in ch.pending_work()]
             if leftover:
                 raise ExecutionError(f"rank {self.rank}: program ended with work left: {'; '.join(leftover[:8])}")
+            for ch in self.chunks.values():  # sequence sharding: the norms' weight-gradient shares
+                ch.sum_seq_grads(self._wait)
         except Exception as err:
             if self.abort is None:
                 raise
@@ -409,7 +412,7 @@ class Executor:
                 e = None
             if ar and out is not None and tp is not None:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
-                pending[member] = _Pending(self.tp_comm.all_reduce(out), e, op, unit, block, idx)
+                pending[member] = _Pending(self.tp_comm.reduce(out), e, op, unit, block, idx)
                 self.counts["AR"] += 1
 
     def _wait_pending(self, p: _Pending) -> None:

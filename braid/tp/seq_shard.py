@@ -1,0 +1,115 @@
+"""Sequence parallelism inside tensor parallelism (Megatron's ``--sequence-parallel``).
+
+Korthikanti et al. 2022 (Sec. 4.2.2): between a row-parallel linear and the next
+column-parallel one, a TP layer holds the residual stream whole on every TP rank, and
+the norms and residual adds there run t times over. With the sequence sharded over the
+TP group instead, the all-reduce after a row-parallel linear (operator g) becomes a
+*reduce-scatter* over the sequence, the norm and the residual add run on the rank's
+``s/t`` tokens, and an *all-gather* over the sequence (operator g-bar) feeds the next
+column-parallel linears; in the backward the roles swap. The layer's activations drop
+from ``s*b*h*(10 + 24/t)`` to ``s*b*h*34/t`` bytes (:mod:`braid.cost.costs`).
+
+Not to be confused with :mod:`braid.models.sequence_parallel` (LoongTrain's 2D-Attention,
+``--cp``), which splits every sequence over a group of its own, attention included.
+Here the option is named ``seq_shard`` in code and ``--sequence-parallel`` on the
+command line.
+
+Layout: activations are ``(b, s, h)``; rank ``r`` of the TP group holds tokens
+``[r*s/t, (r+1)*s/t)`` of every sample. The collectives run over dim 0 of a
+``(t, b, s/t, h)`` view, which is the activation itself for ``b == 1`` and a copy
+otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+# Where sequence sharding does not run, in one line each (the command lines refuse with these).
+NO_SEQ_SHARD_WITH_CP = ("--sequence-parallel shards the sequence over the TP group and --cp > 1's 2D-Attention over its own "
+                        "group; the two are not combined: add --no-sequence-parallel")
+NO_SEQ_SHARD_VISION = ("--sequence-parallel covers the decoder LM's units; the vision tower and its merger keep whole "
+                       "sequences under TP: add --no-sequence-parallel for a vision-language model")
+
+
+class SeqShardError(ValueError):
+    """A sequence that the TP group cannot shard, or a layout sequence sharding does not cover."""
+
+
+class Scatter(NamedTuple):
+    """A unit's request to reduce-scatter its output over the sequence: ``full`` (b, s, h),
+    partial over TP; ``out`` (b, s/t, h), this rank's tokens of the sum once the work ends
+    (the chunk already holds ``out`` as the unit's result, as it holds an all-reduced
+    tensor, which is reduced in place)."""
+
+    full: torch.Tensor
+    out: torch.Tensor
+
+
+def check_seq(seq: int, tp: int) -> None:
+    """Refuse a sequence length that ``tp`` ranks cannot split evenly."""
+    if tp > 1 and seq % tp:
+        raise SeqShardError(f"--sequence-parallel: sequence length {seq} is not divisible by tp={tp}; "
+                            "pick a --seq divisible by tp or use --no-sequence-parallel")
+
+
+def local_seq(seq: int, tp: int, on: bool) -> int:
+    """Tokens of a sequence of ``seq`` that one TP rank holds between units (all of them when off)."""
+    if not on or tp == 1:
+        return seq
+    check_seq(seq, tp)
+    return seq // tp
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def scatter_request(full: torch.Tensor, t: int) -> Scatter:
+    """A :class:`Scatter` of ``full`` (b, s, h) with a new output buffer (b, s/t, h)."""
+    b, s, *rest = full.shape
+    return Scatter(full, full.new_empty((b, s // t, *rest)))
+
+
+def reduce_scatter(req: Scatter, group: Any, async_op: bool = True) -> Any:
+    """Sum ``req.full`` over ``group`` and leave this rank's tokens in ``req.out``; the work handle
+    (None when ``async_op`` is False)."""
+    t = dist.get_world_size(group)
+    b, s, *rest = req.full.shape
+    src = req.full.reshape(b, t, s // t, *rest).transpose(0, 1).contiguous()  # (t, b, s/t, h): a view for b == 1
+    return _reduce_scatter(req.out.view(-1), src.view(-1), group, async_op)
+
+
+def all_gather(local: torch.Tensor, group: Any) -> torch.Tensor:
+    """The whole sequence (b, s, h) from every rank's tokens (b, s/t, h), blocking (inside a unit)."""
+    t = dist.get_world_size(group)
+    b, n, *rest = local.shape
+    buf = local.new_empty((t, b, n, *rest))
+    _all_gather(buf.view(-1), local.contiguous().view(-1), group, False)
+    return buf.transpose(0, 1).reshape(b, t * n, *rest)  # a view for b == 1
+
+
+def reduce_now(req: torch.Tensor | Scatter, group: Any) -> None:
+    """A unit's TP reduction, blocking: all-reduce in place, or the reduce-scatter of a :class:`Scatter`."""
+    if isinstance(req, Scatter):
+        reduce_scatter(req, group, async_op=False)
+    else:
+        dist.all_reduce(req, group=group)
+
+
+def add_shard_residual(out: torch.Tensor, residual: torch.Tensor, rank: int) -> torch.Tensor:
+    """The fused residual under sequence sharding: ``residual`` (b, s/t, h), this rank's tokens of
+    the layer input, added once into its own tokens of ``out`` (b, s, h, partial over TP), so
+    that the reduce-scatter's sum holds it exactly once (in place: no second (b, s, h) tensor)."""
+    n = residual.shape[1]
+    out.narrow(1, rank * n, n).add_(residual)
+    return out
