@@ -29,26 +29,27 @@ KORTHIKANTI_ACT: dict[Unit, tuple[float, float]] = {
 
 def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, h: int, t: int, d: int,
                     hw: Hardware, runtime: bool) -> tuple[dict[Unit, Any], Any, Any]:
-    """LM layer, head and embedding units (:class:`braid.cost.costs.UnitCost`) under sequence parallelism inside TP (:mod:`braid.tp.seq_shard`).
+    """LM layer, head and embedding units (:class:`braid.cost.costs.UnitCost`) under sequence
+    parallelism inside TP (:mod:`braid.tp.seq_shard`).
 
-    The reduction that ends a unit (``ar_f``/``ar_b``) is a reduce-scatter, half an
-    all-reduce's traffic. The all-gathers run inside units, blocking, so they are charged to
-    the unit's compute: the column-parallel units (pre_attn, pre_mlp, head) gather their
-    input in the forward and again in the backward (the saved input is the rank's tokens),
-    the row-parallel ones (attn, mlp) and the embedding their output gradient in the
-    backward. Saved bytes: Korthikanti's split parts of every layer unit over ``t`` (34/t
-    per layer), or with ``runtime`` the norms' and the gathered linear inputs' bytes over ``t``
-    (:func:`braid.cost.costs._runtime_act`); the head's norm and input over ``t``, its logits unchanged.
+    Comm: each unit that ended with an all-reduce ends with a reduce-scatter, then the next
+    unit's head (a norm, or a norm backward, on ``s/t`` tokens: not charged) and its
+    all-gather (:mod:`braid.runtime.follow`); the next unit waits for the gather, so the
+    unit's ``ar_f``/``ar_b`` is the two in a row: an all-reduce's traffic and two latencies.
+    Not charged: the blocking gather of a chunk's first unit when its input came from another
+    stage (one per chunk and op), the one reduce-scatter a chunk's last unit has no gather
+    after, and the re-gather of the column-parallel linears' saved input, which runs beside
+    the row-parallel unit's backward before it. Saved bytes: both parts of Korthikanti's
+    per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
+    gathered linear inputs' bytes over ``t`` (:func:`braid.cost.costs._runtime_act`); the
+    head's norm and input over ``t``, its logits unchanged.
     """
     nbytes = tokens * h * d
-    rs = ag = _half_ring_time(nbytes, t, hw)
+    chain = 2 * _half_ring_time(nbytes, t, hw)  # reduce-scatter, then the next unit's all-gather
     sbh = nbytes / 2
     out = {}
     for u, c in lm.items():
-        if u in (Unit.PRE_ATTN, Unit.PRE_MLP):
-            c = replace(c, f=c.f + ag, b=c.b + ag, ar_b=rs)
-        else:
-            c = replace(c, b=c.b + ag, ar_f=rs)
+        c = replace(c, ar_b=chain) if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else replace(c, ar_f=chain)
         if runtime:
             whole = tokens * (4 * h + d * h + 4) + tokens * d * h if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else 0.0
             c = replace(c, act=c.act - whole + whole / t)
@@ -56,6 +57,6 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
             c = replace(c, act=sbh * sum(KORTHIKANTI_ACT[u]) / t)
         out[u] = c
     whole = tokens * (4 * h + 2 * d * h + 4) if runtime else 4 * sbh
-    head = replace(head, f=head.f + ag, b=head.b + ag, ar_b=rs, act=head.act - whole + whole / t)
-    embed = replace(embed, b=embed.b + ag, ar_f=rs)
+    head = replace(head, ar_b=chain, act=head.act - whole + whole / t)
+    embed = replace(embed, ar_f=chain)
     return out, head, embed

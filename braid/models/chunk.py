@@ -53,7 +53,8 @@ from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.runtime.offload import ActivationOffloader, Parked
 from braid.tp.autograd_calls import edge, fast_apply, grad
 from braid.tp.embedding import VocabParallelEmbedding
-from braid.tp.seq_shard import Scatter, all_gather, scatter_request
+from braid.models.seq_shard_ops import SeqShardOps
+from braid.tp.seq_shard import Scatter
 from braid.tp.layers import (
     ColumnParallelGroup,
     ColumnParallelLinear,
@@ -66,7 +67,7 @@ from braid.tp.layers import (
 _enter_apply = fast_apply(_Entry)
 
 
-class ModelChunk(FusedOps, nn.Module):
+class ModelChunk(FusedOps, SeqShardOps, nn.Module):
     """Layers ``[first, first+len(layers))`` of a model, plus the embedding and/or head.
 
     ``tp_group`` is used only inside the loss (vocab-parallel max/sum-exp); the unit
@@ -76,12 +77,9 @@ class ModelChunk(FusedOps, nn.Module):
     sequence (:mod:`braid.models.sequence_parallel`), and a micro-batch's loss is its
     local tokens' loss sum over the micro-batch's *global* number of target tokens.
 
-    ``seq_shard`` (tp > 1): Megatron's sequence parallelism inside TP (:mod:`braid.tp.seq_shard`):
-    the units that end with the TP all-reduce ask for a reduce-scatter over the sequence
-    instead (a :class:`~braid.tp.seq_shard.Scatter`), the norms and residual adds run on
-    the rank's ``s/t`` tokens, and the column-parallel linears (and the head) read the
-    sequence all-gathered inside their unit; the backward mirrors it. The norms' weight
-    gradients are then shares, summed over TP at the end of the step (:meth:`sum_seq_grads`).
+    ``seq_shard`` (tp > 1): Megatron's sequence parallelism inside TP (:mod:`braid.tp.seq_shard`,
+    :mod:`braid.models.seq_shard_ops`): reduce-scatters where the all-reduces were, norms and
+    residual on the rank's ``s/t`` tokens, the column-parallel linears fed by all-gathers.
     """
 
     fns: UnitFns = EAGER  # the head's loss function (eager or compiled, see braid.runtime.compiled)
@@ -112,9 +110,7 @@ class ModelChunk(FusedOps, nn.Module):
         self.tp_group = tp_group
         self.vocab_start = vocab_start
         self.sp = sp
-        self.seq_shard = seq_shard and tp_group is not None and dist.get_world_size(tp_group) > 1
-        self._seq_grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # seq_shard: this step's norm-weight shares
-        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None  # seq_shard: (gathered, local) of the unit running
+        self._init_seq_shard(seq_shard)
         self.tokens: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []  # SP: target tokens of each full micro-batch (loss normaliser)
@@ -330,6 +326,7 @@ class ModelChunk(FusedOps, nn.Module):
                 # A linear's input all-gathered over the sequence: keep the rank's tokens, gather again when unpacked
                 # (Korthikanti et al. Sec. 4.2.2: the saved input of a column-parallel linear is s/t too).
                 box.tensors.append(g[1])
+                box.gathered[len(box.tensors) - 1] = None  # gathered again in the backward (_prefetch)
                 return (box, len(box.tensors) - 1, True)
             box.tensors.append(t)
             return (box, len(box.tensors) - 1, False)
@@ -341,12 +338,7 @@ class ModelChunk(FusedOps, nn.Module):
             t = b.tensors[i]
             if isinstance(t, Parked):
                 raise ChunkStateError(f"micro-batch {mb}: a saved activation of {unit.value} is on the host (no RELOAD before its use)")
-            if gathered:  # in the unit's backward, on every TP rank at the same point (a blocking all-gather)
-                full = b.gathered.get(i)
-                if full is None:
-                    full = b.gathered[i] = all_gather(t, self.tp_group)
-                return full
-            return t
+            return self._unpack_gathered(b, i) if gathered else t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -379,10 +371,8 @@ class ModelChunk(FusedOps, nn.Module):
         key = (mb, unit, layer)
         with self._saving(*key):
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
-                x = self._enter(state[0])
-                norm = self.norm if unit is Unit.HEAD else self._layer_seq[layer].unit_norm(unit)
-                h = norm(x)  # (b, s/t, h) under seq_shard
-                hl = self._enter(self._gathered(h))  # (b, s, h)
+                x, h, norm, full = self._normed(mb, unit, layer)  # h: (b, s/t, h) under seq_shard
+                hl = self._enter(full)  # (b, s, h)
                 if unit is Unit.HEAD:
                     outs: tuple[torch.Tensor, ...] = (self._loss(mb, self.lm_head(hl)),)  # logits (b, s, V/t)
                 else:
@@ -398,49 +388,13 @@ class ModelChunk(FusedOps, nn.Module):
         self._saved[key] = [_Piece(tuple(edge(t) for t in leaves), (edge(out),))]
         return self._reduction(mb, out)
 
-    def _reduction(self, mb: int, out: torch.Tensor) -> torch.Tensor | Scatter:
-        """What the executor reduces over TP after a unit whose output ``out`` is partial. The
-        unit's result (``_fwd[mb]``) is the reduced tensor, filled in place: ``out`` itself (the
-        all-reduce), or under ``seq_shard`` the reduce-scatter's output (b, s/t, h)."""
-        out = out.detach()
-        if not self.seq_shard:
-            self._fwd[mb] = (out,)
-            return out
-        req = scatter_request(out, dist.get_world_size(self.tp_group))
-        self._fwd[mb] = (req.out,)
-        return req
-
-    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (b, s/t, h) with the whole sequence all-gathered under ``seq_shard`` (blocking); else ``t``.
-
-        The forward's gather is remembered (:attr:`_gather`) until the unit ends, so that the
-        saved-tensor hook keeps the local tokens of a linear input that is this tensor."""
-        if not self.seq_shard:
-            return t
-        local = t.detach()
-        full = all_gather(local, self.tp_group)
-        self._gather = (full, local)
-        return full
-
-    def _pend(self, st: _Backward, piece: _Piece, dh: torch.Tensor, residual: torch.Tensor | None,
-              key: tuple) -> torch.Tensor | Scatter:
-        """Leave ``piece``'s norm backward until ``dh`` (partial over TP) is reduced; returns the reduction to start."""
-        req = scatter_request(dh, dist.get_world_size(self.tp_group)) if self.seq_shard else dh
-        st.pending = (piece, req.out if self.seq_shard else dh, residual, key)
-        return req
-
-    # -- backward ------------------------------------------------------------------------
     def _finish(self, mb: int, st: _Backward) -> torch.Tensor:
         """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
         for p, g in zip(piece.params, dps):
-            if self.seq_shard:  # a share (this rank's tokens): summed over TP at the end of the step
-                held = self._seq_grads.get(id(p))
-                self._seq_grads[id(p)] = (p, g if held is None else held[1] + g)
-            else:
-                accumulate_grad(p, g)
+            self._norm_grad(p, g)
         self._boxes.pop(box_key, None)
         return dx if residual is None else dx + residual
 
@@ -485,8 +439,9 @@ class ModelChunk(FusedOps, nn.Module):
                 req = self._pend(st, pieces[0], dh, st.residual, key)
                 st.grads, st.residual = (), None
                 return req
-            g = self._finish(mb, st) if st.pending is not None else self._grad_out.pop(mb)
-            gf = self._gathered(g)  # the whole sequence's gradient under seq_shard
+            g, gf = self._grad_whole(mb, st)  # gf: the whole sequence's gradient under seq_shard
+            if self.seq_shard:
+                self._prefetch(mb, unit, layer)
             if unit is Unit.EMBED:
                 torch.autograd.backward(pieces[0].outputs, (gf,), inputs=[self.embed.weight])
                 self._boxes.pop(key, None)
@@ -495,19 +450,6 @@ class ModelChunk(FusedOps, nn.Module):
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             self._boxes.pop(key, None)
             return None
-
-    def sum_seq_grads(self, wait: Any) -> None:
-        """Under ``seq_shard``: sum this step's norm-weight gradient shares over TP (one all-reduce,
-        ``wait`` waits for it) and add them to the parameters' gradients. Kept apart from ``.grad``
-        until then, so gradients accumulated before the step are not summed again."""
-        if not self._seq_grads:
-            return
-        held = list(self._seq_grads.values())
-        self._seq_grads.clear()
-        flat = torch.cat([g.reshape(-1) for _, g in held])
-        wait(dist.all_reduce(flat, group=self.tp_group, async_op=True))
-        for (p, _), g in zip(held, flat.split([g.numel() for _, g in held])):
-            accumulate_grad(p, g.view_as(p))
 
     # -- modules per unit ----------------------------------------------------------------
     def _deferred(self, unit: Unit, layer: int) -> Sequence[DeferredWeightGrad]:

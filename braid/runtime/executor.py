@@ -70,6 +70,7 @@ from braid.models.chunk import ModelChunk
 from braid.models.chunk_parts import ChunkStateError
 from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
+from braid.runtime.follow import Follower
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
 from braid.runtime.results import (
@@ -108,8 +109,10 @@ class _Held:
 
 # One step of a compute instruction, bound once per executor: member, op, the chunk call and
 # its argument (``run`` and a unit task, or ``run_op`` and the op kind), waits for the op's
-# all-reduce, starts one, op text, phase text, unit text (None for a whole op).
-_Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None]
+# all-reduce, starts one, op text, phase text, unit text (None for a whole op), and the op's
+# next unit task when its head follows this step's reduction (sequence sharding, else None).
+_Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None, UnitTask | None]
+
 
 
 class Executor:
@@ -174,6 +177,7 @@ class Executor:
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
         self._carries = carries(program.instructions, self._spec) if tp_group is not None else {}
         self._side: Any = None  # CUDA stream that posts a chained Send/Recv run (created on first use)
+        self._follow = Follower(self.device, self._wait)  # sequence sharding's unit heads after their reduce-scatter
         self.capturing = False  # a CUDA graph captures run() (braid.runtime.graphs): no host sync in the step
 
     @staticmethod
@@ -399,7 +403,7 @@ class Executor:
         tp, events = self.tp_group, self._events
         timed = self._rec == "units"
         for k in range(first, stop):
-            member, op, call, arg, waits, ar, name, kind, unit = bound[k]
+            member, op, call, arg, waits, ar, name, kind, unit, follow = bound[k]
             if waits and member in pending:
                 self._wait_pending(pending.pop(member))
             if timed:
@@ -412,7 +416,10 @@ class Executor:
                 e = None
             if ar and out is not None and tp is not None:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
-                pending[member] = _Pending(self.tp_comm.reduce(out), e, op, unit, block, idx)
+                work = self.tp_comm.reduce(out)
+                if follow is not None:
+                    work = self._follow(work, self.chunks[op.chunk], op.mb, follow)
+                pending[member] = _Pending(work, e, op, unit, block, idx)
                 self.counts["AR"] += 1
 
     def _wait_pending(self, p: _Pending) -> None:
@@ -461,18 +468,27 @@ class Executor:
         if whole:
             order = list(dict.fromkeys(member for member, _ in tasks))
             bound = tuple((m, ops[m], self.chunks[ops[m].chunk].run_op, ops[m].kind, True, False, names[m],
-                           ops[m].kind.value, None) for m in order)
+                           ops[m].kind.value, None, None) for m in order)
         else:
             bound = tuple(
                 (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits_ar, task.ar, names[member],
-                 task.phase.value, task.label.split(":", 1)[1])
-                for member, task in tasks
+                 task.phase.value, task.label.split(":", 1)[1], self._follower(ops[member], tasks, k))
+                for k, (member, task) in enumerate(tasks)
             )
         phases: dict[str, int] = {}
         for _, task in tasks:
             phases[task.phase.value] = phases.get(task.phase.value, 0) + 1
         self._bound[(idx, whole)] = (bound, phases)
         return bound, phases
+
+    def _follower(self, op: Compute, tasks: Sequence[tuple[int, UnitTask]], k: int) -> UnitTask | None:
+        """The unit task of step ``k``'s op after it, when its head follows step ``k``'s reduction
+        (:meth:`ModelChunk.follows`: sequence sharding); else None."""
+        member, task = tasks[k]
+        if not task.ar:
+            return None
+        nxt = next((t for m, t in tasks[k + 1:] if m == member), None)
+        return nxt if nxt is not None and self.chunks[op.chunk].follows(nxt) else None
 
     def _wait_ar(self, p: _Pending) -> None:
         before = self.clock.mark()

@@ -89,13 +89,25 @@ def reduce_scatter(req: Scatter, group: Any, async_op: bool = True) -> Any:
     return _reduce_scatter(req.out.view(-1), src.view(-1), group, async_op)
 
 
+def gather_start(local: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+    """Start the all-gather of every rank's tokens ``local`` (b, s/t, h): returns its buffer
+    (t, b, s/t, h) and the work; :func:`gathered_view` reads the buffer once the work has ended."""
+    t = dist.get_world_size(group)
+    buf = local.new_empty((t, *local.shape))
+    return buf, _all_gather(buf.view(-1), local.contiguous().view(-1), group, True)
+
+
+def gathered_view(buf: torch.Tensor) -> torch.Tensor:
+    """The whole sequence (b, s, h) of a :func:`gather_start` buffer (a view for b == 1, else a copy)."""
+    t, b, n, *rest = buf.shape
+    return buf.transpose(0, 1).reshape(b, t * n, *rest)
+
+
 def all_gather(local: torch.Tensor, group: Any) -> torch.Tensor:
     """The whole sequence (b, s, h) from every rank's tokens (b, s/t, h), blocking (inside a unit)."""
-    t = dist.get_world_size(group)
-    b, n, *rest = local.shape
-    buf = local.new_empty((t, b, n, *rest))
-    _all_gather(buf.view(-1), local.contiguous().view(-1), group, False)
-    return buf.transpose(0, 1).reshape(b, t * n, *rest)  # a view for b == 1
+    buf, work = gather_start(local, group)
+    work.wait()
+    return gathered_view(buf)
 
 
 def reduce_now(req: torch.Tensor | Scatter, group: Any) -> None:
