@@ -197,10 +197,13 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
     groups = ctx.process_groups(topo)
     c = groups.coords
     ran = []
-    for entry in schedules_ms:  # (name, m), or (name, m, plan as JSON) for a plan made elsewhere (e.g. tuned)
+    for entry in schedules_ms:
+        # (name, m), or (name, m, plan as JSON or None, seq_shard): a plan made elsewhere (e.g. tuned), sequence sharding per run
         name, m = entry[0], entry[1]
+        plan_json = entry[2] if len(entry) > 2 else None
+        sharded = entry[3] if len(entry) > 3 else seq_shard
         try:
-            plan = schedules.build(name, pp, m) if len(entry) == 2 else Plan.from_json(entry[2])
+            plan = schedules.build(name, pp, m) if plan_json is None else Plan.from_json(plan_json)
         except ValueError:
             continue
         stages = plan.num_stages
@@ -218,17 +221,17 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
             raise AssertionError("cases use dp=1")
         ref = Reference.run(model, steps_data)
         program = compile_plan(plan)[c.pp]
-        chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, seq_shard=seq_shard)
+        chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, seq_shard=sharded)
         for ch in chunks.values():
             ch.set_recompute(recompute)
         shard = lambda whole: build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)  # noqa: E731
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         kw = {} if tp_backend is None else {"tp_comm": _tp_comm(ctx, groups, tp_backend)}
-        seq = SEQ // tp if seq_shard else SEQ
+        seq = SEQ // tp if sharded else SEQ
         ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, seq, cfg.hidden), device=dev,
                                   dtype=dtype, compile=compile, **kw)
-        where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} seq_shard={seq_shard} "
+        where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} seq_shard={sharded} "
                  f"tp_backend={tp_backend or groups.tp_backend}")
         for step, (toks, labs) in enumerate(steps_data):
             opt.zero_grad(set_to_none=True)
@@ -252,7 +255,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
                     assert res.counts["chained"] == chained, f"{where}: {res.counts['chained']} chained runs, expected {chained}"
             opt.step()
         ref.check_params(chunks, shard, where)
-        ran.append((name, m, dict(res.counts, peak_bytes=peak)))
+        ran.append((name, m, dict(res.counts, peak_bytes=peak, seq_shard=sharded)))
     return ran
 
 

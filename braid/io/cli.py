@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from braid.io.files import OutputPathError, check_output_path
+from braid.tp.seq_shard import NO_SEQ_SHARD_VISION, NO_SEQ_SHARD_WITH_CP, SeqShardError
 
 
 class Parser(argparse.ArgumentParser):
@@ -112,6 +113,30 @@ def check_cpu_ranks(ap: argparse.ArgumentParser, world: int) -> None:
     """A parser error for a CPU run that would spawn more than :data:`MAX_CPU_RANKS` processes."""
     if world > MAX_CPU_RANKS:
         ap.error(f"tp x pp = {world} ranks on the CPU: at most {MAX_CPU_RANKS} processes (one per rank); lower --tp/--pp")
+
+
+SEQ_SHARD_HELP = ("sequence parallelism inside tensor parallelism (Megatron's; not --cp): reduce-scatter and all-gather "
+                  "over the sequence where TP all-reduces, norms and residual on s/t tokens, a layer's activations "
+                  "34/t instead of 10 + 24/t bytes per s*b*h. Default: on at --tp > 1 (off with --cp > 1 or a "
+                  "vision-language model, which it does not cover)")
+
+
+def add_seq_shard_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--sequence-parallel`` / ``--no-sequence-parallel`` (default None: :func:`resolve_seq_shard` decides)."""
+    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help=SEQ_SHARD_HELP)
+
+
+def resolve_seq_shard(flag: bool | None, tp: int, *, cp: int = 1, vision: bool = False) -> bool:
+    """Whether a run shards the sequence over TP (:mod:`braid.tp.seq_shard`): ``flag`` (None: on at
+    ``tp > 1`` unless ``cp > 1`` or ``vision``); no effect at tp=1. An explicit ``True`` where it
+    does not run raises :class:`~braid.tp.seq_shard.SeqShardError`, a one-line refusal."""
+    if flag is None:
+        return tp > 1 and cp == 1 and not vision
+    if flag and tp > 1 and cp > 1:
+        raise SeqShardError(NO_SEQ_SHARD_WITH_CP)
+    if flag and tp > 1 and vision:
+        raise SeqShardError(NO_SEQ_SHARD_VISION)
+    return flag and tp > 1
 
 
 def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
