@@ -52,6 +52,13 @@ def test_graphed_half_layer_stages_equal_eager_bitwise(pool) -> None:
     _check(got, len(runs))
 
 
+def test_graphed_sequence_parallel_equals_eager_bitwise(pool) -> None:
+    """Sequence parallelism inside TP at tp=2 (braid.tp.seq_shard): reduce-scatters, unit heads on the
+    executor's side stream (braid.runtime.follow), all-gathers in flight, inside the graph."""
+    runs = [(name, 3, {}) for name in V_SCHEDULES]
+    _check(pool.run(cases.graphed_matches_eager, 1, 2, runs, 3, False, None, True, timeout_s=GPU_RUN_S), len(runs))
+
+
 def test_graphed_offload_equals_eager_bitwise(pool) -> None:
     """braided_v with activation offload at pp=2: D2H/H2D copies on their streams inside the graph."""
     runs = [("braided_v_offload", 5, {"offload_alpha": 0.5, "offload_alpha_warmup": 0.5})]

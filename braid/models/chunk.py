@@ -60,7 +60,6 @@ from braid.tp.layers import (
     ColumnParallelLinear,
     DeferredWeightGrad,
     NativeMode,
-    accumulate_grad,
     split_weight_grads,
 )
 
@@ -256,8 +255,9 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
         return out
 
     # -- unit tasks ------------------------------------------------------------------------
-    def run(self, mb: int, task: UnitTask) -> torch.Tensor | None:
-        """Run one unit task; returns the tensor to all-reduce over TP when ``task.ar``."""
+    def run(self, mb: int, task: UnitTask) -> torch.Tensor | Scatter | None:
+        """Run one unit task; returns the tensor to all-reduce over TP when ``task.ar`` (under
+        ``seq_shard`` the reduce-scatter to start)."""
         if task.phase is Phase.F:
             return self._forward(mb, task.unit, task.layer)
         if task.phase is Phase.B:

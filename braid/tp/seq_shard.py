@@ -64,12 +64,14 @@ def local_seq(seq: int, tp: int, on: bool) -> int:
     return seq // tp
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = True) -> Any:
+    """``out`` (flat, world x ``inp``) = every rank's ``inp``, in rank order; the work (async) or None."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = True) -> Any:
+    """``out`` = this rank's 1/world of the sum of every rank's flat ``inp``; the work (async) or None."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, group=group, async_op=async_op)
 
@@ -86,7 +88,7 @@ def reduce_scatter(req: Scatter, group: Any, async_op: bool = True) -> Any:
     t = dist.get_world_size(group)
     b, s, *rest = req.full.shape
     src = req.full.reshape(b, t, s // t, *rest).transpose(0, 1).contiguous()  # (t, b, s/t, h): a view for b == 1
-    return _reduce_scatter(req.out.view(-1), src.view(-1), group, async_op)
+    return reduce_scatter_into(req.out.view(-1), src.view(-1), group, async_op)
 
 
 def gather_start(local: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
@@ -94,7 +96,7 @@ def gather_start(local: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
     (t, b, s/t, h) and the work; :func:`gathered_view` reads the buffer once the work has ended."""
     t = dist.get_world_size(group)
     buf = local.new_empty((t, *local.shape))
-    return buf, _all_gather(buf.view(-1), local.contiguous().view(-1), group, True)
+    return buf, all_gather_into(buf.view(-1), local.contiguous().view(-1), group)
 
 
 def gathered_view(buf: torch.Tensor) -> torch.Tensor:
