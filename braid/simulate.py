@@ -49,7 +49,6 @@ from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
 from braid.cost.catalog import MODELS, ModelConfig, get_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS
-from braid.tp.seq_shard import local_seq
 
 log = logging.getLogger(__name__)
 
@@ -368,8 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
     try:  # the model, hardware and tp on their own (one stage; an MLLM's ViT has its own), before any schedule
         model = model_from_args(args)
-        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, vision=model.vit is not None)
-        local_seq(model.seq, args.tp, args.sequence_parallel)  # a sequence the TP ranks cannot split
+        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=model.seq, vision=model.vit is not None)
         analytic_costs(model, get_hardware(args.hardware), Layout(args.tp, 1, 1 if model.vit is None else 2),
                        seq_shard=args.sequence_parallel)
     except ValueError as err:

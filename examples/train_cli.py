@@ -229,7 +229,6 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     from braid.baselines.torch_pp import BASELINES
     from braid.io.cli import resolve_seq_shard
     from braid.io.runconfig import ConfigError, config_argv
-    from braid.tp.seq_shard import local_seq
     from braid.core.topology import Topology
 
     parser = build_parser(task)
@@ -290,8 +289,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     try:
         sp = sp_config(task, args)
         # braid's schedules (the baselines run their own TP): on at tp > 1 unless --cp > 1 or a VLM, which it does not cover
-        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, cp=args.cp, vision=task.vision)
-        local_seq(args.seq, args.tp, args.sequence_parallel)  # a --seq the TP ranks cannot split: one line
+        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=args.seq, cp=args.cp,
+                                                   vision=task.vision)
         topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
         opts = {}
         if args.offload_alpha is not None:

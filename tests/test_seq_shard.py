@@ -31,6 +31,9 @@ def test_the_flag_is_on_at_tp_above_1_and_refuses_what_it_does_not_cover() -> No
     assert resolve_seq_shard(None, 2) and not resolve_seq_shard(None, 1) and not resolve_seq_shard(True, 1)
     assert not resolve_seq_shard(None, 2, cp=2) and not resolve_seq_shard(None, 2, vision=True)
     assert not resolve_seq_shard(False, 8)
+    assert resolve_seq_shard(None, 2, seq=4096) and not resolve_seq_shard(None, 2, seq=4095)  # default: where it runs
+    with pytest.raises(SeqShardError, match="4095 is not divisible by tp=2"):
+        resolve_seq_shard(True, 2, seq=4095)
     for kw, word in (({"cp": 2}, "--cp"), ({"vision": True}, "vision")):
         with pytest.raises(SeqShardError, match=word) as err:
             resolve_seq_shard(True, 2, **kw)

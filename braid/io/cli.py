@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from braid.io.files import OutputPathError, check_output_path
-from braid.tp.seq_shard import NO_SEQ_SHARD_VISION, NO_SEQ_SHARD_WITH_CP, SeqShardError
+from braid.tp.seq_shard import NO_SEQ_SHARD_VISION, NO_SEQ_SHARD_WITH_CP, SeqShardError, check_seq
 
 
 class Parser(argparse.ArgumentParser):
@@ -117,8 +117,8 @@ def check_cpu_ranks(ap: argparse.ArgumentParser, world: int) -> None:
 
 SEQ_SHARD_HELP = ("sequence parallelism inside tensor parallelism (Megatron's; not --cp): reduce-scatter and all-gather "
                   "over the sequence where TP all-reduces, norms and residual on s/t tokens, a layer's activations "
-                  "34/t instead of 10 + 24/t bytes per s*b*h. Default: on at --tp > 1 (off with --cp > 1 or a "
-                  "vision-language model, which it does not cover)")
+                  "34/t instead of 10 + 24/t bytes per s*b*h. Default: on at --tp > 1 (off with --cp > 1, a "
+                  "vision-language model, which it does not cover, or a sequence --tp does not divide)")
 
 
 def add_seq_shard_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -126,16 +126,19 @@ def add_seq_shard_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help=SEQ_SHARD_HELP)
 
 
-def resolve_seq_shard(flag: bool | None, tp: int, *, cp: int = 1, vision: bool = False) -> bool:
-    """Whether a run shards the sequence over TP (:mod:`braid.tp.seq_shard`): ``flag`` (None: on at
-    ``tp > 1`` unless ``cp > 1`` or ``vision``); no effect at tp=1. An explicit ``True`` where it
-    does not run raises :class:`~braid.tp.seq_shard.SeqShardError`, a one-line refusal."""
+def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp: int = 1, vision: bool = False) -> bool:
+    """Whether a run shards the sequence over TP (:mod:`braid.tp.seq_shard`): ``flag``, or where it
+    is None, on at ``tp > 1`` unless ``cp > 1``, ``vision`` or a ``seq`` that ``tp`` does not divide;
+    no effect at tp=1. An explicit ``True`` where it cannot run raises
+    :class:`~braid.tp.seq_shard.SeqShardError`, a one-line refusal."""
     if flag is None:
-        return tp > 1 and cp == 1 and not vision
+        return tp > 1 and cp == 1 and not vision and (seq is None or seq % tp == 0)
     if flag and tp > 1 and cp > 1:
         raise SeqShardError(NO_SEQ_SHARD_WITH_CP)
     if flag and tp > 1 and vision:
         raise SeqShardError(NO_SEQ_SHARD_VISION)
+    if flag and seq is not None:
+        check_seq(seq, tp)
     return flag and tp > 1
 
 

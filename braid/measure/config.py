@@ -216,7 +216,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                              device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend,
-                             resolve_seq_shard(args.sequence_parallel, args.tp))
+                             resolve_seq_shard(args.sequence_parallel, args.tp, seq=args.seq))
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits
