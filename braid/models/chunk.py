@@ -252,6 +252,7 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
         out = [f"saved {k}" for k in self._saved] + [f"output mb{k}" for k in self._outputs]
         out += [f"stash {type(m).__name__}" for m in self._deferred_all() if m.stash_bytes()]
         out += [f"fused graph mb{k}" for k in self._ops]
+        out += [f"unit head run ahead mb{k}" for k in (*self._ahead_f, *self._ahead_b)]  # seq_shard (follow)
         return out
 
     # -- unit tasks ------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class _Held:
 # One step of a compute instruction, bound once per executor: member, op, the chunk call and
 # its argument (``run`` and a unit task, or ``run_op`` and the op kind), waits for the op's
 # all-reduce, starts one, op text, phase text, unit text (None for a whole op), and the op's
-# next unit task when its head follows this step's reduction (sequence sharding, else None).
+# next unit task after a step that starts a reduction (None otherwise): its head may follow it.
 _Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None, UnitTask | None]
 
 
@@ -417,7 +417,7 @@ class Executor:
             if ar and out is not None and tp is not None:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
                 work = self.tp_comm.reduce(out)
-                if follow is not None:
+                if follow is not None and self.chunks[op.chunk].follows(follow):  # sequence sharding
                     work = self._follow(work, self.chunks[op.chunk], op.mb, follow)
                 pending[member] = _Pending(work, e, op, unit, block, idx)
                 self.counts["AR"] += 1
@@ -472,7 +472,7 @@ class Executor:
         else:
             bound = tuple(
                 (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits_ar, task.ar, names[member],
-                 task.phase.value, task.label.split(":", 1)[1], self._follower(ops[member], tasks, k))
+                 task.phase.value, task.label.split(":", 1)[1], self._next_task(tasks, k))
                 for k, (member, task) in enumerate(tasks)
             )
         phases: dict[str, int] = {}
@@ -481,14 +481,12 @@ class Executor:
         self._bound[(idx, whole)] = (bound, phases)
         return bound, phases
 
-    def _follower(self, op: Compute, tasks: Sequence[tuple[int, UnitTask]], k: int) -> UnitTask | None:
-        """The unit task of step ``k``'s op after it, when its head follows step ``k``'s reduction
-        (:meth:`ModelChunk.follows`: sequence sharding); else None."""
+    @staticmethod
+    def _next_task(tasks: Sequence[tuple[int, UnitTask]], k: int) -> UnitTask | None:
+        """The unit task of step ``k``'s op after it when step ``k`` starts a reduction (whether its
+        head follows that reduction is the chunk's call at run time: :meth:`ModelChunk.follows`)."""
         member, task = tasks[k]
-        if not task.ar:
-            return None
-        nxt = next((t for m, t in tasks[k + 1:] if m == member), None)
-        return nxt if nxt is not None and self.chunks[op.chunk].follows(nxt) else None
+        return next((t for m, t in tasks[k + 1:] if m == member), None) if task.ar else None
 
     def _wait_ar(self, p: _Pending) -> None:
         before = self.clock.mark()
