@@ -49,6 +49,9 @@ class SeqShardOps:
     def _init_seq_shard(self, on: bool) -> None:
         self.seq_shard = on and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
         self._seq_grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # this step's norm-weight shares
+        # The all-gathers' group: the TP group, or the executor's TP backend's (use_group), which
+        # runs the reduce-scatters, so that both go through one communicator and its options.
+        self.seq_group = self.tp_group
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None  # (gathered, local) of the unit running
         # micro-batch -> the head :meth:`follow` ran of its next forward / backward unit (apart: a
         # backward under full recomputation re-runs forward units between a follow and its unit)
@@ -77,7 +80,7 @@ class SeqShardOps:
 
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (b, s/t, h) with the whole sequence all-gathered under ``seq_shard`` (blocking); else ``t``."""
-        return all_gather(t.detach(), self.tp_group) if self.seq_shard else t
+        return all_gather(t.detach(), self.seq_group) if self.seq_shard else t
 
     def _normed(self, mb: int, unit: Unit, layer: int) -> tuple[torch.Tensor, torch.Tensor, nn.Module, torch.Tensor]:
         """The head of a forward ``pre_*``/``head`` unit (inside its saved-tensor box): its entered
@@ -128,13 +131,13 @@ class SeqShardOps:
             norm = self.norm if task.unit is Unit.HEAD else self._layer_seq[task.layer].unit_norm(task.unit)
             with self._saving(mb, task.unit, task.layer):
                 h = norm(x)
-            buf, work = gather_start(h.detach(), self.tp_group)
+            buf, work = gather_start(h.detach(), self.seq_group)
             self._ahead_f[mb] = (x, h, norm, buf)
             return work, [state[0], h, buf]
         st = self._bwd[mb]
         read = [t for t in st.pending[1:3] if t is not None]
         g = self._finish(mb, st)
-        buf, work = gather_start(g, self.tp_group)
+        buf, work = gather_start(g, self.seq_group)
         self._ahead_b[mb] = (g, buf)
         return work, [*read, g, buf]
 
@@ -148,7 +151,7 @@ class SeqShardOps:
             return
         for i, held in box.gathered.items():
             if held is None and not isinstance(box.tensors[i], Parked):
-                box.gathered[i] = gather_start(box.tensors[i], self.tp_group)
+                box.gathered[i] = gather_start(box.tensors[i], self.seq_group)
 
     def _unpack_gathered(self, box: _Box, i: int) -> torch.Tensor:
         """A saved linear input over the whole sequence, from the box's local tokens (slot ``i``)."""
@@ -156,7 +159,7 @@ class SeqShardOps:
         if isinstance(held, torch.Tensor):
             return held
         if held is None:
-            full = all_gather(box.tensors[i], self.tp_group)
+            full = all_gather(box.tensors[i], self.seq_group)
         else:
             buf, work = held
             work.wait()
