@@ -139,7 +139,8 @@ class SeqShardOps:
         g = self._finish(mb, st)
         buf, work = gather_start(g, self.seq_group)
         self._ahead_b[mb] = (g, buf)
-        return work, [*read, g, buf]
+        shares = [t for _, t in self._seq_grads.values()]  # the norm backward's weight-gradient shares (sum_seq_grads)
+        return work, [*read, g, buf, *shares]
 
     # -- saved linear inputs: the rank's tokens, gathered again for the backward -------------
     def _prefetch(self, mb: int, unit: Unit, layer: int) -> None:
