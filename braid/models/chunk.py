@@ -394,6 +394,9 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
         piece, dh, residual, box_key = st.pending
         st.pending = None
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
+        if self.seq_shard and dx.is_cuda:  # run ahead on a side stream (follow), the norm's forward maybe not
+            for t in (dx, *dps):
+                t.record_stream(torch.cuda.current_stream(dx.device))
         for p, g in zip(piece.params, dps):
             self._norm_grad(p, g)
         self._boxes.pop(box_key, None)
