@@ -176,7 +176,10 @@ class SeqShardOps:
             accumulate_grad(p, g)
             return
         held = self._seq_grads.get(id(p))
-        self._seq_grads[id(p)] = (p, g if held is None else held[1] + g)
+        if held is None:
+            self._seq_grads[id(p)] = (p, g)  # a fresh tensor of the backward call: the step's accumulator
+        else:
+            held[1].add_(g)
 
     def sum_seq_grads(self, wait: Any) -> None:
         """Sum this step's norm-weight gradient shares over TP (one all-reduce, ``wait`` waits for
