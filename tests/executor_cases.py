@@ -372,3 +372,37 @@ def record_modes(ctx, tp: int) -> dict:
     except ValueError as err:
         out["bad_init"] = str(err)
     return out
+
+
+def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
+    """One layer's forward at tp=2 (fp32), unit by unit: the bytes each unit keeps (``live_bytes``) and what
+    ``analytic_costs(..., activations="runtime")`` charges it, with or without sequence sharding."""
+    from braid.core.braiding import LAYER_UNITS, AR_FORWARD, ChunkSpec, Phase, UnitTask
+    from braid.cost.catalog import ModelConfig
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
+    from braid.core.topology import Topology
+    from braid.models.build import build_chunk
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.tp.seq_shard import reduce_now
+
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=1, tp=2))
+    b, s, t = MBS, SEQ, 2
+    cfg = Qwen2Config(layers=1, **CFG_KW)
+    torch.manual_seed(0)
+    ch = build_chunk(Qwen2Model(cfg), ChunkSpec(1), 0, tp_rank=groups.coords.tp, tp_size=t, tp_group=groups.tp, seq_shard=shard)
+    toks, labs = _data(cfg, 1, 0)
+    ch.set_batch(toks, labs)
+    ch.set_input(0, torch.randn(b, s // t if shard else s, cfg.hidden))
+    kept = {}
+    for unit in LAYER_UNITS:
+        before = ch.live_bytes()
+        out = ch.run(0, UnitTask(Phase.F, unit, 0, unit in AR_FORWARD))
+        if out is not None:
+            reduce_now(out, groups.tp)
+        kept[unit.value] = ch.live_bytes() - before
+    model = ModelConfig("t", layers=2, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab_size,
+                        seq=s, micro_batch_size=b, dtype_bytes=4)
+    units = analytic_costs(model, get_hardware("h200"), Layout(t, 2, 1, "loop"), activations="runtime",
+                           seq_shard=shard).chunks[(0, 0)].units
+    return kept, {u.value: units[u].act for u in LAYER_UNITS}

@@ -163,3 +163,10 @@ def test_sequence_parallel_matches_reference_and_saves_activations(pools) -> Non
             assert c["seq_shard"] and c["braided"] > 0 and c["AR"] == plain[0][2]["AR"], (rank, recompute, c)
             if recompute == "none" and rank == 0:
                 assert c["peak_bytes"] < plain[0][2]["peak_bytes"], (c["peak_bytes"], plain[0][2]["peak_bytes"])
+    # What sharding saves per unit is what the cost model's runtime count takes off (the norms' and the
+    # column-parallel inputs' bytes over t; the attention and MLP cores keep theirs).
+    (kept0, model0), _ = pool.run(cases.seq_shard_saved_bytes, False, timeout_s=60)
+    (kept1, model1), _ = pool.run(cases.seq_shard_saved_bytes, True, timeout_s=60)
+    for unit in kept0:
+        assert kept0[unit] - kept1[unit] == model0[unit] - model1[unit], (unit, kept0, kept1, model0, model1)
+    assert kept1["pre_attn"] < kept0["pre_attn"] and kept1["attn"] == kept0["attn"]
