@@ -11,8 +11,8 @@ from braid.core.braiding import Unit
 from braid.cost.costs import Layout, analytic_costs
 from braid.cost.catalog import get_model
 from braid.cost.hardware import get_hardware
-from braid.io.cli import resolve_seq_shard
-from braid.tp.seq_shard import SeqShardError, add_shard_residual, gathered_view, local_seq
+from braid.io.cli import SeqShardError, local_seq, resolve_seq_shard
+from braid.tp.seq_shard import add_shard_residual, gathered_view
 
 LAYER = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)
 

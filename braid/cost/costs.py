@@ -41,7 +41,7 @@ from braid.core.partition import chunk_specs, split_layers, whole_layers
 from braid.cost.recompute_costs import full_recompute, selective_recompute
 from braid.cost.seq_shard_costs import KORTHIKANTI_ACT, seq_shard_units
 from braid.io.inputs import InputFileError, read_json
-from braid.tp.seq_shard import NO_SEQ_SHARD_VISION
+from braid.io.cli import NO_SEQ_SHARD_VISION
 
 AR_SLOWDOWN = 1.075  # paper Appendix F: a GEMM overlapped with an all-reduce runs ~7.5% slower
 ATTN_BWD_FACTOR = 2.0

@@ -5,6 +5,9 @@ paths checked before the work, quiet ends when the reader of stdout goes away.
   (``prog: error: ...``, exit 2) instead of the usage block.
 * :func:`check_outputs` -- :func:`braid.io.files.check_output_path` on every output argument
   before any work; a bad one is a parser error.
+* ``--sequence-parallel`` (:func:`add_seq_shard_arg`, :func:`resolve_seq_shard`) -- where
+  sequence parallelism inside TP (:mod:`braid.tp.seq_shard`) runs, and one-line refusals where
+  it does not (also read by the chunk builder and the cost model).
 * :func:`run_main` -- runs a ``main(argv) -> int`` so that ``python -m braid.programs ... |
   head`` ends quietly (exit 0) instead of in a ``BrokenPipeError`` traceback.
 """
@@ -20,7 +23,6 @@ from pathlib import Path
 from typing import NoReturn
 
 from braid.io.files import OutputPathError, check_output_path
-from braid.tp.seq_shard import NO_SEQ_SHARD_VISION, NO_SEQ_SHARD_WITH_CP, SeqShardError, check_seq
 
 
 class Parser(argparse.ArgumentParser):
@@ -113,6 +115,32 @@ def check_cpu_ranks(ap: argparse.ArgumentParser, world: int) -> None:
     """A parser error for a CPU run that would spawn more than :data:`MAX_CPU_RANKS` processes."""
     if world > MAX_CPU_RANKS:
         ap.error(f"tp x pp = {world} ranks on the CPU: at most {MAX_CPU_RANKS} processes (one per rank); lower --tp/--pp")
+
+
+# Where sequence sharding does not run, in one line each (the command lines refuse with these).
+NO_SEQ_SHARD_WITH_CP = ("--sequence-parallel shards the sequence over the TP group and --cp > 1's 2D-Attention over its own "
+                        "group; the two are not combined: add --no-sequence-parallel")
+NO_SEQ_SHARD_VISION = ("--sequence-parallel covers the decoder LM's units; the vision tower and its merger keep whole "
+                       "sequences under TP: add --no-sequence-parallel for a vision-language model")
+
+
+class SeqShardError(ValueError):
+    """A sequence that the TP group cannot shard, or a layout sequence sharding does not cover."""
+
+
+def check_seq(seq: int, tp: int) -> None:
+    """Refuse a sequence length that ``tp`` ranks cannot split evenly."""
+    if tp > 1 and seq % tp:
+        raise SeqShardError(f"--sequence-parallel: sequence length {seq} is not divisible by tp={tp}; "
+                            "pick a --seq divisible by tp or use --no-sequence-parallel")
+
+
+def local_seq(seq: int, tp: int, on: bool) -> int:
+    """Tokens of a sequence of ``seq`` that one TP rank holds between units (all of them when off)."""
+    if not on or tp == 1:
+        return seq
+    check_seq(seq, tp)
+    return seq // tp
 
 
 SEQ_SHARD_HELP = ("sequence parallelism inside tensor parallelism (Megatron's; not --cp): reduce-scatter and all-gather "

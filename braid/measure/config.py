@@ -16,10 +16,9 @@ from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
 )
-from braid.io.cli import add_seq_shard_arg, check_cpu_ranks, check_range, layer_count, resolve_seq_shard
+from braid.io.cli import add_seq_shard_arg, check_cpu_ranks, check_range, layer_count, local_seq, resolve_seq_shard
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
-from braid.tp.seq_shard import local_seq
 
 # Per-layer shapes from the one preset list (braid.cost.catalog), built by their family's
 # config class (braid.models.registry); the profiler's own choices are one layer

@@ -34,7 +34,7 @@ from braid.models.tied import Tie, mark, tie_of
 from braid.core.partition import chunk_specs, layer_offset
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
-from braid.tp.seq_shard import NO_SEQ_SHARD_WITH_CP, SeqShardError, check_seq
+from braid.io.cli import NO_SEQ_SHARD_WITH_CP, SeqShardError, check_seq
 
 TIED_KEY = "embed_tokens.weight"
 

@@ -12,7 +12,7 @@ from ``s*b*h*(10 + 24/t)`` to ``s*b*h*34/t`` bytes (:mod:`braid.cost.costs`).
 Not to be confused with :mod:`braid.models.sequence_parallel` (LoongTrain's 2D-Attention,
 ``--cp``), which splits every sequence over a group of its own, attention included.
 Here the option is named ``seq_shard`` in code and ``--sequence-parallel`` on the
-command line.
+command line; where it runs (and the refusals where it does not) is :mod:`braid.io.cli`.
 
 Layout: activations are ``(b, s, h)``; rank ``r`` of the TP group holds tokens
 ``[r*s/t, (r+1)*s/t)`` of every sample. The collectives run over dim 0 of a
@@ -28,17 +28,6 @@ import torch
 import torch.distributed as dist
 
 
-# Where sequence sharding does not run, in one line each (the command lines refuse with these).
-NO_SEQ_SHARD_WITH_CP = ("--sequence-parallel shards the sequence over the TP group and --cp > 1's 2D-Attention over its own "
-                        "group; the two are not combined: add --no-sequence-parallel")
-NO_SEQ_SHARD_VISION = ("--sequence-parallel covers the decoder LM's units; the vision tower and its merger keep whole "
-                       "sequences under TP: add --no-sequence-parallel for a vision-language model")
-
-
-class SeqShardError(ValueError):
-    """A sequence that the TP group cannot shard, or a layout sequence sharding does not cover."""
-
-
 class Scatter(NamedTuple):
     """A unit's request to reduce-scatter its output over the sequence: ``full`` (b, s, h),
     partial over TP; ``out`` (b, s/t, h), this rank's tokens of the sum once the work ends
@@ -47,21 +36,6 @@ class Scatter(NamedTuple):
 
     full: torch.Tensor
     out: torch.Tensor
-
-
-def check_seq(seq: int, tp: int) -> None:
-    """Refuse a sequence length that ``tp`` ranks cannot split evenly."""
-    if tp > 1 and seq % tp:
-        raise SeqShardError(f"--sequence-parallel: sequence length {seq} is not divisible by tp={tp}; "
-                            "pick a --seq divisible by tp or use --no-sequence-parallel")
-
-
-def local_seq(seq: int, tp: int, on: bool) -> int:
-    """Tokens of a sequence of ``seq`` that one TP rank holds between units (all of them when off)."""
-    if not on or tp == 1:
-        return seq
-    check_seq(seq, tp)
-    return seq // tp
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = True) -> Any:
