@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     traces = summary.pop("_traces")
     print(f"# {args.model or args.preset or 'tiny'}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
-          f"seq={pc.seq} on {summary['device']} ({pc.dtype})")
+          f"seq={pc.seq}{' sequence-parallel' if pc.seq_shard else ''} on {summary['device']} ({pc.dtype})")
     print(format_report(summary))
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=1))

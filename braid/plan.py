@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS,
                     help="; ".join(f"{m}: {describe(m)}" for m in OPTIMIZERS)
                          + " -- the examples' --optimizer; bytes per parameter: docs/training.md")
+    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                    help="rank the layouts with sequence parallelism inside TP where it runs (tp > 1, no --cp, a "
+                         "decoder LM; the examples' flag of that name) or without it (default: with)")
     ap.add_argument("--top", type=int, default=10, metavar="K", help="configurations to rank (default 10)")
     ap.add_argument("--time-budget", type=float, default=40.0, metavar="S",
                     help="seconds of simulation before the search stops with what it has (default 40)")
@@ -97,6 +100,8 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
              "--optimizer", p.optimizer]
     if p.recompute:
         args += ["--recompute", "full"]
+    if p.tp > 1 and p.cp == 1 and not vision and not p.seq_shard:  # the example's default is on there
+        args += ["--no-sequence-parallel"]
     if p.cp > 1:
         args += ["--cp", str(p.cp), "--hp", str(p.hp), "--placement", p.sp_placement]
         if p.ring:
@@ -209,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = resolve_model(args.model)
     model = model.with_(seq=args.seq) if args.seq else model
     cap = args.memory * 2**30 if args.memory else hw.memory_bytes
-    prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer)
+    prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer, args.sequence_parallel)
     res = search(prob, top=args.top, time_budget_s=args.time_budget)
     print(f"# {model.name} on {args.gpus} x {hw.name} ({args.gpus_per_node} per node), global batch {gb} x {model.seq} tokens, "
           f"cap {cap / 2**30:.1f} GiB per GPU, optimizer {args.optimizer}")

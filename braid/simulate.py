@@ -40,7 +40,7 @@ import sys
 from typing import Any, Sequence
 
 from braid.io.cli import Parser as _Parser
-from braid.io.cli import check_outputs, check_plan_size, layer_count, run_main
+from braid.io.cli import add_seq_shard_arg, check_outputs, check_plan_size, layer_count, resolve_seq_shard, run_main
 from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers,
                          read_costs)
 from braid.io.files import atomic_write_text
@@ -97,6 +97,7 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="activation recomputation of the LM layers: 'selective' re-runs the attention core and the "
                          "SwiGLU product in the backward, 'full' the whole layer before its backward, keeping only its "
                          "input (more backward time, fewer saved bytes; analytic costs)")
+    add_seq_shard_arg(ap)
     ap.add_argument("--dp", type=int, default=1,
                     help="data-parallel replicas: adds the gradient reduction (its own lane, beside the cool-down), "
                          "the optimizer step and ZeRO-1's all-gather, and the optimizer state per GPU (default 1)")
@@ -113,7 +114,8 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
 
 def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     layout = Layout(args.tp, plan.p, plan.v, plan.placement)
-    base = analytic_costs(model, hw, layout, recompute=args.recompute, last_stage_lighter=args.last_stage_lighter)
+    base = analytic_costs(model, hw, layout, recompute=args.recompute, last_stage_lighter=args.last_stage_lighter,
+                          seq_shard=args.sequence_parallel)
     if not args.costs:
         return base
     specs = {k: c.spec for k, c in base.chunks.items()}
@@ -200,7 +202,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     doc: dict[str, Any] = {"config": {"pp": args.pp, "mbs": args.mbs, "tp": args.tp, "seq": model.seq,
                                       "micro_batch_size": model.micro_batch_size, "model": model.name,
                                       "hardware": hw.name, "costs": args.costs,
-                                      "recompute": args.recompute, "dp": args.dp,
+                                      "recompute": args.recompute, "dp": args.dp, "sequence_parallel": args.sequence_parallel,
                                       "last_stage_lighter": getattr(args, "last_stage_lighter", None),
                                       "optimizer": args.optimizer or DEFAULT_OPTIMIZER}, "schedules": {}}
     dp_rows = []
@@ -365,7 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
     try:  # the model, hardware and tp on their own (one stage; an MLLM's ViT has its own), before any schedule
         model = model_from_args(args)
-        analytic_costs(model, get_hardware(args.hardware), Layout(args.tp, 1, 1 if model.vit is None else 2))
+        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=model.seq, vision=model.vit is not None)
+        analytic_costs(model, get_hardware(args.hardware), Layout(args.tp, 1, 1 if model.vit is None else 2),
+                       seq_shard=args.sequence_parallel)
     except ValueError as err:
         ap.error(str(err))
     check_plan_size(ap, args.pp, args.mbs)
@@ -435,7 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes.insert(0, shape_note)
     changed = "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in _OVERRIDES if getattr(args, k, None) is not None)
     where = f"{measured_on} (measured)" if measured_on else cfg["hardware"]
-    print(f"# {cfg['model']}{changed} on {where}: tp={cfg['tp']} pp={cfg['pp']} m={cfg['mbs']} "
+    print(f"# {cfg['model']}{changed} on {where}: tp={cfg['tp']}{' (sequence-parallel)' if cfg['sequence_parallel'] else ''} "
+          f"pp={cfg['pp']} m={cfg['mbs']} "
           f"seq={cfg['seq']} micro-batch={cfg['micro_batch_size']}" + (f" costs={cfg['costs']}" if cfg["costs"] else ""))
     if reports:
         print(format_table(reports))

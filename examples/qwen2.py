@@ -58,11 +58,11 @@ def _source(model, args):
     return CountingText(args.seq, model.cfg.vocab_size, seed=args.seed)
 
 
-def _chunks(model, plan, pp_rank, stage_layers, tp_rank, tp_size, tp_group, sp=None, seq_len=None):
+def _chunks(model, plan, pp_rank, stage_layers, tp_rank, tp_size, tp_group, sp=None, seq_len=None, seq_shard=False):
     from braid.models.build import build_rank_chunks
 
     return build_rank_chunks(model, plan, pp_rank, stage_layers, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group,
-                             sp=sp, seq_len=seq_len)
+                             sp=sp, seq_len=seq_len, seq_shard=seq_shard)
 
 
 def _flops(model, args) -> float:

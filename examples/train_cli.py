@@ -76,6 +76,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(task: Task) -> argparse.ArgumentParser:
     from braid import schedules
     from braid.baselines.torch_pp import BASELINES
+    from braid.io.cli import add_seq_shard_arg
 
     p = _Parser(prog=task.prog, description=task.description, formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog=_EPILOG.format(prog=task.prog))
@@ -95,6 +96,7 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     lay.add_argument("--hp", type=int, default=1, help="head-parallel part d_hp of --cp (default: %(default)s)")
     lay.add_argument("--ring-size", type=int, default=None,
                      help="inner ring size w of Double-Ring-Attention, dividing d_cp = cp/hp (default: one ring of d_cp)")
+    add_seq_shard_arg(lay)
     lay.add_argument("--placement", default="head_first", choices=["head_first", "context_first"],
                      help="put the head-parallel (head_first) or the context-parallel group on adjacent ranks")
     lay.add_argument("--last-stage-lighter", type=layer_count, default=None,
@@ -230,6 +232,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     """Parse and validate; raises :class:`UsageError` (every rank reaches the same verdict)."""
     from braid import schedules
     from braid.baselines.torch_pp import BASELINES
+    from braid.io.cli import resolve_seq_shard
     from braid.io.runconfig import ConfigError, config_argv
     from braid.core.topology import Topology
 
@@ -291,6 +294,9 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError(f"{torch_names[0]} runs tp x pp layouts only: use --dp 1 --cp 1 (world size = tp * pp)")
     try:
         sp = sp_config(task, args)
+        # braid's schedules (the baselines run their own TP): on at tp > 1 unless --cp > 1 or a VLM, which it does not cover
+        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=args.seq, cp=args.cp,
+                                                   vision=task.vision)
         topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
         opts = {}
         if args.offload_alpha is not None:

@@ -87,15 +87,16 @@ class BraidRunner:
 
             sp = SequenceParallel.create(sp_config(task, args), groups)
         model = setup.model
+        shard = {"seq_shard": True} if args.sequence_parallel else {}  # braid.tp.seq_shard (LM tasks only)
         self.chunks = task.build_chunks(model, plan, c.pp, run.stage_layers, c.tp, topo.tp, groups.tp if topo.tp > 1 else None,
-                                        sp=sp, seq_len=task.seq_len(model, args))
+                                        sp=sp, seq_len=task.seq_len(model, args), **shard)
         for ch in self.chunks.values():
             ch.to(device=device, dtype=dtype)
             if hasattr(ch, "set_recompute"):  # the LM chunks (the VLM's vision chunk keeps its activations)
                 ch.set_recompute(args.recompute)
         seq = task.seq_len(model, args)
         hidden = model.cfg.lm.hidden if hasattr(model.cfg, "lm") else model.cfg.hidden
-        local_seq = sp.local_len(seq) if sp is not None else seq
+        local_seq = sp.local_len(seq) if sp is not None else seq // topo.tp if args.sequence_parallel else seq
         self.ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], self.chunks, groups, d.abort,
                                        act_shape=(args.micro_batch_size, local_seq, hidden), dtype=dtype, device=device,
                                        compile=args.compile)

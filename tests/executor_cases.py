@@ -171,7 +171,7 @@ def _check_carried_overlap(program, chunks, trace, where: str) -> None:
 
 def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
                 compile: bool | None = None, tp_backend: str | None = None, recompute: str = "none",
-                stage_layers: dict[int, tuple[float, ...]] | None = None) -> list[tuple[str, int, dict]]:
+                stage_layers: dict[int, tuple[float, ...]] | None = None, seq_shard: bool = False) -> list[tuple[str, int, dict]]:
     """Run each (schedule, m) for two AdamW steps and compare with the single-process reference:
     the loss of each step, every gradient before the first optimizer step and every parameter
     after the last, within :func:`reference_error.bound` (float64 on CPU, float32 against a
@@ -179,7 +179,8 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
     ``tp_backend``: run the TP all-reduces through this :mod:`braid.tp.comm` backend, over a TP
     group created with its options, instead of the groups' default; ``recompute``: the chunks'
     recomputation mode; ``stage_layers``: the layout per number of virtual stages (half layers
-    allowed) instead of the default split. The counts returned carry ``peak_bytes``: the rank's
+    allowed) instead of the default split; ``seq_shard``: sequence parallelism inside TP
+    (:mod:`braid.tp.seq_shard`). The counts returned carry ``peak_bytes``: the rank's
     peak of the first step's memory series."""
     from braid import schedules
     from braid.core.braiding import carries
@@ -196,10 +197,13 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
     groups = ctx.process_groups(topo)
     c = groups.coords
     ran = []
-    for entry in schedules_ms:  # (name, m), or (name, m, plan as JSON) for a plan made elsewhere (e.g. tuned)
+    for entry in schedules_ms:
+        # (name, m), or (name, m, plan as JSON or None, seq_shard): a plan made elsewhere (e.g. tuned), sequence sharding per run
         name, m = entry[0], entry[1]
+        plan_json = entry[2] if len(entry) > 2 else None
+        sharded = entry[3] if len(entry) > 3 else seq_shard
         try:
-            plan = schedules.build(name, pp, m) if len(entry) == 2 else Plan.from_json(entry[2])
+            plan = schedules.build(name, pp, m) if plan_json is None else Plan.from_json(plan_json)
         except ValueError:
             continue
         stages = plan.num_stages
@@ -217,16 +221,17 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
             raise AssertionError("cases use dp=1")
         ref = Reference.run(model, steps_data)
         program = compile_plan(plan)[c.pp]
-        chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+        chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, seq_shard=sharded)
         for ch in chunks.values():
             ch.set_recompute(recompute)
         shard = lambda whole: build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)  # noqa: E731
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         kw = {} if tp_backend is None else {"tp_comm": _tp_comm(ctx, groups, tp_backend)}
-        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, SEQ, cfg.hidden), device=dev,
+        seq = SEQ // tp if sharded else SEQ
+        ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, seq, cfg.hidden), device=dev,
                                   dtype=dtype, compile=compile, **kw)
-        where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} "
+        where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} seq_shard={sharded} "
                  f"tp_backend={tp_backend or groups.tp_backend}")
         for step, (toks, labs) in enumerate(steps_data):
             opt.zero_grad(set_to_none=True)
@@ -250,7 +255,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
                     assert res.counts["chained"] == chained, f"{where}: {res.counts['chained']} chained runs, expected {chained}"
             opt.step()
         ref.check_params(chunks, shard, where)
-        ran.append((name, m, dict(res.counts, peak_bytes=peak)))
+        ran.append((name, m, dict(res.counts, peak_bytes=peak, seq_shard=sharded)))
     return ran
 
 
@@ -367,3 +372,37 @@ def record_modes(ctx, tp: int) -> dict:
     except ValueError as err:
         out["bad_init"] = str(err)
     return out
+
+
+def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
+    """One layer's forward at tp=2 (fp32), unit by unit: the bytes each unit keeps (``live_bytes``) and what
+    ``analytic_costs(..., activations="runtime")`` charges it, with or without sequence sharding."""
+    from braid.core.braiding import LAYER_UNITS, AR_FORWARD, ChunkSpec, Phase, UnitTask
+    from braid.cost.catalog import ModelConfig
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.hardware import get_hardware
+    from braid.core.topology import Topology
+    from braid.models.build import build_chunk
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.tp.seq_shard import reduce_now
+
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=1, tp=2))
+    b, s, t = MBS, SEQ, 2
+    cfg = Qwen2Config(layers=1, **CFG_KW)
+    torch.manual_seed(0)
+    ch = build_chunk(Qwen2Model(cfg), ChunkSpec(1), 0, tp_rank=groups.coords.tp, tp_size=t, tp_group=groups.tp, seq_shard=shard)
+    toks, labs = _data(cfg, 1, 0)
+    ch.set_batch(toks, labs)
+    ch.set_input(0, torch.randn(b, s // t if shard else s, cfg.hidden))
+    kept = {}
+    for unit in LAYER_UNITS:
+        before = ch.live_bytes()
+        out = ch.run(0, UnitTask(Phase.F, unit, 0, unit in AR_FORWARD))
+        if out is not None:
+            reduce_now(out, groups.tp)
+        kept[unit.value] = ch.live_bytes() - before
+    model = ModelConfig("t", layers=2, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab_size,
+                        seq=s, micro_batch_size=b, dtype_bytes=4)
+    units = analytic_costs(model, get_hardware("h200"), Layout(t, 2, 1, "loop"), activations="runtime",
+                           seq_shard=shard).chunks[(0, 0)].units
+    return kept, {u.value: units[u].act for u in LAYER_UNITS}

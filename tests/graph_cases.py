@@ -16,7 +16,8 @@ import torch
 from executor_cases import CFG_KW, EPS, LR, MBS, SEQ, _data
 
 
-def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int = 1234, cp: int = 1):
+def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int = 1234, seq_shard: bool = False,
+           cp: int = 1):
     from braid.core.compiler import compile_plan
     from braid.core.topology import Topology
     from braid.models.build import build_rank_chunks
@@ -36,8 +37,10 @@ def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int 
     cfg = Qwen2Config(layers=int(sum(layers)), **CFG_KW)
     torch.manual_seed(seed)
     model = Qwen2Model(cfg).to(ctx.dist.device)
-    chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, sp=sp, seq_len=SEQ)
+    chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, sp=sp, seq_len=SEQ,
+                               seq_shard=seq_shard)
     local = SEQ if sp is None else sp.local_len(SEQ)
+    local = local // tp if seq_shard and tp > 1 else local
     ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, local, cfg.hidden),
                               device=ctx.dist.device, compile=compile, record="off")
     return cfg, chunks, ex
@@ -55,10 +58,11 @@ def _first_difference(a: dict, b: dict) -> str | None:
 
 def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict]], replays: int = 3,
                           compile: bool | None = False, stage_layers: dict[int, tuple[float, ...]] | None = None,
-                          cp: int = 1) -> list[dict]:
+                          seq_shard: bool = False, cp: int = 1) -> list[dict]:
     """For each (schedule, m, schedule options): eager and graphed training from the same weights,
     ``WARMUP_STEPS + 1 + replays`` steps of different micro-batches, compared bitwise every step.
-    ``stage_layers``: the layout per number of virtual stages (half layers allowed) instead of the default.
+    ``stage_layers``: the layout per number of virtual stages (half layers allowed) instead of the default;
+    ``seq_shard``: sequence parallelism inside TP (:mod:`braid.tp.seq_shard`); ``cp``: 2D-Attention over ``cp`` ranks.
 
     Returns per run what the graphed step reported (its step-by-step events and memory figures)."""
     from braid import schedules
@@ -72,8 +76,8 @@ def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict
         layers = split_layers(2 * stages - 1, stages) if stages > 1 else (2,)
         if stage_layers is not None:
             layers = stage_layers[stages]
-        cfg, chunks_e, ex_e = _build(ctx, plan, pp, tp, layers, compile, cp=cp)
-        _, chunks_g, ex_g = _build(ctx, plan, pp, tp, layers, compile, cp=cp)
+        cfg, chunks_e, ex_e = _build(ctx, plan, pp, tp, layers, compile, seq_shard=seq_shard, cp=cp)
+        _, chunks_g, ex_g = _build(ctx, plan, pp, tp, layers, compile, seq_shard=seq_shard, cp=cp)
         runner = GraphedStep(ex_g)
         params_e = {f"{c}.{n}": p for c, ch in chunks_e.items() for n, p in ch.named_parameters()}
         params_g = {f"{c}.{n}": p for c, ch in chunks_g.items() for n, p in ch.named_parameters()}

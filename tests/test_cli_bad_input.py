@@ -47,6 +47,7 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
     "simulate-budget-nan": (["braid.simulate", "--offload-budget", "nan"], {}, "--offload-budget"),
     "simulate-alpha": (["braid.simulate", "--offload-alpha", "2"], {}, "--offload-alpha"),
     "simulate-model": (["braid.simulate", "--model", "nope"], {}, "unknown model 'nope'"),
+    "simulate-seq-parallel-odd-seq": (["braid.simulate", "--seq", "4095", "--sequence-parallel"], {}, "not divisible by tp=2"),
     "simulate-unknown-flag": (["braid.simulate", "--bogus"], {}, "unrecognized arguments"),
     "simulate-json-dir-missing": (["braid.simulate", "--json", "missing/r.json"], {}, "does not exist"),
     "simulate-json-is-dir": (["braid.simulate", "--json", "."], {}, "is a directory"),

@@ -5,7 +5,9 @@ layout (pp, tp) and m in {p, p+1, 2p+1} (those the schedule accepts; p+1 and 2p+
 multiples of p): loss, every gradient, and the parameters after two AdamW steps must equal
 the single-device model with the same seed and data, in float64, within the rounding bound
 of ``reference_error``. Braided blocks, W units and all-reduces are counted
-from the executed run and compared with the program.
+from the executed run and compared with the program. At tp > 1 the runs of each schedule
+alternate between sequence parallelism inside TP (:mod:`braid.tp.seq_shard`; its first, third
+accepted m) and the plain all-reduces, so both run every path without running twice.
 """
 
 from __future__ import annotations
@@ -25,12 +27,28 @@ MUST_RUN = {("gpipe", "p"), ("gpipe", "p+1"), ("gpipe", "2p+1"), ("1f1b", "p"), 
             ("zb_h1", "p+1"), ("zb_h1", "2p+1"), ("zb_v", "p+1"), ("braided_v", "2p+1")}
 
 
+def _accepted(name: str, pp: int, ms) -> list[int]:
+    out = []
+    for m in ms:
+        try:
+            schedules.build(name, pp, m)
+        except ValueError:
+            continue
+        out.append(m)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,tp", LAYOUTS, ids=[f"pp{p}-tp{t}" for p, t in LAYOUTS])
 def test_schedules_match_reference(pools, pp: int, tp: int) -> None:
-    combos = [(name, m_of(pp)) for name in schedules.names() for m_of in M_OF_P.values()]
+    combos = [(name, m, None, tp > 1 and k % 2 == 0) for name in schedules.names()
+              for k, m in enumerate(_accepted(name, pp, [m_of(pp) for m_of in M_OF_P.values()]))]
     ran_by_rank = pools(pp * tp).run(cases.equivalence, pp, tp, combos, timeout_s=400)
     ran = {(n, m) for n, m, _ in ran_by_rank[0]}
+    if tp > 1:  # every schedule ran sequence-sharded, m not a multiple of p among them; the plain path too
+        shard = {(n, m) for n, m, c in ran_by_rank[0] if c["seq_shard"]}
+        assert {n for n, _ in shard} == set(schedules.names()) and (pp == 1 or any(m % pp for _, m in shard))
+        assert len(shard) < len(ran)
     for name, which in MUST_RUN:
         m = M_OF_P[which](pp)
         assert (name, m) in ran, f"{name} m={m} did not run at pp={pp} tp={tp}; ran: {sorted(ran)}"
@@ -109,7 +127,8 @@ HALVES = {1: (2,), 2: (1.5, 1.5), 4: (1.5, 0.5, 1.5, 0.5)}
 
 @pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)], ids=["pp2-tp1-fused", "pp2-tp2-cut"])
 def test_half_layer_stages_match_reference(pools, pp: int, tp: int) -> None:
-    combos = [(name, 2 * pp + 1) for name in schedules.names()]
+    # at tp=2 every other schedule sequence-sharded: a stage then ends on the attention half's reduce-scatter
+    combos = [(name, 2 * pp + 1, None, tp > 1 and k % 2 == 0) for k, name in enumerate(schedules.names())]
     ran_by_rank = pools(pp * tp).run(cases.equivalence, pp, tp, combos, None, None, "none", HALVES, timeout_s=400)
     ran = {n for n, _, _ in ran_by_rank[0]}
     assert {"1f1b", "zb_v", "braided_v", "dualpipe_v"} <= ran, sorted(ran)
@@ -129,3 +148,25 @@ def test_braid_choices_match_reference(pools, name: str) -> None:
     for rank_ran in ran_by_rank:
         assert [(n, mm) for n, mm, _ in rank_ran] == [(name, m)]
         assert rank_ran[0][2]["braided"] > 0 and rank_ran[0][2]["AR"] > 0
+
+
+def test_sequence_parallel_matches_reference_and_saves_activations(pools) -> None:
+    # Sequence parallelism inside TP (braid.tp.seq_shard) at tp=2, with and without recomputation:
+    # the reference's loss, gradients and parameters, the same count of reductions as the
+    # all-reduce path, and a lower measured peak of saved activations than that path.
+    pool = pools(2)
+    plain, = pool.run(cases.equivalence, 1, 2, [("braided_v", 3)], timeout_s=120)[:1]
+    for recompute in ("none", "full"):
+        for rank, got in enumerate(pool.run(cases.equivalence, 1, 2, [("braided_v", 3)], None, None, recompute, None, True,
+                                            timeout_s=120)):
+            (_, _, c), = got
+            assert c["seq_shard"] and c["braided"] > 0 and c["AR"] == plain[0][2]["AR"], (rank, recompute, c)
+            if recompute == "none" and rank == 0:
+                assert c["peak_bytes"] < plain[0][2]["peak_bytes"], (c["peak_bytes"], plain[0][2]["peak_bytes"])
+    # What sharding saves per unit is what the cost model's runtime count takes off (the norms' and the
+    # column-parallel inputs' bytes over t; the attention and MLP cores keep theirs).
+    (kept0, model0), _ = pool.run(cases.seq_shard_saved_bytes, False, timeout_s=60)
+    (kept1, model1), _ = pool.run(cases.seq_shard_saved_bytes, True, timeout_s=60)
+    for unit in kept0:
+        assert kept0[unit] - kept1[unit] == model0[unit] - model1[unit], (unit, kept0, kept1, model0, model1)
+    assert kept1["pre_attn"] < kept0["pre_attn"] and kept1["attn"] == kept0["attn"]

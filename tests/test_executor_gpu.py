@@ -27,6 +27,17 @@ def test_two_gpus_match_reference(gpu_pools, pp: int, tp: int) -> None:
     assert {(n, m) for n, m, _ in ran[0]} == set(combos)
 
 
+def test_two_gpus_sequence_parallel_matches_reference(gpu_pools) -> None:
+    """Sequence parallelism inside TP at tp=2 on NCCL (braid.tp.seq_shard): reduce-scatters, the unit heads
+    run on the executor's side stream after them (braid.runtime.follow), all-gathers in flight beside the
+    partner's units, saved inputs gathered again in the backward; with full recomputation too."""
+    combos = [("1f1b", 3), ("zb_h1", 3), ("braided_v", 3), ("dualpipe_v", 3)]
+    ran = gpu_pools(2).run(cases.equivalence, 1, 2, combos, False, None, "none", None, True, timeout_s=GPU_RUN_S)
+    assert {(n, m) for n, m, _ in ran[0]} == set(combos) and all(c["seq_shard"] for _, _, c in ran[0])
+    ran = gpu_pools(2).run(cases.equivalence, 1, 2, [("braided_v", 3)], False, None, "full", None, True, timeout_s=GPU_RUN_S)
+    assert [(n, m) for n, m, _ in ran[0]] == [("braided_v", 3)]
+
+
 @pytest.mark.timeout(3 * GPU_TEST_S)
 def test_two_gpus_compiled_units_match_reference(gpu_pools) -> None:
     """Compiled units (Triton) at tp=2: all-reduces in place on compiled outputs. Its limit allows a

@@ -52,6 +52,13 @@ def test_graphed_half_layer_stages_equal_eager_bitwise(pool) -> None:
     _check(got, len(runs))
 
 
+def test_graphed_sequence_parallel_equals_eager_bitwise(pool) -> None:
+    """Sequence parallelism inside TP at tp=2 (braid.tp.seq_shard): reduce-scatters, unit heads on the
+    executor's side stream (braid.runtime.follow), all-gathers in flight, inside the graph."""
+    runs = [(name, 3, {}) for name in V_SCHEDULES]
+    _check(pool.run(cases.graphed_matches_eager, 1, 2, runs, 3, False, None, True, timeout_s=GPU_RUN_S), len(runs))
+
+
 def test_graphed_offload_equals_eager_bitwise(pool) -> None:
     """braided_v with activation offload at pp=2: D2H/H2D copies on their streams inside the graph."""
     runs = [("braided_v_offload", 5, {"offload_alpha": 0.5, "offload_alpha_warmup": 0.5})]
@@ -116,4 +123,4 @@ def test_graphed_2d_attention_equals_eager_bitwise(pool) -> None:
     """cp=2 (2D-Attention: one ring of two ranks, each holding its zigzag share of every sequence): the
     ring's P2P, the loss sum over the SP group and the sharded positions replay like eager."""
     runs = [(name, 3, {}) for name in ("braided_v", "1f1b")]
-    _check(pool.run(cases.graphed_matches_eager, 1, 1, runs, 3, False, None, 2, timeout_s=GPU_RUN_S), len(runs))
+    _check(pool.run(cases.graphed_matches_eager, 1, 1, runs, 3, False, None, False, 2, timeout_s=GPU_RUN_S), len(runs))

@@ -102,6 +102,7 @@ class Parallel:
     micro_batch_size: int = 1
     recompute: bool = False
     optimizer: OptimizerMode = DEFAULT_OPTIMIZER
+    seq_shard: bool = False  # sequence parallelism inside TP (braid.tp.seq_shard; the examples' --sequence-parallel)
 
     def __post_init__(self) -> None:
         mode_bytes(self.optimizer, 2)  # an unknown mode: ValueError naming the valid ones
@@ -132,9 +133,9 @@ def job_costs(model: ModelConfig, cluster: Cluster, par: Parallel, layout: Layou
     local = model.with_(seq=model.seq // par.cp, micro_batch_size=par.micro_batch_size)
     tp_bw, tp_lat = cluster._link(1, t)
     base = analytic_costs(local, replace(hw, ar_bus_bytes_per_s=tp_bw, ar_latency_s=tp_lat), layout,
-                          last_stage_lighter=last_stage_lighter)
+                          last_stage_lighter=last_stage_lighter, seq_shard=par.seq_shard)
     lm = _lm_units(base, local, model.seq, cluster, par)
-    boundary = local.tokens * model.hidden * d
+    boundary = local.tokens * model.hidden * d / (t if par.seq_shard else 1)
     chunks = {}
     for (r, c), cc in base.chunks.items():
         units = dict(cc.units)

@@ -38,8 +38,10 @@ from braid.cost.hardware import Hardware
 from braid.core.ir import Placement
 from braid.cost.catalog import ModelConfig
 from braid.core.partition import chunk_specs, split_layers, whole_layers
-from braid.cost.recompute_costs import full_recompute
+from braid.cost.recompute_costs import full_recompute, selective_recompute
+from braid.cost.seq_shard_costs import KORTHIKANTI_ACT, seq_shard_units
 from braid.io.inputs import InputFileError, read_json
+from braid.io.cli import NO_SEQ_SHARD_VISION
 
 AR_SLOWDOWN = 1.075  # paper Appendix F: a GEMM overlapped with an all-reduce runs ~7.5% slower
 ATTN_BWD_FACTOR = 2.0
@@ -184,13 +186,14 @@ def _layer_units(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: 
     f_up = 2 * tokens * h * ffn * (2 if gated else 1) / t
     f_down = 2 * tokens * ffn * h / t
     sbh = tokens * h * dtype / 2  # Korthikanti's coefficients are bf16 bytes per s*b*h
+    act = lambda u: sbh * (KORTHIKANTI_ACT[u][0] + KORTHIKANTI_ACT[u][1] / t)  # noqa: E731
     return {
-        Unit.PRE_ATTN: UnitCost(mm(f_qkv), mm(f_qkv), mm(f_qkv), 0.0, ar, 4 * sbh, sbh * (2 + 2 * qkv_out / h / t)),
+        Unit.PRE_ATTN: UnitCost(mm(f_qkv), mm(f_qkv), mm(f_qkv), 0.0, ar, act(Unit.PRE_ATTN), sbh * (2 + 2 * qkv_out / h / t)),
         Unit.ATTN: UnitCost(f_core / hw.attn_flops + mm(f_oproj), ATTN_BWD_FACTOR * f_core / hw.attn_flops + mm(f_oproj),
-                            mm(f_oproj), ar, 0.0, sbh * (1 + 8 / t), sbh * (2 / t + 2)),
-        Unit.PRE_MLP: UnitCost(mm(f_up), mm(f_up), mm(f_up), 0.0, ar, 4 * sbh,
+                            mm(f_oproj), ar, 0.0, act(Unit.ATTN), sbh * (2 / t + 2)),
+        Unit.PRE_MLP: UnitCost(mm(f_up), mm(f_up), mm(f_up), 0.0, ar, act(Unit.PRE_MLP),
                                sbh * (2 + 2 * ffn * (2 if gated else 1) / h / t)),
-        Unit.MLP: UnitCost(mm(f_down), mm(f_down), mm(f_down), ar, 0.0, sbh * (1 + 16 / t), sbh * (2 * ffn / h / t + 2)),
+        Unit.MLP: UnitCost(mm(f_down), mm(f_down), mm(f_down), ar, 0.0, act(Unit.MLP), sbh * (2 * ffn / h / t + 2)),
     }
 
 
@@ -225,33 +228,6 @@ def eager_loss_workspace(tokens: int, vocab_t: int, d: int) -> float:
     in the head's backward: the forward's peak. Compiled (tp=1) the loss is fused; none is counted."""
     c = max(d, 4)  # the loss computes in fp32 (fp64 for an fp64 model)
     return float(tokens * vocab_t * (d + (c if d < c else 0) + c))
-
-
-def selective_recompute(units: Mapping[Unit, UnitCost], tokens: int, seq: int, h: int, heads: int, ffn: int, t: int, d: int,
-                        hw: Hardware, activations: str = "runtime") -> dict[Unit, UnitCost]:
-    """LM layer units under selective recomputation (:mod:`braid.models.recompute`): the attention
-    core and the SwiGLU product run their forward again inside the backward, and keep only their inputs.
-
-    Attn: ``b`` grows by the core's forward time; its saved bytes lose the flash-attention
-    log-sum-exp (fp32 per head and token) -- q, k, v and the output are kept either way (the
-    output is the out-projection's input). MLP: ``b`` grows by the elementwise
-    ``silu(gate) * up`` (a few FLOPs per element, at matmul speed here: a small term); its
-    saved bytes lose ``silu(gate)``.
-
-    With ``activations="korthikanti"`` the saved bytes follow that formula's terms instead:
-    it already assumes flash attention (no softmax term), so Attn keeps its bytes, and the
-    MLP loses a quarter of its ffn-wide term (one of SwiGLU's four ffn-wide tensors).
-    """
-    f_core = 4 * tokens * seq * (h // heads) * heads / t * 0.5  # causal
-    attn, mlp = units[Unit.ATTN], units[Unit.MLP]
-    if activations == "runtime":
-        attn_saved, mlp_saved = tokens * 4 * heads / t, tokens * ffn / t * d
-    else:
-        attn_saved, mlp_saved = 0.0, tokens * h * d / 2 * 16 / t / 4
-    out = dict(units)
-    out[Unit.ATTN] = replace(attn, b=attn.b + f_core / hw.attn_flops, act=max(0.0, attn.act - attn_saved))
-    out[Unit.MLP] = replace(mlp, b=mlp.b + 5 * tokens * ffn / t / hw.matmul_flops, act=max(0.0, mlp.act - mlp_saved))
-    return out
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -320,7 +296,7 @@ def _split(model: ModelConfig, n: int, lighter: float) -> tuple[float, ...]:
 
 def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown: float = AR_SLOWDOWN,
                    activations: Literal["korthikanti", "runtime"] = "korthikanti", recompute: str = "none",
-                   compiled: bool = True, last_stage_lighter: float | None = None) -> CostModel:
+                   compiled: bool = True, last_stage_lighter: float | None = None, seq_shard: bool = False) -> CostModel:
     """The analytic cost model of ``model`` on ``hw`` under ``layout`` (see module doc).
 
     ``activations``: how the LM units' (and the head's, embedding's) saved bytes are
@@ -332,7 +308,11 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     executor compiles its unit functions (its default on CUDA); with ``"runtime"`` the head's
     workspace is :func:`eager_loss_workspace` unless the loss runs compiled (tp=1).
     ``last_stage_lighter``: the layer split's (:func:`model_stage_layers`; None: the paper's).
+    ``seq_shard``: sequence parallelism inside TP (:func:`seq_shard_units`; no effect at tp=1;
+    the LM only: a vision-language model is refused, as the runtime refuses it).
     """
+    if seq_shard and model.vit is not None and layout.tp > 1:
+        raise ValueError(NO_SEQ_SHARD_VISION)
     if activations not in ("korthikanti", "runtime"):
         raise ValueError(f"activations must be 'korthikanti' or 'runtime', got {activations!r}")
     if recompute not in RECOMPUTE_MODES:
@@ -359,6 +339,9 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + 4 * model.vocab // t + 11),
                        tmp=0.0 if compiled and t == 1 else eager_loss_workspace(tok, model.vocab // t, d))
         embed = replace(embed, act=tok * 9)  # shifted token ids and the shard mask
+    shard = seq_shard and t > 1
+    if shard:
+        lm, head, embed = seq_shard_units(lm, head, embed, tok, h, t, d, hw, activations == "runtime")
     layer_act = sum(u.act for u in lm.values())  # M_a counts the layer without recomputation (a fixed yardstick)
     if recompute == "selective":
         lm = selective_recompute(lm, tok, model.seq, h, model.heads, model.ffn, t, d, hw, activations)
@@ -378,7 +361,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         mtok, wide = vtok // v.merge ** 2, v.hidden * v.merge ** 2
         f_merge = 2 * mtok * (wide * wide + wide * h) / t / hw.matmul_flops
         merge = UnitCost(f_merge, f_merge, f_merge, ar_lm, ar_v, mtok * wide * d * (2 + 2 / t), mtok * wide * d * (1 + 1 / t))
-    p2p = hw.p2p_latency_s + tok * h * d / hw.p2p_bytes_per_s
+    p2p = hw.p2p_latency_s + tok * h * d / (t if shard else 1) / hw.p2p_bytes_per_s
     chunks = {}
     for key, spec in specs.items():
         units = dict(vit_units if (vit_units is not None and spec.embed) else lm)

@@ -1,7 +1,6 @@
-"""The cost transform of full recomputation (:mod:`braid.models.full_recompute`), shared by the
-analytic cost model (:func:`braid.cost.costs.analytic_costs`), the simulator and the planner.
-
-Selective recomputation's transform is :func:`braid.cost.costs.selective_recompute`.
+"""The cost transforms of recomputation, shared by the analytic cost model
+(:func:`braid.cost.costs.analytic_costs`), the simulator and the planner: full
+(:mod:`braid.models.full_recompute`) and selective (:mod:`braid.models.recompute`).
 """
 
 from __future__ import annotations
@@ -31,3 +30,30 @@ def full_recompute(units: Mapping[Unit, Any], layer_input_bytes: float) -> dict[
     mlp = out[Unit.MLP]
     out[Unit.MLP] = replace(mlp, b=mlp.b + rerun_s, tmp=max(mlp.tmp, rerun_bytes))
     return {**units, **out}
+
+
+def selective_recompute(units: Mapping[Unit, Any], tokens: int, seq: int, h: int, heads: int, ffn: int, t: int, d: int,
+                        hw: Any, activations: str = "runtime") -> dict[Unit, Any]:
+    """LM layer units under selective recomputation (:mod:`braid.models.recompute`): the attention
+    core and the SwiGLU product run their forward again inside the backward, and keep only their inputs.
+
+    Attn: ``b`` grows by the core's forward time; its saved bytes lose the flash-attention
+    log-sum-exp (fp32 per head and token) -- q, k, v and the output are kept either way (the
+    output is the out-projection's input). MLP: ``b`` grows by the elementwise
+    ``silu(gate) * up`` (a few FLOPs per element, at matmul speed here: a small term); its
+    saved bytes lose ``silu(gate)``.
+
+    With ``activations="korthikanti"`` the saved bytes follow that formula's terms instead:
+    it already assumes flash attention (no softmax term), so Attn keeps its bytes, and the
+    MLP loses a quarter of its ffn-wide term (one of SwiGLU's four ffn-wide tensors).
+    """
+    f_core = 4 * tokens * seq * (h // heads) * heads / t * 0.5  # causal
+    attn, mlp = units[Unit.ATTN], units[Unit.MLP]
+    if activations == "runtime":
+        attn_saved, mlp_saved = tokens * 4 * heads / t, tokens * ffn / t * d
+    else:
+        attn_saved, mlp_saved = 0.0, tokens * h * d / 2 * 16 / t / 4
+    out = dict(units)
+    out[Unit.ATTN] = replace(attn, b=attn.b + f_core / hw.attn_flops, act=max(0.0, attn.act - attn_saved))
+    out[Unit.MLP] = replace(mlp, b=mlp.b + 5 * tokens * ffn / t / hw.matmul_flops, act=max(0.0, mlp.act - mlp_saved))
+    return out

@@ -5,6 +5,9 @@ paths checked before the work, quiet ends when the reader of stdout goes away.
   (``prog: error: ...``, exit 2) instead of the usage block.
 * :func:`check_outputs` -- :func:`braid.io.files.check_output_path` on every output argument
   before any work; a bad one is a parser error.
+* ``--sequence-parallel`` (:func:`add_seq_shard_arg`, :func:`resolve_seq_shard`) -- where
+  sequence parallelism inside TP (:mod:`braid.tp.seq_shard`) runs, and one-line refusals where
+  it does not (also read by the chunk builder and the cost model).
 * :func:`run_main` -- runs a ``main(argv) -> int`` so that ``python -m braid.programs ... |
   head`` ends quietly (exit 0) instead of in a ``BrokenPipeError`` traceback.
 """
@@ -112,6 +115,59 @@ def check_cpu_ranks(ap: argparse.ArgumentParser, world: int) -> None:
     """A parser error for a CPU run that would spawn more than :data:`MAX_CPU_RANKS` processes."""
     if world > MAX_CPU_RANKS:
         ap.error(f"tp x pp = {world} ranks on the CPU: at most {MAX_CPU_RANKS} processes (one per rank); lower --tp/--pp")
+
+
+# Where sequence sharding does not run, in one line each (the command lines refuse with these).
+NO_SEQ_SHARD_WITH_CP = ("--sequence-parallel shards the sequence over the TP group and --cp > 1's 2D-Attention over its own "
+                        "group; the two are not combined: add --no-sequence-parallel")
+NO_SEQ_SHARD_VISION = ("--sequence-parallel covers the decoder LM's units; the vision tower and its merger keep whole "
+                       "sequences under TP: add --no-sequence-parallel for a vision-language model")
+
+
+class SeqShardError(ValueError):
+    """A sequence that the TP group cannot shard, or a layout sequence sharding does not cover."""
+
+
+def check_seq(seq: int, tp: int) -> None:
+    """Refuse a sequence length that ``tp`` ranks cannot split evenly."""
+    if tp > 1 and seq % tp:
+        raise SeqShardError(f"--sequence-parallel: sequence length {seq} is not divisible by tp={tp}; "
+                            "pick a --seq divisible by tp or use --no-sequence-parallel")
+
+
+def local_seq(seq: int, tp: int, on: bool) -> int:
+    """Tokens of a sequence of ``seq`` that one TP rank holds between units (all of them when off)."""
+    if not on or tp == 1:
+        return seq
+    check_seq(seq, tp)
+    return seq // tp
+
+
+SEQ_SHARD_HELP = ("sequence parallelism inside tensor parallelism (Megatron's; not --cp): reduce-scatter and all-gather "
+                  "over the sequence where TP all-reduces, norms and residual on s/t tokens, a layer's activations "
+                  "34/t instead of 10 + 24/t bytes per s*b*h. Default: on at --tp > 1 (off with --cp > 1, a "
+                  "vision-language model, which it does not cover, or a sequence --tp does not divide)")
+
+
+def add_seq_shard_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--sequence-parallel`` / ``--no-sequence-parallel`` (default None: :func:`resolve_seq_shard` decides)."""
+    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help=SEQ_SHARD_HELP)
+
+
+def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp: int = 1, vision: bool = False) -> bool:
+    """Whether a run shards the sequence over TP (:mod:`braid.tp.seq_shard`): ``flag``, or where it
+    is None, on at ``tp > 1`` unless ``cp > 1``, ``vision`` or a ``seq`` that ``tp`` does not divide;
+    no effect at tp=1. An explicit ``True`` where it cannot run raises
+    :class:`~braid.tp.seq_shard.SeqShardError`, a one-line refusal."""
+    if flag is None:
+        return tp > 1 and cp == 1 and not vision and (seq is None or seq % tp == 0)
+    if flag and tp > 1 and cp > 1:
+        raise SeqShardError(NO_SEQ_SHARD_WITH_CP)
+    if flag and tp > 1 and vision:
+        raise SeqShardError(NO_SEQ_SHARD_VISION)
+    if flag and seq is not None:
+        check_seq(seq, tp)
+    return flag and tp > 1
 
 
 def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
 )
-from braid.io.cli import check_cpu_ranks, check_range, layer_count
+from braid.io.cli import add_seq_shard_arg, check_cpu_ranks, check_range, layer_count, local_seq, resolve_seq_shard
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
 
@@ -54,6 +54,7 @@ class ProfileConfig:
     peak_flops: float = 0.0
     compile: bool | None = None  # compiled units (:mod:`braid.runtime.compiled`); None: on with CUDA
     tp_backend: str = "auto"  # braid.tp.comm backend, or "all": measure each and pick the best
+    seq_shard: bool = False  # sequence parallelism inside TP (braid.tp.seq_shard; --sequence-parallel, on at tp > 1)
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
@@ -71,6 +72,7 @@ class ProfileConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.seq < 1 or self.micro_batch_size < 1 or self.iters < 1 or self.warmup < 0:
             raise ValueError("seq, micro_batch_size and iters must be >= 1 and warmup >= 0")
+        local_seq(self.seq, self.tp, self.seq_shard)  # a sequence the TP ranks cannot split: one clear error
         for what, n in (("heads", self.model.heads), ("KV heads", self.model.kv_heads), ("ffn", self.model.ffn),
                         ("vocab", self.model.vocab_size)):
             if n % self.tp:
@@ -114,7 +116,8 @@ class ProfileConfig:
                                       dtype=DTYPES[self.dtype]))
 
     def act_shape(self) -> tuple[int, int, int]:
-        return (self.micro_batch_size, self.seq, self.model.hidden)
+        """The tensor between stages: (micro-batch size, this rank's tokens, hidden)."""
+        return (self.micro_batch_size, local_seq(self.seq, self.tp, self.seq_shard), self.model.hidden)
 
 
 def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan: Plan | None = None,
@@ -128,7 +131,7 @@ def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan:
     model = pc.build_model() if model is None else model
     tp_group = groups.tp if pc.tp > 1 else None
     chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
-                               tp_size=pc.tp, tp_group=tp_group)
+                               tp_size=pc.tp, tp_group=tp_group, seq_shard=pc.seq_shard)
     from braid.runtime.compiled import resolve, set_compiled
 
     set_compiled(chunks.values(), resolve(pc.compile, dev))  # units timed as the executor runs them
@@ -169,6 +172,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                          "or 'all': measure each available one alone and beside a GEMM and use the best (default auto)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
+    add_seq_shard_arg(ap)
 
 
 def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, placement: Placement = "v") -> ProfileConfig:
@@ -210,7 +214,8 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         peak = args.peak_flops if args.peak_flops is not None else (989e12 if device == "cuda" else 0.0)
         return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
-                             device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend)
+                             device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend,
+                             resolve_seq_shard(args.sequence_parallel, args.tp, seq=args.seq))
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
+from braid.tp.seq_shard import reduce_now
 from braid.core.ir import OpKind, stage_of
 from braid.core.partition import chunk_specs
 from braid.cost.costs import (
@@ -131,7 +132,7 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
     times: dict[tuple[str, str, int], list[float]] = {}
     mem: dict[tuple[str, str, int], int] = {}
     work: dict[tuple[str, str, int], int] = {}
-    ar = lambda out, task: dist.all_reduce(out, group=tp_group) if (task.ar and out is not None and tp_group is not None) else None  # noqa: E731
+    ar = lambda out, task: reduce_now(out, tp_group) if (task.ar and out is not None and tp_group is not None) else None  # noqa: E731
     host: list[float] = []
     host_ph: dict[str, list[float]] = {}  # the same, per phase
     issue_s: dict[OpKind, float] = {}  # host time to issue each phase, from the last iteration
@@ -162,6 +163,8 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
                     chunk.end_backward(0)
                 lap = timer.lap_end(start)
                 ar(out, task)  # outside the lap; the next unit's start waits for it, as in the executor
+                if task.ar and i + 1 < len(tasks) and chunk.follows(tasks[i + 1]):
+                    chunk.follow(0, tasks[i + 1])[0].wait()  # the next unit's head, as the executor runs it (braid.runtime.follow)
                 if keep:
                     laps.append((key, lap))
                     host.append(h1 - h0)

@@ -34,6 +34,7 @@ from braid.models.tied import Tie, mark, tie_of
 from braid.core.partition import chunk_specs, layer_offset
 from braid.tp.embedding import VocabParallelEmbedding
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
+from braid.io.cli import NO_SEQ_SHARD_WITH_CP, SeqShardError, check_seq
 
 TIED_KEY = "embed_tokens.weight"
 
@@ -160,6 +161,7 @@ def build_chunk(
     sp: SequenceParallel | None = None,
     seq_len: int | None = None,
     fuse: bool | None = None,
+    seq_shard: bool = False,
 ) -> ModelChunk:
     """The TP shard of layers ``[first_layer, first_layer + spec.modules)`` of a single-device model (copied).
 
@@ -171,12 +173,19 @@ def build_chunk(
 
     ``sp``: sequence-parallel context; its degrees are checked against the heads (and
     ``seq_len`` when given) here, and the layers run 2D-Attention on sequence shards.
+    ``seq_shard``: Megatron's sequence parallelism inside TP (:mod:`braid.tp.seq_shard`; no
+    effect at tp=1; not with ``sp``), ``seq_len`` checked against ``tp_size`` when given.
     A tied model's embedding and head copies are marked as held by pipeline rank 0
     (:func:`build_rank_chunks` marks the real holders).
     """
     cfg = model.cfg
     if sp is not None:
         sp.config.check_model(heads=cfg.heads, kv_heads=cfg.kv_heads, tp=tp_size, seq_len=seq_len)
+    seq_shard = seq_shard and tp_size > 1
+    if seq_shard and sp is not None:
+        raise SeqShardError(NO_SEQ_SHARD_WITH_CP)
+    if seq_shard and seq_len is not None:
+        check_seq(seq_len, tp_size)
     source = _source(model)
     layers = []
     halves = {first_layer: LAYER_UNITS[2:]} if spec.half_in else {}
@@ -191,6 +200,7 @@ def build_chunk(
         if i in halves:
             keep_units(lay, halves[i])
         lay.sp = sp
+        lay.seq_rank = tp_rank if seq_shard else None
         layers.append(lay)
     embed = norm = lm_head = None
     if spec.embed:
@@ -207,7 +217,7 @@ def build_chunk(
     chunk = ModelChunk(
         spec, layers, embed, norm, lm_head,
         num_microbatches=num_microbatches, tp_group=tp_group if tp_size > 1 else None, vocab_start=vocab_start, sp=sp,
-        fuse=fuse,
+        fuse=fuse, seq_shard=seq_shard,
     )
     chunk.first_layer = first_layer
     return chunk
@@ -264,12 +274,13 @@ def build_rank_chunks(
     tp_group: dist.ProcessGroup | None = None,
     sp: SequenceParallel | None = None,
     seq_len: int | None = None,
+    seq_shard: bool = False,
 ) -> dict[int, ModelChunk]:
     """The local chunks of ``pp_rank`` (TP shards, copied out of the single-device ``model``).
 
     ``model`` may be a :func:`meta_model`: only this rank's layers are then materialised.
     ``sp``: this rank's sequence-parallel context (LoongTrain 2D-Attention), checked against
-    the model's heads and ``seq_len`` here, at build time.
+    the model's heads and ``seq_len`` here, at build time. ``seq_shard``: see :func:`build_chunk`.
     """
     if len(layers_per_stage) != plan.num_stages:
         raise ValueError(f"{len(layers_per_stage)} layer counts for {plan.num_stages} virtual stages")
@@ -281,7 +292,7 @@ def build_rank_chunks(
         first = layer_offset(tuple(layers_per_stage), stage)
         out[c] = build_chunk(
             model, specs[(pp_rank, c)], first, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, num_microbatches=plan.m,
-            sp=sp, seq_len=seq_len,
+            sp=sp, seq_len=seq_len, seq_shard=seq_shard,
         )
         out[c].first_layer = first
         if getattr(model.cfg, "tie_embeddings", False):

@@ -53,19 +53,20 @@ from braid.models.sequence_parallel import SequenceParallel, target_count
 from braid.runtime.offload import ActivationOffloader, Parked
 from braid.tp.autograd_calls import edge, fast_apply, grad
 from braid.tp.embedding import VocabParallelEmbedding
+from braid.models.seq_shard_ops import SeqShardOps
+from braid.tp.seq_shard import Scatter
 from braid.tp.layers import (
     ColumnParallelGroup,
     ColumnParallelLinear,
     DeferredWeightGrad,
     NativeMode,
-    accumulate_grad,
     split_weight_grads,
 )
 
 _enter_apply = fast_apply(_Entry)
 
 
-class ModelChunk(FusedOps, nn.Module):
+class ModelChunk(FusedOps, SeqShardOps, nn.Module):
     """Layers ``[first, first+len(layers))`` of a model, plus the embedding and/or head.
 
     ``tp_group`` is used only inside the loss (vocab-parallel max/sum-exp); the unit
@@ -74,6 +75,10 @@ class ModelChunk(FusedOps, nn.Module):
     sequence-parallel context ``sp`` the chunk holds the rank's zigzag share of every
     sequence (:mod:`braid.models.sequence_parallel`), and a micro-batch's loss is its
     local tokens' loss sum over the micro-batch's *global* number of target tokens.
+
+    ``seq_shard`` (tp > 1): Megatron's sequence parallelism inside TP (:mod:`braid.tp.seq_shard`,
+    :mod:`braid.models.seq_shard_ops`): reduce-scatters where the all-reduces were, norms and
+    residual on the rank's ``s/t`` tokens, the column-parallel linears fed by all-gathers.
     """
 
     fns: UnitFns = EAGER  # the head's loss function (eager or compiled, see braid.runtime.compiled)
@@ -91,6 +96,7 @@ class ModelChunk(FusedOps, nn.Module):
         vocab_start: int = 0,
         sp: SequenceParallel | None = None,
         fuse: bool | None = None,
+        seq_shard: bool = False,
     ) -> None:
         super().__init__()
         if len(layers) != spec.modules or (embed is not None) != spec.embed or (lm_head is not None) != spec.head:
@@ -103,6 +109,7 @@ class ModelChunk(FusedOps, nn.Module):
         self.tp_group = tp_group
         self.vocab_start = vocab_start
         self.sp = sp
+        self._init_seq_shard(seq_shard)
         self.tokens: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []  # SP: target tokens of each full micro-batch (loss normaliser)
@@ -259,11 +266,13 @@ class ModelChunk(FusedOps, nn.Module):
         out = [f"saved {k}" for k in self._saved] + [f"output mb{k}" for k in self._outputs]
         out += [f"stash {type(m).__name__}" for m in self._deferred_all() if m.stash_bytes()]
         out += [f"fused graph mb{k}" for k in self._ops]
+        out += [f"unit head run ahead mb{k}" for k in (*self._ahead_f, *self._ahead_b)]  # seq_shard (follow)
         return out
 
     # -- unit tasks ------------------------------------------------------------------------
-    def run(self, mb: int, task: UnitTask) -> torch.Tensor | None:
-        """Run one unit task; returns the tensor to all-reduce over TP when ``task.ar``."""
+    def run(self, mb: int, task: UnitTask) -> torch.Tensor | Scatter | None:
+        """Run one unit task; returns the tensor to all-reduce over TP when ``task.ar`` (under
+        ``seq_shard`` the reduce-scatter to start)."""
         if task.phase is Phase.F:
             return self._forward(mb, task.unit, task.layer)
         if task.phase is Phase.B:
@@ -327,17 +336,24 @@ class ModelChunk(FusedOps, nn.Module):
             p = t.data_ptr()
             if p in ptrs or any(p in c.ptrs for c in caches):  # (a cache holds a table or two)
                 return t
+            g = self._gather
+            if g is not None and p == g[0].data_ptr() and t.shape == g[0].shape:
+                # A linear's input all-gathered over the sequence: keep the rank's tokens, gather again when unpacked
+                # (Korthikanti et al. Sec. 4.2.2: the saved input of a column-parallel linear is s/t too).
+                box.tensors.append(g[1])
+                box.gathered[len(box.tensors) - 1] = None  # gathered again in the backward (_prefetch)
+                return (box, len(box.tensors) - 1, True)
             box.tensors.append(t)
-            return (box, len(box.tensors) - 1)
+            return (box, len(box.tensors) - 1, False)
 
         def unpack(h: Any) -> torch.Tensor:
             if isinstance(h, torch.Tensor):
                 return h
-            b, i = h
+            b, i, gathered = h
             t = b.tensors[i]
             if isinstance(t, Parked):
                 raise ChunkStateError(f"micro-batch {mb}: a saved activation of {unit.value} is on the host (no RELOAD before its use)")
-            return t
+            return self._unpack_gathered(b, i) if gathered else t
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -359,8 +375,7 @@ class ModelChunk(FusedOps, nn.Module):
             with self._saving(mb, unit, layer):
                 out = self.embed(self.tokens[mb])
             self._saved[(mb, unit, layer)] = [_Piece((), (edge(out),))]
-            self._fwd[mb] = (out.detach(),)
-            return self._fwd[mb][0]
+            return self._reduction(mb, out)
         if mb not in self._fwd:
             if mb not in self._inputs:
                 raise ChunkStateError(f"F{mb}: input activation missing (not received)")
@@ -371,15 +386,14 @@ class ModelChunk(FusedOps, nn.Module):
         key = (mb, unit, layer)
         with self._saving(*key):
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD):
-                x = self._enter(state[0])
-                norm = self.norm if unit is Unit.HEAD else self._layer_seq[layer].unit_norm(unit)
-                h = norm(x)
-                hl = self._enter(h)
+                x, h, norm, full = self._normed(mb, unit, layer)  # h: (b, s/t, h) under seq_shard
+                hl = self._enter(full)  # (b, s, h)
                 if unit is Unit.HEAD:
                     outs: tuple[torch.Tensor, ...] = (self._loss(mb, self.lm_head(hl)),)  # logits (b, s, V/t)
                 else:
                     outs = tuple(self._layer_seq[layer].unit_forward(unit, hl, positions=self.positions))
                 ends = outs if unit is Unit.HEAD else tuple(edge(o) for o in outs)  # the loss: a 0-dim tensor
+                self._gather = None
                 self._saved[key] = [_Piece((edge(x),), (edge(h),), (norm.weight,)), _Piece((edge(hl),), ends)]
                 self._fwd[mb] = tuple(o.detach() for o in outs) + (x.detach(),)
                 return None
@@ -387,17 +401,18 @@ class ModelChunk(FusedOps, nn.Module):
             leaves = tuple(self._enter(a) for a in acts)
             out = self._layer_seq[layer].unit_forward(unit, *leaves, residual=residual)  # partial over TP
         self._saved[key] = [_Piece(tuple(edge(t) for t in leaves), (edge(out),))]
-        self._fwd[mb] = (out.detach(),)
-        return self._fwd[mb][0]
+        return self._reduction(mb, out)
 
-    # -- backward ------------------------------------------------------------------------
     def _finish(self, mb: int, st: _Backward) -> torch.Tensor:
         """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
+        if self.seq_shard and dx.is_cuda:  # run ahead on a side stream (follow), the norm's forward maybe not
+            for t in (dx, *dps):
+                t.record_stream(torch.cuda.current_stream(dx.device))
         for p, g in zip(piece.params, dps):
-            accumulate_grad(p, g)
+            self._norm_grad(p, g)
         self._boxes.pop(box_key, None)
         return dx if residual is None else dx + residual
 
@@ -435,20 +450,21 @@ class ModelChunk(FusedOps, nn.Module):
             if unit is Unit.HEAD:
                 (hl,) = pieces[1].inputs
                 (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))  # the loss: implicit ones
-                st.pending = (pieces[0], dh, None, key)
-                return dh  # partial over TP: all-reduced (operator f)
+                return self._pend(st, pieces[0], dh, None, key)  # partial over TP: reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
                 (hl,) = pieces[1].inputs
                 (dh,) = grad(pieces[1].outputs, (hl,), st.grads)
-                st.pending = (pieces[0], dh, st.residual, key)
+                req = self._pend(st, pieces[0], dh, st.residual, key)
                 st.grads, st.residual = (), None
-                return dh
-            g = self._finish(mb, st) if st.pending is not None else self._grad_out.pop(mb)
+                return req
+            g, gf = self._grad_whole(mb, st)  # gf: the whole sequence's gradient under seq_shard
+            if self.seq_shard:
+                self._prefetch(mb, unit, layer)
             if unit is Unit.EMBED:
-                torch.autograd.backward(pieces[0].outputs, (g,), inputs=[self.embed.weight])
+                torch.autograd.backward(pieces[0].outputs, (gf,), inputs=[self.embed.weight])
                 self._boxes.pop(key, None)
                 return None
-            st.grads = grad(pieces[0].outputs, pieces[0].inputs, (g,))
+            st.grads = grad(pieces[0].outputs, pieces[0].inputs, (gf,))
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             self._boxes.pop(key, None)
             return None

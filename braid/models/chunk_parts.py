@@ -65,6 +65,9 @@ class _Box:
     """Saved activations of one (micro-batch, unit): tensors, or :class:`Parked` stand-ins while on the host."""
 
     tensors: list[Any] = field(default_factory=list)
+    # Sequence sharding: slot -> the whole sequence gathered again from the slot's tokens (see
+    # ModelChunk._saving), once per box however many linears saved it.
+    gathered: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def storages(self) -> dict[int, int]:
         """Device storages the box holds: data pointer -> bytes (each storage once)."""

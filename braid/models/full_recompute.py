@@ -12,7 +12,7 @@ recomputation:
 * **backward**: the layer's first backward unit task (its MLP unit) first re-runs the layer
   (:func:`rerun`): the four units' ordinary cut-mode forward under autograd, filling the
   pieces and boxes a forward without recomputation leaves, with the Attn unit's TP
-  all-reduce done in between (blocking, on the chunk's TP group: every TP rank re-runs
+  all-reduce (reduce-scatter under sequence sharding) done in between (blocking, on the chunk's TP group: every TP rank re-runs
   the same layer at the same point of the same program, so the collectives match). The
   MLP's forward all-reduce is not repeated: its result (the layer output) is not needed
   by the backward. Then the backward proceeds unit by unit, its all-reduces braided by the
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from braid.core.braiding import Unit
+from braid.tp.seq_shard import reduce_now
 
 ModelChunk = Any  # braid.models.chunk.ModelChunk, which imports this module
 
@@ -53,15 +54,14 @@ def forward_unit(ch: ModelChunk, mb: int, unit: Unit, layer: int, new_box: Calla
             x = state[0]
             if unit is Unit.PRE_ATTN:  # the layer's input: all this layer keeps until its backward
                 ch._boxes.setdefault(key, new_box()).tensors.append(x)
-            outs = tuple(lay.unit_forward(unit, lay.unit_norm(unit)(x), positions=ch.positions))
+            outs = tuple(lay.unit_forward(unit, ch._gathered(lay.unit_norm(unit)(x)), positions=ch.positions))
             ch._fwd[mb] = outs + (x,)
             ch._saved[key] = RERUN
             return None
         *acts, residual = state
         out = lay.unit_forward(unit, *acts, residual=residual)  # partial over TP
     ch._saved[key] = RERUN
-    ch._fwd[mb] = (out,)
-    return out
+    return ch._reduction(mb, out)
 
 
 def needs_rerun(ch: ModelChunk, mb: int, unit: Unit, layer: int) -> bool:
@@ -93,7 +93,7 @@ def rerun(ch: ModelChunk, mb: int, layer: int) -> None:
             ch._saved.pop((mb, unit, layer), None)
             out = ch._forward(mb, unit, layer)
             if unit is Unit.ATTN and group is not None:
-                dist.all_reduce(out, group=group)  # in place, as the executor's forward all-reduce
+                reduce_now(out, group)  # as the executor's forward reduction (in place, or a reduce-scatter)
     finally:
         ch._rerunning = False
         ch._fwd.pop(mb, None)

@@ -30,6 +30,7 @@ from braid.core.braiding import Unit
 from braid.models.init import init_by_name
 from braid.models.qwen2 import EAGER, Qwen2Config, RopeCache, UnitFns, cached_rope_tables, qwen2_to_hf
 from braid.models.registry import Family, register
+from braid.models.seam import fused_residual
 from braid.tp.layers import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class McoreUnitLayer(nn.Module):
         self.tp, self.theta, self.head_dim = tp_size, cfg.rope_theta, cfg.head_dim
         self.groups, self.per_group = cfg.kv_heads // tp_size, cfg.heads // cfg.kv_heads
         self.sp: SequenceParallel | None = None
+        self.seq_rank: int | None = None  # set by the chunk builder under sequence sharding (braid.tp.seq_shard)
         self.rope_cache = RopeCache()
         att, mlp = layer.self_attention, layer.mlp
         self.input_layernorm = copy.deepcopy(layer.input_layernorm)
@@ -95,7 +97,7 @@ class McoreUnitLayer(nn.Module):
             out = self.self_attention.linear_proj(self._attention(*inputs))
         else:
             out = self.mlp.linear_fc2(self.fns.swiglu(*inputs))
-        return self.fns.add_residual(out, residual, self.tp)
+        return fused_residual(self, out, residual)
 
     def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
         return {

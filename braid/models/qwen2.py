@@ -28,7 +28,7 @@ from torch import nn
 from braid.core.braiding import Unit
 from braid.models.init import init_by_name
 from braid.models.registry import Family, register
-from braid.models.seam import UnitMethods
+from braid.models.seam import UnitMethods, fused_residual
 from braid.tp.embedding import vocab_parallel_cross_entropy
 from braid.models.recompute import recomputed
 from braid.tp.layers import ColumnParallelGroup, ColumnParallelLinear, RowParallelLinear, group_pays
@@ -239,6 +239,7 @@ class Qwen2Layer(UnitMethods, nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads or cfg.heads, kv_heads or cfg.kv_heads, hd
         self.tp, self.theta = tp, cfg.rope_theta
         self.sp: SequenceParallel | None = None  # set by the chunk builder: attention runs as 2D-Attention
+        self.seq_rank: int | None = None  # set by the chunk builder under sequence sharding (braid.tp.seq_shard)
         f = ffn or cfg.ffn
         self.input_layernorm = RMSNorm(h, cfg.rms_eps)
         self.q_proj = nn.Linear(h, self.heads * hd, bias=self.qkv_bias)
@@ -307,7 +308,7 @@ class Qwen2Layer(UnitMethods, nn.Module):
 
     def attn(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Attn unit: attention, out-projection and the fused residual ``x/t`` (partial over TP)."""
-        return self.fns.add_residual(self.attn_core(q, k, v), residual, self.tp)
+        return fused_residual(self, self.attn_core(q, k, v), residual)
 
     def norm2(self, x: torch.Tensor) -> torch.Tensor:
         return self.post_attention_layernorm(x)
@@ -327,7 +328,7 @@ class Qwen2Layer(UnitMethods, nn.Module):
         """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP); ``inputs``:
         :meth:`gate_up`'s activations, then the residual."""
         *acts, residual = inputs
-        return self.fns.add_residual(self.mlp_core(*acts), residual, self.tp)
+        return fused_residual(self, self.mlp_core(*acts), residual)
 
     # -- the model seam (braid.models.seam.UnitLayer) ------------------------------------
     def unit_norm(self, unit: Unit) -> RMSNorm:

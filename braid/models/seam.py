@@ -13,7 +13,8 @@ Unit contract (paper Sec. 3, Fig. 2-3). ``pre_attn`` / ``pre_mlp`` are a norm
 after the all-reduce) followed by ``unit_forward(unit, h, positions=...)``, which returns the
 tuple of tensors handed to the next unit. ``attn`` / ``mlp`` take that tuple and the layer
 input ``residual`` and return one tensor *partial over TP* with ``residual/tp`` already
-added (the fused residual). The runner passes ``residual`` detached where it cuts the graph
+added (the fused residual; :func:`fused_residual`: under sequence sharding the residual is the
+rank's ``s/t`` tokens, added once into those tokens). The runner passes ``residual`` detached where it cuts the graph
 between units (and adds its +1 gradient itself), attached in fused mode (tp=1): a unit
 must not detach it. Which units end
 with a TP all-reduce is :data:`braid.core.braiding.AR_FORWARD` / :data:`braid.core.braiding.AR_BACKWARD`.
@@ -27,6 +28,17 @@ import torch
 from torch import nn
 
 from braid.core.braiding import Unit
+from braid.tp.seq_shard import add_shard_residual
+
+
+def fused_residual(layer: Any, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The fused residual of an ``attn``/``mlp`` unit: ``out + residual/tp``; under sequence
+    sharding (``layer.seq_rank`` set by the chunk builder, :mod:`braid.tp.seq_shard`) the
+    residual holds the rank's tokens only and goes once into those tokens of ``out``."""
+    rank = getattr(layer, "seq_rank", None)
+    if rank is None:
+        return layer.fns.add_residual(out, residual, layer.tp)
+    return add_shard_residual(out, residual, rank)
 
 
 class UnitMethods:

@@ -110,6 +110,7 @@ class Problem:
     global_batch: int
     memory_bytes: float
     optimizer: str = DEFAULT_OPTIMIZER  # a braid.cost.optimizer_modes mode
+    seq_shard: bool = True  # sequence parallelism inside TP where it runs (tp > 1, cp = 1, a decoder LM)
 
 
 @dataclass(slots=True)
@@ -152,7 +153,9 @@ def layouts(prob: Problem) -> Iterator[Parallel]:
                         continue
                     for mbs in MICRO_BATCH_SIZES:
                         if (prob.global_batch // dp) % mbs == 0:
-                            yield Parallel(tp, pp, dp, cp, sp[0], sp[1], sp[2], mbs, False, prob.optimizer)  # type: ignore[arg-type]
+                            shard = prob.seq_shard and tp > 1 and cp == 1 and mdl.vit is None and mdl.seq % tp == 0
+                            yield Parallel(tp, pp, dp, cp, sp[0], sp[1], sp[2], mbs, False, prob.optimizer,  # type: ignore[arg-type]
+                                           seq_shard=shard)
 
 
 def _sp_options(mdl: ModelConfig, tp: int, cp: int, g: int) -> list[tuple[int, int | None, str]]:

@@ -5,7 +5,8 @@ loop"). Compute instructions -- F, B, W, BW and braided blocks -- run at unit gr
 in the order :func:`braid.core.braiding.steps` gives (the braid pattern is defined there, once).
 A unit task with ``ar`` starts an async TP all-reduce of its output
 (``dist.all_reduce(..., async_op=True)``: NCCL runs it on its own stream ordered by
-events, gloo on its worker thread); the next F/B task of the same op waits for it, and an
+events, gloo on its worker thread; under sequence sharding a reduce-scatter over the
+sequence, :mod:`braid.tp.seq_shard`); the next F/B task of the same op waits for it, and an
 instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
 trailing one that :func:`braid.core.braiding.carries` carries into the next compute instruction,
 whose first unit task then runs beside it, as the simulator models. When the Send/Recv run
@@ -69,6 +70,7 @@ from braid.models.chunk import ModelChunk
 from braid.models.chunk_parts import ChunkStateError
 from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
+from braid.runtime.follow import Follower
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Transfer, issue
 from braid.runtime.results import (
@@ -107,8 +109,10 @@ class _Held:
 
 # One step of a compute instruction, bound once per executor: member, op, the chunk call and
 # its argument (``run`` and a unit task, or ``run_op`` and the op kind), waits for the op's
-# all-reduce, starts one, op text, phase text, unit text (None for a whole op).
-_Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None]
+# all-reduce, starts one, op text, phase text, unit text (None for a whole op), and the op's
+# next unit task after a step that starts a reduction (None otherwise): its head may follow it.
+_Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None, UnitTask | None]
+
 
 
 class Executor:
@@ -151,6 +155,9 @@ class Executor:
         self.tp_group = tp_group
         # How the TP all-reduces run (braid.tp.comm); a plain async all-reduce by default.
         self.tp_comm = tp_comm if tp_comm is not None else TPComm("gloo", tp_group)
+        for ch in chunks.values():  # sequence sharding's all-gathers beside its reduce-scatters
+            if getattr(ch, "seq_shard", False) and self.tp_comm.group is not None:
+                ch.seq_group = self.tp_comm.group
         self.sp_group = sp_group
         self.abort = abort
         # One per rank and executor: its pinned host buffers are reused by every step.
@@ -173,6 +180,7 @@ class Executor:
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.
         self._carries = carries(program.instructions, self._spec) if tp_group is not None else {}
         self._side: Any = None  # CUDA stream that posts a chained Send/Recv run (created on first use)
+        self._follow = Follower(self.device, self._wait)  # sequence sharding's unit heads after their reduce-scatter
         self.capturing = False  # a CUDA graph captures run() (braid.runtime.graphs): no host sync in the step
 
     @staticmethod
@@ -258,6 +266,8 @@ class Executor:
             leftover = [f"chunk {c}: {w}" for c, ch in self.chunks.items() for w in ch.pending_work()]
             if leftover:
                 raise ExecutionError(f"rank {self.rank}: program ended with work left: {'; '.join(leftover[:8])}")
+            for ch in self.chunks.values():  # sequence sharding: the norms' weight-gradient shares
+                ch.sum_seq_grads(self._wait)
         except Exception as err:
             if self.abort is None:
                 raise
@@ -396,7 +406,7 @@ class Executor:
         tp, events = self.tp_group, self._events
         timed = self._rec == "units"
         for k in range(first, stop):
-            member, op, call, arg, waits, ar, name, kind, unit = bound[k]
+            member, op, call, arg, waits, ar, name, kind, unit, follow = bound[k]
             if waits and member in pending:
                 self._wait_pending(pending.pop(member))
             if timed:
@@ -409,7 +419,10 @@ class Executor:
                 e = None
             if ar and out is not None and tp is not None:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
-                pending[member] = _Pending(self.tp_comm.all_reduce(out), e, op, unit, block, idx)
+                work = self.tp_comm.reduce(out)
+                if follow is not None and self.chunks[op.chunk].follows(follow):  # sequence sharding
+                    work = self._follow(work, self.chunks[op.chunk], op.mb, follow)
+                pending[member] = _Pending(work, e, op, unit, block, idx)
                 self.counts["AR"] += 1
 
     def _wait_pending(self, p: _Pending) -> None:
@@ -458,18 +471,25 @@ class Executor:
         if whole:
             order = list(dict.fromkeys(member for member, _ in tasks))
             bound = tuple((m, ops[m], self.chunks[ops[m].chunk].run_op, ops[m].kind, True, False, names[m],
-                           ops[m].kind.value, None) for m in order)
+                           ops[m].kind.value, None, None) for m in order)
         else:
             bound = tuple(
                 (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits_ar, task.ar, names[member],
-                 task.phase.value, task.label.split(":", 1)[1])
-                for member, task in tasks
+                 task.phase.value, task.label.split(":", 1)[1], self._next_task(tasks, k))
+                for k, (member, task) in enumerate(tasks)
             )
         phases: dict[str, int] = {}
         for _, task in tasks:
             phases[task.phase.value] = phases.get(task.phase.value, 0) + 1
         self._bound[(idx, whole)] = (bound, phases)
         return bound, phases
+
+    @staticmethod
+    def _next_task(tasks: Sequence[tuple[int, UnitTask]], k: int) -> UnitTask | None:
+        """The unit task of step ``k``'s op after it when step ``k`` starts a reduction (whether its
+        head follows that reduction is the chunk's call at run time: :meth:`ModelChunk.follows`)."""
+        member, task = tasks[k]
+        return next((t for m, t in tasks[k + 1:] if m == member), None) if task.ar else None
 
     def _wait_ar(self, p: _Pending) -> None:
         before = self.clock.mark()

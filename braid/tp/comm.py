@@ -35,6 +35,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from braid.tp.seq_shard import Scatter, reduce_scatter
+
 TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "symm-mem", "gloo"]
 TP_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "symm-mem", "gloo")
 CUDA_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "symm-mem")
@@ -161,6 +163,15 @@ class TPComm:
             raise TPBackendError(f"unknown TP backend {backend!r}; choose one of {', '.join(TP_BACKENDS)}")
         self.backend = backend
         self.group = group
+
+    def reduce(self, t: torch.Tensor | Scatter):
+        """A unit's TP reduction, started: the all-reduce of ``t`` in place, or under sequence sharding
+        (:mod:`braid.tp.seq_shard`) the reduce-scatter a :class:`Scatter` asks for. The reduce-scatter
+        runs as the group's collective under every backend (NCCL's own under nccl-zero-cta and
+        symm-mem's NCCL group: no copy-engine variant of it here)."""
+        if isinstance(t, Scatter):
+            return reduce_scatter(t, self.group)
+        return self.all_reduce(t)
 
     def all_reduce(self, t: torch.Tensor):
         if self.backend == "symm-mem":

@@ -60,3 +60,30 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total: int, warmup: int
         g["lr"] = lr
         g.pop("initial_lr", None)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, sched)
+
+
+# Peak learning rates by model size from GPT-3's training recipes (Brown et al. 2020, Table 2.1:
+# parameters -> AdamW peak lr); published 7B-70B recipes (Llama 2: 3e-4 at 7B, 1.5e-4 at 70B) sit
+# within 2.5x of it. Below the smallest entry the examples' tiny presets keep TINY_LR.
+RECIPE_LR = ((125e6, 6.0e-4), (350e6, 3.0e-4), (760e6, 2.5e-4), (1.3e9, 2.0e-4), (2.7e9, 1.6e-4),
+             (6.7e9, 1.2e-4), (13e9, 1.0e-4), (175e9, 0.6e-4))
+TINY_LR = 1e-3
+RECIPE_CLIP = 1.0  # every one of those recipes clips the global gradient norm at 1.0
+
+
+def recipe_lr(num_params: float) -> float:
+    """The peak learning rate for a model of ``num_params`` parameters: :data:`RECIPE_LR` interpolated in
+    log-log, its last value beyond it, :data:`TINY_LR` below its first entry."""
+    if num_params < RECIPE_LR[0][0]:
+        return TINY_LR
+    for (n0, lr0), (n1, lr1) in zip(RECIPE_LR, RECIPE_LR[1:]):
+        if num_params <= n1:
+            t = math.log(num_params / n0) / math.log(n1 / n0)
+            return float(math.exp(math.log(lr0) + t * math.log(lr1 / lr0)))
+    return RECIPE_LR[-1][1]
+
+
+def recipe_warmup(num_params: float, steps: int) -> int:
+    """Linear warm-up steps for a run of ``steps``: a tenth of the run, at most 2000 (Llama 2's warm-up), from
+    :data:`RECIPE_LR`'s first size on; none below (the tiny presets)."""
+    return 0 if num_params < RECIPE_LR[0][0] else min(2000, max(1, steps // 10))

@@ -37,20 +37,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from braid.tp.seq_shard import all_gather_into, reduce_scatter_into
 from braid.training.grads import clip_coefficient, decays
 
 
 BUCKET = 1 << 24  # elements per rank and all-gather: 32 MiB of bf16, 64 MiB of fp32
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    return fn(out, inp, group=group, async_op=True)
-
-
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any) -> Any:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group, async_op=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +148,7 @@ class ShardedAdamW(torch.optim.AdamW):
         """Reduce the accumulated gradients over the group and scale them; this rank's shard is then final."""
         if self.world > 1:
             if self.grad_shard is not None:
-                self._wait(_reduce_scatter(self.grad_shard, self.main_grad, self._group))
+                self._wait(reduce_scatter_into(self.grad_shard, self.main_grad, self._group))
             else:
                 self._wait(dist.all_reduce(self.main_grad, group=self._group, async_op=True))
         if self._grad_scale != 1.0:
@@ -220,7 +211,7 @@ class ShardedAdamW(torch.optim.AdamW):
         for o in range(0, size, bucket):
             n = min(bucket, size - o)
             out = buf[:world * n]
-            self._wait(_all_gather(out, piece(o, n).to(buf.device).contiguous(), self._group))
+            self._wait(all_gather_into(out, piece(o, n).to(buf.device).contiguous(), self._group))
             for r in range(world):
                 self._scatter(r * size + o, out[r * n:(r + 1) * n], targets)
 

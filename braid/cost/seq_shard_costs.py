@@ -1,0 +1,62 @@
+"""The cost transform of sequence parallelism inside TP (:mod:`braid.tp.seq_shard`), used by the
+analytic cost model (:func:`braid.cost.costs.analytic_costs`), and through it by the simulator and
+the planner: reduce-scatters and all-gathers instead of all-reduces, and Korthikanti et al.'s
+``34/t`` activation bytes per layer instead of ``10 + 24/t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+from braid.core.braiding import Unit
+from braid.cost.hardware import Hardware
+
+
+def _half_ring_time(nbytes: float, t: int, hw: Hardware) -> float:
+    """A ring reduce-scatter or all-gather of ``nbytes`` (the whole tensor): half an all-reduce's traffic."""
+    if t == 1:
+        return 0.0
+    return hw.ar_latency_s + (t - 1) / t * nbytes / hw.ar_bus_bytes_per_s
+
+
+# Korthikanti's per-layer activation bytes per s*b*h (bf16), per unit: (kept whole on every TP rank,
+# split over TP). Under sequence parallelism both parts are split: 34/t in all.
+KORTHIKANTI_ACT: dict[Unit, tuple[float, float]] = {
+    Unit.PRE_ATTN: (4, 0), Unit.ATTN: (1, 8), Unit.PRE_MLP: (4, 0), Unit.MLP: (1, 16),
+}
+
+
+def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, h: int, t: int, d: int,
+                    hw: Hardware, runtime: bool) -> tuple[dict[Unit, Any], Any, Any]:
+    """LM layer, head and embedding units (:class:`braid.cost.costs.UnitCost`) under sequence
+    parallelism inside TP (:mod:`braid.tp.seq_shard`).
+
+    Comm: each unit that ended with an all-reduce ends with a reduce-scatter, then the next
+    unit's head (a norm, or a norm backward, on ``s/t`` tokens: not charged) and its
+    all-gather (:mod:`braid.runtime.follow`); the next unit waits for the gather, so the
+    unit's ``ar_f``/``ar_b`` is the two in a row: an all-reduce's traffic and two latencies.
+    Not charged: the blocking gather of a chunk's first unit when its input came from another
+    stage (one per chunk and op), the one reduce-scatter a chunk's last unit has no gather
+    after, and the re-gather of the column-parallel linears' saved input, which runs beside
+    the row-parallel unit's backward before it. Saved bytes: both parts of Korthikanti's
+    per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
+    gathered linear inputs' bytes over ``t`` (:func:`braid.cost.costs._runtime_act`); the
+    head's norm and input over ``t``, its logits unchanged.
+    """
+    nbytes = tokens * h * d
+    chain = 2 * _half_ring_time(nbytes, t, hw)  # reduce-scatter, then the next unit's all-gather
+    sbh = nbytes / 2
+    out = {}
+    for u, c in lm.items():
+        c = replace(c, ar_b=chain) if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else replace(c, ar_f=chain)
+        if runtime:
+            whole = tokens * (4 * h + d * h + 4) + tokens * d * h if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else 0.0
+            c = replace(c, act=c.act - whole + whole / t)
+        else:
+            c = replace(c, act=sbh * sum(KORTHIKANTI_ACT[u]) / t)
+        out[u] = c
+    whole = tokens * (4 * h + 2 * d * h + 4) if runtime else 4 * sbh
+    head = replace(head, ar_b=chain, act=head.act - whole + whole / t)
+    embed = replace(embed, ar_f=chain)
+    return out, head, embed

@@ -1,0 +1,195 @@
+"""The chunk runner under sequence parallelism inside TP (:mod:`braid.tp.seq_shard`): a mixin of
+:class:`braid.models.chunk.ModelChunk`, as :class:`braid.models.fused.FusedOps` is for fused mode.
+
+Where the unit cuts are (Korthikanti et al. Sec. 4.2.2, operators g and g-bar):
+
+* A unit that ends with the TP reduction (embed, attn, mlp forward; pre_attn, pre_mlp, head
+  backward) asks the executor for a reduce-scatter over the sequence (:meth:`_reduction`,
+  :meth:`_pend`): its result is the rank's ``s/t`` tokens, on which the next norm (forward)
+  or norm backward and residual gradient (backward) run.
+* The next unit (pre_attn, pre_mlp, head forward; attn, mlp, embed backward) reads the whole
+  sequence: its *head* -- the norm, or the norm backward and residual -- runs on the local
+  tokens, then an all-gather. The executor runs that head as soon as the reduce-scatter has
+  ended and leaves the all-gather in flight (:meth:`follow`), so both collectives run beside
+  the braided partner's compute, as the all-reduce did. Where no reduce-scatter of the same op
+  precedes it (a chunk's first unit), the unit runs its head itself, the gather blocking.
+* A column-parallel linear's input is the gathered sequence; its saved copy is the rank's
+  tokens (:meth:`braid.models.chunk.ModelChunk._saving`), gathered again for the backward:
+  started as the backward of the row-parallel unit before it begins (:meth:`_prefetch`), so
+  it runs beside that unit's compute.
+* RMSNorm weights see only the rank's tokens: their gradients are shares, summed over TP at
+  the end of the step (:meth:`sum_seq_grads`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from braid.core.braiding import Phase, Unit, UnitTask
+from braid.models.chunk_parts import _Backward, _Box, _Piece
+from braid.runtime.offload import Parked
+from braid.tp.layers import accumulate_grad
+from braid.tp.seq_shard import Scatter, all_gather, gather_start, gathered_view, scatter_request
+
+_HEADED_F = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD)  # forward units whose head is a norm, then a gather
+_HEADED_B = (Unit.ATTN, Unit.MLP, Unit.EMBED)  # backward units whose head is a norm backward, then a gather
+_PRE_OF = {Unit.ATTN: Unit.PRE_ATTN, Unit.MLP: Unit.PRE_MLP}  # the backward unit that follows (same layer)
+
+
+class SeqShardOps:
+    """Sequence sharding of :class:`braid.models.chunk.ModelChunk` (module doc); inert unless ``seq_shard``."""
+
+    seq_shard: bool
+    tp_group: Any
+
+    def _init_seq_shard(self, on: bool) -> None:
+        self.seq_shard = on and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
+        self._seq_grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # this step's norm-weight shares
+        # The all-gathers' group: the TP group, or the executor's TP backend's (use_group), which
+        # runs the reduce-scatters, so that both go through one communicator and its options.
+        self.seq_group = self.tp_group
+        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None  # (gathered, local) of the unit running
+        # micro-batch -> the head :meth:`follow` ran of its next forward / backward unit (apart: a
+        # backward under full recomputation re-runs forward units between a follow and its unit)
+        self._ahead_f: dict[int, tuple] = {}
+        self._ahead_b: dict[int, tuple] = {}
+
+    # -- reductions and gathers -----------------------------------------------------------
+    def _reduction(self, mb: int, out: torch.Tensor) -> torch.Tensor | Scatter:
+        """What the executor reduces over TP after a unit whose output ``out`` is partial. The
+        unit's result (``_fwd[mb]``) is the reduced tensor, filled in place: ``out`` itself (the
+        all-reduce), or under ``seq_shard`` the reduce-scatter's output (b, s/t, h)."""
+        out = out.detach()
+        if not self.seq_shard:
+            self._fwd[mb] = (out,)
+            return out
+        req = scatter_request(out, dist.get_world_size(self.tp_group))
+        self._fwd[mb] = (req.out,)
+        return req
+
+    def _pend(self, st: _Backward, piece: _Piece, dh: torch.Tensor, residual: torch.Tensor | None,
+              key: tuple) -> torch.Tensor | Scatter:
+        """Leave ``piece``'s norm backward until ``dh`` (partial over TP) is reduced; returns the reduction to start."""
+        req = scatter_request(dh, dist.get_world_size(self.tp_group)) if self.seq_shard else dh
+        st.pending = (piece, req.out if self.seq_shard else dh, residual, key)
+        return req
+
+    def _gathered(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (b, s/t, h) with the whole sequence all-gathered under ``seq_shard`` (blocking); else ``t``."""
+        return all_gather(t.detach(), self.seq_group) if self.seq_shard else t
+
+    def _normed(self, mb: int, unit: Unit, layer: int) -> tuple[torch.Tensor, torch.Tensor, nn.Module, torch.Tensor]:
+        """The head of a forward ``pre_*``/``head`` unit (inside its saved-tensor box): its entered
+        input ``x``, the norm ``h = norm(x)``, the norm, and the norm's output over the whole
+        sequence -- gathered by :meth:`follow` already, or here (blocking)."""
+        ahead = self._ahead_f.pop(mb, None)
+        if ahead is not None:
+            x, h, norm, buf = ahead
+            full = gathered_view(buf)
+        else:
+            x = self._enter(self._fwd[mb][0])
+            norm = self.norm if unit is Unit.HEAD else self._layer_seq[layer].unit_norm(unit)
+            h = norm(x)  # (b, s/t, h) under seq_shard
+            full = self._gathered(h)  # (b, s, h)
+        if self.seq_shard:  # a linear that saves this tensor keeps the local tokens instead (_saving)
+            self._gather = (full, h.detach())
+        return x, h, norm, full
+
+    def _grad_whole(self, mb: int, st: _Backward) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head of a backward ``attn``/``mlp``/``embed`` unit: the gradient of its output on the
+        rank's tokens (the previous unit's norm backward and residual, or the received gradient)
+        and over the whole sequence -- gathered by :meth:`follow` already, or here (blocking)."""
+        ahead = self._ahead_b.pop(mb, None)
+        if ahead is not None:
+            g, buf = ahead
+            return g, gathered_view(buf)
+        g = self._finish(mb, st) if st.pending is not None else self._grad_out.pop(mb)
+        return g, self._gathered(g)
+
+    # -- the executor's side: a unit's head run as the reduction before it ends --------------
+    def follows(self, task: UnitTask) -> bool:
+        """Whether the executor runs ``task``'s head (:meth:`follow`) as its op's previous
+        reduction ends: under ``seq_shard``, for a unit that starts by gathering (not a forward
+        under full recomputation, which runs without autograd)."""
+        if not self.seq_shard:
+            return False
+        if task.phase is Phase.F:
+            return task.unit in _HEADED_F and not self.full_recompute
+        return task.phase is Phase.B and task.unit in _HEADED_B
+
+    def follow(self, mb: int, task: UnitTask) -> tuple[Any, list[torch.Tensor]]:
+        """Run the head of ``task`` (the op's next unit, :meth:`follows`) once the reduce-scatter
+        before it has ended, and start its all-gather; returns the gather's work and the tensors
+        the head read or made (the executor orders them between streams on CUDA)."""
+        if task.phase is Phase.F:
+            state = self._fwd[mb]
+            x = self._enter(state[0])
+            norm = self.norm if task.unit is Unit.HEAD else self._layer_seq[task.layer].unit_norm(task.unit)
+            with self._saving(mb, task.unit, task.layer):
+                h = norm(x)
+            buf, work = gather_start(h.detach(), self.seq_group)
+            self._ahead_f[mb] = (x, h, norm, buf)
+            return work, [state[0], h, buf]
+        st = self._bwd[mb]
+        read = [t for t in st.pending[1:3] if t is not None]
+        g = self._finish(mb, st)
+        buf, work = gather_start(g, self.seq_group)
+        self._ahead_b[mb] = (g, buf)
+        shares = [t for _, t in self._seq_grads.values()]  # the norm backward's weight-gradient shares (sum_seq_grads)
+        return work, [*read, g, buf, *shares]
+
+    # -- saved linear inputs: the rank's tokens, gathered again for the backward -------------
+    def _prefetch(self, mb: int, unit: Unit, layer: int) -> None:
+        """Start gathering the saved linear inputs of the backward unit after ``unit`` (its
+        pre-unit in the same layer) so that they arrive while ``unit``'s backward computes."""
+        pre = _PRE_OF.get(unit)
+        box = self._boxes.get((mb, pre, layer)) if pre is not None else None
+        if box is None:
+            return
+        for i, held in box.gathered.items():
+            if held is None and not isinstance(box.tensors[i], Parked):
+                box.gathered[i] = gather_start(box.tensors[i], self.seq_group)
+
+    def _unpack_gathered(self, box: _Box, i: int) -> torch.Tensor:
+        """A saved linear input over the whole sequence, from the box's local tokens (slot ``i``)."""
+        held = box.gathered.get(i)
+        if isinstance(held, torch.Tensor):
+            return held
+        if held is None:
+            full = all_gather(box.tensors[i], self.seq_group)
+        else:
+            buf, work = held
+            work.wait()
+            full = gathered_view(buf)
+        box.gathered[i] = full
+        return full
+
+    # -- norm weights --------------------------------------------------------------------
+    def _norm_grad(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        """A norm weight's gradient from one backward: into ``.grad``, or under ``seq_shard`` (a share:
+        this rank's tokens) into this step's shares, summed over TP by :meth:`sum_seq_grads`."""
+        if not self.seq_shard:
+            accumulate_grad(p, g)
+            return
+        held = self._seq_grads.get(id(p))
+        if held is None:
+            self._seq_grads[id(p)] = (p, g)  # a fresh tensor of the backward call: the step's accumulator
+        else:
+            held[1].add_(g)
+
+    def sum_seq_grads(self, wait: Any) -> None:
+        """Sum this step's norm-weight gradient shares over TP (one all-reduce, ``wait`` waits for
+        it) and add them to the parameters' gradients. Kept apart from ``.grad`` until then, so
+        gradients accumulated before the step are not summed again."""
+        if not self._seq_grads:
+            return
+        held = list(self._seq_grads.values())
+        self._seq_grads.clear()
+        flat = torch.cat([g.reshape(-1) for _, g in held])
+        wait(dist.all_reduce(flat, group=self.tp_group, async_op=True))
+        for (p, _), g in zip(held, flat.split([g.numel() for _, g in held])):
+            accumulate_grad(p, g.view_as(p))

@@ -1,0 +1,79 @@
+"""Sequence parallelism inside TP (:mod:`braid.tp.seq_shard`) without processes: the layout helpers,
+the flag's resolution, and the cost model's prices (the runtime's equivalence and saved bytes are in
+``test_executor.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.core.braiding import Unit
+from braid.cost.costs import Layout, analytic_costs
+from braid.cost.catalog import get_model
+from braid.cost.hardware import get_hardware
+from braid.io.cli import SeqShardError, local_seq, resolve_seq_shard
+from braid.tp.seq_shard import add_shard_residual, gathered_view
+
+LAYER = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)
+
+
+def test_gathered_view_and_the_shard_residual_follow_the_sequence_layout() -> None:
+    b, s, h, t = 3, 8, 2, 4
+    x = torch.arange(b * s * h, dtype=torch.float64).view(b, s, h)
+    shards = [x[:, r * s // t:(r + 1) * s // t] for r in range(t)]  # rank r's tokens
+    assert torch.equal(gathered_view(torch.stack(shards)), x)  # an all-gather's buffer (t, b, s/t, h), read back
+    out = torch.zeros(b, s, h, dtype=torch.float64)
+    add_shard_residual(out, shards[2], 2)
+    assert torch.equal(out[:, 4:6], shards[2]) and out[:, :4].abs().sum() == 0 and out[:, 6:].abs().sum() == 0
+
+
+def test_the_flag_is_on_at_tp_above_1_and_refuses_what_it_does_not_cover() -> None:
+    assert resolve_seq_shard(None, 2) and not resolve_seq_shard(None, 1) and not resolve_seq_shard(True, 1)
+    assert not resolve_seq_shard(None, 2, cp=2) and not resolve_seq_shard(None, 2, vision=True)
+    assert not resolve_seq_shard(False, 8)
+    assert resolve_seq_shard(None, 2, seq=4096) and not resolve_seq_shard(None, 2, seq=4095)  # default: where it runs
+    with pytest.raises(SeqShardError, match="4095 is not divisible by tp=2"):
+        resolve_seq_shard(True, 2, seq=4095)
+    for kw, word in (({"cp": 2}, "--cp"), ({"vision": True}, "vision")):
+        with pytest.raises(SeqShardError, match=word) as err:
+            resolve_seq_shard(True, 2, **kw)
+        assert "\n" not in str(err.value) and "--no-sequence-parallel" in str(err.value)
+    assert local_seq(4096, 8, True) == 512 and local_seq(4095, 8, False) == 4095
+    with pytest.raises(SeqShardError, match="not divisible by tp=8"):
+        local_seq(4095, 8, True)
+
+
+def test_costs_price_34_over_t_bytes_and_a_reduce_scatter_then_all_gather() -> None:
+    model, hw = get_model("qwen2-7b"), get_hardware("h200")
+    for t in (2, 4):
+        lay = Layout(t, 2, 2, "v")
+        off = analytic_costs(model, hw, lay).chunks[(0, 1)].units
+        on = analytic_costs(model, hw, lay, seq_shard=True).chunks[(0, 1)].units
+        sbh = model.tokens * model.hidden * model.dtype_bytes / 2
+        assert sum(off[u].act for u in LAYER) == pytest.approx(sbh * (10 + 24 / t))
+        assert sum(on[u].act for u in LAYER) == pytest.approx(sbh * 34 / t)
+        # the chain: a reduce-scatter and an all-gather, an all-reduce's traffic and one more latency
+        assert on[Unit.ATTN].ar_f == pytest.approx(off[Unit.ATTN].ar_f + hw.ar_latency_s)
+        assert on[Unit.PRE_MLP].ar_b == pytest.approx(off[Unit.PRE_MLP].ar_b + hw.ar_latency_s)
+        for u in LAYER:
+            assert (on[u].f, on[u].b, on[u].w) == (off[u].f, off[u].b, off[u].w)
+        run_off = analytic_costs(model, hw, lay, activations="runtime").chunks[(0, 1)].units
+        run_on = analytic_costs(model, hw, lay, activations="runtime", seq_shard=True).chunks[(0, 1)].units
+        assert run_on[Unit.PRE_ATTN].act < run_off[Unit.PRE_ATTN].act and run_on[Unit.ATTN].act == run_off[Unit.ATTN].act
+    with pytest.raises(ValueError, match="vision"):
+        analytic_costs(get_model("qwen2-vl-7b"), hw, Layout(2, 1, 2, "v"), seq_shard=True)
+
+
+def test_the_simulated_activation_peak_at_tp8_drops_by_34_over_10_plus_24_over_t() -> None:
+    # 1F1B's first rank holds the embedding and whole layers (no head, no W residual): its peak is
+    # p micro-batches of its layers' activations, so it drops by Korthikanti's ratio.
+    from braid import schedules
+    from braid.core.compiler import compile_plan
+    from braid.simulator import simulate
+
+    model, hw, t = get_model("qwen2-72b"), get_hardware("h200"), 8
+    plan = schedules.build("1f1b", 4, 8)
+    progs, lay = compile_plan(plan), Layout(t, plan.p, plan.v, plan.placement)
+    off, on = (simulate(progs, analytic_costs(model, hw, lay, seq_shard=ss), name="1f1b").report.ranks[0]
+               for ss in (False, True))
+    assert on.peak_activation_bytes / off.peak_activation_bytes == pytest.approx((34 / t) / (10 + 24 / t), rel=0.01)
