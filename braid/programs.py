@@ -27,6 +27,7 @@ from braid.core.ir import Braided, programs_to_json
 from braid.core.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
 from braid.io.cli import check_plan_size
 from braid.io.inputs import InputFileError, read_text
+from braid.io.limits import TORCH_CSV
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_plan_size(ap, args.pp, args.mbs)
     if args.import_torch_csv:
         try:
-            text = read_text(args.import_torch_csv, "torch schedule CSV")
+            text = read_text(args.import_torch_csv, "torch schedule CSV", TORCH_CSV)
             plan = from_torch_csv(text, name=args.import_torch_csv.rsplit("/", 1)[-1].removesuffix(".csv"))
             programs = compile_plan(plan)
         except InputFileError as err:

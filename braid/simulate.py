@@ -408,9 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from braid.core.torch_format import TorchFormatError, from_torch_csv
         from braid.core.compiler import ScheduleError, compile_plan
         from braid.io.inputs import InputFileError, read_text
+        from braid.io.limits import TORCH_CSV
 
         try:
-            plan = from_torch_csv(read_text(path, "torch schedule CSV"), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
+            plan = from_torch_csv(read_text(path, "torch schedule CSV", TORCH_CSV), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
             compile_plan(plan)  # a plan torch wrote that cannot run (deadlock, a missing op) is bad input too
         except InputFileError as err:
             ap.error(f"--torch-csv {err}")

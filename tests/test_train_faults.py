@@ -303,7 +303,7 @@ BAD_FLAGS = [
     (["--tensorboard", "{tmp}/file"], "is a file; give a directory"),
     (["--resume", "{tmp}/missing"], "no such directory"),
     (["--resume", "{tmp}"], "no checkpoint there"),
-    (["--config", "{tmp}/missing.toml"], "cannot read it"),
+    (["--config", "{tmp}/missing.toml"], "missing.toml: no such run file"),
     (["--config", "{tmp}/bad.toml"], "not valid TOML"),
     (["--config", "{tmp}/unknown.toml"], "unknown setting 'bogus'"),
     (["--config", "{tmp}/wrong.toml"], "argument --tp: invalid int value: 'two'"),

@@ -40,6 +40,7 @@ from braid.cost.catalog import ModelConfig
 from braid.core.partition import chunk_specs, split_layers, whole_layers
 from braid.cost.recompute_costs import full_recompute
 from braid.io.inputs import InputFileError, read_json
+from braid.io.limits import COST_FILE
 
 AR_SLOWDOWN = 1.075  # paper Appendix F: a GEMM overlapped with an all-reduce runs ~7.5% slower
 ATTN_BWD_FACTOR = 2.0
@@ -595,6 +596,6 @@ def load_cost_json(path: str | Path) -> dict[str, Any]:
     reading it (missing, unreadable, not JSON, nested too deeply, not an object) is one
     :class:`CostFileError`."""
     try:
-        return read_json(path, "cost file")
+        return read_json(path, "cost file", limit=COST_FILE)
     except InputFileError as err:
         raise CostFileError(str(err)) from None

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from braid.io.files import atomic_write_text, fsync_dir
+from braid.io.inputs import InputFileError, read_json
 
 FORMAT = "braid-checkpoint/1"
 LAYOUT, MANIFEST, LATEST = "layout.json", "manifest.json", "latest"
@@ -80,12 +81,12 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: {what} {path.name} is missing (incomplete or damaged checkpoint)")
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path.parent}: {what} {path.name} is missing (incomplete or damaged checkpoint)") from None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable {what} ({type(err).__name__}); the checkpoint is damaged") from None
+        data = read_json(path, what, expect=object)
+    except InputFileError as err:  # unreadable, not JSON, larger or deeper than a record may be
+        raise CheckpointError(f"{path}: unreadable {what} ({str(err).removeprefix(f'{path}: ')}); the checkpoint is damaged") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} {what}")
     return data
