@@ -40,7 +40,7 @@ import sys
 from typing import Any, Sequence
 
 from braid.io.cli import Parser as _Parser
-from braid.io.cli import check_outputs, check_plan_size, layer_count, run_main
+from braid.io.cli import check_counts, check_outputs, check_plan_size, layer_count, run_main
 from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers,
                          read_costs)
 from braid.io.files import atomic_write_text
@@ -342,12 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
-    for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--tp", args.tp), ("--seq", args.seq), ("--dp", args.dp),
-                      ("--gpus-per-node", args.gpus_per_node),
-                      ("--micro-batch-size", args.micro_batch_size),
-                      *((f"--{k.replace('_', '-')}", getattr(args, k)) for k in _OVERRIDES)):
-        if val is not None and val < 1:
-            ap.error(f"{flag} must be a positive integer, got {val}")
+    check_counts(ap, args, ("pp", "mbs", "tp", "seq", "dp", "gpus_per_node", "micro_batch_size", *_OVERRIDES))
     if args.offload_alpha != "auto":
         try:
             args.offload_alpha = float(args.offload_alpha)

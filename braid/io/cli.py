@@ -69,10 +69,10 @@ def layer_count(text: str) -> int | float:
         n = float(text)
     except ValueError:
         n = math.nan
+    if math.isfinite(n) and n > MAX_LAYERS:
+        raise argparse.ArgumentTypeError(f"{text}: at most {MAX_LAYERS} layers (more than any real model)")
     if not math.isfinite(n) or n < 0 or n * 2 != int(n * 2):
         raise argparse.ArgumentTypeError(f"not a whole or half number of layers >= 0: {text!r}")
-    if n > MAX_LAYERS:
-        raise argparse.ArgumentTypeError(f"{text}: at most {MAX_LAYERS} layers (more than any real model)")
     return int(n) if n == int(n) else n
 
 

@@ -53,8 +53,9 @@ def _size(n: int) -> str:
 
 
 def _too_big(p: Path, what: str, limit: FileLimit, size: int | None = None) -> InputFileError:
-    held = f"{size:,} bytes" if size is not None else f"more than {_size(limit.bytes)}"
-    return InputFileError(f"{p}: {held}, more than a {what} may hold ({_size(limit.bytes)})")
+    if size is None:  # a device or a pipe: read one byte past the limit
+        return InputFileError(f"{p}: more than {_size(limit.bytes)}, the most a {what} may hold")
+    return InputFileError(f"{p}: {size:,} bytes, more than a {what} may hold ({_size(limit.bytes)})")
 
 
 def read_bytes(path: str | os.PathLike, what: str, limit: FileLimit) -> bytes:
