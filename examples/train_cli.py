@@ -357,6 +357,13 @@ def check_values(args: argparse.Namespace) -> None:
                          "(the programs grow as pp x mbs)")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 0 (0: only at the end), got {args.save_every}")
+    from braid.io.limits import COUNT_LIMITS, MAX_TIMEOUT_S, count_error
+
+    for name in COUNT_LIMITS:  # the upper bounds (the lower ones are above)
+        if why := count_error(name, getattr(args, name, None), low=0):
+            raise UsageError(why)
+    if args.timeout > MAX_TIMEOUT_S:
+        raise UsageError(f"--timeout {args.timeout:g}: at most {MAX_TIMEOUT_S:,} s (a day)")
     positive = {"lr": args.lr, "init_std": args.init_std, "timeout": args.timeout}
     at_least_zero = {"reference_rtol": args.reference_rtol, "peak_tflops": args.peak_tflops}
     for name, value in positive.items():

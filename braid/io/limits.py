@@ -58,6 +58,7 @@ COUNT_LIMITS: dict[str, int] = {
     "iters": 1_000_000, "rounds": 100_000,
 }
 MAX_LAYERS = 1024
+MAX_TIMEOUT_S = 86_400  # a communication timeout (s): a day
 SHAPE_LIMITS: dict[str, int] = {
     "layers": MAX_LAYERS, "hidden": 1 << 18, "heads": 1 << 12, "kv_heads": 1 << 12, "ffn": 1 << 20,
     "vocab": 1 << 23, "vocab_size": 1 << 23,
