@@ -592,9 +592,8 @@ def read_costs(path: str | Path, layout: Layout, specs: Mapping[tuple[int, int],
 
 
 def load_cost_json(path: str | Path) -> dict[str, Any]:
-    """The JSON object of a cost file, before it is checked against a layout; any problem
-    reading it (missing, unreadable, not JSON, nested too deeply, not an object) is one
-    :class:`CostFileError`."""
+    """The JSON object of a cost file, before it is checked against a layout; any problem reading it (missing,
+    unreadable, not JSON, larger or deeper than :data:`braid.io.limits.COST_FILE`, not an object) is one :class:`CostFileError`."""
     try:
         return read_json(path, "cost file", limit=COST_FILE)
     except InputFileError as err:
