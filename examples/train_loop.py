@@ -242,6 +242,12 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
         # another rank failed first (its own report names it), was lost, or stayed silent: one line per job
         lost = err.lost if isinstance(err, PeerLost) else []
         return end_run(f"{task.prog}: error: {str(err).splitlines()[0]}", 1, rank, world, leaving=world - len(lost), lost=lost)
+    except OSError as err:
+        if err.filename is None:  # not a file's
+            raise
+        from braid.io.files import write_failure
+
+        return end_run(f"{task.prog}: error: {write_failure(err)}", 1, rank, world)  # a full disk, a file size limit
     if ref is None:
         return 0
     dtype = compute_dtype(pick_device(setup.args))

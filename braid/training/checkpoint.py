@@ -34,7 +34,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from braid.io.files import atomic_write_text, fsync_dir
+from braid.io.files import WRITE_CAUSES, atomic_write_text, fsync_dir
 from braid.io.inputs import InputFileError, read_json
 
 FORMAT = "braid-checkpoint/1"
@@ -151,6 +151,7 @@ def save(directory: str | os.PathLike, step: int, state: dict[str, Any], layout:
     (e.g. the run's configuration). Returns the step folder.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     d = Path(directory)
     final, tmp = d / step_name(step), d / f".{step_name(step)}.partial"
@@ -167,7 +168,7 @@ def save(directory: str | os.PathLike, step: int, state: dict[str, Any], layout:
     _agree(failed, barrier)
     try:
         dcp.save(state, checkpoint_id=tmp)  # every rank writes its part; rank 0 writes .metadata last
-    except Exception as err:  # noqa: BLE001 - DCP raises the same wrapped failure on every rank
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises the same wrapped failure on every rank
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(_write_failure(d, final, err)) from None
@@ -213,12 +214,16 @@ def _agree(failed: str | None, barrier: Callable[[], None]) -> None:
 
 
 def _write_failure(directory: Path, final: Path, err: BaseException) -> str:
-    """One line for a save that failed: disk full named as such; the checkpoint that stays."""
+    """One line for a save that failed: the path, the cause (disk full, quota, file size limit, permission named
+    as such), and the checkpoint that stays."""
     latest = directory / LATEST
-    kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
-    errno_ = _errno(err)
-    if errno_ in (28, 122):  # ENOSPC, EDQUOT
-        return f"{directory}: disk full while writing {final.name} (nothing of it is kept; {kept}); free space and resume"
+    try:
+        kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
+    except OSError:
+        kept = f"{latest} unreadable"
+    cause = WRITE_CAUSES.get(_errno(err))
+    if cause:
+        return f"{directory}: {cause[0]} while writing {final.name} (nothing of it is kept; {kept}); {cause[1]} and resume"
     return f"{directory}: cannot write {final.name} ({_cause(err)[:200]}; {kept})"
 
 
