@@ -307,6 +307,12 @@ BAD_FLAGS = [
     (["--config", "{tmp}/bad.toml"], "not valid TOML"),
     (["--config", "{tmp}/unknown.toml"], "unknown setting 'bogus'"),
     (["--config", "{tmp}/wrong.toml"], "argument --tp: invalid int value: 'two'"),
+    (["--steps", str(10**20)], f"--steps {10**20}: at most 100,000,000"),
+    (["--seq", str(10**12)], f"--seq {10**12}: at most 16,777,216"),
+    (["--micro-batch-size", str(10**9)], "--micro-batch-size 1000000000: at most 65,536"),
+    (["--last-stage-lighter", "1e308"], "1e308: at most 1024 layers"),
+    (["--timeout", "1e308"], "--timeout 1e+308: at most 86,400 s"),
+    (["--keep-checkpoints", str(10**12)], "--keep-checkpoints 1000000000000: at most 100,000"),
 ]
 
 
