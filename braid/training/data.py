@@ -152,8 +152,11 @@ class PackedText:
         for f in files:
             if Path(f).stat().st_size == 0:
                 raise DataError(f"{f}: empty data file")
-            if builder == "json":  # pyarrow's reader recurses without bound: the nesting is counted first
-                check_json_lines(f, "JSON lines data file", DATA_FILE)
+            if builder == "json":  # pyarrow's reader recurses without bound (a deep line crashes it): counted first
+                try:
+                    check_json_lines(f, "JSON lines data file", DATA_FILE)
+                except InputFileError as err:
+                    raise DataError(str(err)) from None
         bars = datasets.utils.logging.is_progress_bar_enabled()
         datasets.utils.logging.disable_progress_bar()  # a bad file is one line on stderr, with no bars before it
         try:
