@@ -78,15 +78,10 @@ def read_bytes(path: str | os.PathLike, what: str, limit: FileLimit) -> bytes:
     return raw
 
 
-# What a parser recurses into: brackets outside strings (and comments). Strings are removed first
-# (their brackets are text), then everything but the brackets.
-_STRINGS = {
-    "json": re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S),
-    "toml": re.compile(rb'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"[^"\\\n]*(?:\\.[^"\\\n]*)*"|\'[^\'\n]*\'|#[^\n]*'),
-}
-_STRINGS["jsonl"] = _STRINGS["json"]
-_BRACKETS = b"[]{}\n"
-_OTHER_BYTES = bytes(b for b in range(256) if b not in _BRACKETS)
+# What a parser recurses into: brackets outside strings (and TOML comments).
+_TOML_STRINGS = re.compile(rb'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"[^"\\\n]*(?:\\.[^"\\\n]*)*"|\'[^\'\n]*\'|#[^\n]*')
+_BLOCK = 1 << 22  # bytes scanned at a time: a few arrays of _BLOCK int64s
+_NOT_SCANNED = bytes(b for b in range(256) if b not in b'"[]{}\n')
 
 
 def nesting(raw: bytes, syntax: str) -> int:
@@ -94,26 +89,30 @@ def nesting(raw: bytes, syntax: str) -> int:
     the deepest of any line. Unbalanced brackets count as they stand (the parser refuses such a file)."""
     import numpy as np
 
-    bare = _STRINGS[syntax].sub(b"", raw)
-    kept = bare.translate(None, _OTHER_BYTES)
-    deepest, depth_at_end, line_base = 0, 0, 0
-    if syntax == "toml":  # a dotted key nests a table per dot (and tomllib takes quadratic time over them)
-        deepest = max((_key_dots(piece) for piece in re.split(rb"[\n{,]", bare)), default=0)
-    for lo in range(0, len(kept), _BLOCK):  # in blocks: a few arrays of _BLOCK int64s at a time
-        a = np.frombuffer(kept, dtype=np.uint8, count=min(_BLOCK, len(kept) - lo), offset=lo)
-        newline = a == ord("\n")
-        depth = depth_at_end + np.cumsum(np.where((a == ord("[")) | (a == ord("{")), 1, np.where(newline, 0, -1)))
+    if syntax == "toml":  # a run file (1 MiB at most): strings and comments out, and a dotted key nests a table per dot
+        bare = _TOML_STRINGS.sub(b"", raw)
+        dots = max((_key_dots(piece) for piece in re.split(rb"[\n{,]", bare)), default=0)
+        return max(dots, nesting(bare.replace(b'"', b""), "json"))
+    # JSON: without its escapes (an escaped backslash first) every quote opens or closes a string; only the
+    # quotes, brackets and newlines are kept
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_SCANNED)
+    deepest, depth_at_end, line_base, quotes = 0, 0, 0, 0
+    for lo in range(0, len(text), _BLOCK):
+        a = np.frombuffer(text, dtype=np.uint8, count=min(_BLOCK, len(text) - lo), offset=lo)
+        quote = a == ord('"')
+        outside = (np.cumsum(quote) + quotes) & 1 == 0
+        quotes += int(quote.sum())
+        step = (((a == ord("[")) | (a == ord("{"))) & outside).astype(np.int64) - (((a == ord("]")) | (a == ord("}"))) & outside)
+        depth = depth_at_end + np.cumsum(step)
         depth_at_end = int(depth[-1])
         if syntax == "jsonl":  # from each line's start: less the depth at the newline before it
+            newline = a == ord("\n")
             last = np.maximum.accumulate(np.where(newline, np.arange(len(a)), -1))
             base = np.where(last >= 0, depth[last.clip(0)], line_base)
             line_base = int(base[-1])
             depth = depth - base
         deepest = max(deepest, int(depth.max()))
     return deepest
-
-
-_BLOCK = 1 << 23
 
 
 def _key_dots(piece: bytes) -> int:

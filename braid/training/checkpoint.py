@@ -72,7 +72,8 @@ def resolve(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"{path}: a checkpoint without layout record or manifest (an older format); "
                                   "start a fresh run")
         raise CheckpointError(f"{path}: no checkpoint there (no '{LATEST}' file and no {MANIFEST})")
-    name = latest.read_text(errors="replace").strip()
+    with open(latest, "rb") as f:
+        name = f.read(256).decode(errors="replace").strip()  # a step folder's name: never more (a link to a device)
     if not _STEP.fullmatch(name):
         raise CheckpointError(f"{latest}: does not name a step folder (got {name[:40]!r}); point --resume at a step folder")
     if not (p / name).is_dir():
