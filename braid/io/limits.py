@@ -29,18 +29,19 @@ class FileLimit:
 
 # A run file is flat (key = value, lists of values); the JSON files braid reads are records a few levels
 # deep. Sizes: the largest real file of each kind is well below (a 400B model's safetensors index: 0.2 MiB;
-# the largest tokenizer.json on the Hub: about 35 MiB; a simulated trace of p=16, m=256: about 45 MiB).
+# the largest tokenizer.json on the Hub: about 35 MiB; a simulated trace of p=16, m=256: about 45 MiB), and
+# what a parser makes of them stays within about 2 GB (JSON of empty objects: about 20x its size).
 RUN_FILE = FileLimit(1 * MiB, 8, "toml")
 RECORD = FileLimit(16 * MiB, 32, "json")  # config.json, tokenizer_config.json, safetensors index, checkpoint records
 COST_FILE = FileLimit(16 * MiB, 32, "json")
 MEASUREMENTS = FileLimit(64 * MiB, 32, "json")  # braid.bench --capture sets
-TRACE_FILE = FileLimit(128 * MiB, 32, "json")  # parsed, about 8x in memory
+TRACE_FILE = FileLimit(64 * MiB, 32, "json")  # parsed, about 8x in memory
 TORCH_CSV = FileLimit(16 * MiB)
-TOKENIZER = FileLimit(256 * MiB, 64, "json")
+TOKENIZER = FileLimit(96 * MiB, 64, "json")
 DATA_FILE = FileLimit(64 * GiB, 64, "jsonl")  # read by ``datasets`` in blocks; JSON lines scanned for nesting first
 DATA_SCAN = FileLimit(256 * MiB)  # a JSON lines file read whole to name its first bad line
 
-MAX_TRACE_EVENTS = 1_000_000  # events one command reads from its trace files (the viewer keeps each in memory)
+MAX_TRACE_EVENTS = 500_000  # events of one trace file (the viewer keeps each, about 2 kB, in memory)
 
 # -- counts ---------------------------------------------------------------------------------------
 # Programs grow as p x m (about 14 p m instructions for the two-chunk schedules; p=32, m=256 compiles in
