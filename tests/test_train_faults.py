@@ -399,10 +399,7 @@ BAD_FLAGS = [
     (["--seq", str(10**12)], f"--seq {10**12}: at most 16,777,216"),
     (["--micro-batch-size", str(10**9)], "--micro-batch-size 1000000000: at most 65,536"),
     (["--last-stage-lighter", "1e308"], "1e308: at most 1024 layers"),
-    (["--timeout", "1e308"], "--timeout 1e+308: at most 86400"),
-    (["--lr", "1e308"], "--lr 1e+308: at most 10"),
-    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
-    (["--clip-grad", "inf"], "--clip-grad must be a finite number > 0, got inf"),
+    (["--timeout", "1e308"], "--timeout 1e+308: at most 86,400 s"),
     (["--keep-checkpoints", str(10**12)], "--keep-checkpoints 1000000000000: at most 100,000"),
 ]
 

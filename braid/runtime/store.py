@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -165,44 +166,83 @@ def _await_listener(addr: str, port: int, deadline: float) -> None:
 
 def arrive(joined: Joined, timeout_s: float) -> None:
     """Wait until every rank has arrived here (see the module doc); the first rank found missing or gone is
-    raised as one line. ``timeout_s``: how long to wait for ranks that joined and are alive."""
-    from braid.runtime.liveness import ALIVE_PREFIX, closed
+    raised as one line. ``timeout_s``: how long to wait for ranks that joined and are alive.
+
+    Every rank polls one counter; rank 0 alone looks for the missing ones (a few store keys and a liveness
+    socket per rank, at most every :data:`_SCAN_S`) and leaves its verdict in the store for the others, so the
+    store's load does not grow with the square of the ranks.
+    """
+    from braid.runtime.liveness import closed
 
     store, rank, world = joined.store, joined.rank, joined.world_size
     if world == 1:
         return
-    attempt = _attempt()
-    others = [r for r in range(world) if r != rank]
-    arrived = [f"{ARRIVED_PREFIX}{attempt}{r}" for r in others]
+    prefix = f"{ARRIVED_PREFIX}{_attempt()}"
+    poll = max(_POLL_S, world / 10_000)  # all ranks together: about 10,000 store reads a second
     since = time.monotonic()
+    scanned = since
+    host = {0: joined.host} if joined.host else {}
     try:
-        host = {0: joined.host} if joined.host else {}
         if host and closed(host, _ASK_WITHIN_S):  # asked first: a store op on a dead host logs a C++ stack
             raise store_gone(rank, ConnectionError("rank 0 closed its connections"))
-        store.set(f"{ARRIVED_PREFIX}{attempt}{rank}", "1")
+        store.set(f"{prefix}{rank}", "1")
+        store.add(f"{prefix}count", 1)
         while True:
-            if host and closed(host, _ASK_WITHIN_S):  # asked first: a store op on a dead host logs a C++ stack
+            if host and closed(host, _ASK_WITHIN_S):
                 raise store_gone(rank, ConnectionError("rank 0 closed its connections"))
-            if store.check(arrived):
+            if store.add(f"{prefix}count", 0) >= world:
                 return
-            waiting = [r for r, key in zip(others, arrived) if not store.check([key])]
-            never = [r for r in waiting if not store.check([f"{JOINED_PREFIX}{attempt}{r}"])]
-            addrs = {r: store.get(f"{ALIVE_PREFIX}{r}").decode() for r in waiting
-                     if r not in never and store.check([f"{ALIVE_PREFIX}{r}"])}
-            gone = closed(addrs, _ASK_WITHIN_S)
-            if gone:
-                raise PeerLost(f"rank {rank} stops: {ranks_text(gone)} {'is' if len(gone) == 1 else 'are'} gone before "
-                               f"the start: {gone_text(gone)}", gone[0], "lost at start-up", gone)
             now = time.monotonic()
-            if never and now > joined.started + joined.join_timeout_s:
-                raise CommTimeout(f"rank {rank} stops: {ranks_text(never)} did not join within {joined.join_timeout_s:g} s "
-                                  f"of the start (not started, or ended before it reached the job's store at "
-                                  f"{joined.where}; give every rank the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE)", never)
-            if not never and now > since + timeout_s:
-                raise CommTimeout(f"rank {rank} stops: {ranks_text(waiting)} joined but did not get ready within "
-                                  f"{timeout_s:g} s (alive: look there; raise --timeout if it is only slow)", waiting)
-            time.sleep(_POLL_S)
+            if rank == 0 and now - scanned >= _SCAN_S:
+                scanned = now
+                verdict = _missing(joined, timeout_s, since)
+                if verdict is not None:
+                    store.set(f"{prefix}verdict", json.dumps(verdict))
+                    raise _verdict_error(rank, joined, timeout_s, *verdict)
+            elif rank != 0 and store.check([f"{prefix}verdict"]):
+                raise _verdict_error(rank, joined, timeout_s, *json.loads(store.get(f"{prefix}verdict")))
+            elif rank != 0 and now > since + timeout_s + joined.join_timeout_s:  # rank 0 itself never got here
+                raise _verdict_error(rank, joined, timeout_s, *(_missing(joined, 0.0, since) or ("slow", [0])))
+            time.sleep(poll)
     except (PeerLost, CommTimeout):
         raise
     except (RuntimeError, ValueError) as err:  # DistNetworkError, DistStoreError by version: the store is gone
         raise store_gone(rank, err) from None
+
+
+_SCAN_S = 0.5
+
+
+def _missing(joined: Joined, timeout_s: float, since: float) -> tuple[str, list[int]] | None:
+    """Rank 0's look at the ranks that have not arrived: ``("gone", ranks)`` (joined, then their process ended),
+    ``("never", ranks)`` (not joined within the join timeout), ``("slow", ranks)`` (joined and alive, not here
+    within ``timeout_s``), or None (wait on)."""
+    from braid.runtime.liveness import ALIVE_PREFIX, closed
+
+    store, attempt = joined.store, _attempt()
+    waiting = [r for r in range(joined.world_size) if r != joined.rank and not store.check([f"{ARRIVED_PREFIX}{attempt}{r}"])]
+    never = [r for r in waiting if not store.check([f"{JOINED_PREFIX}{attempt}{r}"])]
+    addrs = {r: store.get(f"{ALIVE_PREFIX}{r}").decode() for r in waiting
+             if r not in never and store.check([f"{ALIVE_PREFIX}{r}"])}
+    gone = closed(addrs, _ASK_WITHIN_S)
+    now = time.monotonic()
+    if gone:
+        return "gone", gone
+    if never and now > joined.started + joined.join_timeout_s:
+        return "never", never
+    if waiting and not never and now > since + timeout_s:
+        return "slow", waiting
+    return None
+
+
+def _verdict_error(rank: int, joined: Joined, timeout_s: float, kind: str, ranks: list[int]) -> PeerLost | CommTimeout:
+    """The line each rank stops with for rank 0's verdict (:func:`_missing`)."""
+    if kind == "gone":
+        return PeerLost(f"rank {rank} stops: {ranks_text(ranks)} {'is' if len(ranks) == 1 else 'are'} gone before the "
+                        f"start: {gone_text(ranks)}", ranks[0], "lost at start-up", ranks)
+    if kind == "never":
+        return CommTimeout(f"rank {rank} stops: {ranks_text(ranks)} did not join within {joined.join_timeout_s:g} s of the "
+                           f"start (not started, or ended before it reached the job's store at {joined.where}; give every "
+                           "rank the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE)", ranks)
+    return CommTimeout(f"rank {rank} stops: {ranks_text(ranks)} joined but did not get ready within {timeout_s:g} s "
+                       "(alive: look there; raise --timeout if it is only slow)", ranks)
