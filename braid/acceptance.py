@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 
 from braid.baselines.modes import BEST_MCORE_MODE, best_torch_mode
 from braid.io.cli import Parser, check_output_dir, check_range, run_main
+from braid.io.limits import MAX_TIMEOUT_S
 from braid.io.files import atomic_write_text
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: tests/ and benchmarks/ live here
@@ -309,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", choices=list(WEIGHTS), metavar="PART", help=f"run only these parts ({', '.join(WEIGHTS)})")
     args = ap.parse_args(argv)
     check_output_dir(ap, "--out", args.out)
-    check_range(ap, "--budget-s", args.budget_s, lo=1.0, what="a number of seconds >= 1")
+    check_range(ap, "--budget-s", args.budget_s, lo=1.0, hi=MAX_TIMEOUT_S, what="a number of seconds")
     import torch
 
     gpus = torch.cuda.device_count()

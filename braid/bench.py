@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Sequence
 
 from braid.cost.costs import CostFileError, load_cost_json
-from braid.io.cli import Parser, check_output_dir, check_outputs, check_plan_size, run_main
+from braid.io.cli import Parser, check_counts, check_output_dir, check_outputs, check_plan_size, run_main
 from braid.io.files import atomic_write_text
 from braid.measure.config import (
     DEFAULT_SCHEDULES,
@@ -96,8 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unknown schedule {bad[0]!r}; valid names: {', '.join(names)}")
     if args.probe_mbs is not None and args.probe_mbs < args.pp:
         ap.error(f"--probe-mbs must be >= --pp ({args.pp}): every pipeline rank needs a micro-batch")
-    if min(args.mbs) < 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-        ap.error("--mbs, --steps and --rounds must be >= 1, --warmup >= 0")
+    check_counts(ap, args, ("mbs", "steps", "rounds", "warmup"), at_least_zero=("warmup",))
     pc = config_from_args(ap, args)
     peers = tuple(peer_runs_from_args(ap, args, pc.tp, pc.device))
     if not args.no_external:

@@ -25,8 +25,9 @@ from braid.core.compiler import ScheduleError, compile_plan, format_grid, peak_a
 from braid.io.files import atomic_write_text
 from braid.core.ir import Braided, programs_to_json
 from braid.core.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
-from braid.io.cli import check_plan_size
+from braid.io.cli import check_counts, check_plan_size
 from braid.io.inputs import InputFileError, read_text
+from braid.io.limits import TORCH_CSV
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,9 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("give a schedule name or --import-torch-csv FILE (one of them)")
     if args.schedule is not None and args.schedule not in names:
         ap.error(f"unknown schedule {args.schedule!r}; valid names: {', '.join(names)}")
-    for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--chunks", args.chunks)):
-        if val is not None and val < 1:
-            ap.error(f"{flag} must be a positive integer, got {val}")
+    check_counts(ap, args, ("pp", "mbs", "chunks"))
     if args.braid is not None and (args.schedule is None or schedules.get_schedule(args.schedule).knob("braid") is None):
         ap.error(f"--braid: {args.schedule or 'an imported CSV'} has no braided blocks to choose; use it with "
                  + ", ".join(n for n in names if schedules.get_schedule(n).knob("braid")))
@@ -69,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_plan_size(ap, args.pp, args.mbs)
     if args.import_torch_csv:
         try:
-            text = read_text(args.import_torch_csv, "torch schedule CSV")
+            text = read_text(args.import_torch_csv, "torch schedule CSV", TORCH_CSV)
             plan = from_torch_csv(text, name=args.import_torch_csv.rsplit("/", 1)[-1].removesuffix(".csv"))
             programs = compile_plan(plan)
         except InputFileError as err:

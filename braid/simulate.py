@@ -40,7 +40,8 @@ import sys
 from typing import Any, Sequence
 
 from braid.io.cli import Parser as _Parser
-from braid.io.cli import add_seq_shard_arg, check_outputs, check_plan_size, layer_count, resolve_seq_shard, run_main
+from braid.io.cli import (add_seq_shard_arg, check_counts, check_outputs, check_plan_size, layer_count, resolve_seq_shard,
+                          run_main)
 from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers,
                          read_costs)
 from braid.io.files import atomic_write_text
@@ -344,12 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
-    for flag, val in (("--pp", args.pp), ("--mbs", args.mbs), ("--tp", args.tp), ("--seq", args.seq), ("--dp", args.dp),
-                      ("--gpus-per-node", args.gpus_per_node),
-                      ("--micro-batch-size", args.micro_batch_size),
-                      *((f"--{k.replace('_', '-')}", getattr(args, k)) for k in _OVERRIDES)):
-        if val is not None and val < 1:
-            ap.error(f"{flag} must be a positive integer, got {val}")
+    check_counts(ap, args, ("pp", "mbs", "tp", "seq", "dp", "gpus_per_node", "micro_batch_size", *_OVERRIDES))
     if args.offload_alpha != "auto":
         try:
             args.offload_alpha = float(args.offload_alpha)
@@ -412,9 +408,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from braid.core.torch_format import TorchFormatError, from_torch_csv
         from braid.core.compiler import ScheduleError, compile_plan
         from braid.io.inputs import InputFileError, read_text
+        from braid.io.limits import TORCH_CSV
 
         try:
-            plan = from_torch_csv(read_text(path, "torch schedule CSV"), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
+            plan = from_torch_csv(read_text(path, "torch schedule CSV", TORCH_CSV), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
             compile_plan(plan)  # a plan torch wrote that cannot run (deadlock, a missing op) is bad input too
         except InputFileError as err:
             ap.error(f"--torch-csv {err}")

@@ -369,6 +369,11 @@ def check_values(args: argparse.Namespace) -> None:
                          "(the programs grow as pp x mbs)")
     if args.save_every < 0:
         raise UsageError(f"--save-every must be >= 0 (0: only at the end), got {args.save_every}")
+    from braid.io.limits import COUNT_LIMITS, MAX_TIMEOUT_S, count_error
+
+    for name in COUNT_LIMITS:  # the upper bounds (the lower ones are above)
+        if why := count_error(name, getattr(args, name, None), low=0):
+            raise UsageError(why)
     positive = {"lr": args.lr, "init_std": args.init_std, "timeout": args.timeout}
     at_least_zero = {"reference_rtol": args.reference_rtol, "peak_tflops": args.peak_tflops}
     for name, value in positive.items():
@@ -377,6 +382,8 @@ def check_values(args: argparse.Namespace) -> None:
     for name, value in at_least_zero.items():
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.timeout > MAX_TIMEOUT_S:  # (a larger one overflows the process group's timedelta)
+        raise UsageError(f"--timeout {args.timeout:g}: at most {MAX_TIMEOUT_S:,} s (a day)")
 
 
 def check_outputs(args: argparse.Namespace) -> None:

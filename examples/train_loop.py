@@ -63,9 +63,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStats], tuple[list[float], list[float]] | None]:
+def run(task: Task, setup: Setup, source: Any = None, joined: Any = None
+        ) -> tuple[dict[str, RunStats], tuple[list[float], list[float]] | None]:
     """Train every schedule of the job from the same weights and data.
 
+    ``joined``: this rank's :func:`braid.runtime.store.join`, made before the preparation (or None).
     Returns the stats by schedule name and, with ``--reference``, the unsplit model's
     per-step losses and gradient norms (both on every rank).
     """
@@ -75,7 +77,7 @@ def run(task: Task, setup: Setup, source: Any = None) -> tuple[dict[str, RunStat
     device = pick_device(args)
     dtype = compute_dtype(device)
     if "RANK" in os.environ:
-        d = Dist.from_env(device=device, timeout_s=args.timeout)
+        d = Dist.from_env(device=device, timeout_s=args.timeout, joined=joined)
     else:
         d = Dist.init(0, 1, master_port=_free_port(), device=device, timeout_s=args.timeout)
     try:
@@ -239,21 +241,29 @@ def main(task: Task, argv: Sequence[str] | None = None, source: Any = None) -> i
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    joined = None
     try:
+        if world > 1 and "RANK" in os.environ:
+            from braid.runtime.store import join
+
+            joined = join(rank, world)  # reach the store first: a rank that dies while preparing is then named at once
         setup = prepare(task, argv)  # every check that needs no process group: bad input ends here, on every rank
-    except UsageError as err:
-        return end_run(f"{task.prog}: error: {err}", 2, rank, world)
-    if rank == 0 and setup.args.metrics:
-        _write_config(setup, Path(setup.args.metrics).with_suffix(".toml"))
-    try:
-        stats, ref = run(task, setup, source)
+        if rank == 0 and setup.args.metrics:
+            _write_config(setup, Path(setup.args.metrics).with_suffix(".toml"))
+        stats, ref = run(task, setup, source, joined)
     except (RunError, CheckpointError, UsageError) as err:
-        # 1 for a failed run (RunError, a save that could not be written), 2 for bad input
+        # 2 for bad input, 1 for a failed run (RunError, a save that could not be written)
         return end_run(f"{task.prog}: error: {err}", getattr(err, "exit_code", 2), rank, world)
     except (PeerFailure, CommTimeout) as err:
         # another rank failed first (its own report names it), was lost, or stayed silent: one line per job
-        lost = len(err.lost) if isinstance(err, PeerLost) else 0
-        return end_run(f"{task.prog}: error: {str(err).splitlines()[0]}", 1, rank, world, leaving=world - lost)
+        lost = err.lost if isinstance(err, PeerLost) else []
+        return end_run(f"{task.prog}: error: {str(err).splitlines()[0]}", 1, rank, world, leaving=world - len(lost), lost=lost)
+    except OSError as err:
+        if err.filename is None:  # not a file's
+            raise
+        from braid.io.files import write_failure
+
+        return end_run(f"{task.prog}: error: {write_failure(err)}", 1, rank, world)  # a full disk, a file size limit
     if ref is None:
         return 0
     dtype = compute_dtype(pick_device(setup.args))

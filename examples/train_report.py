@@ -168,8 +168,11 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: _finite_or_none(v) for k, v in record.items()}
         if self.file is not None:
-            self.file.write(json.dumps(clean, allow_nan=False) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(clean, allow_nan=False) + "\n")
+                self.file.flush()
+            except OSError as err:  # a full disk, a file size limit: named with the file (braid.io.files.write_failure)
+                raise OSError(err.errno, err.strerror, self.file.name) from None
         if self.tb is not None:
             for k in ("loss", "step_time_s", "tokens_per_s", "mfu"):
                 if isinstance(clean.get(k), (int, float)):
@@ -177,7 +180,10 @@ class MetricsLog:
 
     def close(self) -> None:
         if self.file is not None:
-            self.file.close()
+            try:  # every line was flushed when written: only a failed write's rest is left, already reported
+                self.file.close()
+            except OSError:
+                pass
         if self.tb is not None:
             self.tb.close()
 

@@ -237,26 +237,36 @@ def test_bad_toml_is_one_line(tmp_path: Path) -> None:
     assert json.dumps(str(err.value))  # printable as one line
 
 
-@pytest.mark.parametrize("where", ["dcp", "manifest"])
-def test_a_full_disk_mid_save_is_one_line_and_keeps_latest(tmp_path: Path, monkeypatch, where: str) -> None:
-    """ENOSPC while DCP writes the shards or while rank 0 writes the manifest: one line saying the
-    disk is full, the partial folder removed, ``latest`` still naming the previous step."""
+@pytest.mark.parametrize("where,errno_name,cause", [
+    ("dcp", "ENOSPC", "disk full"),
+    ("manifest", "ENOSPC", "disk full"),
+    ("dcp-wrapped", "EFBIG", "file size limit reached (ulimit -f)"),  # torch's CheckpointException: a BaseException
+    ("dcp-wrapped", "EDQUOT", "disk quota exceeded"),
+    ("dcp-wrapped", "EACCES", "permission denied"),
+])
+def test_a_failed_write_mid_save_is_one_line_and_keeps_latest(tmp_path: Path, monkeypatch, where: str, errno_name: str,
+                                                              cause: str) -> None:
+    """A full disk, a quota, a file size limit or a permission while DCP writes the shards or while rank 0
+    writes the manifest: one line naming the directory and the cause, the partial folder removed,
+    ``latest`` still naming the previous step."""
     import errno
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     _save(tmp_path, 1)
+    failure = OSError(getattr(errno, errno_name), "the write failed")
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def fail(*args, **kwargs):
+        if where == "dcp-wrapped":  # how DCP reports a rank's failed write
+            raise CheckpointException("save", {0: (failure, None)})
+        raise failure
 
-    if where == "dcp":
-        monkeypatch.setattr(dcp, "save", full)
-    else:
-        monkeypatch.setattr(checkpoint, "atomic_write_text", full)
+    monkeypatch.setattr(*((dcp, "save") if where.startswith("dcp") else (checkpoint, "atomic_write_text")), fail)
     with pytest.raises(checkpoint.CheckpointWriteError) as info:
         _save(tmp_path, 2)
     msg = str(info.value)
-    assert "disk full" in msg and "step_00000002" in msg and "step_00000001" in msg and "\n" not in msg, msg
+    assert msg.startswith(f"{tmp_path}: {cause} while writing step_00000002"), msg
+    assert "latest still names step_00000001" in msg and "\n" not in msg, msg
     assert (tmp_path / "latest").read_text().strip() == "step_00000001"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]

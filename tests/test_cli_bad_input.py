@@ -1,14 +1,18 @@
 """Bad input to every command line: one line on stderr, exit code 2, no traceback, no file left behind.
 
-Each case runs the real command (``python -m ...``) in a fresh directory holding only its
-input files; afterwards the directory must hold exactly those files, unchanged (no
+Each case runs the command's ``main`` in this process (the parsers' checks come before any
+work; ``python -m`` itself is run once per command below) in a fresh directory holding only
+its input files; afterwards the directory must hold exactly those files, unchanged (no
 output, no partial or temporary file). The line must say what is wrong (a fragment of it
-is checked). None of these cases starts a distributed job: the checks come first.
+is checked), and nothing may be logged beside it. None of these cases starts a distributed
+job: the checks come first.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -38,10 +42,14 @@ def _hf_config(drop: str | None = None, **change) -> str:
     return json.dumps(cfg)
 
 
+class _Sparse(int):
+    """An input file of this many bytes, all holes (written with truncate: no disk, no time)."""
+
+
 GOOD_TRACE = _trace()
 _BINARY = bytes(range(128, 256)) * 8
 # name -> (argv after "python -m", input files {name: text}, fragment of the error line)
-CASES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
+CASES: dict[str, tuple[list[str], dict[str, str | bytes | _Sparse], str]] = {
     # --- simulate
     "simulate-pp0": (["braid.simulate", "--pp", "0"], {}, "--pp must be a positive integer"),
     "simulate-budget-nan": (["braid.simulate", "--offload-budget", "nan"], {}, "--offload-budget"),
@@ -152,6 +160,36 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
     "bench-peers-whole-layers": (["braid.bench", "--pp", "2", "--layers-per-stage", "0.5"], {},
                                  "the external baselines split whole layers"),
     "simulate-lighter-negative": (["braid.simulate", "--last-stage-lighter", "-1"], {}, "--last-stage-lighter"),
+    # --- every input bounded: files by size and nesting before they are parsed, counts by what a real job needs
+    "simulate-lighter-1e308": (["braid.simulate", "--last-stage-lighter", "1e308"], {}, "1e308: at most 1024 layers"),
+    "simulate-seq-1e12": (["braid.simulate", "--seq", str(10**12)], {}, f"--seq {10**12}: at most 16,777,216"),
+    "simulate-layers-huge": (["braid.simulate", "--layers", "100000"], {}, "--layers 100000: at most 1,024"),
+    "simulate-costs-dev-zero": (["braid.simulate", "--costs", "/dev/zero"], {}, "/dev/zero: more than 16 MiB, the most a cost file"),
+    "simulate-costs-too-large": (["braid.simulate", "--costs", "c.json"], {"c.json": _Sparse(17 << 20)},
+                                 "c.json: 17,825,792 bytes, more than a cost file may hold (16 MiB)"),
+    "simulate-costs-deep": (["braid.simulate", "--costs", "c.json"], {"c.json": _nested(100)},
+                            "c.json: nested too deeply (100 levels; a cost file has at most 32)"),
+    "simulate-torch-csv-million-rows": (["braid.simulate", "--torch-csv", "r.csv"], {"r.csv": "0F0\n" * 10**6},
+                                        "r.csv: 1,000,000 rows: at most 1024"),
+    "simulate-config-layers-huge": (["braid.simulate", "--model", "m"], {"m/config.json": _hf_config(num_hidden_layers=10**6)},
+                                    "m/config.json: layers 1,000,000: at most 1,024"),
+    "programs-csv-million-rows": (["braid.programs", "--import-torch-csv", "r.csv"], {"r.csv": "0F0\n" * 10**6},
+                                  "1,000,000 rows: at most 1024"),
+    "programs-csv-mb-huge": (["braid.programs", "--import-torch-csv", "m.csv"], {"m.csv": "0F99999999,1F0\n"},
+                             "100,000,000 micro-batches: at most 16,384"),
+    "programs-chunks-huge": (["braid.programs", "gpipe", "--chunks", "100000"], {}, "--chunks 100000: at most 64"),
+    "viz-dev-zero": (["braid.viz", "/dev/zero", "-o", "o.html"], {}, "/dev/zero: more than 64 MiB, the most a trace file"),
+    "viz-trace-too-large": (["braid.viz", "t.json", "-o", "o.html"], {"t.json": _Sparse(200 << 20)},
+                            "t.json: 209,715,200 bytes, more than a trace file may hold (64 MiB)"),
+    "bench-steps-1e20": (["braid.bench", "--steps", str(10**20)], {}, f"--steps {10**20}: at most 100,000,000"),
+    "bench-layers-per-stage-huge": (["braid.bench", "--layers-per-stage", "100000"], {}, "100000: at most 1024 layers"),
+    "profile-layers-per-stage-huge": (["braid.profile", "--layers-per-stage", "100000"], {}, "100000: at most 1024 layers"),
+    "profile-layers-total": (["braid.profile", "--pp", "8", "--layers-per-stage", "100"], {}, "1600 layers over 16 stages"),
+    "profile-seq-huge": (["braid.profile", "--seq", str(10**9)], {}, f"--seq {10**9}: at most"),
+    "acceptance-budget-huge": (["braid.acceptance", "--out", "o", "--budget-s", "1e308"], {}, "--budget-s must be a number "
+                               "of seconds in [1, 86400], got 1e+308"),
+    "plan-config-layers-huge": (["braid.plan", "--model", "m", "--gpus", "2"], {"m/config.json": _hf_config(num_hidden_layers=10**6)},
+                                "m/config.json: layers 1,000,000: at most 1,024"),
 }
 
 
@@ -161,26 +199,63 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _snapshot(d: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+def _snapshot(d: Path) -> dict[str, bytes | tuple[int, int]]:
+    """Every file under ``d``: its bytes, or (size, mtime) for a large one."""
+    return {str(p.relative_to(d)): p.read_bytes() if p.stat().st_size < 1 << 20 else (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _write_inputs(d: Path, files: dict[str, str | bytes | _Sparse]) -> None:
+    for fname, content in files.items():
+        (d / fname).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, _Sparse):
+            with open(d / fname, "wb") as f:
+                f.truncate(content)
+        else:
+            (d / fname).write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+def _main(module: str):
+    """The ``main(argv)`` that ``python -m module`` runs."""
+    mod = importlib.import_module(module)
+    return mod.main if hasattr(mod, "main") else importlib.import_module(f"{module}.__main__").main
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, name: str) -> None:
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys, caplog, name: str) -> None:
     argv, files, fragment = CASES[name]
-    for fname, text in files.items():
-        (tmp_path / fname).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
+    _write_inputs(tmp_path, files)
+    before = _snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    caplog.set_level(logging.INFO)
+    try:
+        code = _main(argv[0])(argv[1:])
+    except SystemExit as exit_:  # a parser's error
+        code = exit_.code
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert code == 2, (code, out.err[-2000:])
+    assert len(err) == 1, out.err[-2000:]
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO], caplog.text[-2000:]  # nothing logged beside it
+    assert err[0].startswith(f"python -m {argv[0]}: error: "), err[0]
+    assert fragment in err[0], err[0]
+    assert _snapshot(tmp_path) == before  # no output, no partial or temporary file, inputs untouched
+
+
+@pytest.mark.parametrize("name", ["simulate-costs-dev-zero", "programs-pp0", "viz-corrupt", "bench-mbs0", "profile-pp0",
+                                  "plan-gpus-not-whole-nodes"])
+def test_python_m_entry_is_one_line_and_exit_2(tmp_path: Path, name: str) -> None:
+    """The same through ``python -m`` (a case per command): the line is all of stderr, no traceback."""
+    argv, files, fragment = CASES[name]
+    _write_inputs(tmp_path, files)
     before = _snapshot(tmp_path)
     out = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                          timeout=300)
     err = out.stderr.strip().splitlines()
-    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
-    assert "Traceback" not in out.stderr
-    assert len(err) == 1, out.stderr
-    assert err[0].startswith(f"python -m {argv[0]}: error: "), err[0]
-    assert fragment in err[0], err[0]
-    assert _snapshot(tmp_path) == before  # no output, no partial or temporary file, inputs untouched
+    assert out.returncode == 2 and len(err) == 1 and "Traceback" not in out.stderr, (out.returncode, out.stderr[-2000:])
+    assert err[0].startswith(f"python -m {argv[0]}: error: ") and fragment in err[0], err[0]
+    assert _snapshot(tmp_path) == before
 
 
 def test_simulate_names_the_stage_count_and_what_fits(tmp_path: Path) -> None:
@@ -211,18 +286,30 @@ def test_programs_into_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------
 # The example training scripts: every file is read before any process group starts
 
-EXAMPLE_FILES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
+EXAMPLE_FILES: dict[str, tuple[list[str], dict[str, str | bytes | _Sparse], str]] = {
     # name -> (flags after examples/qwen2.py --device cpu --steps 1, input files, fragment naming the file and the fault);
     # the other bad data files are read in-process (tests/test_data.py), through the same PackedText
     "data-bad-json-line": (["--data", "d.jsonl", "--tokenizer", "tok"], {"d.jsonl": '{"text": "a b"}\n{"text": \n'},
                            "d.jsonl: line 2 is not valid JSON"),
     "data-garbage-parquet": (["--data", "d.parquet", "--tokenizer", "tok"], {"d.parquet": _BINARY},
                              "d.parquet: cannot be read as parquet"),
+    "data-deep-line": (["--data", "d.jsonl", "--tokenizer", "tok"],  # pyarrow's reader would crash on it (a segfault)
+                       {"d.jsonl": '{"text": "a b"}\n{"text": "c", "x": ' + _nested(100000) + "}\n"},
+                       "d.jsonl: nested too deeply (100,001 levels; a JSON lines data file has at most 64)"),
     "tokenizer-config-list": (["--data", "good.jsonl", "--tokenizer", "listtok"], {"listtok/tokenizer_config.json": "[1, 2]"},
                               "listtok/tokenizer_config.json: expected a JSON object"),
+    "tokenizer-too-large": (["--data", "good.jsonl", "--tokenizer", "listtok"], {"listtok/tokenizer.json": _Sparse(300 << 20)},
+                            "listtok/tokenizer.json: 314,572,800 bytes, more than a tokenizer.json may hold (96 MiB)"),
     "hf-truncated-shard": (["--hf", "trunc"], {}, "trunc/model.safetensors: its header claims"),
     "hf-config-no-hidden": (["--hf", "nohid"], {}, "nohid/config.json: no 'hidden_size'"),
+    "hf-more-layers-than-tensors": (["--hf", "morelayers"], {}, "'morelayers': checkpoint lacks 432 tensor(s)"),
     "save-hf-parent-missing": (["--save-hf", "nodir/sub/out"], {}, "--save-hf nodir/sub/out: directory 'nodir/sub' does not exist"),
+    "config-dev-zero": (["--config", "/dev/zero"], {}, "--config /dev/zero: more than 1 MiB, the most a run file may hold"),
+    "config-too-large": (["--config", "r.toml"], {"r.toml": _Sparse(2 << 20)}, "r.toml: 2,097,152 bytes, more than a run file"),
+    "config-deep": (["--config", "r.toml"], {"r.toml": "tp = " + _nested(5000) + "\n"},
+                    "r.toml: nested too deeply (5,000 levels; a run file has at most 8)"),
+    "config-dotted-keys": (["--config", "r.toml"], {"r.toml": "a." * 20000 + "a = 1\n"},  # tomllib: quadratic time
+                           "r.toml: nested too deeply (20,000 levels"),
 }
 
 
@@ -245,30 +332,42 @@ def example_inputs(tmp_path_factory) -> Path:
     shutil.copytree(ckpt, root / "trunc")
     shard = root / "trunc" / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
-    shutil.copytree(ckpt, root / "nohid")
-    cfg = json.loads((root / "nohid" / "config.json").read_text())
-    del cfg["hidden_size"]
-    (root / "nohid" / "config.json").write_text(json.dumps(cfg))
+    for name, change in (("nohid", {"hidden_size": None}), ("morelayers", {"num_hidden_layers": 40})):
+        shutil.copytree(ckpt, root / name)
+        cfg = json.loads((root / name / "config.json").read_text())
+        cfg.update(change)
+        (root / name / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
     shutil.rmtree(ckpt)
     return root
 
 
-@pytest.mark.slow
+@pytest.fixture
+def qwen2_main(monkeypatch):
+    """``examples/qwen2.py``'s main in this process, as one process (no RANK/WORLD_SIZE)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    import qwen2
+    import train_loop
+
+    return lambda argv: train_loop.main(qwen2.TASK, argv)
+
+
 @pytest.mark.parametrize("name", list(EXAMPLE_FILES))
-def test_example_bad_files_are_one_line_and_exit_2(example_inputs: Path, tmp_path: Path, name: str) -> None:
+def test_example_bad_files_are_one_line_and_exit_2(example_inputs: Path, tmp_path: Path, monkeypatch, capsys, qwen2_main,
+                                                   name: str) -> None:
+    """In-process: every file is read before any process group (the torchrun case below covers the launch)."""
     import shutil
 
     flags, files, fragment = EXAMPLE_FILES[name]
     shutil.copytree(example_inputs, tmp_path, dirs_exist_ok=True)
-    for fname, text in files.items():
-        (tmp_path / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
+    _write_inputs(tmp_path, files)
     before = _snapshot(tmp_path)
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "qwen2.py"), "--device", "cpu", "--steps", "1", *flags],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    err = out.stderr.strip().splitlines()
-    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
-    assert len(err) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert err[0].startswith("qwen2.py: error: ") and fragment in err[0], err[0]
+    monkeypatch.chdir(tmp_path)
+    code = qwen2_main(["--device", "cpu", "--steps", "1", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err[-20:]
+    assert len(err) == 1 and err[0].startswith("qwen2.py: error: ") and fragment in err[0], err
     assert _snapshot(tmp_path) == before
 
 

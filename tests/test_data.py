@@ -159,6 +159,8 @@ def test_missing_packages_name_the_extra(monkeypatch) -> None:
     ("d.jsonl", '{"text": 5}\n{"text": 6}\n', "field 'text' holds int64, not text"),
     ("d.jsonl", '{"text": "the cat"}\n{"text": null}\n', "document 1 has 'text' = None, not text"),
     ("d.parquet", b"\x00garbage" * 64, "d.parquet: cannot be read as parquet"),
+    ("d.jsonl", '{"text": "a"}\n{"x": ' + "[" * 10**5 + "]" * 10**5 + "}\n",  # pyarrow's reader: a segfault
+     "d.jsonl: nested too deeply (100,001 levels; a JSON lines data file has at most 64)"),
 ])
 def test_bad_data_files_are_one_line_naming_the_file(corpus, tmp_path, name, content, fragment) -> None:
     from braid.training.data import DataError

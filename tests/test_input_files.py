@@ -249,6 +249,11 @@ HF_DAMAGE = {
     "config-negative-layers": (_config_edit({"num_hidden_layers": -2}), "layers must be a positive integer"),
     "config-layers-text": (_config_edit({"num_hidden_layers": "many"}), "config.json"),
     "config-model-type-list": (_config_edit({"model_type": ["qwen2"]}), "model_type must be a string"),
+    "config-layers-huge": (_config_edit({"num_hidden_layers": 10**6}), "layers 1,000,000: at most 1,024"),
+    "config-vocab-huge": (_config_edit({"vocab_size": 10**9}), "vocab_size 1,000,000,000: at most 8,388,608"),
+    # valid on its own, but the files hold 4 layers: refused before a tensor is read (was a KeyError per rank)
+    "fewer-tensors-than-config-layers": (lambda d: (_config_edit({"num_hidden_layers": 40})(d), d)[1],
+                                         "checkpoint lacks 432 tensor(s) of the qwen2 model its config.json describes"),
 }
 
 
@@ -315,3 +320,43 @@ def test_read_json_checks_the_top_level_type(tmp_path: Path) -> None:
     with pytest.raises(InputFileError, match="expected a JSON object, got list"):
         read_json(p, "tokenizer_config.json")
     assert read_json(p, expect=list) == [1, 2]
+
+
+@pytest.mark.parametrize("text,syntax,depth", [
+    (b'{"a": [1, [2, "[[[[{{"]], "b": "\\"[["}', "json", 3),  # brackets in strings (escaped quotes too) are text
+    (b"[" * 1000 + b"]" * 1000, "json", 1000),
+    (b'{"a": [[1]]}\n{"b": [[[[2]]]]}\n[[\n{}\n', "jsonl", 5),  # per line: an unclosed line does not deepen the next
+    (b'a = [[1], "[[[["]  # [[[[[[\n[t]\nb = \'[[[\'\nc = """\n[[[[\n"""', "toml", 2),
+    (b"a.b.c.d = 1\nx = [1.5, 2.5]\n", "toml", 3),  # a dotted key nests, the dots of numbers do not
+    (b"", "json", 0),
+])
+def test_nesting_is_counted_outside_strings(text: bytes, syntax: str, depth: int) -> None:
+    from braid.io.inputs import nesting
+
+    assert nesting(text, syntax) == depth
+
+
+def test_a_trace_file_holds_at_most_max_trace_events(tmp_path: Path, monkeypatch) -> None:
+    """A trace of more events than a command reads is refused after the JSON, before any event is checked
+    (the file's size limit bounds the JSON itself)."""
+    import braid.io.trace as trace
+
+    monkeypatch.setattr(trace, "MAX_TRACE_EVENTS", 3)
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"format": "braid-trace/1", "traces": [{"events": [EVENT] * 2}, {"events": [EVENT] * 2}]}))
+    with pytest.raises(TraceError, match=r"t.json: 4 events, more than a trace file may hold \(3\)"):
+        load_traces(p)
+    monkeypatch.setattr(trace, "MAX_TRACE_EVENTS", 4)
+    assert [len(t.events) for t in load_traces(p)] == [2, 2]
+
+
+def test_a_run_file_from_a_pipe_or_device_is_read_to_its_limit(tmp_path: Path) -> None:
+    """A file without a size (a device) is read one byte past the limit, never to its end."""
+    from braid.io.inputs import InputFileError, read_text
+    from braid.io.limits import FileLimit
+
+    with pytest.raises(InputFileError, match="/dev/zero: more than 1,000 bytes, the most a run file may hold"):
+        read_text("/dev/zero", "run file", FileLimit(1000))
+    p = tmp_path / "r.toml"
+    p.write_bytes(b"x" * 1000)
+    assert len(read_text(p, "run file", FileLimit(1000))) == 1000  # the limit itself is allowed

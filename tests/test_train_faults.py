@@ -8,6 +8,8 @@
   equal the uninterrupted run's within 1e-5 relative;
 * a non-finite loss stops the run before the update and any save (exit 1, one line naming
   the step and the rank), and the metrics stay strict JSON;
+* plain-process ranks (no torchrun): a rank that dies or never comes, at start-up or mid-run, is named by
+  the others in one line within seconds; a save past the file size limit is one line, the last checkpoint kept;
 * bad flags, output paths, run files and damaged checkpoints: one line, exit 2, no
   traceback, nothing written; ``--help`` under torchrun prints once.
 """
@@ -233,42 +235,128 @@ def test_non_finite_loss_names_the_last_stage_rank_under_torchrun(tmp_path: Path
     _torchrun_summary_reads(proc.stdout + proc.stderr, "qwen2.py: error: non-finite loss at step 1 (first on rank 1)", 2, code=1)
 
 
-def test_a_killed_rank_is_named_in_one_line_by_the_survivors(tmp_path: Path) -> None:
-    """Three ranks started as a launcher without an agent would (``RANK``/``WORLD_SIZE``/``MASTER_*``,
-    rank 0 hosting the store); rank 2 is killed mid-run. The survivors stop at once (a closed connection,
-    not a timeout) and the job says so in one line naming rank 2 -- no gloo error, no traceback -- and
-    each survivor exits 1."""
+def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _plain_env(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    """A rank started as a launcher without an agent would start it (``RANK``/``WORLD_SIZE``/``MASTER_*``)."""
+    return dict(_env(), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), **extra)
+
+
+@pytest.mark.parametrize("killed,line", [
+    (2, "qwen2.py: error: rank 0 stops: rank 2 is gone: its process exited or was killed (it closed its connections; see "
+        "that rank's log)"),
+    # the store's host: the lowest survivor says so (no rank printed anything before)
+    (0, "qwen2.py: error: rank 1 stops: the job's store cannot be reached (the rank that hosts it, rank 0, has exited or "
+        "was killed)"),
+], ids=["rank-2", "rank-0-the-store-host"])
+def test_a_killed_rank_is_named_in_one_line_by_the_survivors(tmp_path: Path, killed: int, line: str) -> None:
+    """Three ranks started as a launcher without an agent would (``RANK``/``WORLD_SIZE``/``MASTER_*``,
+    rank 0 hosting the store); one is killed mid-run. The survivors stop at once (a closed connection,
+    not a timeout) and the job says so in one line naming the killed rank -- no gloo error, no traceback --
+    and each survivor exits 1."""
+    port = _free_port()
     metrics = tmp_path / "m.jsonl"
     procs = []
     for r in range(3):
-        env = dict(_env(), RANK=str(r), WORLD_SIZE="3", LOCAL_WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, LLM, *COMMON, "--pp", "3", "--schedule", "1f1b", "--steps", "10000",
                                        "--timeout", "120", *(["--metrics", str(metrics)] if r == 0 else [])],
-                                      env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                                      env=_plain_env(r, 3, port), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True))
+    survivors = [p for r, p in enumerate(procs) if r != killed]
     try:
         end = time.monotonic() + 240
         while _logged_step(metrics) < 2 and all(p.poll() is None for p in procs) and time.monotonic() < end:
             time.sleep(0.05)
         assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
-        procs[2].kill()
-        errs = [p.communicate(timeout=60)[1] for p in procs[:2]]
+        procs[killed].kill()
+        errs = [p.communicate(timeout=60)[1] for p in survivors]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     lines = [ln for e in errs for ln in e.splitlines() if ln.startswith("qwen2.py: error:")]
-    assert len(lines) == 1, errs
-    assert lines[0] == ("qwen2.py: error: rank 0 stops: rank 2 is gone: its process exited or was killed (it closed its "
-                        "connections; see that rank's log)"), lines
-    assert [p.returncode for p in procs[:2]] == [1, 1], errs
+    assert len(lines) == 1 and lines[0].startswith(line), errs
+    assert [p.returncode for p in survivors] == [1, 1], errs
     text = "".join(errs)
     assert "Traceback" not in text and "pair.cc" not in text and "did not finish within" not in text, text[-3000:]
+
+
+# A rank that reaches the store and then ends, as one killed while preparing its model and data would;
+# rank 0 waits for the other's arrival first (so that the other joined a store that was there).
+_JOIN_AND_EXIT = """
+import os, time
+from braid.runtime.store import JOINED_PREFIX, join
+joined = join(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+while joined.rank == 0 and not joined.store.check([JOINED_PREFIX + "0/1"]):
+    time.sleep(0.01)
+time.sleep(0.2)
+os._exit(3)
+"""
+
+
+@pytest.mark.parametrize("case,line", [
+    ("rank 1 ends while preparing", "qwen2.py: error: rank 0 stops: rank 1 is gone before the start: its process exited "
+                                    "or was killed"),
+    ("rank 0 ends while preparing", "qwen2.py: error: rank 1 stops: the job's store cannot be reached (the rank that "
+                                    "hosts it, rank 0, has exited or was killed)"),
+    ("rank 1 never starts", "qwen2.py: error: rank 0 stops: rank 1 did not join within 2 s of the start"),
+    ("rank 0 never starts", "qwen2.py: error: rank 1 stops: the job's store at 127.0.0.1:{port} did not answer within 2 s"),
+], ids=["rank-1-ends-while-preparing", "rank-0-ends-while-preparing", "rank-1-never-starts", "rank-0-never-starts"])
+def test_plain_ranks_name_a_dead_or_missing_rank_at_start_up(case: str, line: str) -> None:
+    """Ranks started as plain processes meet before the process group with a join timeout of their own (2 s
+    here, BRAID_JOIN_TIMEOUT_S), not the step --timeout (120 s here): a rank that reached the store and ended
+    is named as gone at once, one that never came after the join timeout, a store whose host ended names
+    rank 0. The survivor says so in one line (exit 1): no store error, no traceback."""
+    port = _free_port()
+    other = 1 - int(case[5])  # the real rank: the one the case does not name
+    fake = None
+    if "ends" in case:
+        fake = subprocess.Popen([sys.executable, "-c", _JOIN_AND_EXIT], env=_plain_env(1 - other, 2, port), cwd=ROOT)
+    try:
+        if other == 1:
+            time.sleep(1.0 if fake else 0.0)  # the store's host first (it may also come later: the join waits)
+        proc = subprocess.run([sys.executable, LLM, *COMMON, "--pp", "2", "--steps", "2", "--timeout", "120"],
+                              env=_plain_env(other, 2, port, BRAID_JOIN_TIMEOUT_S="2"), cwd=ROOT, capture_output=True,
+                              text=True, timeout=100)
+    finally:
+        if fake is not None:
+            fake.kill()
+            fake.wait()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(line.format(port=port)), proc.stderr[-3000:]
+
+
+def test_a_save_past_the_file_size_limit_is_one_line_and_keeps_the_last_checkpoint(saved: Path, tmp_path: Path) -> None:
+    """Under ``ulimit -f`` (a file size limit below a checkpoint shard's size) the save fails with torch's
+    CheckpointException, a BaseException: one line naming the directory and the cause, exit 1, the
+    partial step removed and ``latest`` still naming the previous, sound checkpoint."""
+    import resource
+    import shutil
+
+    from braid.training.checkpoint import verify
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
+    limit = 256 << 10
+    assert max(f.stat().st_size for f in ckpt.rglob("*.distcp")) > limit
+    proc = subprocess.run([sys.executable, LLM, *COMMON, "--steps", "2", "--resume", str(ckpt), "--save", str(ckpt)],
+                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors == [f"qwen2.py: error: {ckpt}: file size limit reached (ulimit -f) while writing step_00000002 (nothing "
+                      f"of it is kept; {ckpt}/latest still names step_00000001); raise the limit and resume"], proc.stderr[-3000:]
+    assert (ckpt / "latest").read_text().strip() == "step_00000001" and not list(ckpt.glob(".step_*"))
+    assert verify(ckpt / "step_00000001") == []
 
 
 # -- bad input ----------------------------------------------------------------------------------------
@@ -303,10 +391,16 @@ BAD_FLAGS = [
     (["--tensorboard", "{tmp}/file"], "is a file; give a directory"),
     (["--resume", "{tmp}/missing"], "no such directory"),
     (["--resume", "{tmp}"], "no checkpoint there"),
-    (["--config", "{tmp}/missing.toml"], "cannot read it"),
+    (["--config", "{tmp}/missing.toml"], "missing.toml: no such run file"),
     (["--config", "{tmp}/bad.toml"], "not valid TOML"),
     (["--config", "{tmp}/unknown.toml"], "unknown setting 'bogus'"),
     (["--config", "{tmp}/wrong.toml"], "argument --tp: invalid int value: 'two'"),
+    (["--steps", str(10**20)], f"--steps {10**20}: at most 100,000,000"),
+    (["--seq", str(10**12)], f"--seq {10**12}: at most 16,777,216"),
+    (["--micro-batch-size", str(10**9)], "--micro-batch-size 1000000000: at most 65,536"),
+    (["--last-stage-lighter", "1e308"], "1e308: at most 1024 layers"),
+    (["--timeout", "1e308"], "--timeout 1e+308: at most 86,400 s"),
+    (["--keep-checkpoints", str(10**12)], "--keep-checkpoints 1000000000000: at most 100,000"),
 ]
 
 

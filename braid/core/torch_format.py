@@ -29,6 +29,8 @@ import io
 import re
 from typing import Sequence
 
+from braid.io.limits import COUNT_LIMITS, MAX_MBS, MAX_PM, MAX_PP
+
 from braid.core.ir import BRAIDABLE, Braided, Compute, ComputeInstr, OpKind, Placement, Plan, ScheduleConfig, rank_chunk_of
 
 # braid op kind <-> torch computation type
@@ -115,6 +117,11 @@ def from_torch_rows(rows: Sequence[Sequence[str]], name: str = "torch") -> Plan:
         raise TorchFormatError("the schedule has no compute actions")
     num_stages = max(s for s, _, _ in acts) + 1
     m = max(mb for _, _, mb in acts) + 1
+    if m > MAX_MBS or p * m > MAX_PM:
+        raise TorchFormatError(f"{p} ranks x {m:,} micro-batches: at most {MAX_MBS:,} micro-batches and {MAX_PM:,} in "
+                               "product (the programs grow as their product)")
+    if num_stages > COUNT_LIMITS["chunks"] * p:
+        raise TorchFormatError(f"stage {num_stages - 1:,} on {p} ranks: at most {COUNT_LIMITS['chunks']} stages per rank")
     if num_stages % p:
         raise TorchFormatError(f"{num_stages} stages do not divide over {p} ranks")
     stages_of = [{s for step in steps for s, _, _ in step} for steps in parsed]
@@ -139,5 +146,9 @@ def from_torch_rows(rows: Sequence[Sequence[str]], name: str = "torch") -> Plan:
 
 
 def from_torch_csv(text: str, name: str = "torch") -> Plan:
-    """A braid plan from the text of a torch compute-only schedule CSV."""
+    """A braid plan from the text of a torch compute-only schedule CSV (at most :data:`braid.io.limits.MAX_PP`
+    rows, counted before they are parsed)."""
+    rows = len(text.splitlines()) if text.count("\n") <= MAX_PP + 1 else text.count("\n")
+    if rows > MAX_PP:
+        raise TorchFormatError(f"{rows:,} rows: at most {MAX_PP} (one row per pipeline rank)")
     return from_torch_rows(list(csv.reader(io.StringIO(text))), name=name)

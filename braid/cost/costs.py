@@ -42,6 +42,7 @@ from braid.cost.recompute_costs import full_recompute, selective_recompute
 from braid.cost.seq_shard_costs import KORTHIKANTI_ACT, seq_shard_units
 from braid.io.inputs import InputFileError, read_json
 from braid.io.cli import NO_SEQ_SHARD_VISION
+from braid.io.limits import COST_FILE
 
 AR_SLOWDOWN = 1.075  # paper Appendix F: a GEMM overlapped with an all-reduce runs ~7.5% slower
 ATTN_BWD_FACTOR = 2.0
@@ -574,10 +575,9 @@ def read_costs(path: str | Path, layout: Layout, specs: Mapping[tuple[int, int],
 
 
 def load_cost_json(path: str | Path) -> dict[str, Any]:
-    """The JSON object of a cost file, before it is checked against a layout; any problem
-    reading it (missing, unreadable, not JSON, nested too deeply, not an object) is one
-    :class:`CostFileError`."""
+    """The JSON object of a cost file, before it is checked against a layout; any problem reading it (missing,
+    unreadable, not JSON, larger or deeper than :data:`braid.io.limits.COST_FILE`, not an object) is one :class:`CostFileError`."""
     try:
-        return read_json(path, "cost file")
+        return read_json(path, "cost file", limit=COST_FILE)
     except InputFileError as err:
         raise CostFileError(str(err)) from None

@@ -129,7 +129,12 @@ def load_meta(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     _, family, cfg = read_family_config(path)
     reader = CheckpointReader(path)
     source = CheckpointSource(reader, family, torch.device(device), family.weights(cfg, reader.keys()))
-    return on_meta(family.model_cls, cfg, source, dtype)
+    model = on_meta(family.model_cls, cfg, source, dtype)
+    missing = sorted({source.weights.key(n) for n, _ in model.named_parameters()} - reader.keys())
+    if missing:  # e.g. a config.json naming more layers than the files hold: refused before a tensor is read
+        raise ValueError(f"{str(path)!r}: checkpoint lacks {len(missing)} tensor(s) of the {family.name} model its "
+                         f"config.json describes, e.g. {missing[:3]}")
+    return model
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
@@ -141,13 +146,9 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: to
     empty, truncated or garbage shard: :mod:`braid.io.inputs`). LMs have ``logits(input_ids)``, VLMs
     ``logits(input_ids, pixel_values=..., image_grid_thw=...)`` (what HF's processor gives).
     """
-    model = load_meta(path, dtype, device)
+    model = load_meta(path, dtype, device)  # every tensor the model needs is there
     source: CheckpointSource = model.braid_source
     family, key = source.family, source.weights.key
-    want = {key(n) for n, _ in model.named_parameters()}
-    missing = sorted(want - source.reader.keys())
-    if missing:
-        raise ValueError(f"{str(path)!r}: checkpoint lacks {len(missing)} tensor(s) of a {family.name} model, e.g. {missing[:3]}")
     every_use = {key(n) for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied copy may be stored too
     extra = sorted(source.reader.keys() - every_use)
     if extra:

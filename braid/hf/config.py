@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from braid.io.inputs import InputFileError, read_json
+from braid.io.limits import check_shape
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -56,4 +57,5 @@ def read_family_config(path: str | os.PathLike) -> tuple[dict[str, Any], Any, An
             value = getattr(part, name, None)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{f}: {name} must be a positive integer, got {value!r}")
+            check_shape({name: value}, str(f))
     return d, family, cfg

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from braid.io.files import OutputPathError, check_output_path
+from braid.io.limits import MAX_LAYERS, MAX_MBS, MAX_PM, MAX_PP, count_error
 
 
 class Parser(argparse.ArgumentParser):
@@ -65,12 +66,14 @@ def check_output_dir(ap: argparse.ArgumentParser, flag: str, path: str | os.Path
 
 
 def layer_count(text: str) -> int | float:
-    """``"2"`` -> 2, ``"1.5"`` -> 1.5: a whole or half number of layers >= 0 (``argparse.ArgumentTypeError``
+    """``"2"`` -> 2, ``"1.5"`` -> 1.5: a whole or half number of layers in ``[0, MAX_LAYERS]`` (``argparse.ArgumentTypeError``
     otherwise, so argparse prints the message; an argparse ``type``). A half cuts a layer between attention and MLP (:func:`braid.core.partition.stage_halves`)."""
     try:
         n = float(text)
     except ValueError:
         n = math.nan
+    if math.isfinite(n) and n > MAX_LAYERS:
+        raise argparse.ArgumentTypeError(f"{text}: at most {MAX_LAYERS} layers (more than any real model)")
     if not math.isfinite(n) or n < 0 or n * 2 != int(n * 2):
         raise argparse.ArgumentTypeError(f"not a whole or half number of layers >= 0: {text!r}")
     return int(n) if n == int(n) else n
@@ -88,12 +91,16 @@ def check_range(ap: argparse.ArgumentParser, flag: str, value: float | None, lo:
         ap.error(f"{flag} must be {what} {bounds}, got {value:g}")
 
 
-# Upper bounds of a plan's size on the command line: programs grow as p x m (about 14 p m
-# instructions for the two-chunk schedules; p=32, m=256 compiles in about 2 s), so beyond
-# these a command would work for minutes before it could answer.
-MAX_PP = 1024
-MAX_MBS = 16384
-MAX_PM = 1 << 16
+def check_counts(ap: argparse.ArgumentParser, args: argparse.Namespace, names: Sequence[str],
+                 at_least_zero: Sequence[str] = ()) -> None:
+    """A parser error (one line, exit 2) for the first count flag of ``names`` (``args`` attributes) that is
+    below 1 (below 0 for those in ``at_least_zero``) or above its bound in :data:`braid.io.limits.COUNT_LIMITS`."""
+    for name in names:
+        value = getattr(args, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            why = count_error(name, v, low=0 if name in at_least_zero else 1)
+            if why:
+                ap.error(why)
 
 
 def check_plan_size(ap: argparse.ArgumentParser, pp: int | None, mbs: int | None) -> None:

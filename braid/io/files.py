@@ -12,10 +12,30 @@ instead of the measured work.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+
+# errno -> what a failed write met, and what to do about it
+WRITE_CAUSES = {
+    errno.ENOSPC: ("disk full", "free space"),
+    errno.EDQUOT: ("disk quota exceeded", "free space within the quota"),
+    errno.EFBIG: ("file size limit reached (ulimit -f)", "raise the limit"),
+    errno.EACCES: ("permission denied", "make the directory writable"),
+    errno.EPERM: ("operation not permitted", "make the directory writable"),
+    errno.EROFS: ("read-only file system", "write elsewhere"),
+}
+
+
+def write_failure(err: OSError, path: str | os.PathLike | None = None) -> str:
+    """One line for a write that failed: the path, and the cause (disk full, quota, file size limit, permission
+    named as such)."""
+    where = path if path is not None else err.filename if err.filename is not None else "a file"
+    cause = WRITE_CAUSES.get(err.errno)
+    return f"{where}: {cause[0]}; {cause[1]}" if cause else f"{where}: cannot write ({err.strerror or err})"
 
 
 class OutputPathError(ValueError):
@@ -66,9 +86,11 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
         os.chmod(tmp_path, 0o666 & ~umask)
         os.replace(tmp_path, target)
         fsync_dir(parent)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             tmp_path.unlink()
+        if isinstance(err, OSError) and err.errno:  # named by the file it was for, not the temporary one
+            raise OSError(err.errno, err.strerror, str(target)) from err
         raise
 
 

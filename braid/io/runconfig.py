@@ -15,6 +15,9 @@ import json
 import math
 from typing import Any, Sequence
 
+from braid.io.inputs import InputFileError, read_text
+from braid.io.limits import RUN_FILE
+
 
 class ConfigError(ValueError):
     """A run file that cannot be used; the message is one line."""
@@ -53,10 +56,9 @@ def config_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[st
         return list(argv)
     path = known.config
     try:
-        with open(path, encoding="utf-8") as f:
-            data = _toml_loads(f.read())
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--config {path}: cannot read it ({type(err).__name__}: {err.strerror if isinstance(err, OSError) else err})") from None
+        data = _toml_loads(read_text(path, "run file", RUN_FILE))
+    except InputFileError as err:  # missing, unreadable, binary, larger or deeper than a run file may be
+        raise ConfigError(f"--config {err}") from None
     except ConfigError as err:
         raise ConfigError(f"--config {path}: {err}") from None
     return settings_argv(parser, data, source=f"--config {path}") + list(argv)
@@ -90,7 +92,8 @@ def settings_argv(parser: argparse.ArgumentParser, data: dict[str, Any], source:
 
 def _token(key: str, value: Any, source: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{source}: {key} = {value!r} is not a number or a string")
+        shown = repr(value) if isinstance(value, (bool, type(None))) else f"a {type(value).__name__}"  # never a deep repr
+        raise ConfigError(f"{source}: {key} = {shown} is not a number or a string")
     return repr(value) if isinstance(value, float) else str(value)
 
 

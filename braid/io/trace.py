@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from braid.io.inputs import InputFileError, read_json
+from braid.io.limits import MAX_TRACE_EVENTS, TRACE_FILE
 
 FORMAT = "braid-trace/1"
 LANES: tuple[str, ...] = ("compute", "tp-comm", "p2p", "copy", "dp-comm")
@@ -168,7 +169,7 @@ def load_traces(path: str | Path) -> list[Trace]:
     """Read a trace file; any problem becomes one :class:`TraceError` naming the file."""
     p = Path(path)
     try:
-        d = read_json(p, "trace file", expect=object)
+        d = read_json(p, "trace file", expect=object, limit=TRACE_FILE)
     except InputFileError as err:
         raise TraceError(str(err)) from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
@@ -176,4 +177,8 @@ def load_traces(path: str | Path) -> list[Trace]:
         raise TraceError(f"{p}: not a braid trace (format={got!r}, expected {FORMAT!r})")
     if not isinstance(d.get("traces"), list) or not d["traces"]:
         raise TraceError(f"{p}: 'traces' must be a non-empty list")
+    events = sum(len(t["events"]) for t in d["traces"] if isinstance(t, dict) and isinstance(t.get("events"), list))
+    if events > MAX_TRACE_EVENTS:
+        raise TraceError(f"{p}: {events:,} events, more than a trace file may hold ({MAX_TRACE_EVENTS:,}); "
+                         "trace fewer micro-batches or ranks")
     return [Trace.from_dict(t, where=f"{p}: trace {i}") for i, t in enumerate(d["traces"])]

@@ -16,7 +16,9 @@ from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
 )
-from braid.io.cli import add_seq_shard_arg, check_cpu_ranks, check_range, layer_count, local_seq, resolve_seq_shard
+from braid.io.cli import (add_seq_shard_arg, check_counts, check_cpu_ranks, check_range, layer_count, local_seq,
+                          resolve_seq_shard)
+from braid.io.limits import MAX_LAYERS
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
 
@@ -186,10 +188,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         cfg = decoder_config(shape, layers=1) if args.model is not None else PRESETS[args.preset or "tiny"]
     except ValueError as err:
         ap.error(str(err))
-    for flag in ("hidden", "heads", "kv_heads", "ffn", "vocab", "tp", "pp", "chunks", "seq", "micro_batch_size", "iters"):
-        val = getattr(args, flag)
-        if val is not None and val < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be a positive integer, got {val}")
+    check_counts(ap, args, ("hidden", "heads", "kv_heads", "ffn", "vocab", "tp", "pp", "chunks", "seq", "micro_batch_size", "iters"))
     check_range(ap, "--peak-flops", args.peak_flops, 0.0, 1e18)
     overrides = {key: getattr(args, flag) for flag, key in (("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"),
                                                              ("ffn", "ffn"), ("vocab", "vocab_size")) if getattr(args, flag) is not None}
@@ -204,12 +203,15 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     try:
         try:
             lps = [layer_count(x) for x in str(args.layers_per_stage).split(",")]
-        except argparse.ArgumentTypeError:
-            raise ValueError(f"--layers-per-stage must be a whole or half number of layers (2, 1.5) or a comma list "
-                             f"of them, got {args.layers_per_stage!r}") from None
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(f"--layers-per-stage {args.layers_per_stage!r}: {err} (one number or a comma list of "
+                             "whole or half layers: 2, 1.5)") from None
         stages = args.pp * args.chunks
         if len(lps) == 1:
             lps = lps * stages
+        if sum(lps) > MAX_LAYERS:
+            raise ValueError(f"--layers-per-stage {args.layers_per_stage}: {sum(lps):g} layers over {len(lps)} stages, at most "
+                             f"{MAX_LAYERS} (more than any real model)")
         model = replace(cfg, **overrides)
         peak = args.peak_flops if args.peak_flops is not None else (989e12 if device == "cuda" else 0.0)
         return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from braid.io.files import atomic_write_text
+from braid.io.inputs import InputFileError, read_json
+from braid.io.limits import MEASUREMENTS
 from braid.io.trace import Trace
 from braid.measure.calibrate import predict, rel_err
 from braid.measure.config import BenchConfig
@@ -266,9 +268,9 @@ def read_measurements(path: str | Path) -> dict[str, Any]:
     if not p.exists():
         return {"format": MEASUREMENTS_FORMAT, "sets": []}
     try:
-        doc = json.loads(p.read_text())
-    except (OSError, ValueError, RecursionError) as err:
-        raise ValueError(f"{p}: not a readable measurements file ({type(err).__name__}: {err})"[:400]) from None
+        doc = read_json(p, "measurements file", expect=object, limit=MEASUREMENTS)
+    except InputFileError as err:
+        raise ValueError(f"{err}"[:400]) from None
     fmt = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
     if fmt != MEASUREMENTS_FORMAT or not isinstance(doc.get("sets"), list):
         raise ValueError(f"{p}: not a measurements file (format={fmt!r}, expected {MEASUREMENTS_FORMAT!r} with a 'sets' list)")

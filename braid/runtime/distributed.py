@@ -24,17 +24,13 @@ executor go through the same machinery: tensor all-reduces through :meth:`Abort.
 translated, :meth:`Abort.translate`). On CUDA, waits are stream-ordered and the NCCL
 watchdog (same timeout) is the backstop.
 
-Stores. Without torchrun the job's store listens on the loopback interface only (or, for
-one process, lives in the process); a job whose ``MASTER_ADDR`` is not a loopback address
-asked for a multi-host rendezvous and gets a store on every interface. Under torchrun the
-agent's store is joined as a client.
+Stores and the start of a job (every rank there, or the missing one named): :mod:`braid.runtime.store`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import json
 import logging
 import os
@@ -48,6 +44,11 @@ import torch
 import torch.distributed as dist
 
 from braid.models.tied import reduce_tied_gradients
+from braid.runtime.errors import CommTimeout, PeerFailure, PeerLost, describe_exception, first_line, lost_text
+from braid.runtime.store import Joined, arrive, create_store, join, store_gone
+
+__all__ = ["Abort", "CommTimeout", "Dist", "PeerFailure", "PeerLost", "ProcessGroups", "backend_for", "create_store",
+           "describe_exception", "exit_with_parent", "reduce_gradients"]
 from braid.core.topology import RankCoords, Topology
 
 if TYPE_CHECKING:
@@ -61,51 +62,9 @@ _MAX_REASON = 2000
 LOST_SETTLE_S = 1.0  # after a closed connection, how long every peer may still answer before none is named lost
 
 
-class PeerFailure(RuntimeError):
-    """Another rank failed; this rank stops instead of waiting forever.
-
-    ``failed_rank`` and ``reason``: the rank that failed first and its exception text
-    (None when unknown, e.g. the store is gone with the rank that hosted it).
-    """
-
-    def __init__(self, message: str, failed_rank: int | None = None, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.failed_rank, self.reason = failed_rank, reason
-
-
-class PeerLost(PeerFailure):
-    """A peer closed its connection (its process exited or was killed) before any rank recorded why.
-
-    ``lost``: the ranks whose process is gone (:mod:`braid.runtime.liveness`); empty when
-    unknown (no world size, or the store is gone).
-    """
-
-    def __init__(self, message: str, failed_rank: int | None = None, reason: str | None = None,
-                 lost: list[int] | None = None) -> None:
-        super().__init__(message, failed_rank, reason)
-        self.lost = list(lost or [])
-
-
-class CommTimeout(TimeoutError):
-    """A communication did not finish within the job's timeout (peers alive but silent).
-
-    ``silent``: the ranks that did not time out themselves (the ones to look at; empty when unknown).
-    """
-
-    def __init__(self, message: str, silent: list[int] | None = None) -> None:
-        super().__init__(message)
-        self.silent = list(silent or [])
-
-
 def backend_for(device: torch.device) -> str:
     """gloo on CPU, NCCL on CUDA."""
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-def describe_exception(err: BaseException) -> str:
-    """``"ValueError: the message"`` -- the text a failure record carries."""
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
 _CLOSED_WORDS = ("closed by peer", "connection reset", "connection closed", "broken pipe", "connection refused",
@@ -123,22 +82,6 @@ def _mentions_timeout(err: BaseException) -> bool:
     return any(w in text for w in _TIMEOUT_WORDS)
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-def _gone(ranks: list[int]) -> str:
-    """What a record of lost ranks says of them."""
-    one = len(ranks) == 1
-    return (f"{'its process' if one else 'their processes'} exited or {'was' if one else 'were'} killed "
-            f"({'it' if one else 'they'} closed {'its' if one else 'their'} connections; "
-            f"see {'that rank' if one else 'those ranks'}'s log)")
-
-
 @dataclass(slots=True)
 class Abort:
     """A job-wide failure record in the store, consulted around every communication wait."""
@@ -153,6 +96,8 @@ class Abort:
     world_size: int | None = None  # known: a timeout names the ranks that stayed silent, a lost peer is named
     grace_s: float = 3.0  # how long a peer's liveness socket has to accept (braid.runtime.liveness)
     _checked_at: float = field(default=float("-inf"), init=False, repr=False)
+    # the store's first failure: once its host is gone no store op is tried again (each would log a C++ stack)
+    _gone: BaseException | None = field(default=None, init=False, repr=False)
 
     def signal(self, reason: str, lost: list[int] | None = None) -> bool:
         """Record that this rank failed with ``reason`` (or, with ``lost``, that those ranks were
@@ -163,6 +108,8 @@ class Abort:
         """
         entry = {"rank": lost[0] if lost else self.rank, "reason": reason[:_MAX_REASON], **({"lost": lost} if lost else {})}
         record = json.dumps(entry)
+        if self._gone is not None:
+            return False
         try:
             # compare_set on an absent key with expected "" sets it; on a present key it
             # leaves the value and returns it: an atomic "first writer wins".
@@ -207,14 +154,15 @@ class Abort:
 
         Raises :class:`PeerLost` when the store cannot be reached (its host has exited).
         """
+        if self._gone is not None:
+            raise store_gone(self.rank, self._gone)
         try:
             if not self.store.check([ABORT_KEY]):
                 return None
             raw = self.store.get(ABORT_KEY).decode(errors="replace")
         except Exception as err:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError by version
-            raise PeerLost(f"rank {self.rank} stops: the job's store cannot be reached (the rank that hosts it, "
-                           f"rank 0, has exited or was killed): {_first_line(err)}", 0, "store gone",
-                           [] if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else [0]) from err
+            self._gone = err
+            raise store_gone(self.rank, err) from err
         try:
             rec = json.loads(raw)
             lost = [int(r) for r in rec.get("lost") or []]
@@ -238,7 +186,7 @@ class Abort:
             return
         r, reason, lost = rec["rank"], rec["reason"], rec["lost"]
         if lost:
-            raise PeerLost(f"rank {self.rank} stops: {_ranks(lost)} {'is' if len(lost) == 1 else 'are'} gone: {_gone(lost)}",
+            raise PeerLost(lost_text(self.rank, lost),
                            r, reason, lost)
         raise PeerFailure(f"rank {self.rank} stops: rank {r} failed first: {reason}", r, reason)
 
@@ -309,7 +257,7 @@ class Abort:
 
     def classify(self, err: BaseException, elapsed_s: float) -> Exception:
         """The exception a failed communication of this rank becomes (see :meth:`wait`)."""
-        line = _first_line(err)
+        line = first_line(err)
         if _mentions_closed(err):
             return self._lost(err, elapsed_s)
         if _mentions_timeout(err) or elapsed_s >= 0.95 * self.timeout_s:
@@ -328,7 +276,7 @@ class Abort:
         nothing, so it is the one the others were waiting for. Empty when the world size is
         unknown or the store is gone.
         """
-        if not self.world_size:
+        if not self.world_size or self._gone is not None:
             return []
         try:
             self.store.set(f"{TIMED_OUT_PREFIX}{self.rank}", "1")
@@ -348,7 +296,7 @@ class Abort:
 
         after = f" after {elapsed_s:.1f} s" if elapsed_s is not None else ""
         within = min(self.grace_s, self.timeout_s)
-        lost = lost_ranks(self.store, self.rank, self.world_size, within) if self.world_size else None
+        lost = lost_ranks(self.store, self.rank, self.world_size, within) if self.world_size and self._gone is None else None
         settle = time.monotonic() + LOST_SETTLE_S
         while lost == [] and time.monotonic() < settle:
             # The connection closed, yet every peer still accepts: a killed process closes its
@@ -357,10 +305,10 @@ class Abort:
             time.sleep(0.02)
             lost = lost_ranks(self.store, self.rank, self.world_size, within)
         if lost:  # the same words as a survivor that reads the record (check)
-            return PeerLost(f"rank {self.rank} stops: {_ranks(lost)} {'is' if len(lost) == 1 else 'are'} gone: {_gone(lost)}",
+            return PeerLost(lost_text(self.rank, lost),
                             lost[0], "lost", lost)
         return PeerLost(f"rank {self.rank}: a peer closed its connection{after} (its process exited or was killed; "
-                        f"see that rank's log): {_first_line(err)}")
+                        f"see that rank's log): {first_line(err)}")
 
 
 def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
@@ -379,49 +327,6 @@ def exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
         os._exit(3)
 
     threading.Thread(target=watch, name="braid-exit-with-parent", daemon=True).start()
-
-
-def _is_loopback(addr: str) -> bool:
-    try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
-
-
-def _loopback_listener(addr: str, port: int) -> int:
-    """A socket listening on ``addr`` (a loopback address) only; returns its file descriptor."""
-    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sockaddr)
-        sock.listen(512)
-    except OSError as err:
-        sock.close()
-        raise OSError(f"cannot listen on {addr}:{port} for the job's store: {err.strerror or err}") from err
-    return sock.detach()
-
-
-def create_store(rank: int, world_size: int, addr: str, port: int, timeout: datetime.timedelta) -> dist.Store:
-    """The job's store (see the module doc): torchrun's agent store as a client; one process:
-    an in-process store; rank 0 of a local job: a TCPStore on the loopback interface only."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    if world_size == 1:
-        return dist.HashStore()
-    if rank != 0:
-        return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    if _is_loopback(addr):
-        fd = _loopback_listener(addr, port)
-        # the process group's own rendezvous waits for the ranks; the store need not
-        kw = dict(is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd)
-        try:
-            return dist.TCPStore(addr, port, world_size, **kw)
-        except (RuntimeError, ValueError):  # a libuv store that cannot adopt a socket: the classic one can
-            log.debug("TCPStore(use_libuv=True) refused the loopback socket; using the classic backend", exc_info=True)
-            return dist.TCPStore(addr, port, world_size, use_libuv=False, **kw)
-    return dist.TCPStore(addr, port, world_size, is_master=True, timeout=timeout)
 
 
 @dataclass(slots=True)
@@ -445,8 +350,10 @@ class Dist:
         master_port: int | None = None,
         device: torch.device | str = "cpu",
         timeout_s: float = 120.0,
+        joined: Joined | None = None,
     ) -> "Dist":
-        """Create the store (:func:`create_store`) and the default process group (backend from the device).
+        """Join the job's store (:func:`braid.runtime.store.join`, unless ``joined`` already did), wait for every
+        rank (:func:`braid.runtime.store.arrive`) and create the default process group (backend from the device).
 
         ``master_port``/``master_addr`` default to ``MASTER_PORT``/``MASTER_ADDR``; under
         torchrun the agent's store is joined as a client.
@@ -454,27 +361,25 @@ class Dist:
         device = torch.device(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        port = int(master_port if master_port is not None else os.environ.get("MASTER_PORT", "29500"))
-        addr = os.environ.get("MASTER_ADDR", master_addr) if master_port is None else master_addr
+        if joined is None:
+            joined = join(rank, world_size, master_addr=master_addr, master_port=master_port)
+        store = joined.store
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = create_store(rank, world_size, addr, port, timeout)
-        alive = None
-        if world_size > 1:  # announced before the rendezvous below: every rank's is there once it returns
-            from braid.runtime.liveness import announce
-
-            one_host = _is_loopback(addr) or os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
-            alive = announce(store, rank, addr, loopback=one_host)
+        if world_size > 1:
+            arrive(joined, timeout_s)  # a dead or missing rank is named here, not after the process group's timeout
+            store.set_timeout(timeout)
         # device_id binds the NCCL communicator to this rank's GPU and creates it now (not at the
         # first collective), so a wrong device or a missing peer shows up here, within the timeout.
         kw = {"device_id": device} if device.type == "cuda" else {}
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size, timeout=timeout, **kw)
         abort = Abort(store, rank, timeout_s, device.type == "cuda", world_size=world_size)
-        return Dist(rank, world_size, device, store, abort, timeout_s, alive)
+        return Dist(rank, world_size, device, store, abort, timeout_s, joined.alive)
 
     @staticmethod
-    def from_env(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> "Dist":
-        """Initialise from torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables."""
-        return Dist.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device=device, timeout_s=timeout_s)
+    def from_env(device: torch.device | str = "cpu", timeout_s: float = 120.0, joined: Joined | None = None) -> "Dist":
+        """Initialise from torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_*`` variables (or a launcher's that sets them)."""
+        return Dist.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device=device, timeout_s=timeout_s,
+                         joined=joined)
 
     def close(self) -> None:
         if dist.is_initialized():

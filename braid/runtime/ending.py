@@ -92,17 +92,18 @@ def _leave_on_sigterm(code: int) -> None:
         log.debug("SIGTERM handler not installed (not the main thread)")
 
 
-def end_run(line: str, code: int, rank: int, world: int, leaving: int | None = None) -> int:
+def end_run(line: str, code: int, rank: int, world: int, leaving: int | None = None, lost: list[int] = ()) -> int:
     """End this rank's part of a failed run with ``line`` (see the module doc); returns ``code``.
 
     Every rank that meets the failure calls it; the line is printed on stderr once per job.
     ``leaving``: how many ranks end this way (default ``world``; fewer when some are lost).
+    ``lost``: the ranks known gone; without torchrun's store the lowest other rank prints.
     """
     store = _torchrun_store(LEAVE_WITHIN_S) if world > 1 else None
     if store is not None:
         _leave_on_sigterm(code)
     prefix = f"braid/end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    printer = rank == 0
+    printer = rank == min(set(range(max(world, rank + 1))) - set(lost), default=rank)
     if store is not None:
         try:
             printer = store.compare_set(prefix + "printed", "", str(rank)).decode() == str(rank)

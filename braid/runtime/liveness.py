@@ -12,7 +12,7 @@ accepts, even while its main thread is blocked in a collective. A thread of the 
 closes the connections it accepts, so the listen queue never fills.
 
 The socket listens on the loopback interface when the job's store does (one host), and
-on every interface otherwise, like the store (:func:`braid.runtime.distributed.create_store`).
+on every interface otherwise, like the store (:func:`braid.runtime.store.create_store`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,12 @@ def lost_ranks(store: dist.Store, rank: int, world_size: int, within_s: float) -
     except Exception:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError by version: the store is gone
         log.debug("rank %d: the liveness addresses cannot be read", rank, exc_info=True)
         return None
+    return closed(addrs, within_s)
+
+
+def closed(addrs: dict[int, str], within_s: float) -> list[int]:
+    """The ranks of ``addrs`` (rank -> ``"host:port"`` of its liveness socket) whose socket is closed or does
+    not accept within ``within_s`` (all asked together), sorted."""
     lost: list[int] = []
     deadline = time.monotonic() + within_s
 

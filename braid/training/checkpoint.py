@@ -34,7 +34,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from braid.io.files import atomic_write_text, fsync_dir
+from braid.io.files import WRITE_CAUSES, atomic_write_text, fsync_dir
+from braid.io.inputs import InputFileError, read_json
 
 FORMAT = "braid-checkpoint/1"
 LAYOUT, MANIFEST, LATEST = "layout.json", "manifest.json", "latest"
@@ -71,7 +72,8 @@ def resolve(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"{path}: a checkpoint without layout record or manifest (an older format); "
                                   "start a fresh run")
         raise CheckpointError(f"{path}: no checkpoint there (no '{LATEST}' file and no {MANIFEST})")
-    name = latest.read_text(errors="replace").strip()
+    with open(latest, "rb") as f:
+        name = f.read(256).decode(errors="replace").strip()  # a step folder's name: never more (a link to a device)
     if not _STEP.fullmatch(name):
         raise CheckpointError(f"{latest}: does not name a step folder (got {name[:40]!r}); point --resume at a step folder")
     if not (p / name).is_dir():
@@ -80,12 +82,12 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent}: {what} {path.name} is missing (incomplete or damaged checkpoint)")
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path.parent}: {what} {path.name} is missing (incomplete or damaged checkpoint)") from None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable {what} ({type(err).__name__}); the checkpoint is damaged") from None
+        data = read_json(path, what, expect=object)
+    except InputFileError as err:  # unreadable, not JSON, larger or deeper than a record may be
+        raise CheckpointError(f"{path}: unreadable {what} ({str(err).removeprefix(f'{path}: ')}); the checkpoint is damaged") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} {what}")
     return data
@@ -150,6 +152,7 @@ def save(directory: str | os.PathLike, step: int, state: dict[str, Any], layout:
     (e.g. the run's configuration). Returns the step folder.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     d = Path(directory)
     final, tmp = d / step_name(step), d / f".{step_name(step)}.partial"
@@ -166,7 +169,7 @@ def save(directory: str | os.PathLike, step: int, state: dict[str, Any], layout:
     _agree(failed, barrier)
     try:
         dcp.save(state, checkpoint_id=tmp)  # every rank writes its part; rank 0 writes .metadata last
-    except Exception as err:  # noqa: BLE001 - DCP raises the same wrapped failure on every rank
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises the same wrapped failure on every rank
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(_write_failure(d, final, err)) from None
@@ -212,12 +215,16 @@ def _agree(failed: str | None, barrier: Callable[[], None]) -> None:
 
 
 def _write_failure(directory: Path, final: Path, err: BaseException) -> str:
-    """One line for a save that failed: disk full named as such; the checkpoint that stays."""
+    """One line for a save that failed: the path, the cause (disk full, quota, file size limit, permission named
+    as such), and the checkpoint that stays."""
     latest = directory / LATEST
-    kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
-    errno_ = _errno(err)
-    if errno_ in (28, 122):  # ENOSPC, EDQUOT
-        return f"{directory}: disk full while writing {final.name} (nothing of it is kept; {kept}); free space and resume"
+    try:
+        kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no earlier checkpoint"
+    except OSError:
+        kept = f"{latest} unreadable"
+    cause = WRITE_CAUSES.get(_errno(err))
+    if cause:
+        return f"{directory}: {cause[0]} while writing {final.name} (nothing of it is kept; {kept}); {cause[1]} and resume"
     return f"{directory}: cannot write {final.name} ({_cause(err)[:200]}; {kept})"
 
 

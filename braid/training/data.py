@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from braid.io.inputs import read_json, read_text
+from braid.io.inputs import InputFileError, check_json_lines, read_json, read_text
+from braid.io.limits import DATA_FILE, DATA_SCAN, TOKENIZER
 
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -59,6 +60,10 @@ def data_files(path: str | Path) -> tuple[str, list[str]]:
         raise DataError(f"{str(files[0])!r}: data files must end in .jsonl, .json or .parquet")
     if len(kinds) > 1:
         raise DataError(f"{str(p)!r} mixes json and parquet files; keep one format per directory")
+    for f in files:
+        if f.stat().st_size > DATA_FILE.bytes:
+            raise DataError(f"{f}: {f.stat().st_size:,} bytes, more than a data file may hold ({DATA_FILE.bytes >> 30} GiB); "
+                            "split it into several files of one directory")
     return kinds.pop(), [str(f) for f in files]
 
 
@@ -68,7 +73,7 @@ def load_tokenizer(directory: str | Path, eos_token: str | None = None) -> tuple
     d = Path(directory)
     if not (d / "tokenizer.json").is_file():
         raise DataError(f"no tokenizer.json in {str(d)!r}; give --tokenizer the directory of a fast tokenizer")
-    text = read_text(d / "tokenizer.json", "tokenizer.json")
+    text = read_text(d / "tokenizer.json", "tokenizer.json", TOKENIZER)
     try:
         tok = tokenizers.Tokenizer.from_str(text)
     except Exception as err:  # noqa: BLE001 - the Rust parser raises a bare Exception
@@ -100,7 +105,11 @@ def _why_unreadable(builder: str, files: list[str], err: BaseException) -> str:
     not a JSON object, else the innermost cause (``datasets`` wraps the parser's error twice)."""
     if builder == "json":
         for f in files:
-            for n, line in enumerate(read_text(f, "JSON lines file").splitlines(), 1):
+            try:
+                text = read_text(f, "JSON lines file", DATA_SCAN)
+            except InputFileError:  # too large to read whole: the parser's own words below
+                break
+            for n, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
                     continue
                 try:
@@ -143,6 +152,11 @@ class PackedText:
         for f in files:
             if Path(f).stat().st_size == 0:
                 raise DataError(f"{f}: empty data file")
+            if builder == "json":  # pyarrow's reader recurses without bound (a deep line crashes it): counted first
+                try:
+                    check_json_lines(f, "JSON lines data file", DATA_FILE)
+                except InputFileError as err:
+                    raise DataError(str(err)) from None
         bars = datasets.utils.logging.is_progress_bar_enabled()
         datasets.utils.logging.disable_progress_bar()  # a bad file is one line on stderr, with no bars before it
         try:
