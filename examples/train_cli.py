@@ -114,7 +114,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     if task.vision:
         run.add_argument("--image-size", type=int, default=None, help="image side in pixels (default: the preset's)")
     run.add_argument("--steps", type=int, default=40, help="training steps in total, counting resumed ones (default: %(default)s)")
-    run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: %(default)s)")
+    run.add_argument("--lr", type=float, default=None,
+                     help="AdamW peak learning rate (default: by model size, as published recipes scale it: 1e-3 below "
+                          "125M parameters, GPT-3's table above -- 6e-4 at 125M, 1.2e-4 at 7B; braid.training.lr.recipe_lr)")
     run.add_argument("--init-std", type=float, default=0.02, help="std of the random initialisation (default: %(default)s)")
     run.add_argument("--seed", type=int, default=0, help="model and data seed (default: %(default)s)")
     run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -128,7 +130,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     opt = p.add_argument_group("optimizer (AdamW; braid's schedules)")
     opt.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine", "linear"],
                      help="decay after the warm-up, to --min-lr at the last step (default: %(default)s)")
-    opt.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warm-up steps (default: %(default)s)")
+    opt.add_argument("--warmup", type=int, default=None, metavar="N",
+                     help="linear warm-up steps (default: none below 125M parameters, a tenth of --steps above, "
+                          "at most 2000; the torch baselines: none)")
     opt.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay (default: %(default)s)")
     opt.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                      help="clip the gradients to this global norm over all ranks (default: no clipping)")
@@ -323,6 +327,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             from braid.models.registry import family_of
 
             family_of(model)  # a model no registered family can write is refused before training
+        recipe_defaults(args, model, torch_names)
         runs = []
         for n in names:
             knobs = {} if n in BASELINES else {k: v for k, v in opts.items() if schedules.get_schedule(n).knob(k)}
@@ -374,7 +379,7 @@ def check_values(args: argparse.Namespace) -> None:
     for name in COUNT_LIMITS:  # the upper bounds (the lower ones are above)
         if why := count_error(name, getattr(args, name, None), low=0):
             raise UsageError(why)
-    positive = {"lr": args.lr, "init_std": args.init_std, "timeout": args.timeout}
+    positive = {"init_std": args.init_std, "timeout": args.timeout, **({} if args.lr is None else {"lr": args.lr})}
     at_least_zero = {"reference_rtol": args.reference_rtol, "peak_tflops": args.peak_tflops}
     for name, value in positive.items():
         if not (math.isfinite(value) and value > 0):
@@ -454,6 +459,18 @@ def sp_config(task: Task, args: argparse.Namespace) -> Any:
 
 
 
+def recipe_defaults(args: argparse.Namespace, model: torch.nn.Module, torch_names: Sequence[str]) -> None:
+    """``--lr`` and ``--warmup`` where not given, from the model's size (:func:`braid.training.lr.recipe_lr`,
+    :func:`~braid.training.lr.recipe_warmup`); the torch baselines train at a constant ``--lr``."""
+    from braid.training.lr import recipe_lr, recipe_warmup
+
+    n = sum(p.numel() for p in model.parameters())  # a meta-device model counts as well
+    if args.lr is None:
+        args.lr = recipe_lr(n)
+    if args.warmup is None:
+        args.warmup = 0 if torch_names else min(recipe_warmup(n, args.steps), args.steps)
+
+
 def optim_config(args: argparse.Namespace) -> Any:
     """The run's :class:`braid.training.step.OptimConfig` from the flags."""
     from braid.training.step import OptimConfig
@@ -471,7 +488,9 @@ def optimizer_flags_set(args: argparse.Namespace) -> bool:
 def check_training_flags(task: Task, args: argparse.Namespace, model_vocab: int | None) -> None:
     """Optimizer and data flags; with ``model_vocab`` also the tokenizer against the model (raises :class:`UsageError`)."""
     try:
-        optim_config(args).check()
+        # --lr and --warmup left to the model's size are set once it is built (recipe_defaults), valid by construction
+        given = vars(args) | {"lr": args.lr if args.lr is not None else 1.0, "warmup": args.warmup or 0}
+        optim_config(argparse.Namespace(**given)).check()
     except ValueError as err:
         raise UsageError(str(err)) from None
     if args.recompute != "none" and args.cp > 1:
