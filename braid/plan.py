@@ -36,14 +36,6 @@ from braid.simulate import resolve_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
 from braid.io.cli import MAX_MBS, check_outputs
 
-# catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
-# catalog name -> the examples' --model preset of the same shape (examples/qwen2.py: qwen2-*,
-# examples/qwen2_vl.py: the catalog's VL names)
-_EXAMPLE_PRESETS = {"qwen2-tiny": "tiny", "qwen2-small": "small", "qwen2-7b": "7b", "qwen2-15b": "15b",
-                    **{n: n for n in ("qwen2-vl-tiny", "qwen2-vl-small", "qwen2-vl-2b", "qwen2-vl-7b", "qwen2-vl-15b",
-                                      "qwen2-vl-72b", "qwen2.5-vl-tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b")}}
-
-
 MAX_GPUS = 1 << 20  # beyond any cluster: the job costs and torchrun lines of more are meaningless
 
 
@@ -91,14 +83,14 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
     if nodes * min(g, prob.gpus) != prob.gpus:
         raise ValueError(f"{prob.gpus} GPUs are not {nodes} node(s) of {g}: torchrun starts as many processes on every node")
     vision = mdl.vit is not None
-    script = "examples/qwen2_vl.py" if vision else "examples/qwen2.py"
+    script = "examples/qwen2_vl.py" if vision else "examples/lm.py"
     spec = schedules.get_schedule(c.schedule)
     args = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={min(g, prob.gpus)}"]
     if nodes > 1:
         args += ["--rdzv-backend=c10d", "--rdzv-endpoint=$MASTER_ADDR:29500"]
     seq = mdl.seq - (mdl.vit.patches // 4 if vision else 0)  # the VLM script's --seq counts caption tokens
-    args += [script, "--model", _EXAMPLE_PRESETS.get(mdl.name, mdl.name), "--schedule", c.schedule,
-             "--tp", str(p.tp), "--pp", str(p.pp), "--dp", str(p.dp), "--mbs", str(c.m),
+    args += [script, "--model", mdl.name, "--schedule", c.schedule,
+             "--tp", str(p.tp), "--pp", str(p.pp), "--dp", str(p.dp), "--global-batch-size", str(prob.global_batch),
              "--micro-batch-size", str(p.micro_batch_size), "--seq", str(seq),
              "--last-stage-lighter", f"{stage_lighter(mdl, p.pp * spec.v) if c.lighter is None else c.lighter:g}",
              "--optimizer", p.optimizer]
@@ -115,8 +107,9 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
 
 def _notes(prob: Problem, ev: Evaluation) -> list[str]:
     notes = []
-    if prob.model.name not in _EXAMPLE_PRESETS:
-        notes.append(f"examples/ have no --model {prob.model.name} preset yet; add one with this shape to run it")
+    if prob.model.name not in MODELS:
+        notes.append(f"examples/ build the catalog's presets: give the checkpoint of {prob.model.name} as --hf DIR "
+                     "instead of --model")
     return notes
 
 

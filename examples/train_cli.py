@@ -104,8 +104,13 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     run.add_argument("--model", default="tiny", choices=list(task.models), help="size preset (default: %(default)s)")
     run.add_argument("--hf", metavar="DIR", help="start from a local Hugging Face checkpoint (config.json + safetensors) "
                                                  "instead of --model; each rank reads only its chunks' tensors")
-    run.add_argument("--mbs", type=int, default=None, help="micro-batches per step (default: 2*pp)")
+    run.add_argument("--global-batch-size", type=int, default=None, metavar="B",
+                     help="samples per step over all data-parallel replicas (Megatron's name): the step runs "
+                          "B / (--micro-batch-size x dp) micro-batches")
     run.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default: %(default)s)")
+    run.add_argument("--mbs", type=int, default=None,
+                     help="the NUMBER of micro-batches per step, not their size (that is --micro-batch-size); "
+                          "instead of --global-batch-size (default: 2*pp)")
     run.add_argument("--seq", type=int, default=task.default_seq,
                      help=("caption tokens per sample; the LM sees visual tokens + these" if task.vision else "tokens per sample")
                      + " (default: %(default)s)")
@@ -238,6 +243,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     check_values(args)
     if args.dp is None:
         args.dp = max(1, world // (args.tp * args.pp * args.cp))
+    if args.global_batch_size is not None:
+        args.mbs = micro_batches(args)
     if args.mbs is None:
         args.mbs = 2 * args.pp
     if args.last_stage_lighter is None:
@@ -338,6 +345,26 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
 
         setup.resume_dir = check_resume(task, setup)
     return setup
+
+
+def micro_batches(args: argparse.Namespace) -> int:
+    """The micro-batches per step that ``--global-batch-size`` means at ``--micro-batch-size`` and dp."""
+    from braid.io.cli import MAX_MBS, MAX_PM
+
+    gbs, size, dp = args.global_batch_size, args.micro_batch_size, args.dp
+    if gbs < 1:
+        raise UsageError(f"--global-batch-size must be >= 1, got {gbs}")
+    if gbs % (size * dp):
+        raise UsageError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {size} x dp {dp} = {size * dp}; "
+                         f"use {max(size * dp, gbs - gbs % (size * dp))} or {gbs - gbs % (size * dp) + size * dp}")
+    m = gbs // (size * dp)
+    if args.mbs is not None and args.mbs != m:
+        raise UsageError(f"--mbs {args.mbs} micro-batches and --global-batch-size {gbs} ({m} micro-batches of "
+                         f"{size} on dp {dp}) disagree; give one of them")
+    if m > MAX_MBS or args.pp * m > MAX_PM:
+        raise UsageError(f"--global-batch-size {gbs} is {m:,} micro-batches per step: at most {MAX_MBS} and "
+                         f"{MAX_PM:,} times --pp (the programs grow as pp x micro-batches)")
+    return m
 
 
 def check_values(args: argparse.Namespace) -> None:

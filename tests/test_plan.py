@@ -311,13 +311,15 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     for r in ranked:
         assert r["command"].startswith("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d ")
-        assert " examples/qwen2.py --model qwen2-toy " in r["command"] and " --optimizer zero1" in r["command"]
-        assert f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --mbs {r['m']}" in r["command"]
+        assert " examples/lm.py --model qwen2-toy " in r["command"] and " --optimizer zero1" in r["command"]
+        assert (f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --global-batch-size 16 "
+                f"--micro-batch-size {r['micro_batch_size']} ") in r["command"]
+        assert 16 == r["m"] * r["micro_batch_size"] * r["dp"]  # the script derives the micro-batch count
         assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
     assert ranked[0]["command"] in text and doc["search"]["best_proven"]
     # the default cap: the device memory the driver reports (an H200 "141 GB" is 143771 MiB), as the header says
     assert doc["problem"]["memory_gib"] * 2**30 == H200.memory_bytes and "cap 140.4 GiB per GPU" in text
-    assert "examples/ have no --model qwen2-toy preset" in text  # a catalog shape the examples do not build
+    assert "note:" not in text and not ranked[0]["notes"]  # the examples build every catalog preset
 
 
 @pytest.mark.parametrize("args,message", [
