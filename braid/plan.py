@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer)
     from braid.io.progress import Progress
 
-    bar = Progress(args.max_simulations, "plan: simulated", every_s=0.5)
+    bar = Progress(args.max_simulations, "plan: simulated", enabled=sys.stderr.isatty(), every_s=0.5)
     res = search(prob, top=args.top, max_simulations=args.max_simulations, time_budget_s=args.time_budget,
                  progress=lambda r: bar.step(f"in {r.elapsed_s:.0f} s"))
     bar.close()

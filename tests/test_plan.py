@@ -316,7 +316,7 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
                 f"--micro-batch-size {r['micro_batch_size']} ") in r["command"]
         assert 16 == r["m"] * r["micro_batch_size"] * r["dp"]  # the script derives the micro-batch count
         assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
-    assert ranked[0]["command"] in text and doc["search"]["best_proven"]
+    assert ranked[0]["command"] in text and doc["search"]["best_proven"] and text.count(f"wrote {out}\n") == 1
     # the default cap: the device memory the driver reports (an H200 "141 GB" is 143771 MiB), as the header says
     assert doc["problem"]["memory_gib"] * 2**30 == H200.memory_bytes and "cap 140.4 GiB per GPU" in text
     assert "note:" not in text and not ranked[0]["notes"]  # the examples build every catalog preset
