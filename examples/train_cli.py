@@ -159,6 +159,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     out.add_argument("--metrics", metavar="FILE.jsonl", help="append one JSON object per step (rank 0 writes)")
     out.add_argument("--trace", metavar="FILE.json", help="measured trace of the last step, all ranks (view: python -m braid.viz)")
     out.add_argument("--tensorboard", metavar="DIR", help="also write the per-step metrics as TensorBoard events (needs tensorboard)")
+    out.add_argument("--wandb", metavar="PROJECT", help="also log the per-step metrics to Weights & Biases project PROJECT "
+                                                        "(needs wandb; WANDB_MODE=offline keeps the run in ./wandb)")
     out.add_argument("--save", metavar="DIR",
                      help="checkpoint at the end (and every --save-every steps) into DIR/step_N/, DIR/latest naming the newest")
     out.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
@@ -415,6 +417,11 @@ def check_outputs(args: argparse.Namespace) -> None:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
             raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    if args.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError("--wandb needs the wandb package: pip install wandb") from None
 
 
 def check_output_dir(what: str, path: str) -> None:
