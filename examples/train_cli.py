@@ -311,7 +311,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             if task.vision != hasattr(model.cfg, "lm"):
                 from braid.models.registry import family_of
 
-                kind, script = ("a vision-language", "qwen2_vl.py") if hasattr(model.cfg, "lm") else ("a language", "qwen2.py")
+                kind, script = ("a vision-language", "qwen2_vl.py") if hasattr(model.cfg, "lm") else ("a language", "lm.py")
                 raise ValueError(f"--hf {args.hf}: config.json describes {kind} model ({family_of(model).name}); "
                                  f"train it with examples/{script}")
         else:
