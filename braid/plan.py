@@ -5,7 +5,8 @@ micro-batch count and size, recomputation) for ``--gpus`` GPUs in nodes of
 ``--gpus-per-node``, prunes by memory first (weights, gradients, optimizer states), then
 simulates candidates in order of a lower bound of their step time (the simulator's fast
 path plus the data-parallel tail) until ``--top`` fit and no unsimulated one can beat the
-first, or ``--time-budget`` runs out (then the output says so). Prints the ranking (predicted
+first, or ``--max-simulations`` have run (a count, so the answer is the same on any machine;
+the output then says the best is unproven). Prints the ranking (predicted
 tokens/s, MFU, step time, peak memory per GPU, bubble of the busiest rank, exposed
 communication) and the ``torchrun`` command line of the best configuration.
 (:mod:`braid.planner.search` explains the search, :mod:`braid.cost.cluster` the job cost model.)
@@ -30,17 +31,12 @@ from braid.cost.cluster import Cluster
 from braid.cost.costs import stage_lighter
 from braid.cost.hardware import HARDWARE, get_hardware
 from braid.cost.catalog import MODELS
-from braid.planner.search import MICRO_BATCH_SIZES, Evaluation, Problem, SearchResult, search
+from braid.planner.search import MAX_SIMULATIONS, MICRO_BATCH_SIZES, Evaluation, Problem, SearchResult, search
 from braid.simulate import resolve_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
 from braid.io.cli import MAX_MBS, check_outputs
 
-# catalog name -> the preset name of examples/qwen2.py and examples/qwen2_vl.py
-# catalog name -> the examples' --model preset of the same shape (examples/qwen2.py: qwen2-*,
-# examples/qwen2_vl.py: the catalog's VL names)
-_EXAMPLE_PRESETS = {"qwen2-tiny": "tiny", "qwen2-small": "small", "qwen2-7b": "7b", "qwen2-15b": "15b",
-                    **{n: n for n in ("qwen2-vl-tiny", "qwen2-vl-small", "qwen2-vl-2b", "qwen2-vl-7b", "qwen2-vl-15b",
-                                      "qwen2-vl-72b", "qwen2.5-vl-tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b")}}
+MAX_GPUS = 1 << 20  # beyond any cluster: the job costs and torchrun lines of more are meaningless
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, metavar="NAME|CONFIG",
                     help=f"model preset: {', '.join(MODELS)}; or a Hugging Face config.json (or its checkpoint directory)")
-    ap.add_argument("--gpus", type=int, required=True, help="GPUs of the job (world size)")
+    ap.add_argument("--gpus", type=int, required=True, help=f"GPUs of the job (world size, at most {MAX_GPUS:,})")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     ap.add_argument("--hardware", default="h200", help=f"hardware preset (default h200): {', '.join(HARDWARE)}")
     ap.add_argument("--memory", type=float, default=None, metavar="GiB",
@@ -69,8 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="rank the layouts with sequence parallelism inside TP where it runs (tp > 1, no --cp, a "
                          "decoder LM; the examples' flag of that name) or without it (default: with)")
     ap.add_argument("--top", type=int, default=10, metavar="K", help="configurations to rank (default 10)")
-    ap.add_argument("--time-budget", type=float, default=40.0, metavar="S",
-                    help="seconds of simulation before the search stops with what it has (default 40)")
+    ap.add_argument("--max-simulations", type=int, default=MAX_SIMULATIONS, metavar="N",
+                    help=f"simulations before the search stops with what it has (default {MAX_SIMULATIONS}): a count, "
+                         "so the answer is the same on any machine")
+    ap.add_argument("--time-budget", type=float, default=None, metavar="S",
+                    help="also stop after S seconds (off by default: with it the answer depends on the machine's speed)")
     ap.add_argument("--json", metavar="F", help="write every ranked configuration with its command as JSON")
     ap.add_argument("--html", metavar="F", help="Plotly page: throughput vs memory of every simulated candidate, "
                                                 "and the best one's timeline (F with .timeline.html; needs plotly)")
@@ -87,14 +86,14 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
     if nodes * min(g, prob.gpus) != prob.gpus:
         raise ValueError(f"{prob.gpus} GPUs are not {nodes} node(s) of {g}: torchrun starts as many processes on every node")
     vision = mdl.vit is not None
-    script = "examples/qwen2_vl.py" if vision else "examples/qwen2.py"
+    script = "examples/qwen2_vl.py" if vision else "examples/lm.py"
     spec = schedules.get_schedule(c.schedule)
     args = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={min(g, prob.gpus)}"]
     if nodes > 1:
         args += ["--rdzv-backend=c10d", "--rdzv-endpoint=$MASTER_ADDR:29500"]
     seq = mdl.seq - (mdl.vit.patches // 4 if vision else 0)  # the VLM script's --seq counts caption tokens
-    args += [script, "--model", _EXAMPLE_PRESETS.get(mdl.name, mdl.name), "--schedule", c.schedule,
-             "--tp", str(p.tp), "--pp", str(p.pp), "--dp", str(p.dp), "--mbs", str(c.m),
+    args += [script, "--model", mdl.name, "--schedule", c.schedule,
+             "--tp", str(p.tp), "--pp", str(p.pp), "--dp", str(p.dp), "--global-batch-size", str(prob.global_batch),
              "--micro-batch-size", str(p.micro_batch_size), "--seq", str(seq),
              "--last-stage-lighter", f"{stage_lighter(mdl, p.pp * spec.v) if c.lighter is None else c.lighter:g}",
              "--optimizer", p.optimizer]
@@ -113,8 +112,9 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
 
 def _notes(prob: Problem, ev: Evaluation) -> list[str]:
     notes = []
-    if prob.model.name not in _EXAMPLE_PRESETS:
-        notes.append(f"examples/ have no --model {prob.model.name} preset yet; add one with this shape to run it")
+    if prob.model.name not in MODELS:
+        notes.append(f"examples/ build the catalog's presets: give the checkpoint of {prob.model.name} as --hf DIR "
+                     "instead of --model")
     return notes
 
 
@@ -128,7 +128,8 @@ def document(prob: Problem, res: SearchResult, hw_name: str) -> dict[str, Any]:
                     "hardware": hw_name, "memory_gib": prob.memory_bytes / 2**30, "global_batch": prob.global_batch,
                     "seq": prob.model.seq, "optimizer": prob.optimizer},
         "search": {"enumerated": res.enumerated, "memory_pruned": res.memory_pruned, "simulated": len(res.evaluated),
-                   "bound_pruned": res.bound_pruned, "best_proven": res.complete, "elapsed_s": res.elapsed_s},
+                   "bound_pruned": res.bound_pruned, "best_proven": res.complete, "stopped": res.stopped or None,
+                   "elapsed_s": res.elapsed_s},
         "ranked": ranked,
         "simulated": [ev.to_dict() for ev in res.evaluated],
     }
@@ -172,6 +173,11 @@ def _write_html(prob: Problem, res: SearchResult, path: str) -> None:
                             f"<p>Timeline of the chosen configuration: <a href='{timeline.name}'>{timeline.name}</a></p></body></html>")
 
 
+def _budget(res: SearchResult) -> str:
+    """The option whose budget stopped the search."""
+    return "--time-budget" if res.stopped.endswith(" s") else "--max-simulations"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from braid.io.files import atomic_write_text
 
@@ -184,12 +190,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
     for flag, val in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--global-batch", args.global_batch),
-                      ("--seq", args.seq), ("--top", args.top)):
+                      ("--seq", args.seq), ("--top", args.top), ("--max-simulations", args.max_simulations)):
         if val is not None and val < 1:
             ap.error(f"{flag} must be a positive integer, got {val}")
+    if args.gpus > MAX_GPUS:
+        ap.error(f"--gpus {args.gpus:,}: at most {MAX_GPUS:,} GPUs")
     if args.memory is not None and not args.memory > 0:
         ap.error(f"--memory must be a positive number of GiB, got {args.memory}")
-    if not args.time_budget > 0:
+    if args.time_budget is not None and not args.time_budget > 0:
         ap.error(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         fits = [g for g in range(args.gpus_per_node - 1, 0, -1) if args.gpus % g == 0][0]
@@ -215,16 +223,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = model.with_(seq=args.seq) if args.seq else model
     cap = args.memory * 2**30 if args.memory else hw.memory_bytes
     prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer, args.sequence_parallel)
-    res = search(prob, top=args.top, time_budget_s=args.time_budget)
+    from braid.io.progress import Progress
+
+    bar = Progress(args.max_simulations, "plan: simulated", enabled=sys.stderr.isatty(), every_s=0.5)
+    res = search(prob, top=args.top, max_simulations=args.max_simulations, time_budget_s=args.time_budget,
+                 progress=lambda r: bar.step(f"in {r.elapsed_s:.0f} s"))
+    bar.close()
     print(f"# {model.name} on {args.gpus} x {hw.name} ({args.gpus_per_node} per node), global batch {gb} x {model.seq} tokens, "
           f"cap {cap / 2**30:.1f} GiB per GPU, optimizer {args.optimizer}")
     print(f"# {res.enumerated} candidates, {res.memory_pruned} pruned by memory, {len(res.evaluated)} simulated, "
           f"{res.bound_pruned} left by the bound, in {res.elapsed_s:.1f} s"
           + ("; no unsimulated candidate can beat #1" if res.complete else
-             f" -- stopped at --time-budget {args.time_budget:g} s: the ranking covers what was simulated"))
+             f" -- stopped {res.stopped} ({_budget(res)}): the ranking covers what was simulated"))
     if not res.best and not res.complete:
-        print(f"{ap.prog}: error: --time-budget {args.time_budget:g} s ran out before a configuration that fits was "
-              "simulated; raise it", file=sys.stderr)
+        print(f"{ap.prog}: error: the search stopped {res.stopped}, before a configuration that fits was simulated; "
+              f"raise {_budget(res)}", file=sys.stderr)
         return 2
     if not res.best:
         print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.1f} GiB per GPU; use more GPUs or a shorter --seq",
@@ -236,13 +249,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     best = res.best[0]
     compile_plan(schedules.build(best.cand.schedule, best.cand.par.pp, best.cand.m, **dict(best.cand.options)))  # validates
-    print("\nbest (compiled and validated):\n  " + torchrun_command(prob, best))
+    proof = "" if res.complete else f"; not proven best: the search stopped {res.stopped}, raise {_budget(res)}"
+    print(f"\nbest (compiled and validated{proof}):\n  " + torchrun_command(prob, best))
     for n in _notes(prob, best):
         print(f"note: {n}")
     if args.json:
         atomic_write_text(args.json, json.dumps(document(prob, res, hw.name), indent=1))
+        print(f"wrote {args.json}")
     if args.html:
         _write_html(prob, res, args.html)
+        print(f"wrote {args.html}\nwrote {timeline}")
     return 0
 
 

@@ -185,9 +185,11 @@ def model_from_args(args: argparse.Namespace):
     return model.with_(**changes) if changes else model
 
 
-def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence[Any] = ()) -> tuple[dict[str, Any], list, list[str]]:
+def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence[Any] = (),
+        progress: Any = None) -> tuple[dict[str, Any], list, list[str]]:
     """Simulate the selected schedules and the given ready-made ``plans`` (e.g. read from torch
-    CSVs); returns (json document, traces, notes)."""
+    CSVs); returns (json document, traces, notes). ``progress``: a :class:`braid.io.progress.Progress`
+    stepped once per schedule."""
     from braid import schedules
     from braid.planner.braid_tune import UNSEARCHED, count_blocks, plain_beats_braided, tune_braiding
     from braid.core.compiler import ScheduleError, compile_plan
@@ -216,6 +218,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     doc["skipped"] = {}
     given = {p.name: p for p in plans}
     for name in list(schedule_names) + list(given):
+        if progress is not None:
+            progress.step(name)
         try:
             options = {} if name in given else _offload_options(args, name)
             braids = name not in given and schedules.get_schedule(name).knob("braid") is not None
@@ -424,10 +428,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_from_args(args)
     except ValueError as err:
         ap.error(str(err))
+    from braid.io.progress import Progress
+
+    bar = Progress(len(chosen) + len(plans), "simulate", enabled=sys.stderr.isatty())  # a terminal only: a log keeps bad input one line
     try:
-        doc, traces, notes = run(args, chosen, plans)
+        doc, traces, notes = run(args, chosen, plans, progress=bar)
     except CostFileError as err:
         ap.error(str(err))
+    bar.close()
     reports = doc.pop("reports")
     dp_rows = doc.pop("dp_rows")
     skipped = doc.pop("skipped")
@@ -439,9 +447,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# {cfg['model']}{changed} on {where}: tp={cfg['tp']}{' (sequence-parallel)' if cfg['sequence_parallel'] else ''} "
           f"pp={cfg['pp']} m={cfg['mbs']} "
           f"seq={cfg['seq']} micro-batch={cfg['micro_batch_size']}" + (f" costs={cfg['costs']}" if cfg["costs"] else ""))
+    with_dp = bool(dp_rows) and (args.dp > 1 or args.optimizer is not None)
+    # one ranking: the step with the data-parallel tail where there is one (both tables in its order)
+    order = [row[0] for row in sorted(dp_rows, key=lambda row: row[2].step_s)] if with_dp else None
     if reports:
-        print(format_table(reports))
-    if dp_rows and (args.dp > 1 or args.optimizer):
+        if with_dp:
+            print("# the pipeline alone, ranked by the step with the data-parallel tail (the table below)")
+        print(format_table(reports, order=order))
+    if with_dp:
         from braid.simulator.dp import format_dp_table
 
         print(f"\n# data-parallel tail: dp={args.dp} x {args.gpus_per_node} GPUs per node, optimizer "
@@ -454,14 +467,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         atomic_write_text(args.json, json.dumps(doc, indent=1))
+        print(f"wrote {args.json}")
     if args.trace:
         from braid.io.trace import dump_traces
 
         dump_traces(traces, args.trace)
+        print(f"wrote {args.trace}")
     if args.html:
         from braid import viz
 
-        viz.render_html(traces, args.html)
+        print(f"wrote {viz.render_html(traces, args.html)}")
     return 0
 
 

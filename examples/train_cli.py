@@ -106,8 +106,13 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     run.add_argument("--model", default="tiny", choices=list(task.models), help="size preset (default: %(default)s)")
     run.add_argument("--hf", metavar="DIR", help="start from a local Hugging Face checkpoint (config.json + safetensors) "
                                                  "instead of --model; each rank reads only its chunks' tensors")
-    run.add_argument("--mbs", type=int, default=None, help="micro-batches per step (default: 2*pp)")
+    run.add_argument("--global-batch-size", type=int, default=None, metavar="B",
+                     help="samples per step over all data-parallel replicas (Megatron's name): the step runs "
+                          "B / (--micro-batch-size x dp) micro-batches")
     run.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default: %(default)s)")
+    run.add_argument("--mbs", type=int, default=None,
+                     help="the NUMBER of micro-batches per step, not their size (that is --micro-batch-size); "
+                          "instead of --global-batch-size (default: 2*pp)")
     run.add_argument("--seq", type=int, default=task.default_seq,
                      help=("caption tokens per sample; the LM sees visual tokens + these" if task.vision else "tokens per sample")
                      + " (default: %(default)s)")
@@ -165,6 +170,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     out.add_argument("--profile-step", type=int, default=None, metavar="N",
                      help="the step --profile profiles (1-based; default: the last, after any CUDA-graph warm-up)")
     out.add_argument("--tensorboard", metavar="DIR", help="also write the per-step metrics as TensorBoard events (needs tensorboard)")
+    out.add_argument("--wandb", metavar="PROJECT", help="also log the per-step metrics to Weights & Biases project PROJECT "
+                                                        "(needs wandb; WANDB_MODE=offline keeps the run in ./wandb)")
     out.add_argument("--save", metavar="DIR",
                      help="checkpoint at the end (and every --save-every steps) into DIR/step_N/, DIR/latest naming the newest")
     out.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
@@ -250,6 +257,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     check_values(args)
     if args.dp is None:
         args.dp = max(1, world // (args.tp * args.pp * args.cp))
+    if args.global_batch_size is not None:
+        args.mbs = micro_batches(args)
     if args.mbs is None:
         args.mbs = 2 * args.pp
     if args.last_stage_lighter is None:
@@ -318,7 +327,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             if task.vision != hasattr(model.cfg, "lm"):
                 from braid.models.registry import family_of
 
-                kind, script = ("a vision-language", "qwen2_vl.py") if hasattr(model.cfg, "lm") else ("a language", "qwen2.py")
+                kind, script = ("a vision-language", "qwen2_vl.py") if hasattr(model.cfg, "lm") else ("a language", "lm.py")
                 raise ValueError(f"--hf {args.hf}: config.json describes {kind} model ({family_of(model).name}); "
                                  f"train it with examples/{script}")
         else:
@@ -355,6 +364,26 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
 
         setup.resume_dir = check_resume(task, setup)
     return setup
+
+
+def micro_batches(args: argparse.Namespace) -> int:
+    """The micro-batches per step that ``--global-batch-size`` means at ``--micro-batch-size`` and dp."""
+    from braid.io.cli import MAX_MBS, MAX_PM
+
+    gbs, size, dp = args.global_batch_size, args.micro_batch_size, args.dp
+    if gbs < 1:
+        raise UsageError(f"--global-batch-size must be >= 1, got {gbs}")
+    if gbs % (size * dp):
+        raise UsageError(f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {size} x dp {dp} = {size * dp}; "
+                         f"use {max(size * dp, gbs - gbs % (size * dp))} or {gbs - gbs % (size * dp) + size * dp}")
+    m = gbs // (size * dp)
+    if args.mbs is not None and args.mbs != m:
+        raise UsageError(f"--mbs {args.mbs} micro-batches and --global-batch-size {gbs} ({m} micro-batches of "
+                         f"{size} on dp {dp}) disagree; give one of them")
+    if m > MAX_MBS or args.pp * m > MAX_PM:
+        raise UsageError(f"--global-batch-size {gbs} is {m:,} micro-batches per step: at most {MAX_MBS} and "
+                         f"{MAX_PM:,} times --pp (the programs grow as pp x micro-batches)")
+    return m
 
 
 def check_values(args: argparse.Namespace) -> None:
@@ -415,6 +444,11 @@ def check_outputs(args: argparse.Namespace) -> None:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError:
             raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    if args.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UsageError("--wandb needs the wandb package: pip install wandb") from None
 
 
 def check_output_dir(what: str, path: str) -> None:

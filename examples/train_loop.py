@@ -33,6 +33,7 @@ resumed run needs.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -222,7 +223,10 @@ def _config_text(setup: Setup) -> str:
 
     prog = setup.parser.prog if setup.parser is not None else "train"
     launch = f"torchrun --nproc-per-node {setup.world}" if setup.world > 1 else "python"
-    return dump_config(setup.parser, setup.args, header=f"effective configuration of a {prog} run; "
+    args = setup.args
+    if args.global_batch_size is not None:  # the micro-batch count follows it (and dp, when a replay changes it)
+        args = argparse.Namespace(**{**vars(args), "mbs": None})
+    return dump_config(setup.parser, args, header=f"effective configuration of a {prog} run; "
                                                        f"replay: {launch} examples/{prog} --config FILE")
 
 

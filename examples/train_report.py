@@ -144,7 +144,8 @@ def write_trace(trace: Any, rank: int, world: int, args: argparse.Namespace) -> 
 
 
 class MetricsLog:
-    """Rank 0's per-step records: ``--metrics`` (JSON lines) and ``--tensorboard`` (events).
+    """Rank 0's per-step records: ``--metrics`` (JSON lines), ``--tensorboard`` (events) and
+    ``--wandb`` (a Weights & Biases run, configured with the run's flags).
 
     Every line is strict JSON (a non-finite value is written as null). On resume the file
     keeps only the records up to the resumed step -- the steps a killed run logged after
@@ -155,7 +156,7 @@ class MetricsLog:
     def __init__(self, args: argparse.Namespace, resumed_step: int | None) -> None:
         from braid.io.files import atomic_write_text
 
-        self.file = self.tb = None
+        self.file = self.tb = self.wb = None
         if args.metrics:
             path = Path(args.metrics)
             if path.exists():
@@ -164,6 +165,10 @@ class MetricsLog:
             self.file = open(path, "a", encoding="utf-8")
         if args.tensorboard:
             self.tb = tensorboard_writer(args.tensorboard, purge_step=None if resumed_step is None else resumed_step + 1)
+        if args.wandb:
+            import wandb
+
+            self.wb = wandb.init(project=args.wandb, config={k: v for k, v in vars(args).items() if v is not None})
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: _finite_or_none(v) for k, v in record.items()}
@@ -173,10 +178,13 @@ class MetricsLog:
                 self.file.flush()
             except OSError as err:  # a full disk, a file size limit: named with the file (braid.io.files.write_failure)
                 raise OSError(err.errno, err.strerror, self.file.name) from None
+        scalars = {f"{record.get('schedule', 'run')}/{k}": clean[k] for k in ("loss", "step_time_s", "tokens_per_s", "mfu")
+                   if isinstance(clean.get(k), (int, float))}
         if self.tb is not None:
-            for k in ("loss", "step_time_s", "tokens_per_s", "mfu"):
-                if isinstance(clean.get(k), (int, float)):
-                    self.tb.add_scalar(f"{record.get('schedule', 'run')}/{k}", clean[k], record["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
+        if self.wb is not None:
+            self.wb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         if self.file is not None:
@@ -186,6 +194,8 @@ class MetricsLog:
                 pass
         if self.tb is not None:
             self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
 
 
 def tensorboard_writer(log_dir: str, purge_step: int | None = None) -> Any:

@@ -147,7 +147,8 @@ def _in_flight(busy: list[tuple[float, float]], t: float) -> bool:
 class Engine:
     """One simulation run: build with programs and costs, then :meth:`run`."""
 
-    def __init__(self, programs: list[Program], costs: CostModel, *, record: bool = True) -> None:
+    def __init__(self, programs: list[Program], costs: CostModel, *, record: bool = True,
+                 tables: dict | None = None) -> None:
         lay = costs.layout
         if len(programs) != lay.p:
             raise SimulationError(f"got {len(programs)} programs for a cost layout of p={lay.p}; build the costs for this schedule's layout")
@@ -161,7 +162,9 @@ class Engine:
         if lay.tp > 1:
             for rs in self.ranks:
                 rs.carries = carries(rs.prog, costs.spec_of(rs.rank))
-        self._tables: dict[tuple[int, tuple], _Table] = {}
+        # unit rows per (rank, instruction shape, carried): they depend on the costs only, so runs on
+        # one CostModel may share them (``tables``, :func:`simulator.fast.run_programs`)
+        self._tables: dict[tuple[int, tuple], _Table] = {} if tables is None else tables
         self._posted: dict[tuple, tuple[int, float, int, Instruction]] = {}
         self._routes: dict[tuple, int] = {}
         self._heap: list[tuple[float, int, int]] = []

@@ -93,7 +93,7 @@ def run_programs(programs: list[Program] | tuple[Program, ...], costs: CostModel
                  *, grad_ready: bool = True) -> FastResult:
     """Simulate ``programs`` in full (no trace) and return the report with gradient-ready times
     (``grad_ready=False``: without them, a little faster)."""
-    eng = Engine(list(programs), costs, record=False)
+    eng = Engine(list(programs), costs, record=False, tables=_tables_of(costs))
     chunks_at = [_last_gradients(prog) if grad_ready else {} for prog in programs]
     for rs, at in zip(eng.ranks, chunks_at):
         rs.watch = dict.fromkeys(at, 0.0)
@@ -106,6 +106,20 @@ def run_programs(programs: list[Program] | tuple[Program, ...], costs: CostModel
         ranks.append(RankReport(r, st.compute_s, st.tp_exposed_s, max(0.0, step - st.compute_s - st.tp_exposed_s), peak,
                                 peak / costs.ma_bytes if costs.ma_bytes else 0.0, st.end_s, st.nominal_compute_s))
     return FastResult(_report(name, costs, m, step, ranks), ready, "full")
+
+
+_TABLES: dict[int, tuple[CostModel, dict]] = {}
+
+
+def _tables_of(costs: CostModel) -> dict:
+    """The engine's unit-row tables of ``costs``, shared by the runs on it (the short runs of an
+    extrapolation, a planner's candidates of one layout); the last 64 cost models are kept."""
+    hit = _TABLES.get(id(costs))
+    if hit is None or hit[0] is not costs:
+        if len(_TABLES) >= 64:
+            del _TABLES[next(iter(_TABLES))]
+        hit = _TABLES[id(costs)] = (costs, {})
+    return hit[1]
 
 
 def _peak(deltas: list[tuple[float, float]]) -> int:

@@ -105,14 +105,15 @@ def build_report(name: str, stats: Sequence[RankStats], series: dict[int, list[t
     return Report(name, step_time, microbatches, thr, thr * costs.tokens_per_sample, mfu, tuple(ranks))
 
 
-def format_table(reports: Sequence[Report], baseline: str = "1f1b_i") -> str:
-    """A text table sorted by step time: speed-up vs ``baseline``, bubble and exposed-TP share
-    (worst rank), peak activation memory of the worst rank in GiB and M_a."""
+def format_table(reports: Sequence[Report], baseline: str = "1f1b_i", order: Sequence[str] | None = None) -> str:
+    """A text table sorted by step time (or in ``order``, schedule names): speed-up vs ``baseline``,
+    bubble and exposed-TP share (worst rank), peak activation memory of the worst rank in GiB and M_a."""
     base = next((r for r in reports if r.schedule == baseline), None)
     head = (f"{'schedule':<18}{'step (ms)':>11}{'samples/s':>11}{'MFU %':>7}{f'vs {baseline}':>12}"
             f"{'bubble %':>10}{'TP exp %':>10}{'peak GiB':>10}{'peak M_a':>10}")
     lines = [head, "-" * len(head)]
-    for r in sorted(reports, key=lambda x: x.step_time_s):
+    rank = {name: i for i, name in enumerate(order or ())}
+    for r in sorted(reports, key=lambda x: (rank.get(x.schedule, len(rank)), x.step_time_s) if order else x.step_time_s):
         speed = f"{base.step_time_s / r.step_time_s:.3f}x" if base else "-"
         peak = r.worst_peak
         mfu = f"{r.mfu * 100:>7.1f}" if r.mfu > 0 else f"{'-':>7}"  # 0: the costs give no peak FLOP/s (a CPU profile)

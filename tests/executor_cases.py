@@ -363,6 +363,11 @@ def record_modes(ctx, tp: int) -> dict:
             "meta_record": res.trace.meta["record"],
             "exposed": "exposed_ar_s" in res.trace.meta["summary"],
         }
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ex.run(toks, labs, record="units")
+    out["ranges"] = {e.name for e in prof.events()}
+    out["named"] = {str(i) for i in compute} | {f"{op} {st.task.label.split(':', 1)[1]}" for i in compute
+                                                for st in steps(i, lambda c: chunks[c].spec) for op in [st.op]}
     try:
         ex.run(toks, labs, record="unit")
     except ValueError as err:

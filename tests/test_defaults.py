@@ -83,8 +83,9 @@ def test_the_readme_planner_pick_trains_at_tiny_size(tmp_path) -> None:
     script = args.index("examples/qwen2_vl.py")
     flags = dict(zip(args[script + 1::2], args[script + 2::2]))
     assert flags["--optimizer"] == "zero1"
+    m = int(flags["--global-batch-size"]) // (int(flags["--micro-batch-size"]) * int(flags["--dp"]))
     tiny = {**flags, "--model": "tiny", "--tp": str(min(2, int(flags["--tp"]))), "--pp": str(min(2, int(flags["--pp"]))),
-            "--dp": "2", "--mbs": str(min(4, int(flags["--mbs"]))), "--micro-batch-size": "1", "--seq": "16",
+            "--dp": "2", "--global-batch-size": str(2 * min(4, m)), "--micro-batch-size": "1", "--seq": "16",
             "--last-stage-lighter": "0"}
     world = int(tiny["--tp"]) * int(tiny["--pp"]) * 2
     argv = [x for kv in tiny.items() for x in kv]

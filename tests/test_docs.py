@@ -1,8 +1,9 @@
 """The docs run word for word: every command in README.md and docs/*.md, on CPU, in order.
 
-Each document's code blocks run one after another in a fresh directory that holds the
-checkout's folders (``examples/``, ``tests/``, ...) and nothing else, so a command that
-reads a file no earlier command made fails here, as it would for a reader. Shell blocks
+Each document's code blocks run one after another in a fresh copy of the checkout's files
+(``examples/``, ``tests/``, ...; nothing a command made there before), so a command that
+reads a file no earlier command made fails here, as it would for a reader, and what the
+commands write stays in the test's directory. Shell blocks
 (fenced ``bash``/``sh`` or unlabelled, and indented blocks) run under ``bash -e``; fenced
 ``python`` blocks run as scripts; other languages (``json``, ``toml``) are data, not
 commands. A block that cannot run on a CPU machine (a GPU, several GPUs, a downloaded
@@ -80,17 +81,41 @@ def blocks(path: Path) -> list[Block]:
 
 
 def _workdir(tmp: Path) -> Path:
-    """A fresh directory with the checkout's folders (read through links) and nothing else."""
-    for entry in ROOT.iterdir():
-        if not entry.name.startswith(".") and entry.is_dir() and entry.name not in ("build", "dist"):
-            (tmp / entry.name).symlink_to(entry)
+    """A fresh copy of the checkout's files (git's tracked files; without git, its folders less
+    what ``.gitignore`` names): the commands write only here, never in the user's checkout."""
+    import fnmatch
+    import shutil
+
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        files = [f for f in listed.decode().split("\0") if f and (ROOT / f).is_file()]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (a source archive)
+        rules = [ln.strip() for ln in (ROOT / ".gitignore").read_text().splitlines() if ln.strip() and ln[0] != "#"]
+
+        def ignored(rel: Path) -> bool:  # .gitignore's rules as git reads them here: the last match wins
+            out = any(part.startswith(".") for part in rel.parts)
+            for rule in rules:
+                pat = rule.lstrip("!").strip("/")
+                if "/" in pat or rule.lstrip("!").startswith("/"):  # anchored at the root
+                    depth = pat.count("/") + 1
+                    hit = len(rel.parts) >= depth and fnmatch.fnmatch("/".join(rel.parts[:depth]), pat)
+                else:
+                    hit = any(fnmatch.fnmatch(part, pat) for part in rel.parts)
+                out = (not rule.startswith("!")) if hit else out
+            return out
+
+        files = [str(f.relative_to(ROOT)) for f in ROOT.rglob("*") if f.is_file() and not ignored(f.relative_to(ROOT))]
+    for f in files:
+        if not f.startswith("."):
+            (tmp / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, tmp / f)
     return tmp
 
 
-def _env() -> dict[str, str]:
+def _env(cwd: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE",
                                                             "LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(cwd) + os.pathsep + env.get("PYTHONPATH", "")  # the copy's code
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")  # python, torchrun of this venv
     env["CUDA_VISIBLE_DEVICES"] = ""  # the docs' CPU path, also on a machine with a GPU
     env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's --master-port, so that a busy 29500 cannot fail a block
@@ -105,7 +130,7 @@ def _free_port() -> int:
 
 def _run(block: Block, cwd: Path) -> subprocess.CompletedProcess:
     argv = ["bash", "-e", "-o", "pipefail", "-c", block.code] if block.kind == "shell" else [sys.executable, "-"]
-    return subprocess.run(argv, input=None if block.kind == "shell" else block.code, cwd=cwd, env=_env(),
+    return subprocess.run(argv, input=None if block.kind == "shell" else block.code, cwd=cwd, env=_env(cwd),
                           capture_output=True, text=True, timeout=600)
 
 

@@ -108,6 +108,8 @@ def test_recording_modes_time_less_and_compute_the_same(pools) -> None:
         for mode in ("off", "None"):
             assert got[mode]["compute"] == got[mode]["memory"] == 0 and got[mode]["meta_record"] == "off"
         assert "record='unit'" in got["bad"] and "units, instructions, off" in got["bad"]
+        assert got["named"] <= got["ranges"], sorted(got["named"] - got["ranges"])[:5]  # every block, op and unit
+        assert any("&" in n for n in got["named"])  # braided blocks ("F2c0&B0c1") among them
         assert "record='all'" in got["bad_init"]
 
 

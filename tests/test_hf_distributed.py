@@ -24,6 +24,8 @@ def test_save_chunks_loads_back_as_the_single_device_model(pools, tmp_path, fami
     assert sorted(set(index["weight_map"].values())) == [f"model-{k:05d}-of-{pp:05d}.safetensors" for k in range(1, pp + 1)]
     assert ("lm_head.weight" in index["weight_map"]) == (not tie)
     assert not list(tmp_path.glob(".ckpt.partial"))
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # the shards readable like the index and config.json
     transformers = pytest.importorskip("transformers")
     import torch
 

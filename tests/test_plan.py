@@ -226,6 +226,37 @@ def test_every_reported_configuration_compiles_validates_and_fits() -> None:
                                                     schedules.get_schedule(c.schedule).placement), c.lighter)))
 
 
+@pytest.mark.parametrize("name", schedules.names())
+def test_the_bound_counts_the_waits_of_plain_ops_and_stays_below_the_simulation(name: str) -> None:
+    from braid.core.ir import Braided
+    from braid.planner.search import Candidate, costs_of
+    from braid.simulator.fast import compiled
+
+    spec = schedules.get_schedule(name)
+    opts = tuple((k.name, k.search[0]) for k in spec.knobs if k.search)[:1]
+    prob = Problem(SMALL, 8, Cluster(H200, 8), 8, 141 * 2**30)
+    cand = Candidate(Parallel(4, 2, 1), name, 8, opts)
+    costs = costs_of(prob, cand)
+    loose, tight = lower_bound(prob, cand, costs, waits=False), lower_bound(prob, cand, costs)
+    assert evaluate(prob, cand, costs).step_s >= tight >= loose
+    plain = not any(isinstance(i, Braided) for prog in compiled(name, 2, 8, opts) for i in prog.instructions)
+    assert tight > loose or not plain  # every op of an unbraided schedule waits for its all-reduces
+
+
+def test_search_stops_after_max_simulations_and_says_so(capsys) -> None:
+    from braid.plan import main
+
+    prob = _problem()
+    runs = [search(prob, top=3, max_simulations=2) for _ in range(2)]
+    assert all(len(r.evaluated) == 2 and not r.complete and r.stopped == "after 2 simulations" for r in runs)
+    assert [e.cand for e in runs[0].best] == [e.cand for e in runs[1].best]  # a count, not the clock
+    assert main(["--model", "qwen2-toy", "--gpus", "8", "--gpus-per-node", "4", "--global-batch", "16", "--seq", "64",
+                 "--max-simulations", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped after 2 simulations (--max-simulations)" in out
+    assert "best (compiled and validated; not proven best: the search stopped after 2 simulations, raise --max-simulations)" in out
+
+
 def _decisive_measurements():
     """GPU-measured (layout, m) whose fastest schedule leads every other by more than 2% (median steps)."""
     doc = json.loads((DATA / "measurements_h200.json").read_text())
@@ -280,19 +311,23 @@ def test_cli_ranks_configurations_with_their_commands(tmp_path, capsys) -> None:
     assert [r["step_s"] for r in ranked] == sorted(r["step_s"] for r in ranked)
     for r in ranked:
         assert r["command"].startswith("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d ")
-        assert " examples/qwen2.py --model qwen2-toy " in r["command"] and " --optimizer zero1" in r["command"]
-        assert f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --mbs {r['m']}" in r["command"]
+        assert " examples/lm.py --model qwen2-toy " in r["command"] and " --optimizer zero1" in r["command"]
+        assert (f"--schedule {r['schedule']} --tp {r['tp']} --pp {r['pp']} --dp {r['dp']} --global-batch-size 16 "
+                f"--micro-batch-size {r['micro_batch_size']} ") in r["command"]
+        assert 16 == r["m"] * r["micro_batch_size"] * r["dp"]  # the script derives the micro-batch count
         assert r["tp"] * r["pp"] * r["dp"] * r["cp"] == 8 and r["peak_memory_gib"] <= doc["problem"]["memory_gib"]
-    assert ranked[0]["command"] in text and doc["search"]["best_proven"]
+    assert ranked[0]["command"] in text and doc["search"]["best_proven"] and text.count(f"wrote {out}\n") == 1
     # the default cap: the device memory the driver reports (an H200 "141 GB" is 143771 MiB), as the header says
     assert doc["problem"]["memory_gib"] * 2**30 == H200.memory_bytes and "cap 140.4 GiB per GPU" in text
-    assert "examples/ have no --model qwen2-toy preset" in text  # a catalog shape the examples do not build
+    assert "note:" not in text and not ranked[0]["notes"]  # the examples build every catalog preset
 
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "nope", "--gpus", "8"], "unknown model 'nope'"),
     (["--model", "qwen2-toy", "--gpus", "0"], "--gpus must be a positive integer"),
     (["--model", "qwen2-toy", "--gpus", "8", "--memory", "-1"], "--memory must be a positive number"),
+    (["--model", "qwen2-toy", "--gpus", "1000000000", "--time-budget", "10"], "--gpus 1,000,000,000: at most 1,048,576 GPUs"),
+    (["--model", "qwen2-toy", "--gpus", "8", "--max-simulations", "0"], "--max-simulations must be a positive integer"),
     (["--model", "qwen2-toy", "--gpus", "8", "--json", "/nonexistent/x.json"], "does not exist"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(args, message, capsys) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +188,23 @@ def test_data_parallel_tail_on_its_own_lane_priced_by_the_optimizer_mode(tmp_pat
     model, hw = get_model("qwen2-12b"), get_hardware("h200")
     costs = analytic_costs(model, hw, Layout(2, 2, 1, "loop"))
     assert state["zero1"] == max(dp_costs(model, costs, Cluster(hw, 8), Parallel(2, 2, 8)).static_bytes)  # the planner's figure
+
+
+def test_with_a_data_parallel_tail_both_tables_rank_by_the_step_and_every_file_says_wrote(tmp_path, capsys):
+    """One ranking per run: with --dp, the pipeline table follows the step with the tail (here it
+    reorders braided_v, faster alone, behind dualpipe_v, whose gradient reduction hides better)."""
+    out, trace = tmp_path / "r.json", tmp_path / "t.json"
+    assert main(["--pp", "4", "--mbs", "12", "--dp", "8", "--optimizer", "zero1", "--recompute", "full",
+                 "--schedule", "braided_v", "--schedule", "dualpipe_v", "--json", str(out), "--trace", str(trace)]) == 0
+    text = capsys.readouterr().out
+    runs = json.loads(out.read_text())["schedules"]
+    assert runs["braided_v"]["step_time_s"] < runs["dualpipe_v"]["step_time_s"]
+    assert runs["braided_v"]["dp"]["step_s"] > runs["dualpipe_v"]["dp"]["step_s"]
+    rows = [line.split()[0] for line in text.splitlines() if line.startswith(("braided_v ", "dualpipe_v "))]
+    assert rows == ["dualpipe_v", "braided_v"] * 2 and "ranked by the step with the data-parallel tail" in text
+    assert f"wrote {out}\nwrote {trace}\n" in text
+    pytest.importorskip("plotly")
+    html = tmp_path / "t.html"
+    viz = subprocess.run([sys.executable, "-m", "braid.viz", str(trace), "-o", str(html)], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert viz.returncode == 0 and (viz.stdout + viz.stderr).count("wrote") == 1, viz.stdout + viz.stderr

@@ -504,6 +504,20 @@ def test_tensorboard_events_beside_the_metrics(tmp_path: Path) -> None:
     assert [e.step for e in acc.Scalars("braided_v/loss")] == [1, 2]
 
 
+def test_wandb_offline_run_holds_the_metrics(tmp_path: Path) -> None:
+    """--wandb PROJECT with WANDB_MODE=offline: a local run folder (every wandb path in the test's
+    directory) whose records carry the per-step metrics, under the names TensorBoard gets."""
+    pytest.importorskip("wandb")
+    env = {**_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           **{k: str(tmp_path) for k in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}}
+    proc = subprocess.run([sys.executable, LLM, *COMMON, "--steps", "2", "--wandb", "braid-test"], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    _ok(proc)
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run.read_bytes()
+    assert b"braided_v/loss" in data and b"braided_v/tokens_per_s" in data and b"braid-test" in data
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)  # three torchrun jobs of at most 90 s each
 def test_gpu_bf16_saved_at_tp2_pp2_resumes_at_tp1_pp2(tmp_path: Path) -> None:

@@ -136,5 +136,5 @@ def render_html(
         payload=_script_safe(json.dumps(payload.to_dict(), separators=(",", ":"))),
     )
     atomic_write_text(out, page)
-    log.info("wrote %s (%d traces, %.1f kB)", out, len(fig.data), len(page) / 1e3)
+    log.debug("wrote %s (%d traces, %.1f kB)", out, len(fig.data), len(page) / 1e3)  # the command lines say "wrote"
     return out

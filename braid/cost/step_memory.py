@@ -102,17 +102,23 @@ def worst_step_transient_bytes(mode: str, d: int, params: Sequence[Param], ways:
         return step_transient_bytes(mode, d, params, ways, 0)  # rank 0 counts the norm, the update is the same
     n = sum(p.numel for p in params)
     size = -(-n // ways)
-    shards: list[list[Param]] = [[] for _ in range(ways)]
-    start = 0
+    worst, shard, filled = 0.0, [], 0  # the shard being filled: its pieces and their elements
     for p in params:
-        pos, end = start, start + p.numel
-        while pos < end:
-            r = pos // size
-            hi = min(end, (r + 1) * size)
-            shards[r].append(Param(hi - pos, p.decays))
-            pos = hi
-        start = end
-    return max(step_transient_bytes(mode, d, s, 1, 0) if s else 0.0 for s in shards)
+        left = p.numel
+        while left:
+            if filled == 0 and left >= size:  # whole shards inside one parameter are alike: one stands for them
+                worst = max(worst, step_transient_bytes(mode, d, [Param(size, p.decays)], 1, 0))
+                left %= size
+                continue
+            take = min(left, size - filled)
+            shard.append(Param(take, p.decays))
+            filled += take
+            left -= take
+            if filled == size:
+                worst = max(worst, step_transient_bytes(mode, d, shard, 1, 0))
+                shard, filled = [], 0
+    # shards past the last element hold nothing (0 bytes)
+    return max(worst, step_transient_bytes(mode, d, shard, 1, 0)) if shard else worst
 
 
 def extra_state_bytes(mode: str, params: Sequence[Param], ways: int) -> float:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from braid.io.files import atomic_write_text
+from braid.io.files import atomic_write_text, plain_mode
 from braid.hf.checkpoint import INDEX, _safetensors
 from braid.models.build import chunk_state
 from braid.models.registry import Family
@@ -61,6 +61,7 @@ def save_chunks(chunks: dict[int, Any], cfg: Any, family: Family, path: str | os
     if writer:
         tensors = {k: t.contiguous() for k, t in family.weights(cfg).write({n: t.to("cpu") for n, t in state.items()}).items()}
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        plain_mode(tmp / fname)  # safetensors writes 0600; the other files of the checkpoint are 0644
         mine = (fname, sorted(tensors), sum(t.numel() * t.element_size() for t in tensors.values()))
     listing: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(listing, mine)

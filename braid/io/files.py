@@ -67,6 +67,14 @@ def check_output_path(path: str | os.PathLike, *, what: str = "output file",
     return p
 
 
+def plain_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open()`` would (0666 less the umask): writers that create
+    their files 0600 (``mkstemp``, safetensors) leave them unreadable to the user's group."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically,
@@ -80,10 +88,7 @@ def atomic_path(path: str | os.PathLike, *, suffix: str = "") -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
-        # mkstemp creates the file 0600; give it the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)
+        plain_mode(tmp_path)  # mkstemp creates the file 0600
         os.replace(tmp_path, target)
         fsync_dir(parent)
     except BaseException as err:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from typing import Any, Callable
 
@@ -135,19 +134,3 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-class Progress:
-    """A one-line progress bar on stderr (only where ``enabled``)."""
-
-    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
-        self.total, self.label, self.done, self.enabled = max(1, total), label, 0, enabled
-
-    def step(self, what: str = "") -> None:
-        self.done += 1
-        if self.enabled:
-            n = int(30 * self.done / self.total)
-            sys.stderr.write(f"\r{self.label} [{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {what:<28}")
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()

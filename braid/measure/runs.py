@@ -16,7 +16,8 @@ from braid.cost.costs import Layout, costs_from_dict
 from braid.planner.braid_tune import count_blocks
 from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_mbs, probe_plan
 from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
-from braid.measure.launch import Progress, launch
+from braid.io.progress import Progress
+from braid.measure.launch import launch
 from braid.measure.report import slowest_rank_steps, summarize
 from braid.measure.units import measure_rank, tp_comm_for
 

@@ -25,7 +25,8 @@ from braid.cost.costs import (
     model_forward_flops,
 )
 from braid.measure.config import DTYPES, ProfileConfig, device_name, build_chunks
-from braid.measure.launch import Progress, launch
+from braid.io.progress import Progress
+from braid.measure.launch import launch
 from braid.tp.autograd_calls import on_this_thread
 
 

@@ -18,16 +18,19 @@ the memory cap:
    cap -> dropped unsimulated.
 3. **Bound**: a lower bound of the step time per candidate (:func:`lower_bound`): on every
    rank, the forwards of the stages below its lowest one must run before it can start; then
-   all its own compute and its last chunk's gradient reduction; and the activation backwards
-   of the stages below follow its last activation backward; plus the optimizer step. The
-   simulated step is never below it (compute only slows down beside all-reduces, waits add).
+   all its own compute, the waits of its plain (unbraided) ops on their own TP all-reduces
+   (counted in the candidate's compiled programs: only for candidates that reach the front of
+   the queue), and its last chunk's gradient reduction; and the activation backwards of the
+   stages below follow its last activation backward; plus the optimizer step. The simulated
+   step is never below it (compute only slows down beside all-reduces, waits add).
 4. **Simulate** in order of the bound (:func:`braid.simulator.fast.simulate_schedule`, plus the
    data-parallel tail the simulator schedules, :func:`simulator.dp.dp_tail`, on the costs of
    :func:`braid.cost.cluster.dp_costs`), keeping the ``top`` fastest that fit;
    stop once ``top`` fit and the next bound is no less than the fastest step time found: then
    the first is the exhaustive search's best (``SearchResult.complete``), and places 2..top
-   are the fastest of the candidates simulated by then. ``time_budget_s`` stops the search
-   earlier (``complete`` False: the ranking covers what was simulated).
+   are the fastest of the candidates simulated by then. ``max_simulations`` (a count: the
+   same answer on any machine) or, if given, ``time_budget_s`` stops the search earlier
+   (``complete`` False, ``stopped`` says why: the ranking covers what was simulated).
 5. **Half-layer cuts**: each ranked LM configuration of several pipeline ranks (no full
    recomputation) is simulated again with the head's stage half a layer lighter and half a
    layer heavier than the paper's split (:func:`braid.core.partition.split_layers`; a split
@@ -44,7 +47,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Iterator
 
-from braid.cost.cluster import Cluster, Parallel, dp_costs, job_costs, reduce_time, static_bytes
+from braid.cost.cluster import Cluster, DpCosts, Parallel, dp_costs, job_costs, reduce_time, static_bytes
 from braid.cost.costs import CostModel, Layout, model_forward_flops, model_stage_layers, stage_lighter
 from braid.cost.catalog import ModelConfig
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER
@@ -52,6 +55,7 @@ from braid.io.cli import MAX_MBS, MAX_PM
 
 RESERVE_BYTES = 2 * 2**30  # CUDA context, allocator slack and communication buffers per GPU
 MICRO_BATCH_SIZES = (1, 2, 4)
+MAX_SIMULATIONS = 500  # a search's default budget: a count, so its answer is the same on any machine
 MIN_LOCAL_SEQ = 1024  # sequence parallelism stops where a rank would hold fewer tokens (attention blocks too small)
 
 
@@ -121,6 +125,7 @@ class SearchResult:
     memory_pruned: int = 0
     bound_pruned: int = 0
     complete: bool = True
+    stopped: str = ""  # why the search stopped early ("after 1000 simulations"); "" when it ran to the end
     elapsed_s: float = 0.0
 
 
@@ -243,7 +248,8 @@ def costs_of(prob: Problem, cand: Candidate) -> CostModel:
     return _costs(prob, replace(cand.par, dp=1, optimizer=DEFAULT_OPTIMIZER), spec.v, spec.placement, cand.lighter)
 
 
-_TERMS: dict[int, tuple[CostModel, list[tuple[float, float]]]] = {}
+_TERMS: dict[int, tuple[CostModel, list[tuple[float, float, float, float]]]] = {}
+_WAITS: dict[int, tuple[CostModel, list[dict[tuple[int, Any], float]]]] = {}
 
 
 def _pipeline_terms(costs: CostModel) -> list[tuple[float, float, float, float]]:
@@ -268,21 +274,83 @@ def _pipeline_terms(costs: CostModel) -> list[tuple[float, float, float, float]]
     return out
 
 
-def lower_bound(prob: Problem, cand: Candidate, costs: CostModel) -> float:
+def _rank_waits(costs: CostModel) -> list[dict[tuple[int, Any], float]]:
+    """Per rank: ``(chunk, kind) -> ``:func:`_waits` of a plain op of that kind on that chunk."""
+    from braid.core.ir import OpKind
+
+    hit = _WAITS.get(id(costs))
+    if hit is not None and hit[0] is costs:
+        return hit[1]
+    lay = costs.layout
+    out = [{(c, k): _waits(costs, r, c, k) for c in range(lay.v) for k in (OpKind.F, OpKind.B, OpKind.BW)}
+           for r in range(lay.p)]
+    _WAITS[id(costs)] = (costs, out)
+    return out
+
+
+def _waits(costs: CostModel, rank: int, chunk: int, kind: Any) -> float:
+    """Time a plain (unbraided) op waits for its own TP all-reduces, at the least.
+
+    Its unit tasks run one after another (:func:`braid.core.braiding.steps`). A task that waits
+    for the all-reduce the task before it ends with starts ``ar`` after that task ends; with a
+    weight-gradient task between them (a ``BW`` op), the all-reduce (stretched: compute runs
+    beside it) less that task, slowed at most ``ar_slowdown``. The op's last all-reduce may
+    be hidden by the next instruction: not counted. The simulator's rules (``simulator/engine.py``).
+    """
+    from braid.core.braiding import Phase, steps
+    from braid.core.ir import Compute
+
+    if costs.layout.tp == 1:
+        return 0.0
+    rows = steps(Compute(kind, 0, chunk), costs.spec_of(rank))
+    units = costs.chunks[(rank, chunk)].units
+    total = 0.0
+    for k, st in enumerate(rows[:-1]):
+        if not st.task.ar:
+            continue
+        u = units[st.task.unit]
+        ar = u.ar_f if st.task.phase is Phase.F else u.ar_b
+        nxt = rows[k + 1]
+        if nxt.task.waits_ar:
+            total += ar
+        elif k + 2 < len(rows) and rows[k + 2].task.waits_ar:
+            total += max(0.0, ar * costs.ar_stretch - costs.ar_slowdown * units[nxt.task.unit].w)
+    return total
+
+
+@lru_cache(maxsize=1024)
+def _plain_ops(name: str, p: int, m: int, options: tuple[tuple[str, Any], ...]) -> tuple[dict[tuple[int, Any], int], ...]:
+    """Per rank: how many plain compute instructions of each (chunk, kind) its program has."""
+    from collections import Counter
+
+    from braid.core.ir import Compute
+    from braid.simulator.fast import compiled
+
+    return tuple(dict(Counter((ins.chunk, ins.kind) for ins in prog.instructions if isinstance(ins, Compute)))
+                 for prog in compiled(name, p, m, options))
+
+
+def lower_bound(prob: Problem, cand: Candidate, costs: CostModel, dc: DpCosts | None = None, *,
+                waits: bool = True) -> float:
     """A step time no schedule of this layout beats (see the module doc, step 3).
 
     Rank r starts no earlier than the forwards of the stages below its lowest one (micro-batch
-    0); it then computes everything it owns, and the gradient reduction of the chunk it
-    computes last follows. Its last activation backward (of its lowest stage: the others'
-    precede it) comes after all its forwards and activation backwards, and the activation
-    backwards of the stages below follow it (weight gradients may be deferred past it).
+    0); it then computes everything it owns, waits for the all-reduces its plain ops cannot
+    hide (``waits``: counted in the candidate's compiled programs), and the gradient reduction
+    of the chunk it computes last follows. Its last activation backward (of its lowest stage:
+    the others' precede it) comes after all its forwards and activation backwards, and the
+    activation backwards of the stages below follow it (weight gradients may be deferred past
+    it). ``dc``: the candidate's :func:`~braid.cost.cluster.dp_costs`, if the caller has them.
     """
     lay = costs.layout
+    plain = _plain_ops(cand.schedule, cand.par.pp, cand.m, cand.options) if waits and lay.tp > 1 else None
+    wait = _rank_waits(costs) if plain else None
     best = 0.0
     for r, (f_below, b_below, own, fb) in enumerate(_pipeline_terms(costs)):
         tail = min(reduce_time(prob.model, costs, prob.cluster, cand.par, r, c) for c in range(lay.v))
-        best = max(best, f_below + cand.m * own + tail, f_below + cand.m * fb + b_below)
-    dc = dp_costs(prob.model, costs, prob.cluster, cand.par)
+        held = sum(n * wait[r].get(key, 0.0) for key, n in plain[r].items()) if plain and wait else 0.0
+        best = max(best, f_below + cand.m * own + held + tail, f_below + cand.m * fb + b_below)
+    dc = dc or dp_costs(prob.model, costs, prob.cluster, cand.par)
     return best + max(s + g for s, g in zip(dc.step_s, dc.gather_s))
 
 
@@ -293,15 +361,17 @@ def min_memory(prob: Problem, cand: Candidate, costs: CostModel) -> float:
     return max(static_bytes(prob.model, costs, cand.par, r) for r in range(lay.p)) + act + RESERVE_BYTES
 
 
-def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bound: float = 0.0) -> Evaluation:
-    """Simulate one candidate (fast path) and add the data-parallel tail and optimizer step."""
+def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bound: float = 0.0,
+             dc: DpCosts | None = None) -> Evaluation:
+    """Simulate one candidate (fast path) and add the data-parallel tail and optimizer step
+    (``dc``: the candidate's :func:`~braid.cost.cluster.dp_costs`, if the caller has them)."""
     from braid.simulator.dp import dp_tail
     from braid.simulator.fast import simulate_schedule
 
     costs = costs or costs_of(prob, cand)
     res = simulate_schedule(cand.schedule, cand.par.pp, cand.m, costs, cand.options)
     rep = res.report
-    dc = dp_costs(prob.model, costs, prob.cluster, cand.par)
+    dc = dc or dp_costs(prob.model, costs, prob.cluster, cand.par)
     tail = dp_tail([r.end_s for r in rep.ranks], res.grad_ready, dc, chunks=costs.layout.v)
     step, tails, opts = tail.step_s, tail.reduce_exposed_s, tail.optimizer_s
     peak = max(dc.peak_bytes(r.rank, r.peak_activation_bytes) for r in rep.ranks) + RESERVE_BYTES
@@ -315,18 +385,47 @@ def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bou
                       busiest.pp_bubble_s / step, comm / step, max(opts), res.method, bound)
 
 
-def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0,
+def search(prob: Problem, *, top: int = 10, max_simulations: int = MAX_SIMULATIONS, time_budget_s: float | None = None,
            only: Callable[[Candidate], bool] | None = None,
-           costs_fn: Callable[[Candidate], CostModel] | None = None) -> SearchResult:
+           costs_fn: Callable[[Candidate], CostModel] | None = None,
+           progress: Callable[[SearchResult], None] | None = None) -> SearchResult:
     """The fastest candidate that fits ``prob.memory_bytes``, and up to ``top - 1`` runners-up (module doc).
 
-    ``only`` restricts the candidates (e.g. to one measured layout); ``costs_fn`` replaces the
-    analytic job costs (e.g. with a profiled cost file) for every candidate.
+    The search stops early (``complete`` False, ``stopped`` says why) after ``max_simulations``
+    simulations -- a count, so the answer is the same on any machine -- or, only if given,
+    ``time_budget_s`` seconds. ``only`` restricts the candidates (e.g. to one measured layout);
+    ``costs_fn`` replaces the analytic job costs (e.g. with a profiled cost file) for every
+    candidate; ``progress`` is called with the result so far after every simulation.
     """
     t0 = time.perf_counter()
     out = SearchResult([])
-    queue: list[tuple[float, int, Candidate, CostModel]] = []
+    # (bound, order, candidate, costs, dp costs, bound counts the waits on all-reduces)
+    queue: list[tuple[float, int, Candidate, CostModel, DpCosts, bool]] = []
     seq = 0
+    dcs: dict[tuple[int, Parallel], tuple[CostModel, DpCosts]] = {}  # candidates of one layout share them
+
+    def dp_costs_of(cand: Candidate, costs: CostModel) -> DpCosts:
+        hit = dcs.get((id(costs), cand.par))
+        if hit is None:
+            hit = dcs[(id(costs), cand.par)] = (costs, dp_costs(prob.model, costs, prob.cluster, cand.par))
+        return hit[1]
+
+    def stop() -> bool:
+        """Whether a budget ran out (and the result says so)."""
+        if len(out.evaluated) >= max_simulations:
+            out.stopped = f"after {max_simulations} simulations"
+        elif time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
+            out.stopped = f"after {time_budget_s:g} s"
+        else:
+            return False
+        out.complete = False
+        return True
+
+    def simulated(ev: Evaluation) -> None:
+        out.evaluated.append(ev)
+        if progress is not None:
+            out.elapsed_s = time.perf_counter() - t0
+            progress(out)
 
     def push(cands: Iterator[Candidate]) -> None:
         nonlocal seq
@@ -344,28 +443,35 @@ def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0,
                     push(_savers(prob, cand))
                 continue
             seq += 1
-            heapq.heappush(queue, (lower_bound(prob, cand, costs), seq, cand, costs))
+            dc = dp_costs_of(cand, costs)
+            heapq.heappush(queue, (lower_bound(prob, cand, costs, dc, waits=False), seq, cand, costs, dc, False))
 
     for par in layouts(prob):
-        if time.perf_counter() - t0 > time_budget_s:
-            out.complete = False
+        if time_budget_s is not None and stop():
             break
         push(schedule_candidates(prob, par, plain=True))
     best: list[tuple[float, int, Evaluation]] = []  # max-heap by step (negated): the top fastest that fit
     first = float("inf")  # the fastest that fits
-    while queue:
-        bound, _, cand, costs = heapq.heappop(queue)
+    while queue and out.complete:
+        bound, order, cand, costs, dc, full = heapq.heappop(queue)
         if len(best) >= top and bound >= first:  # nothing left can beat the best one
             out.bound_pruned += len(queue) + 1
             break
-        if time.perf_counter() - t0 > time_budget_s:
-            out.complete = False
+        if not full:  # the waits need the compiled programs: counted only for candidates that come this far
+            try:
+                tight = lower_bound(prob, cand, costs, dc)
+            except ValueError:
+                continue
+            if tight > bound:
+                heapq.heappush(queue, (tight, order, cand, costs, dc, True))
+                continue
+        if stop():
             break
         try:
-            ev = evaluate(prob, cand, costs, bound)
+            ev = evaluate(prob, cand, costs, bound, dc)
         except ValueError:
             continue
-        out.evaluated.append(ev)
+        simulated(ev)
         if ev.peak_bytes > prob.memory_bytes:
             push(_savers(prob, cand))
             continue
@@ -374,19 +480,18 @@ def search(prob: Problem, *, top: int = 10, time_budget_s: float = 40.0,
         if len(best) > top:
             heapq.heappop(best)
     # step 5: half-layer cuts of the ranked configurations (the analytic costs; a costs_fn prices one split)
-    for ev in [e for _, _, e in best] if costs_fn is None else []:
-        if time.perf_counter() - t0 > time_budget_s:
-            out.complete = False
-            break
+    for ev in sorted((e for _, _, e in best), key=lambda e: e.step_s) if costs_fn is None and out.complete else []:
         for cand in half_cuts(prob, ev.cand):
             if only is not None and not only(cand):
                 continue
+            if stop():
+                break
             try:
                 costs = costs_of(prob, cand)
                 cut = evaluate(prob, cand, costs, lower_bound(prob, cand, costs))
             except ValueError:
                 continue
-            out.evaluated.append(cut)
+            simulated(cut)
             if cut.peak_bytes <= prob.memory_bytes:
                 heapq.heappush(best, (-cut.step_s, id(cut), cut))
                 if len(best) > top:

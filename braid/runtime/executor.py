@@ -42,6 +42,7 @@ what is computed: only what is timed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -113,6 +114,12 @@ class _Held:
 # next unit task after a step that starts a reduction (None otherwise): its head may follow it.
 _Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None, UnitTask | None]
 
+
+
+def _range(name: Callable[[], str]) -> Any:
+    """A profiler range named after braid's instruction, block, unit or transfer (``name()``), so
+    that a torch.profiler or nsys (``emit_nvtx``) timeline reads like braid's; nothing while none records."""
+    return torch.profiler.record_function(name()) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 class Executor:
@@ -241,14 +248,17 @@ class Executor:
                     if self._held is not None and self._held.carry.chained:
                         self._held.run = (i, instrs[i:j])  # posted when the carried all-reduce ends
                     else:
-                        self._comm(i, instrs[i:j])
+                        with _range(lambda: " ".join(map(str, instrs[i:j]))):
+                            self._comm(i, instrs[i:j])
                     i = j
                     continue
                 try:
                     if isinstance(ins, (Compute, Braided)):
-                        self._compute(i, ins)
+                        with _range(ins.__str__):  # a braided block: "F3c0&B1c1"
+                            self._compute(i, ins)
                     elif isinstance(ins, (Offload, Reload)):
-                        self._copy(i, ins)
+                        with _range(ins.__str__):
+                            self._copy(i, ins)
                     else:
                         raise TypeError(f"unknown instruction type {type(ins).__name__}")
                 except (ChunkStateError, StashError, OffloadStateError) as err:
@@ -409,14 +419,12 @@ class Executor:
             member, op, call, arg, waits, ar, name, kind, unit, follow = bound[k]
             if waits and member in pending:
                 self._wait_pending(pending.pop(member))
+            with _range(lambda: f"{name} {unit}" if unit else name):
+                s = mark() if timed else None
+                out = call(op.mb, arg)
+                e = mark() if timed else None
             if timed:
-                s = mark()
-                out = call(op.mb, arg)
-                e = mark()
                 events.append(("compute", name, kind, s, e, op.mb, op.chunk, unit, block, idx, None))
-            else:
-                out = call(op.mb, arg)
-                e = None
             if ar and out is not None and tp is not None:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
                 work = self.tp_comm.reduce(out)
