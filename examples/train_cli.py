@@ -485,7 +485,7 @@ def sp_config(task: Task, args: argparse.Namespace) -> Any:
         return None
     if task.vision:
         raise UsageError("--cp > 1 is not supported by the vision-language example (the ViT stage is not "
-                         "sequence-parallel); use examples/qwen2.py for long-sequence runs")
+                         "sequence-parallel); use examples/lm.py for long-sequence runs")
     if args.cp % args.hp:
         raise UsageError(f"--hp {args.hp} must divide --cp {args.cp}")
     return SPConfig(d_sp=args.cp, d_hp=args.hp, w=args.ring_size, placement=args.placement)
