@@ -61,9 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS,
                     help="; ".join(f"{m}: {describe(m)}" for m in OPTIMIZERS)
                          + " -- the examples' --optimizer; bytes per parameter: docs/training.md")
-    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
                     help="rank the layouts with sequence parallelism inside TP where it runs (tp > 1, no --cp, a "
-                         "decoder LM; the examples' flag of that name) or without it (default: with)")
+                         "decoder LM; the examples' flag of that name) or without it (default: without, as the "
+                         "examples run)")
     ap.add_argument("--top", type=int, default=10, metavar="K", help="configurations to rank (default 10)")
     ap.add_argument("--max-simulations", type=int, default=MAX_SIMULATIONS, metavar="N",
                     help=f"simulations before the search stops with what it has (default {MAX_SIMULATIONS}): a count, "
@@ -99,8 +100,8 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
              "--optimizer", p.optimizer]
     if p.recompute:
         args += ["--recompute", "full"]
-    if p.tp > 1 and p.cp == 1 and not vision and not p.seq_shard:  # the example's default is on there
-        args += ["--no-sequence-parallel"]
+    if p.seq_shard:  # the example's default is off
+        args += ["--sequence-parallel"]
     if p.cp > 1:
         args += ["--cp", str(p.cp), "--hp", str(p.hp), "--placement", p.sp_placement]
         if p.ring:

@@ -269,7 +269,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         from braid.runtime.graphs import config_reason
 
         dev = "cpu" if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()) else "cuda"
-        why = config_reason(dev, tp=args.tp)
+        why = config_reason(dev, cp=args.cp, tp=args.tp)
         if why:
             raise UsageError(f"--cuda-graph step: {why}; use --cuda-graph none")
     check_outputs(args)
