@@ -143,12 +143,12 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: to
     """
     model = load_meta(path, dtype, device)
     source: CheckpointSource = model.braid_source
-    family, key = source.family, source.weights.key
-    want = {key(n) for n, _ in model.named_parameters()}
+    family, keys = source.family, source.weights.keys
+    want = {k for n, _ in model.named_parameters() for k in keys(n)}
     missing = sorted(want - source.reader.keys())
     if missing:
         raise ValueError(f"{str(path)!r}: checkpoint lacks {len(missing)} tensor(s) of a {family.name} model, e.g. {missing[:3]}")
-    every_use = {key(n) for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied copy may be stored too
+    every_use = {k for n, _ in model.named_parameters(remove_duplicate=False) for k in keys(n)}  # a tied copy may be stored too
     extra = sorted(source.reader.keys() - every_use)
     if extra:
         raise ValueError(f"{str(path)!r}: {len(extra)} checkpoint tensor(s) not used by a {family.name} model, e.g. {extra[:3]}")
