@@ -85,6 +85,7 @@ TASK = Task(
     seq_len=lambda model, args: args.seq,
     flops_per_sample=_flops,
     default_seq=32,
+    models=("tiny", "small", "7b", "15b", "qwen3-moe-tiny"),
 )
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]]) -
     from braid.models.build import build_rank_chunks
     from braid.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
     from braid.runtime.executor import Executor
-    from braid.runtime.expert_parallel import ExpertGroups, reduce_gradients_ep, shard_experts
+    from braid.runtime.expert_parallel import (
+        ExpertGroups, gather_experts, moe_layers, reduce_gradients_ep, shard_experts,
+    )
 
     topo = Topology(ctx.world_size, pp=pp, dp=ctx.world_size // pp)
     groups = ctx.process_groups(topo)
@@ -67,5 +69,12 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]]) -
                 ref.check_grads(chunks, shard, where)
             opt.step()
         ref.check_params(chunks, shard, where)
+        # what a checkpoint of the run holds: every rank's experts, in order (ordering faults are ~0.1 apart)
+        whole = dict(ref.trained.named_parameters())
+        gathered = gather_experts(chunks, experts)
+        assert len(gathered) == 2 * len(moe_layers(chunks.values())) > 0, where
+        for n, t in gathered.items():
+            torch.testing.assert_close(t, whole[n].detach(), rtol=1e-8, atol=1e-8, msg=lambda s: f"{where}: gathered {n}: {s}")
         ran.append(f"{name} m={m}")
     return ran
+

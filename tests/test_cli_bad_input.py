@@ -222,6 +222,9 @@ EXAMPLE_FILES: dict[str, tuple[list[str], dict[str, str | bytes], str]] = {
     "hf-truncated-shard": (["--hf", "trunc"], {}, "trunc/model.safetensors: its header claims"),
     "hf-config-no-hidden": (["--hf", "nohid"], {}, "nohid/config.json: no 'hidden_size'"),
     "save-hf-parent-missing": (["--save-hf", "nodir/sub/out"], {}, "--save-hf nodir/sub/out: directory 'nodir/sub' does not exist"),
+    "ep-not-dividing-dp": (["--model", "qwen3-moe-tiny", "--ep", "2"], {}, "--ep 2 must divide the data-parallel ranks (dp=1)"),
+    "hf-moe-expert-missing": (["--hf", "moe"], {},
+                              "'moe': checkpoint lacks 1 tensor(s) of a qwen3_moe model, e.g. ['model.layers.1.mlp.experts.2.up_proj"),
 }
 
 
@@ -249,7 +252,19 @@ def example_inputs(tmp_path_factory) -> Path:
     del cfg["hidden_size"]
     (root / "nohid" / "config.json").write_text(json.dumps(cfg))
     shutil.rmtree(ckpt)
+    _moe_checkpoint_without_an_expert_tensor(root / "moe")
     return root
+
+
+def _moe_checkpoint_without_an_expert_tensor(path: Path) -> None:
+    import braid.hf as bhf
+    from braid.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
+    from safetensors.torch import load_file, save_file
+
+    bhf.save(Qwen3MoeModel(Qwen3MoeConfig(vocab_size=64, layers=2)), path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.mark.slow

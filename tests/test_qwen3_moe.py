@@ -117,7 +117,7 @@ def test_bad_expert_checkpoints_are_one_clear_error(tmp_path) -> None:
     key = "model.layers.0.mlp.experts.3.up_proj.weight"
     cases = [
         ({k: t for k, t in tensors.items() if k != key}, {}, f"lacks 1 tensor.*{key}"),
-        ({**tensors, key: tensors[key][:-1]}, {}, "does not fit parameter 'layers.0.experts.gate_up.weight'"),
+        ({**tensors, key: tensors[key][:-1]}, {}, rf"tensor '{key}' has shape \(15, 32\), .* expects \(16, 32\)"),
         (tensors, {"num_experts": 3}, "not used by a qwen3_moe model"),
         (tensors, {"num_experts_per_tok": 5}, "experts_per_token .top-k 5. must be between 1 and the 4 experts"),
     ]
@@ -143,3 +143,17 @@ def test_catalog_presets_have_the_published_sizes() -> None:
         assert layer_params == m.lm_layer_params(), name
     tiny = decoder_config(get_model("qwen3-moe-tiny"))
     assert (tiny.experts, tiny.experts_per_token, tiny.moe_ffn) == (4, 2, 16)
+
+
+def test_expert_parallel_layouts_that_cannot_work_are_one_line() -> None:
+    from braid.runtime.expert_parallel import check_expert_layout, expert_rank_groups
+    from braid.core.topology import Topology
+
+    for (ep, dp, experts, tp), msg in (((2, 3, 4, 1), r"--ep 2 must divide the data-parallel ranks \(dp=3\)"),
+                                       ((4, 4, 6, 1), "--ep 4 must divide the model's 6 experts"),
+                                       ((2, 2, 4, 2), "--ep 2 runs with cp=1 and tp=1 only"),
+                                       ((0, 2, 4, 1), "--ep must be a positive integer")):
+        with pytest.raises(ValueError, match=msg):
+            check_expert_layout(ep, dp, experts=experts, tp=tp)
+    # megatron-core's folding: consecutive DP ranks share tokens, strided ones share experts
+    assert expert_rank_groups(Topology(8, pp=2, dp=4), 2) == ([[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]])

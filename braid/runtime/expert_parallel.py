@@ -170,3 +170,18 @@ def reduce_gradients_ep(params: list[nn.Parameter], groups: Any, experts: Expert
             works.append(dist.all_reduce(p.grad, group=experts.edp_group, async_op=True))
     for w in works:
         abort.wait(w)
+
+
+def gather_experts(chunks: dict[int, Any], groups: ExpertGroups) -> dict[str, torch.Tensor]:
+    """Every expert stack of ``chunks`` whole, under its single-device name: this rank's share joined with its
+    expert-parallel group's (collective over that group; every rank of it calls it)."""
+    from braid.models.global_names import global_name
+
+    out = {}
+    for ci in sorted(chunks):
+        for local, p in chunks[ci].named_parameters():
+            if is_expert(p):
+                parts = [torch.empty_like(p) for _ in range(groups.ep)]
+                dist.all_gather(parts, p.detach().contiguous(), group=groups.ep_group)
+                out[global_name(chunks[ci], local)] = torch.cat(parts)
+    return out

@@ -81,13 +81,19 @@ class Optimization:
     over data-parallel replicas (they key the sharded optimizer's state dict).
     ``modules``: the modules holding them (to tell TP-sharded parameters from replicated
     ones). ``groups``: the job's :class:`~braid.runtime.distributed.ProcessGroups`;
-    ``abort``: its :class:`~braid.runtime.distributed.Abort` (bounded waits).
+    ``abort``: its :class:`~braid.runtime.distributed.Abort` (bounded waits). ``experts``: the
+    :class:`~braid.runtime.expert_parallel.ExpertGroups` of an expert-parallel run (its expert
+    gradients are reduced over the expert-data-parallel group, :func:`~braid.runtime.expert_parallel.reduce_gradients_ep`;
+    plain AdamW only).
     """
 
     def __init__(self, cfg: OptimConfig, named_params: Sequence[tuple[str, nn.Parameter]], modules: Iterable[nn.Module], *,
-                 groups: Any = None, abort: Any = None) -> None:
+                 groups: Any = None, abort: Any = None, experts: Any = None) -> None:
         cfg.check()
         self.cfg, self.groups, self.abort = cfg, groups, abort
+        self.experts = experts if experts is not None and experts.ep > 1 else None
+        if self.experts is not None and (cfg.master_fp32 or cfg.zero1):
+            raise ValueError("expert parallelism trains with plain AdamW for now (--optimizer plain)")
         self.params = [p for _, p in named_params]
         self.counted = tp_norm_mask(self.params, modules, groups.coords.tp if groups is not None else 0,
                                     groups.coords.pp if groups is not None else 0)
@@ -138,11 +144,19 @@ class Optimization:
             norm = self.optimizer.step(max_norm=clip)
         else:
             if self.groups is not None:
-                from braid.runtime.distributed import reduce_gradients
-
-                reduce_gradients(self.params, self.groups, self.abort)
                 first = self.groups.dp_cp_ranks[0] == self.groups.rank
-                norm = clip_grads_(self.params, replica_mask(self.counted, first), clip, abort=self.abort)
+                if self.experts is None:
+                    from braid.runtime.distributed import reduce_gradients
+
+                    reduce_gradients(self.params, self.groups, self.abort)
+                    counted = replica_mask(self.counted, first)
+                else:  # an expert's reduced gradient lives on one rank of each expert-parallel group: the first group counts it
+                    from braid.runtime.expert_parallel import is_expert, reduce_gradients_ep
+
+                    reduce_gradients_ep(self.params, self.groups, self.experts, self.abort)
+                    first_ep = self.groups.coords.dp < self.experts.ep
+                    counted = [c and (first_ep if is_expert(p) else first) for p, c in zip(self.params, self.counted)]
+                norm = clip_grads_(self.params, counted, clip, abort=self.abort)
             else:
                 norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip if clip is not None else math.inf))
             if math.isfinite(norm):
