@@ -12,12 +12,14 @@ CFG_KW = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, head_dim=16, ffn=64
               moe_ffn=16, mlp_only_layers=(1,))
 
 
-def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]]) -> list[str]:
+def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
+                   init_std: float = 0.2) -> list[str]:
     """Two AdamW steps of each (schedule, m) of a Qwen3-MoE model on ``pp`` pipeline ranks x ``dp``
     data-parallel ranks (the rest of the world), experts sharded over ``ep`` of them, against the
     single-process model trained on every DP rank's micro-batches: the step's mean loss, every
     gradient before the first optimizer step and every parameter after the last, within
-    :func:`reference_error.bound` (float64 on CPU)."""
+    :func:`reference_error.bound` (float64 on CPU, float32 on CUDA against a float64 reference's
+    error). ``cfg_kw``: the model's shape instead of :data:`CFG_KW`; ``init_std``: its weights' spread."""
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.core.partition import split_layers
@@ -35,15 +37,17 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]]) -
     if key not in ctx.groups:
         ctx.groups[key] = ExpertGroups.create(topo, ctx.rank, ep)
     experts = ctx.groups[key]
-    c, dtype = groups.coords, run_dtype(ctx.dist.device)
+    dev = ctx.dist.device
+    c, dtype = groups.coords, run_dtype(dev)
     ran = []
     for name, m in schedules_ms:
         plan = schedules.build(name, pp, m)
         stages = plan.num_stages
         layers = split_layers(2 * stages - 1, stages) if stages > 1 else (3,)
-        cfg = Qwen3MoeConfig(layers=sum(layers), **CFG_KW)
-        model = Qwen3MoeModel(cfg).init_weights(seed=7).to(dtype)
-        per_rank = [[_data(cfg, m, seed=s + 10 * r) for r in range(topo.dp)] for s in range(2)]
+        cfg = Qwen3MoeConfig(layers=sum(layers), **(CFG_KW if cfg_kw is None else cfg_kw))
+        model = Qwen3MoeModel(cfg).to(dev).init_weights(seed=7, std=init_std).to(dtype)
+        per_rank = [[tuple([t.to(dev) for t in x] for x in _data(cfg, m, seed=s + 10 * r)) for r in range(topo.dp)]
+                    for s in range(2)]
         ref = Reference.run(model, [tuple(sum((d[i] for d in step), []) for i in (0, 1)) for step in per_rank])
 
         def shard(whole, with_groups=None):
@@ -55,7 +59,7 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]]) -
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
-                                  act_shape=(MBS, SEQ, cfg.hidden), dtype=dtype)
+                                  act_shape=(MBS, SEQ, cfg.hidden), dtype=dtype, device=dev)
         where = f"qwen3_moe {name} pp={pp} dp={topo.dp} ep={ep} m={m} rank={ctx.rank}"
         for step, data in enumerate(per_rank):
             opt.zero_grad(set_to_none=True)

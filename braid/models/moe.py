@@ -32,9 +32,15 @@ from braid.tp.layers import DeferredWeightGrad, StashError, accumulate_grad
 
 
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs ``x`` (N, in) against the stacked ``w`` (E, in, out):
-    this torch has it, the dtype is one it takes, and rows are 16-byte aligned."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    """Whether ``torch._grouped_mm`` runs ``x`` (N, in) against the stacked ``w`` (E, in, out): this
+    torch has it, the device and dtype are ones it takes (CPU: fp32/bf16/fp16; CUDA: bf16 on
+    compute capability 9.0 and up), and rows are 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
 
