@@ -285,8 +285,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
     if torch_names and optimizer_flags_set(args):
         raise UsageError(f"{torch_names[0]} trains with plain AdamW at --lr: drop --lr-schedule/--warmup/--clip-grad/"
                          "--weight-decay/--optimizer/--recompute or use braid's schedules")
-    if args.optimizer is None:  # the baselines' AdamW is plain (and expert parallelism's, for now); every schedule of a
-        args.optimizer = "plain" if torch_names or args.ep > 1 else DEFAULT_OPTIMIZER  # run and its reference train alike
+    if args.optimizer is None:  # the baselines' AdamW is plain; every schedule of a run and its reference train alike
+        args.optimizer = "plain" if torch_names else DEFAULT_OPTIMIZER
     check_training_flags(task, args, model_vocab=None)
     if torch_names and (args.save or args.resume or args.save_hf):
         raise UsageError(f"--save/--save-hf/--resume checkpoint braid's schedules, not {torch_names[0]}")
@@ -380,7 +380,7 @@ def check_values(args: argparse.Namespace) -> None:
 
 def check_expert_parallel(args: argparse.Namespace, model: Any, torch_names: Sequence[str]) -> None:
     """``--ep``: a mixture-of-experts model whose experts and data-parallel ranks it divides, braid's schedules,
-    plain AdamW, no whole-step graph (raises ``ValueError``)."""
+    no whole-step graph (raises ``ValueError``)."""
     if args.ep == 1:
         return
     from braid.runtime.expert_parallel import check_expert_layout
@@ -391,8 +391,6 @@ def check_expert_parallel(args: argparse.Namespace, model: Any, torch_names: Seq
     check_expert_layout(args.ep, args.dp, experts=experts, cp=args.cp, tp=args.tp)
     if torch_names:
         raise ValueError(f"--ep {args.ep}: {torch_names[0]} has no expert parallelism; use braid's schedules")
-    if args.optimizer != "plain":
-        raise ValueError(f"--ep {args.ep} trains with --optimizer plain for now (expert shards in ZeRO-1 and fp32 masters: not yet)")
     if args.cuda_graph == "step":
         raise ValueError(f"--ep {args.ep}: the all-to-all's splits are read on the host each step; use --cuda-graph none")
     if args.save or args.resume:
