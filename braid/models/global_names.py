@@ -55,6 +55,8 @@ class ShardSpec:
 
 
 def _split_dim(module: nn.Module, attr: str) -> int | None:
+    if hasattr(module, "tp_split"):  # a module that says how TP splits it (a mixture's experts and router)
+        return module.tp_split
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
         return 0
     if isinstance(module, RowParallelLinear) and attr == "weight":

@@ -210,6 +210,25 @@ class LocalDispatch:
 LOCAL = LocalDispatch()
 
 
+class ExpertSlice:
+    """This TP rank's experts ``[first, first + count)``: the tokens are the same on every TP rank, so
+    each runs its own experts on their rows and leaves the others' rows zero; the MLP unit's TP
+    all-reduce then sums the ranks' parts (no token moves)."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.count = first, count
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        before = int(counts[:self.first].sum())  # rows are sorted by expert: one host read per layer
+        mine = counts[self.first:self.first + self.count]
+        n = int(mine.sum())
+        return rows[before:before + n], mine, (before, rows.shape[0] - before - n)
+
+    def combine(self, rows: torch.Tensor, state: Any) -> torch.Tensor:
+        before, after = state
+        return F.pad(rows, (0, 0, before, after))
+
+
 def moe_forward(h: torch.Tensor, logits: torch.Tensor, experts: Experts, *, top_k: int, norm_topk_prob: bool,
                 num_experts: int, dispatcher: Dispatcher = LOCAL) -> torch.Tensor:
     """The MoE MLP of normed hidden states ``h`` (..., hidden) given their router ``logits`` (..., E)."""

@@ -25,6 +25,7 @@ from braid.core.braiding import Unit
 from braid.models.qwen2 import (
     Qwen2Config, Qwen2Layer, Qwen2Model, decoder_fields_from_hf, decoder_fields_to_hf, decoder_hf_key, parallelize_layer,
 )
+from braid.models import tp_partial
 from braid.models.registry import Family, register
 from braid.tp.autograd_calls import fast_apply
 from braid.tp.layers import DeferredWeightGrad
@@ -120,19 +121,15 @@ class Qwen3Layer(Qwen2Layer):
         return mods + (self.q_norm, self.k_norm) if unit is Unit.PRE_ATTN else mods
 
 
-def check_tp(family: str, tp_size: int) -> None:
-    """Qwen3's head norms are shared by all heads: over TP ranks (each holding some heads) their
-    weight gradient would be partial, which the chunk runner does not reduce."""
-    if tp_size != 1:
-        raise ValueError(f"{family}: tensor parallelism (tp={tp_size}) is not supported yet "
-                         "(the QK-norm weights' gradients are partial over TP heads); use tp=1")
-
-
 def shard_qwen3_layer(layer: Qwen3Layer, cfg: Qwen3Config, tp_rank: int, tp_size: int) -> Qwen3Layer:
-    """:func:`braid.models.qwen2.parallelize_layer` of a Qwen3 layer, head norms copied (tp must be 1)."""
-    check_tp("qwen3", tp_size)
+    """:func:`braid.models.qwen2.parallelize_layer` of a Qwen3 layer, head norms copied. Every head
+    shares them, and a TP rank holds only its heads: their gradients are partial over TP ranks
+    (marked, :mod:`braid.models.tp_partial`)."""
     out = parallelize_layer(layer, cfg, tp_rank, tp_size, type(layer))
     out.q_norm, out.k_norm = copy.deepcopy(layer.q_norm), copy.deepcopy(layer.k_norm)
+    if tp_size > 1:
+        tp_partial.mark(out.q_norm.weight)
+        tp_partial.mark(out.k_norm.weight)
     return out
 
 

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.core.braiding import Unit
-from braid.models.moe import LOCAL, Dispatcher, Experts, load_balancing_loss, moe_forward
+from braid.models import tp_partial
+from braid.models.moe import LOCAL, Dispatcher, Experts, ExpertSlice, load_balancing_loss, moe_forward
 from braid.models.qwen3 import (
-    Qwen3Config, Qwen3Layer, Qwen3Model, check_tp, qwen3_fields_from_hf, qwen3_fields_to_hf, qwen3_hf_key,
+    Qwen3Config, Qwen3Layer, Qwen3Model, qwen3_fields_from_hf, qwen3_fields_to_hf, qwen3_hf_key,
     shard_qwen3_layer,
 )
 from braid.models.registry import Family, register
@@ -119,12 +120,24 @@ def check_chunkable(cfg: Qwen3MoeConfig) -> None:
 
 
 def shard_moe_layer(layer: Qwen3MoeLayer, cfg: Qwen3MoeConfig, tp_rank: int, tp_size: int) -> Qwen3MoeLayer:
-    """A copy of an MoE layer with the chunk runner's modules (the router a linear whose weight
-    gradient can be deferred); tp must be 1."""
-    check_tp("qwen3_moe", tp_size)
+    """The TP shard of an MoE layer: Qwen3's attention shard; the router whole on every rank (a linear
+    whose weight gradient can be deferred); the experts split over the TP ranks
+    (:class:`braid.models.moe.ExpertSlice`: each rank runs its experts on the tokens every rank
+    holds, the MLP's all-reduce sums them). The router's gradient then comes from the rank's
+    experts only: marked partial over TP (:mod:`braid.models.tp_partial`)."""
+    if cfg.experts % tp_size:
+        raise ValueError(f"qwen3_moe: the {cfg.experts} experts are split over TP ranks; tp={tp_size} must divide them")
     out = shard_qwen3_layer(layer, cfg, tp_rank, tp_size)
     out.router = ColumnParallelLinear.from_full(layer.router, 0, 1)
+    out.router.tp_split = None  # whole on every TP rank (braid.models.build.chunk_state)
     out.experts = copy.deepcopy(layer.experts)
+    if tp_size > 1:
+        per = cfg.experts // tp_size
+        for lin in (out.experts.gate_up, out.experts.down):
+            lin.weight = nn.Parameter(lin.weight.detach()[tp_rank * per:(tp_rank + 1) * per].clone())
+            lin.tp_split = 0
+        tp_partial.mark(out.router.weight)
+        out.dispatcher = ExpertSlice(tp_rank * per, per)
     return out
 
 

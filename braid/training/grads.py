@@ -52,16 +52,17 @@ def tp_sharded_ids(modules: Iterable[nn.Module]) -> set[int]:
 
 
 def tp_norm_mask(params: Sequence[nn.Parameter], modules: Iterable[nn.Module], tp_rank: int, pp_rank: int = 0) -> list[bool]:
-    """Per parameter: does this rank count it in the global norm (TP shards: yes; replicated:
-    TP rank 0 only; the copies of a tied embedding, which hold the same summed gradient
+    """Per parameter: does this rank count it in the global norm (TP shards: yes; replicated, and
+    those summed over TP ranks (:mod:`braid.models.tp_partial`): TP rank 0 only; the copies of a tied embedding, which hold the same summed gradient
     (:mod:`braid.models.tied`): one copy, on the first pipeline rank holding one)."""
     from braid.models.tied import tie_of
+    from braid.models.tp_partial import is_partial
 
     sharded = tp_sharded_ids(modules)
     seen: set[str] = set()
     out = []
     for p in params:
-        counted = tp_rank == 0 or id(p) in sharded
+        counted = tp_rank == 0 or (id(p) in sharded and not is_partial(p))  # a partial one is whole once reduced
         tie = tie_of(p)
         if tie is not None:
             counted = counted and pp_rank == tie.pp_ranks[0] and tie.key not in seen

@@ -152,7 +152,10 @@ class Optimization:
                 # the copies of a tied embedding (first and last stage) sum their fp32 gradients
                 # before the optimizer reduces them over data-parallel ranks
                 from braid.models.tied import reduce_tied_gradients
+                from braid.models.tp_partial import reduce_partial_gradients
 
+                reduce_partial_gradients(self.params, self.groups.tp if self.groups.topo.tp > 1 else None, self.abort,
+                                         attr="main_grad")
                 reduce_tied_gradients(self.params, self.groups.pp_ranks, self.groups.coords.pp, self.abort, attr="main_grad")
             if self.expert_optimizer is None:
                 norm = self.optimizer.step(max_norm=clip)
