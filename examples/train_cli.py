@@ -379,20 +379,21 @@ def check_values(args: argparse.Namespace) -> None:
 
 
 def check_expert_parallel(args: argparse.Namespace, model: Any, torch_names: Sequence[str]) -> None:
-    """``--ep``: a mixture-of-experts model whose experts and data-parallel ranks it divides, braid's schedules,
-    no whole-step graph (raises ``ValueError``)."""
+    """``--ep``: a mixture-of-experts model whose experts and data-parallel ranks it divides, braid's schedules;
+    a whole-step CUDA graph only where the routing needs no host read (ep=1, tp=1) (raises ``ValueError``)."""
+    experts = getattr(model.cfg, "experts", None)
+    if experts is not None and args.cuda_graph == "step" and (args.ep > 1 or args.tp > 1):
+        raise ValueError(f"--cuda-graph step: a mixture of experts at --ep {args.ep} --tp {args.tp} reads its routing counts "
+                         "on the host each step; use --cuda-graph none (or --ep 1 --tp 1)")
     if args.ep == 1:
         return
     from braid.runtime.expert_parallel import check_expert_layout
 
-    experts = getattr(model.cfg, "experts", None)
     if experts is None:
         raise ValueError(f"--ep {args.ep} needs a mixture-of-experts model (e.g. --model qwen3-moe-tiny); this one has no experts")
     check_expert_layout(args.ep, args.dp, experts=experts, cp=args.cp, tp=args.tp)
     if torch_names:
         raise ValueError(f"--ep {args.ep}: {torch_names[0]} has no expert parallelism; use braid's schedules")
-    if args.cuda_graph == "step":
-        raise ValueError(f"--ep {args.ep}: the all-to-all's splits are read on the host each step; use --cuda-graph none")
     if args.save or args.resume:
         raise ValueError(f"--ep {args.ep}: --save/--resume do not keep expert shards yet; --save-hf writes the trained model")
 

@@ -172,7 +172,8 @@ def permute(h: torch.Tensor, experts: torch.Tensor, num_experts: int) -> tuple[t
     -> rows (T*k, hidden), ``order`` (T*k,) (the flat slot ``t*k + j`` of each row) and ``counts`` (E,)."""
     flat = experts.reshape(-1)  # (T*k,)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    # (not bincount: its output size is read on the host, which a CUDA graph cannot capture)
     return h[order // experts.shape[1]], order, counts
 
 
