@@ -13,9 +13,9 @@ CFG_KW = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, head_dim=16, ffn=64
 
 
 def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
-                   init_std: float = 0.2) -> list[str]:
+                   init_std: float = 0.2, tp: int = 1) -> list[str]:
     """Two AdamW steps of each (schedule, m) of a Qwen3-MoE model on ``pp`` pipeline ranks x ``dp``
-    data-parallel ranks (the rest of the world), experts sharded over ``ep`` of them, against the
+    data-parallel ranks (the rest of the world over ``tp``), experts sharded over ``ep`` of them, against the
     single-process model trained on every DP rank's micro-batches: the step's mean loss, every
     gradient before the first optimizer step and every parameter after the last, within
     :func:`reference_error.bound` (float64 on CPU, float32 on CUDA against a float64 reference's
@@ -31,7 +31,7 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         ExpertGroups, gather_experts, moe_layers, reduce_gradients_ep, shard_experts,
     )
 
-    topo = Topology(ctx.world_size, pp=pp, dp=ctx.world_size // pp)
+    topo = Topology(ctx.world_size, pp=pp, tp=tp, dp=ctx.world_size // (pp * tp))
     groups = ctx.process_groups(topo)
     key = ("experts", topo, ep)
     if key not in ctx.groups:
@@ -51,7 +51,7 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         ref = Reference.run(model, [tuple(sum((d[i] for d in step), []) for i in (0, 1)) for step in per_rank])
 
         def shard(whole, with_groups=None):
-            chunks = build_rank_chunks(whole, plan, c.pp, layers)
+            chunks = build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
             shard_experts(chunks.values(), experts.ep_rank, ep, with_groups)
             return chunks
 
@@ -60,12 +60,12 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
                                   act_shape=(MBS, SEQ, cfg.hidden), dtype=dtype, device=dev)
-        where = f"qwen3_moe {name} pp={pp} dp={topo.dp} ep={ep} m={m} rank={ctx.rank}"
+        where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} m={m} rank={ctx.rank}"
         for step, data in enumerate(per_rank):
             opt.zero_grad(set_to_none=True)
             res = ex.run(*data[c.dp])
             reduce_gradients_ep(params, groups, experts, ctx.dist.abort)
-            if res.loss is not None:  # this rank's mean: the step's is the mean over DP ranks
+            if res.loss is not None and c.tp == 0:  # this rank's mean: the step's is the mean over DP ranks
                 loss = torch.as_tensor(res.loss, dtype=dtype).clone()
                 dist.all_reduce(loss, group=groups.dp)
                 ref.check_loss(loss / topo.dp, step, where)
@@ -75,7 +75,7 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         ref.check_params(chunks, shard, where)
         # what a checkpoint of the run holds: every rank's experts, in order (ordering faults are ~0.1 apart)
         whole = dict(ref.trained.named_parameters())
-        gathered = gather_experts(chunks, experts)
+        gathered = gather_experts(chunks, experts, groups.tp if tp > 1 else None)
         assert len(gathered) == 2 * len(moe_layers(chunks.values())) > 0, where
         for n, t in gathered.items():
             torch.testing.assert_close(t, whole[n].detach(), rtol=1e-8, atol=1e-8, msg=lambda s: f"{where}: gathered {n}: {s}")

@@ -151,7 +151,7 @@ def test_expert_parallel_layouts_that_cannot_work_are_one_line() -> None:
 
     for (ep, dp, experts, tp), msg in (((2, 3, 4, 1), r"--ep 2 must divide the data-parallel ranks \(dp=3\)"),
                                        ((4, 4, 6, 1), "--ep 4 must divide the model's 6 experts"),
-                                       ((2, 2, 4, 2), "--ep 2 runs with cp=1 and tp=1 only"),
+                                       ((2, 2, 6, 2), r"--ep 2 x --tp 2 \(4\) must divide the model's 6 experts"),
                                        ((0, 2, 4, 1), "--ep must be a positive integer")):
         with pytest.raises(ValueError, match=msg):
             check_expert_layout(ep, dp, experts=experts, tp=tp)

@@ -60,7 +60,7 @@ def save_chunks(chunks: dict[int, Any], cfg: Any, family: Family, path: str | os
     if experts is not None and experts.ep > 1:
         from braid.runtime.expert_parallel import gather_experts
 
-        state.update(gather_experts(chunks, experts))
+        state.update(gather_experts(chunks, experts, groups.tp if groups.topo.tp > 1 else None))
     writer = c.tp == 0 and c.dp == 0 and c.cp == 0
     fname = f"model-{c.pp + 1:05d}-of-{p:05d}.safetensors"
     mine = None

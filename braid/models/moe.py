@@ -214,20 +214,22 @@ LOCAL = LocalDispatch()
 class ExpertSlice:
     """This TP rank's experts ``[first, first + count)``: the tokens are the same on every TP rank, so
     each runs its own experts on their rows and leaves the others' rows zero; the MLP unit's TP
-    all-reduce then sums the ranks' parts (no token moves)."""
+    all-reduce then sums the ranks' parts (no token moves). ``inner``: how the slice's rows reach
+    its experts (expert parallelism within the slice; default: they are all here)."""
 
-    def __init__(self, first: int, count: int) -> None:
-        self.first, self.count = first, count
+    def __init__(self, first: int, count: int, inner: Dispatcher = LOCAL) -> None:
+        self.first, self.count, self.inner = first, count, inner
 
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
         before = int(counts[:self.first].sum())  # rows are sorted by expert: one host read per layer
         mine = counts[self.first:self.first + self.count]
         n = int(mine.sum())
-        return rows[before:before + n], mine, (before, rows.shape[0] - before - n)
+        local, local_counts, state = self.inner.dispatch(rows[before:before + n], mine)
+        return local, local_counts, (before, rows.shape[0] - before - n, state)
 
     def combine(self, rows: torch.Tensor, state: Any) -> torch.Tensor:
-        before, after = state
-        return F.pad(rows, (0, 0, before, after))
+        before, after, inner = state
+        return F.pad(self.inner.combine(rows, inner), (0, 0, before, after))
 
 
 def moe_forward(h: torch.Tensor, logits: torch.Tensor, experts: Experts, *, top_k: int, norm_topk_prob: bool,

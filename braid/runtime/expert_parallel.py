@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from braid.core.topology import Topology
-from braid.models.moe import Experts
+from braid.models.moe import Experts, ExpertSlice
 from braid.runtime.distributed import reduce_gradients
 
 EXPERT_ATTR = "braid_expert"  # set on a parameter that holds an expert-parallel rank's share of the experts
@@ -46,10 +46,11 @@ def check_expert_layout(ep: int, dp: int, *, experts: int | None = None, cp: int
         raise ValueError(f"--ep must be a positive integer, got {ep!r}")
     if dp % ep:
         raise ValueError(f"--ep {ep} must divide the data-parallel ranks (dp={dp}): expert-parallel ranks are carved from them")
-    if experts is not None and ep > 1 and experts % ep:
-        raise ValueError(f"--ep {ep} must divide the model's {experts} experts per layer")
-    if ep > 1 and (cp > 1 or tp > 1):
-        raise ValueError(f"--ep {ep} runs with cp=1 and tp=1 only (got cp={cp}, tp={tp})")
+    if experts is not None and ep > 1 and experts % (ep * tp):
+        what = f"--ep {ep} x --tp {tp} ({ep * tp})" if tp > 1 else f"--ep {ep}"
+        raise ValueError(f"{what} must divide the model's {experts} experts per layer")
+    if ep > 1 and cp > 1:
+        raise ValueError(f"--ep {ep} runs with cp=1 only (got cp={cp})")
 
 
 def expert_rank_groups(topo: Topology, ep: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -140,17 +141,25 @@ def moe_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
 def shard_experts(modules: Iterable[nn.Module], ep_rank: int, ep: int, groups: ExpertGroups | None = None) -> None:
     """Cut every MoE layer under ``modules`` down, in place, to expert-parallel rank ``ep_rank``'s experts
     and mark those parameters (:data:`EXPERT_ATTR`); with ``groups``, its tokens then go through
-    :class:`AllToAllDispatch`. Call before the first step (and before an executor is built on them)."""
+    :class:`AllToAllDispatch`. Call before the first step (and before an executor is built on them).
+
+    Under TP a layer holds its TP rank's slice of the experts (:class:`braid.models.moe.ExpertSlice`);
+    expert parallelism then shards that slice, and the all-to-all runs between the ranks of the
+    same TP index (their expert-parallel group) on the slice's rows."""
     for layer in moe_layers(modules):
         total = layer.experts.count
         if total % ep:
-            raise ValueError(f"--ep {ep} must divide the model's {total} experts per layer")
+            raise ValueError(f"--ep {ep} must divide the {total} experts per layer a rank holds")
         per = total // ep
         for lin in (layer.experts.gate_up, layer.experts.down):
             lin.weight = nn.Parameter(lin.weight.detach()[ep_rank * per:(ep_rank + 1) * per].clone())
             setattr(lin.weight, EXPERT_ATTR, True)
         if groups is not None:
-            layer.dispatcher = AllToAllDispatch(groups, total)
+            dispatch = AllToAllDispatch(groups, total)
+            if isinstance(layer.dispatcher, ExpertSlice):
+                layer.dispatcher.inner = dispatch
+            else:
+                layer.dispatcher = dispatch
 
 
 def is_expert(p: torch.Tensor) -> bool:
@@ -172,16 +181,20 @@ def reduce_gradients_ep(params: list[nn.Parameter], groups: Any, experts: Expert
         abort.wait(w)
 
 
-def gather_experts(chunks: dict[int, Any], groups: ExpertGroups) -> dict[str, torch.Tensor]:
+def gather_experts(chunks: dict[int, Any], groups: ExpertGroups, tp_group: Any = None) -> dict[str, torch.Tensor]:
     """Every expert stack of ``chunks`` whole, under its single-device name: this rank's share joined with its
-    expert-parallel group's (collective over that group; every rank of it calls it)."""
+    expert-parallel group's, then (``tp_group``) with the other TP ranks' slices (collective over both)."""
     from braid.models.global_names import global_name
+
+    def joined(t: torch.Tensor, group: Any) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
 
     out = {}
     for ci in sorted(chunks):
         for local, p in chunks[ci].named_parameters():
             if is_expert(p):
-                parts = [torch.empty_like(p) for _ in range(groups.ep)]
-                dist.all_gather(parts, p.detach().contiguous(), group=groups.ep_group)
-                out[global_name(chunks[ci], local)] = torch.cat(parts)
+                t = joined(p.detach(), groups.ep_group)
+                out[global_name(chunks[ci], local)] = t if tp_group is None else joined(t, tp_group)
     return out
