@@ -112,6 +112,11 @@ class BraidRunner:
         from braid.models.global_names import chunk_shards
 
         shards = chunk_shards(self.chunks, c.tp, topo.tp, vlm=task.vision)
+        if self.experts is not None:
+            from braid.runtime.expert_parallel import expert_shards
+
+            shards = expert_shards(shards, self.experts)
+        self.shards = shards  # each parameter's block of the single-device model (checkpoints: train_checkpoint.TrainState)
         self.named = [(shards[p].name, p) for ch in self.chunks.values() for p in ch.parameters()]
         self.params = [p for _, p in self.named]
         self.groups, self.abort, self.device = groups, d.abort, device

@@ -198,3 +198,13 @@ def gather_experts(chunks: dict[int, Any], groups: ExpertGroups, tp_group: Any =
                 t = joined(p.detach(), groups.ep_group)
                 out[global_name(chunks[ci], local)] = t if tp_group is None else joined(t, tp_group)
     return out
+
+
+def expert_shards(shards: dict[nn.Parameter, Any], groups: ExpertGroups) -> dict[nn.Parameter, Any]:
+    """``shards`` (:func:`braid.models.global_names.chunk_shards`) with every expert stack named as the
+    ``ep_rank``-th of ``ep`` blocks along its expert dimension, split over the expert-parallel group
+    (a checkpoint then holds whole stacks and resumes at another ``ep``); tp must be 1."""
+    from dataclasses import replace
+
+    return {p: replace(s, dim=0, index=groups.ep_rank, count=groups.ep, over="ep") if is_expert(p) and groups.ep > 1 else s
+            for p, s in shards.items()}
