@@ -73,12 +73,14 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
                 ref.check_grads(chunks, shard, where)
             opt.step()
         ref.check_params(chunks, shard, where)
-        # what a checkpoint of the run holds: every rank's experts, in order (ordering faults are ~0.1 apart)
+        # what a checkpoint of the run holds: every rank's experts, in order (ordering faults are ~0.1 apart;
+        # the parameters themselves were checked within the reference's error above)
         whole = dict(ref.trained.named_parameters())
         gathered = gather_experts(chunks, experts, groups.tp if tp > 1 else None)
         assert len(gathered) == 2 * len(moe_layers(chunks.values())) > 0, where
+        tol = 1e-8 if dtype == torch.float64 else 1e-3
         for n, t in gathered.items():
-            torch.testing.assert_close(t, whole[n].detach(), rtol=1e-8, atol=1e-8, msg=lambda s: f"{where}: gathered {n}: {s}")
+            torch.testing.assert_close(t, whole[n].detach(), rtol=tol, atol=tol, msg=lambda s: f"{where}: gathered {n}: {s}")
         ran.append(f"{name} m={m}")
     return ran
 
