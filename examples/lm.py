@@ -54,6 +54,9 @@ def _check(model, topo, num_stages: int, args) -> None:
     topo.check_model(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, vocab_size=cfg.vocab_size, num_layers=cfg.layers, num_stages=num_stages)
     if cfg.ffn % topo.tp:
         raise ValueError(f"ffn ({cfg.ffn}) not divisible by tp={topo.tp}; pick a tp that divides it")
+    experts = getattr(cfg, "experts", 0)
+    if experts % topo.tp:
+        raise ValueError(f"the {experts} experts per layer are split over TP ranks; tp={topo.tp} must divide them")
 
 
 def _source(model, args):

@@ -47,7 +47,7 @@ def layout_record(task: Task, setup: Setup, run: Run, pos: int) -> dict[str, Any
     """The layout record of a save: the model, how it was split and where the data stood."""
     a = setup.args
     return {"model": model_record(task, setup), "pos": pos,
-            "layout": {"world": setup.world, "tp": a.tp, "pp": a.pp, "dp": a.dp, "cp": a.cp, "schedule": run.name,
+            "layout": {"world": setup.world, "tp": a.tp, "pp": a.pp, "dp": a.dp, "cp": a.cp, "ep": a.ep, "schedule": run.name,
                        "stage_layers": list(run.stage_layers), "micro_batches": a.mbs, "micro_batch_size": a.micro_batch_size},
             "torch": torch.__version__}
 
@@ -139,8 +139,9 @@ class TrainState:
         from braid.training.sharded_state import ModelState, OptimizerState, ShardedParams
 
         topo = groups.topo
-        shards = chunk_shards(runner.chunks, groups.coords.tp, topo.tp, vlm=task.vision)
-        self.params = ShardedParams(shards, groups.tp if topo.tp > 1 else None)
+        shards = getattr(runner, "shards", None) or chunk_shards(runner.chunks, groups.coords.tp, topo.tp, vlm=task.vision)
+        experts = getattr(runner, "experts", None)
+        self.params = ShardedParams(shards, groups.tp if topo.tp > 1 else None, experts.ep_group if experts is not None else None)
         self.model = ModelState(self.params)
         from braid.training.optimizer import ShardedAdamW
 
@@ -150,8 +151,11 @@ class TrainState:
         # schedule is the step count (Optimization.resume_at).
         own = getattr(optimizer, "checkpoint_state", None)
         inner = getattr(optimizer, "optimizer", optimizer)
+        expert_opt = getattr(optimizer, "expert_optimizer", None)
         if callable(own):
             self.optim: Any = own(self.params)
+        elif expert_opt is not None:  # expert parallelism: the experts' masters and moments apart
+            self.optim = JointState([MasterState(self.params, inner), MasterState(self.params, expert_opt)])
         elif isinstance(inner, ShardedAdamW):
             self.optim = MasterState(self.params, inner)
         else:
@@ -208,12 +212,33 @@ class MasterState:
         self.optimizer.load_state_dict({"step": sd["step"], "lr": sd["lr"], "params": params})
 
 
+class JointState:
+    """The :class:`MasterState` of several :class:`ShardedAdamW` over disjoint parameters (an expert-parallel
+    run's dense and expert optimizers) as one: their entries are keyed by parameter name, and they step
+    together (one step count, one learning rate), so the checkpoint is the one a single optimizer
+    over all the parameters writes, and resumes under any layout."""
+
+    def __init__(self, parts: list[MasterState]) -> None:
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for part in self.parts:
+            out.update({k: v for k, v in part.state_dict().items() if k not in out})  # step and lr: the first's
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for part in self.parts:
+            part.load_state_dict(sd)
+
+
 def describe_resume(step_dir: Path, setup: Setup, run: Run, step: int, pos: int) -> str:
     """The log line of a resume, naming a change of layout."""
     saved = checkpoint.read_layout(step_dir).get("layout", {})
     a = setup.args
-    now = {"tp": a.tp, "pp": a.pp, "dp": a.dp, "cp": a.cp, "schedule": run.name}
+    now = {"tp": a.tp, "pp": a.pp, "dp": a.dp, "cp": a.cp, "ep": a.ep, "schedule": run.name}
     line = f"resumed from {step_dir} at step {step} (sample {pos})"
+    saved = {"ep": 1, **saved}  # (saved before expert parallelism was recorded: ep=1)
     if any(saved.get(k) != v for k, v in now.items()):
         was = " ".join(f"{k}={saved.get(k)}" for k in now)
         line += f"; saved at {was}, resharded to " + " ".join(f"{k}={v}" for k, v in now.items())

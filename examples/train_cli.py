@@ -91,6 +91,9 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     lay.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default: %(default)s)")
     lay.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default: %(default)s)")
     lay.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / (tp*pp))")
+    lay.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel size: each mixture-of-experts layer's experts sharded over E of the data-parallel "
+                          "ranks, tokens exchanged by all-to-all (default: %(default)s)")
     lay.add_argument("--cp", type=int, default=1,
                      help="sequence-parallel degree d_sp = d_hp x d_cp (LoongTrain 2D-Attention; default: %(default)s)")
     lay.add_argument("--hp", type=int, default=1, help="head-parallel part d_hp of --cp (default: %(default)s)")
@@ -324,6 +327,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
             from train_step import pick_device
 
             model = braid.hf.load_meta(args.hf, device=pick_device(args))  # materialised chunk by chunk
+            braid.hf.check_tensors(model)  # every tensor there, of the right shape: checked before any process group
             if task.vision != hasattr(model.cfg, "lm"):
                 from braid.models.registry import family_of
 
@@ -351,6 +355,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
                 raise ValueError(f"{n}: megatron-core splits layers evenly, got {list(runs[-1].stage_layers)} per stage; "
                                  "use --last-stage-lighter 0 and a layer count divisible by 2 * pp")
         check_training_flags(task, args, model_vocab=model.cfg.lm.vocab_size if task.vision else model.cfg.vocab_size)
+        check_expert_parallel(args, model, torch_names)
         if sp is not None:
             sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
         # the data are read (and --data tokenised) here, on every rank before any process group: a bad file is
@@ -388,7 +393,7 @@ def micro_batches(args: argparse.Namespace) -> int:
 
 def check_values(args: argparse.Namespace) -> None:
     """Ranges of the numeric flags (NaN is refused everywhere: it passes no comparison)."""
-    for name in ("tp", "pp", "cp", "hp", "micro_batch_size", "seq", "steps", "keep_checkpoints"):
+    for name in ("tp", "pp", "cp", "hp", "ep", "micro_batch_size", "seq", "steps", "keep_checkpoints"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("dp", "mbs", "image_size"):
@@ -418,6 +423,27 @@ def check_values(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     if args.timeout > MAX_TIMEOUT_S:  # (a larger one overflows the process group's timedelta)
         raise UsageError(f"--timeout {args.timeout:g}: at most {MAX_TIMEOUT_S:,} s (a day)")
+
+
+def check_expert_parallel(args: argparse.Namespace, model: Any, torch_names: Sequence[str]) -> None:
+    """``--ep``: a mixture-of-experts model whose experts and data-parallel ranks it divides, braid's schedules;
+    a whole-step CUDA graph only where the routing needs no host read (ep=1, tp=1) (raises ``ValueError``)."""
+    experts = getattr(model.cfg, "experts", None)
+    if experts is not None and args.cuda_graph == "step" and (args.ep > 1 or args.tp > 1):
+        raise ValueError(f"--cuda-graph step: a mixture of experts at --ep {args.ep} --tp {args.tp} reads its routing counts "
+                         "on the host each step; use --cuda-graph none (or --ep 1 --tp 1)")
+    if args.ep == 1:
+        return
+    from braid.runtime.expert_parallel import check_expert_layout
+
+    if experts is None:
+        raise ValueError(f"--ep {args.ep} needs a mixture-of-experts model (e.g. --model qwen3-moe-tiny); this one has no experts")
+    check_expert_layout(args.ep, args.dp, experts=experts, cp=args.cp, tp=args.tp)
+    if torch_names:
+        raise ValueError(f"--ep {args.ep}: {torch_names[0]} has no expert parallelism; use braid's schedules")
+    if (args.save or args.resume) and args.tp > 1:
+        raise ValueError(f"--ep {args.ep} --tp {args.tp}: --save/--resume keep expert shards at tp=1 only for now; "
+                         "--save-hf writes the trained model")
 
 
 def check_outputs(args: argparse.Namespace) -> None:

@@ -189,7 +189,8 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
         import braid.hf
         from braid.models.registry import family_of
 
-        braid.hf.save_chunks(runner.chunks, setup.model.cfg, family_of(setup.model), args.save_hf, groups)
+        braid.hf.save_chunks(runner.chunks, setup.model.cfg, family_of(setup.model), args.save_hf, groups,
+                             experts=getattr(runner, "experts", None))
         if setup.rank == 0:
             log.info("saved a Hugging Face checkpoint to %s", args.save_hf)
     if prof is not None:

@@ -90,6 +90,12 @@ class BraidRunner:
         shard = {"seq_shard": True} if args.sequence_parallel else {}  # braid.tp.seq_shard (LM tasks only)
         self.chunks = task.build_chunks(model, plan, c.pp, run.stage_layers, c.tp, topo.tp, groups.tp if topo.tp > 1 else None,
                                         sp=sp, seq_len=task.seq_len(model, args), **shard)
+        self.experts = None
+        if args.ep > 1:  # this rank's share of the experts, their tokens exchanged by all-to-all
+            from braid.runtime.expert_parallel import ExpertGroups, shard_experts
+
+            self.experts = ExpertGroups.create(topo, groups.rank, args.ep, timeout_s=args.timeout)
+            shard_experts(self.chunks.values(), self.experts.ep_rank, args.ep, self.experts)
         for ch in self.chunks.values():
             ch.to(device=device, dtype=dtype)
             if hasattr(ch, "set_recompute"):  # the LM chunks (the VLM's vision chunk keeps its activations)
@@ -107,6 +113,11 @@ class BraidRunner:
         from braid.models.global_names import chunk_shards
 
         shards = chunk_shards(self.chunks, c.tp, topo.tp, vlm=task.vision)
+        if self.experts is not None:
+            from braid.runtime.expert_parallel import expert_shards
+
+            shards = expert_shards(shards, self.experts)
+        self.shards = shards  # each parameter's block of the single-device model (checkpoints: train_checkpoint.TrainState)
         self.named = [(shards[p].name, p) for ch in self.chunks.values() for p in ch.parameters()]
         self.params = [p for _, p in self.named]
         self.groups, self.abort, self.device = groups, d.abort, device
@@ -167,7 +178,8 @@ def make_optimizer(args: argparse.Namespace, runner: BraidRunner | TorchRunner) 
         return runner.pipe.optimizer(lr=args.lr)
     from braid.training.step import Optimization
 
-    return Optimization(optim_config(args), runner.named, runner.chunks.values(), groups=runner.groups, abort=runner.abort)
+    return Optimization(optim_config(args), runner.named, runner.chunks.values(), groups=runner.groups, abort=runner.abort,
+                        experts=runner.experts)
 
 
 def host_micro_batches(task: Task, setup: Setup, source: Any, pos: int, dp_rank: int, pin: bool) -> tuple[list, list]:

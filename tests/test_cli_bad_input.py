@@ -310,6 +310,9 @@ EXAMPLE_FILES: dict[str, tuple[list[str], dict[str, str | bytes | _Sparse], str]
                     "r.toml: nested too deeply (5,000 levels; a run file has at most 8)"),
     "config-dotted-keys": (["--config", "r.toml"], {"r.toml": "a." * 20000 + "a = 1\n"},  # tomllib: quadratic time
                            "r.toml: nested too deeply (20,000 levels"),
+    "ep-not-dividing-dp": (["--model", "qwen3-moe-tiny", "--ep", "2"], {}, "--ep 2 must divide the data-parallel ranks (dp=1)"),
+    "hf-moe-expert-missing": (["--hf", "moe"], {},
+                              "'moe': checkpoint lacks 1 tensor(s) of a qwen3_moe model, e.g. ['model.layers.1.mlp.experts.2.up_proj"),
 }
 
 
@@ -338,6 +341,7 @@ def example_inputs(tmp_path_factory) -> Path:
         cfg.update(change)
         (root / name / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
     shutil.rmtree(ckpt)
+    _moe_checkpoint_without_an_expert_tensor(root / "moe")
     return root
 
 
@@ -351,6 +355,17 @@ def qwen2_main(monkeypatch):
     import train_loop
 
     return lambda argv: train_loop.main(qwen2.TASK, argv)
+
+
+def _moe_checkpoint_without_an_expert_tensor(path: Path) -> None:
+    import braid.hf as bhf
+    from braid.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
+    from safetensors.torch import load_file, save_file
+
+    bhf.save(Qwen3MoeModel(Qwen3MoeConfig(vocab_size=64, layers=2)), path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("name", list(EXAMPLE_FILES))

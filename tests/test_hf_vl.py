@@ -101,7 +101,7 @@ def test_bad_vl_checkpoints_are_one_clear_error(tmp_path) -> None:
         bhf.load(tmp_path / "ck")
     key = next(k for k in sd if k.endswith("visual.blocks.0.attn.qkv.weight"))
     save_file({**sd, key: sd[key][:-3]}, str(tmp_path / "ck" / "model.safetensors"))
-    with pytest.raises(ValueError, match="does not fit parameter|gives shape"):
+    with pytest.raises(ValueError, match="has shape .* expects"):
         bhf.load(tmp_path / "ck")
 
 

@@ -15,12 +15,15 @@ import pytest
 import torch
 
 import model_cases as cases
+import moe_cases
 from braid import schedules
 from braid.models.build import InitSource, build_rank_chunks, materialize, meta_model
 from braid.models.llama import LlamaConfig, LlamaLayer, LlamaModel
 from braid.models.qwen2 import Qwen2Config, Qwen2Model
 from braid.models.registry import family_for_hf, family_of, get_family, names
-from braid.models.seam import StageModel, UnitLayer
+from braid.models.seam import StageModel, UnitLayer, keep_units
+from braid.core.braiding import LAYER_UNITS
+from braid.models.tp_partial import is_partial
 
 
 def test_registry_dispatches_on_hf_model_type() -> None:
@@ -45,6 +48,33 @@ def test_families_implement_the_seam() -> None:
         assert isinstance(shard, UnitLayer) and type(shard) is type(model.layers[0])
     lay = LlamaModel(LlamaConfig()).layers[0]
     assert isinstance(lay, LlamaLayer) and lay.q_proj.bias is None and Qwen2Model(Qwen2Config()).layers[0].q_proj.bias is not None
+
+
+def test_qwen3_families_implement_the_seam() -> None:
+    """Dense and MoE layers shard into unit layers whose halves can be cut; at tp=2 the head norms
+    (and the router) are marked partial over TP and the experts split; the load-balancing loss in
+    a pipelined run and experts that tp does not divide are one clear error."""
+    import copy
+
+    for fam, kw in (("qwen3", {}), ("qwen3_moe", {"mlp_only_layers": (1,)})):
+        f = get_family(fam)
+        model = f.model_cls(f.config_cls(tie_embeddings=True, **kw))
+        assert isinstance(model, StageModel)
+        for layer in model.layers:
+            shard = model.shard_layer(layer, 0, 1)
+            assert isinstance(shard, UnitLayer) and type(shard) is type(layer)
+            for units in (LAYER_UNITS[:2], LAYER_UNITS[2:]):
+                keep_units(copy.deepcopy(shard), units)
+        half = model.shard_layer(model.layers[0], 1, 2)
+        assert is_partial(half.q_norm.weight) and is_partial(half.k_norm.weight) and not is_partial(half.input_layernorm.weight)
+    moe = get_family("qwen3_moe")
+    half = moe.model_cls(moe.config_cls()).shard_layer(moe.model_cls(moe.config_cls()).layers[0], 1, 2)
+    assert half.experts.count == 2 and is_partial(half.router.weight) and half.dispatcher.first == 2
+    with pytest.raises(ValueError, match="the 4 experts are split over TP ranks; tp=3 must divide them"):
+        moe.model_cls(moe.config_cls()).shard_layer(moe.model_cls(moe.config_cls()).layers[0], 0, 3)
+    aux = moe.model_cls(moe.config_cls(output_router_logits=True))
+    with pytest.raises(ValueError, match="load-balancing loss .* not supported by pipelined runs"):
+        aux.shard_layer(aux.layers[0], 0, 1)
 
 
 @dataclass
@@ -137,3 +167,17 @@ def test_meta_chunks_on_cuda_equal_the_single_device_model_on_cuda() -> None:
             w = dict(want[c].named_parameters())
             for n, p in got[c].named_parameters():
                 assert p.is_cuda and torch.equal(p, w[n]), f"rank {pp_rank} chunk {c} {n}"
+
+
+@pytest.mark.slow
+def test_moe_pipelines_match_single_process(pools) -> None:
+    """Qwen3-MoE (one dense layer among MoE ones): units cut and braided (braided_v), W split off
+    (zb_h1) over two stages; experts over two data-parallel ranks (dp=2, ep=2); Qwen3 and
+    Qwen3-MoE at tp=2. pp x ep: :mod:`test_moe_pipeline`."""
+    pool = pools(2)
+    assert pool.run(moe_cases.ep_equivalence, 2, 1, [("braided_v", 5), ("zb_h1", 3)], timeout_s=300) == [
+        ["braided_v m=5", "zb_h1 m=3"]] * 2
+    assert pool.run(moe_cases.ep_equivalence, 1, 2, [("1f1b", 3)], timeout_s=300) == [["1f1b m=3"]] * 2
+    # tp=2: head norms and the router summed over TP ranks, experts split over them
+    for fam in ("qwen3", "qwen3_moe"):
+        assert pool.run(cases.family_equivalence, fam, False, 1, 2, [("gpipe", 2)], timeout_s=300) == [["gpipe m=2"]] * 2

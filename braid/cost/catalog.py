@@ -68,7 +68,10 @@ class ModelConfig:
     ``seq``: tokens per sample; ``micro_batch_size``: samples per micro-batch;
     ``dtype_bytes``: activation/weight element size (2 for bf16); ``family``: the model
     family that runs it (:mod:`braid.models.registry`); ``tie_embeddings``: the LM head
-    reuses the embedding matrix.
+    reuses the embedding matrix. ``head_size``: one head's size where it is not
+    ``hidden / heads`` (0: it is). A mixture of experts (every layer): ``experts`` SwiGLU
+    experts of width ``moe_ffn``, ``experts_per_token`` of them per token (0: a dense MLP of
+    width ``ffn``).
     """
 
     name: str
@@ -84,18 +87,27 @@ class ModelConfig:
     vit: ViTConfig | None = None
     family: str = "qwen2"
     tie_embeddings: bool = False
+    head_size: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_ffn: int = 0
 
     def __post_init__(self) -> None:
         bad = [f"{n}={getattr(self, n)}" for n in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "micro_batch_size", "dtype_bytes")
                if not (isinstance(getattr(self, n), int) and getattr(self, n) >= 1)]
+        bad += [f"{n}={getattr(self, n)}" for n in ("head_size", "experts", "experts_per_token", "moe_ffn")
+                if not (isinstance(getattr(self, n), int) and getattr(self, n) >= 0)]
         if bad:
             raise ValueError(f"model {self.name!r}: sizes must be positive integers, got {', '.join(bad)}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
+        if (self.hidden % self.heads and not self.head_size) or self.heads % self.kv_heads:
             raise ValueError(f"model {self.name!r}: hidden must divide by heads and heads by kv_heads")
+        if self.experts and not (1 <= self.experts_per_token <= self.experts and self.moe_ffn >= 1):
+            raise ValueError(f"model {self.name!r}: a mixture of experts needs 1 <= experts_per_token <= experts and moe_ffn >= 1")
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """One attention head's size: ``head_size`` where the family gives it (Qwen3), else hidden / heads."""
+        return self.head_size or self.hidden // self.heads
 
     @property
     def tokens(self) -> int:
@@ -107,9 +119,18 @@ class ModelConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
     def lm_layer_halves(self) -> tuple[int, int]:
-        """A decoder layer's weights in its attention half (Q, K, V, O) and its MLP half (gate, up, down)."""
-        h, kv = self.hidden, self.kv_heads * self.head_dim
-        return h * (h + 2 * kv) + h * h, 3 * h * self.ffn
+        """A decoder layer's weights in its attention half (Q, K, V, O) and its MLP half (gate, up,
+        down; of every expert and the router in a mixture of experts)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        mlp = self.experts * (3 * h * self.moe_ffn + h) if self.experts else 3 * h * self.ffn
+        return h * (q + 2 * kv) + q * h, mlp
+
+    def active_params(self) -> int:
+        """Parameters one token passes through: :meth:`params` with ``experts_per_token`` experts per layer."""
+        if not self.experts:
+            return self.params()
+        idle = self.layers * (self.experts - self.experts_per_token) * 3 * self.hidden * self.moe_ffn
+        return self.params() - idle
 
     def lm_layer_params(self) -> int:
         return sum(self.lm_layer_halves())
@@ -135,6 +156,9 @@ _TINY_VIT = dict(layers=2, hidden=32, heads=4, ffn=64, patch=4, image_size=16)  
 # Qwen2.5-VL's tower: RMSNorm, SwiGLU, 112 px windows, full attention in blocks 7, 15, 23, 31
 _QWEN25_VIT = ViTConfig(ffn=3420, kind="qwen2_5_vl", window=112, full_attention_blocks=(7, 15, 23, 31))
 
+# Qwen3-MoE (published configurations; every layer a mixture of experts, 128 experts, 8 per token)
+_QWEN3_MOE = dict(family="qwen3_moe", head_size=128, experts=128, experts_per_token=8, vocab=151936)
+
 MODELS: dict[str, ModelConfig] = {
     "qwen2-tiny": ModelConfig("qwen2-tiny", **_TINY_LM),
     "qwen2-toy": ModelConfig("qwen2-toy", layers=32, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256, seq=64),
@@ -158,6 +182,12 @@ MODELS: dict[str, ModelConfig] = {
     "qwen2.5-vl-7b": ModelConfig("qwen2.5-vl-7b", **_QWEN2_7B_LM, vit=_QWEN25_VIT),
     "llama3-8b": ModelConfig("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
                              family="llama"),
+    "qwen3-moe-tiny": ModelConfig("qwen3-moe-tiny", layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=32, seq=32,
+                                  family="qwen3_moe", experts=4, experts_per_token=2, moe_ffn=16),
+    "qwen3-moe-30b-a3b": ModelConfig("qwen3-moe-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4, ffn=6144,
+                                     moe_ffn=768, **_QWEN3_MOE),
+    "qwen3-moe-235b-a22b": ModelConfig("qwen3-moe-235b-a22b", layers=94, hidden=4096, heads=64, kv_heads=4, ffn=12288,
+                                       moe_ffn=1536, **_QWEN3_MOE),
     "qwen2-72b": ModelConfig("qwen2-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568, vocab=_QWEN2_VOCAB),
     "qwen2-vl-72b": ModelConfig("qwen2-vl-72b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=29568,
                                 vocab=_QWEN2_VOCAB, vit=ViTConfig()),

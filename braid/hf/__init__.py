@@ -9,10 +9,10 @@ tensor-parallel model as one checkpoint, each stage from its rank. Labels: HF sh
 braid expects them shifted -- :func:`shift_labels`. Needs ``pip install 'braid-pipeline[hf]'``.
 """
 
-from braid.hf.checkpoint import CheckpointReader, CheckpointSource, load, load_meta, save  # noqa: F401
+from braid.hf.checkpoint import CheckpointReader, CheckpointSource, check_tensors, load, load_meta, save  # noqa: F401
 from braid.hf.config import read_config  # noqa: F401
 from braid.hf.distributed import save_chunks  # noqa: F401
 from braid.hf.labels import IGNORE_INDEX, causal_lm_loss, shift_labels  # noqa: F401
 
-__all__ = ["CheckpointReader", "CheckpointSource", "IGNORE_INDEX", "causal_lm_loss", "load", "load_meta", "read_config",
+__all__ = ["CheckpointReader", "CheckpointSource", "IGNORE_INDEX", "causal_lm_loss", "check_tensors", "load", "load_meta", "read_config",
            "save", "save_chunks", "shift_labels"]

@@ -61,6 +61,17 @@ class CheckpointReader:
     def keys(self) -> set[str]:
         return set(self.files)
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape, read from the files' headers (no data; each file opened once)."""
+        by_file: dict[Path, list[str]] = {}
+        for k, f in self.files.items():
+            by_file.setdefault(f, []).append(k)
+        out = {}
+        for f, keys in by_file.items():
+            with self._safe_open(f, framework="pt", device="cpu") as h:
+                out.update({k: tuple(h.get_slice(k).get_shape()) for k in keys})
+        return out
+
     def tensor(self, key: str) -> torch.Tensor:
         """The tensor ``key`` on the CPU, as stored."""
         if key not in self.files:
@@ -146,14 +157,31 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: to
     empty, truncated or garbage shard: :mod:`braid.io.inputs`). LMs have ``logits(input_ids)``, VLMs
     ``logits(input_ids, pixel_values=..., image_grid_thw=...)`` (what HF's processor gives).
     """
-    model = load_meta(path, dtype, device)  # every tensor the model needs is there
+    model = load_meta(path, dtype, device)
+    check_tensors(model)
+    return materialize(model)
+
+
+def check_tensors(model: nn.Module) -> None:
+    """A :func:`load_meta` model's checkpoint holds every tensor the model reads, with the shape it expects,
+    and no tensor it does not use (a tied checkpoint may also carry ``lm_head.weight``): a ``ValueError``
+    naming the first that fails. Reads the files' headers only, so a command line checks a checkpoint
+    before any process group exists."""
     source: CheckpointSource = model.braid_source
-    family, key = source.family, source.weights.key
-    every_use = {key(n) for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied copy may be stored too
+    family, keys, path = source.family, source.weights.keys, source.reader.path
+    want = {k for n, _ in model.named_parameters() for k in keys(n)}
+    missing = sorted(want - source.reader.keys())
+    if missing:
+        raise ValueError(f"{str(path)!r}: checkpoint lacks {len(missing)} tensor(s) of a {family.name} model, e.g. {missing[:3]}")
+    every_use = {k for n, _ in model.named_parameters(remove_duplicate=False) for k in keys(n)}  # a tied copy may be stored too
     extra = sorted(source.reader.keys() - every_use)
     if extra:
         raise ValueError(f"{str(path)!r}: {len(extra)} checkpoint tensor(s) not used by a {family.name} model, e.g. {extra[:3]}")
-    return materialize(model)
+    shapes = source.reader.shapes()
+    for key, t in source.weights.write(dict(model.named_parameters())).items():  # meta tensors in the checkpoint's layout
+        if shapes[key] != tuple(t.shape):
+            raise ValueError(f"{str(path)!r}: tensor {key!r} has shape {shapes[key]}, a {family.name} model of this "
+                             f"config.json expects {tuple(t.shape)}")
 
 
 def save(model: nn.Module, path: str | os.PathLike, max_shard_size: str | int = "5GB") -> Path:

@@ -25,12 +25,14 @@ from braid.models.build import chunk_state
 from braid.models.registry import Family
 
 
-def save_chunks(chunks: dict[int, Any], cfg: Any, family: Family, path: str | os.PathLike, groups: Any) -> Path:
+def save_chunks(chunks: dict[int, Any], cfg: Any, family: Family, path: str | os.PathLike, groups: Any,
+                experts: Any = None) -> Path:
     """Save this rank's part of the model in ``chunks`` (built by ``build_rank_chunks`` or
     ``build_vlm_rank_chunks``) into one checkpoint at ``path``.
 
     ``cfg``: the single-device model's config; ``family``: its :class:`braid.models.registry.Family`;
-    ``groups``: the job's :class:`braid.runtime.distributed.ProcessGroups`. Every rank calls it.
+    ``groups``: the job's :class:`braid.runtime.distributed.ProcessGroups`; ``experts``: an expert-parallel
+    run's :class:`braid.runtime.expert_parallel.ExpertGroups` (each rank's experts are gathered first). Every rank calls it.
     """
     _safetensors()
     from safetensors.torch import save_file
@@ -55,6 +57,10 @@ def save_chunks(chunks: dict[int, Any], cfg: Any, family: Family, path: str | os
     state: dict[str, Any] = {}
     for ci in sorted(chunks):
         state.update(chunk_state(chunks[ci], groups.tp if groups.topo.tp > 1 else None, tied=tied))
+    if experts is not None and experts.ep > 1:
+        from braid.runtime.expert_parallel import gather_experts
+
+        state.update(gather_experts(chunks, experts, groups.tp if groups.topo.tp > 1 else None))
     writer = c.tp == 0 and c.dp == 0 and c.cp == 0
     fname = f"model-{c.pp + 1:05d}-of-{p:05d}.safetensors"
     mine = None

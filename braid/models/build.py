@@ -224,7 +224,10 @@ def build_chunk(
 
 
 def _split_dim(module: nn.Module, pname: str) -> int | None:
-    """The dimension a chunk parameter is split along over TP (None: replicated, or held by TP rank 0 only)."""
+    """The dimension a chunk parameter is split along over TP (None: replicated, or held by TP rank 0 only);
+    a module that says so itself (``tp_split``: a mixture's experts, its router) is split as it says."""
+    if hasattr(module, "tp_split"):
+        return module.tp_split
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
         return 0
     if isinstance(module, RowParallelLinear):

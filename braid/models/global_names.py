@@ -32,13 +32,16 @@ class ShardSpec:
     """A local parameter's place in the single-device model.
 
     ``name``: the global parameter name; ``dim``: the dimension split over ``count`` TP
-    ranks (``None``: the local tensor is the whole global tensor); ``index``: which block.
+    ranks (``None``: the local tensor is the whole global tensor); ``index``: which block;
+    ``over``: the ranks that split it, ``"tp"`` or ``"ep"`` (a mixture's experts sharded over
+    expert-parallel ranks, :mod:`braid.runtime.expert_parallel`).
     """
 
     name: str
     dim: int | None = None
     index: int = 0
     count: int = 1
+    over: str = "tp"
 
     def global_shape(self, local: torch.Size) -> tuple[int, ...]:
         shape = list(local)
@@ -55,6 +58,8 @@ class ShardSpec:
 
 
 def _split_dim(module: nn.Module, attr: str) -> int | None:
+    if hasattr(module, "tp_split"):  # a module that says how TP splits it (a mixture's experts and router)
+        return module.tp_split
     if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
         return 0
     if isinstance(module, RowParallelLinear) and attr == "weight":

@@ -160,6 +160,9 @@ class VLWeights:
     def key(self, name: str) -> str:
         return hf_key(name, self.released)
 
+    def keys(self, name: str) -> tuple[str, ...]:
+        return (self.key(name),)
+
     def read(self, name: str, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
         t = tensor(self.key(name))
         module = name.split(".")[-2]

@@ -364,13 +364,17 @@ class Qwen2Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(self.layer_cls(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         if self.embed_tokens.weight.device.type != "meta":
             self.reset_parameters()
+
+    def make_layer(self, cfg: Qwen2Config, index: int) -> Qwen2Layer:
+        """Decoder layer ``index`` (a family whose layers differ by index overrides this)."""
+        return self.layer_cls(cfg)
 
     def init_weights(self, seed: int, std: float = 0.2) -> "Qwen2Model":
         """Initialise every parameter from ``seed`` and its name alone (:func:`braid.models.init.init_by_name`).
@@ -433,11 +437,12 @@ def parallelize_layer(layer: Qwen2Layer, cfg: Qwen2Config, tp_rank: int, tp_size
     out.k_proj = ColumnParallelLinear.from_full(layer.k_proj, tp_rank, tp_size, _head_rows(cfg.kv_heads, hd, tp_rank, tp_size))
     out.v_proj = ColumnParallelLinear.from_full(layer.v_proj, tp_rank, tp_size, _head_rows(cfg.kv_heads, hd, tp_rank, tp_size))
     out.o_proj = RowParallelLinear.from_full(layer.o_proj, tp_rank, tp_size)
-    out.gate_proj = ColumnParallelLinear.from_full(layer.gate_proj, tp_rank, tp_size)
-    out.up_proj = ColumnParallelLinear.from_full(layer.up_proj, tp_rank, tp_size)
-    out.down_proj = RowParallelLinear.from_full(layer.down_proj, tp_rank, tp_size)
+    if layer.gate_proj is not None:  # (a mixture-of-experts layer has experts instead: braid.models.qwen3_moe)
+        out.gate_proj = ColumnParallelLinear.from_full(layer.gate_proj, tp_rank, tp_size)
+        out.up_proj = ColumnParallelLinear.from_full(layer.up_proj, tp_rank, tp_size)
+        out.down_proj = RowParallelLinear.from_full(layer.down_proj, tp_rank, tp_size)
     for name, parts in (("qkv_group", (out.q_proj, out.k_proj, out.v_proj)), ("gate_up_group", (out.gate_proj, out.up_proj))):
-        if group_pays(parts):
+        if parts[0] is not None and group_pays(parts):
             setattr(out, name, ColumnParallelGroup(parts))
     return out
 

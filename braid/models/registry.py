@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 _MODULES: tuple[str, ...] = (
     "braid.models.qwen2",
     "braid.models.llama",
+    "braid.models.qwen3",
+    "braid.models.qwen3_moe",
     "braid.models.hf_qwen2_vl",
     "braid.models.mcore",  # megatron-core's GPT model (imports megatron-core only when one is built)
 )
@@ -34,7 +36,11 @@ class HFWeights(Protocol):
     """How a family's parameters (single-device model names) sit in one checkpoint layout."""
 
     def key(self, name: str) -> str:
-        """The checkpoint tensor parameter ``name`` is read from."""
+        """The checkpoint tensor parameter ``name`` is read from (the first, where it is read from several)."""
+        ...
+
+    def keys(self, name: str) -> tuple[str, ...]:
+        """Every checkpoint tensor parameter ``name`` is read from (one, or a stack's parts)."""
         ...
 
     def read(self, name: str, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
@@ -55,6 +61,9 @@ class OneToOne:
 
     def key(self, name: str) -> str:
         return self.hf_key(name)
+
+    def keys(self, name: str) -> tuple[str, ...]:
+        return (self.hf_key(name),)
 
     def read(self, name: str, tensor: Callable[[str], torch.Tensor]) -> torch.Tensor:
         return tensor(self.hf_key(name))

@@ -43,12 +43,19 @@ def from_hf_config(path: str | os.PathLike) -> ModelConfig:
 
 def from_decoder_config(name: str, cfg: Any, family: str = "qwen2", **changes: Any) -> ModelConfig:
     """The cost-model shape of a runnable decoder config (the inverse of :func:`decoder_config`)."""
+    moe = {f: getattr(cfg, f) for f in ("experts", "experts_per_token", "moe_ffn") if hasattr(cfg, f)}
+    if cfg.head_dim * cfg.heads != cfg.hidden:
+        moe["head_size"] = cfg.head_dim
     return ModelConfig(name, layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn,
-                       vocab=cfg.vocab_size, family=family, tie_embeddings=cfg.tie_embeddings, **changes)
+                       vocab=cfg.vocab_size, family=family, tie_embeddings=cfg.tie_embeddings, **moe, **changes)
 
 
 def decoder_config(model: ModelConfig, **changes: Any) -> Any:
     """The runnable LM config of ``model``'s family (e.g. :class:`braid.models.qwen2.Qwen2Config`), fields overridden by ``changes``."""
     fields = dict(vocab_size=model.vocab, hidden=model.hidden, layers=model.layers, heads=model.heads,
                   kv_heads=model.kv_heads, ffn=model.ffn, tie_embeddings=model.tie_embeddings)
+    if model.head_size:
+        fields["head_dim"] = model.head_size
+    if model.experts:
+        fields.update(experts=model.experts, experts_per_token=model.experts_per_token, moe_ffn=model.moe_ffn)
     return get_family(model.family).config_cls(**{**fields, **changes})

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from braid.models.tied import reduce_tied_gradients
+from braid.models.tp_partial import reduce_partial_gradients
 from braid.runtime.errors import CommTimeout, PeerFailure, PeerLost, describe_exception, first_line, lost_text
 from braid.runtime.store import Joined, arrive, create_store, join, store_gone
 
@@ -464,11 +465,13 @@ def reduce_gradients(params: list[torch.nn.Parameter], groups: ProcessGroups, ab
     Averaged over the ``dp`` data-parallel replicas, *summed* over the ``cp``
     sequence-parallel ranks: under sequence parallelism each rank's loss is its tokens'
     share of the global mean (:mod:`braid.models.sequence_parallel`), so its gradient is
-    a share of the true gradient, not an estimate of it. First, the copies of a tied
-    embedding (first and last pipeline stage) get the sum of their gradients
+    a share of the true gradient, not an estimate of it. First, parameters whose gradient
+    is partial over TP ranks get its sum (:mod:`braid.models.tp_partial`), and the copies of
+    a tied embedding (first and last pipeline stage) the sum of their gradients
     (:func:`braid.models.tied.reduce_tied_gradients`).
     """
     params = list(params)
+    reduce_partial_gradients(params, groups.tp if groups.topo.tp > 1 else None, abort)
     reduce_tied_gradients(params, groups.pp_ranks, groups.coords.pp, abort)
     if len(groups.dp_cp_ranks) == 1:
         return

@@ -8,7 +8,8 @@ gradient element must be counted exactly once over the whole job.
   on the TP ranks: each rank counts its piece. A row-parallel bias lives on TP rank 0
   only, so it is counted once too.
 * TP-replicated parameters (norm weights) have the same gradient on every TP rank:
-  only TP rank 0 counts them (:func:`tp_norm_mask`).
+  only TP rank 0 counts them (:func:`tp_norm_mask`); so do those whose partial gradients
+  were summed over TP ranks (QK-norm, an MoE router: :mod:`braid.models.tp_partial`).
 * Pipeline stages hold disjoint layers: each counts its own.
 * Data-parallel replicas hold the same reduced gradient: one of them counts it (or,
   with a sharded optimizer, each counts the piece it owns).
@@ -52,16 +53,18 @@ def tp_sharded_ids(modules: Iterable[nn.Module]) -> set[int]:
 
 
 def tp_norm_mask(params: Sequence[nn.Parameter], modules: Iterable[nn.Module], tp_rank: int, pp_rank: int = 0) -> list[bool]:
-    """Per parameter: does this rank count it in the global norm (TP shards: yes; replicated:
+    """Per parameter: does this rank count it in the global norm (TP shards: yes; replicated ones,
+    and those whose partial gradients are summed over TP ranks (:mod:`braid.models.tp_partial`):
     TP rank 0 only; the copies of a tied embedding, which hold the same summed gradient
     (:mod:`braid.models.tied`): one copy, on the first pipeline rank holding one)."""
     from braid.models.tied import tie_of
+    from braid.models.tp_partial import is_partial
 
     sharded = tp_sharded_ids(modules)
     seen: set[str] = set()
     out = []
     for p in params:
-        counted = tp_rank == 0 or id(p) in sharded
+        counted = tp_rank == 0 or (id(p) in sharded and not is_partial(p))  # a partial one is whole once reduced
         tie = tie_of(p)
         if tie is not None:
             counted = counted and pp_rank == tie.pp_ranks[0] and tie.key not in seen

@@ -170,15 +170,19 @@ class ShardedAdamW(torch.optim.AdamW):
         return sq.sqrt()
 
     @torch.no_grad()
-    def step(self, closure: None = None, max_norm: float | None = None) -> float:  # type: ignore[override]
+    def step(self, closure: None = None, max_norm: float | None = None,  # type: ignore[override]
+             norm: torch.Tensor | None = None) -> float:
         """Reduce, measure the global norm, clip to ``max_norm`` (if given), update, all-gather.
 
-        Returns the norm before clipping. A non-finite norm makes no update.
+        Returns the norm before clipping. A non-finite norm makes no update. ``norm``: the
+        gradients are already reduced (:meth:`reduce`) and this is the global norm to clip by
+        (several optimizers over disjoint parameters sharing one norm).
         """
         if closure is not None:
             raise ValueError("ShardedAdamW.step takes no closure")
-        self.reduce()
-        norm = self.grad_norm()
+        if norm is None:
+            self.reduce()
+            norm = self.grad_norm()
         self.last_norm = float(norm)
         if not torch.isfinite(norm):
             return self.last_norm

@@ -54,18 +54,19 @@ class GlobalView(nn.Module):
 
 
 class ShardedParams:
-    """This rank's parameters with their :class:`ShardSpec`, the view, and the TP device mesh (None at tp=1)."""
+    """This rank's parameters with their :class:`ShardSpec`, the view, and the device meshes their blocks
+    are split over (``tp_group``'s; ``ep_group``'s for experts sharded over expert-parallel ranks)."""
 
-    def __init__(self, shards: dict[nn.Parameter, ShardSpec], tp_group: Any = None) -> None:
+    def __init__(self, shards: dict[nn.Parameter, ShardSpec], tp_group: Any = None, ep_group: Any = None) -> None:
         self.shards = shards
         self.by_name = {s.name: (p, s) for p, s in shards.items()}
         self.view = GlobalView({s.name: p for p, s in shards.items()})
-        self.mesh = None
-        if any(s.dim is not None for s in shards.values()):
-            from torch.distributed.device_mesh import DeviceMesh
+        self.meshes: dict[str, Any] = {}
+        for over, group in (("tp", tp_group), ("ep", ep_group)):
+            if any(s.dim is not None and s.over == over for s in shards.values()):
+                from torch.distributed.device_mesh import DeviceMesh
 
-            device = next(iter(shards)).device.type
-            self.mesh = DeviceMesh.from_group(tp_group, device)
+                self.meshes[over] = DeviceMesh.from_group(group, next(iter(shards)).device.type)
 
     def to_global(self, name: str, t: Any) -> Any:
         """``t`` (a local tensor of parameter ``name``'s shape) as a block of the global tensor."""
@@ -77,7 +78,7 @@ class ShardedParams:
             return t
         from torch.distributed.tensor import DTensor, Shard
 
-        return DTensor.from_local(t, self.mesh, [Shard(spec.dim)], run_check=False)
+        return DTensor.from_local(t, self.meshes[spec.over], [Shard(spec.dim)], run_check=False)
 
 
 def _local(t: Any) -> Any:

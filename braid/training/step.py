@@ -81,26 +81,43 @@ class Optimization:
     over data-parallel replicas (they key the sharded optimizer's state dict).
     ``modules``: the modules holding them (to tell TP-sharded parameters from replicated
     ones). ``groups``: the job's :class:`~braid.runtime.distributed.ProcessGroups`;
-    ``abort``: its :class:`~braid.runtime.distributed.Abort` (bounded waits).
+    ``abort``: its :class:`~braid.runtime.distributed.Abort` (bounded waits). ``experts``: the
+    :class:`~braid.runtime.expert_parallel.ExpertGroups` of an expert-parallel run (its expert
+    gradients are reduced over the expert-data-parallel group, :func:`~braid.runtime.expert_parallel.reduce_gradients_ep`;
+    with fp32 masters / ZeRO-1 the experts get a :class:`ShardedAdamW` of their own over that group).
     """
 
     def __init__(self, cfg: OptimConfig, named_params: Sequence[tuple[str, nn.Parameter]], modules: Iterable[nn.Module], *,
-                 groups: Any = None, abort: Any = None) -> None:
+                 groups: Any = None, abort: Any = None, experts: Any = None) -> None:
         cfg.check()
         self.cfg, self.groups, self.abort = cfg, groups, abort
+        self.experts = experts if experts is not None and experts.ep > 1 else None
         self.params = [p for _, p in named_params]
         self.counted = tp_norm_mask(self.params, modules, groups.coords.tp if groups is not None else 0,
                                     groups.coords.pp if groups is not None else 0)
+        # Expert parallelism with fp32 masters: the experts' own ShardedAdamW over the expert-data-parallel
+        # group (their gradients summed there, then divided by dp), the global norm shared (step).
+        self.expert_optimizer: ShardedAdamW | None = None
         if cfg.master_fp32 or cfg.zero1:
-            self.optimizer: torch.optim.Optimizer = ShardedAdamW(
-                named_params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                group=groups.dp_cp if groups is not None else None, shard=cfg.zero1,
-                grad_scale=1.0 / groups.topo.dp if groups is not None else 1.0, counted=self.counted,
+            sharded = lambda named, group, counted: ShardedAdamW(  # noqa: E731
+                named, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, group=group, shard=cfg.zero1,
+                grad_scale=1.0 / groups.topo.dp if groups is not None else 1.0, counted=counted,
                 wait=abort.wait if abort is not None else None)
+            if self.experts is None:
+                self.optimizer: torch.optim.Optimizer = sharded(named_params, groups.dp_cp if groups is not None else None,
+                                                                self.counted)
+            else:
+                from braid.runtime.expert_parallel import is_expert
+
+                mine = [is_expert(p) for _, p in named_params]
+                split = [[(named, c) for named, c, e in zip(named_params, self.counted, mine) if e is want] for want in (False, True)]
+                self.optimizer = sharded([n for n, _ in split[0]], groups.dp_cp, [c for _, c in split[0]])
+                self.expert_optimizer = sharded([n for n, _ in split[1]], self.experts.edp_group, [c for _, c in split[1]])
         else:
             self.optimizer = torch.optim.AdamW(param_groups(self.params, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-        self.scheduler = build_scheduler(self.optimizer, total=cfg.total_steps, warmup=cfg.warmup, decay=cfg.decay,
-                                         lr=cfg.lr, min_lr=cfg.min_lr)
+        self.schedulers = [build_scheduler(o, total=cfg.total_steps, warmup=cfg.warmup, decay=cfg.decay, lr=cfg.lr,
+                                           min_lr=cfg.min_lr) for o in (self.optimizer, self.expert_optimizer) if o is not None]
+        self.scheduler = self.schedulers[0]
         self.last_norm: float | None = None
 
     @property
@@ -115,15 +132,17 @@ class Optimization:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.expert_optimizer is not None:
+            self.expert_optimizer.zero_grad(set_to_none=set_to_none)
 
     def resume_at(self, step: int) -> None:
         """Put the schedule at ``step`` steps done (a resumed run: the schedule's state is the step count)."""
-        sched = self.scheduler
-        sched.last_epoch = step
-        lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
-        for g, lr in zip(self.optimizer.param_groups, lrs):
-            g["lr"] = lr
-        sched._last_lr = lrs
+        for sched in self.schedulers:
+            sched.last_epoch = step
+            lrs = [base * fn(step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+            for g, lr in zip(sched.optimizer.param_groups, lrs):
+                g["lr"] = lr
+            sched._last_lr = lrs
 
     def step(self) -> float:
         """Reduce, clip, update, advance the schedule; returns the global gradient norm before clipping."""
@@ -133,27 +152,48 @@ class Optimization:
                 # the copies of a tied embedding (first and last stage) sum their fp32 gradients
                 # before the optimizer reduces them over data-parallel ranks
                 from braid.models.tied import reduce_tied_gradients
+                from braid.models.tp_partial import reduce_partial_gradients
 
+                reduce_partial_gradients(self.params, self.groups.tp if self.groups.topo.tp > 1 else None, self.abort,
+                                         attr="main_grad")
                 reduce_tied_gradients(self.params, self.groups.pp_ranks, self.groups.coords.pp, self.abort, attr="main_grad")
-            norm = self.optimizer.step(max_norm=clip)
+            if self.expert_optimizer is None:
+                norm = self.optimizer.step(max_norm=clip)
+            else:  # one global norm over the dense and the expert parameters, each counted once
+                both = (self.optimizer, self.expert_optimizer)
+                for o in both:
+                    o.reduce()
+                total = sum(o.grad_norm().square() for o in both).sqrt()
+                norm = [o.step(max_norm=clip, norm=total) for o in both][0]
         else:
             if self.groups is not None:
-                from braid.runtime.distributed import reduce_gradients
-
-                reduce_gradients(self.params, self.groups, self.abort)
                 first = self.groups.dp_cp_ranks[0] == self.groups.rank
-                norm = clip_grads_(self.params, replica_mask(self.counted, first), clip, abort=self.abort)
+                if self.experts is None:
+                    from braid.runtime.distributed import reduce_gradients
+
+                    reduce_gradients(self.params, self.groups, self.abort)
+                    counted = replica_mask(self.counted, first)
+                else:  # an expert's reduced gradient lives on one rank of each expert-parallel group: the first group counts it
+                    from braid.runtime.expert_parallel import is_expert, reduce_gradients_ep
+
+                    reduce_gradients_ep(self.params, self.groups, self.experts, self.abort)
+                    first_ep = self.groups.coords.dp < self.experts.ep
+                    counted = [c and (first_ep if is_expert(p) else first) for p, c in zip(self.params, self.counted)]
+                norm = clip_grads_(self.params, counted, clip, abort=self.abort)
             else:
                 norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip if clip is not None else math.inf))
             if math.isfinite(norm):
                 self.optimizer.step()
         if math.isfinite(norm):
-            self.scheduler.step()
+            for sched in self.schedulers:
+                sched.step()
         self.last_norm = norm
         return norm
 
     def state_dict(self) -> dict[str, Any]:
         """``{"optimizer", "scheduler"}``. Sharded: the masters and moments by parameter name (a collective)."""
+        if self.expert_optimizer is not None:
+            raise ValueError("the optimizer state of an expert-parallel run is not checkpointed yet")
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -162,8 +202,9 @@ class Optimization:
 
     def close(self) -> None:
         """Detach a sharded optimizer's gradient hooks and buffers from the parameters."""
-        if isinstance(self.optimizer, ShardedAdamW):
-            self.optimizer.remove_hooks()
+        for o in (self.optimizer, self.expert_optimizer):
+            if isinstance(o, ShardedAdamW):
+                o.remove_hooks()
 
 
 def reference_mismatches(losses: Sequence[float], norms: Sequence[float | None], ref_losses: Sequence[float],

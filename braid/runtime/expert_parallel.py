@@ -1,0 +1,210 @@
+"""Expert parallelism: the experts of every MoE layer sharded over ``ep`` ranks carved from the data-parallel ranks.
+
+Layout (megatron-core's folding): the ``dp`` data-parallel ranks of one (pp, cp, tp) slot are
+cut into ``dp / ep`` expert-parallel groups of ``ep`` consecutive ranks. Rank ``i`` of a group
+holds experts ``[i E/ep, (i+1) E/ep)`` of every MoE layer; the ranks holding the same experts
+(one per group) form its expert-data-parallel group. Everything that is not an expert is
+replicated over all ``dp`` ranks as before.
+
+Token flow (dropless, :class:`AllToAllDispatch`): each rank routes and sorts its own tokens'
+top-k slots by expert (:func:`braid.models.moe.permute`), exchanges the per-expert counts
+(one ``all_to_all_single`` of E integers), sends each block of rows to the rank holding its
+experts (``all_to_all_single`` with variable splits), regroups what it received by local
+expert on the device, runs its experts, and sends the outputs back the same way. The
+all-to-all's backward is the all-to-all with the splits swapped, so an expert's weight
+gradient on its holder sums the contributions of every token of the group routed to it.
+
+Gradients (:func:`reduce_gradients_ep`): non-expert parameters are averaged over the ``dp``
+ranks as without EP (:func:`braid.runtime.distributed.reduce_gradients`); an expert's
+gradient, already summed over its expert-parallel group by the all-to-all, is summed over the
+expert-data-parallel group and divided by ``dp``: the same mean over every token of the step.
+
+Every DP rank of a pipeline stage runs the same program, so the ranks of an expert-parallel
+group reach each MoE layer's all-to-all in the same order: the collectives pair up.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from braid.core.topology import Topology
+from braid.models.moe import Experts, ExpertSlice
+from braid.runtime.distributed import reduce_gradients
+
+EXPERT_ATTR = "braid_expert"  # set on a parameter that holds an expert-parallel rank's share of the experts
+
+
+def check_expert_layout(ep: int, dp: int, *, experts: int | None = None, cp: int = 1, tp: int = 1) -> None:
+    """``ValueError`` (one line) unless ``ep`` experts-parallel ranks fit ``dp`` data-parallel ranks and ``experts`` experts."""
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"--ep must be a positive integer, got {ep!r}")
+    if dp % ep:
+        raise ValueError(f"--ep {ep} must divide the data-parallel ranks (dp={dp}): expert-parallel ranks are carved from them")
+    if experts is not None and ep > 1 and experts % (ep * tp):
+        what = f"--ep {ep} x --tp {tp} ({ep * tp})" if tp > 1 else f"--ep {ep}"
+        raise ValueError(f"{what} must divide the model's {experts} experts per layer")
+    if ep > 1 and cp > 1:
+        raise ValueError(f"--ep {ep} runs with cp=1 only (got cp={cp})")
+
+
+def expert_rank_groups(topo: Topology, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(expert-parallel groups, expert-data-parallel groups) of global ranks: every group of the layout, in one order."""
+    check_expert_layout(ep, topo.dp, cp=topo.cp, tp=topo.tp)
+    ep_groups, edp_groups = [], []
+    for ranks in topo.groups("dp"):  # ordered by dp index
+        ep_groups += [ranks[i:i + ep] for i in range(0, len(ranks), ep)]
+        edp_groups += [ranks[i::ep] for i in range(ep)]
+    return ep_groups, edp_groups
+
+
+@dataclass(slots=True)
+class ExpertGroups:
+    """This rank's expert-parallel (``ep``) and expert-data-parallel (``edp``) groups."""
+
+    ep: int
+    ep_rank: int
+    ep_group: Any
+    edp_group: Any
+    edp_size: int
+
+    @staticmethod
+    def create(topo: Topology, rank: int, ep: int, timeout_s: float = 120.0) -> "ExpertGroups":
+        """Create every expert group of the layout (collective: all ranks call it, same order)."""
+        ep_groups, edp_groups = expert_rank_groups(topo, ep)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        mine: dict[str, tuple[Any, list[int]]] = {}
+        for kind, rows in (("ep", ep_groups), ("edp", edp_groups)):
+            for ranks in rows:
+                g = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    mine[kind] = (g, ranks)
+        ep_group, ep_ranks = mine["ep"]
+        edp_group, edp_ranks = mine["edp"]
+        return ExpertGroups(ep, ep_ranks.index(rank), ep_group, edp_group, len(edp_ranks))
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with variable splits; its backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        out_splits, in_splits = ctx.splits
+        back = g.new_empty(sum(in_splits), *g.shape[1:])
+        dist.all_to_all_single(back, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class AllToAllDispatch:
+    """The :class:`braid.models.moe.Dispatcher` of one expert-parallel rank (see the module doc)."""
+
+    def __init__(self, groups: ExpertGroups, num_experts: int) -> None:
+        self.groups, self.num_experts = groups, num_experts
+        self.local = num_experts // groups.ep
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        ep, el, group = self.groups.ep, self.local, self.groups.ep_group
+        recv = torch.empty_like(counts)  # (ep * E/ep,): [source rank][local expert]
+        dist.all_to_all_single(recv, counts, group=group)
+        per_source = recv.view(ep, el)
+        send_splits = counts.view(ep, el).sum(1).tolist()  # the splits are host integers (one sync per layer)
+        recv_splits = per_source.sum(1).tolist()
+        got = _AllToAll.apply(rows, recv_splits, send_splits, group)  # by source rank, then local expert
+        expert_of_row = torch.repeat_interleave(torch.arange(el, device=rows.device).repeat(ep), per_source.reshape(-1))
+        order = torch.argsort(expert_of_row, stable=True)  # -> by local expert, then source rank
+        return got[order], per_source.sum(0), (order, send_splits, recv_splits)
+
+    def combine(self, rows: torch.Tensor, state: Any) -> torch.Tensor:
+        order, send_splits, recv_splits = state
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return _AllToAll.apply(rows[inverse], send_splits, recv_splits, self.groups.ep_group)
+
+
+def moe_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The layers under ``modules`` (model chunks, models) that hold experts (have an ``experts`` :class:`Experts`)."""
+    return [m for top in modules for m in top.modules() if isinstance(getattr(m, "experts", None), Experts)]
+
+
+def shard_experts(modules: Iterable[nn.Module], ep_rank: int, ep: int, groups: ExpertGroups | None = None) -> None:
+    """Cut every MoE layer under ``modules`` down, in place, to expert-parallel rank ``ep_rank``'s experts
+    and mark those parameters (:data:`EXPERT_ATTR`); with ``groups``, its tokens then go through
+    :class:`AllToAllDispatch`. Call before the first step (and before an executor is built on them).
+
+    Under TP a layer holds its TP rank's slice of the experts (:class:`braid.models.moe.ExpertSlice`);
+    expert parallelism then shards that slice, and the all-to-all runs between the ranks of the
+    same TP index (their expert-parallel group) on the slice's rows."""
+    for layer in moe_layers(modules):
+        total = layer.experts.count
+        if total % ep:
+            raise ValueError(f"--ep {ep} must divide the {total} experts per layer a rank holds")
+        per = total // ep
+        for lin in (layer.experts.gate_up, layer.experts.down):
+            lin.weight = nn.Parameter(lin.weight.detach()[ep_rank * per:(ep_rank + 1) * per].clone())
+            setattr(lin.weight, EXPERT_ATTR, True)
+        if groups is not None:
+            dispatch = AllToAllDispatch(groups, total)
+            if isinstance(layer.dispatcher, ExpertSlice):
+                layer.dispatcher.inner = dispatch
+            else:
+                layer.dispatcher = dispatch
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return bool(getattr(p, EXPERT_ATTR, False))
+
+
+def reduce_gradients_ep(params: list[nn.Parameter], groups: Any, experts: ExpertGroups, abort: Any) -> None:
+    """:func:`braid.runtime.distributed.reduce_gradients` for the dense parameters; expert gradients
+    summed over the expert-data-parallel group and divided by ``dp`` (see the module doc)."""
+    reduce_gradients([p for p in params if not is_expert(p)], groups, abort)
+    mine = [p for p in params if is_expert(p) and p.grad is not None]
+    dp = groups.topo.dp
+    works = []
+    for p in mine:
+        p.grad.div_(dp)
+        if experts.edp_size > 1:
+            works.append(dist.all_reduce(p.grad, group=experts.edp_group, async_op=True))
+    for w in works:
+        abort.wait(w)
+
+
+def gather_experts(chunks: dict[int, Any], groups: ExpertGroups, tp_group: Any = None) -> dict[str, torch.Tensor]:
+    """Every expert stack of ``chunks`` whole, under its single-device name: this rank's share joined with its
+    expert-parallel group's, then (``tp_group``) with the other TP ranks' slices (collective over both)."""
+    from braid.models.global_names import global_name
+
+    def joined(t: torch.Tensor, group: Any) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+
+    out = {}
+    for ci in sorted(chunks):
+        for local, p in chunks[ci].named_parameters():
+            if is_expert(p):
+                t = joined(p.detach(), groups.ep_group)
+                out[global_name(chunks[ci], local)] = t if tp_group is None else joined(t, tp_group)
+    return out
+
+
+def expert_shards(shards: dict[nn.Parameter, Any], groups: ExpertGroups) -> dict[nn.Parameter, Any]:
+    """``shards`` (:func:`braid.models.global_names.chunk_shards`) with every expert stack named as the
+    ``ep_rank``-th of ``ep`` blocks along its expert dimension, split over the expert-parallel group
+    (a checkpoint then holds whole stacks and resumes at another ``ep``); tp must be 1."""
+    from dataclasses import replace
+
+    return {p: replace(s, dim=0, index=groups.ep_rank, count=groups.ep, over="ep") if is_expert(p) and groups.ep > 1 else s
+            for p, s in shards.items()}

@@ -1,0 +1,86 @@
+"""Cases run inside the gloo processes of ``test_moe_pipeline.py`` (module-level so they pickle by name)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from executor_cases import EPS, LR, MBS, SEQ, Reference, _data, run_dtype
+
+# heads x head_dim != hidden; layer 1 dense (mlp_only_layers), the others mixtures of 4 experts, top-2
+CFG_KW = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, head_dim=16, ffn=64, experts=4, experts_per_token=2,
+              moe_ffn=16, mlp_only_layers=(1,))
+
+
+def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
+                   init_std: float = 0.2, tp: int = 1) -> list[str]:
+    """Two AdamW steps of each (schedule, m) of a Qwen3-MoE model on ``pp`` pipeline ranks x ``dp``
+    data-parallel ranks (the rest of the world over ``tp``), experts sharded over ``ep`` of them, against the
+    single-process model trained on every DP rank's micro-batches: the step's mean loss, every
+    gradient before the first optimizer step and every parameter after the last, within
+    :func:`reference_error.bound` (float64 on CPU, float32 on CUDA against a float64 reference's
+    error). ``cfg_kw``: the model's shape instead of :data:`CFG_KW`; ``init_std``: its weights' spread."""
+    from braid import schedules
+    from braid.core.compiler import compile_plan
+    from braid.core.partition import split_layers
+    from braid.core.topology import Topology
+    from braid.models.build import build_rank_chunks
+    from braid.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel
+    from braid.runtime.executor import Executor
+    from braid.runtime.expert_parallel import (
+        ExpertGroups, gather_experts, moe_layers, reduce_gradients_ep, shard_experts,
+    )
+
+    topo = Topology(ctx.world_size, pp=pp, tp=tp, dp=ctx.world_size // (pp * tp))
+    groups = ctx.process_groups(topo)
+    key = ("experts", topo, ep)
+    if key not in ctx.groups:
+        ctx.groups[key] = ExpertGroups.create(topo, ctx.rank, ep)
+    experts = ctx.groups[key]
+    dev = ctx.dist.device
+    c, dtype = groups.coords, run_dtype(dev)
+    ran = []
+    for name, m in schedules_ms:
+        plan = schedules.build(name, pp, m)
+        stages = plan.num_stages
+        layers = split_layers(2 * stages - 1, stages) if stages > 1 else (3,)
+        cfg = Qwen3MoeConfig(layers=sum(layers), **(CFG_KW if cfg_kw is None else cfg_kw))
+        model = Qwen3MoeModel(cfg).to(dev).init_weights(seed=7, std=init_std).to(dtype)
+        per_rank = [[tuple([t.to(dev) for t in x] for x in _data(cfg, m, seed=s + 10 * r)) for r in range(topo.dp)]
+                    for s in range(2)]
+        ref = Reference.run(model, [tuple(sum((d[i] for d in step), []) for i in (0, 1)) for step in per_rank])
+
+        def shard(whole, with_groups=None):
+            chunks = build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+            shard_experts(chunks.values(), experts.ep_rank, ep, with_groups)
+            return chunks
+
+        chunks = shard(model, experts)
+        params = [p for ch in chunks.values() for p in ch.parameters()]
+        opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
+        ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
+                                  act_shape=(MBS, SEQ, cfg.hidden), dtype=dtype, device=dev)
+        where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} m={m} rank={ctx.rank}"
+        for step, data in enumerate(per_rank):
+            opt.zero_grad(set_to_none=True)
+            res = ex.run(*data[c.dp])
+            reduce_gradients_ep(params, groups, experts, ctx.dist.abort)
+            if res.loss is not None and c.tp == 0:  # this rank's mean: the step's is the mean over DP ranks
+                loss = torch.as_tensor(res.loss, dtype=dtype).clone()
+                dist.all_reduce(loss, group=groups.dp)
+                ref.check_loss(loss / topo.dp, step, where)
+            if step == 0:
+                ref.check_grads(chunks, shard, where)
+            opt.step()
+        ref.check_params(chunks, shard, where)
+        # what a checkpoint of the run holds: every rank's experts, in order (ordering faults are ~0.1 apart;
+        # the parameters themselves were checked within the reference's error above)
+        whole = dict(ref.trained.named_parameters())
+        gathered = gather_experts(chunks, experts, groups.tp if tp > 1 else None)
+        assert len(gathered) == 2 * len(moe_layers(chunks.values())) > 0, where
+        tol = 1e-8 if dtype == torch.float64 else 1e-3
+        for n, t in gathered.items():
+            torch.testing.assert_close(t, whole[n].detach(), rtol=tol, atol=tol, msg=lambda s: f"{where}: gathered {n}: {s}")
+        ran.append(f"{name} m={m}")
+    return ran
+

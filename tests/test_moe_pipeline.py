@@ -1,0 +1,25 @@
+"""Qwen3-MoE with expert parallelism inside a pipeline and beside tensor parallelism, against the
+single-process model (gloo).
+
+Two pipeline stages (or two TP ranks, each with its slice of the experts) times two
+data-parallel ranks whose experts are split over both (``ep=2``): tokens cross ranks through
+all-to-all in every MoE layer's forward and backward, expert gradients are reduced over the
+expert-data-parallel group only, and the loss, every
+gradient and the parameters after two AdamW steps equal the single-process model trained on
+both ranks' micro-batches (float64; m not a multiple of p). Without pipelining:
+``test_model_seam.test_moe_pipelines_match_single_process``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import moe_cases as cases
+
+
+@pytest.mark.slow
+def test_pipeline_and_tensor_parallel_times_expert_parallel(pools) -> None:
+    pool = pools(4)
+    assert pool.run(cases.ep_equivalence, 2, 2, [("1f1b", 3)], timeout_s=300) == [["1f1b m=3"]] * 4
+    # tp=2 x (dp=2, ep=2): each TP rank's slice of the experts sharded over its expert-parallel group
+    assert pool.run(cases.ep_equivalence, 1, 2, [("braided_v", 3)], None, 0.2, 2, timeout_s=300) == [["braided_v m=3"]] * 4
