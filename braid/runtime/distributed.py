@@ -253,8 +253,14 @@ class Abort:
         try:
             self.check()
         except PeerFailure as recorded:
-            return recorded
-        return self.classify(err, elapsed_s)
+            new: BaseException = recorded
+        else:
+            new = self.classify(err, elapsed_s)
+        if isinstance(new, PeerFailure) and self.world_size:  # this rank stops because of another: not lost itself
+            from braid.runtime.liveness import mark_left
+
+            mark_left(self.store, self.rank)
+        return new
 
     def classify(self, err: BaseException, elapsed_s: float) -> Exception:
         """The exception a failed communication of this rank becomes (see :meth:`wait`)."""

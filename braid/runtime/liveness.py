@@ -27,6 +27,17 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 ALIVE_PREFIX = "braid/alive/"  # + rank: "host:port" of that rank's liveness socket
+# + rank: set by a rank that stops because another one failed or was lost, before its process ends: its
+# socket then closes too, and a survivor that asks later must not name it lost with the rank that was
+LEFT_PREFIX = "braid/left/"
+
+
+def mark_left(store: dist.Store, rank: int) -> None:
+    """Record that ``rank`` stops because of another rank (see :data:`LEFT_PREFIX`); nothing if the store is gone."""
+    try:
+        store.set(f"{LEFT_PREFIX}{rank}", "1")
+    except Exception:  # noqa: BLE001 - the store may have gone with the rank that hosted it
+        log.debug("rank %d: could not record that it leaves", rank, exc_info=True)
 
 
 def _own_address(master_addr: str) -> str:
@@ -69,17 +80,18 @@ def announce(store: dist.Store, rank: int, master_addr: str, loopback: bool) -> 
 
 def lost_ranks(store: dist.Store, rank: int, world_size: int, within_s: float) -> list[int] | None:
     """The ranks other than ``rank`` whose liveness socket is closed or does not accept within
-    ``within_s`` (all of them asked together); None when the store cannot be reached or a rank
-    published no socket."""
+    ``within_s`` (all of them asked together), less those that left because of another rank
+    (:func:`mark_left`); None when the store cannot be reached or a rank published no socket."""
     try:
         keys = [f"{ALIVE_PREFIX}{r}" for r in range(world_size) if r != rank]
         if not store.check(keys):
             return None
         addrs = {int(k.removeprefix(ALIVE_PREFIX)): v.decode() for k, v in zip(keys, store.multi_get(keys))}
+        gone = closed(addrs, within_s)
+        return [r for r in gone if not store.check([f"{LEFT_PREFIX}{r}"])]
     except Exception:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError by version: the store is gone
         log.debug("rank %d: the liveness addresses cannot be read", rank, exc_info=True)
         return None
-    return closed(addrs, within_s)
 
 
 def closed(addrs: dict[int, str], within_s: float) -> list[int]:
