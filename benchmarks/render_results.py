@@ -172,7 +172,30 @@ def acceptance(file: str) -> list[str]:
     return [f"`{file}` ({head}):", "", "```text", *table, "```"]
 
 
+# -- examples' --profile reports, with the run's step lines above them ----------------------------
+_STEP = re.compile(r"^#\s+(\S+)\s+step\s+(\d+)/(\d+)\s.*?\s([\d,.]+) ms .*?mfu ([\d.]+)")
+_BUSY = re.compile(r"^\s*(\d+)\s+(?:[\d.-]+\s+){6}([\d.]+)%")
+
+
+def profiles(*files: str) -> list[str]:
+    """Per stored profile: its schedule, the step times and MFU of the timed steps (eager: all but the first
+    and the profiled last one; graphed: the replays before the profiled one), each rank's device busy share."""
+    rows = []
+    for name in files:
+        lines = (RESULTS / name).read_text().splitlines()
+        captured = max((k for k, line in enumerate(lines) if "capture of" in line), default=-1)
+        steps = [m.groups() for m in map(_STEP.match, lines) if m]
+        timed = [m.groups() for m in map(_STEP.match, lines[captured + 1:]) if m][1:-1]  # not the first, captured or profiled
+        middle = [(float(ms.replace(",", "")), float(mfu)) for _, _, _, ms, mfu in timed]
+        busy = [f"{float(m[2]):.1f}%" for m in map(_BUSY.match, lines) if m]
+        ms, mfu = [t for t, _ in middle], [100 * u for _, u in middle]
+        rows.append([f"`{name}`", steps[0][0], f"{min(ms):,.0f}-{max(ms):,.0f}", f"{min(mfu):.1f}-{max(mfu):.1f}%", " / ".join(busy)])
+    return _table(["file", "schedule", "step ms", "MFU", "device busy, profiled step (rank 0 / 1)"], rows)
+
+
 BLOCKS: dict[str, Callable[[], list[str]]] = {
+    "vlm-profiles": lambda: profiles("vlm_profile_7b_h100x2_tp2_before.txt", "vlm_profile_7b_h100x2_tp2_braided_v.txt",
+                                     "vlm_profile_7b_h100x2_tp2_1f1b_i.txt"),
     "acceptance": lambda: [*acceptance("acceptance_h200x2.txt"), "", *acceptance("acceptance_h100x2.txt")],
     "braided-overlap": lambda: overlap("braided_overlap_burst_h200x2.json"),
     "executor-limit": lambda: executor_limit("executor_limit_h100.json"),

@@ -139,8 +139,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     opt.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine", "linear"],
                      help="decay after the warm-up, to --min-lr at the last step (default: %(default)s)")
     opt.add_argument("--warmup", type=int, default=None, metavar="N",
-                     help="linear warm-up steps (default: none below 125M parameters, a tenth of --steps above, "
-                          "at most 2000; the torch baselines: none)")
+                     help="linear warm-up steps (default: none below 125M parameters, 10 above -- at most --steps; "
+                          "the torch baselines: none)")
     opt.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay (default: %(default)s)")
     opt.add_argument("--clip-grad", type=float, default=None, metavar="NORM",
                      help="clip the gradients to this global norm over all ranks (default: no clipping)")
@@ -528,7 +528,7 @@ def recipe_defaults(args: argparse.Namespace, model: torch.nn.Module, torch_name
     if args.lr is None:
         args.lr = recipe_lr(n)
     if args.warmup is None:
-        args.warmup = 0 if torch_names else min(recipe_warmup(n, args.steps), args.steps)
+        args.warmup = 0 if torch_names else min(recipe_warmup(n), args.steps)
 
 
 def optim_config(args: argparse.Namespace) -> Any:

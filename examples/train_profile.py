@@ -6,10 +6,10 @@ it) and rank 0 writes ``DIR/profile.txt`` and ``DIR/profile.json``: per rank the
 span on the device, the union of its compute kernels (busy), its idle time split into
 waiting for a collective and other idle (:func:`braid.measure.device_busy.idle_split`:
 dependencies between streams, launch gaps, a host that is late), the host time of the
-step, the time the step's data took to prepare (the loader's share, timed every step),
-host synchronisations (``cudaStreamSynchronize``/``cudaDeviceSynchronize``/
-``aten::item`` calls and their host time), and the CPU operators and GPU kernels with the
-most time. A step whose device is idle while its host is busy is host-bound: the CPU
+step, the time the loop waited for a step's data (the loader's share of the critical path,
+timed every step), the host's synchronisations with the device (``cudaStreamSynchronize``,
+``cudaDeviceSynchronize``, ``cudaEventSynchronize``: count and time), and the CPU operators
+and GPU kernels with the most time. A step whose device is idle while its host is busy is host-bound: the CPU
 table says on what.
 
 The profiler's CPU activity adds a few microseconds to each launched operator, so an
@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-# CPU events that wait for the device (a host synchronisation): their count and time say how often the host stalls.
-SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
-            "aten::_local_scalar_dense", "cudaMemcpy", "cudaMemcpyAsync")
+# The driver calls in which the host waits for the device: their count and time say how often the host stalls
+# (``aten::item`` and friends wait inside one of these, so they are not counted again).
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 TOP = 15
 
 
@@ -42,7 +42,7 @@ class RankProfile:
 
     rank: int
     step_s: float  # host wall time of the profiled step (forward, backward, optimizer)
-    data_s: float  # host time to prepare this step's micro-batches (mean over the run's steps)
+    data_s: float  # the main thread's wait for a step's micro-batches, their copy to the device included (mean over the run)
     span_s: float | None = None  # the device's first to last kernel
     busy_s: float | None = None
     waiting_s: float | None = None

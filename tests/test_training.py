@@ -196,11 +196,11 @@ def test_optim_config_refuses_settings_that_cannot_work() -> None:
 
 def test_recipe_learning_rate_and_warmup_follow_the_model_size() -> None:
     """The examples' defaults: GPT-3's table (log-log between its sizes), the tiny presets' 1e-3 below it."""
-    from braid.training.lr import RECIPE_LR, TINY_LR, recipe_lr, recipe_warmup
+    from braid.training.lr import RECIPE_LR, RECIPE_WARMUP, TINY_LR, recipe_lr, recipe_warmup
 
-    assert recipe_lr(80_000) == TINY_LR and recipe_warmup(80_000, 50) == 0
+    assert recipe_lr(80_000) == TINY_LR and recipe_warmup(80_000) == 0
     for n, lr in RECIPE_LR:
         assert recipe_lr(n) == pytest.approx(lr)
     assert recipe_lr(6.7e9) > recipe_lr(8.3e9) > recipe_lr(13e9)  # Qwen2-VL-7B's 8.3B parameters fall between
     assert recipe_lr(1e12) == RECIPE_LR[-1][1]
-    assert [recipe_warmup(7e9, s) for s in (1, 50, 10_000, 100_000)] == [1, 5, 1000, 2000]
+    assert recipe_warmup(7e9) == RECIPE_WARMUP and recipe_warmup(1e8) == 0

@@ -197,10 +197,9 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
             self.choose_fused()
 
     # -- data in and out -----------------------------------------------------------------
-    # Whether set_batch reads nothing on the host while a CUDA graph captures the step: the base
-    # chunk keeps its token tensors as they are; a chunk that derives host-side facts from its
-    # micro-batches does so in prepare_batch, which the graph runner calls before a capture.
-    graph_safe_batch = True
+    # A chunk class that overrides set_batch says ``graph_safe_batch = True`` where its set_batch reads
+    # nothing on the host while a CUDA graph captures the step (host-side facts go in prepare_batch,
+    # which the graph runner calls before a capture); braid.runtime.graphs.not_capturable reads it.
 
     def batch_key(self, tokens: Sequence[Any]) -> Any:
         """The host-side facts of these micro-batches that the step depends on beyond their tensors' values

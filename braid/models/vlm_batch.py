@@ -7,14 +7,14 @@ positions, which follow from the same two facts. None of them depends on the pix
 or on the text tokens' values: a micro-batch's *shape* -- its ``input_ids`` shape, its image
 grids and the runs of image-pad tokens in each sample -- determines them all.
 
-So the host reads ``input_ids`` once per step (one device-to-host copy of all micro-batches),
-derives each micro-batch's :class:`BatchShape`, and builds the device tensors the chunks use
-once per shape (:class:`ShapeCache`). The step itself then runs on the device alone: no host
+So each chunk reads ``input_ids`` on the host once per step (one device-to-host copy of all its
+micro-batches), derives each micro-batch's :class:`BatchShape`, and builds the device tensors
+it uses once per shape (:class:`ShapeCache`). The step itself then runs on the device alone: no host
 read inside the forward or backward (masked scatters, ``nonzero``, ``.tolist()`` of grids),
 which is what a whole-step CUDA graph needs (:mod:`braid.runtime.graphs`): the graph captured
 for one tuple of shapes replays for every batch of the same shapes, and a new shape is a
-new capture. Production VLM trainers bucket image sizes for the same reason; the examples'
-synthetic images all have one size, so one graph serves the whole run.
+new capture (one graph is kept at a time). Production VLM trainers pad or bucket image sizes for
+the same reason; the examples' synthetic images all have one size, so one graph serves the run.
 """
 
 from __future__ import annotations

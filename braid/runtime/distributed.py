@@ -148,7 +148,18 @@ class Abort:
 
     def clear(self) -> None:
         """Forget an earlier failure (tests that reuse a job after a failure case)."""
+        from braid.runtime.liveness import left_key
+
         self.store.delete_key(ABORT_KEY)
+        self.store.delete_key(left_key(self.rank))
+
+    def _leave(self) -> None:
+        """This rank stops because of another: say so before its liveness socket closes, so that survivors
+        asking later do not name it lost (:func:`braid.runtime.liveness.lost_ranks`). Not once the store is gone."""
+        if self.world_size and self._gone is None:
+            from braid.runtime.liveness import mark_left
+
+            mark_left(self.store, self.rank)
 
     def _record(self) -> dict | None:
         """The failure record (``rank``, ``reason`` and, for lost ranks, ``lost``), or None if none.
@@ -186,6 +197,8 @@ class Abort:
         if rec is None:
             return
         r, reason, lost = rec["rank"], rec["reason"], rec["lost"]
+        if r != self.rank:
+            self._leave()
         if lost:
             raise PeerLost(lost_text(self.rank, lost),
                            r, reason, lost)
@@ -253,14 +266,8 @@ class Abort:
         try:
             self.check()
         except PeerFailure as recorded:
-            new: BaseException = recorded
-        else:
-            new = self.classify(err, elapsed_s)
-        if isinstance(new, PeerFailure) and self.world_size:  # this rank stops because of another: not lost itself
-            from braid.runtime.liveness import mark_left
-
-            mark_left(self.store, self.rank)
-        return new
+            return recorded
+        return self.classify(err, elapsed_s)
 
     def classify(self, err: BaseException, elapsed_s: float) -> Exception:
         """The exception a failed communication of this rank becomes (see :meth:`wait`)."""
@@ -312,6 +319,7 @@ class Abort:
             time.sleep(0.02)
             lost = lost_ranks(self.store, self.rank, self.world_size, within)
         if lost:  # the same words as a survivor that reads the record (check)
+            self._leave()
             return PeerLost(lost_text(self.rank, lost),
                             lost[0], "lost", lost)
         return PeerLost(f"rank {self.rank}: a peer closed its connection{after} (its process exited or was killed; "

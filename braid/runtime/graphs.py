@@ -50,7 +50,7 @@ differently (two-rank sums are exact either way).
 Not capturable (:func:`not_capturable` says why in one line; ``mode=None`` then runs
 eager): a CPU device (gloo), the ``symm-mem`` TP backend (its own stream and buffers),
 2D-Attention (cp > 1: its step reads nothing from the host now, but its GPU test, a graphed
-cp=2 step against eager, failed on 2 H100s for a cause not yet read), a chunk
+cp=2 step against eager, failed on H100s for a cause not yet read), a chunk
 whose ``set_batch`` reads its micro-batches on the host and does not say it is safe
 (``graph_safe_batch``), and an :class:`~braid.runtime.distributed.Abort` that reads its
 store before waits. A graphed step is for one input shape; another tensor shape is an error
@@ -59,10 +59,13 @@ that says so.
 Vision-language models: what their chunks read on the host (image grids, where the image
 tokens sit: :mod:`braid.models.vlm_batch`) is read before the capture
 (``ModelChunk.prepare_batch``) into device tensors the captured step uses, and is the
-captured graph's *key* (``ModelChunk.batch_key``). Before each replay the new micro-batches'
-keys are read (one host copy of their ``input_ids``); micro-batches of another shape are
-captured again, and after :data:`MAX_CAPTURES` captures the run stays eager and says why
-(dynamic resolution wants a few shape buckets, as production VLM trainers use).
+captured graph's *key* (``ModelChunk.batch_key``). Before each replay every chunk reads its
+micro-batches' keys (a host copy of their ``input_ids``), and the ranks agree (one all-reduce)
+whether any changed: then every rank drops its graph, runs an eager step of the new shapes
+(its kernels, compiled code and buffers are made outside a capture) and captures on the next
+step of the same shapes. One graph is kept at a time: after :data:`MAX_CAPTURES` captures
+the run stays eager and says why (pad or bucket the images to one shape per run, as
+production VLM trainers do, to keep the graph).
 """
 
 from __future__ import annotations
@@ -246,8 +249,10 @@ class GraphedStep:
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._counts: dict[str, int] = {}
         self._host_allocs: list[int] = []
-        self._keys: list[Any] = []  # the chunks' batch keys the graph was captured for
-        self._keyed = False  # whether any chunk's step depends on host-side facts of its micro-batches
+        self._keys: list[Any] | None = None  # the chunks' batch keys the graph was captured for
+        self._warm_keys: list[Any] | None = None  # ... and those of the last eager warm-up step
+        # Whether a chunk's step depends on host-side facts of its micro-batches (ModelChunk.batch_key)
+        self._keyed = any(type(ch).batch_key is not ModelChunk.batch_key for ch in ex.chunks.values())
         self.captures = 0
         self.eager_reason: str | None = None  # set when the inputs changed shape too often to keep a graph
         self.capture_peak_bytes: int | None = None  # allocator peak of the captured step above what was allocated before
@@ -270,24 +275,34 @@ class GraphedStep:
         if self.eager_reason is not None:
             self.steps += 1
             return self.ex.run(tokens, labels, record="off")
-        if self.graph is None and self.steps < self.warmup:
-            return self._warm(tokens, labels)
-        fresh = self.graph is None
-        if not fresh and self._keyed:
-            keys = self._batch_keys(tokens)
-            if keys != self._keys:  # micro-batches of another shape (image grids, image positions): another graph
-                self.release()
-                if self.captures >= MAX_CAPTURES:
-                    self.eager_reason = (f"the micro-batches changed shape {self.captures} times; eager from step {self.steps} on "
-                                         "(bucket or pad the inputs to a few shapes to keep the graph)")
-                    self.events.append(f"step {self.steps}: {self.eager_reason}")
-                    log.info("rank %d: CUDA graphs off: %s", self.ex.rank, self.eager_reason)
-                    return self.run(tokens, labels)
-                self.events.append(f"step {self.steps}: new micro-batch shapes, captured again")
-                fresh = True
-        if fresh:
+        keys = self._batch_keys(tokens) if self._keyed else None
+        if self.graph is not None and not self._agree(keys == self._keys):
+            # Micro-batches of another shape on some rank (image grids, image positions): every rank drops its
+            # graph, warms up eagerly on the new shapes (compiled kernels, plans, pinned buffers), then captures.
+            self.release()
+            self.events.append(f"step {self.steps}: new micro-batch shapes: graph released")
+        if self.graph is None:
+            if self.captures >= MAX_CAPTURES:
+                self.eager_reason = (f"the micro-batches changed shape after {self.captures} captures; eager from step "
+                                     f"{self.steps} on (pad or bucket the inputs to one shape per run to keep the graph)")
+                self.events.append(f"step {self.steps}: {self.eager_reason}")
+                log.info("rank %d: CUDA graphs off: %s", self.ex.rank, self.eager_reason)
+                return self.run(tokens, labels)
+            if self.steps < self.warmup or not self._agree(keys == self._warm_keys):
+                self._warm_keys = keys
+                return self._warm(tokens, labels)
             self._capture(tokens, labels)
-        return self._replay(tokens, labels, "captured, then replayed" if fresh else "replay")
+            return self._replay(tokens, labels, "captured, then replayed")
+        return self._replay(tokens, labels, "replay")
+
+    def _agree(self, mine: bool) -> bool:
+        """Whether ``mine`` holds on every rank (one all-reduce when the step is keyed: ranks capture and
+        release together, since a capture meets the others at a barrier)."""
+        if not (self._keyed and dist.is_initialized() and dist.get_world_size() > 1):
+            return mine
+        flag = torch.tensor([0 if mine else 1], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) == 0
 
     def _batch_keys(self, tokens: Sequence[Any]) -> list[Any]:
         """Every chunk's host-side key of these micro-batches (ModelChunk.batch_key), in chunk order."""
@@ -302,8 +317,8 @@ class GraphedStep:
             res = self.ex.run(tokens, labels, record="off")
         cur.wait_stream(self.stream)
         self._host_allocs.append(pool.allocations - before)
-        self.events.append(f"step {self.steps}: eager warm-up {len(self._host_allocs)}/{self.warmup} "
-                           f"({pool.allocations - before} pinned host buffers allocated)")
+        what = f"{len(self._host_allocs)}/{self.warmup}" if self.steps < self.warmup else "of new shapes"
+        self.events.append(f"step {self.steps}: eager warm-up {what} ({pool.allocations - before} pinned host buffers allocated)")
         self.steps += 1
         return res
 
@@ -318,7 +333,6 @@ class GraphedStep:
         # Host-side facts of the micro-batches (a VLM's image grids and image positions) are read now,
         # outside the capture, into the chunks' device tensors; a replay needs the same keys.
         self._keys = [ch.prepare_batch(self._tokens) for _, ch in sorted(ex.chunks.items())]
-        self._keyed = any(k is not None for k in self._keys)
         self.captures += 1
         params = self._params()
         for p in params:
@@ -392,8 +406,8 @@ class GraphedStep:
         return StepResult(loss, Trace(meta, [], {}), dict(self._counts))
 
     def release(self) -> None:
-        """Free the graph and its pool, with the gradients it wrote (set to None) and the loss;
-        a later step captures again (the warm-up is not repeated)."""
+        """Free the graph and its pool, with the gradients it wrote (set to None) and the loss; a later
+        step captures again (after an eager step of its shapes where the step is keyed, else at once)."""
         torch.cuda.synchronize(self.device)
         for p, g in self._grads:
             if p.grad is g:

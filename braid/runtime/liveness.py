@@ -18,6 +18,7 @@ on every interface otherwise, like the store (:func:`braid.runtime.store.create_
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -27,15 +28,24 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 ALIVE_PREFIX = "braid/alive/"  # + rank: "host:port" of that rank's liveness socket
-# + rank: set by a rank that stops because another one failed or was lost, before its process ends: its
-# socket then closes too, and a survivor that asks later must not name it lost with the rank that was
+# + attempt + rank: set by a rank that stops because another one failed or was lost, before its process
+# ends: its socket then closes too, and a survivor that asks later must not name it lost with the rank that was
 LEFT_PREFIX = "braid/left/"
 
 
+def attempt() -> str:
+    """The key prefix of this attempt of the job (torchrun restarts a job in the same store)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
+
+
+def left_key(rank: int) -> str:
+    return f"{LEFT_PREFIX}{attempt()}{rank}"
+
+
 def mark_left(store: dist.Store, rank: int) -> None:
-    """Record that ``rank`` stops because of another rank (see :data:`LEFT_PREFIX`); nothing if the store is gone."""
+    """Record that ``rank`` stops because of another rank (see :data:`LEFT_PREFIX`); nothing if the store fails."""
     try:
-        store.set(f"{LEFT_PREFIX}{rank}", "1")
+        store.set(left_key(rank), "1")
     except Exception:  # noqa: BLE001 - the store may have gone with the rank that hosted it
         log.debug("rank %d: could not record that it leaves", rank, exc_info=True)
 
@@ -88,7 +98,7 @@ def lost_ranks(store: dist.Store, rank: int, world_size: int, within_s: float) -
             return None
         addrs = {int(k.removeprefix(ALIVE_PREFIX)): v.decode() for k, v in zip(keys, store.multi_get(keys))}
         gone = closed(addrs, within_s)
-        return [r for r in gone if not store.check([f"{LEFT_PREFIX}{r}"])]
+        return [r for r in gone if not store.check([left_key(r)])]
     except Exception:  # noqa: BLE001 - DistNetworkError, DistStoreError, RuntimeError by version: the store is gone
         log.debug("rank %d: the liveness addresses cannot be read", rank, exc_info=True)
         return None

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from braid.runtime.errors import CommTimeout, PeerLost, first_line, gone_text, ranks_text
+from braid.runtime.liveness import attempt
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +104,6 @@ class Joined:
     host: str | None = None  # the liveness address of rank 0, which hosts the store (None: rank 0, or torchrun's agent)
 
 
-def _attempt() -> str:
-    """Keys of this attempt (torchrun restarts a job in the same store)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
-
-
 def store_gone(rank: int, err: BaseException) -> PeerLost:
     """What a rank says when the job's store fails: its host (rank 0, unless torchrun's agent hosts it) is gone."""
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -143,7 +139,7 @@ def join(rank: int, world_size: int, *, master_addr: str = "127.0.0.1", master_p
         one_host = _is_loopback(addr) or os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
         alive = announce(store, rank, addr, loopback=one_host)
         try:
-            store.set(f"{JOINED_PREFIX}{_attempt()}{rank}", "1")
+            store.set(f"{JOINED_PREFIX}{attempt()}{rank}", "1")
             if rank != 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 announces as it opens the store
                 store.wait([f"{ALIVE_PREFIX}0"], datetime.timedelta(seconds=wait))
                 host = store.get(f"{ALIVE_PREFIX}0").decode()
@@ -177,7 +173,7 @@ def arrive(joined: Joined, timeout_s: float) -> None:
     store, rank, world = joined.store, joined.rank, joined.world_size
     if world == 1:
         return
-    prefix = f"{ARRIVED_PREFIX}{_attempt()}"
+    prefix = f"{ARRIVED_PREFIX}{attempt()}"
     poll = max(_POLL_S, world / 10_000)  # all ranks together: about 10,000 store reads a second
     since = time.monotonic()
     scanned = since
@@ -219,7 +215,7 @@ def _missing(joined: Joined, timeout_s: float, since: float) -> tuple[str, list[
     within ``timeout_s``), or None (wait on)."""
     from braid.runtime.liveness import ALIVE_PREFIX, closed
 
-    store, attempt = joined.store, _attempt()
+    store, attempt = joined.store, attempt()
     waiting = [r for r in range(joined.world_size) if r != joined.rank and not store.check([f"{ARRIVED_PREFIX}{attempt}{r}"])]
     never = [r for r in waiting if not store.check([f"{JOINED_PREFIX}{attempt}{r}"])]
     addrs = {r: store.get(f"{ALIVE_PREFIX}{r}").decode() for r in waiting

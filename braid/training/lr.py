@@ -68,7 +68,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, total: int, warmup: int
 RECIPE_LR = ((125e6, 6.0e-4), (350e6, 3.0e-4), (760e6, 2.5e-4), (1.3e9, 2.0e-4), (2.7e9, 1.6e-4),
              (6.7e9, 1.2e-4), (13e9, 1.0e-4), (175e9, 0.6e-4))
 TINY_LR = 1e-3
-RECIPE_CLIP = 1.0  # every one of those recipes clips the global gradient norm at 1.0
+# Linear warm-up steps from RECIPE_LR's first size on: a fixed count (not a share of --steps, so that a resumed
+# run given more steps keeps its schedule); long runs follow the recipes' ~2000 with --warmup.
+RECIPE_WARMUP = 10
 
 
 def recipe_lr(num_params: float) -> float:
@@ -83,7 +85,6 @@ def recipe_lr(num_params: float) -> float:
     return RECIPE_LR[-1][1]
 
 
-def recipe_warmup(num_params: float, steps: int) -> int:
-    """Linear warm-up steps for a run of ``steps``: a tenth of the run, at most 2000 (Llama 2's warm-up), from
-    :data:`RECIPE_LR`'s first size on; none below (the tiny presets)."""
-    return 0 if num_params < RECIPE_LR[0][0] else min(2000, max(1, steps // 10))
+def recipe_warmup(num_params: float) -> int:
+    """Linear warm-up steps: :data:`RECIPE_WARMUP` from :data:`RECIPE_LR`'s first size on, none below (the tiny presets)."""
+    return 0 if num_params < RECIPE_LR[0][0] else RECIPE_WARMUP
