@@ -155,3 +155,53 @@ def test_static_buffers_take_new_micro_batches_and_refuse_other_shapes() -> None
         step._copy_in([torch.zeros(2, 16, dtype=torch.long)] * 3, labs)
     with pytest.raises(ValueError, match="another shape needs another graph"):
         step._copy_in([t.int() for t in toks], labs)
+
+
+class _Scripted(graphs.GraphedStep):
+    """GraphedStep's step-by-step decisions without a GPU: warm-up, capture, replay and release only
+    say what they would do; each step's micro-batch key is given."""
+
+    def __init__(self, keyed: bool) -> None:  # noqa: D107 - no executor, no CUDA
+        self.warmup, self.steps, self.events, self.graph, self.eager_reason = graphs.WARMUP_STEPS, 0, [], None, None
+        self._keys = self._warm_keys = None
+        self._keyed, self.captures, self.shape_changes, self.key = keyed, 0, 0, None
+        self.ex = type("Ex", (), {"rank": 0, "run": lambda _s, *a, **k: self.events.append(f"step {self.steps}: eager")})()
+
+    def _batch_keys(self, tokens):
+        return [self.key]
+
+    def _warm(self, tokens, labels):
+        self.events.append(f"step {self.steps}: warm")
+        self.steps += 1
+
+    def _capture(self, tokens, labels):
+        self.graph, self._keys, self.captures = object(), [self.key] if self._keyed else None, self.captures + 1
+        self.events.append(f"step {self.steps}: capture")
+
+    def _replay(self, tokens, labels, note):
+        self.events.append(f"step {self.steps}: replay")
+        self.steps += 1
+
+    def release(self):
+        self.graph = None
+
+
+def _decisions(keyed: bool, keys: list) -> list[str]:
+    runner = _Scripted(keyed)
+    for k in keys:
+        runner.key = k
+        runner.run([], [])
+    return [e.split(": ", 1)[1] for e in runner.events]
+
+
+def test_a_graph_is_kept_for_inputs_without_a_key_and_recaptured_for_new_shapes() -> None:
+    # A language model: two warm-up steps, one capture, then replays whatever the micro-batches hold.
+    assert _decisions(False, [None] * 6) == ["warm", "warm", "capture", "replay", "replay", "replay", "replay"]
+    # A VLM whose shapes change once: the graph is released, one eager step of the new shape, a new capture.
+    got = _decisions(True, ["a"] * 4 + ["b"] * 3)
+    assert got == ["warm", "warm", "capture", "replay", "replay", "new micro-batch shapes: graph released", "warm",
+                   "capture", "replay", "replay"]
+    # Shapes that never settle: never captured past the warm-up; shapes that keep changing: eager after MAX_CAPTURES.
+    assert "capture" not in _decisions(True, list("abcdef"))
+    got = _decisions(True, ["a"] * 3 + [k for k in "bcdefghij" for _ in range(2)])
+    assert got.count("capture") == graphs.MAX_CAPTURES and any("changed shape 4 times" in e for e in got) and got[-1] == "eager"

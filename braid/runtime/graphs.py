@@ -63,8 +63,8 @@ captured graph's *key* (``ModelChunk.batch_key``). Before each replay every chun
 micro-batches' keys (a host copy of their ``input_ids``), and the ranks agree (one all-reduce)
 whether any changed: then every rank drops its graph, runs an eager step of the new shapes
 (its kernels, compiled code and buffers are made outside a capture) and captures on the next
-step of the same shapes. One graph is kept at a time: after :data:`MAX_CAPTURES` captures
-the run stays eager and says why (pad or bucket the images to one shape per run, as
+step of the same shapes. One graph is kept at a time: after :data:`MAX_CAPTURES` changes of
+shape the run stays eager and says why (pad or bucket the images to one shape per run, as
 production VLM trainers do, to keep the graph).
 """
 
@@ -87,7 +87,7 @@ log = logging.getLogger(__name__)
 CudaGraphMode = Literal["none", "step"]
 CUDA_GRAPH_MODES: tuple[str, ...] = ("none", "step")
 WARMUP_STEPS = 2
-MAX_CAPTURES = 4  # captures for new micro-batch shapes before a run stays eager
+MAX_CAPTURES = 4  # new micro-batch shapes (each a new capture) before a run stays eager
 
 
 class GraphCaptureError(RuntimeError):
@@ -254,6 +254,7 @@ class GraphedStep:
         # Whether a chunk's step depends on host-side facts of its micro-batches (ModelChunk.batch_key)
         self._keyed = any(type(ch).batch_key is not ModelChunk.batch_key for ch in ex.chunks.values())
         self.captures = 0
+        self.shape_changes = 0  # graphs released because some rank's micro-batch shapes changed
         self.eager_reason: str | None = None  # set when the inputs changed shape too often to keep a graph
         self.capture_peak_bytes: int | None = None  # allocator peak of the captured step above what was allocated before
         self.pool_bytes: int | None = None  # device memory the graph's private pool holds
@@ -280,10 +281,11 @@ class GraphedStep:
             # Micro-batches of another shape on some rank (image grids, image positions): every rank drops its
             # graph, warms up eagerly on the new shapes (compiled kernels, plans, pinned buffers), then captures.
             self.release()
+            self.shape_changes += 1
             self.events.append(f"step {self.steps}: new micro-batch shapes: graph released")
         if self.graph is None:
-            if self.captures >= MAX_CAPTURES:
-                self.eager_reason = (f"the micro-batches changed shape after {self.captures} captures; eager from step "
+            if self.shape_changes >= MAX_CAPTURES:
+                self.eager_reason = (f"the micro-batches changed shape {self.shape_changes} times; eager from step "
                                      f"{self.steps} on (pad or bucket the inputs to one shape per run to keep the graph)")
                 self.events.append(f"step {self.steps}: {self.eager_reason}")
                 log.info("rank %d: CUDA graphs off: %s", self.ex.rank, self.eager_reason)
@@ -332,7 +334,8 @@ class GraphedStep:
         self._copy_in(tokens, labels)
         # Host-side facts of the micro-batches (a VLM's image grids and image positions) are read now,
         # outside the capture, into the chunks' device tensors; a replay needs the same keys.
-        self._keys = [ch.prepare_batch(self._tokens) for _, ch in sorted(ex.chunks.items())]
+        keys = [ch.prepare_batch(self._tokens) for _, ch in sorted(ex.chunks.items())]
+        self._keys = keys if self._keyed else None  # compared with _batch_keys' answer, None where not keyed
         self.captures += 1
         params = self._params()
         for p in params:
