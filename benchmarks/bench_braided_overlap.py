@@ -84,6 +84,9 @@ class _SkipAllReduce:
     def all_reduce(self, t: torch.Tensor) -> _Done:
         return _Done()
 
+    def reduce(self, t: torch.Tensor) -> _Done:  # the executor's call for a unit's reduction (no sequence sharding here)
+        return _Done()
+
 
 def _step_s(ex, toks, mode: str, warmup: int, iters: int, device: torch.device, profiled: int = 0,
             keep: str | None = None) -> tuple[list[float], dict, str, StepProfile | None]:
