@@ -24,10 +24,10 @@ from braid.io.cli import Parser, check_outputs, run_main
 from braid.core.compiler import ScheduleError, compile_plan, format_grid, peak_activations
 from braid.io.files import atomic_write_text
 from braid.core.ir import Braided, programs_to_json
-from braid.core.torch_format import TorchFormatError, from_torch_csv, to_torch_csv
+from braid.core.torch_format import PlanLimits, TorchFormatError, from_torch_csv, to_torch_csv
 from braid.io.cli import check_counts, check_plan_size
 from braid.io.inputs import InputFileError, read_text
-from braid.io.limits import TORCH_CSV
+from braid.io.limits import PLAN_FILE_LIMITS, TORCH_CSV
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,7 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.import_torch_csv:
         try:
             text = read_text(args.import_torch_csv, "torch schedule CSV", TORCH_CSV)
-            plan = from_torch_csv(text, name=args.import_torch_csv.rsplit("/", 1)[-1].removesuffix(".csv"))
+            plan = from_torch_csv(text, name=args.import_torch_csv.rsplit("/", 1)[-1].removesuffix(".csv"),
+                                  limits=PlanLimits(**PLAN_FILE_LIMITS))
             programs = compile_plan(plan)
         except InputFileError as err:
             ap.error(f"--import-torch-csv {err}")

@@ -409,13 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(err))
     plans = []
     for path in args.torch_csv or []:
-        from braid.core.torch_format import TorchFormatError, from_torch_csv
+        from braid.core.torch_format import PlanLimits, TorchFormatError, from_torch_csv
         from braid.core.compiler import ScheduleError, compile_plan
         from braid.io.inputs import InputFileError, read_text
-        from braid.io.limits import TORCH_CSV
+        from braid.io.limits import PLAN_FILE_LIMITS, TORCH_CSV
 
         try:
-            plan = from_torch_csv(read_text(path, "torch schedule CSV", TORCH_CSV), name=path.rsplit("/", 1)[-1].removesuffix(".csv"))
+            plan = from_torch_csv(read_text(path, "torch schedule CSV", TORCH_CSV), name=path.rsplit("/", 1)[-1].removesuffix(".csv"),
+                                  limits=PlanLimits(**PLAN_FILE_LIMITS))
             compile_plan(plan)  # a plan torch wrote that cannot run (deadlock, a missing op) is bad input too
         except InputFileError as err:
             ap.error(f"--torch-csv {err}")

@@ -27,9 +27,9 @@ from __future__ import annotations
 import csv
 import io
 import re
+from dataclasses import dataclass
 from typing import Sequence
 
-from braid.io.limits import COUNT_LIMITS, MAX_MBS, MAX_PM, MAX_PP
 
 from braid.core.ir import BRAIDABLE, Braided, Compute, ComputeInstr, OpKind, Placement, Plan, ScheduleConfig, rank_chunk_of
 
@@ -92,8 +92,19 @@ def _placement(stages_of: list[set[int]], p: int, num_stages: int) -> Placement:
         f"V placement (rank r holds stages r and 2p-1-r): {[sorted(s) for s in stages_of]}")
 
 
-def from_torch_rows(rows: Sequence[Sequence[str]], name: str = "torch") -> Plan:
-    """A braid plan from torch compute-only action rows (one per rank; empty cells are idle steps)."""
+@dataclass(frozen=True, slots=True)
+class PlanLimits:
+    """The largest plan a schedule file may describe (the command lines pass braid.io.limits' values)."""
+
+    ranks: int
+    micro_batches: int
+    product: int  # ranks x micro-batches: the programs grow as their product
+    stages_per_rank: int
+
+
+def from_torch_rows(rows: Sequence[Sequence[str]], name: str = "torch", limits: PlanLimits | None = None) -> Plan:
+    """A braid plan from torch compute-only action rows (one per rank; empty cells are idle steps), within
+    ``limits`` when given."""
     p = len(rows)
     if p == 0:
         raise TorchFormatError("the schedule has no rows (one row per pipeline rank expected)")
@@ -117,11 +128,11 @@ def from_torch_rows(rows: Sequence[Sequence[str]], name: str = "torch") -> Plan:
         raise TorchFormatError("the schedule has no compute actions")
     num_stages = max(s for s, _, _ in acts) + 1
     m = max(mb for _, _, mb in acts) + 1
-    if m > MAX_MBS or p * m > MAX_PM:
-        raise TorchFormatError(f"{p} ranks x {m:,} micro-batches: at most {MAX_MBS:,} micro-batches and {MAX_PM:,} in "
-                               "product (the programs grow as their product)")
-    if num_stages > COUNT_LIMITS["chunks"] * p:
-        raise TorchFormatError(f"stage {num_stages - 1:,} on {p} ranks: at most {COUNT_LIMITS['chunks']} stages per rank")
+    if limits is not None and (m > limits.micro_batches or p * m > limits.product):
+        raise TorchFormatError(f"{p} ranks x {m:,} micro-batches: at most {limits.micro_batches:,} micro-batches and "
+                               f"{limits.product:,} in product (the programs grow as their product)")
+    if limits is not None and num_stages > limits.stages_per_rank * p:
+        raise TorchFormatError(f"stage {num_stages - 1:,} on {p} ranks: at most {limits.stages_per_rank} stages per rank")
     if num_stages % p:
         raise TorchFormatError(f"{num_stages} stages do not divide over {p} ranks")
     stages_of = [{s for step in steps for s, _, _ in step} for steps in parsed]
@@ -145,10 +156,11 @@ def from_torch_rows(rows: Sequence[Sequence[str]], name: str = "torch") -> Plan:
     return Plan(name, cfg, placement, tuple(tuple(r) for r in ranks))
 
 
-def from_torch_csv(text: str, name: str = "torch") -> Plan:
-    """A braid plan from the text of a torch compute-only schedule CSV (at most :data:`braid.io.limits.MAX_PP`
-    rows, counted before they are parsed)."""
-    rows = len(text.splitlines()) if text.count("\n") <= MAX_PP + 1 else text.count("\n")
-    if rows > MAX_PP:
-        raise TorchFormatError(f"{rows:,} rows: at most {MAX_PP} (one row per pipeline rank)")
-    return from_torch_rows(list(csv.reader(io.StringIO(text))), name=name)
+def from_torch_csv(text: str, name: str = "torch", limits: PlanLimits | None = None) -> Plan:
+    """A braid plan from the text of a torch compute-only schedule CSV; with ``limits``, at most
+    ``limits.ranks`` rows, counted before they are parsed."""
+    if limits is not None:
+        rows = len(text.splitlines()) if text.count("\n") <= limits.ranks + 1 else text.count("\n")
+        if rows > limits.ranks:
+            raise TorchFormatError(f"{rows:,} rows: at most {limits.ranks} (one row per pipeline rank)")
+    return from_torch_rows(list(csv.reader(io.StringIO(text))), name=name, limits=limits)

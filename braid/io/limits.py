@@ -58,6 +58,9 @@ COUNT_LIMITS: dict[str, int] = {
     "steps": 100_000_000, "warmup": 100_000_000, "save_every": 100_000_000, "keep_checkpoints": 100_000,
     "iters": 1_000_000, "rounds": 100_000,
 }
+# The largest plan a schedule file may describe (the fields of braid.core.torch_format.PlanLimits), from the above.
+PLAN_FILE_LIMITS = {"ranks": MAX_PP, "micro_batches": MAX_MBS, "product": MAX_PM,
+                    "stages_per_rank": COUNT_LIMITS["chunks"]}
 MAX_LAYERS = 1024
 MAX_TIMEOUT_S = 86_400  # a communication timeout (s): a day
 SHAPE_LIMITS: dict[str, int] = {

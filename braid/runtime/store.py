@@ -215,9 +215,9 @@ def _missing(joined: Joined, timeout_s: float, since: float) -> tuple[str, list[
     within ``timeout_s``), or None (wait on)."""
     from braid.runtime.liveness import ALIVE_PREFIX, closed
 
-    store, attempt = joined.store, attempt()
-    waiting = [r for r in range(joined.world_size) if r != joined.rank and not store.check([f"{ARRIVED_PREFIX}{attempt}{r}"])]
-    never = [r for r in waiting if not store.check([f"{JOINED_PREFIX}{attempt}{r}"])]
+    store, prefix = joined.store, attempt()
+    waiting = [r for r in range(joined.world_size) if r != joined.rank and not store.check([f"{ARRIVED_PREFIX}{prefix}{r}"])]
+    never = [r for r in waiting if not store.check([f"{JOINED_PREFIX}{prefix}{r}"])]
     addrs = {r: store.get(f"{ALIVE_PREFIX}{r}").decode() for r in waiting
              if r not in never and store.check([f"{ALIVE_PREFIX}{r}"])}
     gone = closed(addrs, _ASK_WITHIN_S)
