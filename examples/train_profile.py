@@ -20,9 +20,7 @@ launch and is not slowed.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -90,15 +88,10 @@ class StepProfiler:
         self.result = self._read(prof, wall)
 
     def _read(self, prof: Any, wall: float) -> RankProfile:
-        from braid.measure.device_busy import compute_intervals, idle_split, top_kernels, union_length
+        from braid.measure.device_busy import compute_intervals, idle_split, top_kernels, trace_events, union_length
 
         self.out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(path))
-            text = path.read_text()
-        (self.out / f"rank{self.rank}.json.gz").write_bytes(gzip.compress(text.encode()))
-        events = json.loads(text).get("traceEvents", [])
+        events = trace_events(prof, keep=self.out / f"rank{self.rank}.json.gz")
         data = sum(self.data_times) / max(1, len(self.data_times))
         res = RankProfile(self.rank, wall, data)
         if self.device.type == "cuda":

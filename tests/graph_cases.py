@@ -56,6 +56,22 @@ def _first_difference(a: dict, b: dict) -> str | None:
     return None
 
 
+def _check_step(at: str, res_e, res_g, eager: tuple[dict, torch.optim.Optimizer], graphed: tuple[dict, torch.optim.Optimizer]) -> None:
+    """One step of the eager and the graphed copy: the same loss and gradients, then (after each copy's
+    optimizer step) the same parameters, bitwise; ``at`` names the step in the message."""
+    (params_e, opt_e), (params_g, opt_g) = eager, graphed
+    le, lg = res_e.loss_tensor, res_g.loss_tensor
+    assert (le is None) == (lg is None), f"{at}: loss on one side only"
+    if le is not None:
+        assert torch.equal(le, lg), f"{at}: loss eager {le.item()!r} graphed {lg.item()!r}"
+    diff = _first_difference({k: p.grad for k, p in params_e.items()}, {k: p.grad for k, p in params_g.items()})
+    assert diff is None, f"{at}: gradient {diff}"
+    opt_e.step()
+    opt_g.step()
+    diff = _first_difference({k: p.detach() for k, p in params_e.items()}, {k: p.detach() for k, p in params_g.items()})
+    assert diff is None, f"{at}: parameter after AdamW {diff}"
+
+
 def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict]], replays: int = 3,
                           compile: bool | None = False, stage_layers: dict[int, tuple[float, ...]] | None = None,
                           seq_shard: bool = False, cp: int = 1) -> list[dict]:
@@ -91,19 +107,9 @@ def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict
             opt_g.zero_grad(set_to_none=True)
             res_e = ex_e.run(toks, labs)
             res_g = runner.run(toks, labs)
-            what = runner.events[-1] if runner.events else "nothing"
-            at = f"{where} step {step} ({what})"
-            le, lg = res_e.loss_tensor, res_g.loss_tensor
-            assert (le is None) == (lg is None), f"{at}: loss on one side only"
-            if le is not None:
-                assert torch.equal(le, lg), f"{at}: loss eager {le.item()!r} graphed {lg.item()!r}"
+            at = f"{where} step {step} ({runner.events[-1] if runner.events else 'nothing'})"
             assert res_g.counts == res_e.counts, f"{at}: counts eager {res_e.counts} graphed {res_g.counts}"
-            diff = _first_difference({k: p.grad for k, p in params_e.items()}, {k: p.grad for k, p in params_g.items()})
-            assert diff is None, f"{at}: gradient {diff}"
-            opt_e.step()
-            opt_g.step()
-            diff = _first_difference({k: p.detach() for k, p in params_e.items()}, {k: p.detach() for k, p in params_g.items()})
-            assert diff is None, f"{at}: parameter after AdamW {diff}"
+            _check_step(at, res_e, res_g, (params_e, opt_e), (params_g, opt_g))
         assert runner.captured, f"{where}: never captured ({runner.events})"
         try:  # another micro-batch count is refused before anything is launched
             runner.run(toks[:-1], labs[:-1])
@@ -161,17 +167,8 @@ def vlm_graphed_matches_eager(ctx, schedule: str, pp: int, tp: int, m: int, kind
         opt_e.zero_grad(set_to_none=True)
         opt_g.zero_grad(set_to_none=True)
         res_e, res_g = ex_e.run(toks, labs), runner.run(toks, labs)
-        at = f"{where} step {step} ({runner.events[-1] if runner.events else 'nothing'})"
-        le, lg = res_e.loss_tensor, res_g.loss_tensor
-        assert (le is None) == (lg is None), f"{at}: loss on one side only"
-        if le is not None:
-            assert torch.equal(le, lg), f"{at}: loss eager {le.item()!r} graphed {lg.item()!r}"
-        diff = _first_difference({k: p.grad for k, p in params_e.items()}, {k: p.grad for k, p in params_g.items()})
-        assert diff is None, f"{at}: gradient {diff}"
-        opt_e.step()
-        opt_g.step()
-        diff = _first_difference({k: p.detach() for k, p in params_e.items()}, {k: p.detach() for k, p in params_g.items()})
-        assert diff is None, f"{at}: parameter after AdamW {diff}"
+        _check_step(f"{where} step {step} ({runner.events[-1] if runner.events else 'nothing'})", res_e, res_g,
+                    (params_e, opt_e), (params_g, opt_g))
     events = list(runner.events)
     assert runner.captures == 2, f"{where}: {runner.captures} captures ({events})"
     runner.release()

@@ -152,6 +152,17 @@ def after_mark(events: list[dict[str, Any]], mark: str = STEP_MARK, required: bo
     return [e for e in events if e.get("ph") != "X" or float(e.get("ts", t0)) >= t0]
 
 
+def trace_events(prof: Any, keep: str | Path | None = None) -> list[dict[str, Any]]:
+    """The chrome-trace events of a finished ``torch.profiler`` run; ``keep``: also write the trace there, gzipped."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        text = path.read_text()
+    if keep is not None:
+        Path(keep).write_bytes(gzip.compress(text.encode()))
+    return json.loads(text).get("traceEvents", [])
+
+
 def profile_step(fn: Callable[[], Any], device: torch.device, top: int = 0, keep: str | Path | None = None,
                  prologue: Callable[[], Any] | None = None) -> tuple[StepProfile, Any]:
     """Run ``fn`` once under ``torch.profiler`` (CUDA activity): ``device``'s :class:`StepProfile`
@@ -173,13 +184,7 @@ def profile_step(fn: Callable[[], Any], device: torch.device, top: int = 0, keep
         with record_function(STEP_MARK):
             res = fn()
             torch.cuda.synchronize(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        text = path.read_text()
-    if keep is not None:
-        Path(keep).write_bytes(gzip.compress(text.encode()))
-    events = after_mark(json.loads(text).get("traceEvents", []), required=prologue is not None)
+    events = after_mark(trace_events(prof, keep), required=prologue is not None)
     index = device.index if device.index is not None else torch.cuda.current_device()
     span, waiting, other = idle_split(events, index)
     busy = union_length(compute_intervals(events, index)) / 1e6

@@ -81,6 +81,11 @@ from braid.tp.layers import (
 _VISION = {"layers": "visual.blocks", "embed": "visual.patch_embed", "merger": "visual.merger", "text_embed": "lm.embed_tokens"}
 
 
+def _shapes(cfg: Qwen2VLConfig, tokens: Sequence) -> tuple[BatchShape, ...]:
+    """The micro-batches' shapes that a VLM chunk's step depends on (its ``batch_key``)."""
+    return batch_shapes(tokens, cfg.vit.patch, cfg.vit.merge, cfg.image_token_id)
+
+
 class VisionChunk(ModelChunk):
     """ViT stage: patch embedding, ``spec.layers`` ViT blocks, then the merge unit."""
 
@@ -118,7 +123,7 @@ class VisionChunk(ModelChunk):
 
     def batch_key(self, tokens: Sequence) -> tuple[BatchShape, ...]:
         """Each micro-batch's :class:`~braid.models.vlm_batch.BatchShape` (one host read of the step's ``input_ids``)."""
-        return batch_shapes(tokens, self.vit.patch, self.vit.merge, self.cfg.image_token_id)
+        return _shapes(self.cfg, tokens)
 
     def prepare_batch(self, tokens: Sequence) -> tuple[BatchShape, ...]:
         """The layouts and visual-token positions of these micro-batches, on this chunk's device (cached per shape)."""
@@ -231,7 +236,7 @@ class MRopeChunk(ModelChunk):
     graph_safe_batch = True
 
     def batch_key(self, tokens: Sequence) -> tuple[BatchShape, ...]:
-        return batch_shapes(tokens, self.cfg.vit.patch, self.cfg.vit.merge, self.cfg.image_token_id)
+        return _shapes(self.cfg, tokens)
 
     def prepare_batch(self, tokens: Sequence) -> tuple[BatchShape, ...]:
         """The M-RoPE positions of these micro-batches on this chunk's device (cached per shape)."""

@@ -20,7 +20,7 @@ the same reason; the examples' synthetic images all have one size, so one graph 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
+from typing import Callable, Generic, Hashable, Sequence, TypeVar
 
 import torch
 
@@ -139,11 +139,3 @@ class ShapeCache(Generic[T]):
     def __len__(self) -> int:
         return len(self._made)
 
-
-def to_device(tree: Any, device: torch.device) -> Any:
-    """Tensors of a tuple/list tree moved to ``device`` (everything else kept)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device)
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(to_device(t, device) for t in tree)
-    return tree
