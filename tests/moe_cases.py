@@ -66,7 +66,7 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
             res = ex.run(*data[c.dp])
             reduce_gradients_ep(params, groups, experts, ctx.dist.abort)
             if res.loss is not None and c.tp == 0:  # this rank's mean: the step's is the mean over DP ranks
-                loss = torch.as_tensor(res.loss, dtype=dtype).clone()
+                loss = torch.as_tensor(res.loss, dtype=dtype, device=dev).clone()  # NCCL reduces device tensors only
                 dist.all_reduce(loss, group=groups.dp)
                 ref.check_loss(loss / topo.dp, step, where)
             if step == 0:

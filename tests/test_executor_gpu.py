@@ -57,6 +57,7 @@ def test_offload_on_cuda_streams_gives_bitwise_braided_v(gpu_pools) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+@pytest.mark.timeout(2 * GPU_TEST_S)  # four ranks start slower: the pool's own limit must fire first and name them
 def test_chained_runs_on_a_side_stream_match_reference(gpu_pools) -> None:
     """PP=2 x TP=2 on NCCL: a Send/Recv run chained to a carried all-reduce is issued from the
     executor's side stream (:func:`braid.core.braiding.carries`); results equal the reference and

@@ -429,7 +429,7 @@ class Executor:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
                 work = self.tp_comm.reduce(out)
                 if follow is not None and self.chunks[op.chunk].follows(follow):  # sequence sharding
-                    work = self._follow(work, self.chunks[op.chunk], op.mb, follow)
+                    work = self._follow(work, self.chunks[op.chunk], op.mb, follow, out)
                 pending[member] = _Pending(work, e, op, unit, block, idx)
                 self.counts["AR"] += 1
 

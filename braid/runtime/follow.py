@@ -20,16 +20,20 @@ from braid.core.braiding import UnitTask
 
 class _Joined:
     """The work of an all-gather that a side stream started after a reduce-scatter: ``wait``
-    orders the current stream after both."""
+    orders the current stream after both. It holds the reduce-scatter's input (``keep``) until
+    then: that tensor was made on the caller's stream, which nothing yet orders after the
+    reduce-scatter (the side stream waited for it), so freed earlier its memory could be
+    handed to the caller's next tensors while the collective still reads it."""
 
-    __slots__ = ("work", "side")
+    __slots__ = ("work", "side", "keep")
 
-    def __init__(self, work: Any, side: Any) -> None:
-        self.work, self.side = work, side
+    def __init__(self, work: Any, side: Any, keep: Any) -> None:
+        self.work, self.side, self.keep = work, side, keep
 
     def wait(self, timeout: Any = None) -> bool:  # noqa: ARG002 - same signature as dist.Work.wait
         self.work.wait()
         torch.cuda.current_stream().wait_stream(self.side)
+        self.keep = None  # the caller's stream is now after the reduce-scatter
         return True
 
 
@@ -48,8 +52,9 @@ class Follower:
         self.device, self.wait = device, wait
         self._side: Any = None
 
-    def __call__(self, work: Any, chunk: Any, mb: int, task: UnitTask) -> Any:
-        """Start ``task``'s head on micro-batch ``mb`` of ``chunk`` after ``work``; returns its all-gather's work."""
+    def __call__(self, work: Any, chunk: Any, mb: int, task: UnitTask, keep: Any = None) -> Any:
+        """Start ``task``'s head on micro-batch ``mb`` of ``chunk`` after ``work`` (the reduce-scatter
+        of ``keep``, which is held until the head's all-gather is waited for); returns that gather's work."""
         if self.device.type != "cuda":
             self.wait(work)
             return chunk.follow(mb, task)[0]
@@ -63,4 +68,4 @@ class Follower:
         for t in touched:
             t.record_stream(cur)
             t.record_stream(side)
-        return _Joined(gather, side)
+        return _Joined(gather, side, keep)

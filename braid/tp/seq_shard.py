@@ -29,12 +29,14 @@ import torch.distributed as dist
 
 
 class Scatter(NamedTuple):
-    """A unit's request to reduce-scatter its output over the sequence: ``full`` (b, s, h),
-    partial over TP; ``out`` (b, s/t, h), this rank's tokens of the sum once the work ends
-    (the chunk already holds ``out`` as the unit's result, as it holds an all-reduced
-    tensor, which is reduced in place)."""
+    """A unit's request to reduce-scatter its output over the sequence: ``src`` (t, b, s/t, h), the
+    output (b, s, h, partial over TP) laid out by destination rank (the output itself for b == 1);
+    ``out`` (b, s/t, h), this rank's tokens of the sum once the work ends (the chunk already
+    holds ``out`` as the unit's result, as it holds an all-reduced tensor, which is reduced in
+    place). Whoever waits for the work on another stream than the one ``src`` was made on keeps
+    the request until the maker's stream is ordered after it (:mod:`braid.runtime.follow`)."""
 
-    full: torch.Tensor
+    src: torch.Tensor
     out: torch.Tensor
 
 
@@ -53,16 +55,14 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group: Any, async_
 def scatter_request(full: torch.Tensor, t: int) -> Scatter:
     """A :class:`Scatter` of ``full`` (b, s, h) with a new output buffer (b, s/t, h)."""
     b, s, *rest = full.shape
-    return Scatter(full, full.new_empty((b, s // t, *rest)))
+    src = full.reshape(b, t, s // t, *rest).transpose(0, 1).contiguous()  # (t, b, s/t, h): a view for b == 1
+    return Scatter(src, full.new_empty((b, s // t, *rest)))
 
 
 def reduce_scatter(req: Scatter, group: Any, async_op: bool = True) -> Any:
-    """Sum ``req.full`` over ``group`` and leave this rank's tokens in ``req.out``; the work handle
+    """Sum ``req.src`` over ``group`` and leave this rank's tokens in ``req.out``; the work handle
     (None when ``async_op`` is False)."""
-    t = dist.get_world_size(group)
-    b, s, *rest = req.full.shape
-    src = req.full.reshape(b, t, s // t, *rest).transpose(0, 1).contiguous()  # (t, b, s/t, h): a view for b == 1
-    return reduce_scatter_into(req.out.view(-1), src.view(-1), group, async_op)
+    return reduce_scatter_into(req.out.view(-1), req.src.view(-1), group, async_op)
 
 
 def gather_start(local: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
