@@ -304,3 +304,18 @@ def test_a_probe_out_of_device_memory_says_how_to_make_it_fit(monkeypatch) -> No
     cfg = ProfileConfig(Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64), (1, 1, 1, 1), seq=8, pp=2)
     with pytest.raises(RuntimeError, match=r"probe \(m=8.*--probe-mbs \(at least --pp 2\) or skip it with --no-calibrate"):
         runs._run_probe(None, BenchConfig(cfg), None, None, probe_plan(2, 8, 2), None)
+
+
+def test_cpu_bench_runs_sequence_sharding_when_asked() -> None:
+    """``--sequence-parallel`` reaches the measured runs, not only the profile: on CPU the measured
+    saved-activation peak equals the simulator's sequence-sharded prediction and is below the
+    same run's without sharding (each run's memory series is exact on CPU)."""
+    model = Qwen2Config(vocab_size=64, hidden=32, layers=1, heads=4, kv_heads=2, ffn=64)
+    peaks = {}
+    for shard in (False, True):
+        cfg = ProfileConfig(model, (1, 1), seq=8, tp=2, pp=1, iters=1, seq_shard=shard)
+        s = run_bench(BenchConfig(cfg, ("braided_v",), (2,), warmup=1, steps=1, rounds=1, peers=()))
+        (r,) = s["runs"]
+        assert r["peak_bytes"] == r["predicted_peak_bytes"], (shard, r["peak_bytes"], r["predicted_peak_bytes"])
+        peaks[shard] = max(r["peak_bytes"])
+    assert 0 < peaks[True] < peaks[False], peaks

@@ -86,7 +86,6 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
                   comm=None, busy_step: bool = False) -> dict[str, Any]:
     from braid import schedules
     from braid.core.compiler import compile_plan
-    from braid.models.build import build_rank_chunks
     from braid.runtime.executor import Executor
 
     pc = bc.profile
@@ -95,9 +94,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     if plan.num_stages != len(pc.layers_per_stage):
         raise ValueError(f"{plan.num_stages} virtual stages, but --chunks gives {len(pc.layers_per_stage)}")
     program = compile_plan(plan)[groups.coords.pp]
-    chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
-                               tp_size=pc.tp, tp_group=groups.tp if pc.tp > 1 else None)
-    chunks = {c: ch.to(dev) for c, ch in chunks.items()}
+    chunks = build_chunks(pc, groups, dev, plan=plan, model=model)  # as profiled: sequence sharding included
     from braid.measure.config import DTYPES
 
     kw = {} if comm is None else {"tp_comm": comm}
