@@ -23,3 +23,17 @@ def test_pipeline_and_tensor_parallel_times_expert_parallel(pools) -> None:
     assert pool.run(cases.ep_equivalence, 2, 2, [("1f1b", 3)], timeout_s=300) == [["1f1b m=3"]] * 4
     # tp=2 x (dp=2, ep=2): each TP rank's slice of the experts sharded over its expert-parallel group
     assert pool.run(cases.ep_equivalence, 1, 2, [("braided_v", 3)], None, 0.2, 2, timeout_s=300) == [["braided_v m=3"]] * 4
+
+
+BRAIDED = [("braided_v", 5), ("braided_v_lowmem", 5), ("braided_v_offload", 5), ("dualpipe_v", 5)]
+
+
+@pytest.mark.slow
+def test_braided_schedules_with_expert_parallelism(pools) -> None:
+    # every braided schedule (forward units of one micro-batch beside backward units of another,
+    # each MoE layer's dispatch and combine inside its MLP unit): dp=2 x ep=2 without pipelining,
+    # and pp=2 x (dp=2, ep=2)
+    want = [f"{n} m={m}" for n, m in BRAIDED]
+    assert pools(2).run(cases.ep_equivalence, 1, 2, BRAIDED, timeout_s=300) == [want] * 2
+    assert pools(4).run(cases.ep_equivalence, 2, 2, BRAIDED, timeout_s=300) == [want] * 4
+

@@ -21,15 +21,18 @@ The search, greedy with local improvement, evaluates every candidate plan with t
 simulator (compiled without re-validation; the engine still raises on any deadlock):
 
 1. the schedule with every block (``all``) and the schedule's own order without blocks
-   (``none``): the faster one is the start, so the result is never slower than either;
+   (``none``): the faster one is the start, so the result is never slower than either --
+   unless ``none`` holds more activation memory than ``all`` (below); a tie (within
+   rounding, :data:`REL_GAIN`) goes to the one with the lower activation peak;
 2. one decision for all blocks of one shape (member kinds and chunks, e.g. every F&BW
    block), each alternative tried in turn and kept where the step gets shorter;
 3. the same per (rank, shape), then per block, while the evaluation budget lasts.
 
 A change is kept only if the step gets shorter and the worst rank's activation peak stays
-at most the start's (splitting a block moves its members' allocations apart, and the
-schedules' peaks -- 3p M_a for braided_v, less for its memory-saving variants -- are part
-of what they promise).
+at most the all-blocks plan's, the schedule as designed (splitting a block moves its
+members' allocations apart, and the schedules' peaks -- 3p M_a for braided_v, less for its
+memory-saving variants -- are part of what they promise); ``none`` is the start only under
+the same guard.
 
 Long runs (``p * m >= COARSE_PM``, where one simulation costs most of a second) only
 compare ``all`` with ``none``, on the schedule's shortest steady-state run (``steady_m * p``
@@ -131,12 +134,24 @@ def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec, full:
     k = p if spec.m_step == "p" else 1
     short = max(spec.steady_m, spec.min_m) * p  # the shortest run in steady state (a shorter one misleads: see above)
     short = min(m, short + (m - short) % k)
-    steps = {mode: simulate_schedule(name, p, short, costs, tuple(sorted({**opts, "braid": mode}.items()))).report.step_time_s
-             for mode in ("all", "none")}
-    mode = "none" if steps["none"] < steps["all"] else "all"
+    reps = {mode: simulate_schedule(name, p, short, costs, tuple(sorted({**opts, "braid": mode}.items()))).report
+            for mode in ("all", "none")}
+    steps = {mode: rep.step_time_s for mode, rep in reps.items()}
+    peaks = {mode: max(r.peak_activation_bytes for r in rep.ranks) for mode, rep in reps.items()}
+    mode = "none" if _better(steps["none"], peaks["none"], steps["all"], peaks["all"]) else "all"
     plan = full if mode == "all" else schedules.build(name, p, m, **opts, braid="none")
     n = count_blocks(full)
     return BraidChoice(plan, None, n, n if mode == "all" else 0, 0, 0, 2, steps["all"], steps["none"], short)
+
+
+def _better(t_none: float, m_none: int, t_all: float, m_all: int) -> bool:
+    """Whether the order without blocks beats every block: no more activation memory and a
+    shorter step, or within rounding (:data:`REL_GAIN`) the same step and less memory."""
+    if m_none > m_all:
+        return False
+    if abs(t_none - t_all) <= REL_GAIN * t_all:
+        return m_none < m_all
+    return t_none < t_all
 
 
 class _Search:
@@ -182,8 +197,10 @@ class _Search:
         state_all = {blk: BRAID for blk in self.blocks}
         state_none = dict(self.plain)
         (t_all, m_all), (t_none, m_none) = self.step(state_all), self.step(state_none)
-        # the faster of the two, exactly (the guarantee); later changes must gain more than rounding
-        state, best, cap = (state_none, t_none, m_none) if t_none < t_all else (state_all, t_all, m_all)
+        # the start: the faster of the two within the all-blocks plan's activation peak, a tie the
+        # lower peak; every later change must gain more than rounding and stay within that peak
+        cap = m_all
+        state, best = (state_none, t_none) if _better(t_none, m_none, t_all, m_all) else (state_all, t_all)
         budget = self.evals + self.max_evals
         for group in (self._by_shape, self._by_rank_shape, self._each):
             for members in group():
