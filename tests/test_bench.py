@@ -181,6 +181,7 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
         assert r["peak_bytes"] == r["predicted_peak_bytes"] and min(r["peak_bytes"]) > 0
         # CPU time of the launching thread per step; on CPU the step runs eager (no CUDA graph)
         assert 0 < r["host_s"] and r["cuda_graph"] == "none" and r["graph_pool_bytes"] == [None, None]
+        assert r["reserved_peak_bytes"] == [None, None]  # the caching allocator's: CUDA only
         sim, meas = s["_traces"][f"{r['schedule']}_m4"]
         assert sim.meta["source"] == "simulated" and meas.meta["source"] == "measured"
         assert {e.rank for e in meas.events} == {0, 1}

@@ -58,6 +58,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
                          "host_s": _host_s(ranks), "cuda_graph": ranks[0].get("cuda_graph"),
                          "graph_pool_bytes": [rk.get("graph_pool_bytes") for rk in ranks],
+                         "reserved_peak_bytes": [rk.get("reserved") for rk in ranks],  # per rank, absolute (CUDA)
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None),
                          "braided_blocks": ranks[0].get("braided_blocks"),
                          # where its time went: the epoch seconds of each round's measured steps (rank 0),
@@ -84,6 +85,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         ext.append({"schedule": e["schedule"], "peer": e.get("peer"), "mode": e.get("mode"), "m": e["m"], "step_s": step_s,
                     "step_s_rounds": rounds,
                     "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks,
+                    "reserved_peak_bytes": [x.get("reserved") for x in rk],
                     "host_s": _host_s(rk), "compute_s": _per_rank(rk, "compute_s"),
                     "compute_kernels": _per_rank(rk, "compute_kernels")})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),

@@ -46,16 +46,21 @@ def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[torch.Tens
 
 
 def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None = None,
-                 on_result=None, warmup: int | None = None, wall: list[float] | None = None
-                 ) -> tuple[list[float], int, Any, list[float]]:
+                 on_result=None, warmup: int | None = None, wall: list[float] | None = None,
+                 peak_from: int | None = None) -> tuple[list[float], int, Any, list[float], int]:
     """Warm-up then measured steps (``steps``, default ``bc.steps``); returns (per-step seconds,
     peak bytes above the pre-step baseline, last result, per-step CPU seconds of this thread
-    launching the step). ``on_result`` sees each measured step's result; ``wall`` gets the
-    epoch seconds at the start and the end of the measured steps (to line them up with a
-    clock or power log taken beside the job)."""
-    times, peak, res, host = [], 0, None, []
+    launching the step, the allocator's reserved peak). ``on_result`` sees each measured step's
+    result; ``wall`` gets the epoch seconds at the start and the end of the measured steps (to
+    line them up with a clock or power log taken beside the job). The peaks count the steps from
+    index ``peak_from`` (default: the measured ones): a step captured into a CUDA graph during the
+    warm-up allocates there what its replays reuse, so a graphed peer counts from its second step
+    (its first allocates the gradients every later step keeps). The reserved peak is absolute:
+    what the caching allocator held from the device at most (what runs out first)."""
+    times, peak, reserved, res, host = [], 0, 0, None, []
     steps = bc.steps if steps is None else steps
     warmup = bc.warmup if warmup is None else warmup
+    peak_from = warmup if peak_from is None else min(peak_from, warmup + steps - 1)
     for i in range(warmup + steps):
         _sync(dev)
         dist.barrier()
@@ -75,11 +80,12 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None
             host.append(h)
             if on_result is not None:
                 on_result(res)
-            if dev.type == "cuda":
-                peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
+        if i >= peak_from and dev.type == "cuda":
+            peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
+            reserved = max(reserved, torch.cuda.max_memory_reserved(dev))
     if wall is not None:
         wall.append(time.time())
-    return times, peak, res, host
+    return times, peak, res, host, reserved
 
 
 def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
@@ -114,8 +120,9 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         return graph.run(toks, labs, record=record)
 
     wall: list[float] = []
-    times, peak, _, host = _timed_steps(bc, dev, step, steps, warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None,
-                                        wall=wall)
+    times, peak, _, host, reserved = _timed_steps(bc, dev, step, steps,
+                                                  warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None,
+                                                  wall=wall)
     mem = graph.memory()
     if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took
         peak = mem["capture_peak_bytes"] or 0
@@ -138,7 +145,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
     keep = groups.coords.tp == 0
-    return {"times": times, "peak": peak, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
+    return {"times": times, "peak": peak, "reserved": reserved if dev.type == "cuda" else None, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
             "chunk_busy": chunk_busy if keep else None, "wall": wall,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
             "braided_blocks": count_blocks(plan), "compute_s": compute_s, "compute_kernels": kernels}
@@ -178,10 +185,12 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
             mod.zero_grad(set_to_none=False)
         return pipe.step((x,), y)
 
-    times, peak, _, host = _timed_steps(bc, dev, step)
+    times, peak, _, host, reserved = _timed_steps(bc, dev, step, peak_from=1)  # megatron-core graphed: captured in step 2
     compute_s, kernels = _compute_step(dev, step) if busy_step else (None, None)
     pipe.close()
-    return {"times": times, "peak": peak if dev.type == "cuda" else None, "host": host, "compute_s": compute_s,
+    cuda = dev.type == "cuda"
+    return {"times": times, "peak": peak if cuda else None, "reserved": reserved if cuda else None, "host": host,
+            "compute_s": compute_s,
             "compute_kernels": kernels}
 
 
