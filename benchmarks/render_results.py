@@ -81,7 +81,8 @@ def bench_steps(*files: str) -> list[str]:
 
 
 def _layout(cfg: dict[str, Any]) -> str:
-    return f"tp={cfg['tp']} x pp={cfg['pp']}, layers/stage {','.join(map(str, cfg['layers_per_stage']))}"
+    sp = ", sequence-parallel" if cfg.get("seq_shard") else ""
+    return f"tp={cfg['tp']} x pp={cfg['pp']}{sp}, layers/stage {','.join(map(str, cfg['layers_per_stage']))}"
 
 
 def bench_headlines() -> list[str]:
