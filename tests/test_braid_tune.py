@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from braid import schedules
-from braid.planner.braid_tune import count_blocks, tune_braiding
+from braid.planner.braid_tune import REL_GAIN, count_blocks, tune_braiding
 from braid.core.braiding import ChunkSpec, carries, steps
 from braid.core.compiler import compile_plan
 from braid.cost.costs import Layout, costs_from_dict, uniform_costs
@@ -114,12 +114,14 @@ def test_auto_is_never_slower_than_the_schedule_without_blocks(name, p, extra, t
     got = _step(choice.plan, costs)
     assert got == choice.result.report.step_time_s
     full, plain = schedules.build(name, p, m), schedules.build(name, p, m, braid="none")
-    assert got <= _step(full, costs)
     # never slower than the order without blocks, unless that order holds more activation memory
-    # than the schedule as designed; and never more memory than that
+    # than the schedule as designed; and never more memory than that. Within rounding a tie
+    # goes to the lower activation peak (REL_GAIN of the step).
+    tie = 1 + REL_GAIN
+    assert got <= _step(full, costs) * tie
     assert _peak(choice.plan, costs) <= _peak(full, costs)
     if _peak(plain, costs) <= _peak(full, costs):
-        assert got <= _step(plain, costs)
+        assert got <= _step(plain, costs) * tie
 
 
 def test_a_tie_in_step_time_goes_to_the_lower_activation_peak() -> None:

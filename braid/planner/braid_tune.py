@@ -146,11 +146,11 @@ def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec, full:
 
 def _better(t_none: float, m_none: int, t_all: float, m_all: int) -> bool:
     """Whether the order without blocks beats every block: no more activation memory and a
-    shorter step, or within rounding (:data:`REL_GAIN`) the same step and less memory."""
+    shorter step, where within rounding (:data:`REL_GAIN`) the lower peak counts first."""
     if m_none > m_all:
         return False
-    if abs(t_none - t_all) <= REL_GAIN * t_all:
-        return m_none < m_all
+    if m_none < m_all and abs(t_none - t_all) <= REL_GAIN * t_all:
+        return True
     return t_none < t_all
 
 
