@@ -17,6 +17,10 @@ Peak memory: on GPU the allocator's peak during the step minus what was allocate
 it; on CPU the largest live saved-activation bytes at instruction ends (the executor's
 memory series), compared with the simulated series sampled at the same points.
 
+``--memory-snapshot FILE`` (CUDA) records one more step of the first run under the caching
+allocator's history: torch's snapshot file per rank, and the blocks live at the step's peak by
+term (model unit, runtime, optimizer; :mod:`braid.measure.snapshot`).
+
 ``--capture FILE`` stores the measurements with the profile they are predicted from
 (``tests/test_accuracy.py`` re-predicts every stored set in CI). Examples::
 

@@ -26,9 +26,12 @@ def _fr(path: str, line: int, name: str) -> dict:
 
 # Innermost frame first, as torch records them.
 QKV = [_fr(f"{TORCH}/nn/functional.py", 10, "linear"), _fr(f"{MODELS}/qwen2.py", 266, "project_qkv"),
-       _fr(f"{MODELS}/qwen2.py", 262, "qkv"), _fr(f"{MODELS}/chunk.py", 393, "_forward"), _fr(f"{RUNTIME}/executor.py", 420, "_run_steps")]
-LOSS = [_fr(f"{MODELS}/chunk.py", 362, "_loss"), _fr(f"{MODELS}/chunk.py", 390, "_forward"), _fr(f"{RUNTIME}/executor.py", 420, "_run_steps")]
-RECV = [_fr(f"{TORCH}/functional.py", 5, "empty"), _fr(f"{RUNTIME}/p2p.py", 77, "recv_buffer"), _fr(f"{RUNTIME}/executor.py", 300, "run")]
+       _fr(f"{MODELS}/qwen2.py", 262, "qkv"), _fr(f"{MODELS}/chunk.py", 393, "_forward"),
+       _fr(f"{RUNTIME}/executor.py", 420, "_run_steps")]
+LOSS = [_fr(f"{MODELS}/chunk.py", 362, "_loss"), _fr(f"{MODELS}/chunk.py", 390, "_forward"),
+        _fr(f"{RUNTIME}/executor.py", 420, "_run_steps")]
+RECV = [_fr(f"{TORCH}/functional.py", 5, "empty"), _fr(f"{RUNTIME}/p2p.py", 77, "recv_buffer"),
+        _fr(f"{RUNTIME}/executor.py", 300, "run")]
 SCRIPT = [_fr(f"{TORCH}/nn/functional.py", 10, "linear"), _fr("/opt/jobs/my_script.py", 12, "main")]
 
 
@@ -137,16 +140,39 @@ def test_bench_refuses_a_memory_snapshot_on_cpu(tmp_path, capsys) -> None:
     assert not list(tmp_path.iterdir())
 
 
-def test_the_training_script_refuses_a_memory_snapshot_on_cpu(tmp_path, monkeypatch, capsys) -> None:
+@pytest.fixture
+def train(monkeypatch):
+    """``examples/qwen2.py``'s main in this process, as one process."""
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     import qwen2
     import train_loop
 
-    code = train_loop.main(qwen2.TASK, ["--device", "cpu", "--steps", "1", "--memory-snapshot", str(tmp_path / "s.pickle")])
+    return lambda argv: train_loop.main(qwen2.TASK, argv)
+
+
+def test_the_training_script_refuses_a_memory_snapshot_on_cpu(tmp_path, train, capsys) -> None:
+    code = train(["--device", "cpu", "--steps", "1", "--memory-snapshot", str(tmp_path / "s.pickle")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--memory-snapshot records the CUDA caching allocator" in err[0], err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--steps", "2", "--profile-step", "3"],
+     "--profile-step must be a step of the run (1..--steps=2) and needs --profile DIR or --memory-snapshot"),
+    (["--schedule", "braided_v", "zb_v"], "--memory-snapshot take one --schedule"),
+    (["--metrics", "SNAP"], "is also an input"),  # two outputs of one name
+])
+def test_the_training_script_checks_memory_snapshot_combinations_first(tmp_path, train, capsys, monkeypatch, flags,
+                                                                       fragment) -> None:
+    """As on a CUDA machine (the device is only asked whether it exists): one line, exit 2, before any work."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    snap = str(tmp_path / "s.pickle")
+    code = train(["--device", "cuda", "--memory-snapshot", snap, *[snap if f == "SNAP" else f for f in flags]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and fragment in err[0], err
     assert not list(tmp_path.iterdir())
 
 

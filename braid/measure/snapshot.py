@@ -13,13 +13,13 @@ Where a block is charged (:data:`PLACES`, then the rules below it): the innermos
 allocation's stack that lies in one of braid's places names it -- for the model (``braid/models``)
 the function and line, with the unit the function belongs to where its name says so
 (:data:`UNIT_OF_FUNCTION`); the runtime (``braid/runtime``: receive buffers, the gradients
-sent, offload reloads); the optimizer (``braid/training``, ``torch/optim``). A block with no
-Python frame was allocated on autograd's backward threads (a backward op: the engine runs
-CUDA nodes on a thread of its own, and its Python stack is empty). A block allocated before
-the recording began is named by the tensor it holds where the caller said (weights, gradients,
-optimizer state: ``labels``), else by its pool (a CUDA graph's private pool) or as allocated
-before the step. Anything else is named by its innermost frame outside torch and the
-standard library.
+sent, offload reloads); the optimizer (``braid/training``, ``torch/optim``). Before those
+rules, a block still live when the step ends is named by the tensor it holds where the caller
+said (``labels``: weights, gradients, optimizer state). A block with no Python frame was
+allocated on autograd's backward threads (a backward op: the engine runs CUDA nodes on a
+thread of its own, whose Python stack is empty). A block allocated before the recording began
+is named by its pool (a CUDA graph's private pool) or as allocated before the step. Anything
+else is named by its innermost frame outside torch and the standard library.
 
 Which blocks a pipeline rank holds of which micro-batch and chunk is not in the stacks (one
 code path serves every chunk); the rows name the code that allocated them. Several ranks
@@ -29,7 +29,6 @@ prints the attribution of a saved snapshot.
 
 from __future__ import annotations
 
-import argparse
 import linecache
 import os
 import pickle
@@ -42,8 +41,8 @@ from typing import Any, Callable, Iterable, Sequence
 from braid.core.braiding import Unit
 from braid.io.cli import Parser, check_counts, run_main
 
-# A recorded step's alloc/free entries (several KB each with their stacks). A step of a
-# 7B-shaped pipeline rank takes a few thousand; a trace that reaches this many lost its start.
+# Alloc/free entries kept of the recorded step (several KB each with their stacks, torch says);
+# a trace that reaches this many may have lost its start, and its report says so.
 MAX_ENTRIES = 200_000
 TOP = 20
 
@@ -285,7 +284,7 @@ def _tensors_in(obj: Any, torch: Any, seen: set[int], depth: int) -> Iterable[An
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from _tensors_in(v, torch, seen, depth - 1)
-    elif isinstance(obj, (list, tuple, set)) or (hasattr(obj, "__iter__") and not hasattr(obj, "__dict__")):
+    elif isinstance(obj, (list, tuple, set, frozenset)):  # other iterables are not walked: iterating may consume them
         for v in obj:
             yield from _tensors_in(v, torch, seen, depth - 1)
     elif isinstance(obj, torch.nn.Module):
