@@ -99,6 +99,63 @@ def test_classify_names_other_code_by_its_innermost_frame_outside_torch() -> Non
     assert classify(QKV)[0] == "model"  # the model frame is inner to the executor's
 
 
+def test_record_step_records_one_step_and_stops_recording_even_when_it_fails(tmp_path, monkeypatch) -> None:
+    """The CUDA calls stood in for (this machine may have no GPU); the arguments are bound to torch's own
+    signature of ``_record_memory_history``, so a keyword this torch does not take fails here."""
+    import contextlib
+    import inspect
+
+    from braid.measure import snapshot as snapmod
+
+    mem = torch.cuda.memory
+    sig = inspect.signature(mem._record_memory_history)
+    calls: list[dict] = []
+
+    def record(*args, **kwargs):
+        calls.append(sig.bind(*args, **kwargs).arguments)
+
+    monkeypatch.setattr(mem, "_record_memory_history", record)
+    monkeypatch.setattr(mem, "_snapshot", lambda *a, **k: {k2: v for k2, v in _snapshot().items() if k2 != "braid_labels"})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    steps = []
+    f = tmp_path / "s.pickle"
+    att = snapmod.record_step(lambda: steps.append(1), f, "cuda:1", labels=lambda: {0x1000: "weights"})
+    assert steps == [1] and [c.get("enabled") for c in calls] == ["all", None]
+    assert calls[0]["stacks"] == "python" and calls[0]["clear_history"] is True
+    saved = pickle.loads(f.read_bytes())
+    assert saved["braid_labels"] == {0x1000: "weights"} and saved["device_traces"][1]
+    assert (att.device, att.peak_bytes) == (1, 2450)
+
+    def fails():
+        raise RuntimeError("out of memory")
+
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        snapmod.record_step(fails, tmp_path / "t.pickle", "cuda:1")
+    assert [c.get("enabled") for c in calls] == ["all", None] and not (tmp_path / "t.pickle").exists()
+    with pytest.raises(ValueError, match="not CUDA"):
+        snapmod.record_step(fails, tmp_path / "t.pickle", "cpu")
+
+
+def test_the_labels_find_an_optimizers_tensors_in_its_attributes_and_state() -> None:
+    from braid.measure.snapshot import _tensors_in
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([w])
+    w.grad = torch.ones(3)
+    opt.step()
+
+    class Wrapper:  # as an example loop's optimisation object holds a torch optimizer and buffers of its own
+        def __init__(self) -> None:
+            self.opt, self.master, self.names, self.model = opt, [torch.zeros(2)], "abc", torch.nn.Linear(2, 2)
+
+    held = Wrapper()
+    got = {id(t) for t in _tensors_in(held, torch, set(), 6)}
+    assert {id(opt.state[w]["exp_avg"]), id(opt.state[w]["exp_avg_sq"]), id(held.master[0])} <= got
+    assert not {id(p) for p in held.model.parameters()} & got  # modules are not walked
+
+
 def test_rank_path_names_one_file_per_rank() -> None:
     assert rank_path("out/snap.pickle", 0, 1) == Path("out/snap.pickle")
     assert rank_path("out/snap.pickle", 1, 2) == Path("out/snap.rank1.pickle")

@@ -268,7 +268,7 @@ def tensor_labels(**groups: Any) -> dict[int, str]:
 
     out: dict[int, str] = {}
     for name, group in groups.items():
-        for t in _tensors_in(group, torch, set(), 4):
+        for t in _tensors_in(group, torch, set(), 6):  # deep enough for a wrapper's optimizer's param_groups
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
                 out.setdefault(t.untyped_storage().data_ptr(), name.replace("_", " "))
