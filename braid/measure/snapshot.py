@@ -55,7 +55,7 @@ PLACES: tuple[tuple[str, str], ...] = (
     ("optimizer", "braid/training/"),
     ("optimizer", "torch/optim/"),
 )
-STATE = "state"  # a tensor the caller named (weights, gradients, optimizer state), live through the step
+STATE = "state"  # a tensor the caller named (weights, gradients, optimizer state), still live when the step ends
 BEFORE = "before"  # allocated before the recording began, unnamed: its CUDA graph pool, or just that
 BEFORE_STEP, GRAPH_POOL = "allocated before the step", "CUDA graph pool"
 BACKWARD = "backward"  # no Python frame: allocated on autograd's backward threads
