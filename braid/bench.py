@@ -17,6 +17,10 @@ Peak memory: on GPU the allocator's peak during the step minus what was allocate
 it; on CPU the largest live saved-activation bytes at instruction ends (the executor's
 memory series), compared with the simulated series sampled at the same points.
 
+``--memory-snapshot FILE`` (CUDA) records one more step of the first run under the caching
+allocator's history: torch's snapshot file per rank, and the blocks live at the step's peak by
+term (model unit, runtime, optimizer; :mod:`braid.measure.snapshot`).
+
 ``--capture FILE`` stores the measurements with the profile they are predicted from
 (``tests/test_accuracy.py`` re-predicts every stored set in CI). Examples::
 
@@ -87,6 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="profile one more step of every run and baseline in the first round (CUDA): each rank's "
                          "compute time, NCCL kernels and copies left out, and from it the most any schedule of this "
                          "partition and these kernels could gain over the best baseline")
+    ap.add_argument("--memory-snapshot", metavar="FILE",
+                    help="after the first run's timed steps, record one more step (eager) under the CUDA allocator's "
+                         "history: torch's snapshot pickle per rank (FILE with one rank, else FILE.rank<r>.pickle; "
+                         "pytorch.org/memory_viz opens it), and print the blocks live at its peak by term (model unit, "
+                         "runtime, optimizer; python -m braid.measure.snapshot FILE prints it again). Narrow --schedule "
+                         "and --mbs to pick the run; CUDA only")
     add_peer_args(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -113,13 +123,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"--cuda-graph step: {why}; use --cuda-graph none")
     if args.compute_busy and pc.device != "cuda":
         ap.error("--compute-busy reads the CUDA profiler; it needs --device cuda")
+    if args.memory_snapshot and pc.device != "cuda":
+        ap.error("--memory-snapshot records the CUDA caching allocator's history; it needs --device cuda")
     check_plan_size(ap, pc.pp, max([*args.mbs, args.probe_mbs or 0]))
-    check_outputs(ap, [("--json", args.json), ("--capture", args.capture)], inputs=[args.costs] if args.costs else [])
+    check_outputs(ap, [("--json", args.json), ("--capture", args.capture), ("--memory-snapshot", args.memory_snapshot)],
+                  inputs=[args.costs] if args.costs else [])
     check_output_dir(ap, "--trace-dir", args.trace_dir)
     bc = BenchConfig(pc, tuple(args.schedule), tuple(args.mbs), args.warmup, args.steps, None, not args.no_external,
                      not args.no_calibrate, args.rounds, args.cuda_graph, peers=peers,
                      partial_json=str(Path(args.json).resolve()) if args.json else None, probe_mbs=args.probe_mbs,
-                     compute_busy=args.compute_busy)
+                     compute_busy=args.compute_busy, memory_snapshot=args.memory_snapshot)
     runs, skipped = planned_runs(bc)
     if not runs:
         ap.error(f"no run fits this layout: {skipped[0]}" + (f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""))
@@ -144,6 +157,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# {args.model or args.preset or 'tiny'}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
           f"seq={pc.seq}{' sequence-parallel' if pc.seq_shard else ''} on {summary['device']} ({pc.dtype})")
     print(format_report(summary))
+    shot = summary.get("memory_snapshot")
+    if shot:
+        from braid.measure.snapshot import format_attribution
+
+        for att in shot["ranks"]:
+            print("\n".join(format_attribution(att, f"memory snapshot, {shot['schedule']} m={shot['m']}, rank "
+                                                     f"{att['rank']} ({att['file']})")))
     if args.json:
         atomic_write_text(args.json, json.dumps(summary, indent=1))
     if args.trace_dir:

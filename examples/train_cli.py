@@ -170,8 +170,13 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     out.add_argument("--profile", metavar="DIR", help="profile one step under torch.profiler: per rank the device's busy, "
                      "waiting and idle time, the host's, the data loader's share, host synchronisations, top operators "
                      "(DIR/profile.txt, DIR/profile.json, DIR/rank{r}.json.gz chrome traces)")
-    out.add_argument("--profile-step", type=int, default=None, metavar="N",
-                     help="the step --profile profiles (1-based; default: the last, after any CUDA-graph warm-up)")
+    out.add_argument("--memory-snapshot", metavar="FILE", help="record the step --profile-step names (default: the last) "
+                     "under the CUDA allocator's history: torch's "
+                     "snapshot pickle per rank (FILE with one process, else FILE.rank<r>.pickle; pytorch.org/memory_viz) and "
+                     "the blocks live at its peak by term (model unit, runtime, optimizer), printed by rank 0. A replayed CUDA "
+                     "graph allocates nothing (its pool is one term): --cuda-graph none shows the units. CUDA only")
+    out.add_argument("--profile-step", type=int, default=None, metavar="N", help="the step --profile profiles and "
+                     "--memory-snapshot records (1-based; default: the last, after any CUDA-graph warm-up)")
     out.add_argument("--tensorboard", metavar="DIR", help="also write the per-step metrics as TensorBoard events (needs tensorboard)")
     out.add_argument("--wandb", metavar="PROJECT", help="also log the per-step metrics to Weights & Biases project PROJECT "
                                                         "(needs wandb; WANDB_MODE=offline keeps the run in ./wandb)")
@@ -275,6 +280,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         why = config_reason(dev, cp=args.cp, tp=args.tp)
         if why:
             raise UsageError(f"--cuda-graph step: {why}; use --cuda-graph none")
+    if args.memory_snapshot and (args.device == "cpu" or not torch.cuda.is_available()):
+        raise UsageError("--memory-snapshot records the CUDA caching allocator's history; it needs --device cuda")
     check_outputs(args)
     names = args.schedule
     valid = list(schedules.names()) + list(BASELINES)
@@ -290,8 +297,8 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
                 raise UsageError(f"--schedule {n}: megatron-core's GPT model is a decoder LM; use a torch_* baseline for a VLM")
     if len(set(names)) != len(names):
         raise UsageError(f"--schedule names a schedule twice: {' '.join(names)}")
-    if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf or args.profile):
-        raise UsageError("--save, --save-hf, --resume, --trace and --profile take one --schedule "
+    if len(names) > 1 and (args.save or args.resume or args.trace or args.save_hf or args.profile or args.memory_snapshot):
+        raise UsageError("--save, --save-hf, --resume, --trace, --profile and --memory-snapshot take one --schedule "
                          "(several schedules compare fresh runs)")
     if args.save_hf:
         check_new_dir("--save-hf", args.save_hf)
@@ -450,7 +457,7 @@ def check_outputs(args: argparse.Namespace) -> None:
     """Every output path can be written, checked before any work (files and the directories made later)."""
     from braid.io.files import OutputPathError, check_output_path
 
-    files = {"--metrics": args.metrics, "--trace": args.trace}
+    files = {"--metrics": args.metrics, "--trace": args.trace, "--memory-snapshot": args.memory_snapshot}
     if args.metrics:
         files["the metrics' run file"] = str(Path(args.metrics).with_suffix(".toml"))
     try:
@@ -459,9 +466,9 @@ def check_outputs(args: argparse.Namespace) -> None:
                 check_output_path(path, what=what, inputs=tuple(p for w, p in files.items() if p and w != what))
     except OutputPathError as err:
         raise UsageError(str(err)) from None
-    if args.profile_step is not None and not (args.profile and 1 <= args.profile_step <= args.steps):
-        raise UsageError(f"--profile-step must be a step of the run (1..--steps={args.steps}) and needs --profile DIR, "
-                         f"got {args.profile_step}")
+    if args.profile_step is not None and not ((args.profile or args.memory_snapshot) and 1 <= args.profile_step <= args.steps):
+        raise UsageError(f"--profile-step must be a step of the run (1..--steps={args.steps}) and needs --profile DIR or "
+                         f"--memory-snapshot FILE, got {args.profile_step}")
     for what, path in (("--save", args.save), ("--tensorboard", args.tensorboard), ("--profile", args.profile)):
         if path:
             check_output_dir(what, path)

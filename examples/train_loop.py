@@ -137,6 +137,11 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
         from train_profile import StepProfiler
 
         prof = StepProfiler(args.profile, args.profile_step or args.steps, device, setup.rank)
+    shot = None
+    if args.memory_snapshot:
+        from train_profile import StepSnapshot
+
+        shot = StepSnapshot(args.memory_snapshot, args.profile_step or args.steps, device, setup.rank, setup.world)
     data = Prefetcher(task, setup, source, c.dp, per_step, device, dtype)  # the next step's samples drawn beside this one
     try:
         while step < args.steps:
@@ -147,9 +152,10 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
                 torch.cuda.synchronize(device)
             lr = float(getattr(opt, "lr", args.lr))  # this step's learning rate (the schedule advances in the step)
             t0 = time.perf_counter()
+            one = lambda: train_step(runner, opt, toks, labs, traced=bool(args.trace) and step + 1 == args.steps,  # noqa: E731
+                                     step=step + 1, topo=topo, rank=setup.rank, device=device)
             with prof.step(step + 1) if prof is not None else contextlib.nullcontext():
-                out = train_step(runner, opt, toks, labs, traced=bool(args.trace) and step + 1 == args.steps, step=step + 1,
-                                 topo=topo, rank=setup.rank, device=device)
+                out = one() if shot is None else shot.run(step + 1, one, local_tensors(runner.params), opt)
             mem = out.mem
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -199,6 +205,10 @@ def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, sour
         with d.abort.collective():
             gather_and_write(prof, setup.world, f"{run.name} step {prof.at} of {args.steps}, tp={topo.tp} pp={topo.pp} "
                                                 f"dp={topo.dp} cp={topo.cp}, m={args.mbs}, {getattr(runner.graph, 'mode', 'torch')}")
+    if shot is not None:
+        with d.abort.collective():
+            shot.gather_and_print(setup.world, f"{run.name} step {shot.at} of {args.steps}, tp={topo.tp} pp={topo.pp} "
+                                               f"dp={topo.dp}, m={args.mbs}, {getattr(runner.graph, 'mode', 'torch')}")
     if args.trace and runner.res is not None:
         with d.abort.collective():
             write_trace(runner.res.trace, setup.rank, setup.world, args)

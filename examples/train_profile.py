@@ -12,6 +12,10 @@ timed every step), the host's synchronisations with the device (``cudaStreamSync
 and GPU kernels with the most time. A step whose device is idle while its host is busy is host-bound: the CPU
 table says on what.
 
+``--memory-snapshot FILE`` records the same step (``--profile-step``, default the last) under the
+CUDA allocator's history instead or as well (:class:`StepSnapshot`, :mod:`braid.measure.snapshot`):
+per rank torch's snapshot file, and on rank 0 every rank's blocks live at the step's peak, by term.
+
 The profiler's CPU activity adds a few microseconds to each launched operator, so an
 eager step profiled runs somewhat slower than unprofiled; a CUDA graph's replay is one
 launch and is not slowed.
@@ -151,3 +155,45 @@ def format_profiles(ranks: list[dict[str, Any]], note: str) -> str:
         if r["gpu_top"]:
             lines.append("  GPU kernels (ms, calls): " + "; ".join(f"{n[:60]} {t * 1e3:.1f} x{c}" for n, t, c in r["gpu_top"]))
     return "\n".join(lines) + "\n"
+
+
+class StepSnapshot:
+    """``--memory-snapshot FILE``: step ``at`` (1-based) runs under the CUDA allocator's history
+    (:func:`braid.measure.snapshot.record_step`); each rank writes its snapshot file and keeps the
+    attribution, and :meth:`gather_and_print` prints every rank's on rank 0. The blocks still live
+    after the step are named by the tensors they hold: weights, gradients, optimizer state."""
+
+    def __init__(self, path: str, at: int, device: torch.device, rank: int, world: int) -> None:
+        from braid.measure.snapshot import rank_path
+
+        self.path, self.at, self.device, self.rank = rank_path(path, rank, world), at, device, rank
+        self.result: dict[str, Any] | None = None
+
+    def run(self, step: int, fn: Callable[[], Any], params: list[torch.Tensor], opt: Any) -> Any:
+        """``fn()`` (the training step), recorded when ``step`` is the chosen one."""
+        if step != self.at:
+            return fn()
+        from braid.measure.snapshot import record_step, tensor_labels
+
+        got: list[Any] = []
+        grads = [g for p in params for g in (p.grad, getattr(p, "main_grad", None))]
+        att = record_step(lambda: got.append(fn()), self.path, self.device,
+                          lambda: tensor_labels(weights=params, gradients=grads, optimizer_state=opt))
+        self.result = {"file": str(self.path), "rank": self.rank, **asdict(att)}
+        return got[0]
+
+    def gather_and_print(self, world: int, note: str) -> None:
+        """Every rank's attribution to rank 0, which prints them (the ranks that recorded nothing send None)."""
+        import torch.distributed as dist
+
+        from braid.measure.snapshot import format_attribution
+
+        got: list[Any] | None = [None] * world if self.rank == 0 else None
+        if world > 1:
+            dist.gather_object(self.result, got, dst=0)
+        else:
+            got = [self.result]
+        if self.rank == 0:
+            for att in (g for g in got if g is not None):
+                print("\n".join(format_attribution(att, f"memory snapshot, {note}, rank {att['rank']} ({att['file']})")),
+                      flush=True)

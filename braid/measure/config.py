@@ -244,3 +244,4 @@ class BenchConfig:
     partial_json: str | None = None  # rank 0 writes the summary so far here after each round but the last
     probe_mbs: int | None = None  # the calibration probe's m (None: calibrate.probe_mbs's default)
     compute_busy: bool = False  # profile one more step per run and row in the first round: compute per rank (CUDA)
+    memory_snapshot: str | None = None  # the first run records one more step's allocator history here (braid.measure.snapshot)

@@ -95,7 +95,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
             "external": ext, "best_over_external": round_ratios(out_runs, ext), "ranking": ranking(out_runs),
             "best_per_peer": best_per_peer(out_runs, ext), "compute_bound": compute_bound(out_runs, ext),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "raw_profile": raw.get("raw_profile"),
-            "_traces": traces}
+            "memory_snapshot": raw.get("memory_snapshot"), "_traces": traces}
 
 
 def _chunk_busy(ranks: list[dict[str, Any]]) -> dict[str, float] | None:

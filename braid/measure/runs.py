@@ -89,7 +89,7 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None
 
 
 def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
-                  comm=None, busy_step: bool = False) -> dict[str, Any]:
+                  comm=None, busy_step: bool = False, snapshot: str | None = None) -> dict[str, Any]:
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.runtime.executor import Executor
@@ -144,11 +144,33 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         chunk_busy.append(busy_by_chunk(res.trace))
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
+    shot = _snapshot_step(d, ex, chunks, toks, labs, snapshot) if snapshot else None
     keep = groups.coords.tp == 0
     return {"times": times, "peak": peak, "reserved": reserved if dev.type == "cuda" else None, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
             "chunk_busy": chunk_busy if keep else None, "wall": wall,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
-            "braided_blocks": count_blocks(plan), "compute_s": compute_s, "compute_kernels": kernels}
+            "braided_blocks": count_blocks(plan), "compute_s": compute_s, "compute_kernels": kernels, "snapshot": shot}
+
+
+def _snapshot_step(d, ex, chunks: dict, toks, labs, path: str) -> dict[str, Any]:
+    """One more step of the run, eager (a graph replay allocates nothing), under the allocator's
+    history: this rank's snapshot file and its attribution (:mod:`braid.measure.snapshot`)."""
+    from dataclasses import asdict
+
+    from braid.measure.snapshot import rank_path, record_step, tensor_labels
+
+    params = [p for ch in chunks.values() for p in ch.parameters()]
+
+    def step():
+        for ch in chunks.values():
+            ch.zero_grad(set_to_none=False)
+        ex.run(toks, labs, record="off")
+
+    _sync(d.device)
+    dist.barrier()
+    out = rank_path(path, d.rank, dist.get_world_size())
+    att = record_step(step, out, d.device, lambda: tensor_labels(weights=params, gradients=[p.grad for p in params]))
+    return {"file": str(out), "rank": d.rank, **asdict(att)}
 
 
 COMPUTE_TOP_KERNELS = 30  # kernels kept per rank and run with --compute-busy (most time first)
@@ -253,6 +275,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     progress = Progress(bc.rounds * (len(jobs) + len(ext)), "bench", enabled=lead)
     external = []
     skip: set[tuple[str, int]] = set()  # runs that cannot run are tried in the first round only
+    snapshot, shots = bc.memory_snapshot, None  # the first run that runs records one more step (then None)
     for rnd in range(bc.rounds):
         tag = f" (round {rnd + 1}/{bc.rounds})" if bc.rounds > 1 else ""
         for name, m in jobs:
@@ -260,7 +283,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
                 progress.step(f"{name} m={m} skipped")
                 continue
             try:
-                out = _run_schedule(d, bc, groups, model, name, m, comm=comm, busy_step=bc.compute_busy and rnd == 0)
+                out = _run_schedule(d, bc, groups, model, name, m, comm=comm, busy_step=bc.compute_busy and rnd == 0,
+                                    snapshot=snapshot)
             except ValueError as err:
                 notes.append(f"skipped {name} m={m}: {err}")
                 skip.add((name, m))
@@ -269,6 +293,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             gathered = [None] * pc.world_size
             dist.all_gather_object(gathered, out)
             runs.append({"schedule": name, "m": m, "round": rnd, "ranks": gathered})
+            if snapshot:
+                shots = {"schedule": name, "m": m, "ranks": [rk.pop("snapshot") for rk in gathered]}
+                snapshot = None
             progress.step(f"{name} m={m}{tag}")
         for run, m in ext:
             if (run.label, m) in skip:
@@ -304,7 +331,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     if pc.tp > 1:
         notes.append(f"TP all-reduce backend: {comm.backend}"
                      + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
-    return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes} if lead else None
+    return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes,
+            "memory_snapshot": shots} if lead else None
 
 
 def _run_probe(d, bc: BenchConfig, groups, model, plan, comm) -> dict[str, Any]:
