@@ -77,7 +77,7 @@ def check_moe(model: ModelConfig, tp: int, ep: int) -> None:
     if ep > 1 and not model.experts:
         raise ValueError(f"--ep {ep} shards the experts of a mixture-of-experts model; {model.name!r} is dense")
     if model.experts and model.experts % (ep * tp):
-        what = f"--ep {ep} x --tp {tp} ({ep * tp})" if ep > 1 else f"--tp {tp}"
+        what = f"--ep {ep} x --tp {tp} ({ep * tp})" if ep > 1 and tp > 1 else f"--ep {ep}" if ep > 1 else f"--tp {tp}"
         raise ValueError(f"{what} must divide the {model.experts} experts per layer of {model.name!r} "
                          "(TP ranks hold whole experts, expert-parallel ranks a share of those)")
 
