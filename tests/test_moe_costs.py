@@ -181,3 +181,15 @@ def test_simulate_runs_an_expert_parallel_moe_end_to_end(tmp_path, capsys) -> No
         assert 0 < rep["a2a_share"] < 1 and rep["a2a_s"] > 0
     assert main(["--model", "qwen3-moe-30b-a3b", "--tp", "1", "--pp", "4", "--mbs", "8", "--schedule", "1f1b"]) == 0
     assert "all-to-all" not in capsys.readouterr().out  # ep 1: the experts are local
+
+
+def test_the_planner_keeps_a_given_ep_where_it_divides_dp() -> None:
+    from braid.planner.search import Problem, layouts, search
+
+    prob = Problem(MOE, 32, Cluster(HW, 8), 64, HW.memory_bytes, ep=8)
+    lays = list(layouts(prob))
+    assert lays and all(p.ep == 8 and p.dp % 8 == 0 and p.cp == 1 and MOE.experts % (8 * p.tp) == 0 for p in lays)
+    dense_dps = {p.dp for p in layouts(Problem(MOE, 32, Cluster(HW, 8), 64, HW.memory_bytes))}
+    assert {p.dp for p in lays} == {d for d in dense_dps if d % 8 == 0}
+    res = search(prob, top=1, max_simulations=20)
+    assert res.best and res.best[0].cand.par.ep == 8
