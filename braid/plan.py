@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -31,7 +32,7 @@ from braid.cost.cluster import Cluster
 from braid.cost.costs import stage_lighter
 from braid.cost.hardware import HARDWARE, get_hardware
 from braid.cost.catalog import MODELS
-from braid.planner.search import MAX_SIMULATIONS, MICRO_BATCH_SIZES, Evaluation, Problem, SearchResult, search
+from braid.planner.search import MAX_SIMULATIONS, MICRO_BATCH_SIZES, Evaluation, Problem, SearchResult, layouts, search
 from braid.simulate import resolve_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
 from braid.io.cli import MAX_MBS, check_outputs
@@ -65,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="rank the layouts with sequence parallelism inside TP where it runs (tp > 1, no --cp, a "
                          "decoder LM; the examples' flag of that name) or without it (default: without, as the "
                          "examples run)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="a mixture-of-experts model's expert-parallel degree, fixed: the layouts whose data-parallel "
+                         "ranks it divides keep it (cp 1; the examples' --ep; default 1)")
+    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                    help="the busiest expert rank's routed tokens over the mean (>= 1, default 1; braid.simulate's)")
     ap.add_argument("--top", type=int, default=10, metavar="K", help="configurations to rank (default 10)")
     ap.add_argument("--max-simulations", type=int, default=MAX_SIMULATIONS, metavar="N",
                     help=f"simulations before the search stops with what it has (default {MAX_SIMULATIONS}): a count, "
@@ -98,6 +104,8 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
              "--micro-batch-size", str(p.micro_batch_size), "--seq", str(seq),
              "--last-stage-lighter", f"{stage_lighter(mdl, p.pp * spec.v) if c.lighter is None else c.lighter:g}",
              "--optimizer", p.optimizer]
+    if p.ep > 1:
+        args += ["--ep", str(p.ep)]
     if p.recompute:
         args += ["--recompute", "full"]
     if p.seq_shard:  # the example's default is off
@@ -194,6 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       ("--seq", args.seq), ("--top", args.top), ("--max-simulations", args.max_simulations)):
         if val is not None and val < 1:
             ap.error(f"{flag} must be a positive integer, got {val}")
+    if args.ep < 1:
+        ap.error(f"--ep must be a positive integer, got {args.ep}")
+    if not (math.isfinite(args.moe_imbalance) and args.moe_imbalance >= 1):
+        ap.error(f"--moe-imbalance must be a number >= 1 (the busiest rank's routed tokens over the mean), got {args.moe_imbalance}")
+    if (args.ep > 1 or args.moe_imbalance != 1) and not resolve_model(args.model).experts:
+        ap.error(f"--ep and --moe-imbalance weigh a mixture-of-experts model; {args.model!r} is dense")
     if args.gpus > MAX_GPUS:
         ap.error(f"--gpus {args.gpus:,}: at most {MAX_GPUS:,} GPUs")
     if args.memory is not None and not args.memory > 0:
@@ -223,7 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = resolve_model(args.model)
     model = model.with_(seq=args.seq) if args.seq else model
     cap = args.memory * 2**30 if args.memory else hw.memory_bytes
-    prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer, args.sequence_parallel)
+    prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer, args.sequence_parallel,
+                   args.ep, args.moe_imbalance)
+    if args.ep > 1 and next(layouts(prob), None) is None:
+        ap.error(f"--ep {args.ep} fits no layout of {args.gpus} GPUs and --global-batch {gb}: it must divide the data-parallel "
+                 f"ranks (dp = GPUs / (tp x pp), dividing the batch) and, times tp, the {model.experts} experts")
     from braid.io.progress import Progress
 
     bar = Progress(args.max_simulations, "plan: simulated", enabled=sys.stderr.isatty(), every_s=0.5)

@@ -28,6 +28,7 @@ Examples::
     python -m braid.simulate --pp 4 --mbs 12 --torch-csv dualpipev.csv --schedule dualpipe_v
     python -m braid.simulate --model qwen2-72b --pp 32 --mbs 256
     python -m braid.simulate --pp 4 --mbs 12 --dp 8 --optimizer zero1 --recompute full
+    python -m braid.simulate --model qwen3-moe-30b-a3b --tp 1 --pp 4 --mbs 8 --dp 16 --ep 8 --moe-imbalance 1.2
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from braid.cost.hardware import HARDWARE, get_hardware
 from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
 from braid.cost.catalog import MODELS, ModelConfig, get_model
+from braid.cost.moe_costs import check_moe
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS
 
 log = logging.getLogger(__name__)
@@ -107,16 +109,38 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                          "with --dp or --optimizer the data-parallel table is printed")
     ap.add_argument("--gpus-per-node", type=int, default=8,
                     help="GPUs per node: a data-parallel group wider than a node reduces at the NIC rate (default 8)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel degree of a mixture-of-experts model: ep consecutive data-parallel ranks share "
+                         "each layer's experts (must divide --dp and the experts; adds the all-to-alls of the MLP units, "
+                         "priced on the NIC once the group spans nodes; default 1)")
+    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                    help="mixture of experts: the busiest rank's routed tokens over the mean (>= 1, default 1: balanced); "
+                         "scales its expert compute and all-to-all bytes")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
     return ap
 
 
+def _parallel(args: argparse.Namespace, pp: int | None = None):
+    """The job layout of the command line (``ValueError`` for degrees that do not fit together)."""
+    from braid.cost.cluster import Parallel
+
+    return Parallel(args.tp, args.pp if pp is None else pp, args.dp, optimizer=args.optimizer or DEFAULT_OPTIMIZER,
+                    ep=args.ep, moe_imbalance=args.moe_imbalance)
+
+
+def _moe(args: argparse.Namespace, hw, pp: int | None = None):
+    """The MoE layers' expert parallelism of the command line (:func:`braid.cost.cluster.moe_layout`)."""
+    from braid.cost.cluster import Cluster, moe_layout
+
+    return moe_layout(Cluster(hw, args.gpus_per_node), _parallel(args, pp))
+
+
 def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     layout = Layout(args.tp, plan.p, plan.v, plan.placement)
     base = analytic_costs(model, hw, layout, recompute=args.recompute, last_stage_lighter=args.last_stage_lighter,
-                          seq_shard=args.sequence_parallel)
+                          seq_shard=args.sequence_parallel, moe=_moe(args, hw))
     if not args.costs:
         return base
     specs = {k: c.spec for k, c in base.chunks.items()}
@@ -194,7 +218,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
     from braid.planner.braid_tune import UNSEARCHED, count_blocks, plain_beats_braided, tune_braiding
     from braid.core.compiler import ScheduleError, compile_plan
     from braid.planner.offload_tune import tune_offload
-    from braid.cost.cluster import Cluster, Parallel, dp_costs
+    from braid.cost.cluster import Cluster, dp_costs
+    from braid.cost.moe_costs import a2a_per_rank
     from braid.simulator import simulate
     from braid.simulator.dp import dp_tail, grad_ready_of
     from braid.simulator.fast import simulate_schedule
@@ -207,7 +232,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                       "hardware": hw.name, "costs": args.costs,
                                       "recompute": args.recompute, "dp": args.dp, "sequence_parallel": args.sequence_parallel,
                                       "last_stage_lighter": getattr(args, "last_stage_lighter", None),
-                                      "optimizer": args.optimizer or DEFAULT_OPTIMIZER}, "schedules": {}}
+                                      "optimizer": args.optimizer or DEFAULT_OPTIMIZER, "ep": args.ep,
+                                      "moe_imbalance": args.moe_imbalance}, "schedules": {}}
     dp_rows = []
     traces, notes, reports, extrapolated = [], [], [], []
     braid_mode = getattr(args, "braid", "auto")
@@ -284,8 +310,11 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
         doc["schedules"][name]["braided_blocks"] = count_blocks(plan)
         if name in choices:
             doc["schedules"][name]["braid_auto"] = choices[name].to_dict()
-        dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node),
-                      Parallel(args.tp, args.pp, args.dp, optimizer=args.optimizer or DEFAULT_OPTIMIZER))
+        a2a = a2a_per_rank(costs, args.mbs)
+        if any(a2a):  # the worst rank's share of its step (blocking, inside its MLP units)
+            doc["schedules"][name]["a2a_s"] = max(a2a)
+            doc["schedules"][name]["a2a_share"] = max(a / r.end_s for a, r in zip(a2a, report.ranks) if r.end_s > 0)
+        dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node), _parallel(args))
         with_dp = args.dp > 1 or args.optimizer is not None  # asked for: the trace gets the tail's events
         tail = dp_tail([r.end_s for r in report.ranks], ready, dc, chunks=costs.layout.v, record=record and with_dp)
         if record and with_dp:
@@ -349,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [s for s in chosen if s not in names]
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
-    check_counts(ap, args, ("pp", "mbs", "tp", "seq", "dp", "gpus_per_node", "micro_batch_size", *_OVERRIDES))
+    check_counts(ap, args, ("pp", "mbs", "tp", "seq", "dp", "ep", "gpus_per_node", "micro_batch_size", *_OVERRIDES))
     if args.offload_alpha != "auto":
         try:
             args.offload_alpha = float(args.offload_alpha)
@@ -368,8 +397,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # the model, hardware and tp on their own (one stage; an MLLM's ViT has its own), before any schedule
         model = model_from_args(args)
         args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=model.seq, vision=model.vit is not None)
+        if args.moe_imbalance != 1.0 and not model.experts:
+            raise ValueError(f"--moe-imbalance {args.moe_imbalance} weighs a mixture of experts; {model.name!r} is dense")
+        check_moe(model, args.tp, args.ep)
         analytic_costs(model, get_hardware(args.hardware), Layout(args.tp, 1, 1 if model.vit is None else 2),
-                       seq_shard=args.sequence_parallel)
+                       seq_shard=args.sequence_parallel, moe=_moe(args, get_hardware(args.hardware), pp=1))
     except ValueError as err:
         ap.error(str(err))
     check_plan_size(ap, args.pp, args.mbs)
@@ -446,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     changed = "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in _OVERRIDES if getattr(args, k, None) is not None)
     where = f"{measured_on} (measured)" if measured_on else cfg["hardware"]
     print(f"# {cfg['model']}{changed} on {where}: tp={cfg['tp']}{' (sequence-parallel)' if cfg['sequence_parallel'] else ''} "
-          f"pp={cfg['pp']} m={cfg['mbs']} "
+          f"pp={cfg['pp']}{f' ep={args.ep}' if args.ep > 1 else ''} m={cfg['mbs']} "
           f"seq={cfg['seq']} micro-batch={cfg['micro_batch_size']}" + (f" costs={cfg['costs']}" if cfg["costs"] else ""))
     with_dp = bool(dp_rows) and (args.dp > 1 or args.optimizer is not None)
     # one ranking: the step with the data-parallel tail where there is one (both tables in its order)
@@ -461,6 +493,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n# data-parallel tail: dp={args.dp} x {args.gpus_per_node} GPUs per node, optimizer "
               f"{args.optimizer or DEFAULT_OPTIMIZER} (gradient reduction on its own lane; memory per GPU)")
         print(format_dp_table(dp_rows))
+    shares = {n: s["a2a_share"] for n, s in doc["schedules"].items() if "a2a_share" in s}
+    if shares:
+        notes.append(f"expert-parallel all-to-alls (ep={args.ep}, moe imbalance {args.moe_imbalance:g}; blocking, inside the "
+                     "MLP units' F and B): " + ", ".join(f"{n} {v:.1%}" for n, v in shares.items()) + " of the step (worst rank)")
     for n in notes:
         print(f"note: {n}")
     if not reports:

@@ -122,15 +122,18 @@ class ModelConfig:
         """A decoder layer's weights in its attention half (Q, K, V, O) and its MLP half (gate, up,
         down; of every expert and the router in a mixture of experts)."""
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        mlp = self.experts * (3 * h * self.moe_ffn + h) if self.experts else 3 * h * self.ffn
+        mlp = self.expert_params() + self.experts * h if self.experts else 3 * h * self.ffn
         return h * (q + 2 * kv) + q * h, mlp
+
+    def expert_params(self, experts: int | None = None) -> int:
+        """Weights of ``experts`` (default: all) SwiGLU experts of one MoE layer (gate, up, down); 0 for a dense model."""
+        return (self.experts if experts is None else experts) * 3 * self.hidden * self.moe_ffn
 
     def active_params(self) -> int:
         """Parameters one token passes through: :meth:`params` with ``experts_per_token`` experts per layer."""
         if not self.experts:
             return self.params()
-        idle = self.layers * (self.experts - self.experts_per_token) * 3 * self.hidden * self.moe_ffn
-        return self.params() - idle
+        return self.params() - self.layers * self.expert_params(self.experts - self.experts_per_token)
 
     def lm_layer_params(self) -> int:
         return sum(self.lm_layer_halves())

@@ -34,9 +34,10 @@ from typing import Literal, Mapping, Sequence
 
 from braid.core.braiding import Unit
 from braid.cost.costs import ChunkCosts, CostModel, Layout, UnitCost, analytic_costs
-from braid.cost.hardware import Hardware
+from braid.cost.hardware import Hardware, ring_s
 from braid.core.ir import rank_chunk_of
 from braid.cost.catalog import ModelConfig
+from braid.cost.moe_costs import MoeLayout
 from braid.cost.recompute_costs import full_recompute
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OptimizerMode, mode_bytes
 from braid.cost.step_memory import Param, extra_state_bytes, param_sizes, worst_step_transient_bytes
@@ -65,17 +66,15 @@ class Cluster:
         return self.hw.ar_bus_bytes_per_s, self.hw.ar_latency_s
 
     def all_reduce(self, nbytes: float, size: int, stride: int) -> float:
-        if size == 1:
-            return 0.0
-        bw, lat = self._link(stride, size)
-        return lat + 2 * (size - 1) / size * nbytes / bw
+        return ring_s(nbytes, size, *self._link(stride, size), passes=2)
 
     def reduce_scatter(self, nbytes: float, size: int, stride: int) -> float:
-        """Also the time of an all-gather or an all-to-all of ``nbytes`` per rank."""
-        if size == 1:
-            return 0.0
-        bw, lat = self._link(stride, size)
-        return lat + (size - 1) / size * nbytes / bw
+        """Also the time of an all-gather of ``nbytes`` per rank."""
+        return ring_s(nbytes, size, *self._link(stride, size))
+
+    def all_to_all(self, nbytes: float, size: int, stride: int) -> float:
+        """An all-to-all of ``nbytes`` per rank: ``(size - 1) / size`` of them leave it (ring model)."""
+        return ring_s(nbytes, size, *self._link(stride, size))
 
     def p2p(self, nbytes: float, cross_node: bool) -> float:
         if cross_node:
@@ -89,7 +88,10 @@ class Parallel:
 
     ``cp``: sequence-parallel degree d_sp = hp x (cp / hp); ``ring``: inner ring size w of
     the double ring (dividing cp / hp; None = one ring); ``sp_placement``: which SP group is
-    on adjacent ranks; ``micro_batch_size``: samples per micro-batch.
+    on adjacent ranks; ``micro_batch_size``: samples per micro-batch. ``ep``: expert-parallel
+    degree of an MoE model (carved from the dp ranks: ``ep`` consecutive DP ranks share the
+    experts; cp must be 1, as in the runtime); ``moe_imbalance``: the busiest expert rank's routed
+    tokens over the mean (:mod:`braid.cost.moe_costs`).
     """
 
     tp: int
@@ -103,15 +105,33 @@ class Parallel:
     recompute: bool = False
     optimizer: OptimizerMode = DEFAULT_OPTIMIZER
     seq_shard: bool = False  # sequence parallelism inside TP (braid.tp.seq_shard; the examples' --sequence-parallel)
+    ep: int = 1
+    moe_imbalance: float = 1.0
 
     def __post_init__(self) -> None:
         mode_bytes(self.optimizer, 2)  # an unknown mode: ValueError naming the valid ones
         if self.cp % self.hp or (self.ring is not None and (self.cp // self.hp) % self.ring):
             raise ValueError(f"hp={self.hp} must divide cp={self.cp} and ring={self.ring} must divide cp/hp")
+        MoeLayout(ep=self.ep, imbalance=self.moe_imbalance)  # a bad degree or imbalance: ValueError
+        if self.dp % self.ep:
+            raise ValueError(f"--ep {self.ep} must divide the data-parallel ranks (dp={self.dp}): expert-parallel ranks are carved from them")
+        if self.ep > 1 and self.cp > 1:
+            raise ValueError(f"--ep {self.ep} runs with cp=1 only (got cp={self.cp})")
 
     @property
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    def ep_link(self) -> tuple[int, int]:
+        """(size, stride) of an expert-parallel group: ``ep`` consecutive DP ranks of the grid (dp, pp, cp, tp)."""
+        return self.ep, self.tp * self.cp * self.pp
+
+    def edp_link(self) -> tuple[int, int]:
+        """(size, stride) of an expert-data-parallel group (the ranks holding the same experts: every
+        ``ep``-th DP rank); at ``ep`` 1 the dp x cp group of the other parameters."""
+        if self.ep == 1:
+            return _dp_link(self)
+        return self.dp // self.ep, self.ep * self.tp * self.cp * self.pp
 
     def sp_strides(self) -> tuple[int, int]:
         """Rank strides of the HP group and of the CP (ring) group."""
@@ -119,6 +139,14 @@ class Parallel:
         if self.sp_placement == "head_first":
             return self.tp, self.tp * self.hp
         return self.tp * ring_ranks, self.tp
+
+
+def moe_layout(cluster: Cluster, par: Parallel) -> MoeLayout:
+    """The MoE layers' expert parallelism under ``par``: the expert-parallel group's link (the NIC
+    once the group spans nodes: :meth:`Cluster.crosses`)."""
+    size, stride = par.ep_link()
+    bw, lat = cluster._link(stride, size)
+    return MoeLayout(ep=par.ep, imbalance=par.moe_imbalance, a2a_bytes_per_s=bw, a2a_latency_s=lat)
 
 
 def job_costs(model: ModelConfig, cluster: Cluster, par: Parallel, layout: Layout,
@@ -133,7 +161,7 @@ def job_costs(model: ModelConfig, cluster: Cluster, par: Parallel, layout: Layou
     local = model.with_(seq=model.seq // par.cp, micro_batch_size=par.micro_batch_size)
     tp_bw, tp_lat = cluster._link(1, t)
     base = analytic_costs(local, replace(hw, ar_bus_bytes_per_s=tp_bw, ar_latency_s=tp_lat), layout,
-                          last_stage_lighter=last_stage_lighter, seq_shard=par.seq_shard)
+                          last_stage_lighter=last_stage_lighter, seq_shard=par.seq_shard, moe=moe_layout(cluster, par))
     lm = _lm_units(base, local, model.seq, cluster, par)
     boundary = local.tokens * model.hidden * d / (t if par.seq_shard else 1)
     chunks = {}
@@ -172,8 +200,8 @@ def _lm_units(base: CostModel, local: ModelConfig, seq: int, cluster: Cluster, p
         core_local = 4 * tok * local.seq * hd * heads_t * 0.5 / hw.attn_flops
         core_full = core_local * par.cp  # local queries against the whole sequence's keys
         hp_stride, cp_stride = par.sp_strides()
-        a2a_in = cluster.reduce_scatter(tok * (heads_t + 2 * kv_t) * hd * d, par.hp, hp_stride)
-        a2a_out = cluster.reduce_scatter(tok * heads_t * hd * d, par.hp, hp_stride)
+        a2a_in = cluster.all_to_all(tok * (heads_t + 2 * kv_t) * hd * d, par.hp, hp_stride)
+        a2a_out = cluster.all_to_all(tok * heads_t * hd * d, par.hp, hp_stride)
         ring = _ring_exposed(cluster, par, cp_stride, tok * par.hp * 2 * max(kv_t // par.hp, 1) * hd * d,
                              core_full / (par.cp // par.hp))
         att = units[Unit.ATTN]
@@ -200,25 +228,39 @@ def _ring_exposed(cluster: Cluster, par: Parallel, stride: int, kv_bytes: float,
 # ----------------------------------------------------------------------------------------
 # Parameters, static memory, data-parallel reduction and optimizer step
 # ----------------------------------------------------------------------------------------
-def chunk_params(model: ModelConfig, costs: CostModel, rank: int, chunk: int) -> float:
-    """Parameters of one (rank, chunk) on one TP rank (embedding and head vocabulary-split)."""
+def chunk_param_parts(model: ModelConfig, costs: CostModel, rank: int, chunk: int, ep: int = 1) -> tuple[float, float]:
+    """(other, expert) parameters of one (rank, chunk) on one TP rank (embedding and head vocabulary-split).
+    An MoE layer's experts: ``E / (t * ep)`` whole experts (TP ranks split the experts, expert-parallel
+    ranks that share: :mod:`braid.runtime.expert_parallel`), its router whole on every TP rank. At
+    ``ep`` 1 every parameter is reduced and stepped together: the experts are counted in the first."""
     spec, t = costs.chunks[(rank, chunk)].spec, costs.layout.tp
-    n = 0.0
+    n, experts = 0.0, 0.0
     if model.vit is not None and spec.embed:
         v = model.vit
         n += spec.layers * (4 * v.hidden * v.hidden + 2 * v.hidden * v.ffn) / t + v.patch_pixels * v.hidden
         n += (16 * v.hidden * v.hidden + 4 * v.hidden * model.hidden) / t  # patch merger
+    elif model.experts:
+        attn_half, _ = model.lm_layer_halves()
+        mlp_layers = spec.layers + spec.half_in
+        n += (spec.layers + spec.half_out) * attn_half / t + mlp_layers * model.experts * model.hidden
+        experts = mlp_layers * model.expert_params() / (t * ep)
     else:
         attn_half, mlp_half = model.lm_layer_halves()
         n += (spec.layers * model.lm_layer_params() + spec.half_out * attn_half + spec.half_in * mlp_half) / t
     n += (spec.embed + spec.head) * model.vocab * model.hidden / t
-    return n
+    return (n + experts, 0.0) if ep == 1 else (n, experts)
 
 
-def rank_param_list(model: ModelConfig, costs: CostModel, rank: int) -> list[Param]:
+def chunk_params(model: ModelConfig, costs: CostModel, rank: int, chunk: int, ep: int = 1) -> float:
+    """Parameters of one (rank, chunk) on one TP rank (:func:`chunk_param_parts`, summed)."""
+    return sum(chunk_param_parts(model, costs, rank, chunk, ep))
+
+
+def rank_param_list(model: ModelConfig, costs: CostModel, rank: int, ep: int = 1) -> list[Param]:
     """One TP rank's parameters of pipeline rank ``rank``, chunk by chunk in module order (what the
     optimizer step's temporaries depend on: :mod:`braid.cost.step_memory`)."""
     t, out = costs.layout.tp, []
+    moe = (model.experts, model.experts // (t * ep), model.moe_ffn) if model.experts else None
     for c in range(costs.layout.v):
         spec = costs.chunks[(rank, c)].spec
         if model.vit is not None and spec.embed:
@@ -229,18 +271,27 @@ def rank_param_list(model: ModelConfig, costs: CostModel, rank: int) -> list[Par
             out += param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, 0, True, False, t)
         else:
             out += param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, spec.layers,
-                               bool(spec.embed), bool(spec.head), t, half_in=spec.half_in, half_out=spec.half_out)
+                               bool(spec.embed), bool(spec.head), t, half_in=spec.half_in, half_out=spec.half_out, moe=moe)
     return out
 
 
-def rank_params(model: ModelConfig, costs: CostModel, rank: int) -> float:
-    return sum(chunk_params(model, costs, rank, c) for c in range(costs.layout.v))
+def rank_param_parts(model: ModelConfig, costs: CostModel, rank: int, ep: int = 1) -> tuple[float, float]:
+    """(other, expert) parameters of one TP rank of pipeline rank ``rank`` (:func:`chunk_param_parts`)."""
+    parts = [chunk_param_parts(model, costs, rank, c, ep) for c in range(costs.layout.v)]
+    return sum(p[0] for p in parts), sum(p[1] for p in parts)
+
+
+def rank_params(model: ModelConfig, costs: CostModel, rank: int, ep: int = 1) -> float:
+    return sum(chunk_params(model, costs, rank, c, ep) for c in range(costs.layout.v))
 
 
 def static_bytes(model: ModelConfig, costs: CostModel, par: Parallel, rank: int) -> float:
     """Weights, gradients and optimizer states of one rank: the optimizer mode's bytes per
-    parameter (:mod:`braid.cost.optimizer_modes`), sharded over the dp x cp group under ``zero1``."""
-    return rank_params(model, costs, rank) * mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp).state
+    parameter (:mod:`braid.cost.optimizer_modes`), sharded over the dp x cp group under ``zero1``
+    (an expert-parallel run's experts over their expert-data-parallel group)."""
+    dense, experts = rank_param_parts(model, costs, rank, par.ep)
+    d, ways = model.dtype_bytes, par.dp * par.cp
+    return dense * mode_bytes(par.optimizer, d, ways).state + experts * mode_bytes(par.optimizer, d, ways // par.ep).state
 
 
 def _dp_link(par: Parallel) -> tuple[int, int]:
@@ -252,11 +303,20 @@ def _dp_link(par: Parallel) -> tuple[int, int]:
 
 def reduce_time(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parallel, rank: int, chunk: int) -> float:
     """Time to reduce one chunk's gradients over the dp x cp group: the mode's gradient bytes
-    (fp32 with masters, else the model dtype), all-reduced or (``zero1``) reduce-scattered."""
-    size, stride = _dp_link(par)
-    mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
-    nbytes = mb.reduce * chunk_params(model, costs, rank, chunk)
-    return (cluster.reduce_scatter if mb.reduce_scatter else cluster.all_reduce)(nbytes, size, stride)
+    (fp32 with masters, else the model dtype), all-reduced or (``zero1``) reduce-scattered; an
+    expert-parallel run's expert gradients then over the expert-data-parallel group (:meth:`Parallel.edp_link`)."""
+    dense, experts = chunk_param_parts(model, costs, rank, chunk, par.ep)
+    t = _collective(cluster, model, par, par.dp * par.cp, dense, "reduce", *_dp_link(par))
+    return t + (_collective(cluster, model, par, par.dp * par.cp // par.ep, experts, "reduce", *par.edp_link()) if experts else 0.0)
+
+
+def _collective(cluster: Cluster, model: ModelConfig, par: Parallel, ways: int, params: float, kind: str, size: int,
+                stride: int) -> float:
+    """The mode's gradient reduction (``kind`` "reduce") or weight all-gather ("gather") of ``params`` over a group."""
+    mb = mode_bytes(par.optimizer, model.dtype_bytes, ways)
+    if kind == "gather":
+        return cluster.reduce_scatter(mb.gather * params, size, stride) if mb.gather else 0.0
+    return (cluster.reduce_scatter if mb.reduce_scatter else cluster.all_reduce)(mb.reduce * params, size, stride)
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,17 +356,27 @@ def dp_costs(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parall
     Gradients of each chunk are all-reduced (``plain``, ``master``) or reduce-scattered
     (``zero1``) over the dp x cp group; the step updates the rank's (shard of the) parameters
     at HBM speed, and ``zero1`` all-gathers the updated weights (bytes per parameter:
-    :mod:`braid.cost.optimizer_modes`).
+    :mod:`braid.cost.optimizer_modes`). Under expert parallelism (``par.ep`` > 1) the experts
+    have an optimizer of their own over the expert-data-parallel group (``dp / ep`` ranks,
+    :meth:`Parallel.edp_link`), stepped after the other's.
     """
-    size, stride = _dp_link(par)
     lay = costs.layout
-    mb = mode_bytes(par.optimizer, model.dtype_bytes, par.dp * par.cp)
-    reduce = {(r, c): reduce_time(model, costs, cluster, par, r, c) for r in range(lay.p) for c in range(lay.v)}
-    n = [rank_params(model, costs, r) for r in range(lay.p)]
     ways = par.dp * par.cp
-    plist = [rank_param_list(model, costs, r) for r in range(lay.p)]
-    step = [worst_step_transient_bytes(par.optimizer, model.dtype_bytes, ps, ways) for ps in plist]
-    return DpCosts(reduce, [mb.step * k / cluster.hw.hbm_bytes_per_s for k in n],
-                   [cluster.reduce_scatter(mb.gather * k, size, stride) if mb.gather else 0.0 for k in n],
-                   [k * mb.state for k in n], par.optimizer, "RS" if mb.reduce_scatter else "AR",
-                   [extra_state_bytes(par.optimizer, ps, ways) for ps in plist], step)
+    eways = ways // par.ep
+    mb, me = mode_bytes(par.optimizer, model.dtype_bytes, ways), mode_bytes(par.optimizer, model.dtype_bytes, eways)
+    reduce = {(r, c): reduce_time(model, costs, cluster, par, r, c) for r in range(lay.p) for c in range(lay.v)}
+    parts = [rank_param_parts(model, costs, r, par.ep) for r in range(lay.p)]
+    gather = [_collective(cluster, model, par, ways, n, "gather", *_dp_link(par))
+              + (_collective(cluster, model, par, eways, e, "gather", *par.edp_link()) if e else 0.0) for n, e in parts]
+    plist = [rank_param_list(model, costs, r, par.ep) for r in range(lay.p)]
+    if par.ep > 1:  # two optimizers, one after the other: the worse step, both reduce-scatter shards
+        split = [([p for p in ps if not p.expert], [p for p in ps if p.expert]) for ps in plist]
+        step = [max(worst_step_transient_bytes(par.optimizer, model.dtype_bytes, d, ways),
+                    worst_step_transient_bytes(par.optimizer, model.dtype_bytes, e, eways)) for d, e in split]
+        extra = [extra_state_bytes(par.optimizer, d, ways) + extra_state_bytes(par.optimizer, e, eways) for d, e in split]
+    else:
+        step = [worst_step_transient_bytes(par.optimizer, model.dtype_bytes, ps, ways) for ps in plist]
+        extra = [extra_state_bytes(par.optimizer, ps, ways) for ps in plist]
+    return DpCosts(reduce, [(mb.step * n + me.step * e) / cluster.hw.hbm_bytes_per_s for n, e in parts], gather,
+                   [static_bytes(model, costs, par, r) for r in range(lay.p)], par.optimizer,
+                   "RS" if mb.reduce_scatter else "AR", extra, step)

@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit
-from braid.cost.hardware import Hardware
+from braid.cost.hardware import Hardware, ring_s
 from braid.core.ir import Placement
 from braid.cost.catalog import ModelConfig
+from braid.cost.moe_costs import MoeLayout, check_moe, mlp_width, moe_units
 from braid.core.partition import chunk_specs, split_layers, whole_layers
 from braid.cost.recompute_costs import full_recompute, selective_recompute
 from braid.cost.seq_shard_costs import KORTHIKANTI_ACT, seq_shard_units
@@ -80,6 +81,8 @@ class UnitCost:
 
     ``f``/``b``/``w``: forward, activation-backward, weight-backward compute;
     ``ar_f``/``ar_b``: the all-reduce that ends the unit's forward / backward (0 if none);
+    ``a2a_f``/``a2a_b``: the part of ``f``/``b`` that is an MoE layer's blocking all-to-all
+    (:mod:`braid.cost.moe_costs`; recorded for reports, already counted in ``f``/``b``);
     ``act``: bytes its forward keeps for the backward; ``w_res``: bytes kept after a split
     B until W; ``tmp``: workspace -- bytes allocated on top of those while the unit runs
     and freed when it ends (logits and their gradient, MLP intermediates), the most of its
@@ -95,6 +98,8 @@ class UnitCost:
     act: float = 0.0
     w_res: float = 0.0
     tmp: float = 0.0
+    a2a_f: float = 0.0
+    a2a_b: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,9 +240,7 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def _allreduce_time(nbytes: float, t: int, hw: Hardware) -> float:
-    if t == 1:
-        return 0.0
-    return hw.ar_latency_s + 2 * (t - 1) / t * nbytes / hw.ar_bus_bytes_per_s
+    return ring_s(nbytes, t, hw.ar_bus_bytes_per_s, hw.ar_latency_s, passes=2)
 
 
 def model_forward_flops(model: ModelConfig) -> float:
@@ -245,6 +248,8 @@ def model_forward_flops(model: ModelConfig) -> float:
     total = 0.0
     lm = _layer_units(model.tokens, model.seq, model.hidden, model.heads, model.kv_heads, model.ffn, True, True, 1,
                       model.dtype_bytes, _UNIT_RATE, 0.0)
+    if model.experts:  # the active experts and the router
+        lm = moe_units(lm, model, model.tokens, 1, model.dtype_bytes, _UNIT_RATE, MoeLayout())
     total += model.layers * sum(u.f for u in lm.values())
     total += 2 * model.tokens * model.hidden * model.vocab  # LM head
     if model.vit is not None:
@@ -297,7 +302,8 @@ def _split(model: ModelConfig, n: int, lighter: float) -> tuple[float, ...]:
 
 def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown: float = AR_SLOWDOWN,
                    activations: Literal["korthikanti", "runtime"] = "korthikanti", recompute: str = "none",
-                   compiled: bool = True, last_stage_lighter: float | None = None, seq_shard: bool = False) -> CostModel:
+                   compiled: bool = True, last_stage_lighter: float | None = None, seq_shard: bool = False,
+                   moe: MoeLayout | None = None) -> CostModel:
     """The analytic cost model of ``model`` on ``hw`` under ``layout`` (see module doc).
 
     ``activations``: how the LM units' (and the head's, embedding's) saved bytes are
@@ -311,6 +317,8 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     ``last_stage_lighter``: the layer split's (:func:`model_stage_layers`; None: the paper's).
     ``seq_shard``: sequence parallelism inside TP (:func:`seq_shard_units`; no effect at tp=1;
     the LM only: a vision-language model is refused, as the runtime refuses it).
+    ``moe``: expert parallelism and load imbalance of an MoE model's layers (:mod:`braid.cost.moe_costs`;
+    None: ``ep`` 1, balanced).
     """
     if seq_shard and model.vit is not None and layout.tp > 1:
         raise ValueError(NO_SEQ_SHARD_VISION)
@@ -321,6 +329,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     t, d = layout.tp, model.dtype_bytes
     if model.heads % t or model.kv_heads % t and t % model.kv_heads:
         raise ValueError(f"tp={t} must divide the {model.heads} attention heads of {model.name!r} (and match its {model.kv_heads} KV heads)")
+    check_moe(model, t, moe.ep if moe else 1)
     per_stage = model_stage_layers(model, layout, last_stage_lighter)
     if recompute == "full" and not whole_layers(per_stage):
         raise ValueError(f"full recomputation re-runs whole layers; the stages {list(per_stage)} cut one in half")
@@ -340,12 +349,14 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + 4 * model.vocab // t + 11),
                        tmp=0.0 if compiled and t == 1 else eager_loss_workspace(tok, model.vocab // t, d))
         embed = replace(embed, act=tok * 9)  # shifted token ids and the shard mask
+    if model.experts:
+        lm = moe_units(lm, model, tok, t, d, hw, moe or MoeLayout(), activations)
     shard = seq_shard and t > 1
     if shard:
         lm, head, embed = seq_shard_units(lm, head, embed, tok, h, t, d, hw, activations == "runtime")
     layer_act = sum(u.act for u in lm.values())  # M_a counts the layer without recomputation (a fixed yardstick)
     if recompute == "selective":
-        lm = selective_recompute(lm, tok, model.seq, h, model.heads, model.ffn, t, d, hw, activations)
+        lm = selective_recompute(lm, tok, model.seq, h, model.heads, mlp_width(model, t, moe), t, d, hw, activations)
     elif recompute == "full":
         lm = full_recompute(lm, tok * h * d)
     vit_units = None
@@ -373,7 +384,8 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     ma = model.layers / (2 * layout.p) * layer_act
     return CostModel(layout, chunks, ma, hw.pcie_bytes_per_s, hw.p2p_over_pcie, ar_slowdown, model.micro_batch_size,
                      model.seq, 3 * model_forward_flops(model) / model.micro_batch_size, hw.peak_flops,
-                     f"analytic:{model.name}@{hw.name}", {"model": model.name, "hardware": hw.name},
+                     f"analytic:{model.name}@{hw.name}", {"model": model.name, "hardware": hw.name, **(
+                         {"ep": (moe or MoeLayout()).ep, "moe_imbalance": (moe or MoeLayout()).imbalance} if model.experts else {})},
                      copy_duplex_slowdown=hw.pcie_duplex_slowdown)
 
 

@@ -95,6 +95,15 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+def ring_s(nbytes: float, size: int, bytes_per_s: float, latency_s: float, passes: int = 1) -> float:
+    """Seconds of a ring collective of ``nbytes`` per rank over ``size`` ranks on one link: ``latency +
+    passes * (size - 1) / size * nbytes / rate`` -- ``passes`` 2 for an all-reduce, 1 for a reduce-scatter,
+    all-gather or all-to-all (each rank keeps ``1/size`` of its bytes); 0 on one rank."""
+    if size == 1:
+        return 0.0
+    return latency_s + passes * (size - 1) / size * nbytes / bytes_per_s
+
+
 def get_hardware(name: str) -> Hardware:
     """The preset called ``name``; ``ValueError`` listing the valid names otherwise."""
     try:

@@ -18,7 +18,8 @@ def full_recompute(units: Mapping[Unit, Any], layer_input_bytes: float) -> dict[
     only the layer input; the layer's first backward unit (MLP) first re-runs the whole layer,
     the Attn unit's forward all-reduce included (blocking: the MLP half needs its result).
 
-    MLP: ``b`` grows by the four units' forward and Attn's ``ar_f``; while it runs, the
+    MLP: ``b`` grows by the four units' forward and Attn's ``ar_f`` (an MoE layer's all-to-alls
+    among them: ``a2a_b`` grows by the layer's ``a2a_f``); while it runs, the
     re-run's activations (the layer's saved bytes less the input) are live on top of its own
     (``tmp``, workspace: the simulator counts it while the unit runs). They are freed unit by
     unit as the layer's backward proceeds, so the MLP's backward is the layer's most. Pre-Attn
@@ -28,7 +29,8 @@ def full_recompute(units: Mapping[Unit, Any], layer_input_bytes: float) -> dict[
     rerun_bytes = max(0.0, sum(units[u].act for u in LAYER) - layer_input_bytes)
     out = {u: replace(units[u], act=layer_input_bytes if u is Unit.PRE_ATTN else 0.0) for u in LAYER}
     mlp = out[Unit.MLP]
-    out[Unit.MLP] = replace(mlp, b=mlp.b + rerun_s, tmp=max(mlp.tmp, rerun_bytes))
+    rerun_a2a = sum(units[u].a2a_f for u in LAYER)  # an MoE layer's all-to-alls run again
+    out[Unit.MLP] = replace(mlp, b=mlp.b + rerun_s, tmp=max(mlp.tmp, rerun_bytes), a2a_b=mlp.a2a_b + rerun_a2a)
     return {**units, **out}
 
 

@@ -32,21 +32,29 @@ FP32, FP64 = 4, 8
 
 @dataclass(frozen=True, slots=True)
 class Param:
-    """A parameter's elements on one TP rank and whether weight decay applies (matrices; not norms or biases)."""
+    """A parameter's elements on one TP rank and whether weight decay applies (matrices; not norms or biases);
+    ``expert``: an MoE layer's expert stack (under expert parallelism it has an optimizer of its own)."""
 
     numel: int
     decays: bool
+    expert: bool = False
 
 
 def param_sizes(hidden: int, kv: int, ffn: int, vocab: int, layers: int, embed: bool, head: bool,
-                tp: int = 1, *, half_in: bool = False, half_out: bool = False) -> list[Param]:
+                tp: int = 1, *, half_in: bool = False, half_out: bool = False,
+                moe: tuple[int, int, int] | None = None) -> list[Param]:
     """A Qwen2/Llama decoder chunk's parameters in module order (``kv``: key/value width, heads x head dim);
     ``half_in``/``half_out``: the MLP half of a layer first, the attention half of one last
-    (:class:`braid.core.braiding.ChunkSpec`)."""
+    (:class:`braid.core.braiding.ChunkSpec`). ``moe``: (experts, experts on this rank, expert width) of a
+    mixture of experts in every layer: the MLP half is then the norm, the router (whole on every TP
+    rank) and the two expert stacks (:class:`braid.models.qwen3_moe.Qwen3MoeLayer`)."""
     h = hidden
     layer = [Param(h, False), Param(h * h // tp, True), Param(h // tp, False), Param(kv * h // tp, True),
              Param(kv // tp, False), Param(kv * h // tp, True), Param(kv // tp, False), Param(h * h // tp, True),
              Param(h, False), Param(ffn * h // tp, True), Param(ffn * h // tp, True), Param(h * ffn // tp, True)]
+    if moe is not None:
+        experts, local, f = moe
+        layer = layer[:9] + [Param(experts * h, True), Param(local * 2 * f * h, True, True), Param(local * f * h, True, True)]
     out = layer[8:] * half_in + layer * layers + layer[:8] * half_out  # the attention half: norm, q, k, v, o
     if embed:
         out.append(Param(vocab * h // tp, True))

@@ -53,7 +53,7 @@ MAX_PM = 1 << 16
 # The largest value of a count flag a real job can need (the largest models have about 130 layers, 128
 # attention heads, a 26k hidden size and a 256k vocabulary; the longest trained sequences are about 1M tokens).
 COUNT_LIMITS: dict[str, int] = {
-    "tp": 1024, "dp": 1 << 20, "cp": 1024, "hp": 1024, "chunks": 64, "gpus_per_node": 1024,
+    "tp": 1024, "dp": 1 << 20, "ep": 1 << 20, "cp": 1024, "hp": 1024, "chunks": 64, "gpus_per_node": 1024,
     "seq": 1 << 24, "micro_batch_size": 1 << 16, "image_size": 1 << 16,
     "steps": 100_000_000, "warmup": 100_000_000, "save_every": 100_000_000, "keep_checkpoints": 100_000,
     "iters": 1_000_000, "rounds": 100_000,

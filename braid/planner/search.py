@@ -71,7 +71,7 @@ class Candidate:
         p = self.par
         sp = f" cp={p.cp} hp={p.hp}" + (f" ring={p.ring}" if p.ring else "") + f" {p.sp_placement}" if p.cp > 1 else ""
         opts = "".join(f" {k}={v:g}" if isinstance(v, float) else f" {k}={v}" for k, v in self.options)
-        return (f"tp={p.tp} pp={p.pp} dp={p.dp}{sp} {self.schedule}{opts} m={self.m} mbs={p.micro_batch_size}"
+        return (f"tp={p.tp} pp={p.pp} dp={p.dp}{f' ep={p.ep}' if p.ep > 1 else ''}{sp} {self.schedule}{opts} m={self.m} mbs={p.micro_batch_size}"
                 + (" recompute" if p.recompute else "") + (f" lighter={self.lighter:g}" if self.lighter is not None else ""))
 
 
@@ -93,7 +93,7 @@ class Evaluation:
 
     def to_dict(self) -> dict[str, Any]:
         p = self.cand.par
-        return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "cp": p.cp, "hp": p.hp, "ring": p.ring, "sp_placement": p.sp_placement,
+        return {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "cp": p.cp, "hp": p.hp, "ring": p.ring, "sp_placement": p.sp_placement,
                 "schedule": self.cand.schedule, "options": dict(self.cand.options), "m": self.cand.m,
                 "micro_batch_size": p.micro_batch_size, "recompute": p.recompute, "optimizer": p.optimizer,
                 "last_stage_lighter": self.cand.lighter,
@@ -115,6 +115,8 @@ class Problem:
     memory_bytes: float
     optimizer: str = DEFAULT_OPTIMIZER  # a braid.cost.optimizer_modes mode
     seq_shard: bool = True  # sequence parallelism inside TP where it runs (tp > 1, cp = 1, a decoder LM)
+    ep: int = 1  # an MoE model's expert-parallel degree, given: layouts whose dp it divides (cp = 1) keep it
+    moe_imbalance: float = 1.0  # the busiest expert rank's routed tokens over the mean (braid.cost.moe_costs)
 
 
 @dataclass(slots=True)
@@ -146,21 +148,21 @@ def layouts(prob: Problem) -> Iterator[Parallel]:
     """Every (tp, cp, hp, ring, placement, pp, dp, micro-batch size) that fits the GPUs and the model."""
     mdl, g = prob.model, prob.cluster.gpus_per_node
     for tp in _pow2_upto(min(g, prob.gpus)):
-        if mdl.heads % tp or (mdl.kv_heads % tp and tp % mdl.kv_heads):
+        if mdl.heads % tp or (mdl.kv_heads % tp and tp % mdl.kv_heads) or (mdl.experts and mdl.experts % (tp * prob.ep)):
             continue
-        for cp in ([1] if mdl.vit is not None else _pow2_upto(prob.gpus // tp)):
+        for cp in ([1] if mdl.vit is not None or prob.ep > 1 else _pow2_upto(prob.gpus // tp)):
             if cp > 1 and (mdl.seq % (2 * cp) or mdl.seq // cp < MIN_LOCAL_SEQ):
                 continue
             for sp in _sp_options(mdl, tp, cp, g):
                 for pp in _divisors(prob.gpus // (tp * cp), upto=mdl.layers):  # a stage per layer at most
                     dp = prob.gpus // (tp * cp * pp)
-                    if prob.global_batch % dp:
+                    if prob.global_batch % dp or dp % prob.ep:
                         continue
                     for mbs in MICRO_BATCH_SIZES:
                         if (prob.global_batch // dp) % mbs == 0:
                             shard = prob.seq_shard and tp > 1 and cp == 1 and mdl.vit is None and mdl.seq % tp == 0
                             yield Parallel(tp, pp, dp, cp, sp[0], sp[1], sp[2], mbs, False, prob.optimizer,  # type: ignore[arg-type]
-                                           seq_shard=shard)
+                                           seq_shard=shard, ep=prob.ep, moe_imbalance=prob.moe_imbalance)
 
 
 def _sp_options(mdl: ModelConfig, tp: int, cp: int, g: int) -> list[tuple[int, int | None, str]]:
@@ -239,13 +241,14 @@ def _costs(prob: Problem, par: Parallel, v: int, placement: str, lighter: float 
 
 
 def costs_of(prob: Problem, cand: Candidate) -> CostModel:
-    """The pipeline's cost model (it does not depend on dp or the optimizer: those share one)."""
+    """The pipeline's cost model (it does not depend on dp or the optimizer: those share one; an MoE
+    model's expert-parallel all-to-alls depend on ep, which dp = ep keeps)."""
     from dataclasses import replace
 
     from braid import schedules
 
     spec = schedules.get_schedule(cand.schedule)
-    return _costs(prob, replace(cand.par, dp=1, optimizer=DEFAULT_OPTIMIZER), spec.v, spec.placement, cand.lighter)
+    return _costs(prob, replace(cand.par, dp=cand.par.ep, optimizer=DEFAULT_OPTIMIZER), spec.v, spec.placement, cand.lighter)
 
 
 _TERMS: dict[int, tuple[CostModel, list[tuple[float, float, float, float]]]] = {}
