@@ -181,7 +181,7 @@ def test_cpu_bench_measures_and_predicts(tmp_path, monkeypatch) -> None:
         assert r["peak_bytes"] == r["predicted_peak_bytes"] and min(r["peak_bytes"]) > 0
         # CPU time of the launching thread per step; on CPU the step runs eager (no CUDA graph)
         assert 0 < r["host_s"] and r["cuda_graph"] == "none" and r["graph_pool_bytes"] == [None, None]
-        assert r["reserved_peak_bytes"] == [None, None]  # the caching allocator's: CUDA only
+        assert r["reserved_peak_bytes"] == r["device_used_bytes"] == [None, None]  # the device's: CUDA only
         sim, meas = s["_traces"][f"{r['schedule']}_m4"]
         assert sim.meta["source"] == "simulated" and meas.meta["source"] == "measured"
         assert {e.rank for e in meas.events} == {0, 1}
@@ -320,3 +320,17 @@ def test_cpu_bench_runs_sequence_sharding_when_asked() -> None:
         assert r["peak_bytes"] == r["predicted_peak_bytes"], (shard, r["peak_bytes"], r["predicted_peak_bytes"])
         peaks[shard] = max(r["peak_bytes"])
     assert 0 < peaks[True] < peaks[False], peaks
+
+
+def test_device_memory_lines_show_what_runs_out_per_rank() -> None:
+    from braid.measure.report import format_device_memory
+
+    gib = 2**30
+    cuda = {"runs": [{"schedule": "braided_v", "m": 4, "reserved_peak_bytes": [gib, 2 * gib], "device_used_bytes": [3 * gib, 4 * gib]}],
+            "external": [{"schedule": "mcore:interleaved 1F1B [graphed]", "m": 4, "reserved_peak_bytes": [gib, gib],
+                          "device_used_bytes": [2 * gib, 2 * gib]}, {"schedule": "torch", "m": 4, "error": "no"}]}
+    assert format_device_memory(cuda) == ["device memory per rank, MiB (allocator reserved peak / in use on the device):",
+                                          "  braided_v m=4: 1024/3072 2048/4096",
+                                          "  mcore:interleaved 1F1B [graphed] m=4: 1024/2048 1024/2048"]
+    cpu = {"runs": [{"schedule": "braided_v", "m": 4, "reserved_peak_bytes": [None, None]}], "external": []}
+    assert format_device_memory(cpu) == []

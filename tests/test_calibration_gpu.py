@@ -46,6 +46,7 @@ def test_graphed_tp2_calibration_keeps_its_evidence_and_refits_offline(gpu_pools
     assert {r["cuda_graph"] for r in s["runs"]} == {"step"}
     for r in s["runs"]:  # what the allocator held at most, per rank: at least the activation peak above what was there before
         assert len(r["reserved_peak_bytes"]) == 2 and all(res >= max(r["peak_bytes"]) > 0 for res in r["reserved_peak_bytes"]), r
+        assert all(used > res for used, res in zip(r["device_used_bytes"], r["reserved_peak_bytes"])), r  # + context, NCCL
     probe = cal["probe_runs"]
     assert probe["recorded_step_s"] > 0 and probe["ar_span_s"] > 0 and probe["exposed_ar_s"] >= 0 and probe["host_s"] > 0
     assert set(cal["measured_busy_s"]) == {"F", "B", "W"} and min(cal["measured_busy_s"].values()) > 0

@@ -59,6 +59,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "host_s": _host_s(ranks), "cuda_graph": ranks[0].get("cuda_graph"),
                          "graph_pool_bytes": [rk.get("graph_pool_bytes") for rk in ranks],
                          "reserved_peak_bytes": [rk.get("reserved") for rk in ranks],  # per rank, absolute (CUDA)
+                         "device_used_bytes": [rk.get("device_used") for rk in ranks],  # nvidia-smi's view (CUDA)
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None),
                          "braided_blocks": ranks[0].get("braided_blocks"),
                          # where its time went: the epoch seconds of each round's measured steps (rank 0),
@@ -86,6 +87,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                     "step_s_rounds": rounds,
                     "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks,
                     "reserved_peak_bytes": [x.get("reserved") for x in rk],
+                    "device_used_bytes": [x.get("device_used") for x in rk],
                     "host_s": _host_s(rk), "compute_s": _per_rank(rk, "compute_s"),
                     "compute_kernels": _per_rank(rk, "compute_kernels")})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
@@ -215,6 +217,21 @@ def _ms(s: float | None) -> str:
     return "-" if s is None else f"{s * 1e3:.1f}"
 
 
+def format_device_memory(summary: dict[str, Any]) -> list[str]:
+    """Per row (CUDA), each rank's allocator reserved peak and the device's memory in use after
+    the counted steps (``braid.measure.runs._device_memory``): what runs out, beside the table's
+    allocator peaks. Nothing on CPU."""
+    rows = [r for r in summary["runs"] + summary["external"] if any(r.get("reserved_peak_bytes") or [])]
+    if not rows:
+        return []
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
+    out = ["device memory per rank, MiB (allocator reserved peak / in use on the device):"]
+    for r in rows:
+        per = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["reserved_peak_bytes"], r.get("device_used_bytes") or []))
+        out.append(f"  {r['schedule']} m={r['m']}: {per}")
+    return out
+
+
 def format_report(summary: dict[str, Any]) -> str:
     """The text table: one line per run, measured next to predicted."""
     w = max([28] + [len(r["schedule"]) + 2 for r in summary["runs"] + summary["external"]])  # baseline rows name their mode
@@ -245,6 +262,7 @@ def format_report(summary: dict[str, Any]) -> str:
         spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
         lines.append(f"braid's best / best external baseline at m={m} (tokens/s, within a round): {b['median']:.3f}x{spread}")
     lines += format_per_peer(summary.get("best_per_peer", {}))
+    lines += format_device_memory(summary)
     lines += format_compute(summary)
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:

@@ -47,17 +47,17 @@ def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[torch.Tens
 
 def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None = None,
                  on_result=None, warmup: int | None = None, wall: list[float] | None = None,
-                 peak_from: int | None = None) -> tuple[list[float], int, Any, list[float], int]:
+                 peak_from: int | None = None) -> tuple[list[float], int, Any, list[float], dict[str, int]]:
     """Warm-up then measured steps (``steps``, default ``bc.steps``); returns (per-step seconds,
     peak bytes above the pre-step baseline, last result, per-step CPU seconds of this thread
-    launching the step, the allocator's reserved peak). ``on_result`` sees each measured step's
+    launching the step, the device-wide figures :func:`_device_memory` names). ``on_result`` sees each measured step's
     result; ``wall`` gets the epoch seconds at the start and the end of the measured steps (to
     line them up with a clock or power log taken beside the job). The peaks count the steps from
     index ``peak_from`` (default: the measured ones): a step captured into a CUDA graph during the
     warm-up allocates there what its replays reuse, so a graphed peer counts from its second step
-    (its first allocates the gradients every later step keeps). The reserved peak is absolute:
-    what the caching allocator held from the device at most (what runs out first)."""
-    times, peak, reserved, res, host = [], 0, 0, None, []
+    (its first allocates the gradients every later step keeps)."""
+    times, peak, res, host = [], 0, None, []
+    held = {"reserved": 0, "device_used": 0}
     steps = bc.steps if steps is None else steps
     warmup = bc.warmup if warmup is None else warmup
     peak_from = warmup if peak_from is None else min(peak_from, warmup + steps - 1)
@@ -82,10 +82,21 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None
                 on_result(res)
         if i >= peak_from and dev.type == "cuda":
             peak = max(peak, torch.cuda.max_memory_allocated(dev) - base)
-            reserved = max(reserved, torch.cuda.max_memory_reserved(dev))
+            now = _device_memory(dev)
+            held = {k: max(v, now[k]) for k, v in held.items()}
     if wall is not None:
         wall.append(time.time())
-    return times, peak, res, host, reserved
+    return times, peak, res, host, held
+
+
+def _device_memory(dev: torch.device) -> dict[str, int]:
+    """This rank's absolute device figures after a step: ``reserved``, the caching allocator's
+    reserved peak since its counters were reset (what runs out first), and ``device_used``, the
+    device's memory in use (total minus free, as nvidia-smi shows it: the CUDA context, NCCL's
+    and cuBLAS's buffers and every other process on the device included). The allocator keeps
+    what it reserved, so the step's end holds the step's reservation."""
+    free, total = torch.cuda.mem_get_info(dev)
+    return {"reserved": torch.cuda.max_memory_reserved(dev), "device_used": total - free}
 
 
 def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
@@ -120,7 +131,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         return graph.run(toks, labs, record=record)
 
     wall: list[float] = []
-    times, peak, _, host, reserved = _timed_steps(bc, dev, step, steps,
+    times, peak, _, host, held = _timed_steps(bc, dev, step, steps,
                                                   warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None,
                                                   wall=wall)
     mem = graph.memory()
@@ -146,7 +157,9 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         peak = res.trace.peak_memory(groups.coords.pp)
     shot = _snapshot_step(d, ex, chunks, toks, labs, snapshot) if snapshot else None
     keep = groups.coords.tp == 0
-    return {"times": times, "peak": peak, "reserved": reserved if dev.type == "cuda" else None, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
+    cuda = dev.type == "cuda"
+    return {"times": times, "peak": peak, "reserved": held["reserved"] if cuda else None,
+            "device_used": held["device_used"] if cuda else None, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
             "chunk_busy": chunk_busy if keep else None, "wall": wall,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
             "braided_blocks": count_blocks(plan), "compute_s": compute_s, "compute_kernels": kernels, "snapshot": shot}
@@ -207,11 +220,12 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
             mod.zero_grad(set_to_none=False)
         return pipe.step((x,), y)
 
-    times, peak, _, host, reserved = _timed_steps(bc, dev, step, peak_from=1)  # megatron-core graphed: captured in step 2
+    times, peak, _, host, held = _timed_steps(bc, dev, step, peak_from=1)  # megatron-core graphed: captured in step 2
     compute_s, kernels = _compute_step(dev, step) if busy_step else (None, None)
     pipe.close()
     cuda = dev.type == "cuda"
-    return {"times": times, "peak": peak if cuda else None, "reserved": reserved if cuda else None, "host": host,
+    return {"times": times, "peak": peak if cuda else None, "reserved": held["reserved"] if cuda else None,
+            "device_used": held["device_used"] if cuda else None, "host": host,
             "compute_s": compute_s,
             "compute_kernels": kernels}
 
