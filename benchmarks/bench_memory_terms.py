@@ -186,7 +186,7 @@ def context_terms(index: int, modes: Sequence[str]) -> list[Term]:
     probes = cuda_probes(dev)
     res, used = torch.cuda.memory_reserved(dev), probes["used"]()
     after = None
-    if before is not None and nvml_bus(handle) == torch.cuda.get_device_properties(dev).pci_bus_id:
+    if before is not None and nvml_bus(handle) == getattr(torch.cuda.get_device_properties(dev), "pci_bus_id", None):
         after = nvml_used(handle)  # else NVML's GPU is not this one (CUDA_DEVICE_ORDER): fall back
     mode = os.environ.get("CUDA_MODULE_LOADING") or "unset (the driver's default, LAZY)"
     if before is not None and after is not None:
