@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 FOLDERS = {"braid": "braid", "schedules": "braid.schedules", "simulator": "braid.simulator", "viz": "braid.viz"}
 # distribution name -> import name, where they differ
-IMPORT_NAME = {"pyyaml": "yaml", "megatron-core": "megatron"}
+IMPORT_NAME = {"pyyaml": "yaml", "megatron-core": "megatron", "nvidia-ml-py": "pynvml"}
 
 
 def _declared(extra: str | None = None) -> set[str]:
