@@ -73,7 +73,7 @@ cut short keeps its parts::
 On 2 GPUs (tp=2, qwen2-7b-shaped layers, seq 4096)::
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_memory_terms.py \\
-        --out benchmarks/results/memory_terms_h100x2_tp2.json
+        --out memory_terms.json
 
 Needs CUDA devices; on a machine without them it refuses in one line (exit code 2).
 """
