@@ -47,3 +47,17 @@ def gpu_pools():
     yield get
     for p in made.values():
         p.close()
+
+
+@pytest.fixture
+def qwen2_main(monkeypatch):
+    """``examples/qwen2.py``'s main in this process, as one process (no RANK/WORLD_SIZE)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    import qwen2
+    import train_loop
+
+    return lambda argv: train_loop.main(qwen2.TASK, argv)

@@ -362,18 +362,6 @@ def example_inputs(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture
-def qwen2_main(monkeypatch):
-    """``examples/qwen2.py``'s main in this process, as one process (no RANK/WORLD_SIZE)."""
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    import qwen2
-    import train_loop
-
-    return lambda argv: train_loop.main(qwen2.TASK, argv)
-
-
 def _moe_checkpoint_without_an_expert_tensor(path: Path) -> None:
     import braid.hf as bhf
     from braid.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeModel

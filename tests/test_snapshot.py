@@ -197,20 +197,8 @@ def test_bench_refuses_a_memory_snapshot_on_cpu(tmp_path, capsys) -> None:
     assert not list(tmp_path.iterdir())
 
 
-@pytest.fixture
-def train(monkeypatch):
-    """``examples/qwen2.py``'s main in this process, as one process."""
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    import qwen2
-    import train_loop
-
-    return lambda argv: train_loop.main(qwen2.TASK, argv)
-
-
-def test_the_training_script_refuses_a_memory_snapshot_on_cpu(tmp_path, train, capsys) -> None:
-    code = train(["--device", "cpu", "--steps", "1", "--memory-snapshot", str(tmp_path / "s.pickle")])
+def test_the_training_script_refuses_a_memory_snapshot_on_cpu(tmp_path, qwen2_main, capsys) -> None:
+    code = qwen2_main(["--device", "cpu", "--steps", "1", "--memory-snapshot", str(tmp_path / "s.pickle")])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--memory-snapshot records the CUDA caching allocator" in err[0], err
     assert not list(tmp_path.iterdir())
@@ -222,12 +210,12 @@ def test_the_training_script_refuses_a_memory_snapshot_on_cpu(tmp_path, train, c
     (["--schedule", "braided_v", "zb_v"], "--memory-snapshot take one --schedule"),
     (["--metrics", "SNAP"], "is also an input"),  # two outputs of one name
 ])
-def test_the_training_script_checks_memory_snapshot_combinations_first(tmp_path, train, capsys, monkeypatch, flags,
+def test_the_training_script_checks_memory_snapshot_combinations_first(tmp_path, qwen2_main, capsys, monkeypatch, flags,
                                                                        fragment) -> None:
     """As on a CUDA machine (the device is only asked whether it exists): one line, exit 2, before any work."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     snap = str(tmp_path / "s.pickle")
-    code = train(["--device", "cuda", "--memory-snapshot", snap, *[snap if f == "SNAP" else f for f in flags]])
+    code = qwen2_main(["--device", "cuda", "--memory-snapshot", snap, *[snap if f == "SNAP" else f for f in flags]])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and fragment in err[0], err
     assert not list(tmp_path.iterdir())
