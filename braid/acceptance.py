@@ -117,7 +117,7 @@ def parts(out: Path, smoke: bool) -> list[Part]:
     return [
         Part("gpu-tests", gpu, (*tests, "--junitxml", str(out / "gpu-tests.xml")), "gpu-tests.xml", None),
         Part("executor-limit", gpu, _py("benchmarks/bench_executor_limit.py", *limit, "--out", str(out / "executor_limit.json")),
-             "executor_limit.json", _limit_headline, {} if smoke else {"CUDA_VISIBLE_DEVICES": "0"}),
+             "executor_limit.json", _limit_headline, {} if smoke else {"CUDA_VISIBLE_DEVICES": first_visible_gpu()}),
         # tp=1 x pp=2 with the head's stage half a layer lighter (braid's best split; the baselines split whole layers)
         Part("bench-tp1-pp2", 2 * gpu, _py("-m", "braid.bench", *bench, *_peers(1, smoke), "--tp", "1", "--pp", "2",
                                            "--layers-per-stage", "1,1,1.5,0.5", "--json", str(out / "bench_tp1_pp2.json")),
@@ -128,6 +128,12 @@ def parts(out: Path, smoke: bool) -> list[Part]:
         Part("braided-overlap", 2 * gpu, _py("benchmarks/bench_braided_overlap.py", *overlap, "--json", str(out / "braided_overlap.json")),
              "braided_overlap.json", _overlap_headline),
     ]
+
+
+def first_visible_gpu() -> str:
+    """The first device of ``CUDA_VISIBLE_DEVICES`` (``0`` when unset): a one-GPU part stays on the
+    devices the run was given (two runs side by side on one host's GPU pairs included)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
 
 
 def _peers(tp: int, smoke: bool) -> tuple[str, ...]:

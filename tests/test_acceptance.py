@@ -204,3 +204,15 @@ def test_bench_headline_names_braids_run_each_peers_best_row_and_the_memory_line
                          "braid / mcore:interleaved 1F1B [graphed] 1.100x; braid / torch:ScheduleInterleaved1F1B [compile] 1.300x")
     assert mem.strip() == ("memory m=4 zb_v: peak MiB per rank measured/predicted 7.5/7.0 6.0/6.5 (worst error 7.1%; "
                            "measured: the CUDA graph's capture peak, with the gradients)")
+
+
+@pytest.mark.parametrize("visible, first", [(None, "0"), ("2,3", "2"), (" 5 , 6", "5"), ("", "0")])
+def test_the_one_gpu_part_stays_on_the_devices_the_run_was_given(monkeypatch, tmp_path, visible, first) -> None:
+    from braid import acceptance
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    plan = {p.name: p for p in acceptance.parts(tmp_path, smoke=False)}
+    assert plan["executor-limit"].env == {"CUDA_VISIBLE_DEVICES": first}
