@@ -10,6 +10,7 @@ exception becomes an ``AssertionError`` here with that rank's traceback. ``ctx``
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import queue
 import signal
@@ -38,11 +39,39 @@ class RankContext:
     groups: dict = field(default_factory=dict)
 
     def process_groups(self, topo):
+        """The groups of ``topo``, kept until a case asks for another topology. Only one layout's groups
+        are kept: on NCCL each group holds its communicator's buffers (a layout's groups took 1.6 GiB
+        per rank at tp=2 on H100s, ``benchmarks/bench_memory_terms.py``), and a session of GPU cases
+        that kept every layout's ran out of device memory."""
         from braid.runtime.distributed import ProcessGroups
 
         if topo not in self.groups:
+            self.release_groups()
             self.groups[topo] = ProcessGroups.create(topo, timeout_s=self.dist.timeout_s)
         return self.groups[topo]
+
+    def release_groups(self) -> None:
+        """Destroy the cached layout's groups and the expert groups cached beside them, and drop what
+        else cases cached with them (SP contexts), every rank between the same two cases. The
+        2D-Attention pool's groups stay: they are keyed by their ranks, reused by every layout, and
+        named after them (see ``GroupPool``)."""
+        import torch.distributed as dist
+
+        from braid.runtime.distributed import ProcessGroups
+        from braid.runtime.expert_parallel import ExpertGroups
+
+        doomed: dict[int, dist.ProcessGroup] = {}
+        for key in [k for k in self.groups if k != SHARED_POOL]:
+            held = self.groups.pop(key)
+            if isinstance(held, ProcessGroups):
+                doomed |= {id(g): g for g in (held.pp, held.tp, held.dp, held.cp, held.dp_cp)}
+            elif isinstance(held, ExpertGroups):
+                doomed |= {id(g): g for g in (held.ep_group, held.edp_group)}
+        for g in doomed.values():
+            dist.destroy_process_group(g)
+
+
+SHARED_POOL = "attention-group-pool"  # RankContext.groups key of the 2D-Attention GroupPool
 
 
 def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tasks, results, parent: int) -> None:
@@ -70,9 +99,15 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tas
             break
         fn, args = item
         try:
-            results.put((rank, True, fn(ctx, *args)))
+            out = (rank, True, fn(ctx, *args))
         except BaseException:  # report everything, keep serving
-            results.put((rank, False, traceback.format_exc()))
+            out = (rank, False, traceback.format_exc())
+        # what the case left in reference cycles, and the allocator's cache: the next case (or a test's
+        # own subprocess on this device) starts from what is really in use
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        results.put(out)
     d.close()
 
 

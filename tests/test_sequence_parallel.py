@@ -15,6 +15,7 @@ import torch
 
 import executor_cases as ex_cases
 from conftest import GPU_RUN_S, GPU_TEST_S
+from distributed_utils import SHARED_POOL
 
 SEQ = 16
 
@@ -34,7 +35,7 @@ def _sp_context(ctx, topo, d_hp: int, w: int | None, placement: str):
     from braid.models.sequence_parallel import SequenceParallel, SPConfig
 
     groups = ctx.process_groups(topo)
-    pool = ctx.groups.setdefault("attention-group-pool", GroupPool())
+    pool = ctx.groups.setdefault(SHARED_POOL, GroupPool())
     key = ("sp", topo, d_hp, w, placement)
     if key not in ctx.groups:
         ctx.groups[key] = SequenceParallel.create(SPConfig(topo.cp, d_hp, w, placement), groups, pool)
