@@ -34,12 +34,19 @@ GPU_TEST_S, GPU_RUN_S = 60, 45
 def gpu_pools():
     """``gpu_pools(n)``: ``n`` ranks on cuda:0..n-1 (NCCL), started once per session and shared by
     every GPU test: a CUDA context and NCCL communicators cost seconds per process on a fresh
-    machine, which per-test pools paid again and again. A pool closed by a timeout is replaced."""
+    machine, which per-test pools paid again and again. A pool closed by a timeout is replaced.
+    ``gpu_pools(n, fresh=True)`` closes every pool first and starts new ranks: for a case that needs
+    most of a device, since a session's ranks keep memory outside the caching allocator (NCCL
+    communicators, loaded kernels) that ``empty_cache`` cannot give back."""
     from distributed_utils import DistPool
 
     made: dict = {}
 
-    def get(n: int):
+    def get(n: int, fresh: bool = False):
+        if fresh:
+            for p in made.values():
+                p.close()
+            made.clear()
         if n not in made or made[n].closed:
             made[n] = DistPool(n, timeout_s=GPU_RUN_S - 5, device="cuda")
         return made[n]

@@ -15,6 +15,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -107,6 +108,9 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tas
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            print(f"[gpu pool rank {rank}] after {getattr(fn, '__name__', fn)}: device in use {(total - free) / 2**20:.0f} MiB, "
+                  f"allocator reserved {torch.cuda.memory_reserved() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
         results.put(out)
     d.close()
 
