@@ -34,10 +34,10 @@ simulator (compiled without re-validation; the engine still raises on any deadlo
    rounding, :data:`REL_GAIN`) goes to the one with the lower activation peak;
 2. one decision for all blocks of one shape (member kinds and chunks, e.g. every F&BW
    block), each alternative tried in turn and kept where the step gets shorter;
-3. the same for all blocks of one rank (a rank with slack gains by sending its outputs
-   early, a bottleneck rank by hiding its all-reduces), then each fusable pair of plain ops,
-   then per (rank, shape), then per block, while the evaluation budget lasts: at least
-   :data:`MAX_EVALS` simulations, more for short plans (:func:`eval_budget`).
+3. the same per (rank, shape) -- a rank with slack gains by sending its outputs early, a
+   bottleneck rank by hiding its all-reduces --, then fusing each fusable pair of plain ops,
+   then per block, while the evaluation budget lasts: at least :data:`MAX_EVALS`
+   simulations, more for short plans (:func:`eval_budget`).
 
 A change is kept only if the step gets shorter and the worst rank's activation peak stays
 at most the all-blocks plan's, the schedule as designed (splitting a block moves its
@@ -228,7 +228,7 @@ class _Search:
         cap = m_all
         state, best = (state_none, t_none) if _better(t_none, m_none, t_all, m_all) else (state_all, t_all)
         budget = self.evals + self.max_evals
-        for group in (self._by_shape, self._by_rank, self._each_site, self._by_rank_shape, self._each):
+        for group in (self._by_shape, self._by_rank_shape, self._each_site, self._each):
             for members in group():
                 for how in (self.fuses if members[0] in self.sites else self.variants):
                     if self.evals >= budget:
@@ -270,9 +270,6 @@ class _Search:
 
     def _by_shape(self) -> list[list[tuple[int, int]]]:
         return self._groups(self._shape)
-
-    def _by_rank(self) -> list[list[tuple[int, int]]]:
-        return self._groups(lambda blk: blk[0])
 
     def _each_site(self) -> list[list[tuple[int, int]]]:
         return [[site] for site in self.sites]
