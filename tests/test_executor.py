@@ -114,12 +114,16 @@ def test_recording_modes_time_less_and_compute_the_same(pools) -> None:
 
 
 def _every_choice(name: str, pp: int, m: int) -> str:
-    """``name``'s plan with its blocks run every way :mod:`braid.planner.braid_tune` can choose, in turn."""
-    from braid.planner.braid_tune import VARIANTS, apply_choices
+    """``name``'s plan with its blocks run every way :mod:`braid.planner.braid_tune` can choose, in turn,
+    and its fusable pairs of plain ops fused every way (pairs that share no op)."""
+    from braid.planner.braid_tune import FUSES, VARIANTS, apply_choices, fusable_pairs
 
     plan = schedules.build(name, pp, m)
     blocks = [(r, i) for r, ops in enumerate(plan.ranks) for i, ins in enumerate(ops) if hasattr(ins, "lead")]
-    return apply_choices(plan, {blk: VARIANTS[k % len(VARIANTS)] for k, blk in enumerate(blocks)}).to_json()
+    choices = {blk: VARIANTS[k % len(VARIANTS)] for k, blk in enumerate(blocks)}
+    sites = [(r, i) for r, i in fusable_pairs(plan) if (r, i - 1) not in fusable_pairs(plan)]
+    choices |= {site: FUSES[k % len(FUSES)] for k, site in enumerate(sites)}
+    return apply_choices(plan, choices).to_json()
 
 
 # Stages cut between a layer's attention and its MLP: one ends with an attention half, the
@@ -141,11 +145,12 @@ def test_half_layer_stages_match_reference(pools, pp: int, tp: int) -> None:
 @pytest.mark.parametrize("name", ["braided_v", "dualpipe_v"])
 def test_braid_choices_match_reference(pools, name: str) -> None:
     # What the braiding pass may choose (split blocks in either order, a fixed lead, a trailing
-    # all-reduce kept inside its block) runs through the same programs and gives the reference's
+    # all-reduce kept inside its block, two plain ops fused into a block) runs through the same programs and gives the reference's
     # loss, gradients and parameters; tp=2 so leads and carries change the all-reduce order.
     pp, tp, m = 2, 2, 5
     plan_json = _every_choice(name, pp, m)
     assert "/a" in plan_json and "/b" in plan_json and "/n" in plan_json
+    assert '"F0c0&F1c0"' in plan_json  # a block fused from two plain warm-up forwards
     ran_by_rank = pools(pp * tp).run(cases.equivalence, pp, tp, [(name, m, plan_json)], timeout_s=400)
     for rank_ran in ran_by_rank:
         assert [(n, mm) for n, mm, _ in rank_ran] == [(name, m)]

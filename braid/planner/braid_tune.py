@@ -12,7 +12,15 @@ schedule's plan (``braid="all"``), whether to
 * keep it braided but led by a fixed member (``F9c1&B3c1/a`` or ``/b``),
 * keep it braided but finish its trailing all-reduce inside it (``/n``: not carried into
   the next instruction, :func:`braid.core.braiding.carries`),
-* split it into its two ops, run one after the other in either order.
+* split it into its two ops, run one after the other in either order;
+
+and, for two plain ops next to each other on a rank that could form a block (a forward and an
+independent op of another micro-batch, :data:`braid.core.ir.BRAIDABLE`), whether to *fuse* them
+into one (with the braiding rule's lead or a fixed one). A block delays its forward's output
+to the block's end, so the schedules leave such ops plain -- but on a rank that is the
+pipeline's bottleneck and has ops to spare, hiding their all-reduces is worth more (braided_v
+on a measured H100 profile at tp=2 x pp=2, one layer per virtual stage: V placement puts the
+embedding and the LM head both on device 0, and ``auto`` fuses its warm-up forwards).
 
 The choice is written into the plan (those instruction forms), so the executor runs
 exactly what was chosen: it interprets the same compiled programs.
@@ -26,7 +34,10 @@ simulator (compiled without re-validation; the engine still raises on any deadlo
    rounding, :data:`REL_GAIN`) goes to the one with the lower activation peak;
 2. one decision for all blocks of one shape (member kinds and chunks, e.g. every F&BW
    block), each alternative tried in turn and kept where the step gets shorter;
-3. the same per (rank, shape), then per block, while the evaluation budget lasts.
+3. the same per (rank, shape) -- a rank with slack gains by sending its outputs early, a
+   bottleneck rank by hiding its all-reduces --, then fusing each fusable pair of plain ops,
+   then per block, while the evaluation budget lasts: at least :data:`MAX_EVALS`
+   simulations, more for short plans (:func:`eval_budget`).
 
 A change is kept only if the step gets shorter and the worst rank's activation peak stays
 at most the all-blocks plan's, the schedule as designed (splitting a block moves its
@@ -53,7 +64,7 @@ from typing import Any, Callable, Iterable
 from braid import schedules
 from braid.core.compiler import ScheduleError, compile_plan
 from braid.cost.costs import CostModel
-from braid.core.ir import Braided, Compute, ComputeInstr, Plan, ScheduleConfig
+from braid.core.ir import Braided, Compute, ComputeInstr, OpKind, Plan, ScheduleConfig
 from braid.simulator import SimulationError
 from braid.simulator.fast import FastResult, run_programs, simulate_schedule
 
@@ -61,13 +72,24 @@ COARSE_PM = 4096  # p*m from which only all-or-none is compared, on a short run
 NO_SEARCH_PM = 8192  # p*m from which every block is kept without a simulation
 UNSEARCHED = (f"kept every block: not searched at p*m >= {NO_SEARCH_PM} (a simulation costs about a second there; "
               "--braid none simulates the order without blocks)")
-MAX_EVALS = 48  # simulations of the local search (after all and none)
+MAX_EVALS = 48  # simulations of the local search (after all and none), at least
+EVAL_WORK = 4096  # ... and up to this many divided by p*m: a short plan simulates in milliseconds
 REL_GAIN = 1e-9  # a change is kept only when it shortens the step by more than this fraction
 
 # How one block runs. ``braid`` is the plan's block as generated.
 BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA = "braid", "lead_a", "lead_b", "no_carry", "split_ab", "split_ba"
 VARIANTS = (BRAID, LEAD_A, LEAD_B, NO_CARRY, SPLIT_AB, SPLIT_BA)
 _SPLITS = (SPLIT_AB, SPLIT_BA)
+# How two adjacent plain ops run: as they are, or fused into a block (the forward is its first
+# member; lead as the braiding rule says, or the forward's / the other op's units first).
+PLAIN, FUSE, FUSE_A, FUSE_B = "plain", "fuse", "fuse_a", "fuse_b"
+FUSES = (FUSE, FUSE_A, FUSE_B)
+
+
+def eval_budget(p: int, m: int) -> int:
+    """Simulations the local search may spend at (p, m): :data:`MAX_EVALS`, or more where one
+    simulation is cheap (``EVAL_WORK // (p * m)``: 256 at p=2, m=8)."""
+    return max(MAX_EVALS, EVAL_WORK // max(1, p * m))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +106,11 @@ class BraidChoice:
     all_step_s: float  # the schedule with every block
     none_step_s: float  # the schedule's order without blocks
     m: int  # micro-batches of the runs compared
+    fused: int = 0  # blocks made of two adjacent plain ops
 
     def to_dict(self) -> dict[str, Any]:
         return {"blocks": self.blocks, "braided": self.braided, "fixed_lead": self.led, "not_carried": self.uncarried,
-                "simulations": self.evaluations, "all_step_s": self.all_step_s if self.evaluations else None,
+                "fused": self.fused, "simulations": self.evaluations, "all_step_s": self.all_step_s if self.evaluations else None,
                 "none_step_s": self.none_step_s if self.evaluations else None,
                 "chosen_at_m": self.m}
 
@@ -97,7 +120,8 @@ class BraidChoice:
         if not self.evaluations:
             return f"kept all {self.blocks} blocks: {UNSEARCHED.split(': ', 1)[1]}"
         step = min(self.all_step_s, self.none_step_s) if self.result is None else self.result.report.step_time_s
-        return (f"braided {self.braided} of {self.blocks} blocks" + (f" ({', '.join(extra)})" if extra else "")
+        fused = f", fused {self.fused} pair{'s' * (self.fused != 1)} of plain ops" if self.fused else ""
+        return (f"braided {self.braided} of {self.blocks} blocks" + (f" ({', '.join(extra)})" if extra else "") + fused
                 + f"; step {step / self.all_step_s - 1:+.2%} vs all blocks, {step / self.none_step_s - 1:+.2%} vs none"
                 + f" ({self.evaluations} simulations" + (f", chosen at m={self.m})" if self.result is None else ")"))
 
@@ -108,7 +132,7 @@ def count_blocks(plan: Plan) -> int:
 
 
 def tune_braiding(name: str, p: int, m: int, costs: CostModel, options: Iterable[tuple[str, Any]] = (), *,
-                  max_evals: int = MAX_EVALS, plan: Plan | None = None) -> BraidChoice:
+                  max_evals: int | None = None, plan: Plan | None = None) -> BraidChoice:
     """Choose how schedule ``name``'s braided blocks run at (p, m) on ``costs`` (``braid="auto"``).
 
     ``options``: the schedule's other knobs (e.g. the offload fractions). The result's plan
@@ -127,7 +151,7 @@ def tune_braiding(name: str, p: int, m: int, costs: CostModel, options: Iterable
     if p * m >= COARSE_PM:
         return _coarse(name, p, m, costs, opts, spec, full)
     plain = schedules.build(name, p, m, **opts, braid="none")
-    return _Search(full, plain, costs, max_evals).run()
+    return _Search(full, plain, costs, eval_budget(p, m) if max_evals is None else max_evals).run()
 
 
 def _coarse(name: str, p: int, m: int, costs: CostModel, opts: dict, spec, full: Plan) -> BraidChoice:
@@ -164,6 +188,8 @@ class _Search:
         has_ar = costs.layout.tp > 1 and any(c.total("ar_f") + c.total("ar_b") > 0 for c in costs.chunks.values())
         # lead and carry matter only where there are all-reduces
         self.variants = VARIANTS if has_ar else (BRAID, SPLIT_AB, SPLIT_BA)
+        self.sites = fusable_pairs(full)
+        self.fuses = FUSES if has_ar else (FUSE,)
         self.evals = 0
         self.seen: dict[tuple, tuple[float, int]] = {}
 
@@ -180,7 +206,7 @@ class _Search:
 
     def step(self, state: dict[tuple[int, int], str]) -> tuple[float, int]:
         """(step time, worst-rank activation peak) of the plan with the blocks run as ``state`` says."""
-        key = tuple(sorted((k, v) for k, v in state.items() if v != BRAID))
+        key = tuple(sorted((k, v) for k, v in state.items() if v not in (BRAID, PLAIN)))
         hit = self.seen.get(key)
         if hit is None:
             self.evals += 1
@@ -202,12 +228,12 @@ class _Search:
         cap = m_all
         state, best = (state_none, t_none) if _better(t_none, m_none, t_all, m_all) else (state_all, t_all)
         budget = self.evals + self.max_evals
-        for group in (self._by_shape, self._by_rank_shape, self._each):
+        for group in (self._by_shape, self._by_rank_shape, self._each_site, self._each):
             for members in group():
-                for how in self.variants:
+                for how in (self.fuses if members[0] in self.sites else self.variants):
                     if self.evals >= budget:
                         break
-                    if all(state[b] == how for b in members):
+                    if all(state.get(b, PLAIN) == how for b in members) or self._clash(state, members):
                         continue
                     trial = dict(state) | dict.fromkeys(members, how)
                     t, peak = self.step(trial)
@@ -225,7 +251,12 @@ class _Search:
         result = run_programs(compile_plan(plan, validate=False), self.costs, plan.name, plan.m)
         kept = [b for b in self.blocks if state[b] not in _SPLITS]
         return BraidChoice(plan, result, len(self.blocks), len(kept), sum(state[b] in (LEAD_A, LEAD_B) for b in kept),
-                           sum(state[b] == NO_CARRY for b in kept), self.evals, t_all, t_none, plan.m)
+                           sum(state[b] == NO_CARRY for b in kept), self.evals, t_all, t_none, plan.m,
+                           sum(state.get(s, PLAIN) in FUSES for s in self.sites))
+
+    def _clash(self, state: dict[tuple[int, int], str], members: list[tuple[int, int]]) -> bool:
+        """Whether fusing the pair at ``members`` would take an op that a fused neighbour holds."""
+        return any(members[0] in self.sites and state.get((r, i + d), PLAIN) in FUSES for r, i in members for d in (-1, 1))
 
     def _shape(self, blk: tuple[int, int]) -> tuple:
         ins = self.full.ranks[blk[0]][blk[1]]
@@ -240,6 +271,9 @@ class _Search:
     def _by_shape(self) -> list[list[tuple[int, int]]]:
         return self._groups(self._shape)
 
+    def _each_site(self) -> list[list[tuple[int, int]]]:
+        return [[site] for site in self.sites]
+
     def _by_rank_shape(self) -> list[list[tuple[int, int]]]:
         return self._groups(lambda blk: (blk[0], self._shape(blk)))
 
@@ -247,15 +281,55 @@ class _Search:
         return [[blk] for blk in self.blocks]
 
 
+def fusable_pairs(plan: Plan) -> list[tuple[int, int]]:
+    """``(rank, index)`` of every two adjacent plain ops, ``index`` and ``index + 1``, that may form
+    a braided block: a forward and an op of another micro-batch (so neither depends on the other)
+    that :data:`braid.core.ir.BRAIDABLE` pairs with it."""
+    out = []
+    for r, ops in enumerate(plan.ranks):
+        for i, (a, b) in enumerate(zip(ops, ops[1:])):
+            if isinstance(a, Compute) and isinstance(b, Compute) and a.mb != b.mb and _fused(a, b, None) is not None:
+                out.append((r, i))
+    return out
+
+
+def _fused(a: Compute, b: Compute, lead: int | None) -> Braided | None:
+    """The block of plain ops ``a`` then ``b``, the forward first (``b`` first if only it is one); None if not braidable."""
+    first, second = (a, b) if a.kind is OpKind.F else (b, a)
+    try:
+        return Braided(first, second, lead=lead)
+    except ValueError:
+        return None
+
+
 def apply_choices(plan: Plan, choices: dict[tuple[int, int], str]) -> Plan:
     """``plan`` with block ``(rank, index)`` run as ``choices[(rank, index)]`` (one of
-    :data:`VARIANTS`; blocks not named stay as they are)."""
+    :data:`VARIANTS`; blocks not named stay as they are), and the plain ops at ``index`` and
+    ``index + 1`` fused into one block where ``choices[(rank, index)]`` is one of :data:`FUSES`
+    (:func:`fusable_pairs`; ``ValueError`` for a pair that cannot be fused or overlaps another)."""
     ranks = []
     for r, ops in enumerate(plan.ranks):
         out: list[ComputeInstr] = []
+        taken = False  # op i was fused with op i - 1
         for i, ins in enumerate(ops):
-            how = choices.get((r, i), BRAID) if isinstance(ins, Braided) else None
-            out += [ins] if how is None else _apply(ins, how)
+            how = choices.get((r, i), BRAID if isinstance(ins, Braided) else PLAIN)
+            if how in FUSES:
+                nxt = ops[i + 1] if i + 1 < len(ops) else None
+                lead = {FUSE: None, FUSE_A: 0, FUSE_B: 1}[how]
+                block = _fused(ins, nxt, lead) if isinstance(ins, Compute) and isinstance(nxt, Compute) and not taken else None
+                if block is None or ins.mb == nxt.mb:
+                    raise ValueError(f"rank {r}: cannot fuse op {i} ({ins}) with the next op ({nxt}) into a block")
+                out.append(block)
+                taken = True
+                continue
+            if taken:
+                taken = False
+            elif isinstance(ins, Compute):
+                if how != PLAIN:
+                    raise ValueError(f"rank {r}: op {i} ({ins}) is a plain op; it can be fused ({', '.join(FUSES)}), not {how!r}")
+                out.append(ins)
+            else:
+                out += _apply(ins, how)
         ranks.append(tuple(out))
     return Plan(plan.name, plan.config, plan.placement, tuple(ranks))
 
