@@ -6,7 +6,7 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
 
 * **Compute** instructions run unit by unit in the order of :func:`braid.core.braiding.steps`.
   A task with ``ar`` (and tp > 1) starts an all-reduce on the TP stream when it ends
-  (queued behind earlier ones); the next task of the same op with ``waits_ar`` waits for
+  (queued behind earlier ones); the next task of the same op with ``waits`` waits for
   it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
   done (the tail wait is exposed too), except an all-reduce carried into the next compute
   instruction (:func:`braid.core.braiding.carries`): the Send/Recv run in between is posted (a
@@ -64,7 +64,7 @@ class SimulationError(ValueError):
     """A program that cannot run: deadlock, unmatched or misrouted P2P, reload without offload."""
 
 
-# One row per unit task: (member, nominal compute s, all-reduce s (0: none), waits_ar, unit label, phase, bytes delta,
+# One row per unit task: (member, nominal compute s, all-reduce s (0: none), waits, unit label, phase, bytes delta,
 # workspace bytes held while it runs)
 _Row = tuple[int, float, float, bool, str, str, float, float]
 # Rows of one instruction shape, bytes kept per member, nominal compute s of the whole instruction.
@@ -201,12 +201,12 @@ class Engine:
             ar = ar if (self._tp and st.task.ar) else 0.0
             if ar and k + 1 < len(tasks):  # compute runs beside it unless the next task waits for it
                 nxt = tasks[k + 1]
-                if not (nxt.task.waits_ar and nxt.member == st.member):
+                if not (nxt.task.waits and nxt.member == st.member):
                     ar *= stretch
             elif ar and carried:  # the next instruction's first task runs beside it
                 ar *= stretch
             label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
-            rows.append((st.member, dur, ar, st.task.waits_ar, label, ph.value, dmem, u.tmp))
+            rows.append((st.member, dur, ar, st.task.waits, label, ph.value, dmem, u.tmp))
             totals[st.member] += dmem
             nominal += dur
         out = (tuple(rows), (totals[0], totals[1]), nominal)

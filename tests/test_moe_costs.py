@@ -159,7 +159,7 @@ def test_the_runtime_keeps_what_the_moe_cost_model_says() -> None:
         kept = {}
         for unit in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
             before = ch.live_bytes()
-            ch.run(0, UnitTask(Phase.F, unit, 0, False))
+            ch.run(0, UnitTask(Phase.F, unit, 0))
             kept[unit] = ch.live_bytes() - before
         model = MOE.with_(layers=2, hidden=h, heads=4, kv_heads=2, ffn=64, vocab=64, seq=s, micro_batch_size=b, dtype_bytes=4,
                           head_size=0, experts=e, experts_per_token=k, moe_ffn=f)

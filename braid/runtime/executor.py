@@ -482,7 +482,7 @@ class Executor:
                            ops[m].kind.value, None, None) for m in order)
         else:
             bound = tuple(
-                (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits_ar, task.ar, names[member],
+                (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits, task.ar, names[member],
                  task.phase.value, task.label.split(":", 1)[1], self._next_task(tasks, k))
                 for k, (member, task) in enumerate(tasks)
             )
