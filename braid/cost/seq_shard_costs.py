@@ -41,7 +41,7 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     after, and the re-gather of the column-parallel linears' saved input, which runs beside
     the row-parallel unit's backward before it. Saved bytes: both parts of Korthikanti's
     per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
-    gathered linear inputs' bytes over ``t`` (:func:`braid.cost.costs._runtime_act`); the
+    gathered linear inputs' bytes over ``t`` (:func:`braid.cost.runtime_act.runtime_act`); the
     head's norm and input over ``t``, its logits unchanged.
     """
     nbytes = tokens * h * d

@@ -3,11 +3,13 @@
 One dispatch loop over the rank's instructions ("schedule as data, executor as one
 loop"). Compute instructions -- F, B, W, BW and braided blocks -- run at unit granularity
 in the order :func:`braid.core.braiding.steps` gives (the braid pattern is defined there, once).
-A unit task with ``ar`` starts an async TP all-reduce of its output
+A unit task with a ``comm`` starts it asynchronously as it ends: a TP all-reduce of its output
 (``dist.all_reduce(..., async_op=True)``: NCCL runs it on its own stream ordered by
 events, gloo on its worker thread; under sequence sharding a reduce-scatter over the
-sequence, :mod:`braid.tp.seq_shard`); the next F/B task of the same op waits for it, and an
-instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
+sequence, :mod:`braid.tp.seq_shard`), or expert parallelism's all-to-all the unit returns
+(:class:`braid.models.moe_dispatch.Exchange`, the same way, on lane ``ep-comm``); the next F/B
+task of the same op waits for it, and an
+instruction's collectives are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
 trailing one that :func:`braid.core.braiding.carries` carries into the next compute instruction,
 whose first unit task then runs beside it, as the simulator models. When the Send/Recv run
 between the two sends the carried forward's output, the run is posted as the all-reduce
@@ -26,7 +28,7 @@ format: unit compute events, all-reduces on lane ``tp-comm``, P2P events and a m
 series (``torch.cuda.memory_allocated`` on GPU, live saved-activation bytes on CPU).
 
 Recording costs host time on every unit task (two clock marks -- CUDA events on GPU --
-and one event tuple), which bounds small models by Python dispatch. Where nothing needs the unit cuts (tp=1, no
+and one event tuple). Where nothing needs the unit cuts (tp=1, ep=1, no
 sequence parallelism, no Offload/Reload in the program) the chunks run fused
 (:meth:`braid.models.chunk.ModelChunk.choose_fused`): one backward engine call per op, a
 ``BW`` op's weight gradients computed inside it (:meth:`~braid.models.chunk.ModelChunk.set_joint`),
@@ -66,7 +68,7 @@ from braid.core.ir import (
     Send,
     compute_ops,
 )
-from braid.io.trace import Event, Trace
+from braid.io.trace import Trace
 from braid.models.chunk import ModelChunk
 from braid.models.chunk_parts import ChunkStateError
 from braid.runtime import compiled
@@ -80,6 +82,7 @@ from braid.runtime.results import (
     StepResult,
     _Clock,
     check_record,
+    measured_trace,
 )
 from braid.tp.autograd_calls import on_this_thread
 from braid.tp.comm import TPComm
@@ -114,9 +117,7 @@ class _Held:
 # collective, the collective it starts (None: none), op text, phase text, unit text (None for a whole op), and the op's
 # next unit task after a step that starts a reduction (None otherwise): its head may follow it.
 _Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, Comm | None, str, str, str | None, UnitTask | None]
-# Trace lane and event kind of each collective.
-_LANE = {Comm.AR: ("tp-comm", "AR"), Comm.A2A: ("ep-comm", "A2A")}
-
+_LANE = {Comm.AR: ("tp-comm", "AR"), Comm.A2A: ("ep-comm", "A2A")}  # trace lane and event kind of each collective
 
 
 def _range(name: Callable[[], str]) -> Any:
@@ -595,15 +596,5 @@ class Executor:
                 "record": self._rec, "summary": summary}
         if self._rec == "off":  # copy marks were None: nothing was timed
             return Trace(meta, [], {})
-        sec = self.clock.seconds
-        events = [
-            Event(self.rank, lane, name, kind, sec(s), max(0.0, sec(e) - sec(s)), mb, chunk, unit, block, idx, peer)
-            for lane, name, kind, s, e, mb, chunk, unit, block, idx, peer in self._events
-        ]
-        if self._rec == "units":  # all-reduces are timed only per unit
-            summary["exposed_ar_s"] = sum(max(0.0, sec(e) - sec(b)) for b, e, c in self._exposed if c is Comm.AR)
-            summary["ar_span_s"] = sum(ev.dur for ev in events if ev.kind == "AR")
-            if self.counts.get("A2A"):
-                summary["exposed_a2a_s"] = sum(max(0.0, sec(e) - sec(b)) for b, e, c in self._exposed if c is Comm.A2A)
-                summary["a2a_span_s"] = sum(ev.dur for ev in events if ev.kind == "A2A")
-        return Trace(meta, events, {self.rank: [(sec(t), b) for t, b in self._memory]})
+        return measured_trace(meta, self.rank, self._events, self._exposed, self._memory, self.clock.seconds,
+                              units=self._rec == "units")
