@@ -49,6 +49,9 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     sbh = nbytes / 2
     out = {}
     for u, c in lm.items():
+        if u is Unit.EXPERTS:  # an MoE layer's experts: no TP collective, every routed row (not sequence-sharded)
+            out[u] = c
+            continue
         c = replace(c, ar_b=chain) if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else replace(c, ar_f=chain)
         if runtime:
             whole = tokens * (4 * h + d * h + 4) + tokens * d * h if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else 0.0
