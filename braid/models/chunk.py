@@ -275,7 +275,7 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         out += [f"stash {type(m).__name__}" for m in self._deferred_all() if m.stash_bytes()]
         out += [f"fused graph mb{k}" for k in self._ops]
         out += [f"unit head run ahead mb{k}" for k in (*self._ahead_f, *self._ahead_b)]  # seq_shard (follow)
-        out += [f"routing of MoE layer {layer} mb{mb}" for mb, layer in self._plans]
+        out += [f"routing of MoE layer {layer} mb{mb}" for mb, layer in self._routings]
         return out
 
     # -- unit tasks ------------------------------------------------------------------------

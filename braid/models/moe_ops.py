@@ -50,7 +50,7 @@ class MoeOps:
     """The MoE units of :class:`braid.models.chunk.ModelChunk` in cut mode (module doc)."""
 
     def _init_moe(self) -> None:
-        self._plans: dict[tuple[int, int], tuple[RowPlan, torch.Tensor, torch.Size]] = {}  # (mb, layer) -> plan, order, shape
+        self._routings: dict[tuple[int, int], tuple[RowPlan, torch.Tensor, torch.Size]] = {}  # (mb, layer) -> plan, order, shape
 
     def moe_moves(self) -> bool:
         """Whether an MoE layer of the chunk sends rows to other ranks (expert parallelism)."""
@@ -71,7 +71,7 @@ class MoeOps:
                 send = sent_rows(rows, plan)
             self._gather = None
             self._saved[key] = [_Piece((edge(x),), (edge(h),), (norm.weight,)), _Piece((edge(hl),), (edge(send), edge(weights)))]
-            self._plans[(mb, layer)] = (plan, order, hl.shape)
+            self._routings[(mb, layer)] = (plan, order, hl.shape)
             req = exchange(send, plan)
             self._fwd[mb] = (_arrived(req, send.detach()), weights.detach(), x.detach())
             return req
@@ -93,7 +93,7 @@ class MoeOps:
         return self._reduction(mb, out)
 
     def _plan(self, mb: int, layer: int) -> tuple[RowPlan, torch.Tensor, torch.Size]:
-        got = self._plans.get((mb, layer))
+        got = self._routings.get((mb, layer))
         if got is None:
             raise ChunkStateError(f"micro-batch {mb}: no routing of MoE layer {layer} (its pre_mlp forward not run?)")
         return got
@@ -115,7 +115,7 @@ class MoeOps:
             d_out, d_weights = st.grads
             with split_weight_grads(self._deferred(unit, layer), mb):
                 (d_got,) = grad(pieces[0].outputs, pieces[0].inputs, (d_out,))
-            del self._plans[(mb, layer)]
+            del self._routings[(mb, layer)]
             req = exchange(d_got, plan, back=True)  # the dispatch's backward: to the tokens' ranks
             st.grads = (_arrived(req, d_got), d_weights)
         self._boxes.pop(key, None)
