@@ -5,11 +5,11 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
 (device-to-host for ``OFFLOAD``, host-to-device for ``RELOAD``).
 
 * **Compute** instructions run unit by unit in the order of :func:`braid.core.braiding.steps`.
-  A task whose ``comm`` is an all-reduce (and tp > 1) starts it on the TP stream when it ends
-  (queued behind earlier ones), one whose ``comm`` is an all-to-all (``UnitCost.a2a_f``/``a2a_b``
-  > 0: ep > 1) starts it on the EP stream, the rank's *all-to-all lane*; the next task of the
-  same op with ``waits`` waits for it -- that wait is *exposed TP comm* (*exposed all-to-all*);
-  the instruction ends when all its collectives are done (the tail wait is exposed too), except an all-reduce carried into the next compute
+  A task whose ``comm`` is an all-reduce (tp > 1) starts it on the TP stream when it ends (queued
+  behind earlier ones), an all-to-all (``UnitCost.a2a_f``/``a2a_b`` > 0: ep > 1) on the EP stream,
+  the rank's *all-to-all lane*; the next task of the same op with ``waits`` waits for it -- that
+  wait is *exposed TP comm* (*exposed all-to-all*); the instruction ends when all its collectives
+  are done (the tail wait is exposed too), except an all-reduce carried into the next compute
   instruction (:func:`braid.core.braiding.carries`): the Send/Recv run in between is posted (a
   chained run as of the all-reduce's end, the rank not waiting), then the next instruction's
   first unit task runs beside it, then the carried all-reduce is waited for. A chained run's
@@ -65,8 +65,8 @@ class SimulationError(ValueError):
     """A program that cannot run: deadlock, unmatched or misrouted P2P, reload without offload."""
 
 
-# One row per unit task: (member, nominal compute s, all-reduce s (0: none), all-to-all s (0: none), waits,
-# unit label, phase, bytes delta, workspace bytes held while it runs)
+# One row per unit task: (member, nominal compute s, all-reduce s / all-to-all s (0: none), waits, unit label,
+# phase, bytes delta, workspace bytes held while it runs)
 _Row = tuple[int, float, float, float, bool, str, str, float, float]
 # Rows of one instruction shape, bytes kept per member, nominal compute s of the whole instruction.
 _Table = tuple[tuple[_Row, ...], tuple[float, float], float]
@@ -255,8 +255,7 @@ class Engine:
             nominal -= rows[0][1]  # counted when the hoisted task ran
         t, tp_free, ep_free, pend, lanes, ar_start = self._rows(rs, instr, idx, rows, first, len(rows), state)
         if ep_free > t:  # (no op ends on an all-to-all: each is waited for inside its instruction)
-            rs.stats.a2a_exposed_s += ep_free - t
-            t = ep_free
+            rs.stats.a2a_exposed_s, t = rs.stats.a2a_exposed_s + ep_free - t, ep_free
         if carry is not None and rows[-1][2] > 0.0:
             # The last all-reduce stays in flight into the next instruction; the earlier ones
             # (queued before it on the TP stream) are done when it starts.
@@ -322,9 +321,8 @@ class Engine:
         return True
 
     def _rows(self, rs: _Rank, instr: Compute | Braided, idx: int, rows, first: int, stop: int, state):
-        """Time unit rows ``first:stop`` from ``state`` = (t, TP stream free, EP stream free, pending
-        collective end per member, whether it is an all-to-all per member, last all-reduce start);
-        returns the new state."""
+        """Time unit rows ``first:stop`` from ``state`` = (t, TP and EP streams free, pending collective end
+        and whether it is an all-to-all per member, last all-reduce start); returns the new state."""
         t, tp_free, ep_free, pend, lanes, s = state
         f = self.costs.ar_slowdown
         rank = rs.rank
@@ -343,10 +341,8 @@ class Engine:
                 if host > t:
                     t = host
             if waits and pend[member] > t:
-                if lanes[member]:
-                    exposed_a2a += pend[member] - t
-                else:
-                    exposed += pend[member] - t
+                exposed_a2a, exposed = (exposed_a2a + pend[member] - t, exposed) if lanes[member] else (
+                    exposed_a2a, exposed + pend[member] - t)
                 t = pend[member]
             flight = tp_free if tp_free > ep_free else ep_free
             if flight > t:  # a collective is in flight: slowed down while it lasts
