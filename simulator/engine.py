@@ -5,17 +5,18 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
 (device-to-host for ``OFFLOAD``, host-to-device for ``RELOAD``).
 
 * **Compute** instructions run unit by unit in the order of :func:`braid.core.braiding.steps`.
-  A task with ``ar`` (and tp > 1) starts an all-reduce on the TP stream when it ends
-  (queued behind earlier ones); the next task of the same op with ``waits_ar`` waits for
-  it -- that wait is *exposed TP comm*; the instruction ends when all its all-reduces are
-  done (the tail wait is exposed too), except an all-reduce carried into the next compute
+  A task whose ``comm`` is an all-reduce (tp > 1) starts it on the TP stream when it ends (queued
+  behind earlier ones), an all-to-all (``UnitCost.a2a_f``/``a2a_b`` > 0: ep > 1) on the EP stream,
+  the rank's *all-to-all lane*; the next task of the same op with ``waits`` waits for it -- that
+  wait is *exposed TP comm* (*exposed all-to-all*); the instruction ends when all its collectives
+  are done (the tail wait is exposed too), except an all-reduce carried into the next compute
   instruction (:func:`braid.core.braiding.carries`): the Send/Recv run in between is posted (a
   chained run as of the all-reduce's end, the rank not waiting), then the next instruction's
   first unit task runs beside it, then the carried all-reduce is waited for. A chained run's
   posts are made at the rank's time with that later time stamp, so with a costly P2P its
   transfers may reserve the P2P engines ahead of earlier ones (free P2P is exact). Compute
-  that runs while an all-reduce is in flight
-  on the rank is slowed by ``CostModel.ar_slowdown``, and an all-reduce that the next task
+  that runs while a collective (all-reduce or all-to-all) is in flight
+  on the rank is slowed by ``CostModel.ar_slowdown``, and a collective that the next task
   does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer.
   The *host lane*: the rank's host issues unit tasks one after another, ``host_task_s``
   each, never waiting for the device (the executor's host runs ahead of the GPU); a task
@@ -51,7 +52,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from braid.core.braiding import Phase, carries, steps
+from braid.core.braiding import Comm, Phase, carries, steps
 from braid.cost.costs import CostModel
 from braid.core.gc_pause import gc_paused
 from braid.core.offload import RELEASE_AFTER
@@ -64,20 +65,21 @@ class SimulationError(ValueError):
     """A program that cannot run: deadlock, unmatched or misrouted P2P, reload without offload."""
 
 
-# One row per unit task: (member, nominal compute s, all-reduce s (0: none), waits_ar, unit label, phase, bytes delta,
-# workspace bytes held while it runs)
-_Row = tuple[int, float, float, bool, str, str, float, float]
+# One row per unit task: (member, nominal compute s, all-reduce s / all-to-all s (0: none), waits, unit label,
+# phase, bytes delta, workspace bytes held while it runs)
+_Row = tuple[int, float, float, float, bool, str, str, float, float]
 # Rows of one instruction shape, bytes kept per member, nominal compute s of the whole instruction.
 _Table = tuple[tuple[_Row, ...], tuple[float, float], float]
 
 
 @dataclass(slots=True)
 class RankStats:
-    """What one rank did: busy compute, exposed TP waits, end time, memory deltas."""
+    """What one rank did: busy compute, exposed TP and all-to-all waits, end time, memory deltas."""
 
     compute_s: float = 0.0
     nominal_compute_s: float = 0.0
     tp_exposed_s: float = 0.0
+    a2a_exposed_s: float = 0.0
     end_s: float = 0.0
     mem: list[tuple[float, float]] = field(default_factory=list)
 
@@ -193,20 +195,21 @@ class Engine:
             u = self.costs.chunks[(rank, st.op.chunk)].units[st.task.unit]
             ph = st.task.phase
             if ph is Phase.F:
-                dur, ar, dmem = u.f, u.ar_f, u.act
+                dur, ar, a2a, dmem = u.f, u.ar_f, u.a2a_f, u.act
             elif ph is Phase.B:
-                dur, ar, dmem = u.b, u.ar_b, u.w_res - u.act
+                dur, ar, a2a, dmem = u.b, u.ar_b, u.a2a_b, u.w_res - u.act
             else:
-                dur, ar, dmem = u.w, 0.0, -u.w_res
-            ar = ar if (self._tp and st.task.ar) else 0.0
-            if ar and k + 1 < len(tasks):  # compute runs beside it unless the next task waits for it
+                dur, ar, a2a, dmem = u.w, 0.0, 0.0, -u.w_res
+            ar = ar if (self._tp and st.task.comm is Comm.AR) else 0.0
+            a2a = a2a if st.task.comm is Comm.A2A else 0.0  # 0 unless ep > 1 (braid.cost.moe_costs)
+            if (ar or a2a) and k + 1 < len(tasks):  # compute runs beside it unless the next task waits for it
                 nxt = tasks[k + 1]
-                if not (nxt.task.waits_ar and nxt.member == st.member):
-                    ar *= stretch
+                if not (nxt.task.waits and nxt.member == st.member):
+                    ar, a2a = ar * stretch, a2a * stretch
             elif ar and carried:  # the next instruction's first task runs beside it
                 ar *= stretch
             label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
-            rows.append((st.member, dur, ar, st.task.waits_ar, label, ph.value, dmem, u.tmp))
+            rows.append((st.member, dur, ar, a2a, st.task.waits, label, ph.value, dmem, u.tmp))
             totals[st.member] += dmem
             nominal += dur
         out = (tuple(rows), (totals[0], totals[1]), nominal)
@@ -245,12 +248,14 @@ class Engine:
         resumed = rs.resume.pop(idx, None) if rs.resume else None
         if resumed is None:
             t0 = self._compute_start(rs, instr, idx) if rs.copies else rs.t
-            state = (t0, t0, [0.0, 0.0], None)
+            state = (t0, t0, t0, [0.0, 0.0], [False, False], None)
             first = 0
         else:  # the inputs of its other member may have arrived after the hoisted task
             state, first = (max(rs.t, resumed[0]),) + resumed[1:], 1
             nominal -= rows[0][1]  # counted when the hoisted task ran
-        t, tp_free, pend, ar_start = self._rows(rs, instr, idx, rows, first, len(rows), state)
+        t, tp_free, ep_free, pend, lanes, ar_start = self._rows(rs, instr, idx, rows, first, len(rows), state)
+        if ep_free > t:  # (no op ends on an all-to-all: each is waited for inside its instruction)
+            rs.stats.a2a_exposed_s, t = rs.stats.a2a_exposed_s + ep_free - t, ep_free
         if carry is not None and rows[-1][2] > 0.0:
             # The last all-reduce stays in flight into the next instruction; the earlier ones
             # (queued before it on the TP stream) are done when it starts.
@@ -305,19 +310,20 @@ class Engine:
                 rs.t = max(rs.t, arrived)
         rs.hoist = None
         t0 = self._compute_start(rs, instr, j) if rs.copies else rs.t
-        t, tp_free, pend, ar_start = self._rows(rs, instr, j, rows, 0, 1, (t0, max(t0, carry_end), [0.0, 0.0], None))
+        state = (t0, max(t0, carry_end), t0, [0.0, 0.0], [False, False], None)
+        t, tp_free, ep_free, pend, lanes, ar_start = self._rows(rs, instr, j, rows, 0, 1, state)
         rs.stats.nominal_compute_s += rows[0][1]
         if carry_end > t:  # the carried all-reduce must be done before the instruction goes on
             rs.stats.tp_exposed_s += carry_end - t
             t = carry_end
-        rs.resume[j] = (t, tp_free, pend, ar_start)
+        rs.resume[j] = (t, tp_free, ep_free, pend, lanes, ar_start)
         rs.t = t
         return True
 
     def _rows(self, rs: _Rank, instr: Compute | Braided, idx: int, rows, first: int, stop: int, state):
-        """Time unit rows ``first:stop`` from ``state`` = (t, TP stream free, pending all-reduce end
-        per member, last all-reduce start); returns the new state."""
-        t, tp_free, pend, s = state
+        """Time unit rows ``first:stop`` from ``state`` = (t, TP and EP streams free, pending collective end
+        and whether it is an all-to-all per member, last all-reduce start); returns the new state."""
+        t, tp_free, ep_free, pend, lanes, s = state
         f = self.costs.ar_slowdown
         rank = rs.rank
         mem_t, mem_d = rs.mem_t.append, rs.mem_d.append
@@ -326,19 +332,21 @@ class Engine:
             who = [(str(op), op.mb, op.chunk) for op in ((instr,) if isinstance(instr, Compute) else instr.ops)]
             block = str(instr) if isinstance(instr, Braided) else None
         ev = self.events.append
-        busy = exposed = 0.0
+        busy = exposed = exposed_a2a = 0.0
         host, host_s = rs.host, self.costs.host_task_s
         # The hot loop of the simulator, one pass per unit task: locals only.
-        for member, dur, ar, waits, label, phase, dmem, tmp in (rows if first == 0 and stop == len(rows) else rows[first:stop]):
+        for member, dur, ar, a2a, waits, label, phase, dmem, tmp in (rows if first == 0 and stop == len(rows) else rows[first:stop]):
             if host_s:
                 host += host_s  # the host issues this task
                 if host > t:
                     t = host
             if waits and pend[member] > t:
-                exposed += pend[member] - t
+                exposed_a2a, exposed = (exposed_a2a + pend[member] - t, exposed) if lanes[member] else (
+                    exposed_a2a, exposed + pend[member] - t)
                 t = pend[member]
-            if tp_free > t:  # an all-reduce is in flight: slowed down while it lasts
-                win = tp_free - t
+            flight = tp_free if tp_free > ep_free else ep_free
+            if flight > t:  # a collective is in flight: slowed down while it lasts
+                win = flight - t
                 d = dur * f if win >= dur * f else win + (dur - win / f)
             else:
                 d = dur
@@ -358,15 +366,22 @@ class Engine:
             if ar > 0.0:
                 s = end if end > tp_free else tp_free
                 tp_free = s + ar
-                pend[member] = tp_free
+                pend[member], lanes[member] = tp_free, False
                 if who is not None:
                     ev(Event(rank, "tp-comm", name, "AR", s, ar, mb, chunk, label, block, idx))
+            elif a2a > 0.0:
+                s2 = end if end > ep_free else ep_free
+                ep_free = s2 + a2a
+                pend[member], lanes[member] = ep_free, True
+                if who is not None:
+                    ev(Event(rank, "ep-comm", name, "A2A", s2, a2a, mb, chunk, label, block, idx))
             t = end
         rs.host = host
         st = rs.stats
         st.compute_s += busy
         st.tp_exposed_s += exposed
-        return t, tp_free, pend, s
+        st.a2a_exposed_s += exposed_a2a
+        return t, tp_free, ep_free, pend, lanes, s
 
     # -- host copies ---------------------------------------------------------------------
     def _copy_time(self, rs: _Rank, nbytes: float, start: float, other: list[tuple[float, float]]) -> float:

@@ -51,7 +51,7 @@ from typing import Any
 from braid.cost.costs import CostModel
 from braid.core.ir import Braided, Compute, OpKind, Plan, Program
 from braid.simulator.engine import Engine
-from braid.simulator.report import RankReport, Report
+from braid.simulator.report import RankReport, Report, rank_report
 
 REL_TOL = 1e-9
 _GRAD_DONE = (OpKind.W, OpKind.BW)
@@ -103,8 +103,7 @@ def run_programs(programs: list[Program] | tuple[Program, ...], costs: CostModel
     ranks = []
     for r, st in enumerate(stats):
         peak = _peak(st.mem)
-        ranks.append(RankReport(r, st.compute_s, st.tp_exposed_s, max(0.0, step - st.compute_s - st.tp_exposed_s), peak,
-                                peak / costs.ma_bytes if costs.ma_bytes else 0.0, st.end_s, st.nominal_compute_s))
+        ranks.append(rank_report(r, st, step, peak, costs))
     return FastResult(_report(name, costs, m, step, ranks), ready, "full")
 
 
@@ -190,7 +189,7 @@ def _extrapolate(runs: list[FastResult], n: int, name: str, m: int, costs: CostM
         if rb.peak_activation_bytes != rc.peak_activation_bytes:
             return None
         vals = [_affine(getattr(ra, f), getattr(rb, f), getattr(rc, f), n)
-                for f in ("compute_s", "tp_exposed_s", "end_s", "nominal_compute_s")]
+                for f in ("compute_s", "tp_exposed_s", "end_s", "nominal_compute_s", "a2a_exposed_s")]
         if any(v is None for v in vals):
             return None
         ranks.append(vals)
@@ -203,6 +202,6 @@ def _extrapolate(runs: list[FastResult], n: int, name: str, m: int, costs: CostM
         if t is None:
             return None
         ready[key] = t
-    out = [RankReport(r, comp, exp, max(0.0, step - comp - exp), rc.peak_activation_bytes, rc.peak_activation_ma, end, nom)
-           for r, ((comp, exp, end, nom), rc) in enumerate(zip(ranks, c.ranks))]
+    out = [RankReport(r, comp, exp, max(0.0, step - comp - exp - a2a), rc.peak_activation_bytes, rc.peak_activation_ma, end, nom,
+                      a2a) for r, ((comp, exp, end, nom, a2a), rc) in enumerate(zip(ranks, c.ranks))]
     return _report(name, costs, m, step, out), ready

@@ -6,8 +6,10 @@ Definitions (per rank, seconds):
   overlapped units, paper Appendix F);
 * ``tp_exposed_s`` -- time the compute stream waits on a TP all-reduce (a unit waiting for
   its op's previous all-reduce, or an instruction waiting for its last one);
-* ``pp_bubble_s`` -- everything else up to the step end: ``step_time - compute - tp_exposed``,
-  i.e. waiting for P2P data, for a reload, or for the rest of the pipeline to finish.
+* ``a2a_exposed_s`` -- time the compute stream waits on an expert-parallel all-to-all (a unit
+  waiting for its op's previous dispatch or combine);
+* ``pp_bubble_s`` -- everything else up to the step end: ``step_time - compute - tp_exposed -
+  a2a_exposed``, i.e. waiting for P2P data, for a reload, or for the rest of the pipeline to finish.
 
 MFU = model FLOPs of the step / (step time * devices * peak FLOP/s), devices = tp * p;
 0 when the cost model knows no FLOPs (uniform cost files). Peak activation memory is in
@@ -35,11 +37,13 @@ class RankReport:
     peak_activation_ma: float
     end_s: float
     nominal_compute_s: float
+    a2a_exposed_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "compute_s": self.compute_s, "pp_bubble_s": self.pp_bubble_s,
-                "tp_exposed_s": self.tp_exposed_s, "peak_activation_bytes": self.peak_activation_bytes,
-                "peak_activation_ma": self.peak_activation_ma, "end_s": self.end_s}
+        out = {"rank": self.rank, "compute_s": self.compute_s, "pp_bubble_s": self.pp_bubble_s,
+               "tp_exposed_s": self.tp_exposed_s, "peak_activation_bytes": self.peak_activation_bytes,
+               "peak_activation_ma": self.peak_activation_ma, "end_s": self.end_s}
+        return {**out, "a2a_exposed_s": self.a2a_exposed_s} if self.a2a_exposed_s else out
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,10 @@ class Report:
     @property
     def max_tp_exposed_s(self) -> float:
         return max(r.tp_exposed_s for r in self.ranks)
+
+    @property
+    def max_a2a_exposed_s(self) -> float:
+        return max(r.a2a_exposed_s for r in self.ranks)
 
     @property
     def worst_peak(self) -> RankReport:
@@ -88,14 +96,20 @@ def memory_series(deltas: list[tuple[float, float]]) -> list[tuple[float, int]]:
     return head + list(compress(points, last_at_time))
 
 
+def rank_report(rank: int, st: RankStats, step_time: float, peak: int, costs: CostModel) -> RankReport:
+    """One rank's :class:`RankReport` from the engine's stats (the bubble is what the rest leaves)."""
+    waits = st.tp_exposed_s + st.a2a_exposed_s
+    return RankReport(rank, st.compute_s, st.tp_exposed_s, max(0.0, step_time - st.compute_s - waits), peak,
+                      peak / costs.ma_bytes if costs.ma_bytes else 0.0, st.end_s, st.nominal_compute_s, st.a2a_exposed_s)
+
+
 def build_report(name: str, stats: Sequence[RankStats], series: dict[int, list[tuple[float, int]]],
                  costs: CostModel, microbatches: int, step_time: float) -> Report:
     """Assemble the :class:`Report` of one run from the engine's per-rank stats."""
     ranks = []
     for r, st in enumerate(stats):
         peak = max(map(itemgetter(1), series[r]), default=0)
-        ranks.append(RankReport(r, st.compute_s, st.tp_exposed_s, max(0.0, step_time - st.compute_s - st.tp_exposed_s),
-                                peak, peak / costs.ma_bytes if costs.ma_bytes else 0.0, st.end_s, st.nominal_compute_s))
+        ranks.append(rank_report(r, st, step_time, peak, costs))
     samples = microbatches * costs.samples_per_microbatch
     thr = samples / step_time if step_time > 0 else 0.0
     devices = costs.layout.tp * costs.layout.p

@@ -384,7 +384,7 @@ def record_modes(ctx, tp: int) -> dict:
 def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
     """One layer's forward at tp=2 (fp32), unit by unit: the bytes each unit keeps (``live_bytes``) and what
     ``analytic_costs(..., activations="runtime")`` charges it, with or without sequence sharding."""
-    from braid.core.braiding import LAYER_UNITS, AR_FORWARD, ChunkSpec, Phase, UnitTask
+    from braid.core.braiding import LAYER_UNITS, AR_FORWARD, ChunkSpec, Comm, Phase, UnitTask
     from braid.cost.catalog import ModelConfig
     from braid.cost.costs import Layout, analytic_costs
     from braid.cost.hardware import get_hardware
@@ -404,7 +404,7 @@ def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
     kept = {}
     for unit in LAYER_UNITS:
         before = ch.live_bytes()
-        out = ch.run(0, UnitTask(Phase.F, unit, 0, unit in AR_FORWARD))
+        out = ch.run(0, UnitTask(Phase.F, unit, 0, Comm.AR if unit in AR_FORWARD else None))
         if out is not None:
             reduce_now(out, groups.tp)
         kept[unit.value] = ch.live_bytes() - before

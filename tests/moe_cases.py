@@ -6,10 +6,37 @@ import torch
 import torch.distributed as dist
 
 from executor_cases import EPS, LR, MBS, SEQ, Reference, _data, run_dtype
+from braid.core.ir import Braided
 
 # heads x head_dim != hidden; layer 1 dense (mlp_only_layers), the others mixtures of 4 experts, top-2
 CFG_KW = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, head_dim=16, ffn=64, experts=4, experts_per_token=2,
               moe_ffn=16, mlp_only_layers=(1,))
+
+
+def a2a_beside_partner(program, chunks, trace) -> int:
+    """Check a measured step: in every braided block, each all-to-all that :func:`braid.core.braiding.steps`
+    puts before a unit of the other member has that member's compute between its start (the unit's end)
+    and the end of its wait; returns how many were checked."""
+    from braid.core.braiding import Comm, steps
+    from braid.core.ir import Braided
+
+    checked = 0
+    for idx, ins in enumerate(program.instructions):
+        if not isinstance(ins, Braided):
+            continue
+        events = [e for e in trace.events if e.op_index == idx]
+        st = steps(ins, lambda ch: chunks[ch].spec)
+        for k, s in enumerate(st[:-1]):
+            if s.task.comm is not Comm.A2A or st[k + 1].member == s.member:
+                continue
+            unit = s.task.label.split(":", 1)[1]
+            (a2a,) = [e for e in events if e.lane == "ep-comm" and e.name == f"A2A {s.op}" and e.unit == unit]
+            other = str(ins.ops[1 - s.member])
+            beside = [e for e in events if e.lane == "compute" and e.name == other
+                      and a2a.start <= e.start and e.start + e.dur <= a2a.start + a2a.dur]
+            assert beside, f"{ins}: the all-to-all of {s.op} {unit} ran with no unit of {other} beside it"
+            checked += 1
+    return checked
 
 
 def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
@@ -64,6 +91,8 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         for step, data in enumerate(per_rank):
             opt.zero_grad(set_to_none=True)
             res = ex.run(*data[c.dp])
+            if step == 0 and ep > 1 and any(isinstance(i, Braided) for i in ex.program.instructions):
+                assert a2a_beside_partner(ex.program, chunks, res.trace) > 0, where
             reduce_gradients_ep(params, groups, experts, ctx.dist.abort)
             if res.loss is not None and c.tp == 0:  # this rank's mean: the step's is the mean over DP ranks
                 loss = torch.as_tensor(res.loss, dtype=dtype, device=dev).clone()  # NCCL reduces device tensors only

@@ -89,7 +89,7 @@ def test_the_runtime_keeps_what_the_cost_model_says() -> None:
     ch.set_batch([torch.randint(0, 64, (b, s))], [torch.randint(0, 64, (b, s))])
     ch.set_input(0, torch.randn(b, s, h))
     for unit in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
-        ch.run(0, UnitTask(Phase.F, unit, 0, False))
+        ch.run(0, UnitTask(Phase.F, unit, 0))
     model = ModelConfig("t", layers=2, hidden=h, heads=4, kv_heads=2, ffn=64, vocab=64, seq=s, micro_batch_size=b,
                         dtype_bytes=4)
     units = analytic_costs(model, get_hardware("h200"), Layout(1, 2, 1, "loop"), activations="runtime",

@@ -9,7 +9,7 @@ import torch
 
 from reference_error import assert_matches_reference
 
-from braid.core.braiding import ChunkSpec, Phase, Unit, UnitTask, steps
+from braid.core.braiding import ChunkSpec, Comm, Phase, Unit, UnitTask, steps
 from braid.core.ir import OpKind, parse_instruction
 from braid.models.chunk_parts import ChunkStateError
 from braid.models.build import build_chunk
@@ -93,8 +93,8 @@ def test_saved_activations_are_counted_and_freed_and_missing_input_is_an_error()
     cfg, model, toks, labs = _setup(1)
     ch = build_chunk(model, ChunkSpec(1, embed=True), 0, num_microbatches=1)
     ch.set_batch(toks, labs)
-    ch.run(0, UnitTask(Phase.F, Unit.EMBED, -1, True))
-    ch.run(0, UnitTask(Phase.F, Unit.PRE_ATTN, 0, False))
+    ch.run(0, UnitTask(Phase.F, Unit.EMBED, -1, Comm.AR))
+    ch.run(0, UnitTask(Phase.F, Unit.PRE_ATTN, 0))
     held = ch.live_bytes()
     assert held > 0
     moved = ch.offload(0)  # storages also held as autograd leaves/outputs stay on the device
@@ -102,7 +102,7 @@ def test_saved_activations_are_counted_and_freed_and_missing_input_is_an_error()
     assert ch.reload(0) == moved and ch.live_bytes() == held
     later = build_chunk(model, ChunkSpec(1, head=True), 2, num_microbatches=1)
     with pytest.raises(ChunkStateError, match="F0: input activation missing"):
-        later.run(0, UnitTask(Phase.F, Unit.PRE_ATTN, 0, False))
+        later.run(0, UnitTask(Phase.F, Unit.PRE_ATTN, 0))
 
 
 def test_rope_tables_are_made_once_and_never_counted_as_saved_activations() -> None:
@@ -116,8 +116,8 @@ def test_rope_tables_are_made_once_and_never_counted_as_saved_activations() -> N
     layer = ch.layers[0]
     held = []
     for mb in range(2):
-        ch.run(mb, UnitTask(Phase.F, Unit.EMBED, -1, True))
-        ch.run(mb, UnitTask(Phase.F, Unit.PRE_ATTN, 0, False))
+        ch.run(mb, UnitTask(Phase.F, Unit.EMBED, -1, Comm.AR))
+        ch.run(mb, UnitTask(Phase.F, Unit.PRE_ATTN, 0))
         held.append(ch.live_bytes())
     tables = layer.rope_cache[(8, cfg.head_dim, torch.device("cpu"), torch.float32)]
     assert len(layer.rope_cache) == 1 and layer.rope_cache.ptrs == {t.data_ptr() for t in tables}

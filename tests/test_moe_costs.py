@@ -30,6 +30,11 @@ def _mlp_units(model=MOE, t=1, par: Parallel | None = None, gpus_per_node=8, **k
     return costs.chunks[(0, 0)].units
 
 
+def _layer_a2a(units) -> tuple[float, float]:
+    """All-to-all seconds of one MoE layer's forward and backward (its units' ends)."""
+    return tuple(sum(getattr(units[u], attr) for u in (Unit.PRE_MLP, Unit.EXPERTS, Unit.MLP)) for attr in ("a2a_f", "a2a_b"))
+
+
 def test_a_dense_model_is_priced_as_before_whatever_moe_says() -> None:
     """ep 1 and any MoeLayout leave a dense model's units, job costs and data-parallel tail as they were."""
     lay = Layout(2, 4, 2, "v")
@@ -47,18 +52,20 @@ def test_a_dense_model_is_priced_as_before_whatever_moe_says() -> None:
 
 @pytest.mark.parametrize("t", [1, 2, 4])
 def test_the_mlp_side_follows_top_k_routed_rows_and_the_router(t: int) -> None:
-    """MLP: 6 * T * k / t * h * moe_ffn FLOPs in F, B and W (gate, up, down); Pre-MLP: the router, whole on
-    every TP rank (2 * T * h * E, not divided by t)."""
+    """Experts: 6 * T * k / t * h * moe_ffn FLOPs in F, B and W (gate, up, down); Pre-MLP: the router, whole on
+    every TP rank (2 * T * h * E, not divided by t); MLP (the combine): none, the dense layer's all-reduce."""
     u = _mlp_units(t=t)
     tok, h, f, k, e = MOE.tokens, MOE.hidden, MOE.moe_ffn, MOE.experts_per_token, MOE.experts
     experts = 6 * tok * k / t * h * f
     for attr in ("f", "b", "w"):
-        assert getattr(u[Unit.MLP], attr) * HW.matmul_flops == pytest.approx(experts, rel=1e-12)
+        assert getattr(u[Unit.EXPERTS], attr) * HW.matmul_flops == pytest.approx(experts, rel=1e-12)
         assert getattr(u[Unit.PRE_MLP], attr) * HW.matmul_flops == pytest.approx(2 * tok * h * e, rel=1e-12)
+        assert getattr(u[Unit.MLP], attr) == 0.0
+    assert u[Unit.MLP].ar_f == u[Unit.ATTN].ar_f and u[Unit.EXPERTS].ar_f == u[Unit.EXPERTS].ar_b == 0.0
     more = _mlp_units(MOE.with_(experts=256), t=t)  # more experts, same top-k: the same expert FLOPs
-    assert more[Unit.MLP].f == u[Unit.MLP].f and more[Unit.PRE_MLP].f == 2 * u[Unit.PRE_MLP].f
+    assert more[Unit.EXPERTS].f == u[Unit.EXPERTS].f and more[Unit.PRE_MLP].f == 2 * u[Unit.PRE_MLP].f
     wider = _mlp_units(MOE.with_(experts_per_token=2 * k), t=t)
-    assert wider[Unit.MLP].f == pytest.approx(2 * u[Unit.MLP].f, rel=1e-12)
+    assert wider[Unit.EXPERTS].f == pytest.approx(2 * u[Unit.EXPERTS].f, rel=1e-12)
 
 
 def test_model_flops_count_the_active_experts() -> None:
@@ -68,28 +75,30 @@ def test_model_flops_count_the_active_experts() -> None:
 
 
 def test_all_to_all_is_priced_on_the_expert_group_link() -> None:
-    """ep=8 of a node of 8 stays on NVLink, ep=16 crosses nodes (NIC); the bytes: T * k / t * h * dtype."""
-    inside = _mlp_units(par=Parallel(1, 1, 16, ep=8))[Unit.MLP]
-    across = _mlp_units(par=Parallel(1, 1, 16, ep=16))[Unit.MLP]
-    assert 0 < inside.a2a_b < across.a2a_b and inside.a2a_f < across.a2a_f
+    """ep=8 of a node of 8 stays on NVLink, ep=16 crosses nodes (NIC); the bytes: T * k / t * h * dtype. The
+    dispatch ends Pre-MLP's forward, the combine Experts'; backward, the combine's ends MLP's, the dispatch's Experts'."""
+    units = _mlp_units(par=Parallel(1, 1, 16, ep=8))
+    inside, across = _layer_a2a(units), _layer_a2a(_mlp_units(par=Parallel(1, 1, 16, ep=16)))
+    assert 0 < inside[1] < across[1] and inside[0] < across[0]
     nbytes = MOE.tokens * MOE.experts_per_token * MOE.hidden * MOE.dtype_bytes
-    assert inside.a2a_b == 2 * ring_s(nbytes, 8, HW.ar_bus_bytes_per_s, HW.ar_latency_s)
-    assert across.a2a_b == 2 * ring_s(nbytes, 16, HW.inter_node_bytes_per_s, HW.inter_node_latency_s)
+    rows = ring_s(nbytes, 8, HW.ar_bus_bytes_per_s, HW.ar_latency_s)
+    assert inside[1] == 2 * rows and across[1] == 2 * ring_s(nbytes, 16, HW.inter_node_bytes_per_s, HW.inter_node_latency_s)
     counts = ring_s(8 * MOE.experts, 8, HW.ar_bus_bytes_per_s, HW.ar_latency_s)  # the int64 row counts, forward only
-    assert inside.a2a_f == inside.a2a_b + counts
-    assert inside.f == pytest.approx(_mlp_units()[Unit.MLP].f + inside.a2a_f, rel=1e-12)  # folded into the MLP unit
-    assert inside.b == pytest.approx(_mlp_units()[Unit.MLP].b + inside.a2a_b, rel=1e-12)
+    assert (units[Unit.PRE_MLP].a2a_f, units[Unit.EXPERTS].a2a_f) == (counts + rows, rows)
+    assert (units[Unit.MLP].a2a_b, units[Unit.EXPERTS].a2a_b, units[Unit.PRE_MLP].a2a_b) == (rows, rows, 0.0)
+    local = _mlp_units()  # the all-to-alls are not part of the units' compute
+    assert all(getattr(units[u], a) == getattr(local[u], a) for u in (Unit.PRE_MLP, Unit.EXPERTS, Unit.MLP) for a in "fbw")
     # the EP group is ep consecutive DP ranks, tp * cp * pp apart: at pp=2, ep=8 spans two nodes
-    strided = _mlp_units(par=Parallel(1, 2, 16, ep=8))[Unit.MLP]
-    assert Parallel(1, 2, 16, ep=8).ep_link() == (8, 2) and strided.a2a_b > inside.a2a_b
+    strided = _layer_a2a(_mlp_units(par=Parallel(1, 2, 16, ep=8)))
+    assert Parallel(1, 2, 16, ep=8).ep_link() == (8, 2) and strided[1] > inside[1]
 
 
 def test_imbalance_scales_the_busiest_ranks_experts_and_bytes() -> None:
-    even = _mlp_units(par=Parallel(1, 1, 8, ep=8))[Unit.MLP]
-    skew = _mlp_units(par=Parallel(1, 1, 8, ep=8, moe_imbalance=1.5))[Unit.MLP]
+    even = _mlp_units(par=Parallel(1, 1, 8, ep=8))[Unit.EXPERTS]
+    skew = _mlp_units(par=Parallel(1, 1, 8, ep=8, moe_imbalance=1.5))[Unit.EXPERTS]
     lat = HW.ar_latency_s
     assert skew.w == pytest.approx(1.5 * even.w, rel=1e-12)  # expert compute
-    assert skew.a2a_b / 2 - lat == pytest.approx(1.5 * (even.a2a_b / 2 - lat), rel=1e-12)  # all-to-all bytes
+    assert skew.a2a_b - lat == pytest.approx(1.5 * (even.a2a_b - lat), rel=1e-12)  # all-to-all bytes (one row exchange)
     # on one rank every token's k rows run there whatever the routing: nothing to skew
     assert _mlp_units(par=Parallel(1, 1, 8, moe_imbalance=1.5)) == _mlp_units(par=Parallel(1, 1, 8))
 
@@ -121,10 +130,12 @@ def test_expert_gradients_reduce_over_the_expert_data_parallel_group() -> None:
 def test_full_recomputation_runs_the_all_to_alls_again() -> None:
     par = Parallel(1, 1, 8, ep=8)
     base, full = _mlp_units(par=par), _mlp_units(par=par, recompute="full")
-    assert full[Unit.MLP].a2a_b == base[Unit.MLP].a2a_b + base[Unit.MLP].a2a_f
+    rerun = sum(base[u].f + base[u].a2a_f for u in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.EXPERTS, Unit.MLP))
+    assert full[Unit.MLP].b == pytest.approx(base[Unit.MLP].b + rerun + base[Unit.ATTN].ar_f, rel=1e-12)
+    assert _layer_a2a(full) == _layer_a2a(base)  # the re-run's all-to-alls block inside MLP's backward
     costs = analytic_costs(MOE, HW, Layout(1, 2, 1), moe=moe_layout(Cluster(HW, 8), par))
     layers = [costs.chunks[(r, 0)].spec.layers for r in range(2)]
-    assert a2a_per_rank(costs, 3) == [pytest.approx(3 * n * (base[Unit.MLP].a2a_f + base[Unit.MLP].a2a_b)) for n in layers]
+    assert a2a_per_rank(costs, 3) == [pytest.approx(3 * n * sum(_layer_a2a(base))) for n in layers]
 
 
 def test_refusals() -> None:
@@ -141,7 +152,7 @@ def test_refusals() -> None:
 
 
 def test_the_runtime_keeps_what_the_moe_cost_model_says() -> None:
-    """Pre-MLP and MLP of a Qwen3-MoE layer's forward on CPU (fp32, tp=1) keep the bytes
+    """Pre-MLP, Experts and MLP of a Qwen3-MoE layer's forward on CPU (fp32, tp=1) keep the bytes
     ``analytic_costs(..., activations="runtime")`` charges them."""
     import torch
 
@@ -157,14 +168,15 @@ def test_the_runtime_keeps_what_the_moe_cost_model_says() -> None:
         ch.set_batch([torch.randint(0, 64, (b, s))], [torch.randint(0, 64, (b, s))])
         ch.set_input(0, torch.randn(b, s, h))
         kept = {}
-        for unit in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
+        for unit in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.EXPERTS, Unit.MLP):
             before = ch.live_bytes()
-            ch.run(0, UnitTask(Phase.F, unit, 0, False))
+            ch.run(0, UnitTask(Phase.F, unit, 0))
             kept[unit] = ch.live_bytes() - before
         model = MOE.with_(layers=2, hidden=h, heads=4, kv_heads=2, ffn=64, vocab=64, seq=s, micro_batch_size=b, dtype_bytes=4,
                           head_size=0, experts=e, experts_per_token=k, moe_ffn=f)
         units = analytic_costs(model, HW, Layout(1, 2, 1), activations="runtime").chunks[(0, 0)].units
-        assert (kept[Unit.PRE_MLP], kept[Unit.MLP]) == (units[Unit.PRE_MLP].act, units[Unit.MLP].act)
+        side = (Unit.PRE_MLP, Unit.EXPERTS, Unit.MLP)
+        assert [kept[u] for u in side] == [units[u].act for u in side]
 
 
 def test_simulate_runs_an_expert_parallel_moe_end_to_end(tmp_path, capsys) -> None:
@@ -177,8 +189,8 @@ def test_simulate_runs_an_expert_parallel_moe_end_to_end(tmp_path, capsys) -> No
     assert "ep=8" in text.splitlines()[0] and "note: expert-parallel all-to-alls (ep=8" in text
     doc = json.loads(out.read_text())
     assert doc["config"]["ep"] == 8
-    for rep in doc["schedules"].values():
-        assert 0 < rep["a2a_share"] < 1 and rep["a2a_s"] > 0
+    for rep in doc["schedules"].values():  # plain schedules: every all-to-all is waited for
+        assert 0 < rep["a2a_share"] < 1 and rep["a2a_s"] > 0 and 0 < rep["a2a_exposed_s"] <= rep["a2a_s"]
     assert main(["--model", "qwen3-moe-30b-a3b", "--tp", "1", "--pp", "4", "--mbs", "8", "--schedule", "1f1b"]) == 0
     assert "all-to-all" not in capsys.readouterr().out  # ep 1: the experts are local
 

@@ -64,7 +64,7 @@ def test_recomputation_saves_what_the_attention_core_and_swiglu_kept() -> None:
         got = {}
         for unit in (Unit.EMBED, Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
             before = ch.live_bytes()
-            ch.run(0, UnitTask(Phase.F, unit, -1 if unit is Unit.EMBED else 0, False))
+            ch.run(0, UnitTask(Phase.F, unit, -1 if unit is Unit.EMBED else 0))
             got[unit] = ch.live_bytes() - before
         sizes[mode] = got
     none, sel = sizes["none"], sizes["selective"]
@@ -102,17 +102,17 @@ def test_full_recomputation_keeps_only_each_layers_input() -> None:
     ch.set_recompute("full")
     assert ch.choose_fused() is False and "full recomputation" in ch.cut_reason()
     ch.set_batch([torch.randint(0, 64, (2, 16))], [torch.randint(0, 64, (2, 16))])
-    ch.run(0, UnitTask(Phase.F, Unit.EMBED, -1, False))
+    ch.run(0, UnitTask(Phase.F, Unit.EMBED, -1))
     before = ch.live_bytes()
     for unit in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
-        ch.run(0, UnitTask(Phase.F, unit, 0, False))
+        ch.run(0, UnitTask(Phase.F, unit, 0))
     assert ch.live_bytes() - before == 2 * 16 * 32 * 4  # the layer input (b, s, h) fp32, nothing else
     ch2 = build_chunk(Qwen2Model(cfg), ChunkSpec(1, head=True), 0, num_microbatches=1)
     ch2.set_recompute("full")
     ch2.set_batch([torch.randint(0, 64, (2, 16))], [torch.randint(0, 64, (2, 16))])
     ch2.set_input(0, torch.randn(2, 16, 32))
     for unit in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP):
-        ch2.run(0, UnitTask(Phase.F, unit, 0, False))
+        ch2.run(0, UnitTask(Phase.F, unit, 0))
     assert ch2.live_bytes() == 2 * 16 * 32 * 4  # the received input, fp32
 
 

@@ -19,7 +19,7 @@ from braid.io.trace import KINDS, LANES, Trace
 from braid.viz.colors import BLOCK_OUTLINE, COMPUTE_SHADES, block_color
 from braid.viz.stats import TraceStats, format_bytes, pair_events, trace_stats
 
-LANE_LABELS = {"compute": "compute", "tp-comm": "TP comm", "p2p": "P2P", "copy": "copy", "dp-comm": "DP comm"}
+LANE_LABELS = {"compute": "compute", "tp-comm": "TP comm", "ep-comm": "EP comm", "p2p": "P2P", "copy": "copy", "dp-comm": "DP comm"}
 # customdata columns of every block trace: name, mb, chunk, unit, start, end, dur, op, block, note
 HOVER_TEMPLATE = (
     "<b>%{customdata[0]}</b> · micro-batch %{customdata[1]} · chunk %{customdata[2]}"

@@ -22,16 +22,34 @@ input gradient in backward). The vision stage of a VLM ends with a ``merge`` uni
 merger -- norm, column-parallel fc1, row-parallel fc2 -- joined with the vocab-parallel text
 embedding: AR in forward; AR of fc1's input gradient in backward). A ``W`` op has the same units, weight gradients only, no AR.
 
-**The rule both interpreters follow.** A task with ``ar=True`` starts a TP all-reduce of
-its output on the communication stream as it ends. The next F or B task *of the same op*
-waits for that all-reduce before it starts (W tasks never wait: they read stashed
-tensors, not the reduced result). Every all-reduce of an instruction is complete when the
-instruction ends -- except one that :func:`carries` carries into the next compute
-instruction, whose first unit task then runs beside it. With ``tp == 1`` there are no
-all-reduces.
+A mixture-of-experts layer (:attr:`ChunkSpec.moe`) cuts its MLP side at expert parallelism's
+all-to-alls (**A2A**, over the expert-parallel group) as a dense layer is cut at TP's all-reduces:
+
+=========  =====================================  ===========================================
+unit       forward (F)                            activation backward (B)
+=========  =====================================  ===========================================
+pre_mlp    RMSNorm, router, top-k, permutation    permutation / router input-grads and the
+           -> **A2A** (dispatch)                  norm -> **AR** (operator f), as dense
+experts    grouped expert GEMMs -> **A2A**        expert input-grads -> **A2A** (the
+           (combine)                              dispatch's, back to the tokens' ranks)
+mlp        un-permutation, weighted sum,          weighted sum's input-grads -> **A2A** (the
+           residual/t -> **AR** (operator g)      combine's, to the experts' ranks)
+=========  =====================================  ===========================================
+
+W of ``experts`` computes the experts' weight gradients, W of ``pre_mlp`` the router's.
+
+**The rule both interpreters follow.** A task whose ``comm`` is set starts a collective as it
+ends: :attr:`Comm.AR`, a TP all-reduce of its output on the communication stream;
+:attr:`Comm.A2A`, an all-to-all of its rows over the expert-parallel group. The next F or B
+task *of the same op* waits for it before it starts (W tasks never wait: they read stashed
+tensors, not the collective's result). Every collective of an instruction is complete when the
+instruction ends -- except a trailing all-reduce that :func:`carries` carries into the next compute
+instruction, whose first unit task then runs beside it (no op ends on an all-to-all). With
+``tp == 1`` there are no all-reduces, with ``ep == 1`` no all-to-alls; the units and their cuts
+stay the same.
 
 **Segments and braiding.** An op's task list is cut into *segments*: after every task that
-starts an all-reduce, and for W every two units (half a layer, matching the forward's
+starts a collective (an all-reduce or an all-to-all), and for W every two units (half a layer, matching the forward's
 all-reduce spacing). A braided block alternates segments -- ``a0 b0 a1 b1 ...`` -- then
 runs what is left of the longer op; a W member with fewer segments than its partner is cut
 into as many even pieces instead (W waits for nothing), so a long forward braided with a
@@ -43,7 +61,7 @@ would not, the block takes the latter: an F&B block on the last stage then ends 
 forward's head unit, which runs beside the backward's last all-reduce. When both orders end
 on an all-reduce (an F&B block between two middle stages), the block ends on the
 forward's, whose result is final when it lands (:func:`carries` can then chain its send). So each all-reduce of one op is in flight while the
-other op's next segment computes. A full backward (``BW``) runs each unit's weight
+other op's next segment computes; so is each all-to-all. A full backward (``BW``) runs each unit's weight
 gradient right after its activation gradient, so its own all-reduces hide behind W work.
 """
 
@@ -64,13 +82,36 @@ class Unit(str, enum.Enum):
     MLP = "mlp"
     HEAD = "head"
     MERGE = "merge"
+    EXPERTS = "experts"  # a mixture-of-experts layer's grouped expert GEMMs, between pre_mlp and mlp
+
+
+class Comm(str, enum.Enum):
+    """The collective a unit task starts as it ends (:attr:`UnitTask.comm`)."""
+
+    AR = "AR"  # TP all-reduce (reduce-scatter under sequence sharding) over the TP group
+    A2A = "A2A"  # expert parallelism's all-to-all of routed rows over the expert-parallel group
 
 
 LAYER_UNITS: tuple[Unit, ...] = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)
+# A mixture-of-experts layer's units: the experts between Pre-MLP and MLP (which is then the combine).
+MOE_LAYER_UNITS: tuple[Unit, ...] = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.EXPERTS, Unit.MLP)
 # Units that end with a TP all-reduce, per phase: defined here once and imported by the
 # chunk runner, the cost model and the profiler.
 AR_FORWARD: frozenset[Unit] = frozenset({Unit.EMBED, Unit.ATTN, Unit.MLP, Unit.MERGE})
 AR_BACKWARD: frozenset[Unit] = frozenset({Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD, Unit.MERGE})
+# Units of a mixture-of-experts layer that end with an all-to-all, per phase (none also ends with an all-reduce).
+A2A_FORWARD: frozenset[Unit] = frozenset({Unit.PRE_MLP, Unit.EXPERTS})
+A2A_BACKWARD: frozenset[Unit] = frozenset({Unit.EXPERTS, Unit.MLP})
+
+
+def unit_comm(phase: "Phase", unit: Unit, moe: bool) -> Comm | None:
+    """The collective that ends ``unit``'s ``phase`` (None: none; W never communicates); ``moe``:
+    the unit belongs to a mixture-of-experts layer."""
+    if phase is Phase.W:
+        return None
+    if moe and unit in (A2A_FORWARD if phase is Phase.F else A2A_BACKWARD):
+        return Comm.A2A
+    return Comm.AR if unit in (AR_FORWARD if phase is Phase.F else AR_BACKWARD) else None
 
 
 class Phase(str, enum.Enum):
@@ -85,7 +126,9 @@ class ChunkSpec:
 
     ``layers``: whole transformer layers in the chunk (0 allowed for a chunk that holds only
     the embedding or only the head); ``embed``/``head``: whether it is the first/last stage;
-    ``merge``: the chunk ends with a VLM's patch merger joined with the text embedding.
+    ``merge``: the chunk ends with a VLM's patch merger joined with the text embedding;
+    ``moe``: the chunk-local layer indices (as :meth:`layer_units` counts them) of its
+    mixture-of-experts layers, whose MLP side is three units (:data:`MOE_LAYER_UNITS`).
 
     **Half-layer cuts.** ``half_in``: the chunk starts with the MLP half (``pre_mlp``,
     ``mlp``) of a layer whose attention half ended the stage before; ``half_out``: it ends
@@ -102,8 +145,10 @@ class ChunkSpec:
     merge: bool = False
     half_in: bool = False
     half_out: bool = False
+    moe: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "moe", frozenset(self.moe))
         if self.layers < 0:
             raise ValueError(f"ChunkSpec.layers must be >= 0, got {self.layers}")
         if self.layers == 0 and not (self.embed or self.head or self.half_in or self.half_out):
@@ -112,18 +157,25 @@ class ChunkSpec:
             raise ValueError("a chunk with the vision merger cannot also hold the LM head; give the LM its own stage")
         if self.merge and (self.half_in or self.half_out):
             raise ValueError("the vision stage holds whole ViT blocks; half-layer cuts are for decoder stages")
+        if any(not 0 <= i < self.modules for i in self.moe):
+            raise ValueError(f"ChunkSpec.moe names layers {sorted(self.moe)} outside the chunk's {self.modules} layer modules")
 
     @property
     def modules(self) -> int:
         """Layer modules the chunk holds: its whole layers and each half layer."""
         return self.layers + self.half_in + self.half_out
 
+    def units_of(self, layer: int) -> tuple[Unit, ...]:
+        """The units of chunk-local layer ``layer`` (a whole layer's; a half layer's are the MLP or
+        the attention side of them)."""
+        return MOE_LAYER_UNITS if layer in self.moe else LAYER_UNITS
+
     def layer_units(self) -> list[tuple[Unit, int]]:
         """The chunk's layer units in forward order, as (unit, chunk-local layer)."""
-        out = [(u, 0) for u in LAYER_UNITS[2:]] if self.half_in else []
+        out = [(u, 0) for u in self.units_of(0)[2:]] if self.half_in else []
         first = int(self.half_in)
         for layer in range(first, first + self.layers):
-            out += [(u, layer) for u in LAYER_UNITS]
+            out += [(u, layer) for u in self.units_of(layer)]
         if self.half_out:
             out += [(u, first + self.layers) for u in LAYER_UNITS[:2]]
         return out
@@ -131,16 +183,26 @@ class ChunkSpec:
 
 @dataclass(frozen=True, slots=True)
 class UnitTask:
-    """One unit of work. ``layer`` is the chunk-local layer index (-1 for embed/head)."""
+    """One unit of work. ``layer`` is the chunk-local layer index (-1 for embed/head); ``comm``:
+    the collective it starts when it ends (None: none; :func:`unit_comm`)."""
 
     phase: Phase
     unit: Unit
     layer: int
-    ar: bool  # starts a TP all-reduce of its output when it ends
+    comm: Comm | None = None
+
+    def __post_init__(self) -> None:
+        if self.comm is not None and not isinstance(self.comm, Comm):
+            raise TypeError(f"UnitTask.comm must be a Comm or None, got {self.comm!r}")
 
     @property
-    def waits_ar(self) -> bool:
-        """Whether it waits for its op's pending all-reduce before it starts."""
+    def ar(self) -> bool:
+        """Whether it starts a TP all-reduce of its output when it ends."""
+        return self.comm is Comm.AR
+
+    @property
+    def waits(self) -> bool:
+        """Whether it waits for its op's pending collective before it starts."""
         return self.phase is not Phase.W
 
     @property
@@ -149,15 +211,19 @@ class UnitTask:
         return f"{self.phase.value}:{where}{self.unit.value}"
 
 
+def _task(phase: Phase, unit: Unit, layer: int, spec: ChunkSpec) -> UnitTask:
+    return UnitTask(phase, unit, layer, unit_comm(phase, unit, layer in spec.moe))
+
+
 def _forward_tasks(spec: ChunkSpec) -> list[UnitTask]:
     out = []
     if spec.embed:
-        out.append(UnitTask(Phase.F, Unit.EMBED, -1, True))
-    out += [UnitTask(Phase.F, u, layer, u in AR_FORWARD) for u, layer in spec.layer_units()]
+        out.append(_task(Phase.F, Unit.EMBED, -1, spec))
+    out += [_task(Phase.F, u, layer, spec) for u, layer in spec.layer_units()]
     if spec.merge:
-        out.append(UnitTask(Phase.F, Unit.MERGE, -1, True))
+        out.append(_task(Phase.F, Unit.MERGE, -1, spec))
     if spec.head:
-        out.append(UnitTask(Phase.F, Unit.HEAD, -1, False))
+        out.append(_task(Phase.F, Unit.HEAD, -1, spec))
     return out
 
 
@@ -179,25 +245,25 @@ def unit_tasks(kind: OpKind, spec: ChunkSpec) -> list[UnitTask]:
         return _forward_tasks(spec)
     units = _backward_units(spec)
     if kind is OpKind.B:
-        return [UnitTask(Phase.B, u, l, u in AR_BACKWARD) for u, l in units]
+        return [_task(Phase.B, u, l, spec) for u, l in units]
     if kind is OpKind.W:
-        return [UnitTask(Phase.W, u, l, False) for u, l in units]
+        return [_task(Phase.W, u, l, spec) for u, l in units]
     # BW: each unit's weight gradient right after its activation gradient.
     out = []
     for u, l in units:
-        out.append(UnitTask(Phase.B, u, l, u in AR_BACKWARD))
-        out.append(UnitTask(Phase.W, u, l, False))
+        out.append(_task(Phase.B, u, l, spec))
+        out.append(_task(Phase.W, u, l, spec))
     return out
 
 
 def segments(tasks: Sequence[UnitTask]) -> list[list[UnitTask]]:
-    """Cut a task list after every all-reduce, and W-only runs every two units."""
+    """Cut a task list after every collective, and W-only runs every two units."""
     segs: list[list[UnitTask]] = []
     cur: list[UnitTask] = []
     for t in tasks:
         cur.append(t)
         w_run = all(x.phase is Phase.W for x in cur)
-        if t.ar or (w_run and len(cur) == 2):
+        if t.comm is not None or (w_run and len(cur) == 2):
             segs.append(cur)
             cur = []
     if cur:
@@ -239,7 +305,7 @@ def steps(instr: Instruction, spec_of) -> list[Step]:
     segs = [segments(unit_tasks(op.kind, spec_of(op.chunk))) for op in instr.ops]
     for member, other in ((0, 1), (1, 0)):
         # A weight-gradient member waits for nothing: cut it into as many pieces as the other
-        # member has segments, so every all-reduce of the other runs beside W units.
+        # member has segments, so every collective of the other runs beside W units.
         if instr.ops[member].kind is OpKind.W and len(segs[member]) < len(segs[other]):
             segs[member] = _split_even([t for seg in segs[member] for t in seg], len(segs[other]))
     if instr.lead is not None:  # fixed by the plan (braid.planner.braid_tune chooses it from costs)

@@ -9,7 +9,7 @@ attention and its MLP evens out a head whose work is a fraction of a layer's.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 from braid.core.braiding import ChunkSpec
 from braid.core.ir import Placement, rank_chunk_of
@@ -93,10 +93,12 @@ def stage_halves(layers_per_stage: Sequence[float]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def chunk_specs(layers_per_stage: Sequence[float], p: int, placement: Placement) -> dict[tuple[int, int], ChunkSpec]:
+def chunk_specs(layers_per_stage: Sequence[float], p: int, placement: Placement,
+                moe_layers: Collection[int] = ()) -> dict[tuple[int, int], ChunkSpec]:
     """``(rank, chunk) -> ChunkSpec`` for a placement; stage 0 has the embedding, the last the head.
 
-    Entries may be half layers (:func:`stage_halves`).
+    Entries may be half layers (:func:`stage_halves`). ``moe_layers``: the global indices of the
+    model's mixture-of-experts layers (:attr:`ChunkSpec.moe`).
     """
     halves = stage_halves(layers_per_stage)
     n = len(halves)
@@ -106,7 +108,10 @@ def chunk_specs(layers_per_stage: Sequence[float], p: int, placement: Placement)
         end = start + size
         if size:
             first, last = -(-start // 2), end // 2  # whole layers [first, last)
-            spec = ChunkSpec(last - first, embed=stage == 0, head=stage == n - 1, half_in=start % 2 == 1, half_out=end % 2 == 1)
+            offset = start // 2  # global index of the chunk's first (half) layer: chunk-local layer 0
+            moe = frozenset(i - offset for i in moe_layers if offset <= i < -(-end // 2))
+            spec = ChunkSpec(last - first, embed=stage == 0, head=stage == n - 1, half_in=start % 2 == 1, half_out=end % 2 == 1,
+                             moe=moe)
         else:
             spec = ChunkSpec(0, embed=stage == 0, head=stage == n - 1)
         out[rank_chunk_of(placement, p, stage)] = spec

@@ -33,13 +33,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit
+from braid.core.braiding import A2A_BACKWARD, A2A_FORWARD, AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit
 from braid.cost.hardware import Hardware, ring_s
 from braid.core.ir import Placement
 from braid.cost.catalog import ModelConfig
 from braid.cost.moe_costs import MoeLayout, check_moe, mlp_width, moe_units
 from braid.core.partition import chunk_specs, split_layers, whole_layers
 from braid.cost.recompute_costs import full_recompute, selective_recompute
+from braid.cost.runtime_act import runtime_act
 from braid.cost.seq_shard_costs import KORTHIKANTI_ACT, seq_shard_units
 from braid.io.inputs import InputFileError, read_json
 from braid.io.cli import NO_SEQ_SHARD_VISION
@@ -81,8 +82,8 @@ class UnitCost:
 
     ``f``/``b``/``w``: forward, activation-backward, weight-backward compute;
     ``ar_f``/``ar_b``: the all-reduce that ends the unit's forward / backward (0 if none);
-    ``a2a_f``/``a2a_b``: the part of ``f``/``b`` that is an MoE layer's blocking all-to-all
-    (:mod:`braid.cost.moe_costs`; recorded for reports, already counted in ``f``/``b``);
+    ``a2a_f``/``a2a_b``: the all-to-all that ends an MoE layer unit's forward / backward
+    (:mod:`braid.cost.moe_costs`; 0 if none, and without expert parallelism);
     ``act``: bytes its forward keeps for the backward; ``w_res``: bytes kept after a split
     B until W; ``tmp``: workspace -- bytes allocated on top of those while the unit runs
     and freed when it ends (logits and their gradient, MLP intermediates), the most of its
@@ -203,29 +204,6 @@ def _layer_units(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: 
     }
 
 
-def _runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: int, t: int, d: int) -> dict[Unit, float]:
-    """Bytes each LM unit of braid's runtime saves for its backward (``activations="runtime"``).
-
-    Counted from the chunk's saved-tensor boxes (``ModelChunk.live_bytes``), distinct
-    storages: RMSNorm keeps its fp32 input (the input itself when ``d`` = 4), the fp32
-    rsqrt and the normalised input cast back (4h + d*h + 4 per token); the linears after
-    it keep their (shared) input; RoPE keeps one cos/sin pair for q and k (per position); flash
-    attention keeps q, k, v, its output (= o_proj's input) and the fp32 LSE; the SwiGLU
-    MLP keeps gate, up, silu(gate) and their product (down_proj's input). Korthikanti's
-    coefficients assume a 4h GELU MLP and no fp32 norm copies: for a Qwen2-7B layer in
-    bf16 they count about half of these bytes.
-    """
-    hd = h // heads
-    kvh = max(kv_heads // t, 1) * hd
-    norm = tokens * (4 * h + d * h + 4)
-    return {
-        Unit.PRE_ATTN: norm + tokens * d * h + 2 * seq * hd * d,
-        Unit.ATTN: tokens * (d * (2 * heads // t * hd + 2 * kvh) + 4 * heads // t),
-        Unit.PRE_MLP: norm + tokens * d * h,
-        Unit.MLP: tokens * 4 * (ffn // t) * d,
-    }
-
-
 def eager_loss_workspace(tokens: int, vocab_t: int, d: int) -> float:
     """The head's workspace under the eager loss (:func:`braid.tp.embedding.vocab_parallel_cross_entropy`):
     at its peak it holds the logits in the model's dtype, their fp32 copy (none when ``d`` >= 4), the
@@ -308,7 +286,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
 
     ``activations``: how the LM units' (and the head's, embedding's) saved bytes are
     counted -- Korthikanti's per-layer formula (the paper's yardstick), or ``"runtime"``:
-    what braid's runtime really saves (:func:`_runtime_act`), for predictions that are
+    what braid's runtime really saves (:func:`braid.cost.runtime_act.runtime_act`), for predictions that are
     compared with a measured activation peak (Sec. 4.4 offload benchmark).
     ``recompute``: ``"selective"`` applies :func:`selective_recompute`, ``"full"``
     :func:`braid.cost.recompute_costs.full_recompute` to the LM layers. ``compiled``: whether the
@@ -333,7 +311,9 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     per_stage = model_stage_layers(model, layout, last_stage_lighter)
     if recompute == "full" and not whole_layers(per_stage):
         raise ValueError(f"full recomputation re-runs whole layers; the stages {list(per_stage)} cut one in half")
-    specs = chunk_specs(per_stage, layout.p, layout.placement)
+    first_lm = model.vit.layers if model.vit is not None else 0  # every LM layer of an MoE model is one
+    specs = chunk_specs(per_stage, layout.p, layout.placement,
+                        moe_layers=range(first_lm, first_lm + model.layers) if model.experts else ())
     tok, h = model.tokens, model.hidden
     ar_lm = _allreduce_time(tok * h * d, t, hw)
     lm = _layer_units(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, True, True, t, d, hw, ar_lm)
@@ -343,7 +323,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
                     2 * sbh + tok * model.vocab / t * d)
     embed = UnitCost(0.0, 0.0, 0.0, ar_lm, 0.0, tok * 8, tok * h * d)
     if activations == "runtime":
-        acts = _runtime_act(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, t, d)
+        acts = runtime_act(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, t, d)
         lm = {u: replace(c, act=acts[u]) for u, c in lm.items()}
         # norm, its output, fp32 logits of the vocab shard; labels copy and masks (11 bytes per token)
         head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + 4 * model.vocab // t + 11),
@@ -397,12 +377,15 @@ def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **
 # ----------------------------------------------------------------------------------------
 # Cost files
 # ----------------------------------------------------------------------------------------
-_CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P", "activation_bytes", "w_residual_bytes", "unit_split",
-               "unit_workspace")
+_CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_A2A", "T_A2A_B", "T_P2P", "activation_bytes", "w_residual_bytes",
+               "unit_split", "unit_workspace")
 _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "pcie_bytes_per_s", "p2p_over_pcie",
                 "copy_duplex_slowdown", "ar_stretch", "host_task_s", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
-_SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res"}
+_SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res",
+           "A2A": "a2a_f", "A2A_B": "a2a_b"}
+# units that may carry a collective's total, per split key (default: every unit)
+_ELIGIBLE = {"AR": AR_FORWARD, "AR_B": AR_BACKWARD, "A2A": A2A_FORWARD, "A2A_B": A2A_BACKWARD}
 
 
 # Upper bounds of a cost-file figure: far above any real machine, low enough that sums and
@@ -412,7 +395,7 @@ _MAX_BYTES = 1e18
 _MAX_RATE = 1e18  # bytes/s or FLOP/s
 _MAX_FLOPS = 1e24
 _LIMITS: dict[str, tuple[float, float]] = {
-    **{k: (0.0, _MAX_SECONDS) for k in ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_P2P")},
+    **{k: (0.0, _MAX_SECONDS) for k in ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_A2A", "T_A2A_B", "T_P2P")},
     **{k: (0.0, _MAX_BYTES) for k in ("activation_bytes", "w_residual_bytes", "M_a_bytes")},
     "W_residual": (0.0, 16.0), "pcie_bytes_per_s": (1.0, _MAX_RATE), "peak_flops": (0.0, _MAX_RATE),
     "model_flops_per_sample": (0.0, _MAX_FLOPS), "samples_per_microbatch": (1.0, 1e9), "tokens_per_sample": (1.0, 1e12),
@@ -450,6 +433,8 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
     act = _num(d, "activation_bytes", where, ma)
     totals = {"F": _num(d, "T_F", where), "B": _num(d, "T_B", where), "W": _num(d, "T_W", where), "AR": t_ar,
               "AR_B": _num(d, "T_AR_B", where, t_ar), "act": act, "w_residual": _num(d, "w_residual_bytes", where, w_frac * act)}
+    t_a2a = _num(d, "T_A2A", where, 0.0)  # an MoE chunk's all-to-alls (only its MoE layers' units carry them)
+    totals.update({"A2A": t_a2a, "A2A_B": _num(d, "T_A2A_B", where, t_a2a)})
     split = d.get("unit_split") or {}
     if not isinstance(split, dict) or set(split) - set(_SPLITS):
         raise CostFileError(f"{where}: 'unit_split' must map some of {', '.join(_SPLITS)} to {{unit: weight}}")
@@ -457,7 +442,9 @@ def _chunk_from_dict(d: Mapping[str, Any], spec: ChunkSpec, where: str, ma: floa
     inst = probe.instances()
     vals: dict[Unit, dict[str, float]] = {u: {} for u in sorted(set(inst), key=list(Unit).index)}
     for key, attr in _SPLITS.items():
-        eligible = set(AR_FORWARD if key == "AR" else AR_BACKWARD if key == "AR_B" else Unit)
+        eligible = set(_ELIGIBLE.get(key, Unit))
+        if key in ("A2A", "A2A_B") and not spec.moe:
+            eligible = set()
         weights = split.get(key)
         if weights is None:
             w = {u: 1.0 if u in eligible else 0.0 for u in vals}
@@ -556,8 +543,13 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
             "T_F": cc.total("f"), "T_B": cc.total("b"), "T_W": cc.total("w"), "T_AR": cc.total("ar_f"),
             "T_AR_B": cc.total("ar_b"), "T_P2P": cc.p2p, "activation_bytes": cc.total("act"),
             "w_residual_bytes": cc.total("w_res"),
-            "unit_split": {key: {u.value: getattr(cc.units[u], attr) for u in present} for key, attr in _SPLITS.items()},
+            "unit_split": {key: {u.value: getattr(cc.units[u], attr) for u in present} for key, attr in _SPLITS.items()
+                           if key not in ("A2A", "A2A_B")},
         }
+        if cc.total("a2a_f") or cc.total("a2a_b"):  # an MoE chunk with expert parallelism
+            chunks[f"{r},{c}"].update({"T_A2A": cc.total("a2a_f"), "T_A2A_B": cc.total("a2a_b")})
+            chunks[f"{r},{c}"]["unit_split"].update({key: {u.value: getattr(cc.units[u], attr) for u in present}
+                                                     for key, attr in (("A2A", "a2a_f"), ("A2A_B", "a2a_b"))})
         if any(cc.units[u].tmp for u in present):
             chunks[f"{r},{c}"]["unit_workspace"] = {u.value: cc.units[u].tmp for u in present}
     return {

@@ -1,41 +1,43 @@
 """Costs of a mixture-of-experts layer: the router, the routed experts and expert parallelism's all-to-alls.
 
-An MoE layer has the dense layer's four units (:mod:`braid.models.qwen3_moe`); Pre-Attn and Attn
-are priced as a dense layer's (:func:`braid.cost.costs._layer_units`), the MLP side as the
-runtime runs it:
+An MoE layer's units (:data:`braid.core.braiding.MOE_LAYER_UNITS`, :mod:`braid.models.moe_ops`):
+Pre-Attn and Attn are priced as a dense layer's (:func:`braid.cost.costs._layer_units`), the MLP
+side as the runtime runs it:
 
 * **Pre-MLP**: the norm and the router, a linear ``hidden -> E`` kept whole on every TP rank:
-  ``2*T*h*E`` FLOPs in F, B and W each (not divided by t); it ends its backward with the
-  dense layer's TP all-reduce.
-* **MLP**: routing, the experts' grouped GEMMs (gate and up ``h -> 2f``, down ``f -> h``:
-  ``6*rows*h*f`` FLOPs in F, B and W each), the combine, and the TP all-reduce of its
-  forward. Under TP the runtime gives every TP rank ``E/t`` whole experts
-  (:class:`braid.models.moe.ExpertSlice`: all TP ranks hold the same tokens, each runs the rows
-  routed to its experts; the all-reduce sums the parts), so a rank runs on average
-  ``T*k/t`` rows -- the same FLOPs as a ``1/t`` slice of every expert. ``imbalance`` (>= 1)
-  is the busiest rank's rows over that mean: ``rows = T*k/t * imbalance`` wherever the
-  experts are spread over more than one rank (``ep * t > 1``; on one rank every token's k
-  rows run there whatever the routing, so it is 1).
+  ``2*T*h*E`` FLOPs in F, B and W each (not divided by t), top-k and the permutation; its
+  forward ends with the **dispatch** all-to-all (``a2a_f``: the per-expert counts, ``E/t`` int64,
+  then the rows), its backward with the dense layer's TP all-reduce.
+* **Experts**: the grouped GEMMs (gate and up ``h -> 2f``, down ``f -> h``: ``6*rows*h*f`` FLOPs
+  in F, B and W each); its forward ends with the **combine** all-to-all (``a2a_f``), its
+  backward with the dispatch's backward (``a2a_b``). Under TP the runtime gives every TP rank
+  ``E/t`` whole experts (:class:`braid.models.moe_dispatch.ExpertSlice`: all TP ranks hold the
+  same tokens, each runs the rows routed to its experts; the all-reduce sums the parts), so a
+  rank runs on average ``T*k/t`` rows -- the same FLOPs as a ``1/t`` slice of every expert.
+  ``imbalance`` (>= 1) is the busiest rank's rows over that mean: ``rows = T*k/t * imbalance``
+  wherever the experts are spread over more than one rank (``ep * t > 1``; on one rank every
+  token's k rows run there whatever the routing, so it is 1).
+* **MLP** (the combine): un-permutation, weighted sum and residual (no FLOPs counted), the dense
+  layer's forward TP all-reduce; its backward ends with the combine's backward (``a2a_b``).
 * **Expert parallelism** (``ep`` ranks of one expert-parallel group,
-  :mod:`braid.runtime.expert_parallel`): the rows of the rank's TP slice go to the ranks holding
-  their experts and back, each an ``all_to_all_single`` of ``rows * h * dtype`` bytes on the
-  busiest rank, priced on the group's link (:func:`braid.cost.hardware.ring_s`: ``(ep-1)/ep``
-  of the bytes at the link's rate, plus latency). Forward: the per-expert row counts
-  (``E/t`` int64, one small all-to-all), dispatch and combine; backward: dispatch and combine
-  again with the splits swapped. The runtime runs them blocking inside the MLP unit, so they
-  are folded into its ``f`` and ``b``, and recorded as :class:`braid.cost.costs.UnitCost`'s
-  ``a2a_f``/``a2a_b`` (the share of ``f``/``b`` that is all-to-all).
+  :mod:`braid.runtime.expert_parallel`): each row all-to-all moves ``rows * h * dtype`` bytes on
+  the busiest rank, priced on the group's link (:func:`braid.cost.hardware.ring_s`: ``(ep-1)/ep``
+  of the bytes at the link's rate, plus latency). The all-to-alls are :class:`braid.cost.costs.UnitCost`'s
+  ``a2a_f``/``a2a_b`` -- not part of ``f``/``b``: the simulator runs them on the rank's all-to-all
+  lane, beside the other member's units in a braided block (:mod:`braid.core.braiding`).
 
-Saved bytes of the MLP unit, ``activations="runtime"`` (counted from the saved-tensor boxes of a
-CPU chunk, ``c`` = the fp32 compute size, 4 or the dtype's): the experts' inputs and SwiGLU
-intermediates ``rows * (h + 4f) * d``; the combined rows and the weighting's copy
-``2 * T*k * h * d`` (every TP rank holds all ``T*k`` rows, zero where another rank's experts ran);
-indices and routing weights ``T*k * (32 + c + d)``; the router's probabilities ``T * c * (E + 1)``;
-the local counts; with ``ep > 1`` the regrouping's two int64 orders of the received rows.
-Korthikanti's formula (the paper's yardstick) keeps its shape with the routed width in place of
-the 4h MLP: ``s*b*h * 1 + 2 * rows * f * d``. W residual (a split B's stash until W): Pre-MLP the
-router's input and output gradient ``T * (h + E) * d``; MLP both expert GEMMs' inputs and
-output gradients ``rows * (2h + 3f) * d``.
+Saved bytes, ``activations="runtime"`` (counted from the saved-tensor boxes of a CPU chunk,
+``c`` = the fp32 compute size, 4 or the dtype's): Pre-MLP the dense Pre-MLP's (norm, the
+router's input) plus the router's probabilities ``T * c * (E + 1)`` and the top-k indices,
+weights and gather indices ``T*k * (16 + c)``; Experts the experts' inputs and SwiGLU
+intermediates ``rows * (h + 4f) * d``, the local counts and, with ``ep > 1``, the regrouping's
+two int64 orders of the received rows; MLP the combined rows and the weighting's copy
+``2 * T*k * h * d`` (every TP rank holds all ``T*k`` rows, zero where another rank's experts ran)
+and ``T*k * (16 + d)`` of indices and weights. Korthikanti's formula (the paper's yardstick)
+keeps its shape with the routed width in place of the 4h MLP: Experts ``2 * rows * f * d``, MLP
+``s*b*h * 1``. W residual (a split B's stash until W): Pre-MLP the router's input and output
+gradient ``T * (h + E) * d``; Experts both expert GEMMs' inputs and output gradients
+``rows * (2h + 3f) * d``; MLP none (no weights).
 """
 
 from __future__ import annotations
@@ -89,35 +91,41 @@ def routed_rows(model: ModelConfig, tokens: int, t: int, moe: MoeLayout) -> floa
 
 
 def a2a_seconds(model: ModelConfig, tokens: int, t: int, d: int, moe: MoeLayout) -> tuple[float, float]:
-    """(forward, backward) all-to-all seconds of one MoE layer on the busiest expert-parallel rank."""
+    """(counts, rows) all-to-all seconds of one MoE layer on the busiest expert-parallel rank: the
+    per-expert counts' exchange and one exchange of the routed rows (the dispatch, the combine and
+    their backwards each move that many)."""
     if moe.ep == 1:
         return 0.0, 0.0
     link = (moe.a2a_bytes_per_s, moe.a2a_latency_s)
     rows = ring_s(routed_rows(model, tokens, t, moe) * model.hidden * d, moe.ep, *link)
     counts = ring_s(INDEX_BYTES * model.experts // t, moe.ep, *link)
-    return counts + 2 * rows, 2 * rows
+    return counts, rows
 
 
 def moe_units(units: Mapping[Unit, Any], model: ModelConfig, tokens: int, t: int, d: int, hw: Hardware, moe: MoeLayout,
               activations: Literal["korthikanti", "runtime"] = "korthikanti") -> dict[Unit, Any]:
     """A dense layer's :class:`braid.cost.costs.UnitCost` s with Pre-MLP and MLP replaced by an MoE layer's
-    (module doc); the all-reduces stay the dense layer's."""
+    and its Experts unit added (module doc); the all-reduces stay the dense layer's."""
     h, f, e, k = model.hidden, model.moe_ffn, model.experts, model.experts_per_token
     rows = routed_rows(model, tokens, t, moe)
     router = 2 * tokens * h * e / hw.matmul_flops
     experts = 2 * rows * h * 3 * f / hw.matmul_flops
-    a2a_f, a2a_b = a2a_seconds(model, tokens, t, d, moe)
+    counts_s, rows_s = a2a_seconds(model, tokens, t, d, moe)
+    pre, mlp = units[Unit.PRE_MLP], units[Unit.MLP]
     if activations == "runtime":
         c = max(d, 4)
-        act = (rows * (h + 4 * f) * d + tokens * k * (2 * h * d + 4 * INDEX_BYTES + c + d) + tokens * c * (e + 1)
-               + INDEX_BYTES * e // (t * moe.ep) + (2 * INDEX_BYTES * rows if moe.ep > 1 else 0.0))
+        pre_act = pre.act + tokens * c * (e + 1) + tokens * k * (2 * INDEX_BYTES + c)
+        experts_act = (rows * (h + 4 * f) * d + INDEX_BYTES * e // (t * moe.ep)
+                       + (2 * INDEX_BYTES * rows if moe.ep > 1 else 0.0))
+        mlp_act = tokens * k * (2 * h * d + 2 * INDEX_BYTES + d)
     else:
-        act = tokens * h * d / 2 + 2 * rows * f * d
-    pre, mlp = units[Unit.PRE_MLP], units[Unit.MLP]
+        pre_act, experts_act, mlp_act = pre.act, 2 * rows * f * d, tokens * h * d / 2
     return {**units,
-            Unit.PRE_MLP: replace(pre, f=router, b=router, w=router, w_res=tokens * (h + e) * d),
-            Unit.MLP: replace(mlp, f=experts + a2a_f, b=experts + a2a_b, w=experts, act=act,
-                              w_res=rows * (2 * h + 3 * f) * d, a2a_f=a2a_f, a2a_b=a2a_b)}
+            Unit.PRE_MLP: replace(pre, f=router, b=router, w=router, act=pre_act, w_res=tokens * (h + e) * d,
+                                  a2a_f=counts_s + rows_s),
+            Unit.EXPERTS: replace(mlp, f=experts, b=experts, w=experts, ar_f=0.0, ar_b=0.0, act=experts_act,
+                                  w_res=rows * (2 * h + 3 * f) * d, a2a_f=rows_s, a2a_b=rows_s),
+            Unit.MLP: replace(mlp, f=0.0, b=0.0, w=0.0, act=mlp_act, w_res=0.0, a2a_b=rows_s)}
 
 
 def mlp_width(model: ModelConfig, t: int, moe: MoeLayout | None) -> float:

@@ -8,9 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from braid.core.braiding import Unit
-
-LAYER = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP)
+from braid.core.braiding import MOE_LAYER_UNITS, Unit
 
 
 def full_recompute(units: Mapping[Unit, Any], layer_input_bytes: float) -> dict[Unit, Any]:
@@ -18,19 +16,20 @@ def full_recompute(units: Mapping[Unit, Any], layer_input_bytes: float) -> dict[
     only the layer input; the layer's first backward unit (MLP) first re-runs the whole layer,
     the Attn unit's forward all-reduce included (blocking: the MLP half needs its result).
 
-    MLP: ``b`` grows by the four units' forward and Attn's ``ar_f`` (an MoE layer's all-to-alls
-    among them: ``a2a_b`` grows by the layer's ``a2a_f``); while it runs, the
+    MLP: ``b`` grows by the layer units' forward and Attn's ``ar_f`` (an MoE layer's all-to-alls
+    among them, blocking inside the re-run: ``b`` grows by the layer's ``a2a_f`` too; the runtime
+    does not re-run MoE layers yet, :meth:`braid.models.chunk.ModelChunk.set_recompute`); while it runs, the
     re-run's activations (the layer's saved bytes less the input) are live on top of its own
     (``tmp``, workspace: the simulator counts it while the unit runs). They are freed unit by
     unit as the layer's backward proceeds, so the MLP's backward is the layer's most. Pre-Attn
     keeps ``layer_input_bytes``, the other units nothing.
     """
-    rerun_s = sum(units[u].f for u in LAYER) + units[Unit.ATTN].ar_f
-    rerun_bytes = max(0.0, sum(units[u].act for u in LAYER) - layer_input_bytes)
-    out = {u: replace(units[u], act=layer_input_bytes if u is Unit.PRE_ATTN else 0.0) for u in LAYER}
+    layer = [u for u in MOE_LAYER_UNITS if u in units]
+    rerun_s = sum(units[u].f + units[u].a2a_f for u in layer) + units[Unit.ATTN].ar_f
+    rerun_bytes = max(0.0, sum(units[u].act for u in layer) - layer_input_bytes)
+    out = {u: replace(units[u], act=layer_input_bytes if u is Unit.PRE_ATTN else 0.0) for u in layer}
     mlp = out[Unit.MLP]
-    rerun_a2a = sum(units[u].a2a_f for u in LAYER)  # an MoE layer's all-to-alls run again
-    out[Unit.MLP] = replace(mlp, b=mlp.b + rerun_s, tmp=max(mlp.tmp, rerun_bytes), a2a_b=mlp.a2a_b + rerun_a2a)
+    out[Unit.MLP] = replace(mlp, b=mlp.b + rerun_s, tmp=max(mlp.tmp, rerun_bytes))
     return {**units, **out}
 
 
@@ -41,7 +40,7 @@ def selective_recompute(units: Mapping[Unit, Any], tokens: int, seq: int, h: int
 
     Attn: ``b`` grows by the core's forward time; its saved bytes lose the flash-attention
     log-sum-exp (fp32 per head and token) -- q, k, v and the output are kept either way (the
-    output is the out-projection's input). MLP: ``b`` grows by the elementwise
+    output is the out-projection's input). MLP (an MoE layer's Experts): ``b`` grows by the elementwise
     ``silu(gate) * up`` (a few FLOPs per element, at matmul speed here: a small term); its
     saved bytes lose ``silu(gate)``.
 
@@ -50,12 +49,13 @@ def selective_recompute(units: Mapping[Unit, Any], tokens: int, seq: int, h: int
     MLP loses a quarter of its ffn-wide term (one of SwiGLU's four ffn-wide tensors).
     """
     f_core = 4 * tokens * seq * (h // heads) * heads / t * 0.5  # causal
-    attn, mlp = units[Unit.ATTN], units[Unit.MLP]
+    swiglu = Unit.EXPERTS if Unit.EXPERTS in units else Unit.MLP  # the unit that runs the SwiGLU product
+    attn, mlp = units[Unit.ATTN], units[swiglu]
     if activations == "runtime":
         attn_saved, mlp_saved = tokens * 4 * heads / t, tokens * ffn / t * d
     else:
         attn_saved, mlp_saved = 0.0, tokens * h * d / 2 * 16 / t / 4
     out = dict(units)
     out[Unit.ATTN] = replace(attn, b=attn.b + f_core / hw.attn_flops, act=max(0.0, attn.act - attn_saved))
-    out[Unit.MLP] = replace(mlp, b=mlp.b + 5 * tokens * ffn / t / hw.matmul_flops, act=max(0.0, mlp.act - mlp_saved))
+    out[swiglu] = replace(mlp, b=mlp.b + 5 * tokens * ffn / t / hw.matmul_flops, act=max(0.0, mlp.act - mlp_saved))
     return out

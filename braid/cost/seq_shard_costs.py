@@ -41,7 +41,7 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     after, and the re-gather of the column-parallel linears' saved input, which runs beside
     the row-parallel unit's backward before it. Saved bytes: both parts of Korthikanti's
     per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
-    gathered linear inputs' bytes over ``t`` (:func:`braid.cost.costs._runtime_act`); the
+    gathered linear inputs' bytes over ``t`` (:func:`braid.cost.runtime_act.runtime_act`); the
     head's norm and input over ``t``, its logits unchanged.
     """
     nbytes = tokens * h * d
@@ -49,6 +49,9 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     sbh = nbytes / 2
     out = {}
     for u, c in lm.items():
+        if u is Unit.EXPERTS:  # an MoE layer's experts: no TP collective, every routed row (not sequence-sharded)
+            out[u] = c
+            continue
         c = replace(c, ar_b=chain) if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else replace(c, ar_f=chain)
         if runtime:
             whole = tokens * (4 * h + d * h + 4) + tokens * d * h if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else 0.0

@@ -18,7 +18,8 @@ File layout (JSON)::
         "memory": {"0": [[t, bytes], ...], ...}}]}
 
 ``kind`` is one of F, B, W (compute units; a unit of a full backward is B or W), AR (TP
-all-reduce; on the ``dp-comm`` lane the data-parallel gradient all-reduce), SEND, RECV
+all-reduce; on the ``dp-comm`` lane the data-parallel gradient all-reduce), A2A (expert
+parallelism's all-to-all, on the ``ep-comm`` lane), SEND, RECV
 (P2P), OFFLOAD, RELOAD (host copies), RS, AG (data-parallel reduce-scatter and all-gather of
 ZeRO-1), OPT (the optimizer step). ``block`` is the text of the
 braided instruction an event belongs to, so both halves of a block can be paired.
@@ -36,9 +37,9 @@ from braid.io.inputs import InputFileError, read_json
 from braid.io.limits import MAX_TRACE_EVENTS, TRACE_FILE
 
 FORMAT = "braid-trace/1"
-LANES: tuple[str, ...] = ("compute", "tp-comm", "p2p", "copy", "dp-comm")
+LANES: tuple[str, ...] = ("compute", "tp-comm", "p2p", "copy", "dp-comm", "ep-comm")
 # RS/AG: the data-parallel reduce-scatter and all-gather (ZeRO-1), OPT: the optimizer step
-KINDS: tuple[str, ...] = ("F", "B", "W", "AR", "SEND", "RECV", "OFFLOAD", "RELOAD", "RS", "AG", "OPT")
+KINDS: tuple[str, ...] = ("F", "B", "W", "AR", "SEND", "RECV", "OFFLOAD", "RELOAD", "RS", "AG", "OPT", "A2A")
 
 
 class TraceError(ValueError):

@@ -17,7 +17,7 @@ copies marked with a :class:`braid.models.tied.Tie`; their gradients are summed 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Sequence
 
 import torch
@@ -28,7 +28,7 @@ from braid.core.braiding import LAYER_UNITS, ChunkSpec
 from braid.core.ir import Plan
 from braid.models.chunk import ModelChunk
 from braid.models.init import init_tensor
-from braid.models.seam import StageModel, UnitLayer, keep_units
+from braid.models.seam import ExpertLayer, StageModel, UnitLayer, keep_units
 from braid.models.sequence_parallel import SequenceParallel
 from braid.models.tied import Tie, mark, tie_of
 from braid.core.partition import chunk_specs, layer_offset
@@ -202,6 +202,8 @@ def build_chunk(
         lay.sp = sp
         lay.seq_rank = tp_rank if seq_shard else None
         layers.append(lay)
+    # the chunk's mixture-of-experts layers (their units: braid.core.braiding.MOE_LAYER_UNITS)
+    spec = replace(spec, moe=frozenset(i for i, lay in enumerate(layers) if isinstance(lay, ExpertLayer)))
     embed = norm = lm_head = None
     if spec.embed:
         embed = VocabParallelEmbedding.from_full(_real(model.embed_tokens, source, "embed_tokens."), tp_rank, tp_size)

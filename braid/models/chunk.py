@@ -47,6 +47,8 @@ from braid.models.chunk_parts import (
 )
 from braid.models import full_recompute
 from braid.models.fused import FusedOps
+from braid.models.moe_dispatch import Exchange
+from braid.models.moe_ops import MoeOps
 from braid.models.qwen2 import EAGER, RopeCache, UnitFns
 from braid.models.seam import UnitLayer
 from braid.models.sequence_parallel import SequenceParallel, target_count
@@ -66,7 +68,7 @@ from braid.tp.layers import (
 _enter_apply = fast_apply(_Entry)
 
 
-class ModelChunk(FusedOps, SeqShardOps, nn.Module):
+class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
     """Layers ``[first, first+len(layers))`` of a model, plus the embedding and/or head.
 
     ``tp_group`` is used only inside the loss (vocab-parallel max/sum-exp); the unit
@@ -110,6 +112,7 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
         self.vocab_start = vocab_start
         self.sp = sp
         self._init_seq_shard(seq_shard)
+        self._init_moe()
         self.tokens: list[torch.Tensor] = []
         self.labels: list[torch.Tensor] = []
         self.targets: list[torch.Tensor] = []  # SP: target tokens of each full micro-batch (loss normaliser)
@@ -165,7 +168,8 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
         """Why this chunk needs its unit cuts (None: it can run fused).
 
         The cuts exist for the TP all-reduce at the end of each unit's backward (tp > 1),
-        for sequence parallelism's attention, and for offload (boxes reloaded per unit).
+        for expert parallelism's all-to-alls (:mod:`braid.models.moe_ops`), for sequence
+        parallelism's attention, and for offload (boxes reloaded per unit).
         """
         if self.sp is not None or any(getattr(lay, "sp", None) is not None for lay in self.layers):
             return "sequence parallelism"
@@ -174,6 +178,8 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
         if (self.tp_group is not None and dist.get_world_size(self.tp_group) > 1) or any(
                 getattr(lay, "tp", 1) != 1 for lay in self.layers):
             return "tensor parallelism (tp > 1)"
+        if self.moe_moves():
+            return "expert parallelism (its all-to-alls end units)"
         return None
 
     def set_recompute(self, mode: str) -> None:
@@ -185,6 +191,9 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
         if mode == "full" and (self.spec.half_in or self.spec.half_out):
             raise ValueError("full recomputation re-runs whole layers; this chunk holds half a layer "
                              "(use whole layers per stage, or --recompute selective)")
+        if mode == "full" and self.spec.moe:
+            raise ValueError("full recomputation does not re-run mixture-of-experts layers (their all-to-alls end units); "
+                             "use --recompute selective or none")
         if mode != "none" and self.sp is not None:
             raise ValueError(f"{mode} recomputation does not cover 2D-Attention's sequence-parallel core (--cp > 1); "
                              "use --recompute none there")
@@ -266,12 +275,14 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
         out += [f"stash {type(m).__name__}" for m in self._deferred_all() if m.stash_bytes()]
         out += [f"fused graph mb{k}" for k in self._ops]
         out += [f"unit head run ahead mb{k}" for k in (*self._ahead_f, *self._ahead_b)]  # seq_shard (follow)
+        out += [f"routing of MoE layer {layer} mb{mb}" for mb, layer in self._routings]
         return out
 
     # -- unit tasks ------------------------------------------------------------------------
-    def run(self, mb: int, task: UnitTask) -> torch.Tensor | Scatter | None:
-        """Run one unit task; returns the tensor to all-reduce over TP when ``task.ar`` (under
-        ``seq_shard`` the reduce-scatter to start)."""
+    def run(self, mb: int, task: UnitTask) -> torch.Tensor | Scatter | Exchange | None:
+        """Run one unit task; returns what to start as it ends (``task.comm``): the tensor to
+        all-reduce over TP (under ``seq_shard`` the reduce-scatter), or the all-to-all
+        (:class:`braid.models.moe_dispatch.Exchange`); None where nothing is to be started."""
         if task.phase is Phase.F:
             return self._forward(mb, task.unit, task.layer)
         if task.phase is Phase.B:
@@ -381,6 +392,8 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
             self._fwd[mb] = (self._inputs.pop(mb),)
         if self.full_recompute and not self._rerunning and unit in full_recompute.LAYER_UNITS:
             return full_recompute.forward_unit(self, mb, unit, layer, _Box)
+        if self._moe_unit(unit, layer):
+            return self._moe_forward(mb, unit, layer)
         state = self._fwd[mb]
         key = (mb, unit, layer)
         with self._saving(*key):
@@ -444,6 +457,8 @@ class ModelChunk(FusedOps, SeqShardOps, nn.Module):
             if why:
                 raise ChunkStateError(why)
             full_recompute.rerun(self, mb, layer)
+        if unit is not Unit.PRE_MLP and self._moe_unit(unit, layer):
+            return self._moe_backward(mb, unit, layer, st)
         pieces = self._take(mb, unit, layer)
         with split_weight_grads(self._deferred(unit, layer), mb):
             if unit is Unit.HEAD:

@@ -152,6 +152,9 @@ class FusedOps:
                 self._fwd[mb] = ()
             else:
                 self._fwd[mb] = tuple(self._layer_seq[layer].unit_forward(unit, h, positions=self.positions)) + (x,)
+        elif unit is Unit.EXPERTS:  # a mixture's experts in one piece (nothing moves: a fused chunk has no EP)
+            *acts, residual = self._fwd[mb]
+            self._fwd[mb] = (self._layer_seq[layer].unit_forward(unit, *acts), residual)
         else:
             *acts, residual = self._fwd[mb]
             self._fwd[mb] = (self._layer_seq[layer].unit_forward(unit, *acts, residual=residual),)

@@ -9,9 +9,9 @@ device) -> every expert's SwiGLU MLP over its rows, as grouped GEMMs (:class:`Gr
 otherwise) -> each row scaled by its slot's probability and summed back into its token
 (:func:`unpermute`). Nothing is dropped: every expert takes every token routed to it.
 
-Expert parallelism puts a :class:`Dispatcher` between the sort and the experts
-(:mod:`braid.runtime.expert_parallel`): the sorted rows travel to the ranks holding their
-experts and back. :class:`LocalDispatch` is the single-device one.
+Expert parallelism puts a dispatcher between the sort and the experts
+(:mod:`braid.models.moe_dispatch`, :mod:`braid.runtime.expert_parallel`): the sorted rows travel
+to the ranks holding their experts and back.
 
 The load-balancing loss (:func:`load_balancing_loss`) is transformers' (Switch Transformer's):
 over all MoE layers of a batch, ``E * sum_e f_e * P_e``, with ``f_e`` the share of top-k
@@ -20,7 +20,7 @@ slots routed to expert ``e`` and ``P_e`` its mean router probability.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Protocol, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -183,65 +183,6 @@ def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, to
     k = weights.shape[1]
     rows = rows * weights.reshape(-1)[order].unsqueeze(-1)
     return rows.new_zeros(tokens, rows.shape[-1]).index_add(0, order // k, rows)
-
-
-class Dispatcher(Protocol):
-    """Moves expert-sorted rows to the experts that run them and their outputs back."""
-
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(rows sorted by global expert, counts (E,)) -> (this rank's rows sorted by local expert,
-        their counts (E/ep,), the state :meth:`combine` needs)."""
-        ...
-
-    def combine(self, rows: torch.Tensor, state: Any) -> torch.Tensor:
-        """Expert outputs of :meth:`dispatch`'s rows -> outputs in the rows' original order."""
-        ...
-
-
-class LocalDispatch:
-    """Every expert on this device: nothing moves."""
-
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        return rows, counts, None
-
-    def combine(self, rows: torch.Tensor, state: Any) -> torch.Tensor:
-        return rows
-
-
-LOCAL = LocalDispatch()
-
-
-class ExpertSlice:
-    """This TP rank's experts ``[first, first + count)``: the tokens are the same on every TP rank, so
-    each runs its own experts on their rows and leaves the others' rows zero; the MLP unit's TP
-    all-reduce then sums the ranks' parts (no token moves). ``inner``: how the slice's rows reach
-    its experts (expert parallelism within the slice; default: they are all here)."""
-
-    def __init__(self, first: int, count: int, inner: Dispatcher = LOCAL) -> None:
-        self.first, self.count, self.inner = first, count, inner
-
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        before = int(counts[:self.first].sum())  # rows are sorted by expert: one host read per layer
-        mine = counts[self.first:self.first + self.count]
-        n = int(mine.sum())
-        local, local_counts, state = self.inner.dispatch(rows[before:before + n], mine)
-        return local, local_counts, (before, rows.shape[0] - before - n, state)
-
-    def combine(self, rows: torch.Tensor, state: Any) -> torch.Tensor:
-        before, after, inner = state
-        return F.pad(self.inner.combine(rows, inner), (0, 0, before, after))
-
-
-def moe_forward(h: torch.Tensor, logits: torch.Tensor, experts: Experts, *, top_k: int, norm_topk_prob: bool,
-                num_experts: int, dispatcher: Dispatcher = LOCAL) -> torch.Tensor:
-    """The MoE MLP of normed hidden states ``h`` (..., hidden) given their router ``logits`` (..., E)."""
-    shape = h.shape
-    h2 = h.reshape(-1, shape[-1])  # (T, hidden)
-    weights, chosen = route(logits.reshape(-1, logits.shape[-1]), top_k, norm_topk_prob)
-    rows, order, counts = permute(h2, chosen, num_experts)  # (T*k, hidden)
-    local, local_counts, state = dispatcher.dispatch(rows, counts)
-    out = dispatcher.combine(experts(local, local_counts), state)
-    return unpermute(out, order, weights, h2.shape[0]).view(shape)
 
 
 def load_balancing_loss(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:

@@ -2,11 +2,14 @@
 
 Layer ``i`` is a mixture-of-experts layer unless it is in ``mlp_only_layers`` or
 ``(i + 1) % decoder_sparse_step`` is not 0 (then it is a dense :class:`braid.models.qwen3.Qwen3Layer`
-of width ``ffn``). An MoE layer's units (:mod:`braid.models.seam`): Pre-Attn and Attn are
-Qwen3's; Pre-MLP is the norm and the router (-> the normed hidden states and the router
-logits); MLP routes, permutes, runs the experts (:mod:`braid.models.moe`), combines and adds
-the residual. Expert parallelism swaps the layer's ``dispatcher``
-(:mod:`braid.runtime.expert_parallel`).
+of width ``ffn``). An MoE layer's units (:mod:`braid.models.seam`, :data:`braid.core.braiding.MOE_LAYER_UNITS`):
+Pre-Attn and Attn are Qwen3's; Pre-MLP the norm, the router, top-k and the permutation
+(:meth:`Qwen3MoeLayer.route_rows`), ending with the dispatch of the rows to their experts;
+Experts the grouped expert GEMMs (:mod:`braid.models.moe`), ending with the combine's exchange
+back; MLP the un-permutation, the weighted sum and the residual. A cut chunk runs them
+(:mod:`braid.models.moe_ops`); in one piece (the single-device model, a fused chunk)
+:func:`braid.models.moe_dispatch.moe_forward` runs them with blocking exchanges. Expert
+parallelism swaps the layer's ``dispatcher`` (:mod:`braid.runtime.expert_parallel`).
 
 The load-balancing loss (``router_aux_loss_coef`` times :func:`braid.models.moe.load_balancing_loss`)
 is added to the single-device model's loss when ``output_router_logits`` is set, as
@@ -31,7 +34,9 @@ from torch import nn
 
 from braid.core.braiding import Unit
 from braid.models import tp_partial
-from braid.models.moe import LOCAL, Dispatcher, Experts, ExpertSlice, load_balancing_loss, moe_forward
+from braid.models.moe import Experts, load_balancing_loss, permute, route
+from braid.models.moe_dispatch import LOCAL, Dispatcher, ExpertSlice, moe_forward
+from braid.models.seam import fused_residual
 from braid.models.qwen3 import (
     Qwen3Config, Qwen3Layer, Qwen3Model, qwen3_fields_from_hf, qwen3_fields_to_hf, qwen3_hf_key,
     shard_qwen3_layer,
@@ -89,19 +94,45 @@ class Qwen3MoeLayer(Qwen3Layer):
         self.dispatcher: Dispatcher = LOCAL
 
     def gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-MLP after the norm: the normed states (a view, the MLP unit's input) and the router logits (b, s, E)."""
+        """Pre-MLP after the norm, in one piece: the normed states (a view) and the router logits (b, s, E)."""
         return h.view_as(h), self.router(h)
 
     def mlp_core(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Route, permute, run the experts (through the dispatcher), combine: (b, s, hidden)."""
+        """Route, permute, run the experts (through the dispatcher, blocking), combine: (b, s, hidden)."""
         return moe_forward(h, logits, self.experts, top_k=self.top_k, norm_topk_prob=self.norm_topk_prob,
                            num_experts=self.num_experts, dispatcher=self.dispatcher)
+
+    def route_rows(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pre-MLP after the norm, cut: normed states (b, s, h) -> their top-k rows sorted by expert (T*k, h),
+        the slots' weights (T, k), ``order`` (T*k,) and rows per expert (E,) (:func:`braid.models.moe.permute`)."""
+        h2 = h.reshape(-1, h.shape[-1])
+        weights, chosen = route(self.router(h).reshape(h2.shape[0], -1), self.top_k, self.norm_topk_prob)
+        rows, order, counts = permute(h2, chosen, self.num_experts)
+        return rows, weights, order, counts
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by local expert, ``counts`` per local expert -> the experts' outputs."""
+        return self.experts(rows, counts)
+
+    def unit_forward(self, unit: Unit, *inputs: torch.Tensor, residual: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """In one piece (a fused chunk): Pre-MLP -> (states, logits); Experts -> the MoE output; MLP -> + residual/tp."""
+        if unit is Unit.EXPERTS:
+            return self.mlp_core(*inputs)
+        return super().unit_forward(unit, *inputs, residual=residual, positions=positions)
+
+    def mlp(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The MLP unit of an MoE layer (the combine), in one piece: the Experts unit's output plus the fused residual."""
+        out, residual = inputs
+        return fused_residual(self, out, residual)
 
     def unit_weights(self, unit: Unit) -> tuple[nn.Module, ...]:
         if unit is Unit.PRE_MLP:
             return (self.router,)
-        if unit is Unit.MLP:
+        if unit is Unit.EXPERTS:
             return (self.experts.gate_up, self.experts.down)
+        if unit is Unit.MLP:
+            return ()
         return super().unit_weights(unit)
 
     def forward_routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,6 +79,25 @@ class UnitLayer(Protocol):
 
 
 @runtime_checkable
+class ExpertLayer(UnitLayer, Protocol):
+    """A mixture-of-experts layer: its MLP side is the units pre_mlp, experts and mlp
+    (:data:`braid.core.braiding.MOE_LAYER_UNITS`), cut at expert parallelism's exchanges
+    (:mod:`braid.models.moe_ops` runs them). In one piece ``unit_forward`` runs Pre-MLP -> a tuple,
+    Experts -> the MoE output, MLP -> that plus ``residual/tp``."""
+
+    dispatcher: Any  # braid.models.moe_dispatch.Dispatcher: where the rows go (expert parallelism swaps it)
+
+    def route_rows(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Normed states (b, s, h) -> top-k rows sorted by expert (T*k, h), slot weights (T, k), ``order`` (T*k,)
+        and rows per expert (E,) (:func:`braid.models.moe.permute`)."""
+        ...
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows (N, h) sorted by local expert, ``counts`` per local expert -> the experts' outputs (N, h)."""
+        ...
+
+
+@runtime_checkable
 class StageModel(Protocol):
     """A single-device decoder LM that the chunk builder cuts into pipeline stages.
 
@@ -112,6 +131,10 @@ def keep_units(layer: nn.Module, units: tuple[Unit, ...]) -> nn.Module:
     parameter would be left that none of ``units`` names (a family with more per-layer
     weights than the seam declares): such a layer cannot be cut in half.
     """
+    if isinstance(layer, ExpertLayer) and Unit.MLP in units:  # a mixture's MLP side holds its experts
+        units = (*units, Unit.EXPERTS)
+    every = (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP) + ((Unit.EXPERTS,) if isinstance(layer, ExpertLayer) else ())
+
     def mods(us: tuple[Unit, ...]) -> set[int]:
         out: set[int] = set()
         for u in us:
@@ -120,7 +143,7 @@ def keep_units(layer: nn.Module, units: tuple[Unit, ...]) -> nn.Module:
         return out
 
     keep = mods(units)
-    drop = mods(tuple(u for u in (Unit.PRE_ATTN, Unit.ATTN, Unit.PRE_MLP, Unit.MLP) if u not in units)) - keep
+    drop = mods(tuple(u for u in every if u not in units)) - keep
     for parent in list(layer.modules()):
         for name, child in list(parent.named_children()):
             if id(child) in drop:

@@ -186,10 +186,12 @@ class _Search:
         self.blocks = [(r, i) for r, ops in enumerate(full.ranks) for i, ins in enumerate(ops) if isinstance(ins, Braided)]
         self.plain = {blk: self._split_order(plain, blk) for blk in self.blocks}
         has_ar = costs.layout.tp > 1 and any(c.total("ar_f") + c.total("ar_b") > 0 for c in costs.chunks.values())
-        # lead and carry matter only where there are all-reduces
-        self.variants = VARIANTS if has_ar else (BRAID, SPLIT_AB, SPLIT_BA)
+        has_a2a = any(c.total("a2a_f") + c.total("a2a_b") > 0 for c in costs.chunks.values())
+        # the lead matters where there are collectives to hide, the carry only where there are all-reduces
+        self.variants = VARIANTS if has_ar else (BRAID, LEAD_A, LEAD_B, SPLIT_AB, SPLIT_BA) if has_a2a else (
+            BRAID, SPLIT_AB, SPLIT_BA)
         self.sites = fusable_pairs(full)
-        self.fuses = FUSES if has_ar else (FUSE,)
+        self.fuses = FUSES if has_ar or has_a2a else (FUSE,)
         self.evals = 0
         self.seen: dict[tuple, tuple[float, int]] = {}
 
@@ -353,7 +355,8 @@ def _apply(block: Braided, how: str) -> list[ComputeInstr]:
 
 def plain_beats_braided(reports: Iterable, costs: dict[str, CostModel], choices: dict[str, BraidChoice]) -> str | None:
     """One line when a plain schedule (zb_v, 1f1b_i) is faster than braided_v, saying why: how
-    much TP all-reduce there was for braiding to hide. None when braided_v wins or is absent."""
+    much TP all-reduce and expert-parallel all-to-all there was for braiding to hide. None when
+    braided_v wins or is absent."""
     by = {r.schedule: r for r in reports}
     bv = by.get("braided_v")
     rivals = [by[n] for n in ("zb_v", "1f1b_i") if n in by and bv is not None and by[n].step_time_s < bv.step_time_s]
@@ -362,14 +365,18 @@ def plain_beats_braided(reports: Iterable, costs: dict[str, CostModel], choices:
     best = min(rivals, key=lambda r: r.step_time_s)
     c = costs["braided_v"]
     ar = sum(ch.total("ar_f") + ch.total("ar_b") for ch in c.chunks.values()) if c.layout.tp > 1 else 0.0
+    a2a = sum(ch.total("a2a_f") + ch.total("a2a_b") for ch in c.chunks.values())
     comp = sum(ch.total("f") + ch.total("b") + ch.total("w") for ch in c.chunks.values())
     gap = bv.step_time_s - best.step_time_s
-    exposed = max(r.tp_exposed_s for r in best.ranks)  # the most braiding could take off the plain schedule's step
-    if ar == 0:
+    # the most braiding could take off the plain schedule's step
+    exposed = max(r.tp_exposed_s + r.a2a_exposed_s for r in best.ranks)
+    what = "TP all-reduces" + (" and all-to-alls" if a2a else "")
+    if ar + a2a == 0:
         why = f"there is no TP all-reduce to hide (tp={c.layout.tp}{', T_AR=0' if c.layout.tp > 1 else ''})"
     else:
-        why = (f"the TP all-reduces are {ar / comp:.1%} of a micro-batch's compute ({1e3 * ar:.4g} of {1e3 * comp:.4g} ms "
-               f"over all chunks) and {best.schedule} leaves only {1e3 * exposed:.4g} ms of them exposed on its worst rank")
+        why = (f"the {what} are {(ar + a2a) / comp:.1%} of a micro-batch's compute ({1e3 * (ar + a2a):.4g} of "
+               f"{1e3 * comp:.4g} ms over all chunks) and {best.schedule} leaves only {1e3 * exposed:.4g} ms of them "
+               "exposed on its worst rank")
         if exposed < gap:
             why += (f", less than the {1e3 * gap:.4g} ms gap: braided_v loses on pipeline bubble "
                     f"({_bubble(bv):.1%} of its step vs {_bubble(best):.1%})")

@@ -314,9 +314,9 @@ def _waits(costs: CostModel, rank: int, chunk: int, kind: Any) -> float:
         u = units[st.task.unit]
         ar = u.ar_f if st.task.phase is Phase.F else u.ar_b
         nxt = rows[k + 1]
-        if nxt.task.waits_ar:
+        if nxt.task.waits:
             total += ar
-        elif k + 2 < len(rows) and rows[k + 2].task.waits_ar:
+        elif k + 2 < len(rows) and rows[k + 2].task.waits:
             total += max(0.0, ar * costs.ar_stretch - costs.ar_slowdown * units[nxt.task.unit].w)
     return total
 

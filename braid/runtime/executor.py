@@ -3,11 +3,13 @@
 One dispatch loop over the rank's instructions ("schedule as data, executor as one
 loop"). Compute instructions -- F, B, W, BW and braided blocks -- run at unit granularity
 in the order :func:`braid.core.braiding.steps` gives (the braid pattern is defined there, once).
-A unit task with ``ar`` starts an async TP all-reduce of its output
+A unit task with a ``comm`` starts it asynchronously as it ends: a TP all-reduce of its output
 (``dist.all_reduce(..., async_op=True)``: NCCL runs it on its own stream ordered by
 events, gloo on its worker thread; under sequence sharding a reduce-scatter over the
-sequence, :mod:`braid.tp.seq_shard`); the next F/B task of the same op waits for it, and an
-instruction's all-reduces are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
+sequence, :mod:`braid.tp.seq_shard`), or expert parallelism's all-to-all the unit returns
+(:class:`braid.models.moe_dispatch.Exchange`, the same way, on lane ``ep-comm``); the next F/B
+task of the same op waits for it, and an
+instruction's collectives are all complete when it ends (paper Sec. 3, Fig. 3) -- except a
 trailing one that :func:`braid.core.braiding.carries` carries into the next compute instruction,
 whose first unit task then runs beside it, as the simulator models. When the Send/Recv run
 between the two sends the carried forward's output, the run is posted as the all-reduce
@@ -26,7 +28,7 @@ format: unit compute events, all-reduces on lane ``tp-comm``, P2P events and a m
 series (``torch.cuda.memory_allocated`` on GPU, live saved-activation bytes on CPU).
 
 Recording costs host time on every unit task (two clock marks -- CUDA events on GPU --
-and one event tuple), which bounds small models by Python dispatch. Where nothing needs the unit cuts (tp=1, no
+and one event tuple). Where nothing needs the unit cuts (tp=1, ep=1, no
 sequence parallelism, no Offload/Reload in the program) the chunks run fused
 (:meth:`braid.models.chunk.ModelChunk.choose_fused`): one backward engine call per op, a
 ``BW`` op's weight gradients computed inside it (:meth:`~braid.models.chunk.ModelChunk.set_joint`),
@@ -50,7 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.core.braiding import Carry, ChunkSpec, UnitTask, carries
+from braid.core.braiding import Carry, ChunkSpec, Comm, UnitTask, carries
 from braid.core.braiding import steps as braid_steps
 from braid.core.ir import (
     Braided,
@@ -66,7 +68,7 @@ from braid.core.ir import (
     Send,
     compute_ops,
 )
-from braid.io.trace import Event, Trace
+from braid.io.trace import Trace
 from braid.models.chunk import ModelChunk
 from braid.models.chunk_parts import ChunkStateError
 from braid.runtime import compiled
@@ -80,6 +82,7 @@ from braid.runtime.results import (
     StepResult,
     _Clock,
     check_record,
+    measured_trace,
 )
 from braid.tp.autograd_calls import on_this_thread
 from braid.tp.comm import TPComm
@@ -96,6 +99,7 @@ class _Pending:
     unit: str
     block: str | None
     index: int
+    comm: Comm = Comm.AR
 
 
 @dataclass(slots=True)
@@ -110,10 +114,10 @@ class _Held:
 
 # One step of a compute instruction, bound once per executor: member, op, the chunk call and
 # its argument (``run`` and a unit task, or ``run_op`` and the op kind), waits for the op's
-# all-reduce, starts one, op text, phase text, unit text (None for a whole op), and the op's
+# collective, the collective it starts (None: none), op text, phase text, unit text (None for a whole op), and the op's
 # next unit task after a step that starts a reduction (None otherwise): its head may follow it.
-_Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, bool, str, str, str | None, UnitTask | None]
-
+_Bound = tuple[int, Compute, Callable[[int, Any], Any], Any, bool, Comm | None, str, str, str | None, UnitTask | None]
+_LANE = {Comm.AR: ("tp-comm", "AR"), Comm.A2A: ("ep-comm", "A2A")}  # trace lane and event kind of each collective
 
 
 def _range(name: Callable[[], str]) -> Any:
@@ -231,7 +235,7 @@ class Executor:
         self.clock = _Clock(self.device, enabled=self._rec != "off")
         self._events: list[tuple] = []
         self._memory: list[tuple[Any, int]] = []
-        self._exposed: list[tuple[Any, Any]] = []
+        self._exposed: list[tuple[Any, Any, Comm]] = []
         self.counts = {"braided": 0, "W": 0, "B": 0, "F": 0, "AR": 0, "P2P": 0, "chained": 0}
         self._recvs: dict[tuple[CommKind, int, int], tuple[list[dist.Work], Transfer, Any]] = {}
         self._sends: list[tuple[list[dist.Work], Transfer, Any]] = []
@@ -323,7 +327,7 @@ class Executor:
             self.counts[kind] += n
         carry = self._carries.get(idx)
         last_member = bound[-1][0]
-        carried = pending.pop(last_member, None) if carry is not None and bound[-1][5] else None
+        carried = pending.pop(last_member, None) if carry is not None and bound[-1][5] is Comm.AR else None
         for member in sorted(pending):
             self._wait_pending(pending.pop(member))
         if self._rec == "instructions":
@@ -416,7 +420,7 @@ class Executor:
         tp, events = self.tp_group, self._events
         timed = self._rec == "units"
         for k in range(first, stop):
-            member, op, call, arg, waits, ar, name, kind, unit, follow = bound[k]
+            member, op, call, arg, waits, comm, name, kind, unit, follow = bound[k]
             if waits and member in pending:
                 self._wait_pending(pending.pop(member))
             with _range(lambda: f"{name} {unit}" if unit else name):
@@ -425,17 +429,22 @@ class Executor:
                 e = mark() if timed else None
             if timed:
                 events.append(("compute", name, kind, s, e, op.mb, op.chunk, unit, block, idx, None))
-            if ar and out is not None and tp is not None:
+            if comm is Comm.AR and out is not None and tp is not None:
                 # The all-reduce starts as the unit ends: its span starts at the unit's end mark.
                 work = self.tp_comm.reduce(out)
                 if follow is not None and self.chunks[op.chunk].follows(follow):  # sequence sharding
                     work = self._follow(work, self.chunks[op.chunk], op.mb, follow, out)
                 pending[member] = _Pending(work, e, op, unit, block, idx)
                 self.counts["AR"] += 1
+            elif comm is Comm.A2A and out is not None:
+                # Expert parallelism's all-to-all (braid.models.moe_dispatch.Exchange), asynchronous as the
+                # all-reduce: gloo on its worker thread, NCCL on its stream ordered after this one.
+                pending[member] = _Pending(out.start(), e, op, unit, block, idx, Comm.A2A)
+                self.counts["A2A"] = self.counts.get("A2A", 0) + 1
 
     def _wait_pending(self, p: _Pending) -> None:
         if self._rec == "units":
-            self._wait_ar(p)
+            self._wait_comm(p)
         else:  # all-reduces are waited for, not timed
             self._wait(p.work)
 
@@ -478,11 +487,11 @@ class Executor:
         names = [str(op) for op in ops]
         if whole:
             order = list(dict.fromkeys(member for member, _ in tasks))
-            bound = tuple((m, ops[m], self.chunks[ops[m].chunk].run_op, ops[m].kind, True, False, names[m],
+            bound = tuple((m, ops[m], self.chunks[ops[m].chunk].run_op, ops[m].kind, True, None, names[m],
                            ops[m].kind.value, None, None) for m in order)
         else:
             bound = tuple(
-                (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits_ar, task.ar, names[member],
+                (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits, task.comm, names[member],
                  task.phase.value, task.label.split(":", 1)[1], self._next_task(tasks, k))
                 for k, (member, task) in enumerate(tasks)
             )
@@ -499,12 +508,13 @@ class Executor:
         member, task = tasks[k]
         return next((t for m, t in tasks[k + 1:] if m == member), None) if task.ar else None
 
-    def _wait_ar(self, p: _Pending) -> None:
+    def _wait_comm(self, p: _Pending) -> None:
         before = self.clock.mark()
         self._wait(p.work)
         end = self.clock.mark()
-        self._exposed.append((before, end))
-        self._events.append(("tp-comm", f"AR {p.op}", "AR", p.start, end, p.op.mb, p.op.chunk, p.unit, p.block, p.index, None))
+        self._exposed.append((before, end, p.comm))
+        lane, kind = _LANE[p.comm]
+        self._events.append((lane, f"{kind} {p.op}", kind, p.start, end, p.op.mb, p.op.chunk, p.unit, p.block, p.index, None))
 
     # -- communication -------------------------------------------------------------------
     def _comm(self, start: int, batch: Sequence[Instruction]) -> None:
@@ -586,12 +596,5 @@ class Executor:
                 "record": self._rec, "summary": summary}
         if self._rec == "off":  # copy marks were None: nothing was timed
             return Trace(meta, [], {})
-        sec = self.clock.seconds
-        events = [
-            Event(self.rank, lane, name, kind, sec(s), max(0.0, sec(e) - sec(s)), mb, chunk, unit, block, idx, peer)
-            for lane, name, kind, s, e, mb, chunk, unit, block, idx, peer in self._events
-        ]
-        if self._rec == "units":  # all-reduces are timed only per unit
-            summary["exposed_ar_s"] = sum(max(0.0, sec(e) - sec(b)) for b, e in self._exposed)
-            summary["ar_span_s"] = sum(ev.dur for ev in events if ev.kind == "AR")
-        return Trace(meta, events, {self.rank: [(sec(t), b) for t, b in self._memory]})
+        return measured_trace(meta, self.rank, self._events, self._exposed, self._memory, self.clock.seconds,
+                              units=self._rec == "units")

@@ -6,13 +6,16 @@ holds experts ``[i E/ep, (i+1) E/ep)`` of every MoE layer; the ranks holding the
 (one per group) form its expert-data-parallel group. Everything that is not an expert is
 replicated over all ``dp`` ranks as before.
 
-Token flow (dropless, :class:`AllToAllDispatch`): each rank routes and sorts its own tokens'
-top-k slots by expert (:func:`braid.models.moe.permute`), exchanges the per-expert counts
-(one ``all_to_all_single`` of E integers), sends each block of rows to the rank holding its
-experts (``all_to_all_single`` with variable splits), regroups what it received by local
-expert on the device, runs its experts, and sends the outputs back the same way. The
-all-to-all's backward is the all-to-all with the splits swapped, so an expert's weight
-gradient on its holder sums the contributions of every token of the group routed to it.
+Token flow (dropless, :class:`AllToAllDispatch`, :mod:`braid.models.moe_dispatch`): each rank
+routes and sorts its own tokens' top-k slots by expert (:func:`braid.models.moe.permute`),
+exchanges the per-expert counts (one blocking ``all_to_all_single`` of E integers), sends each
+block of rows to the rank holding its experts (``all_to_all_single`` with variable splits: the
+*dispatch*), regroups what it received by local expert on the device, runs its experts, and
+sends the outputs back the same way (the *combine*). In a cut chunk the dispatch and the combine
+end the units pre_mlp and experts and run asynchronously beside other units
+(:mod:`braid.core.braiding`). The all-to-all's backward is the all-to-all with the splits
+swapped, so an expert's weight gradient on its holder sums the contributions of every token of
+the group routed to it.
 
 Gradients (:func:`reduce_gradients_ep`): non-expert parameters are averaged over the ``dp``
 ranks as without EP (:func:`braid.runtime.distributed.reduce_gradients`); an expert's
@@ -34,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from braid.core.topology import Topology
-from braid.models.moe import Experts, ExpertSlice
+from braid.models.moe import Experts
+from braid.models.moe_dispatch import ExpertSlice, RowPlan
 from braid.runtime.distributed import reduce_gradients
 
 EXPERT_ATTR = "braid_expert"  # set on a parameter that holds an expert-parallel rank's share of the experts
@@ -89,48 +93,32 @@ class ExpertGroups:
         return ExpertGroups(ep, ep_ranks.index(rank), ep_group, edp_group, len(edp_ranks))
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of rows with variable splits; its backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        out_splits, in_splits = ctx.splits
-        back = g.new_empty(sum(in_splits), *g.shape[1:])
-        dist.all_to_all_single(back, g.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
-
-
 class AllToAllDispatch:
-    """The :class:`braid.models.moe.Dispatcher` of one expert-parallel rank (see the module doc)."""
+    """The :class:`braid.models.moe_dispatch.Dispatcher` of one expert-parallel rank (see the module doc)."""
+
+    moves = True
 
     def __init__(self, groups: ExpertGroups, num_experts: int) -> None:
         self.groups, self.num_experts = groups, num_experts
         self.local = num_experts // groups.ep
 
-    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def plan(self, counts: torch.Tensor) -> RowPlan:
+        """The rows' plan, after exchanging the per-expert counts: a small blocking all-to-all of E
+        integers at the start of the dispatch, because the row exchange needs its splits on the
+        host before it starts (``all_to_all_single`` with variable splits). A cut chunk runs it at
+        the end of its pre_mlp unit, just before it hands the row exchange to the executor."""
         ep, el, group = self.groups.ep, self.local, self.groups.ep_group
         recv = torch.empty_like(counts)  # (ep * E/ep,): [source rank][local expert]
         dist.all_to_all_single(recv, counts, group=group)
         per_source = recv.view(ep, el)
         send_splits = counts.view(ep, el).sum(1).tolist()  # the splits are host integers (one sync per layer)
         recv_splits = per_source.sum(1).tolist()
-        got = _AllToAll.apply(rows, recv_splits, send_splits, group)  # by source rank, then local expert
-        expert_of_row = torch.repeat_interleave(torch.arange(el, device=rows.device).repeat(ep), per_source.reshape(-1))
-        order = torch.argsort(expert_of_row, stable=True)  # -> by local expert, then source rank
-        return got[order], per_source.sum(0), (order, send_splits, recv_splits)
-
-    def combine(self, rows: torch.Tensor, state: Any) -> torch.Tensor:
-        order, send_splits, recv_splits = state
+        expert_of_row = torch.repeat_interleave(torch.arange(el, device=counts.device).repeat(ep), per_source.reshape(-1))
+        order = torch.argsort(expert_of_row, stable=True)  # received (by source rank, then local expert) -> by local expert
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return _AllToAll.apply(rows[inverse], send_splits, recv_splits, self.groups.ep_group)
+        return RowPlan(per_source.sum(0), send_splits=send_splits, recv_splits=recv_splits, group=group, order=order,
+                       inverse=inverse)
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:

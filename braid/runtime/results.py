@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 import torch
 
-from braid.io.trace import Trace
+from braid.core.braiding import Comm
+from braid.io.trace import Event, Trace
 
 
 class ExecutionError(RuntimeError):
@@ -72,3 +73,20 @@ class StepResult:
     def loss(self) -> float | None:
         """The step's loss as a Python float (waits for the device), or None off the last stage."""
         return None if self.loss_tensor is None else float(self.loss_tensor)
+
+
+def measured_trace(meta: dict[str, Any], rank: int, raw: list[tuple], exposed: list[tuple[Any, Any, Comm]],
+                   memory: list[tuple[Any, int]], sec: Any, *, units: bool) -> Trace:
+    """The executor's trace of one step: its raw events (lane, name, kind, start mark, end mark, mb, chunk,
+    unit, block, index, peer), the waits for its collectives (start mark, end mark, kind) and its memory
+    series, the marks turned into seconds by ``sec``; ``units``: single units were timed, so the summary
+    gets the exposed and spanned collective time (all-to-all's only where the step had any)."""
+    events = [Event(rank, lane, name, kind, sec(s), max(0.0, sec(e) - sec(s)), mb, chunk, unit, block, idx, peer)
+              for lane, name, kind, s, e, mb, chunk, unit, block, idx, peer in raw]
+    summary = meta["summary"]
+    if units:
+        for comm, key in ((Comm.AR, "ar"), (Comm.A2A, "a2a")):
+            if comm is Comm.AR or any(c is comm for _, _, c in exposed):
+                summary[f"exposed_{key}_s"] = sum(max(0.0, sec(e) - sec(b)) for b, e, c in exposed if c is comm)
+                summary[f"{key}_span_s"] = sum(ev.dur for ev in events if ev.kind == comm.value)
+    return Trace(meta, events, {rank: [(sec(t), b) for t, b in memory]})
