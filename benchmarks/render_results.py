@@ -163,6 +163,8 @@ def acceptance(file: str) -> list[str]:
     if file.endswith(".json"):
         doc = _load(file)
         head, table = f"{doc['gpus']} x {doc['device']}, torch {doc['torch']}, NCCL {doc['nccl']}", doc["table"]
+        if "tree" in doc:  # a stored run says which tree ran (summary.json itself does not)
+            head += f"; tree at {doc['tree']}"
     else:
         text = (RESULTS / file).read_text().splitlines()
         start = next(i for i, line in enumerate(text) if line.startswith("part "))
@@ -197,7 +199,7 @@ def profiles(*files: str) -> list[str]:
 BLOCKS: dict[str, Callable[[], list[str]]] = {
     "vlm-profiles": lambda: profiles("vlm_profile_7b_h100x2_tp2_before.txt", "vlm_profile_7b_h100x2_tp2_braided_v.txt",
                                      "vlm_profile_7b_h100x2_tp2_1f1b_i.txt"),
-    "acceptance": lambda: [*acceptance("acceptance_h200x2.txt"), "", *acceptance("acceptance_h100x2.txt")],
+    "acceptance": lambda: [*acceptance("acceptance_h100x2_tests.json"), "", *acceptance("acceptance_h100x2_bench.json")],
     "braided-overlap": lambda: overlap("braided_overlap_burst_h200x2.json"),
     "executor-limit": lambda: executor_limit("executor_limit_h100.json"),
     "executor-overhead": lambda: executor_overhead("executor_overhead_cpu.json"),
