@@ -227,7 +227,7 @@ def test_adjacent_plain_ops_fuse_into_blocks_and_overlaps_are_refused() -> None:
         apply_choices(plan, {(0, 0): "lead_a"})
 
 
-PROFILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "bench_7b_h100x4_tp2_pp2.json"
+PROFILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "bench_7b_h100x4_tp2_pp2_first.json"
 SHAPE = ["--hidden", "3584", "--heads", "28", "--kv-heads", "4", "--ffn", "18944", "--vocab", "32768", "--layers", "4",
          "--hardware", "h100", "--pp", "2", "--tp", "2"]
 
