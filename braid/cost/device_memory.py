@@ -129,5 +129,15 @@ def reserve_bytes(terms: DeviceTerms, schedule: str, *, static_bytes: float, pea
 
 
 def device_bytes(reserve: float, outside: float) -> float:
-    """In use on the device: the allocator's reserve and what lies outside it (the planner's fit check)."""
+    """In use on the device: the allocator's reserve and what lies outside it."""
     return reserve + outside
+
+
+def planned_device_bytes(schedule: str, allocated_peak: float, *, tp: int, pp: int, pp_rank: int, dp: int = 1,
+                         cp: int = 1, placement: str = "v", terms: DeviceTerms = DEVICE_TERMS) -> float:
+    """What the planner checks against the card's memory: an eager step's reserve of ``allocated_peak``
+    (everything the allocator holds at the step's peak, state included) and the bytes outside it, TP
+    all-reduces on the capped NCCL group (the CUDA default)."""
+    reserve = reserve_bytes(terms, schedule, static_bytes=0.0, peak_bytes=allocated_peak, graphed=False)
+    return device_bytes(reserve, outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp,
+                                                         placement=placement))

@@ -16,6 +16,12 @@ from braid.cost.device_memory import DEVICE_TERMS, DeviceTerms, device_bytes, ou
 from braid.cost.step_memory import param_sizes
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DENSE_KEYS = frozenset({"hidden", "heads", "kv_heads", "ffn", "vocab_size"})
+
+
+def is_dense_decoder(model: Mapping[str, Any]) -> bool:
+    """Whether a model config is a dense decoder LM, the one family :func:`rank_params` counts (no experts, no vision)."""
+    return DENSE_KEYS <= model.keys() and not any(model.get(k) for k in ("experts", "num_experts", "vision"))
 
 
 def rank_params(config: Mapping[str, Any], pp_rank: int, placement: str) -> int:
