@@ -47,6 +47,7 @@ from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout,
                          read_costs)
 from braid.io.files import atomic_write_text
 from braid.cost.hardware import HARDWARE, get_hardware
+from braid.cost.device_memory import planned_device_bytes
 from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
 from braid.cost.catalog import MODELS, ModelConfig, get_model
@@ -315,7 +316,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             doc["schedules"][name]["a2a_s"] = max(a2a)
             doc["schedules"][name]["a2a_exposed_s"] = report.max_a2a_exposed_s
             doc["schedules"][name]["a2a_share"] = max(r.a2a_exposed_s / r.end_s for r in report.ranks if r.end_s > 0)
-        dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node), _parallel(args))
+        par = _parallel(args)
+        dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node), par)
         with_dp = args.dp > 1 or args.optimizer is not None  # asked for: the trace gets the tail's events
         tail = dp_tail([r.end_s for r in report.ranks], ready, dc, chunks=costs.layout.v, record=record and with_dp)
         if record and with_dp:
@@ -323,7 +325,12 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
         dp_rows.append((name, report, tail, dc))
         doc["schedules"][name]["dp"] = {**tail.to_dict(), "static_bytes": list(dc.static_bytes),
                                         "peak_memory_gib": max(dc.peak_bytes(r.rank, r.peak_activation_bytes)
-                                                               for r in report.ranks) / 2**30}
+                                                               for r in report.ranks) / 2**30,
+                                        # what the planner checks against the card (braid.cost.device_memory)
+                                        "device_memory_gib": max(planned_device_bytes(
+                                            name, dc.peak_bytes(r.rank, r.peak_activation_bytes), tp=par.tp, pp=par.pp,
+                                            pp_rank=r.rank, dp=par.dp, cp=par.cp, placement=costs.layout.placement)
+                                            for r in report.ranks) / 2**30}
     if unsearched:
         notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")
     if getattr(args, "last_stage_lighter", None) is not None and cost_of:

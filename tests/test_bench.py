@@ -326,11 +326,13 @@ def test_device_memory_lines_show_what_runs_out_per_rank() -> None:
     from braid.measure.report import format_device_memory
 
     gib = 2**30
-    cuda = {"runs": [{"schedule": "braided_v", "m": 4, "reserved_peak_bytes": [gib, 2 * gib], "device_used_bytes": [3 * gib, 4 * gib]}],
+    cuda = {"runs": [{"schedule": "braided_v", "m": 4, "reserved_peak_bytes": [gib, 2 * gib], "device_used_bytes": [3 * gib, 4 * gib],
+                      "predicted_device_used_bytes": [2.5 * gib, 3.5 * gib]}],
             "external": [{"schedule": "mcore:interleaved 1F1B [graphed]", "m": 4, "reserved_peak_bytes": [gib, gib],
                           "device_used_bytes": [2 * gib, 2 * gib]}, {"schedule": "torch", "m": 4, "error": "no"}]}
-    assert format_device_memory(cuda) == ["device memory per rank, MiB (allocator reserved peak / in use on the device):",
-                                          "  braided_v m=4: 1024/3072 2048/4096",
+    assert format_device_memory(cuda) == ["device memory per rank, MiB (allocator reserved peak / in use on the device; "
+                                          "braid rows: / predicted in use, braid.cost.device_memory):",
+                                          "  braided_v m=4: 1024/3072/2560 2048/4096/3584",
                                           "  mcore:interleaved 1F1B [graphed] m=4: 1024/2048 1024/2048"]
     cpu = {"runs": [{"schedule": "braided_v", "m": 4, "reserved_peak_bytes": [None, None]}], "external": []}
     assert format_device_memory(cpu) == []

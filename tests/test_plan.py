@@ -117,6 +117,11 @@ def test_zero1_shards_optimizer_state_over_data_parallel_replicas() -> None:
 
 
 # -- search ----------------------------------------------------------------------------------------
+# a cap some layouts fit and others do not: ~3.2 GiB of it is outside the allocator (the CUDA context,
+# the layout's NCCL communicators, cuBLAS: braid.cost.device_memory), the rest for the model
+TIGHT_GIB = 3.8
+
+
 def _problem(cap_gib: float = 141.0, gpus: int = 8) -> Problem:
     return Problem(SMALL, gpus, Cluster(H200, 4), 16, cap_gib * 2**30)
 
@@ -135,7 +140,7 @@ def _exhaustive(prob: Problem):
     return best
 
 
-@pytest.mark.parametrize("cap_gib", [141.0, 2.6])
+@pytest.mark.parametrize("cap_gib", [141.0, TIGHT_GIB])
 def test_search_best_equals_exhaustive_search(cap_gib: float) -> None:
     prob = _problem(cap_gib)
     res = search(prob, top=3, time_budget_s=1e9)
@@ -194,7 +199,7 @@ def test_half_cuts_that_round_to_one_split_are_tried_once() -> None:
 
 def test_a_tight_cap_forces_memory_savers() -> None:
     loose = search(_problem(141.0), top=1, time_budget_s=1e9).best[0]
-    tight = _problem(2.6)
+    tight = _problem(TIGHT_GIB)
     res = search(tight, top=1, time_budget_s=1e9)
     assert loose.peak_bytes > tight.memory_bytes >= res.best[0].peak_bytes
     assert res.memory_pruned > 0 or any(e.peak_bytes > tight.memory_bytes for e in res.evaluated)
@@ -205,7 +210,7 @@ def test_recomputation_candidates_print_the_runnable_flag() -> None:
 
     from braid.plan import torchrun_command
 
-    prob = _problem(2.6)
+    prob = _problem(TIGHT_GIB)
     ev = next(e for e in search(prob, top=50, time_budget_s=1e9).evaluated if e.cand.par.cp == 1)
     full = replace(ev, cand=replace(ev.cand, par=replace(ev.cand.par, recompute=True)))
     plain = replace(ev, cand=replace(ev.cand, par=replace(ev.cand.par, recompute=False)))
@@ -214,7 +219,7 @@ def test_recomputation_candidates_print_the_runnable_flag() -> None:
 
 
 def test_every_reported_configuration_compiles_validates_and_fits() -> None:
-    prob = _problem(2.6)
+    prob = _problem(TIGHT_GIB)
     res = search(prob, top=5, time_budget_s=1e9)
     assert len(res.best) == 5
     for ev in res.best:

@@ -15,6 +15,7 @@ from braid.io.limits import MEASUREMENTS
 from braid.io.trace import Trace
 from braid.measure.calibrate import predict, rel_err
 from braid.measure.config import BenchConfig
+from braid.measure.device_prediction import is_dense_decoder, predicted_device_used
 from braid.measure.peers import best_per_peer, format_per_peer
 
 MEASUREMENTS_FORMAT = "braid-measurements/1"
@@ -60,6 +61,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "graph_pool_bytes": [rk.get("graph_pool_bytes") for rk in ranks],
                          "reserved_peak_bytes": [rk.get("reserved") for rk in ranks],  # per rank, absolute (CUDA)
                          "device_used_bytes": [rk.get("device_used") for rk in ranks],  # nvidia-smi's view (CUDA)
+                         "predicted_device_used_bytes": _predicted_used(pc, r["schedule"], r["m"], pred_peaks, mode),
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None),
                          "braided_blocks": ranks[0].get("braided_blocks"),
                          # where its time went: the epoch seconds of each round's measured steps (rank 0),
@@ -98,6 +100,17 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
             "best_per_peer": best_per_peer(out_runs, ext), "compute_bound": compute_bound(out_runs, ext),
             "notes": raw["notes"] + [_megatron_line()], "profile": doc, "raw_profile": raw.get("raw_profile"),
             "memory_snapshot": raw.get("memory_snapshot"), "_traces": traces}
+
+
+def _predicted_used(pc, schedule: str, m: int, peaks: list[float], mode: str | None) -> list[float] | None:
+    """Per rank, the device memory in use :mod:`braid.cost.device_memory` predicts (CUDA, dense decoder LMs;
+    None otherwise)."""
+    cfg = {**asdict(pc), "model": asdict(pc.model)}
+    if pc.device != "cuda" or not is_dense_decoder(cfg["model"]):
+        return None
+    from braid import schedules
+
+    return predicted_device_used(cfg, schedule, schedules.build(schedule, pc.pp, m).placement, peaks, mode == "step")
 
 
 def _chunk_busy(ranks: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -220,14 +233,18 @@ def _ms(s: float | None) -> str:
 def format_device_memory(summary: dict[str, Any]) -> list[str]:
     """Per row (CUDA), each rank's allocator reserved peak and the device's memory in use after
     the counted steps (``braid.measure.runs._device_memory``): what runs out, beside the table's
-    allocator peaks. Nothing on CPU."""
+    allocator peaks; braid's rows add the in-use figure :mod:`braid.cost.device_memory` predicts.
+    Nothing on CPU."""
     rows = [r for r in summary["runs"] + summary["external"] if any(r.get("reserved_peak_bytes") or [])]
     if not rows:
         return []
     mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"  # noqa: E731
-    out = ["device memory per rank, MiB (allocator reserved peak / in use on the device):"]
+    out = ["device memory per rank, MiB (allocator reserved peak / in use on the device; braid rows: "
+           "/ predicted in use, braid.cost.device_memory):"]
     for r in rows:
-        per = " ".join(f"{mib(a)}/{mib(b)}" for a, b in zip(r["reserved_peak_bytes"], r.get("device_used_bytes") or []))
+        pred = r.get("predicted_device_used_bytes") or []
+        per = " ".join(f"{mib(a)}/{mib(b)}" + (f"/{mib(pred[i])}" if i < len(pred) else "")
+                       for i, (a, b) in enumerate(zip(r["reserved_peak_bytes"], r.get("device_used_bytes") or [])))
         out.append(f"  {r['schedule']} m={r['m']}: {per}")
     return out
 

@@ -14,8 +14,10 @@ the memory cap:
    to the layer count (pp), so the search's cost does not grow with ``gpus``. Memory-saving variants (a schedule's ``saves_memory_of``, recomputation)
    are tried only for layouts whose plain form does not fit.
 2. **Prune by memory**: weights, gradients and optimizer states (:func:`braid.cost.cluster.static_bytes`)
-   plus the smallest activation any schedule keeps (one micro-batch of one chunk) above the
-   cap -> dropped unsimulated.
+   plus the smallest activation any schedule keeps (one micro-batch of one chunk), as device
+   memory in use (:func:`device_memory`: the allocator's fragmentation, the CUDA context, the
+   layout's NCCL communicators, cuBLAS; :mod:`braid.cost.device_memory`) above the cap -> dropped
+   unsimulated. A simulated candidate fits when its device memory in use is within the cap.
 3. **Bound**: a lower bound of the step time per candidate (:func:`lower_bound`): on every
    rank, the forwards of the stages below its lowest one must run before it can start; then
    all its own compute, the waits of its plain (unbraided) ops on their own TP all-reduces
@@ -50,10 +52,10 @@ from typing import Any, Callable, Iterator
 from braid.cost.cluster import Cluster, DpCosts, Parallel, dp_costs, job_costs, reduce_time, static_bytes
 from braid.cost.costs import CostModel, Layout, model_forward_flops, model_stage_layers, stage_lighter
 from braid.cost.catalog import ModelConfig
+from braid.cost.device_memory import planned_device_bytes
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER
 from braid.io.cli import MAX_MBS, MAX_PM
 
-RESERVE_BYTES = 2 * 2**30  # CUDA context, allocator slack and communication buffers per GPU
 MICRO_BATCH_SIZES = (1, 2, 4)
 MAX_SIMULATIONS = 500  # a search's default budget: a count, so its answer is the same on any machine
 MIN_LOCAL_SEQ = 1024  # sequence parallelism stops where a rank would hold fewer tokens (attention blocks too small)
@@ -83,7 +85,7 @@ class Evaluation:
     step_s: float
     tokens_s: float
     mfu: float
-    peak_bytes: float
+    peak_bytes: float  # device memory in use on the worst rank (braid.cost.device_memory), what the cap is checked against
     static_bytes: float
     bubble_frac: float  # idle share of the busiest rank (waiting on the pipeline)
     exposed_comm_frac: float  # exposed TP all-reduce and data-parallel reduction after the pipeline
@@ -357,11 +359,18 @@ def lower_bound(prob: Problem, cand: Candidate, costs: CostModel, dc: DpCosts | 
     return best + max(s + g for s, g in zip(dc.step_s, dc.gather_s))
 
 
+def device_memory(cand: Candidate, costs: CostModel, rank: int, allocated_peak: float) -> float:
+    """Device memory in use on pipeline rank ``rank`` at an allocator peak (:mod:`braid.cost.device_memory`):
+    what the planner compares with the card's memory."""
+    p, lay = cand.par, costs.layout
+    return planned_device_bytes(cand.schedule, allocated_peak, tp=p.tp, pp=p.pp, pp_rank=rank, dp=p.dp, cp=p.cp,
+                                placement=lay.placement)
+
+
 def min_memory(prob: Problem, cand: Candidate, costs: CostModel) -> float:
-    """Static bytes of the fullest rank plus one micro-batch's activations of one chunk: a floor."""
-    lay = costs.layout
+    """Static bytes of each rank plus one micro-batch's activations of one chunk, in use on the device: a floor."""
     act = max(cc.total("act") for cc in costs.chunks.values())
-    return max(static_bytes(prob.model, costs, cand.par, r) for r in range(lay.p)) + act + RESERVE_BYTES
+    return max(device_memory(cand, costs, r, static_bytes(prob.model, costs, cand.par, r) + act) for r in range(costs.layout.p))
 
 
 def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bound: float = 0.0,
@@ -377,7 +386,7 @@ def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bou
     dc = dc or dp_costs(prob.model, costs, prob.cluster, cand.par)
     tail = dp_tail([r.end_s for r in rep.ranks], res.grad_ready, dc, chunks=costs.layout.v)
     step, tails, opts = tail.step_s, tail.reduce_exposed_s, tail.optimizer_s
-    peak = max(dc.peak_bytes(r.rank, r.peak_activation_bytes) for r in rep.ranks) + RESERVE_BYTES
+    peak = max(device_memory(cand, costs, r.rank, dc.peak_bytes(r.rank, r.peak_activation_bytes)) for r in rep.ranks)
     stat = max(dc.static_bytes)
     tokens = prob.global_batch * prob.model.seq
     flops = 3 * model_forward_flops(prob.model.with_(micro_batch_size=1)) * prob.global_batch

@@ -1,0 +1,143 @@
+"""Device memory a rank holds: the caching allocator's reserve plus what lives outside it (issue 51). Torch-free.
+
+What runs out on a GPU is ``total - free`` (nvidia-smi's view), not the allocator's peak the
+simulator predicts. A rank holds, besides its live tensors:
+
+* **outside the allocator** (:func:`outside_allocator_bytes`): the CUDA context (lazy module
+  loading, the driver's default); the NCCL communicators of the layout the runtime creates --
+  the default group (:meth:`braid.runtime.distributed.Dist.init` binds the device, so it is
+  created at once), one group per dimension of :meth:`braid.runtime.distributed.ProcessGroups.create`
+  that holds this rank (pp, tp, dp, cp and dp x cp; groups without it hold nothing here), the TP
+  group under ``nccl-capped`` with 4 thread blocks, and one P2P connection per pipeline neighbour
+  (:mod:`braid.runtime.p2p` sends on the default group); cuBLAS's handle and modules after the
+  first GEMM (its workspaces, one per stream, come from the allocator); the kernel modules a step
+  loads lazily;
+* **the allocator's reserve** (:func:`reserve_bytes`): eager, the allocated peak times the
+  schedule's fragmentation (reserved over allocated peak); a whole-step CUDA graph, the static
+  state plus its private pool, the capture's allocated peak times the schedule's pool ratio
+  (``torch.cuda.graph`` empties the cache before the capture, so the eager warm-up's blocks go).
+
+Every figure is one measurement of ``benchmarks/bench_memory_terms.py`` on 2 H100s (torch 2.11,
+CUDA 13.0, NCCL 2.28.9, ``NCCL_NVLS_ENABLE=0``), rank 0 of
+``benchmarks/results/memory_terms_h100x2_tp2.json`` (:data:`MEASURED`; ``tests/test_device_memory.py``
+holds the constants to that file). Other cards and versions are assumed alike until measured.
+Not modelled: sequence-parallel attention's extra groups (:mod:`braid.attention.attention2d`),
+more than one node, other processes on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+MIB = 1 << 20
+MEASURED = "benchmarks/results/memory_terms_h100x2_tp2.json"
+TpBackend = Literal["nccl-capped", "nccl", "gloo"]
+# the dimensions ProcessGroups.create makes a group of, in its order
+GROUP_DIMS = ("pp", "tp", "dp", "cp", "dp_cp")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceTerms:
+    """Bytes (and ratios) of one software stack on one card; each field names the measured term it is.
+
+    ``context``: ``context.this_process``; ``default_group``: ``nccl.default_group``; ``group``:
+    ``nccl.new_group`` (two ranks, NCCL defaults); ``capped_group``: ``nccl.capped_group``;
+    ``single_group``: a group of one rank, ``(nccl.layout_groups - nccl.capped_group) / 4`` (at
+    tp=2 x pp=1 the layout's groups are the capped TP group and four of one rank); ``p2p_pair``:
+    ``nccl.p2p_pair``; ``blas``: ``blas.default_stream.mm`` less what it took from the allocator;
+    ``step_modules``: ``step.<first schedule>.eager.uncompiled.nonallocator``; ``fragmentation`` and
+    ``pool_ratio`` per schedule: ``step.<s>.eager.fragmentation`` and ``step.<s>.graphed.graph_pool``
+    over ``step.<s>.graphed.capture_peak``; a schedule not measured takes the largest.
+    """
+
+    context: float
+    default_group: float
+    group: float
+    capped_group: float
+    single_group: float
+    p2p_pair: float
+    blas: float
+    step_modules: float
+    fragmentation: Mapping[str, float] = field(default_factory=dict)
+    pool_ratio: Mapping[str, float] = field(default_factory=dict)
+
+    def fragmentation_of(self, schedule: str) -> float:
+        return self.fragmentation.get(schedule, max(self.fragmentation.values(), default=1.0))
+
+    def pool_ratio_of(self, schedule: str) -> float:
+        return self.pool_ratio.get(schedule, max(self.pool_ratio.values(), default=1.0))
+
+
+# rank 0 of MEASURED, in bytes; fragmentation as the file gives it, pool ratios as its pool / capture peak bytes
+H100_TORCH211 = DeviceTerms(
+    context=645529600, default_group=887095296, group=509607936, capped_group=79691776,
+    single_group=(1713373184 - 79691776) / 4, p2p_pair=467664896, blas=102760448 - 33554432,
+    step_modules=10485760,
+    fragmentation={"braided_v": 1.0695707842128868, "1f1b_i": 1.1161575581723426, "zb_v": 1.1158414492959263},
+    pool_ratio={"braided_v": 8172601344 / 7551832576, "1f1b_i": 7751073792 / 6773229056,
+                "zb_v": 7751073792 / 6772705792},
+)
+DEVICE_TERMS = H100_TORCH211  # the stack every estimate uses until another is measured
+
+
+def group_sizes(tp: int, pp: int, dp: int = 1, cp: int = 1) -> dict[str, int]:
+    """The size of this rank's group in each dimension :meth:`ProcessGroups.create` makes (every rank
+    is in one group of each)."""
+    return {"pp": pp, "tp": tp, "dp": dp, "cp": cp, "dp_cp": dp * cp}
+
+
+def pipeline_peers(pp: int, pp_rank: int, placement: str = "v") -> int:
+    """Distinct ranks a pipeline rank sends to or receives from: its neighbours; under the ``loop``
+    placement the last rank also feeds the first (stage ``p - 1`` -> ``p``)."""
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pipeline rank {pp_rank} is not in 0..{pp - 1}")
+    peers = {r for r in (pp_rank - 1, pp_rank + 1) if 0 <= r < pp}
+    if placement == "loop" and pp > 2 and pp_rank in (0, pp - 1):
+        peers.add(pp - 1 - pp_rank)
+    return len(peers)
+
+
+def nccl_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1,
+               placement: str = "v", tp_backend: TpBackend = "nccl-capped") -> float:
+    """The communicators of one rank: the default group, one per dimension (:func:`group_sizes`) and one
+    P2P connection per pipeline peer (:func:`pipeline_peers`)."""
+    total = terms.default_group + pipeline_peers(pp, pp_rank, placement) * terms.p2p_pair
+    for dim, size in group_sizes(tp, pp, dp, cp).items():
+        if size == 1:
+            total += terms.single_group
+        elif dim == "tp" and tp_backend == "nccl-capped":
+            total += terms.capped_group
+        elif not (dim == "tp" and tp_backend == "gloo"):
+            total += terms.group
+    return total
+
+
+def outside_allocator_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1,
+                            placement: str = "v", tp_backend: TpBackend = "nccl-capped") -> float:
+    """Device bytes a rank holds that the caching allocator does not count (module doc)."""
+    return (terms.context + nccl_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp, placement=placement,
+                                       tp_backend=tp_backend) + terms.blas + terms.step_modules)
+
+
+def reserve_bytes(terms: DeviceTerms, schedule: str, *, static_bytes: float, peak_bytes: float, graphed: bool) -> float:
+    """The allocator's reserve: ``peak_bytes`` is the step's allocated peak above ``static_bytes`` (the
+    state held across steps); eager, fragmentation x both; graphed, the static state plus the pool."""
+    if graphed:
+        return static_bytes + terms.pool_ratio_of(schedule) * peak_bytes
+    return terms.fragmentation_of(schedule) * (static_bytes + peak_bytes)
+
+
+def device_bytes(reserve: float, outside: float) -> float:
+    """In use on the device: the allocator's reserve and what lies outside it."""
+    return reserve + outside
+
+
+def planned_device_bytes(schedule: str, allocated_peak: float, *, tp: int, pp: int, pp_rank: int, dp: int = 1,
+                         cp: int = 1, placement: str = "v", terms: DeviceTerms = DEVICE_TERMS) -> float:
+    """What the planner checks against the card's memory: an eager step's reserve of ``allocated_peak``
+    (everything the allocator holds at the step's peak, state included) and the bytes outside it, TP
+    all-reduces on the capped NCCL group (the CUDA default)."""
+    reserve = reserve_bytes(terms, schedule, static_bytes=0.0, peak_bytes=allocated_peak, graphed=False)
+    return device_bytes(reserve, outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp,
+                                                         placement=placement))

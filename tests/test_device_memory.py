@@ -1,0 +1,111 @@
+"""The device-memory model (:mod:`braid.cost.device_memory`) held to the stored GPU measurements.
+
+The constants must equal the figures of the measurement file they come from; the model must give,
+for every braid row of the stored bench files (2 and 4 H100s), each rank's memory outside the
+allocator (device in use less the allocator's reserved peak) within 5%. The whole prediction (the
+reserve from the simulator's allocator peak, plus that) is checked against the band the data supports:
+it is low on every row (see ``OVER``/``UNDER``), by the allocator peak the simulator under-predicts and,
+at pp=2, by the eager reserve a graphed run keeps beside its pool.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from braid import schedules
+from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, nccl_bytes, outside_allocator_bytes,
+                                      pipeline_peers, reserve_bytes)
+from braid.measure.device_prediction import predicted_device_used
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_FILES = ("bench_7b_h100x4_tp2_pp2.json", "bench_7b_h100x4_tp4_pp1.json", "sp_tp2_pp1_h100_busy.json")
+OUTSIDE_TOL = 0.05
+# the whole prediction's relative error on the stored rows lies in [UNDER, OVER] (worst seen: -49.4%, tp2 x pp2
+# zb_v rank 0; best: -14.5%, tp4 braided_v)
+UNDER, OVER = -0.50, 0.0
+
+
+def _terms(rank: int = 0) -> dict[str, dict]:
+    doc = json.loads((ROOT / MEASURED).read_text())
+    return {t["term"]: t for t in doc["ranks"][rank]["terms"]}
+
+
+def test_constants_are_the_measured_figures() -> None:
+    t = _terms()
+    v = lambda name: t[name]["value"]  # noqa: E731
+    c = H100_TORCH211
+    assert c.context == v("context.this_process")
+    assert c.default_group == v("nccl.default_group")
+    assert c.group == v("nccl.new_group")
+    assert c.capped_group == v("nccl.capped_group")
+    assert c.p2p_pair == v("nccl.p2p_pair")
+    # the layout's groups at tp=2 x pp=1: the capped TP group and four of one rank
+    assert c.capped_group + 4 * c.single_group == v("nccl.layout_groups")
+    mm = t["blas.default_stream.mm"]
+    assert c.blas == mm["value"] - mm["detail"]["reserved_delta"]
+    first = f"step.{json.loads((ROOT / MEASURED).read_text())['config']['schedule'][0]}.eager.uncompiled.nonallocator"
+    assert c.step_modules == v(first)
+    for s in ("braided_v", "1f1b_i", "zb_v"):
+        assert c.fragmentation[s] == v(f"step.{s}.eager.fragmentation")
+        assert c.pool_ratio[s] == v(f"step.{s}.graphed.graph_pool") / v(f"step.{s}.graphed.capture_peak")
+
+
+def test_the_measured_layout_adds_up_to_its_terms() -> None:
+    """At the measured layout (tp=2 x pp=1, capped TP) the communicators are the measured default and layout groups."""
+    t = _terms()
+    got = nccl_bytes(H100_TORCH211, tp=2, pp=1, pp_rank=0)
+    assert got == t["nccl.default_group"]["value"] + t["nccl.layout_groups"]["value"]
+
+
+@pytest.mark.parametrize("pp, rank, placement, want", [(1, 0, "v", 0), (2, 0, "v", 1), (2, 1, "loop", 1), (4, 0, "v", 1),
+                                                       (4, 2, "v", 2), (4, 0, "loop", 2), (4, 3, "loop", 2)])
+def test_pipeline_peers(pp: int, rank: int, placement: str, want: int) -> None:
+    assert pipeline_peers(pp, rank, placement) == want
+
+
+def test_groups_of_more_ranks_cost_more_than_groups_of_one() -> None:
+    t = H100_TORCH211
+    base = outside_allocator_bytes(t, tp=2, pp=1, pp_rank=0)
+    assert outside_allocator_bytes(t, tp=2, pp=1, pp_rank=0, dp=2) == base + 2 * (t.group - t.single_group)
+    assert outside_allocator_bytes(t, tp=2, pp=1, pp_rank=0, tp_backend="nccl") == base + t.group - t.capped_group
+    with pytest.raises(ValueError, match="pipeline rank 2"):
+        pipeline_peers(2, 2)
+
+
+def test_reserve_eager_and_graphed() -> None:
+    t = H100_TORCH211
+    assert reserve_bytes(t, "1f1b_i", static_bytes=1.0, peak_bytes=3.0, graphed=False) == 4 * t.fragmentation["1f1b_i"]
+    assert reserve_bytes(t, "braided_v", static_bytes=1.0, peak_bytes=3.0, graphed=True) == 1 + 3 * t.pool_ratio["braided_v"]
+    # a schedule not measured takes the largest factor
+    assert t.fragmentation_of("dualpipe_v") == max(t.fragmentation.values())
+
+
+def _rows():
+    for name in BENCH_FILES:
+        doc = json.loads((ROOT / "benchmarks/results" / name).read_text())
+        for r in doc["runs"]:
+            yield name, doc["config"], r
+
+
+def test_outside_allocator_within_5_percent_of_every_stored_braid_row() -> None:
+    rows = list(_rows())
+    assert len(rows) == 6
+    for name, cfg, r in rows:
+        placement = schedules.build(r["schedule"], cfg["pp"], r["m"]).placement
+        for g, (res, used) in enumerate(zip(r["reserved_peak_bytes"], r["device_used_bytes"])):
+            want = used - res
+            got = outside_allocator_bytes(DEVICE_TERMS, tp=cfg["tp"], pp=cfg["pp"], pp_rank=g // cfg["tp"],
+                                          placement=placement)
+            assert abs(got / want - 1) <= OUTSIDE_TOL, (name, r["schedule"], g, got / 2**20, want / 2**20)
+
+
+def test_device_in_use_prediction_lies_in_the_band_the_data_supports() -> None:
+    errs = []
+    for name, cfg, r in _rows():
+        placement = schedules.build(r["schedule"], cfg["pp"], r["m"]).placement
+        pred = predicted_device_used(cfg, r["schedule"], placement, r["predicted_peak_bytes"], r["cuda_graph"] == "step")
+        errs += [(p / u - 1, name, r["schedule"], g) for g, (p, u) in enumerate(zip(pred, r["device_used_bytes"]))]
+    assert all(UNDER <= e <= OVER for e, *_ in errs), [x for x in errs if not UNDER <= x[0] <= OVER]
