@@ -40,13 +40,14 @@ def a2a_beside_partner(program, chunks, trace) -> int:
 
 
 def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
-                   init_std: float = 0.2, tp: int = 1) -> list[str]:
+                   init_std: float = 0.2, tp: int = 1, compiled: bool = False) -> list[str]:
     """Two AdamW steps of each (schedule, m) of a Qwen3-MoE model on ``pp`` pipeline ranks x ``dp``
     data-parallel ranks (the rest of the world over ``tp``), experts sharded over ``ep`` of them, against the
     single-process model trained on every DP rank's micro-batches: the step's mean loss, every
     gradient before the first optimizer step and every parameter after the last, within
     :func:`reference_error.bound` (float64 on CPU, float32 on CUDA against a float64 reference's
-    error). ``cfg_kw``: the model's shape instead of :data:`CFG_KW`; ``init_std``: its weights' spread."""
+    error). ``cfg_kw``: the model's shape instead of :data:`CFG_KW`; ``init_std``: its weights' spread;
+    ``compiled``: the distributed model's units call the compiled unit functions (:mod:`braid.runtime.compiled`)."""
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.core.partition import split_layers
@@ -83,6 +84,10 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
             return chunks
 
         chunks = shard(model, experts)
+        if compiled:
+            from braid.runtime.compiled import set_compiled
+
+            assert set_compiled(chunks.values(), True) > 0, "no unit of the MoE chunks calls the unit functions"
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,

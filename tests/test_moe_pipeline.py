@@ -37,3 +37,12 @@ def test_braided_schedules_with_expert_parallelism(pools) -> None:
     assert pools(2).run(cases.ep_equivalence, 1, 2, BRAIDED, timeout_s=300) == [want] * 2
     assert pools(4).run(cases.ep_equivalence, 2, 2, BRAIDED, timeout_s=300) == [want] * 4
 
+
+
+@pytest.mark.slow
+def test_compiled_units_with_expert_parallelism(pools) -> None:
+    # the units call the compiled unit functions (the token counts per expert vary per micro-batch):
+    # dp=2 x ep=2, a plain and a braided schedule, equal to the single-process model
+    want = ["1f1b m=3", "braided_v m=5"]
+    assert pools(2).run(cases.ep_equivalence, 1, 2, [("1f1b", 3), ("braided_v", 5)], None, 0.2, 1, True,
+                        timeout_s=300) == [want] * 2
