@@ -54,7 +54,7 @@ def test_pp2_profile_times_the_tower_and_the_simulator_predicts_the_bench_from_i
     # braid.simulate reads the file for the catalog model and predicts the step the bench predicted
     costs, sim_json = tmp_path / "costs.json", tmp_path / "sim.json"
     costs.write_text(json.dumps(doc))
-    assert simulate_main(["--model", "qwen2-vl-tiny", "--pp", "2", "--mbs", "4", "--seq", str(SEQ), "--costs", str(costs),
+    assert simulate_main(["--model", "qwen2-vl-tiny", "--tp", "1", "--pp", "2", "--mbs", "4", "--seq", str(SEQ), "--costs", str(costs),
                           "--schedule", "1f1b_i", "--json", str(sim_json)]) == 0
     assert "profiled for another shape" not in capsys.readouterr().out
     sim = json.loads(sim_json.read_text())["schedules"]["1f1b_i"]
