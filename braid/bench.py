@@ -21,12 +21,17 @@ memory series), compared with the simulated series sampled at the same points.
 allocator's history: torch's snapshot file per rank, and the blocks live at the step's peak by
 term (model unit, runtime, optimizer; :mod:`braid.measure.snapshot`).
 
+A vision-language ``--model`` (``qwen2-vl-7b``, ...) runs the whole step as ``examples/qwen2_vl.py``
+does, its vision chunk on the first virtual stage (:mod:`braid.profile`); the external baselines
+pipeline decoder LMs only, and their rows say so.
+
 ``--capture FILE`` stores the measurements with the profile they are predicted from
 (``tests/test_accuracy.py`` re-predicts every stored set in CI). Examples::
 
     python -m braid.bench --preset tiny --pp 2 --mbs 4 8 --json out.json --trace-dir traces
     python -m braid.bench --preset 7b-layer --tp 2 --pp 1 --seq 4096 --mbs 4 8 --capture tests/data/measurements_h200.json
     python -m braid.bench --model llama3-8b --hidden 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 128 --pp 2 --mbs 4
+    python -m braid.bench --model qwen2-vl-7b --tp 2 --pp 1 --seq 2048 --micro-batch-size 2 --mbs 8 --rounds 5 --schedule braided_v 1f1b_i
     python -m braid.viz traces/braided_v_m8.json -o braided_v.html
 """
 

@@ -15,6 +15,11 @@ chunk's ``live_bytes()`` on CPU), what a split backward keeps until W, and on GP
 unit's workspace (allocator peak during the unit above what it keeps: logits, MLP
 intermediates), which the simulator holds while the unit runs.
 
+A vision-language ``--model`` (``qwen2-vl-*``, ``qwen2.5-vl-*``) is profiled as ``examples/qwen2_vl.py``
+runs it (:func:`braid.models.vision_chunk.build_vlm_rank_chunks`): its vision chunk (patch embedding,
+ViT blocks, ``merge``; one ``--image-size`` image per sample) is stage 0, so the file carries the
+tower's unit costs and ``braid.simulate --model qwen2-vl-...`` predicts the whole step from them.
+
 Chunks are keyed by virtual stage in the written file, so one profile serves every
 placement (loop or V) of the same stage split. It spawns ``tp * pp`` processes itself
 (gloo on CPU, NCCL on GPU). Examples::
@@ -22,6 +27,7 @@ placement (loop or V) of the same stage split. It spawns ``tp * pp`` processes i
     python -m braid.profile --preset tiny --pp 2 --layers-per-stage 1 --seq 16 -o costs.json
     python -m braid.profile --preset 7b-layer --tp 2 --pp 1 --layers-per-stage 1 --seq 4096 --device cuda -o h200.json
     python -m braid.simulate --pp 2 --mbs 8 --tp 1 --costs costs.json
+    python -m braid.profile --model qwen2-vl-tiny --pp 2 --seq 8 -o vl_costs.json
 """
 
 from __future__ import annotations

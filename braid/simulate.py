@@ -168,6 +168,8 @@ def _profiled(doc: dict[str, Any], model: ModelConfig, path: str) -> tuple[str |
     cfg = meta.get("config") if isinstance(meta.get("config"), dict) else {}
     shape = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
     per_stage = cfg.get("layers_per_stage")
+    if isinstance(cfg.get("vision"), dict) and isinstance(per_stage, list):
+        per_stage = per_stage[1:]  # a vision-language profile: stage 0 holds the tower's blocks, not LM layers
     recorded = {"hidden": shape.get("hidden"), "heads": shape.get("heads"), "kv_heads": shape.get("kv_heads"),
                 "ffn": shape.get("ffn"), "vocab": shape.get("vocab_size"), "seq": cfg.get("seq"),
                 "layers": int(sum(per_stage)) if isinstance(per_stage, list) and per_stage

@@ -43,7 +43,8 @@ def test_presets_have_the_papers_sizes():
 def test_mllm_puts_the_vit_alone_on_the_first_stage_and_lightens_the_last():
     c = analytic_costs(get_model("qwen2-vl-7b"), get_hardware("h200"), Layout(2, 4, 2, "v"))
     first, last = c.chunks[(0, 0)], c.chunks[(0, 1)]
-    assert first.spec == ChunkSpec(32, embed=True) and last.spec.head
+    assert first.spec == ChunkSpec(32, embed=True, merge=True) and last.spec.head  # as the runtime's vision chunk
+    assert Unit.MERGE in first.instances() and first.units[Unit.MERGE].f > 0
     mid = c.chunks[(1, 0)].spec.layers
     assert last.spec.layers <= mid - 1
     assert first.units[Unit.MLP].f < c.chunks[(1, 0)].units[Unit.MLP].f  # ViT layers are narrower

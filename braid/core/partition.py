@@ -94,11 +94,12 @@ def stage_halves(layers_per_stage: Sequence[float]) -> tuple[int, ...]:
 
 
 def chunk_specs(layers_per_stage: Sequence[float], p: int, placement: Placement,
-                moe_layers: Collection[int] = ()) -> dict[tuple[int, int], ChunkSpec]:
+                moe_layers: Collection[int] = (), vision: bool = False) -> dict[tuple[int, int], ChunkSpec]:
     """``(rank, chunk) -> ChunkSpec`` for a placement; stage 0 has the embedding, the last the head.
 
     Entries may be half layers (:func:`stage_halves`). ``moe_layers``: the global indices of the
-    model's mixture-of-experts layers (:attr:`ChunkSpec.moe`).
+    model's mixture-of-experts layers (:attr:`ChunkSpec.moe`). ``vision``: stage 0 is a
+    vision-language model's tower (its entry counts ViT blocks) and ends with the ``merge`` unit.
     """
     halves = stage_halves(layers_per_stage)
     n = len(halves)
@@ -110,8 +111,8 @@ def chunk_specs(layers_per_stage: Sequence[float], p: int, placement: Placement,
             first, last = -(-start // 2), end // 2  # whole layers [first, last)
             offset = start // 2  # global index of the chunk's first (half) layer: chunk-local layer 0
             moe = frozenset(i - offset for i in moe_layers if offset <= i < -(-end // 2))
-            spec = ChunkSpec(last - first, embed=stage == 0, head=stage == n - 1, half_in=start % 2 == 1, half_out=end % 2 == 1,
-                             moe=moe)
+            spec = ChunkSpec(last - first, embed=stage == 0, head=stage == n - 1, merge=vision and stage == 0,
+                             half_in=start % 2 == 1, half_out=end % 2 == 1, moe=moe)
         else:
             spec = ChunkSpec(0, embed=stage == 0, head=stage == n - 1)
         out[rank_chunk_of(placement, p, stage)] = spec

@@ -313,7 +313,8 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
         raise ValueError(f"full recomputation re-runs whole layers; the stages {list(per_stage)} cut one in half")
     first_lm = model.vit.layers if model.vit is not None else 0  # every LM layer of an MoE model is one
     specs = chunk_specs(per_stage, layout.p, layout.placement,
-                        moe_layers=range(first_lm, first_lm + model.layers) if model.experts else ())
+                        moe_layers=range(first_lm, first_lm + model.layers) if model.experts else (),
+                        vision=model.vit is not None)
     tok, h = model.tokens, model.hidden
     ar_lm = _allreduce_time(tok * h * d, t, hw)
     lm = _layer_units(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, True, True, t, d, hw, ar_lm)

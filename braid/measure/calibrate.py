@@ -26,8 +26,10 @@ from braid.measure.config import ProfileConfig
 
 
 def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int, layers_per_stage: Sequence[int],
-            memory: str = "instruction_end", cuda_graph: str | None = None):
+            memory: str = "instruction_end", cuda_graph: str | None = None, vision: bool = False):
     """Simulate ``schedule`` (p=pp, m) on a profile dict; returns (SimResult, per-rank predicted peak bytes).
+
+    ``vision``: stage 0 is a vision-language model's tower (ending with the merge unit).
 
     ``memory``: ``"instruction_end"`` (CPU measurements) or ``"allocator_peak"`` (GPU: true peak).
     ``cuda_graph``: how the run went (:func:`host_lane_for`); None takes the profile as it is.
@@ -40,7 +42,7 @@ def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int
     plan = schedules.build(schedule, pp, m)
     if len(layers_per_stage) != plan.num_stages:
         raise ValueError(f"{schedule} has {plan.num_stages} virtual stages; the profile has {len(layers_per_stage)}")
-    specs = chunk_specs(tuple(layers_per_stage), pp, plan.placement)
+    specs = chunk_specs(tuple(layers_per_stage), pp, plan.placement, vision=vision)
     if cuda_graph is not None:
         profile_doc = {**profile_doc, "host_task_s": host_lane_for(profile_doc, cuda_graph)}
     costs = costs_from_dict(profile_doc, Layout(tp, pp, plan.v, plan.placement), specs, where=f"profile for {schedule}")
@@ -190,14 +192,13 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     import copy
 
     from braid.core.compiler import compile_plan
-    from braid.core.partition import chunk_specs
     from braid.simulator import simulate
 
     probe = dict(probe or {})
     graphed = probe.get("cuda_graph") == "step"
     programs = compile_plan(plan)
     lay = Layout(pc.tp, pc.pp, plan.v, plan.placement)
-    specs = chunk_specs(pc.layers_per_stage, pc.pp, plan.placement)
+    specs = pc.specs(plan.placement)
 
     def sim(d: dict[str, Any], record: bool = False):
         return simulate(programs, costs_from_dict(d, lay, specs), name="probe", record=record)

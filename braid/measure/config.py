@@ -1,4 +1,5 @@
-"""What a profile or bench job runs on: the model (any registered family through the catalog), the
+"""What a profile or bench job runs on: the model (any registered family through the catalog, or a
+vision-language preset: its tower on the first virtual stage, as ``examples/qwen2_vl.py`` runs it), the
 layout, the data shape and the device; the shared command-line flags."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from braid.core.ir import Placement, Plan, ScheduleConfig
-from braid.core.partition import split_layers, stage_halves, whole_layers
+from braid.core.partition import chunk_specs, split_layers, stage_halves, whole_layers
 from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
@@ -39,6 +40,12 @@ class ProfileConfig:
     ``layers_per_stage``: decoder layers of each virtual stage (``pp * v`` entries; a half,
     e.g. ``(1, 1, 1.5, 0.5)``, cuts a layer between attention and MLP: :func:`braid.core.partition.stage_halves`);
     ``peak_flops``: the MFU denominator written to the file (0 = unknown).
+
+    ``vision``: a vision-language model's config (:class:`braid.models.qwen2_vl.Qwen2VLConfig`; its
+    ``vit.image_size`` sets the image of every sample). Stage 0 is then its vision chunk (patch
+    embedding, all ``layers_per_stage[0]`` ViT blocks, merge), the other stages hold LM layers,
+    built by :func:`braid.models.vision_chunk.build_vlm_rank_chunks` as the example builds them;
+    ``seq`` counts the LM's tokens per sample, the image's included; ``model`` is the LM's layer.
     """
 
     model: Any  # the family's config (braid.models.registry), one layer: ``layers_per_stage`` sets the count
@@ -57,6 +64,7 @@ class ProfileConfig:
     compile: bool | None = None  # compiled units (:mod:`braid.runtime.compiled`); None: on with CUDA
     tp_backend: str = "auto"  # braid.tp.comm backend, or "all": measure each and pick the best
     seq_shard: bool = False  # sequence parallelism inside TP (braid.tp.seq_shard; --sequence-parallel, on at tp > 1)
+    vision: Any = None  # a vision-language model (see above); None: a decoder LM
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
@@ -79,6 +87,23 @@ class ProfileConfig:
                         ("vocab", self.model.vocab_size)):
             if n % self.tp:
                 raise ValueError(f"tp={self.tp} must divide the model's {what} ({n})")
+        if self.vision is not None:
+            self._check_vision()
+
+    def _check_vision(self) -> None:
+        from braid.io.cli import NO_SEQ_SHARD_VISION
+
+        vit, first = self.vision.vit, self.layers_per_stage[0]
+        if first != vit.layers or not whole_layers(self.layers_per_stage):
+            raise ValueError(f"a vision-language model's stage 0 holds all {vit.layers} ViT blocks and the others whole "
+                             f"LM layers, got layers per stage {','.join(map(str, self.layers_per_stage))}")
+        for what, n in (("ViT heads", vit.heads), ("ViT ffn", vit.ffn), ("patch features (channels*2*patch^2)", vit.patch_dim)):
+            if n % self.tp:
+                raise ValueError(f"tp={self.tp} must divide the vision tower's {what} ({n})")
+        if self.seq_shard:
+            raise ValueError(NO_SEQ_SHARD_VISION)
+        if self.seq <= len(self.vision.image_tokens()):
+            raise ValueError(f"seq {self.seq} holds no text after the image's {len(self.vision.image_tokens())} tokens")
 
     @property
     def world_size(self) -> int:
@@ -90,7 +115,9 @@ class ProfileConfig:
 
     @property
     def num_layers(self) -> int:
-        """Decoder layers the stages hold."""
+        """Decoder (LM) layers the stages hold."""
+        if self.vision is not None:
+            return int(sum(self.layers_per_stage[1:]))
         return sum(stage_halves(self.layers_per_stage)) // 2
 
     @property
@@ -103,16 +130,45 @@ class ProfileConfig:
         return split_layers(self.num_layers, len(self.layers_per_stage))
 
     def full_model(self) -> Any:
-        """The model config with as many layers as the stages hold."""
+        """The model config with as many (LM) layers as the stages hold."""
+        if self.vision is not None:
+            return replace(self.vision, lm=replace(self.vision.lm, layers=self.num_layers))
         return replace(self.model, layers=self.num_layers)
 
-    def build_model(self) -> torch.nn.Module:
+    def specs(self, placement: Placement) -> dict:
+        """``(rank, chunk) -> ChunkSpec`` of this split under ``placement`` (the vision stage ends with ``merge``)."""
+        return chunk_specs(self.layers_per_stage, self.pp, placement, vision=self.vision is not None)
+
+    def micro_batches(self, m: int, dev: torch.device, seed: int = 7) -> tuple[list[Any], list[torch.Tensor]]:
+        """``m`` random micro-batches (items, labels) as the executor takes them: token ids, or a
+        vision-language model's ``(images, input_ids)`` (:func:`braid.models.qwen2_vl.synthetic_batch`)."""
+        g = torch.Generator().manual_seed(seed)
+        b = self.micro_batch_size
+        if self.vision is not None:
+            from braid.models.qwen2_vl import synthetic_batch
+
+            got = [synthetic_batch(self.vision, b, self.seq, g) for _ in range(m)]
+            return [tuple(t.to(dev) for t in item) for item, _ in got], [lab.to(dev) for _, lab in got]
+        v = self.model.vocab_size
+        toks = [torch.randint(0, v, (b, self.seq), generator=g).to(dev) for _ in range(m)]
+        labs = [torch.randint(0, v, (b, self.seq), generator=g).to(dev) for _ in range(m)]
+        return toks, labs
+
+    def build_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """The single-device model of :meth:`full_model` on the CPU, in :attr:`dtype`, every parameter
         initialised from seed 1234 and its name (:mod:`braid.models.init`), so every rank builds the
         same weights. Built on the meta device and materialised once: constructing it for real would
         first give every linear layer its default (Kaiming-uniform) values, only for the family's
-        initialisation to overwrite them -- most of the ~15 s a 7B-shaped model of four layers took."""
+        initialisation to overwrite them -- most of the ~15 s a 7B-shaped model of four layers took.
+
+        A vision-language model stays on the meta device, its values by name on ``device``: each
+        rank materialises only its own chunks, as the example does (no baseline runs it whole)."""
         from braid.models.build import materialize, meta_model
+
+        if self.vision is not None:
+            from braid.models.qwen2_vl import Qwen2VLModel
+
+            return meta_model(Qwen2VLModel, self.full_model(), seed=1234, device=device, dtype=DTYPES[self.dtype])
 
         return materialize(meta_model(family_of_config(self.model).model_cls, self.full_model(), seed=1234,
                                       dtype=DTYPES[self.dtype]))
@@ -130,10 +186,16 @@ def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan:
     from braid.models.build import build_rank_chunks
 
     plan = plan or Plan("profile", ScheduleConfig(pc.pp, m, pc.v), pc.placement, tuple(() for _ in range(pc.pp)))
-    model = pc.build_model() if model is None else model
+    model = pc.build_model(dev) if model is None else model
     tp_group = groups.tp if pc.tp > 1 else None
-    chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
-                               tp_size=pc.tp, tp_group=tp_group, seq_shard=pc.seq_shard)
+    if pc.vision is not None:  # the example's builder: vision chunk on stage 0, M-RoPE LM chunks after
+        from braid.models.vision_chunk import build_vlm_rank_chunks
+
+        chunks = build_vlm_rank_chunks(model, plan, groups.coords.pp, [int(n) for n in pc.layers_per_stage],
+                                       tp_rank=groups.coords.tp, tp_size=pc.tp, tp_group=tp_group)
+    else:
+        chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
+                                   tp_size=pc.tp, tp_group=tp_group, seq_shard=pc.seq_shard)
     from braid.runtime.compiled import resolve, set_compiled
 
     set_compiled(chunks.values(), resolve(pc.compile, dev))  # units timed as the executor runs them
@@ -153,17 +215,23 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     """Flags shared with ``python -m braid.bench``: model, layout, data shape, device."""
     ap.add_argument("--preset", default=None, help=f"per-layer shape preset: {', '.join(PRESETS)} (default tiny)")
     ap.add_argument("--model", default=None,
-                    help="instead of --preset: any catalog model of a registered family (qwen2-7b, llama3-8b, ...; "
-                         "a vision-language preset profiles its language model's layers) or a Hugging Face config.json; "
-                         "its layer shape and vocabulary, one layer per --layers-per-stage")
+                    help="instead of --preset: any catalog model of a registered family (qwen2-7b, llama3-8b, ...) or a "
+                         "Hugging Face config.json; its layer shape and vocabulary, one layer per --layers-per-stage. A "
+                         "vision-language preset (qwen2-vl-tiny, qwen2-vl-7b, qwen2.5-vl-7b, ...) runs as examples/qwen2_vl.py "
+                         "does: its vision tower (with the merger) is stage 0, its LM layers split as the simulator splits them")
     for flag in ("hidden", "heads", "kv-heads", "ffn", "vocab"):
         ap.add_argument(f"--{flag}", type=int, default=None, help=f"override the preset's or model's {flag}")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
     ap.add_argument("--chunks", type=int, default=2, help="chunks (virtual stages) per rank (default 2)")
-    ap.add_argument("--layers-per-stage", default="1", help="layers of each virtual stage: one number or a comma list, whole or half layers "
-                         "(1,1,1.5,0.5 cuts layer 3 between attention and MLP; default 1)")
-    ap.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    ap.add_argument("--layers-per-stage", default=None, help="layers of each virtual stage: one number or a comma list, whole or half layers "
+                         "(1,1,1.5,0.5 cuts layer 3 between attention and MLP; default 1). A vision-language model: "
+                         "LM layers of each stage after the tower's (one number), or the whole list with the ViT blocks "
+                         "first; default the model's own split (braid.simulate's, the example's)")
+    ap.add_argument("--seq", type=int, default=16, help="sequence length (default 16); a vision-language model: text tokens "
+                         "after the image's, as examples/qwen2_vl.py --seq")
+    ap.add_argument("--image-size", type=int, default=None, help="a vision-language model's image side in pixels, one "
+                         "image per sample (default the preset's; (size/patch/merge)^2 visual tokens)")
     ap.add_argument("--micro-batch-size", type=int, default=1, help="samples per micro-batch (default 1)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when enough GPUs, else cpu")
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on cuda, float32 on cpu")
@@ -183,15 +251,26 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         ap.error("--preset and --model name the model twice; give one")
     if args.model is None and (args.preset or "tiny") not in PRESETS:
         ap.error(f"unknown preset {args.preset!r}; valid names: {', '.join(PRESETS)}")
+    check_counts(ap, args, ("image_size",))
+    vision = None
     try:
         shape = resolve_model(args.model) if args.model is not None else get_model(_PER_LAYER[args.preset or "tiny"][0])
         cfg = decoder_config(shape, layers=1) if args.model is not None else PRESETS[args.preset or "tiny"]
+        if args.model is not None and shape.vit is not None:
+            from braid.models.qwen2_vl import vl_config
+
+            vision = vl_config(shape, args.image_size)  # an image side the patches do not tile: one line here
     except ValueError as err:
         ap.error(str(err))
+    if vision is None and args.image_size is not None:
+        ap.error("--image-size sets a vision-language model's images; pick one with --model (qwen2-vl-tiny, qwen2-vl-7b, ...)")
     check_counts(ap, args, ("hidden", "heads", "kv_heads", "ffn", "vocab", "tp", "pp", "chunks", "seq", "micro_batch_size", "iters"))
     check_range(ap, "--peak-flops", args.peak_flops, 0.0, 1e18)
     overrides = {key: getattr(args, flag) for flag, key in (("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"),
                                                              ("ffn", "ffn"), ("vocab", "vocab_size")) if getattr(args, flag) is not None}
+    if vision is not None and overrides:
+        ap.error(f"--{next(iter(overrides)).replace('_size', '').replace('_', '-')}: a vision-language --model runs at its "
+                 "preset's shape (its tower and M-RoPE follow from it); pick another preset")
     world = args.tp * args.pp
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu")
     if device == "cpu":
@@ -201,23 +280,30 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     from braid.runtime.compiled import resolve as resolve_compile
 
     try:
-        try:
-            lps = [layer_count(x) for x in str(args.layers_per_stage).split(",")]
-        except argparse.ArgumentTypeError as err:
-            raise ValueError(f"--layers-per-stage {args.layers_per_stage!r}: {err} (one number or a comma list of "
-                             "whole or half layers: 2, 1.5)") from None
         stages = args.pp * args.chunks
+        if vision is not None and args.layers_per_stage is None:
+            from braid.cost.costs import Layout as CostLayout, model_stage_layers
+
+            lps = list(model_stage_layers(shape, CostLayout(1, args.pp, args.chunks)))
+        else:
+            try:
+                lps = [layer_count(x) for x in str(args.layers_per_stage or "1").split(",")]
+            except argparse.ArgumentTypeError as err:
+                raise ValueError(f"--layers-per-stage {args.layers_per_stage!r}: {err} (one number or a comma list of "
+                                 "whole or half layers: 2, 1.5)") from None
         if len(lps) == 1:
-            lps = lps * stages
+            lps = [vision.vit.layers] + lps * (stages - 1) if vision is not None else lps * stages
         if sum(lps) > MAX_LAYERS:
             raise ValueError(f"--layers-per-stage {args.layers_per_stage}: {sum(lps):g} layers over {len(lps)} stages, at most "
                              f"{MAX_LAYERS} (more than any real model)")
         model = replace(cfg, **overrides)
         peak = args.peak_flops if args.peak_flops is not None else (989e12 if device == "cuda" else 0.0)
-        return ProfileConfig(model, tuple(lps), args.seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
+        seq = args.seq + (len(vision.image_tokens()) if vision is not None else 0)  # the LM's tokens per sample
+        return ProfileConfig(model, tuple(lps), seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                              device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend,
-                             resolve_seq_shard(args.sequence_parallel, args.tp, seq=args.seq))
+                             resolve_seq_shard(args.sequence_parallel, args.tp, seq=seq, vision=vision is not None),
+                             vision=vision)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits

@@ -27,6 +27,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
     doc = raw["profile"]
     memory = "allocator_peak" if pc.device == "cuda" else "instruction_end"
     tokens = pc.seq * pc.micro_batch_size
+    vision = pc.vision is not None
     flops = doc.get("model_flops_per_sample", 0.0)
     out_runs = []
     traces = {}
@@ -43,12 +44,12 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         # one figure per pipeline rank: the max over its TP ranks (global rank = pp * tp + tp_rank)
         peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
         mode = ranks[0].get("cuda_graph")  # a graph replay has no host lane
-        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory, mode)
+        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory, mode, vision)
         pred = sim.report.step_time_s
         raw_pred = None
         if raw.get("raw_profile") is not None:
             raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory,
-                               mode)[0].report.step_time_s
+                               mode, vision)[0].report.step_time_s
         mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
         out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s, "step_s_rounds": rounds,
                          "step_s_all": slowest_rank_steps(ranks),
@@ -106,7 +107,7 @@ def _predicted_used(pc, schedule: str, m: int, peaks: list[float], mode: str | N
     """Per rank, the device memory in use :mod:`braid.cost.device_memory` predicts (CUDA, dense decoder LMs;
     None otherwise)."""
     cfg = {**asdict(pc), "model": asdict(pc.model)}
-    if pc.device != "cuda" or not is_dense_decoder(cfg["model"]):
+    if pc.device != "cuda" or pc.vision is not None or not is_dense_decoder(cfg["model"]):
         return None
     from braid import schedules
 

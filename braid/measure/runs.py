@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from braid.measure.units import measure_rank, tp_comm_for
 
 log = logging.getLogger(__name__)
 
+NO_VLM_PEER = ("no vision-language row: the external baselines pipeline a decoder LM's layers, not a vision tower "
+               "on the first stage")
 PROBE_STEPS = 11  # measured steps of the calibration probe (at least --steps)
 
 
@@ -37,12 +40,8 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    v = pc.model.vocab_size
-    toks = [torch.randint(0, v, (pc.micro_batch_size, pc.seq), generator=g).to(dev) for _ in range(m)]
-    labs = [torch.randint(0, v, (pc.micro_batch_size, pc.seq), generator=g).to(dev) for _ in range(m)]
-    return toks, labs
+def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[Any], list[torch.Tensor]]:
+    return pc.micro_batches(m, dev, seed=7)
 
 
 def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None = None,
@@ -244,7 +243,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     raw_doc = None
     # The TP all-reduce every run uses: the flag's backend, or with 'all' the profile's pick.
     comm, choice = tp_comm_for(pc, groups, d.device)
-    model = pc.build_model()  # once: the profile's chunks and every run are cut from it
+    model = pc.build_model(d.device)  # once: the profile's chunks and every run are cut from it
     if doc is None:
         res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device, model=model), comm, choice)
         gathered: list[Any] = [None] * pc.world_size
@@ -284,6 +283,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     runs, notes = [], []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
     peers = bc.peers if bc.peers is not None else tuple(peer_runs_default(pc))
+    if pc.vision is not None:
+        peers = tuple(replace(p, why=p.why or NO_VLM_PEER) for p in peers)
     ext = [(p, m) for p in peers for m in bc.mbs] if bc.external else []
     peer_groups: dict[str, Any] = {}  # the torch baselines' process groups, made once
     progress = Progress(bc.rounds * (len(jobs) + len(ext)), "bench", enabled=lead)
@@ -404,10 +405,8 @@ def planned_runs(bc: BenchConfig) -> tuple[list[tuple[str, int, Any]], list[str]
 
 def _check_costs(doc: dict[str, Any], where: str, pc: ProfileConfig, runs: list[tuple[str, int, Any]]) -> None:
     """Read ``doc`` against every planned run's layout, as the predictions will (CostFileError if it does not fit)."""
-    from braid.core.partition import chunk_specs
-
     for placement, v in sorted({(plan.placement, plan.v) for _, _, plan in runs}):
-        costs_from_dict(doc, Layout(pc.tp, pc.pp, v, placement), chunk_specs(pc.layers_per_stage, pc.pp, placement), where=where)
+        costs_from_dict(doc, Layout(pc.tp, pc.pp, v, placement), pc.specs(placement), where=where)
 
 
 def _counts(layers_per_stage) -> str:

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
 from braid.tp.seq_shard import reduce_now
 from braid.core.ir import OpKind, stage_of
-from braid.core.partition import chunk_specs
 from braid.cost.costs import (
     ChunkCosts,
     CostModel,
@@ -126,10 +125,7 @@ def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_
 def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
                          progress: Progress) -> dict[str, Any]:
     dtype = DTYPES[pc.dtype]
-    vocab = pc.model.vocab_size
-    g = torch.Generator().manual_seed(0)
-    tok = torch.randint(0, vocab, (pc.micro_batch_size, pc.seq), generator=g).to(dev)
-    chunk.set_batch([tok], [tok])
+    chunk.set_batch(*pc.micro_batches(1, dev, seed=0))  # token ids, or a VLM's (images, input_ids)
     times: dict[tuple[str, str, int], list[float]] = {}
     mem: dict[tuple[str, str, int], int] = {}
     work: dict[tuple[str, str, int], int] = {}
@@ -213,6 +209,10 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device, c
                              "ar_stretch": 1.0}
     if pc.tp > 1:
         out["ar_s"] = ar = _median_time(timer, lambda: all_reduce(x).wait(), n)
+        if pc.vision is not None:  # the tower's all-reduces carry its patches' activations, not the LM's
+            v = pc.vision.vit
+            xv = torch.randn(1, pc.micro_batch_size * v.patches, v.hidden, dtype=dtype, device=dev)  # (1, b*patches, hv)
+            out["ar_vision_s"] = _median_time(timer, lambda: all_reduce(xv).wait(), n)
         tokens = pc.micro_batch_size * pc.seq
         a = torch.randn(tokens, pc.model.hidden, dtype=dtype, device=dev)
         b = torch.randn(pc.model.hidden, pc.model.ffn // pc.tp, dtype=dtype, device=dev)
@@ -419,8 +419,13 @@ def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=
 # ----------------------------------------------------------------------------------------
 # From measurements to a cost model
 # ----------------------------------------------------------------------------------------
-def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> dict[Unit, UnitCost]:
-    """Average the per-instance medians (over layers and TP ranks) into one cost per unit kind."""
+def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float, ar_vision_s: float | None = None) -> dict[Unit, UnitCost]:
+    """Average the per-instance medians (over layers and TP ranks) into one cost per unit kind.
+
+    A vision stage (``spec.merge``): its units' all-reduces carry the tower's activations
+    (``ar_vision_s``), but for the merge's forward one, which joins the visual tokens with the text
+    embedding at the LM's width (``ar_s``)."""
+    ar_in = ar_s if ar_vision_s is None or not spec.merge else ar_vision_s
     t: dict[tuple[str, str], list[float]] = {}
     m: dict[tuple[str, str], list[float]] = {}
     work: dict[str, float] = {}  # unit -> the most workspace any of its instances and phases took
@@ -434,7 +439,7 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
     mean = lambda d, k: statistics.fmean(d[k]) if k in d else 0.0  # noqa: E731
     units = sorted({u for _, u in t}, key=[x.value for x in Unit].index)
     per_chunk = Counter(u.value for u, _ in spec.layer_units())  # half layers count their half
-    count = {u: (1 if Unit(u) in (Unit.EMBED, Unit.HEAD) else per_chunk[u]) for u in units}
+    count = {u: (1 if Unit(u) in (Unit.EMBED, Unit.HEAD, Unit.MERGE) else per_chunk[u]) for u in units}
     act = {u: max(0.0, mean(m, ("F", u))) for u in units}
     kept = {u: mean(m, ("F", u)) + mean(m, ("B", u)) for u in units}
     # Boxes freed one unit late (norm backward at the start of the next unit) can make a
@@ -446,9 +451,9 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float) -> 
     out = {}
     for u in units:
         unit = Unit(u)
+        ar_f = (ar_s if unit is Unit.MERGE else ar_in) if unit in AR_FORWARD else 0.0
         out[unit] = UnitCost(mean(t, ("F", u)), mean(t, ("B", u)), mean(t, ("W", u)),
-                             ar_s if unit in AR_FORWARD else 0.0, ar_s if unit in AR_BACKWARD else 0.0, act[u], w_res[u],
-                             work.get(u, 0.0))
+                             ar_f, ar_in if unit in AR_BACKWARD else 0.0, act[u], w_res[u], work.get(u, 0.0))
     return out
 
 
@@ -456,19 +461,26 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
     """The cost model of the layout from every rank's :func:`measure_rank` result."""
     from braid.cost.catalog import ModelConfig
 
-    specs = chunk_specs(pc.layers_per_stage, pc.pp, pc.placement)
+    specs = pc.specs(pc.placement)
     comm = [r["comm"] for r in results]
     ar_s = max(c["ar_s"] for c in comm)
+    ar_v = max(c.get("ar_vision_s", ar_s) for c in comm)
     p2p = max(c["p2p_s"] for c in comm)
     chunks = {}
     for (rank, c), spec in specs.items():
         stage = stage_of(pc.placement, pc.pp, rank, c)
         entries = [r["stages"][stage] for r in results if stage in r["stages"]]
-        chunks[(rank, c)] = ChunkCosts(spec, _unit_costs(entries, spec, ar_s), p2p)
+        chunks[(rank, c)] = ChunkCosts(spec, _unit_costs(entries, spec, ar_s, ar_v), p2p)
     ma = statistics.fmean(cc.total("act") for cc in chunks.values())
     mcfg = pc.model
-    mc = ModelConfig("profiled", pc.num_layers, mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
-                     mcfg.vocab_size, pc.seq, pc.micro_batch_size, torch.finfo(DTYPES[pc.dtype]).bits // 8)
+    dtype_bytes = torch.finfo(DTYPES[pc.dtype]).bits // 8
+    if pc.vision is not None:  # the tower's FLOPs count too (MFU as the example reports it)
+        from braid.models.qwen2_vl import catalog_shape
+
+        mc = catalog_shape(pc.full_model(), "profiled", seq=pc.seq, micro_batch_size=pc.micro_batch_size, dtype_bytes=dtype_bytes)
+    else:
+        mc = ModelConfig("profiled", pc.num_layers, mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
+                         mcfg.vocab_size, pc.seq, pc.micro_batch_size, dtype_bytes)
     meta = {"config": {**asdict(pc), "model": asdict(pc.model)}, "device": device_name(pc.device),
             "torch": torch.__version__, "comm": {k: statistics.fmean(c[k] for c in comm) for k in comm[0]},
             "tp_backend": results[0].get("tp_backend", "gloo")}

@@ -331,6 +331,26 @@ class Qwen2VLModel(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
+def synthetic_batch(cfg: Qwen2VLConfig, batch: int, seq: int, generator: torch.Generator
+                    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One micro-batch item ``(images (b, c, H, W), input_ids (b, seq))`` and braid's labels, random, as the
+    examples' samples are laid out (one ``vit.image_size`` image per sample, its tokens
+    :meth:`Qwen2VLConfig.image_tokens` first, then text; no loss on the image's tokens): what a
+    measurement runs where the values do not matter. Text ids stay below the vision token ids.
+    """
+    img = cfg.image_tokens()
+    if seq <= len(img):
+        raise ValueError(f"a sequence of {seq} tokens leaves no text after the image's {len(img)} tokens")
+    v = cfg.vit
+    images = torch.rand(batch, v.channels, v.image_size, v.image_size, generator=generator)
+    text_ids = min(cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id)
+    text = torch.randint(0, text_ids, (batch, seq - len(img)), generator=generator)
+    ids = torch.cat([torch.tensor(img).expand(batch, -1), text], dim=1)
+    labels = torch.randint(0, cfg.lm.vocab_size, (batch, seq), generator=generator)
+    labels[:, : len(img)] = IGNORE_INDEX
+    return (images, ids), labels
+
+
 def check_image_tokens(input_ids: torch.Tensor, visual_tokens: int, image_token_id: int) -> None:
     """One clear error when ``input_ids`` do not hold one image-pad token per visual token (a host sync)."""
     n = int((input_ids == image_token_id).sum())
@@ -399,5 +419,5 @@ def catalog_shape(cfg: Qwen2VLConfig, name: str = "qwen2-vl", **changes: object)
 
 
 __all__ = ["IGNORE_INDEX", "MRopeLayer", "Qwen2VLConfig", "Qwen2VLModel", "catalog_shape", "mrope", "rope_index",
-           "shift_labels", "split_item", "vision_inputs", "vl_config", "vlm_preset", "vlm_stage_layers",
+           "shift_labels", "split_item", "synthetic_batch", "vision_inputs", "vl_config", "vlm_preset", "vlm_stage_layers",
            "vlm_train_flops_per_sample"]
