@@ -18,6 +18,10 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   that runs while a collective (all-reduce or all-to-all) is in flight
   on the rank is slowed by ``CostModel.ar_slowdown``, and a collective that the next task
   does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer.
+  Under sequence sharding an op's first unit with a gathering head (``UnitCost.ag_f``/``ag_b``)
+  waits for its all-gather on the TP stream: started as the instruction starts where
+  :func:`braid.core.braiding.early_heads` says so (the unit waits for it as for a pending
+  all-reduce), else as the unit starts (all exposed).
   The *host lane*: the rank's host issues unit tasks one after another, ``host_task_s``
   each, never waiting for the device (the executor's host runs ahead of the GPU); a task
   cannot start before the host has issued it, so units shorter than their host time leave
@@ -50,73 +54,25 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
-from braid.core.braiding import Comm, Phase, carries, steps
+from braid.core.braiding import Comm, Phase, carries, early_heads, gather_head, steps
 from braid.cost.costs import CostModel
 from braid.core.gc_pause import gc_paused
 from braid.core.offload import RELEASE_AFTER
 from braid.core.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Program, Recv, Reload, Send,
                       comm_stages, rank_chunk_of)
 from braid.io.trace import Event
+from braid.simulator.rank_state import RankStats, SimulationError, _Rank
 
-
-class SimulationError(ValueError):
-    """A program that cannot run: deadlock, unmatched or misrouted P2P, reload without offload."""
+__all__ = ["Engine", "RankStats", "SimulationError"]
 
 
 # One row per unit task: (member, nominal compute s, all-reduce s / all-to-all s (0: none), waits, unit label,
-# phase, bytes delta, workspace bytes held while it runs)
-_Row = tuple[int, float, float, float, bool, str, str, float, float]
-# Rows of one instruction shape, bytes kept per member, nominal compute s of the whole instruction.
-_Table = tuple[tuple[_Row, ...], tuple[float, float], float]
-
-
-@dataclass(slots=True)
-class RankStats:
-    """What one rank did: busy compute, exposed TP and all-to-all waits, end time, memory deltas."""
-
-    compute_s: float = 0.0
-    nominal_compute_s: float = 0.0
-    tp_exposed_s: float = 0.0
-    a2a_exposed_s: float = 0.0
-    end_s: float = 0.0
-    mem: list[tuple[float, float]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Rank:
-    rank: int
-    prog: tuple[Instruction, ...]
-    pc: int = 0
-    t: float = 0.0
-    host: float = 0.0  # host lane: when the host has issued the rank's last unit task
-    posting: bool = False  # parked in the heap until its comm run's post time
-    expected: set = field(default_factory=set)  # (comm, mb, chunk) of receives posted, not yet consumed
-    arrived: dict = field(default_factory=dict)  # (comm, mb, chunk) -> transfer end
-    blocked_on: tuple | None = None  # the receive a compute instruction waits for
-    sends_end: float = 0.0
-    p2p_free: float = 0.0
-    p2p_busy: list[tuple[float, float]] = field(default_factory=list)
-    d2h_free: float = 0.0
-    h2d_free: float = 0.0
-    d2h_busy: list[tuple[float, float]] = field(default_factory=list)
-    h2d_busy: list[tuple[float, float]] = field(default_factory=list)
-    resident: dict[tuple[int, int], float] = field(default_factory=dict)
-    offloaded: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # key -> (bytes, d2h end)
-    reload_end: dict[tuple[int, int], float] = field(default_factory=dict)
-    releasing: list[list[float]] = field(default_factory=list)  # [compute instrs left, copy end, bytes] per offload
-    # Memory deltas (time, bytes) as two float lists during the run; paired into stats.mem after it.
-    mem_t: list[float] = field(default_factory=list)
-    mem_d: list[float] = field(default_factory=list)
-    stats: RankStats = field(default_factory=RankStats)
-    carries: dict = field(default_factory=dict)  # instruction index -> braiding.Carry
-    hoist: tuple | None = None  # (next compute index, carried all-reduce end) until its first task ran
-    chained: float | None = None  # a chained Send/Recv run is posted as of this time (its all-reduce's end)
-    resume: dict = field(default_factory=dict)  # compute index -> row state after its hoisted first task
-    codes: list = field(default_factory=list)  # instruction index -> _COMPUTE, _OFFLOAD, _RELOAD or _COMM
-    copies: bool = False  # the program has OFFLOAD/RELOAD: per-(mb, chunk) bytes and reload waits are tracked
-    watch: dict = field(default_factory=dict)  # instruction index -> its end time (indices chosen by the caller)
+# phase, bytes delta, workspace bytes held while it runs, all-gather s it waits for before it starts (0: none))
+_Row = tuple[int, float, float, float, bool, str, str, float, float, float]
+# Rows of one instruction shape, bytes kept per member, nominal compute s of the whole instruction, and the
+# all-gathers started as the instruction starts: (row, member, s) (braiding.early_heads).
+_Table = tuple[tuple[_Row, ...], tuple[float, float], float, tuple[tuple[int, int, float], ...]]
 
 
 # Enum members bound once: looking them up on the enum class is slow in the per-instruction paths.
@@ -191,6 +147,10 @@ class Engine:
         nominal = 0.0  # summed in row order, as the unit loop would
         tasks = list(steps(instr, spec_of))
         stretch = self.costs.ar_stretch
+        pairs = [(st.member, st.task) for st in tasks]
+        early = early_heads(pairs) if self._tp else ()
+        starts = []
+        firsts = {member: next(k for k, (m, _) in enumerate(pairs) if m == member) for member in {m for m, _ in pairs}}
         for k, st in enumerate(tasks):
             u = self.costs.chunks[(rank, st.op.chunk)].units[st.task.unit]
             ph = st.task.phase
@@ -209,10 +169,15 @@ class Engine:
             elif ar and carried:  # the next instruction's first task runs beside it
                 ar *= stretch
             label = (f"L{st.task.layer}." if st.task.layer >= 0 else "") + st.task.unit.value
-            rows.append((st.member, dur, ar, a2a, st.task.waits, label, ph.value, dmem, u.tmp))
+            # sequence sharding: an op's first unit with a gathering head gathers first (0 without)
+            ag = (u.ag_f if ph is Phase.F else u.ag_b) if self._tp and firsts[st.member] == k and gather_head(st.task) else 0.0
+            if ag and k in early:  # started as the instruction starts, beside the leader's first segment
+                starts.append((k, st.member, ag * stretch))
+                ag = 0.0
+            rows.append((st.member, dur, ar, a2a, st.task.waits, label, ph.value, dmem, u.tmp, ag))
             totals[st.member] += dmem
             nominal += dur
-        out = (tuple(rows), (totals[0], totals[1]), nominal)
+        out = (tuple(rows), (totals[0], totals[1]), nominal, tuple(starts))
         self._tables[shape_key] = out
         return out
 
@@ -244,7 +209,7 @@ class Engine:
     def _compute(self, rs: _Rank, instr: Compute | Braided, idx: int) -> None:
         """Run a compute instruction (the rest of it, if its first unit task was hoisted)."""
         carry = rs.carries.get(idx) if self._tp else None
-        rows, totals, nominal = self._table(rs.rank, instr, carry is not None)
+        rows, totals, nominal, starts = self._table(rs.rank, instr, carry is not None)
         resumed = rs.resume.pop(idx, None) if rs.resume else None
         if resumed is None:
             t0 = self._compute_start(rs, instr, idx) if rs.copies else rs.t
@@ -253,6 +218,8 @@ class Engine:
         else:  # the inputs of its other member may have arrived after the hoisted task
             state, first = (max(rs.t, resumed[0]),) + resumed[1:], 1
             nominal -= rows[0][1]  # counted when the hoisted task ran
+        if starts:  # sequence sharding: gathers started before the (rest of the) instruction's units
+            state = self._gathers(rs, instr, idx, rows, starts, state)
         t, tp_free, ep_free, pend, lanes, ar_start = self._rows(rs, instr, idx, rows, first, len(rows), state)
         if ep_free > t:  # (no op ends on an all-to-all: each is waited for inside its instruction)
             rs.stats.a2a_exposed_s, t = rs.stats.a2a_exposed_s + ep_free - t, ep_free
@@ -296,7 +263,7 @@ class Engine:
         already posted. False if the task's input has not arrived."""
         j, carry_end = rs.hoist
         instr = rs.prog[j]
-        rows, _, _ = self._table(rs.rank, instr, j in rs.carries)
+        rows, _, _, _ = self._table(rs.rank, instr, j in rs.carries)
         op = instr if isinstance(instr, Compute) else instr.ops[rows[0][0]]
         if op.kind is not _W:
             key = (_ACT if op.kind is _F else _GRAD, op.mb, op.chunk)
@@ -320,6 +287,20 @@ class Engine:
         rs.t = t
         return True
 
+    def _gathers(self, rs: _Rank, instr: Compute | Braided, idx: int, rows, starts, state):
+        """Start the all-gathers of ``starts`` at the state's time, on the TP stream, each the pending
+        collective of its member (:func:`braid.core.braiding.early_heads`); returns the new state."""
+        t, tp_free, ep_free, pend, lanes, s = state
+        for k, member, ag in starts:
+            g0 = t if t > tp_free else tp_free
+            tp_free = pend[member] = g0 + ag
+            lanes[member] = False
+            if self.record:
+                op = instr if isinstance(instr, Compute) else instr.ops[member]
+                self.events.append(Event(rs.rank, "tp-comm", str(op), "AG", g0, ag, op.mb, op.chunk, rows[k][5],
+                                         str(instr) if isinstance(instr, Braided) else None, idx))
+        return t, tp_free, ep_free, pend, lanes, s
+
     def _rows(self, rs: _Rank, instr: Compute | Braided, idx: int, rows, first: int, stop: int, state):
         """Time unit rows ``first:stop`` from ``state`` = (t, TP and EP streams free, pending collective end
         and whether it is an all-to-all per member, last all-reduce start); returns the new state."""
@@ -335,7 +316,7 @@ class Engine:
         busy = exposed = exposed_a2a = 0.0
         host, host_s = rs.host, self.costs.host_task_s
         # The hot loop of the simulator, one pass per unit task: locals only.
-        for member, dur, ar, a2a, waits, label, phase, dmem, tmp in (rows if first == 0 and stop == len(rows) else rows[first:stop]):
+        for member, dur, ar, a2a, waits, label, phase, dmem, tmp, ag in (rows if first == 0 and stop == len(rows) else rows[first:stop]):
             if host_s:
                 host += host_s  # the host issues this task
                 if host > t:
@@ -344,6 +325,13 @@ class Engine:
                 exposed_a2a, exposed = (exposed_a2a + pend[member] - t, exposed) if lanes[member] else (
                     exposed_a2a, exposed + pend[member] - t)
                 t = pend[member]
+            if ag:  # its head's all-gather, blocking (behind the TP stream's queue): exposed
+                g0 = t if t > tp_free else tp_free
+                tp_free = g0 + ag
+                exposed += tp_free - t
+                if who is not None:
+                    ev(Event(rank, "tp-comm", who[member][0], "AG", g0, ag, who[member][1], who[member][2], label, block, idx))
+                t = tp_free
             flight = tp_free if tp_free > ep_free else ep_free
             if flight > t:  # a collective is in flight: slowed down while it lasts
                 win = flight - t

@@ -257,7 +257,9 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
                     assert res.counts["chained"] == chained, f"{where}: {res.counts['chained']} chained runs, expected {chained}"
             opt.step()
         ref.check_params(chunks, shard, where)
-        ran.append((name, m, dict(res.counts, peak_bytes=peak, seq_shard=sharded)))
+        # all-gathers started as their instruction starts (braiding.early_heads; sequence sharding)
+        early = sum(e.kind == "AG" and e.lane == "tp-comm" for e in res.trace.events)
+        ran.append((name, m, dict(res.counts, peak_bytes=peak, seq_shard=sharded, early_AG=early)))
     return ran
 
 

@@ -77,3 +77,43 @@ def test_the_simulated_activation_peak_at_tp8_drops_by_34_over_10_plus_24_over_t
     off, on = (simulate(progs, analytic_costs(model, hw, lay, seq_shard=ss), name="1f1b").report.ranks[0]
                for ss in (False, True))
     assert on.peak_activation_bytes / off.peak_activation_bytes == pytest.approx((34 / t) / (10 + 24 / t), rel=0.01)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_following_members_first_gather_starts_with_its_braided_block(pp: int) -> None:
+    # An op's first unit with a gathering head (braiding.GATHER_HEAD_F/_B: the pre_attn after a stage
+    # boundary, the last layer's mlp backward) all-gathers before it computes. In a braided block
+    # whose other member leads, that gather starts as the block starts (braiding.early_heads), so it
+    # runs beside the leader's first segment: in the simulated trace a TP collective of the
+    # following member starts as the block starts. Gathered when the unit starts
+    # (exposed, as before), none would; with the collective priced at 0 it could not be told apart.
+    # (A block that a carried all-reduce runs into starts its gathers after its first step: left out.)
+    from braid import schedules
+    from braid.core.braiding import carries, gather_head, steps
+    from braid.core.compiler import compile_plan
+    from braid.core.ir import Braided
+    from braid.simulator import simulate
+
+    model, hw = get_model("qwen2-7b"), get_hardware("h100")
+    plan = schedules.build("braided_v", pp, 4 * pp)
+    progs, lay = compile_plan(plan), Layout(2, plan.p, plan.v, plan.placement)
+    costs = analytic_costs(model, hw, lay, seq_shard=True)
+    assert all(c.units[Unit.PRE_ATTN].ag_f > 0 and c.units[Unit.MLP].ag_b > 0 for c in costs.chunks.values())
+    trace = simulate(progs, costs, name="braided_v").trace
+    want = 0
+    for prog in progs:
+        carried_into = {c.into for c in carries(prog.instructions, costs.spec_of(prog.rank)).values()}
+        for idx, ins in enumerate(prog.instructions):
+            if not isinstance(ins, Braided):
+                continue
+            st = steps(ins, costs.spec_of(prog.rank))
+            follower = 1 - st[0].member
+            first = next(s for s in st if s.member == follower)
+            if not gather_head(first.task) or idx in carried_into:
+                continue
+            want += 1
+            evs = [e for e in trace.events if e.rank == prog.rank and e.op_index == idx]
+            start = min(e.start for e in evs)  # the block's start (its first event: a unit, or that gather)
+            assert any(e.lane == "tp-comm" and e.name == str(ins.ops[follower]) and e.start == start for e in evs), (
+                prog.rank, str(ins))
+    assert want > 0

@@ -46,7 +46,11 @@ tensors, not the collective's result). Every collective of an instruction is com
 instruction ends -- except a trailing all-reduce that :func:`carries` carries into the next compute
 instruction, whose first unit task then runs beside it (no op ends on an all-to-all). With
 ``tp == 1`` there are no all-reduces, with ``ep == 1`` no all-to-alls; the units and their cuts
-stay the same.
+stay the same. Under sequence parallelism inside TP the all-reduce is a reduce-scatter, and the next
+unit's head (:data:`GATHER_HEAD_F`, :data:`GATHER_HEAD_B`: a norm, or a norm backward, then an
+all-gather) runs as it ends, so the op's next task waits for both; an op's first such unit, which no
+reduction of its op precedes, starts its head and gather as the instruction starts when it is not
+the block's leader (:func:`early_heads`).
 
 **Segments and braiding.** An op's task list is cut into *segments*: after every task that
 starts a collective (an all-reduce or an all-to-all), and for W every two units (half a layer, matching the forward's
@@ -102,6 +106,12 @@ AR_BACKWARD: frozenset[Unit] = frozenset({Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD
 # Units of a mixture-of-experts layer that end with an all-to-all, per phase (none also ends with an all-reduce).
 A2A_FORWARD: frozenset[Unit] = frozenset({Unit.PRE_MLP, Unit.EXPERTS})
 A2A_BACKWARD: frozenset[Unit] = frozenset({Unit.EXPERTS, Unit.MLP})
+# Under sequence parallelism inside TP (braid.tp.seq_shard), units whose *head* -- a norm (forward), or
+# a norm backward and the residual (backward), on the rank's tokens -- ends in an all-gather of the
+# sequence, per phase: the units after an AR_FORWARD / AR_BACKWARD unit (the embedding's backward
+# gathers the gradient it receives). See :func:`early_heads` for when that gather starts.
+GATHER_HEAD_F: frozenset[Unit] = frozenset({Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD})
+GATHER_HEAD_B: frozenset[Unit] = frozenset({Unit.ATTN, Unit.MLP, Unit.EMBED})
 
 
 def unit_comm(phase: "Phase", unit: Unit, moe: bool) -> Comm | None:
@@ -318,6 +328,39 @@ def steps(instr: Instruction, spec_of) -> list[Step]:
         if out[-1].task.phase is not Phase.F and swapped[-1].task.phase is Phase.F:
             return swapped  # end on a forward's all-reduce: its result is the output, sent as it lands
     return out
+
+
+def gather_head(task: UnitTask) -> bool:
+    """Whether ``task``'s unit starts with a head that ends in an all-gather under sequence sharding
+    (:data:`GATHER_HEAD_F`, :data:`GATHER_HEAD_B`; W has none)."""
+    return task.unit in (GATHER_HEAD_F if task.phase is Phase.F else GATHER_HEAD_B if task.phase is Phase.B else ())
+
+
+def next_of_op(tasks: Sequence[tuple[int, UnitTask]], k: int) -> UnitTask | None:
+    """The unit task of step ``k``'s member after it, when step ``k`` starts a reduction (its head
+    then runs as that reduction ends, under sequence sharding); None otherwise. ``tasks``: (member, task)."""
+    member, task = tasks[k]
+    return next((t for m, t in tasks[k + 1:] if m == member), None) if task.ar else None
+
+
+def early_heads(tasks: Sequence[tuple[int, UnitTask]]) -> tuple[int, ...]:
+    """Steps (indices into ``tasks``, (member, task) in :func:`steps` order) whose head -- under
+    sequence sharding a norm (backward) on the rank's tokens and an all-gather -- starts as the
+    instruction starts, before its first step: the first task of a member that does not lead a
+    braided block (its first step is not the block's first) and whose unit has a gathering head
+    (:func:`gather_head`). That gather is then in flight while the leading member's first
+    segment computes, as the reduce-scatter and gather inside an op run beside the partner's
+    next segment; the step waits for it as for its op's pending collective. A leading member's
+    first unit (and a plain op's) gathers when it starts, blocking: nothing of the instruction
+    runs before it. With a carried all-reduce (:func:`carries`) the instruction "starts" after
+    its first step and that wait, when every member's input is in hand."""
+    out, seen = [], {tasks[0][0]} if tasks else set()
+    for k, (member, task) in enumerate(tasks):
+        if member not in seen:
+            seen.add(member)
+            if gather_head(task):
+                out.append(k)
+    return tuple(out)
 
 
 def _alternate(instr: Braided, segs: list[list[list[UnitTask]]], order: tuple[int, int]) -> list[Step]:

@@ -84,6 +84,11 @@ class UnitCost:
     ``ar_f``/``ar_b``: the all-reduce that ends the unit's forward / backward (0 if none);
     ``a2a_f``/``a2a_b``: the all-to-all that ends an MoE layer unit's forward / backward
     (:mod:`braid.cost.moe_costs`; 0 if none, and without expert parallelism);
+    ``ag_f``/``ag_b``: under sequence sharding, the all-gather a unit's forward / backward starts
+    with (after its head, :data:`braid.core.braiding.GATHER_HEAD_F`) when it is its op's first unit
+    task -- elsewhere it follows the reduction before it and is part of that unit's ``ar_f``/``ar_b``
+    (:func:`braid.cost.seq_shard_costs.seq_shard_units`); not in cost files: a profile times it
+    inside the unit;
     ``act``: bytes its forward keeps for the backward; ``w_res``: bytes kept after a split
     B until W; ``tmp``: workspace -- bytes allocated on top of those while the unit runs
     and freed when it ends (logits and their gradient, MLP intermediates), the most of its
@@ -101,6 +106,8 @@ class UnitCost:
     tmp: float = 0.0
     a2a_f: float = 0.0
     a2a_b: float = 0.0
+    ag_f: float = 0.0
+    ag_b: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from braid.core.braiding import Unit
+from braid.core.braiding import GATHER_HEAD_B, GATHER_HEAD_F, Unit
 from braid.cost.hardware import Hardware
 
 
@@ -36,16 +36,20 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     unit's head (a norm, or a norm backward, on ``s/t`` tokens: not charged) and its
     all-gather (:mod:`braid.runtime.follow`); the next unit waits for the gather, so the
     unit's ``ar_f``/``ar_b`` is the two in a row: an all-reduce's traffic and two latencies.
-    Not charged: the blocking gather of a chunk's first unit when its input came from another
-    stage (one per chunk and op), the one reduce-scatter a chunk's last unit has no gather
-    after, and the re-gather of the column-parallel linears' saved input, which runs beside
-    the row-parallel unit's backward before it. Saved bytes: both parts of Korthikanti's
+    A unit with a gathering head (:data:`braid.core.braiding.GATHER_HEAD_F`, ``_B``) that is
+    its op's first (its input came from another chunk) gathers alone: ``ag_f``/``ag_b``, one
+    all-gather (the simulator starts it as :func:`braid.core.braiding.early_heads` says).
+    Not charged: the one reduce-scatter a chunk's last unit has no gather after (it is part of
+    its ``ar_f``), the head's backward re-gather of its saved input, and the re-gather of the
+    column-parallel linears' saved input, which runs beside the row-parallel unit's backward
+    before it. Saved bytes: both parts of Korthikanti's
     per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
     gathered linear inputs' bytes over ``t`` (:func:`braid.cost.runtime_act.runtime_act`); the
     head's norm and input over ``t``, its logits unchanged.
     """
     nbytes = tokens * h * d
-    chain = 2 * _half_ring_time(nbytes, t, hw)  # reduce-scatter, then the next unit's all-gather
+    gather = _half_ring_time(nbytes, t, hw)
+    chain = 2 * gather  # reduce-scatter, then the next unit's all-gather
     sbh = nbytes / 2
     out = {}
     for u, c in lm.items():
@@ -53,6 +57,7 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
             out[u] = c
             continue
         c = replace(c, ar_b=chain) if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else replace(c, ar_f=chain)
+        c = replace(c, ag_f=gather if u in GATHER_HEAD_F else 0.0, ag_b=gather if u in GATHER_HEAD_B else 0.0)
         if runtime:
             whole = tokens * (4 * h + d * h + 4) + tokens * d * h if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else 0.0
             c = replace(c, act=c.act - whole + whole / t)
@@ -60,6 +65,6 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
             c = replace(c, act=sbh * sum(KORTHIKANTI_ACT[u]) / t)
         out[u] = c
     whole = tokens * (4 * h + 2 * d * h + 4) if runtime else 4 * sbh
-    head = replace(head, ar_b=chain, act=head.act - whole + whole / t)
-    embed = replace(embed, ar_f=chain)
+    head = replace(head, ar_b=chain, act=head.act - whole + whole / t, ag_f=gather)
+    embed = replace(embed, ar_f=chain, ag_b=gather)
     return out, head, embed

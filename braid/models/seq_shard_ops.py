@@ -12,7 +12,9 @@ Where the unit cuts are (Korthikanti et al. Sec. 4.2.2, operators g and g-bar):
   tokens, then an all-gather. The executor runs that head as soon as the reduce-scatter has
   ended and leaves the all-gather in flight (:meth:`follow`), so both collectives run beside
   the braided partner's compute, as the all-reduce did. Where no reduce-scatter of the same op
-  precedes it (a chunk's first unit), the unit runs its head itself, the gather blocking.
+  precedes it (the op's first unit), the executor runs the head with :meth:`lead` as the
+  instruction starts when the op follows its block's leader
+  (:func:`braid.core.braiding.early_heads`); otherwise the unit runs it itself, the gather blocking.
 * A column-parallel linear's input is the gathered sequence; its saved copy is the rank's
   tokens (:meth:`braid.models.chunk.ModelChunk._saving`), gathered again for the backward:
   started as the backward of the row-parallel unit before it begins (:meth:`_prefetch`), so
@@ -29,14 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from braid.core.braiding import Phase, Unit, UnitTask
-from braid.models.chunk_parts import _Backward, _Box, _Piece
+from braid.core.braiding import Phase, Unit, UnitTask, gather_head
+from braid.models.chunk_parts import ChunkStateError, _Backward, _Box, _Piece
 from braid.runtime.offload import Parked
 from braid.tp.layers import accumulate_grad
 from braid.tp.seq_shard import Scatter, all_gather, gather_start, gathered_view, scatter_request
 
-_HEADED_F = (Unit.PRE_ATTN, Unit.PRE_MLP, Unit.HEAD)  # forward units whose head is a norm, then a gather
-_HEADED_B = (Unit.ATTN, Unit.MLP, Unit.EMBED)  # backward units whose head is a norm backward, then a gather
 _PRE_OF = {Unit.ATTN: Unit.PRE_ATTN, Unit.MLP: Unit.PRE_MLP}  # the backward unit that follows (same layer)
 
 
@@ -115,11 +115,9 @@ class SeqShardOps:
         """Whether the executor runs ``task``'s head (:meth:`follow`) as its op's previous
         reduction ends: under ``seq_shard``, for a unit that starts by gathering (not a forward
         under full recomputation, which runs without autograd)."""
-        if not self.seq_shard:
+        if not self.seq_shard or not gather_head(task):
             return False
-        if task.phase is Phase.F:
-            return task.unit in _HEADED_F and not self.full_recompute
-        return task.phase is Phase.B and task.unit in _HEADED_B
+        return task.phase is not Phase.F or not self.full_recompute
 
     def follow(self, mb: int, task: UnitTask) -> tuple[Any, list[torch.Tensor]]:
         """Run the head of ``task`` (the op's next unit, :meth:`follows`) once the reduce-scatter
@@ -141,6 +139,25 @@ class SeqShardOps:
         self._ahead_b[mb] = (g, buf)
         shares = [t for _, t in self._seq_grads.values()]  # the norm backward's weight-gradient shares (sum_seq_grads)
         return work, [*read, g, buf, *shares]
+
+    def lead(self, mb: int, task: UnitTask) -> Any:
+        """Run the head of ``task``, the *first* unit task of its op (:meth:`follows`; no reduction
+        of the op precedes it), now, and start its all-gather: the instruction runs it before its
+        first step (:func:`braid.core.braiding.early_heads`); returns the gather's work. On the
+        caller's stream: the head reads the op's input, already in hand."""
+        if task.phase is Phase.F:
+            if mb not in self._fwd:
+                if mb not in self._inputs:
+                    raise ChunkStateError(f"F{mb}: input activation missing (not received)")
+                self._fwd[mb] = (self._inputs.pop(mb),)
+            return self.follow(mb, task)[0]
+        if mb in self._bwd or mb not in self._grad_out:
+            raise ChunkStateError(f"B{mb}: {task.label} is not its op's first unit with its output gradient in hand")
+        self._bwd[mb] = _Backward()
+        g = self._grad_out.pop(mb)
+        buf, work = gather_start(g, self.seq_group)
+        self._ahead_b[mb] = (g, buf)
+        return work
 
     # -- saved linear inputs: the rank's tokens, gathered again for the backward -------------
     def _prefetch(self, mb: int, unit: Unit, layer: int) -> None:

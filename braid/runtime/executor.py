@@ -52,7 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.core.braiding import Carry, ChunkSpec, Comm, UnitTask, carries
+from braid.core.braiding import Carry, ChunkSpec, Comm, UnitTask, carries, early_heads, next_of_op
 from braid.core.braiding import steps as braid_steps
 from braid.core.ir import (
     Braided,
@@ -100,6 +100,7 @@ class _Pending:
     block: str | None
     index: int
     comm: Comm = Comm.AR
+    kind: str = ""  # the trace's event kind, if not the collective's (an all-gather run ahead: "AG")
 
 
 @dataclass(slots=True)
@@ -311,7 +312,7 @@ class Executor:
         trailing all-reduce left in flight when it carries one."""
         ops = compute_ops(ins)
         block = str(ins) if isinstance(ins, Braided) else None
-        bound, phases = self._steps_of(idx, ins)
+        bound, phases, early = self._steps_of(idx, ins)
         held, self._held = self._held, None
         if held is None:
             self._prepare(idx, ins, ops, ops)
@@ -322,6 +323,11 @@ class Executor:
             head_op = bound[0][1]
             self._prepare(idx, ins, ops, [op for op in ops if op != head_op], fresh=False)
             first = 1
+        for k in early:  # sequence sharding: their heads and gathers now, beside the leader's first segment
+            member, op, task = bound[k][0], bound[k][1], bound[k][3]
+            if self.tp_group is not None and self.chunks[op.chunk].follows(task):
+                pending[member] = _Pending(self.chunks[op.chunk].lead(op.mb, task), self.clock.mark(), op, bound[k][8], block, idx,
+                                           Comm.AR, "AG")
         self._run_steps(idx, block, bound, first, len(bound), pending)
         for kind, n in phases.items():
             self.counts[kind] += n
@@ -406,7 +412,7 @@ class Executor:
     def _run_head(self, idx: int, ins: Compute | Braided) -> tuple[dict[int, _Pending], Any]:
         """Run the first unit task of instruction ``idx`` (beside a carried all-reduce); returns
         its pending all-reduce, if any, and the instruction's start mark."""
-        bound, _ = self._steps_of(idx, ins)
+        bound, _, _ = self._steps_of(idx, ins)
         self._prepare(idx, ins, compute_ops(ins), [bound[0][1]])
         s = self.clock.mark() if self._rec == "instructions" else None
         pending: dict[int, _Pending] = {}
@@ -463,8 +469,9 @@ class Executor:
             if prv >= 0 and self.plan.rank_chunk_of(prv)[0] == self.rank:
                 self.chunks[self.plan.rank_chunk_of(prv)[1]].set_output_grad(op.mb, ch.pop_input_grad(op.mb))
 
-    def _steps_of(self, idx: int, ins: Compute | Braided) -> tuple[tuple[_Bound, ...], dict[str, int]]:
-        """The unit steps of instruction ``idx``, bound to its ops, and its unit count per phase.
+    def _steps_of(self, idx: int, ins: Compute | Braided) -> tuple[tuple[_Bound, ...], dict[str, int], tuple[int, ...]]:
+        """The unit steps of instruction ``idx``, bound to its ops, its unit count per phase, and
+        the steps whose head starts before the first (:func:`braid.core.braiding.early_heads`).
 
         :func:`braid.core.braiding.steps` depends only on the instruction's shape (op kinds and
         chunks) and the chunk specs, so it runs once per shape; binding the micro-batches
@@ -492,28 +499,21 @@ class Executor:
         else:
             bound = tuple(
                 (member, ops[member], self.chunks[ops[member].chunk].run, task, task.waits, task.comm, names[member],
-                 task.phase.value, task.label.split(":", 1)[1], self._next_task(tasks, k))
+                 task.phase.value, task.label.split(":", 1)[1], next_of_op(tasks, k))
                 for k, (member, task) in enumerate(tasks)
             )
         phases: dict[str, int] = {}
         for _, task in tasks:
             phases[task.phase.value] = phases.get(task.phase.value, 0) + 1
-        self._bound[(idx, whole)] = (bound, phases)
-        return bound, phases
-
-    @staticmethod
-    def _next_task(tasks: Sequence[tuple[int, UnitTask]], k: int) -> UnitTask | None:
-        """The unit task of step ``k``'s op after it when step ``k`` starts a reduction (whether its
-        head follows that reduction is the chunk's call at run time: :meth:`ModelChunk.follows`)."""
-        member, task = tasks[k]
-        return next((t for m, t in tasks[k + 1:] if m == member), None) if task.ar else None
+        got = self._bound[(idx, whole)] = (bound, phases, () if whole else early_heads(tasks))
+        return got
 
     def _wait_comm(self, p: _Pending) -> None:
         before = self.clock.mark()
         self._wait(p.work)
         end = self.clock.mark()
         self._exposed.append((before, end, p.comm))
-        lane, kind = _LANE[p.comm]
+        lane, kind = _LANE[p.comm][0], p.kind or _LANE[p.comm][1]
         self._events.append((lane, f"{kind} {p.op}", kind, p.start, end, p.op.mb, p.op.chunk, p.unit, p.block, p.index, None))
 
     # -- communication -------------------------------------------------------------------
