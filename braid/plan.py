@@ -66,9 +66,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="rank the layouts with sequence parallelism inside TP where it runs (tp > 1, no --cp, a "
                          "decoder LM; the examples' flag of that name) or without it (default: without, as the "
                          "examples run)")
-    ap.add_argument("--ep", type=int, default=1,
-                    help="a mixture-of-experts model's expert-parallel degree, fixed: the layouts whose data-parallel "
-                         "ranks it divides keep it (cp 1; the examples' --ep; default 1)")
+    ap.add_argument("--ep", default="auto", metavar="E|auto",
+                    help="a mixture-of-experts model's expert-parallel degree: auto (default) searches every power of "
+                         "two that divides a layout's data-parallel ranks and, times tp, the experts; a number fixes it "
+                         "(the layouts whose data-parallel ranks it divides keep it; cp 1; the examples' --ep)")
     ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
                     help="the busiest expert rank's routed tokens over the mean (>= 1, default 1; braid.simulate's)")
     ap.add_argument("--top", type=int, default=10, metavar="K", help="configurations to rank (default 10)")
@@ -202,11 +203,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                       ("--seq", args.seq), ("--top", args.top), ("--max-simulations", args.max_simulations)):
         if val is not None and val < 1:
             ap.error(f"{flag} must be a positive integer, got {val}")
-    if args.ep < 1:
-        ap.error(f"--ep must be a positive integer, got {args.ep}")
+    if args.ep != "auto":
+        if not args.ep.isdigit() or int(args.ep) < 1:
+            ap.error(f"--ep must be a positive integer or auto, got {args.ep!r}")
+        args.ep = int(args.ep)
     if not (math.isfinite(args.moe_imbalance) and args.moe_imbalance >= 1):
         ap.error(f"--moe-imbalance must be a number >= 1 (the busiest rank's routed tokens over the mean), got {args.moe_imbalance}")
-    if (args.ep > 1 or args.moe_imbalance != 1) and not resolve_model(args.model).experts:
+    if (args.ep not in ("auto", 1) or args.moe_imbalance != 1) and not resolve_model(args.model).experts:
         ap.error(f"--ep and --moe-imbalance weigh a mixture-of-experts model; {args.model!r} is dense")
     if args.gpus > MAX_GPUS:
         ap.error(f"--gpus {args.gpus:,}: at most {MAX_GPUS:,} GPUs")
@@ -238,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = model.with_(seq=args.seq) if args.seq else model
     cap = args.memory * 2**30 if args.memory else hw.memory_bytes
     prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer, args.sequence_parallel,
-                   args.ep, args.moe_imbalance)
-    if args.ep > 1 and next(layouts(prob), None) is None:
+                   None if args.ep == "auto" else args.ep, args.moe_imbalance)
+    if args.ep != "auto" and args.ep > 1 and next(layouts(prob), None) is None:
         ap.error(f"--ep {args.ep} fits no layout of {args.gpus} GPUs and --global-batch {gb}: it must divide the data-parallel "
                  f"ranks (dp = GPUs / (tp x pp), dividing the batch) and, times tp, the {model.experts} experts")
     from braid.io.progress import Progress

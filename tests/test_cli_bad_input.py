@@ -67,6 +67,8 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes | _Sparse], str]] = {
                                "--moe-imbalance must be a number >= 1"),
     "simulate-moe-imbalance-nan": (["braid.simulate", "--model", "qwen3-moe-30b-a3b", "--moe-imbalance", "nan"], {},
                                    "--moe-imbalance must be a number >= 1"),
+    "plan-ep0": (["braid.plan", "--model", "qwen3-moe-30b-a3b", "--gpus", "8", "--ep", "0"], {},
+                 "--ep must be a positive integer or auto, got '0'"),
     "plan-ep-dense": (["braid.plan", "--model", "qwen2-7b", "--gpus", "8", "--ep", "2"], {},
                       "--ep and --moe-imbalance weigh a mixture-of-experts model; 'qwen2-7b' is dense"),
     "plan-ep-no-layout": (["braid.plan", "--model", "qwen3-moe-30b-a3b", "--gpus", "8", "--ep", "16"], {},

@@ -418,3 +418,32 @@ def test_gradient_reduction_overlaps_the_cool_down() -> None:
             for r in range(2)]
     assert late == pytest.approx(both)  # nothing to hide behind
     assert all(0 < e < b for e, b in zip(early, both))  # chunk 1's reduction ran during the rest of the step
+
+
+def test_the_expert_parallel_degree_is_searched_unless_given() -> None:
+    """``ep`` None: every power of two dividing a layout's dp whose experts split over tp x ep; a given ep
+    keeps only the layouts it divides; a dense model's layouts are the same either way (ep 1)."""
+    moe = get_model("qwen3-moe-30b-a3b")
+    cl = Cluster(H200, 8)
+    searched = list(layouts(Problem(moe, 16, cl, 32, H200.memory_bytes, ep=None)))
+    eps = {p.ep for p in searched}
+    assert eps == {1, 2, 4, 8, 16}, eps
+    assert all(p.dp % p.ep == 0 and moe.experts % (p.tp * p.ep) == 0 for p in searched)
+    assert all(p.ep == 1 for p in searched if p.cp > 1)
+    given = list(layouts(Problem(moe, 16, cl, 32, H200.memory_bytes, ep=4)))
+    assert given and {p.ep for p in given} == {4} and all(p.dp % 4 == 0 for p in given)
+    assert {(p.tp, p.pp, p.dp, p.micro_batch_size) for p in given} <= {(p.tp, p.pp, p.dp, p.micro_batch_size) for p in searched}
+    dense = get_model("qwen2-7b")
+    assert list(layouts(Problem(dense, 16, cl, 32, H200.memory_bytes, ep=None))) == \
+        list(layouts(Problem(dense, 16, cl, 32, H200.memory_bytes, ep=1)))
+
+
+def test_full_recomputation_is_not_offered_for_experts() -> None:
+    """The runtime refuses full recomputation of mixture-of-experts layers (their all-to-alls end units):
+    the planner's memory-saving variants of an MoE candidate never add it; a dense one's do."""
+    cl = Cluster(H200, 8)
+    for name, offered in (("qwen3-moe-30b-a3b", False), ("qwen2-7b", True)):
+        prob = Problem(get_model(name), 8, cl, 16, H200.memory_bytes, ep=None)
+        par = next(p for p in layouts(prob) if p.pp == 2 and p.cp == 1)
+        cand = next(c for c in schedule_candidates(prob, par, plain=True) if c.lighter is None)
+        assert any(c.par.recompute for c in _savers(prob, cand)) is offered, name

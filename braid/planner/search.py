@@ -117,7 +117,8 @@ class Problem:
     memory_bytes: float
     optimizer: str = DEFAULT_OPTIMIZER  # a braid.cost.optimizer_modes mode
     seq_shard: bool = True  # sequence parallelism inside TP where it runs (tp > 1, cp = 1, a decoder LM)
-    ep: int = 1  # an MoE model's expert-parallel degree, given: layouts whose dp it divides (cp = 1) keep it
+    ep: int | None = 1  # an MoE model's expert-parallel degree: given, layouts whose dp it divides (cp = 1) keep it;
+    # None, searched: every power of two dividing a layout's dp whose experts split over tp x ep (:func:`expert_degrees`)
     moe_imbalance: float = 1.0  # the busiest expert rank's routed tokens over the mean (braid.cost.moe_costs)
 
 
@@ -146,25 +147,37 @@ def _divisors(n: int, upto: int | None = None) -> list[int]:
     return [d for d in range(1, min(n, n if upto is None else upto) + 1) if n % d == 0]
 
 
+def expert_degrees(prob: Problem, tp: int, dp: int) -> list[int]:
+    """The expert-parallel degrees a layout of ``tp`` and ``dp`` takes: the given one where it divides ``dp``
+    and, times tp, the experts; searched (``prob.ep`` None), every power of two that does (1 for a dense model)."""
+    experts = prob.model.experts
+    if not experts:
+        return [1]
+    cands = [prob.ep] if prob.ep is not None else _pow2_upto(dp)
+    return [e for e in cands if dp % e == 0 and experts % (tp * e) == 0]
+
+
 def layouts(prob: Problem) -> Iterator[Parallel]:
-    """Every (tp, cp, hp, ring, placement, pp, dp, micro-batch size) that fits the GPUs and the model."""
+    """Every (tp, cp, hp, ring, placement, pp, dp, ep, micro-batch size) that fits the GPUs and the model."""
     mdl, g = prob.model, prob.cluster.gpus_per_node
+    least_ep = 1 if prob.ep is None else prob.ep
     for tp in _pow2_upto(min(g, prob.gpus)):
-        if mdl.heads % tp or (mdl.kv_heads % tp and tp % mdl.kv_heads) or (mdl.experts and mdl.experts % (tp * prob.ep)):
+        if mdl.heads % tp or (mdl.kv_heads % tp and tp % mdl.kv_heads) or (mdl.experts and mdl.experts % (tp * least_ep)):
             continue
-        for cp in ([1] if mdl.vit is not None or prob.ep > 1 else _pow2_upto(prob.gpus // tp)):
+        for cp in ([1] if mdl.vit is not None or least_ep > 1 else _pow2_upto(prob.gpus // tp)):
             if cp > 1 and (mdl.seq % (2 * cp) or mdl.seq // cp < MIN_LOCAL_SEQ):
                 continue
             for sp in _sp_options(mdl, tp, cp, g):
                 for pp in _divisors(prob.gpus // (tp * cp), upto=mdl.layers):  # a stage per layer at most
                     dp = prob.gpus // (tp * cp * pp)
-                    if prob.global_batch % dp or dp % prob.ep:
+                    if prob.global_batch % dp:
                         continue
-                    for mbs in MICRO_BATCH_SIZES:
-                        if (prob.global_batch // dp) % mbs == 0:
-                            shard = prob.seq_shard and tp > 1 and cp == 1 and mdl.vit is None and mdl.seq % tp == 0
-                            yield Parallel(tp, pp, dp, cp, sp[0], sp[1], sp[2], mbs, False, prob.optimizer,  # type: ignore[arg-type]
-                                           seq_shard=shard, ep=prob.ep, moe_imbalance=prob.moe_imbalance)
+                    for ep in expert_degrees(prob, tp, dp) if cp == 1 else [1]:  # experts beside cp > 1: not run
+                        for mbs in MICRO_BATCH_SIZES:
+                            if (prob.global_batch // dp) % mbs == 0:
+                                shard = prob.seq_shard and tp > 1 and cp == 1 and mdl.vit is None and mdl.seq % tp == 0
+                                yield Parallel(tp, pp, dp, cp, sp[0], sp[1], sp[2], mbs, False, prob.optimizer,  # type: ignore[arg-type]
+                                               seq_shard=shard, ep=ep, moe_imbalance=prob.moe_imbalance)
 
 
 def _sp_options(mdl: ModelConfig, tp: int, cp: int, g: int) -> list[tuple[int, int | None, str]]:
@@ -524,5 +537,7 @@ def _savers(prob: Problem, cand: Candidate) -> Iterator[Candidate]:
     for c in schedule_candidates(prob, cand.par, plain=False):
         if schedules.get_schedule(c.schedule).saves_memory_of == cand.schedule and c.lighter == cand.lighter:
             yield c
-    if cand.par.cp == 1 and cand.lighter is None:  # full recomputation: not of 2D-Attention's core, nor of half layers
+    # full recomputation: not of 2D-Attention's core, nor of half layers, nor of mixture-of-experts layers
+    # (the runtime refuses it there: their all-to-alls end units, braid.models.chunk)
+    if cand.par.cp == 1 and cand.lighter is None and not prob.model.experts:
         yield replace(cand, par=replace(cand.par, recompute=True))
