@@ -36,13 +36,15 @@ def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int 
     c = groups.coords
     cfg = Qwen2Config(layers=int(sum(layers)), **CFG_KW)
     torch.manual_seed(seed)
-    model = Qwen2Model(cfg).to(ctx.dist.device)
+    # 2D-Attention's CUDA block kernels (cuDNN, flash) take bf16/fp16 only
+    dtype = torch.bfloat16 if cp > 1 and torch.device(ctx.dist.device).type == "cuda" else torch.float32
+    model = Qwen2Model(cfg).to(ctx.dist.device, dtype)
     chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, sp=sp, seq_len=SEQ,
                                seq_shard=seq_shard)
     local = SEQ if sp is None else sp.local_len(SEQ)
     local = local // tp if seq_shard and tp > 1 else local
     ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, local, cfg.hidden),
-                              device=ctx.dist.device, compile=compile, record="off")
+                              device=ctx.dist.device, dtype=dtype, compile=compile, record="off")
     return cfg, chunks, ex
 
 

@@ -62,7 +62,8 @@ def test_pp2_profile_times_the_tower_and_the_simulator_predicts_the_bench_from_i
 
 
 def test_tp2_vision_units_carry_the_towers_all_reduce(tmp_path) -> None:
-    summary = _bench(tmp_path, "--tp", "2", "--pp", "1")
+    """In bfloat16, as on a GPU: the synthetic images come in the model's dtype."""
+    summary = _bench(tmp_path, "--tp", "2", "--pp", "1", "--dtype", "bfloat16")
     doc = summary["profile"]
     comm = doc["meta"]["comm"]
     assert comm["ar_s"] > 0 and comm["ar_vision_s"] > 0

@@ -148,7 +148,9 @@ class ProfileConfig:
             from braid.models.qwen2_vl import synthetic_batch
 
             got = [synthetic_batch(self.vision, b, self.seq, g) for _ in range(m)]
-            return [tuple(t.to(dev) for t in item) for item, _ in got], [lab.to(dev) for _, lab in got]
+            dtype = DTYPES[self.dtype]  # pixels in the model's dtype, as the examples' loader gives them
+            return ([tuple(t.to(dev, dtype if t.is_floating_point() else t.dtype) for t in item) for item, _ in got],
+                    [lab.to(dev) for _, lab in got])
         v = self.model.vocab_size
         toks = [torch.randint(0, v, (b, self.seq), generator=g).to(dev) for _ in range(m)]
         labs = [torch.randint(0, v, (b, self.seq), generator=g).to(dev) for _ in range(m)]
