@@ -180,14 +180,7 @@ def vlm_graphed_matches_eager(ctx, schedule: str, pp: int, tp: int, m: int, kind
 def smoke(ctx, case: str) -> list[str]:
     """One named case of ``benchmarks/graph_smoke.py``, as printable lines (raises on a mismatch)."""
     _, pp, tp, runs, compile = SMOKE_CASES[case]
-    cp = SMOKE_CP.get(case, 1)
-    if cp > 1:  # a probe: capture what graphs.config_reason refuses, to read why replay differs from eager
-        import braid.runtime.graphs as graphs
-
-        refuse = graphs.config_reason
-        graphs.config_reason = lambda device, *, cp=1, tp=1, tp_backend=None: refuse(device, tp=tp, tp_backend=tp_backend)
-    got = graphed_matches_eager(ctx, 1, 1, runs, compile=compile, cp=cp) if cp > 1 else \
-        graphed_matches_eager(ctx, pp, tp, runs, compile=compile)
+    got = graphed_matches_eager(ctx, pp, tp, runs, compile=compile, cp=SMOKE_CP.get(case, 1))
     lines = []
     for r in got:
         mib = lambda b: "?" if b is None else f"{b / 2**20:.1f} MiB"  # noqa: E731
@@ -206,7 +199,7 @@ SMOKE_CASES: dict[str, tuple[str, int, int, list[tuple[str, int, dict]], bool | 
     "tp2": ("tp=2 braided_v, zb_v, dualpipe_v: async and carried all-reduces", 1, 2,
             [("braided_v", 3, {}), ("zb_v", 3, {}), ("dualpipe_v", 3, {})], False),
     "compiled": ("tp=2 braided_v with torch.compile'd units", 1, 2, [("braided_v", 3, {})], None),
-    "cp2": ("probe, refused in the product: cp=2 (2D-Attention) braided_v and 1f1b captured", 1, 1,
+    "cp2": ("cp=2 (2D-Attention: the ring's P2P, the loss over the SP group; bf16) 1f1b and braided_v", 1, 1,
             [("1f1b", 3, {}), ("braided_v", 3, {})], False),
 }
-SMOKE_CP = {"cp2": 2}  # cases run with 2D-Attention over this many ranks (capture forced past the refusal)
+SMOKE_CP = {"cp2": 2}  # cases run with 2D-Attention over this many ranks

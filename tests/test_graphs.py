@@ -35,7 +35,7 @@ def test_config_reasons_name_what_cannot_be_captured() -> None:
     assert "need a CUDA device" in graphs.config_reason("cpu")
     assert "symm-mem" in graphs.config_reason("cuda", tp=2, tp_backend="symm-mem")
     assert graphs.config_reason("cuda", tp=1, tp_backend="symm-mem") is None  # no TP all-reduce at tp=1
-    assert "sequence parallelism" in graphs.config_reason("cuda", cp=2)
+    assert graphs.config_reason("cuda", cp=2) is None  # 2D-Attention is captured (tests/test_graphs_gpu.py)
     assert graphs.config_reason("cuda", tp=2, tp_backend="nccl-capped") is None
     for reason in (graphs.config_reason("cpu"), graphs.config_reason("cuda", tp=2, tp_backend="symm-mem")):
         assert "\n" not in reason

@@ -118,3 +118,9 @@ def test_graphed_vlm_equals_eager_bitwise(pool, pp: int, tp: int) -> None:
             kinds = [e.split(": ", 1)[1].split(" ")[0] for e in events]
             assert kinds[:3] == ["eager", "eager", "capture"] and "new" in kinds, f"rank {rank} {kind}: {events}"
 
+
+def test_graphed_2d_attention_equals_eager_bitwise(pool) -> None:
+    """cp=2 (2D-Attention: one ring of two ranks, each holding its zigzag share of every sequence; bf16, the
+    CUDA block kernels' dtype): the ring's P2P, the loss sum over the SP group and the sharded positions replay like eager."""
+    runs = [(name, 3, {}) for name in ("braided_v", "1f1b")]
+    _check(pool.run(cases.graphed_matches_eager, 1, 1, runs, 3, False, None, False, 2, timeout_s=GPU_RUN_S), len(runs))

@@ -48,9 +48,7 @@ another algorithm for captured buffers, and a sum of three or more terms may the
 differently (two-rank sums are exact either way).
 
 Not capturable (:func:`not_capturable` says why in one line; ``mode=None`` then runs
-eager): a CPU device (gloo), the ``symm-mem`` TP backend (its own stream and buffers),
-2D-Attention (cp > 1: its step reads nothing from the host now, but its GPU test, a graphed
-cp=2 step against eager, failed on H100s for a cause not yet read), a chunk
+eager): a CPU device (gloo), the ``symm-mem`` TP backend (its own stream and buffers), a chunk
 whose ``set_batch`` reads its micro-batches on the host and does not say it is safe
 (``graph_safe_batch``), and an :class:`~braid.runtime.distributed.Abort` that reads its
 store before waits. A graphed step is for one input shape; another tensor shape is an error
@@ -109,8 +107,8 @@ def config_reason(device: torch.device | str, *, cp: int = 1, tp: int = 1, tp_ba
         return f"device {dev.type}: CUDA graphs need a CUDA device (gloo/CPU runs eager)"
     if tp > 1 and tp_backend == "symm-mem":
         return "TP backend symm-mem: its copy-engine all-reduce runs on its own stream and buffers, not captured"
-    if cp > 1:  # its step copies nothing from the host now; its graphed-vs-eager GPU test failed (cause not yet read)
-        return "sequence parallelism (cp > 1): 2D-Attention's graphed step is not yet shown to replay as eager"
+    # cp > 1 (2D-Attention) is captured: a rank's zigzag positions are made once per length and device,
+    # the ring's P2P and the loss sum over the SP group are stream-ordered (tests/test_graphs_gpu.py)
     return None
 
 
@@ -121,8 +119,6 @@ def not_capturable(ex: Executor) -> str | None:
     if reason is not None:
         return reason
     for c, ch in sorted(ex.chunks.items()):
-        if ch.sp is not None:
-            return config_reason(ex.device, cp=2)
         if type(ch).set_batch is not ModelChunk.set_batch and not vars(type(ch)).get("graph_safe_batch", False):
             return f"chunk {c} ({type(ch).__name__}) reads its micro-batches on the host every step; it runs eager"
     if ex.abort is not None and not ex.abort.cuda:
