@@ -29,8 +29,14 @@ import torch.distributed as dist
 
 from braid.models.moe_dispatch import RowPlan
 
-EAGER_REASON = ("a mixture of experts at ep > 1 (or tp > 1) reads its routing counts on the host every step (the "
-                "all-to-all's splits), which a CUDA graph cannot replay: braid's rows run eager")
+def graph_reason(pc: Any) -> str | None:
+    """Why braid's runs of an MoE ``pc`` on CUDA run eager (:func:`braid.runtime.graphs.config_reason`: the
+    routing counts are read on the host at ep > 1 or tp > 1); None where nothing stops a graph for that."""
+    from braid.runtime.graphs import config_reason
+
+    if pc.device != "cuda" or not getattr(pc.model, "experts", 0):
+        return None
+    return config_reason(pc.device, tp=pc.tp, ep=pc.ep, moe=True)
 
 
 def job_groups(pc: Any, timeout_s: float = 120.0) -> tuple[Any, Any]:
@@ -206,3 +212,48 @@ def moe_meta(pc: Any, results: Sequence[dict[str, Any]]) -> dict[str, Any] | Non
     return {"ep": pc.ep, "imbalance": routing["ep_imbalance"] if routing else 1.0, "routing": routing,
             "a2a_inline": {k: {"s": statistics.fmean(x for x, _ in v), "bytes": statistics.fmean(b for _, b in v)}
                            for k, v in sorted(inline.items())}}
+
+
+def moe_run_fields(pc: Any, ranks: Sequence[dict[str, Any]], sim: Any, m: int, profile: dict[str, Any]) -> dict[str, Any]:
+    """A bench row's MoE figures (none for a dense model): its routing (:func:`routing_summary` of the
+    recorded step), and per step on the worst pipeline rank the all-to-all time and what of it the compute
+    stream waits for, predicted (the simulator's a2a lane, ``sim``) and measured (the executor's recorded
+    step, its units timed one by one: the exposed waits and the exchanges' spans; None where the run
+    recorded none, e.g. ep = 1)."""
+    if not getattr(pc.model, "experts", 0):
+        return {}
+    per_rank: dict[int, float] = {}
+    for e in sim.trace.events:
+        if e.kind == "A2A":
+            per_rank[e.rank] = per_rank.get(e.rank, 0.0) + e.dur
+    rec = [rk["recorded"][0] for rk in ranks if rk.get("busy") is not None and rk.get("recorded")]
+    measured = {k: max((r[k] for r in rec if k in r), default=None) for k in ("exposed_a2a_s", "a2a_span_s")}
+    return {"routing": routing_summary([rk.get("routes") for rk in ranks], pc.ep, pc.tp),
+            "a2a_predicted_s": max(per_rank.values(), default=0.0),
+            "a2a_exposed_predicted_s": sim.report.max_a2a_exposed_s,
+            "a2a_measured_s": measured["a2a_span_s"], "a2a_exposed_measured_s": measured["exposed_a2a_s"],
+            "moe_imbalance_profiled": ((profile.get("meta") or {}).get("moe") or {}).get("imbalance")}
+
+
+def format_moe_runs(summary: dict[str, Any]) -> list[str]:
+    """The report's MoE lines: per row the all-to-all per step, exposed of all, predicted and measured; per
+    m the expert load of the runs' micro-batches (the same for every schedule)."""
+    rows = [r for r in summary["runs"] if "a2a_predicted_s" in r]
+    if not rows:
+        return []
+    ms = lambda s: "-" if s is None else f"{s * 1e3:.2f}"  # noqa: E731
+    out = ["all-to-all per step, worst rank (ms): exposed of all, predicted (simulator's a2a lane) / measured (the "
+           "recorded step, units timed one by one)"]
+    for r in rows:
+        out.append(f"  {r['schedule']} m={r['m']}: predicted {ms(r['a2a_exposed_predicted_s'])} of {ms(r['a2a_predicted_s'])}"
+                   f", measured {ms(r['a2a_exposed_measured_s'])} of {ms(r['a2a_measured_s'])}")
+    seen = set()
+    for r in rows:
+        if r.get("routing") and r["m"] not in seen:
+            seen.add(r["m"])
+            out.append(format_routing(r["routing"], f"m={r['m']}, one step, all replicas"))
+    prof = rows[0].get("moe_imbalance_profiled")
+    if prof is not None:
+        out.append(f"predictions price the busiest EP rank's all-to-all at the profile's imbalance {prof:.3f}; its experts' "
+                   "time is the busiest rank's as profiled")
+    return out
