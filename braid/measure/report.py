@@ -289,7 +289,7 @@ def format_report(summary: dict[str, Any]) -> str:
     lines += format_compute(summary)
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:
-        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s", "compute_factor")}
+        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "a2a_scale", "host_task_s", "compute_factor")}
         scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
         if cal.get("compute_scale_per_stage"):  # a graphed tp=1 probe's busy time per stage (F, then BW)
             scales += " per stage (F/BW) " + " ".join(f"{k}:{sc['F']:.3f}/{sc['B']:.3f}"
