@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from braid.models.moe_dispatch import RowPlan
 
+
 def graph_reason(pc: Any) -> str | None:
     """Why braid's runs of an MoE ``pc`` on CUDA run eager (:func:`braid.runtime.graphs.config_reason`: the
     routing counts are read on the host at ep > 1 or tp > 1); None where nothing stops a graph for that."""
@@ -242,9 +243,11 @@ def format_moe_runs(summary: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     ms = lambda s: "-" if s is None else f"{s * 1e3:.2f}"  # noqa: E731
-    out = ["all-to-all per step, worst rank (ms): exposed of all, predicted (simulator's a2a lane) / measured (the "
-           "recorded step, units timed one by one)"]
-    for r in rows:
+    out = []
+    if any(r["a2a_predicted_s"] or r["a2a_measured_s"] for r in rows):  # expert parallelism: all-to-alls (none at ep=1)
+        out.append("all-to-all per step, worst rank (ms): exposed of all, predicted (simulator's a2a lane) / measured (the "
+                   "recorded step, units timed one by one)")
+    for r in rows if out else ():
         out.append(f"  {r['schedule']} m={r['m']}: predicted {ms(r['a2a_exposed_predicted_s'])} of {ms(r['a2a_predicted_s'])}"
                    f", measured {ms(r['a2a_exposed_measured_s'])} of {ms(r['a2a_measured_s'])}")
     seen = set()
