@@ -21,6 +21,12 @@ memory series), compared with the simulated series sampled at the same points.
 allocator's history: torch's snapshot file per rank, and the blocks live at the step's peak by
 term (model unit, runtime, optimizer; :mod:`braid.measure.snapshot`).
 
+A mixture-of-experts ``--model`` (``qwen3-moe-tiny``, ``qwen3-moe-30b-a3b``, ...) with ``--ep E`` runs E
+data-parallel replicas of the ``tp x pp`` layout, each on micro-batches of its own, every MoE layer's
+experts sharded over them (:mod:`braid.measure.experts`); rows add the all-to-all per step (exposed of
+all, predicted and measured) and the expert load (tokens per expert and per EP rank, the busiest over
+the mean). Its steps read the routing counts on the host at ep > 1, so braid's rows run eager there.
+
 A vision-language ``--model`` (``qwen2-vl-7b``, ...) runs the whole step as ``examples/qwen2_vl.py``
 does, its vision chunk on the first virtual stage (:mod:`braid.profile`); the external baselines
 pipeline decoder LMs only, and their rows say so.
@@ -32,6 +38,7 @@ pipeline decoder LMs only, and their rows say so.
     python -m braid.bench --preset 7b-layer --tp 2 --pp 1 --seq 4096 --mbs 4 8 --capture tests/data/measurements_h200.json
     python -m braid.bench --model llama3-8b --hidden 64 --heads 4 --kv-heads 2 --ffn 128 --vocab 128 --pp 2 --mbs 4
     python -m braid.bench --model qwen2-vl-7b --tp 2 --pp 1 --seq 2048 --micro-batch-size 2 --mbs 8 --rounds 5 --schedule braided_v 1f1b_i
+    python -m braid.bench --model qwen3-moe-30b-a3b --ep 2 --pp 1 --layers-per-stage 1 --seq 4096 --mbs 4 8 --schedule braided_v 1f1b_i zb_v
     python -m braid.viz traces/braided_v_m8.json -o braided_v.html
 """
 
@@ -123,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cuda_graph == "step":
         from braid.runtime.graphs import config_reason
 
-        why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend)
+        why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend, ep=pc.ep, moe=bool(getattr(pc.model, "experts", 0)))
         if why:
             ap.error(f"--cuda-graph step: {why}; use --cuda-graph none")
     if args.compute_busy and pc.device != "cuda":
@@ -159,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{ap.prog}: error: {err}", file=sys.stderr)
         return 1
     traces = summary.pop("_traces")
-    print(f"# {args.model or args.preset or 'tiny'}: tp={pc.tp} pp={pc.pp} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
+    print(f"# {args.model or args.preset or 'tiny'}: tp={pc.tp} pp={pc.pp}{f' ep={pc.ep} (dp={pc.dp})' if pc.ep > 1 else ''} v={pc.v} layers/stage={','.join(map(str, pc.layers_per_stage))} "
           f"seq={pc.seq}{' sequence-parallel' if pc.seq_shard else ''} on {summary['device']} ({pc.dtype})")
     print(format_report(summary))
     shot = summary.get("memory_snapshot")

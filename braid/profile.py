@@ -20,14 +20,21 @@ runs it (:func:`braid.models.vision_chunk.build_vlm_rank_chunks`): its vision ch
 ViT blocks, ``merge``; one ``--image-size`` image per sample) is stage 0, so the file carries the
 tower's unit costs and ``braid.simulate --model qwen2-vl-...`` predicts the whole step from them.
 
+A mixture-of-experts ``--model`` at ``--ep E`` spawns E data-parallel replicas of the layout, its experts
+sharded over them (:mod:`braid.measure.experts`): the MoE units are timed as above (the experts' as the
+busiest replica ran them), and the all-to-all on the expert-parallel group (one row exchange at this
+shape, the counts' exchange; ``meta.comm.a2a_s``), scaled by the busiest replica's share of the rows
+(``meta.moe``: routing counts, imbalance), gives each MoE unit's ``T_A2A``/``T_A2A_B``.
+
 Chunks are keyed by virtual stage in the written file, so one profile serves every
-placement (loop or V) of the same stage split. It spawns ``tp * pp`` processes itself
+placement (loop or V) of the same stage split. It spawns ``tp * pp`` (times ``--ep``) processes itself
 (gloo on CPU, NCCL on GPU). Examples::
 
     python -m braid.profile --preset tiny --pp 2 --layers-per-stage 1 --seq 16 -o costs.json
     python -m braid.profile --preset 7b-layer --tp 2 --pp 1 --layers-per-stage 1 --seq 4096 --device cuda -o h200.json
     python -m braid.simulate --pp 2 --mbs 8 --tp 1 --costs costs.json
     python -m braid.profile --model qwen2-vl-tiny --pp 2 --seq 8 -o vl_costs.json
+    python -m braid.profile --model qwen3-moe-tiny --ep 2 --pp 1 --seq 16 -o moe_costs.json
 """
 
 from __future__ import annotations
@@ -60,8 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     pc = config_from_args(ap, args)
     from braid.runtime.graphs import config_reason, graphed_costs
 
-    if args.cuda_graph == "step" and config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend):
-        ap.error(f"--cuda-graph step: {config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend)}")
+    why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend, ep=pc.ep, moe=bool(getattr(pc.model, "experts", 0)))
+    if args.cuda_graph == "step" and why:
+        ap.error(f"--cuda-graph step: {why}")
     check_outputs(ap, [("-o", args.output)])
     try:
         doc = graphed_costs(profile(pc), args.cuda_graph)
@@ -70,6 +78,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     atomic_write_text(args.output, json.dumps(doc, indent=1))
     c = doc["meta"]["comm"]
+    moe = doc["meta"].get("moe")
+    if moe:
+        from braid.measure.experts import format_routing
+
+        log.info("all-to-all on the EP group (ep=%d): %.3g ms per row exchange of %.0f bytes a rank, %.3g ms per counts "
+                 "exchange; the busiest EP rank's at imbalance %.3f", moe["ep"], c["a2a_s"] * 1e3, c["a2a_bytes"],
+                 c["a2a_counts_s"] * 1e3, moe["imbalance"])
+        if moe.get("routing"):
+            log.info("%s", format_routing(moe["routing"], "the profile's micro-batches"))
     log.info("wrote %s: %d stages on %s; all-reduce %.3g ms, ar_slowdown %.3f, ar_stretch %.2f, P2P %.3g ms, "
              "copy %.3g GB/s (x%.2f with both directions at once)", args.output, len(doc["chunks"]), doc["meta"]["device"],
              c["ar_s"] * 1e3, doc["ar_slowdown"], doc["ar_stretch"], c["p2p_s"] * 1e3, doc["pcie_bytes_per_s"] / 1e9,

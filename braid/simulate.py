@@ -114,9 +114,10 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="expert-parallel degree of a mixture-of-experts model: ep consecutive data-parallel ranks share "
                          "each layer's experts (must divide --dp and the experts; adds the all-to-alls of the MLP units, "
                          "priced on the NIC once the group spans nodes; default 1)")
-    ap.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
-                    help="mixture of experts: the busiest rank's routed tokens over the mean (>= 1, default 1: balanced); "
-                         "scales its expert compute and all-to-all bytes")
+    ap.add_argument("--moe-imbalance", type=float, default=None, metavar="F",
+                    help="mixture of experts: the busiest rank's routed tokens over the mean (>= 1); scales its expert "
+                         "compute and all-to-all bytes (default 1: balanced; with --costs from braid.profile --ep, the "
+                         "profile's own, meta.moe.imbalance, which F then replaces)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -145,7 +146,12 @@ def _costs_for(args: argparse.Namespace, model, hw, plan) -> CostModel:
     if not args.costs:
         return base
     specs = {k: c.spec for k, c in base.chunks.items()}
-    return read_costs(args.costs, layout, specs, base=base)
+    costs = read_costs(args.costs, layout, specs, base=base)
+    if model.experts and getattr(args, "moe_imbalance_given", False):  # the profile's experts and all-to-alls at F
+        from braid.cost.moe_costs import rescale_imbalance
+
+        costs = rescale_imbalance(costs, args.moe_imbalance)[0]
+    return costs
 
 
 COARSE_PM = 4096  # p*m from which --offload-alpha auto searches the coarse grid (braid.planner.offload_tune)
@@ -389,6 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown schedule {unknown[0]!r}; valid names: {', '.join(names)}")
     check_counts(ap, args, ("pp", "mbs", "tp", "seq", "dp", "ep", "gpus_per_node", "micro_batch_size", *_OVERRIDES))
+    args.moe_imbalance_given = args.moe_imbalance is not None
+    if args.moe_imbalance is None:
+        args.moe_imbalance = 1.0
     if args.offload_alpha != "auto":
         try:
             args.offload_alpha = float(args.offload_alpha)
@@ -505,7 +514,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_dp_table(dp_rows))
     shares = {n: s for n, s in doc["schedules"].items() if "a2a_share" in s}
     if shares:
-        notes.append(f"expert-parallel all-to-alls (ep={args.ep}, moe imbalance {args.moe_imbalance:g}; each ends an MoE "
+        profiled = (((load_cost_json(args.costs).get("meta") or {}).get("moe") or {}).get("imbalance")
+                    if args.costs and not args.moe_imbalance_given else None)
+        weight = f"{profiled:.3f} as profiled" if isinstance(profiled, (int, float)) else f"{args.moe_imbalance:g}"
+        notes.append(f"expert-parallel all-to-alls (ep={args.ep}, moe imbalance {weight}; each ends an MoE "
                      "unit, on its own lane), exposed of all (worst rank): " + ", ".join(
                          f"{n} {s['a2a_exposed_s'] * 1e3:.2f} of {s['a2a_s'] * 1e3:.2f} ms ({s['a2a_share']:.1%} of the step)"
                          for n, s in shares.items()))

@@ -167,6 +167,18 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes | _Sparse], str]] = {
                                "p.html"], {}, "name the same file 'p.timeline.html'"),
     "plan-gpus-not-whole-nodes": (["braid.plan", "--model", "qwen2-7b", "--gpus", "12", "--gpus-per-node", "8"], {},
                                   "--gpus 12 is not a whole number of nodes of --gpus-per-node 8"),
+    # --- expert parallelism (bench and profile share the checks: braid.runtime.expert_parallel's)
+    "bench-ep-dense": (["braid.bench", "--preset", "tiny", "--ep", "2"], {}, "--ep 2 shards the experts of a mixture-of-experts model; this one is dense"),
+    "bench-ep-experts": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "3"], {}, "--ep 3 must divide the model's 4 experts"),
+    "bench-ep-tp-experts": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "4", "--tp", "2"], {},
+                            "--ep 4 x --tp 2 (8) must divide the model's 4 experts"),
+    "bench-ep-cpu-ranks": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "2", "--pp", "33", "--device", "cpu"], {},
+                           "tp x pp x ep = 66 ranks on the CPU: at most 64"),
+    "bench-ep-gpus": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "2", "--pp", "200", "--device", "cuda"], {},
+                      "--device cuda with tp x pp x ep = 400 ranks needs 400 GPUs"),
+    "bench-ep0": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "0"], {}, "--ep must be a positive integer"),
+    "profile-ep-dense": (["braid.profile", "--model", "qwen2-7b", "--ep", "2"], {}, "this one is dense"),
+    "profile-ep-experts": (["braid.profile", "--model", "qwen3-moe-tiny", "--ep", "8"], {}, "--ep 8 must divide the model's 4 experts"),
     # --- profile
     "profile-output-dir-missing": (["braid.profile", "-o", "missing/c.json"], {}, "does not exist"),
     "profile-pp0": (["braid.profile", "--pp", "0"], {}, "--pp must be a positive integer"),

@@ -142,3 +142,28 @@ def a2a_per_rank(costs: Any, m: int) -> list[float]:
     lay = costs.layout
     return [m * sum(cc.total("a2a_f") + cc.total("a2a_b") for cc in (costs.chunks[(r, c)] for c in range(lay.v)))
             for r in range(lay.p)]
+
+
+def rescale_imbalance(costs: Any, imbalance: float) -> tuple[Any, float]:
+    """A measured cost model (a :class:`braid.cost.costs.CostModel` read from a profile) at another load
+    imbalance: the busiest expert-parallel rank's expert compute (F, B, W of every MoE chunk's Experts unit)
+    and every all-to-all scaled by ``imbalance`` over the profile's own (``meta.moe.imbalance``, what
+    ``braid.profile --ep`` measured; 1 where the file records none), as :func:`routed_rows` scales the
+    analytic model's. Returns (the costs, the profile's imbalance)."""
+    from dataclasses import replace as _replace
+
+    profiled = float(((costs.meta or {}).get("moe") or {}).get("imbalance") or 1.0)
+    k = imbalance / profiled
+    if k == 1.0:
+        return costs, profiled
+    chunks = {}
+    for key, cc in costs.chunks.items():
+        if not cc.spec.moe:
+            chunks[key] = cc
+            continue
+        units = {u: _replace(c, a2a_f=c.a2a_f * k, a2a_b=c.a2a_b * k) for u, c in cc.units.items()}
+        if Unit.EXPERTS in units:
+            e = units[Unit.EXPERTS]
+            units[Unit.EXPERTS] = _replace(e, f=e.f * k, b=e.b * k, w=e.w * k)
+        chunks[key] = _replace(cc, units=units)
+    return _replace(costs, chunks=chunks), profiled

@@ -118,10 +118,12 @@ def check_plan_size(ap: argparse.ArgumentParser, pp: int | None, mbs: int | None
 MAX_CPU_RANKS = 64  # gloo processes a CPU run spawns (one per rank): beyond this a spawn only exhausts the machine
 
 
-def check_cpu_ranks(ap: argparse.ArgumentParser, world: int) -> None:
-    """A parser error for a CPU run that would spawn more than :data:`MAX_CPU_RANKS` processes."""
+def check_cpu_ranks(ap: argparse.ArgumentParser, world: int, what: str = "tp x pp") -> None:
+    """A parser error for a CPU run that would spawn more than :data:`MAX_CPU_RANKS` processes (``what``: the degrees
+    whose product ``world`` is)."""
     if world > MAX_CPU_RANKS:
-        ap.error(f"tp x pp = {world} ranks on the CPU: at most {MAX_CPU_RANKS} processes (one per rank); lower --tp/--pp")
+        ap.error(f"{what} = {world} ranks on the CPU: at most {MAX_CPU_RANKS} processes (one per rank); lower "
+                 + "/".join(f"--{d.strip()}" for d in what.split(" x ")))
 
 
 # Where sequence sharding does not run, in one line each (the command lines refuse with these).

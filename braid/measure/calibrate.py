@@ -26,10 +26,12 @@ from braid.measure.config import ProfileConfig
 
 
 def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int, layers_per_stage: Sequence[int],
-            memory: str = "instruction_end", cuda_graph: str | None = None, vision: bool = False):
+            memory: str = "instruction_end", cuda_graph: str | None = None, vision: bool = False,
+            moe_layers: Sequence[int] = ()):
     """Simulate ``schedule`` (p=pp, m) on a profile dict; returns (SimResult, per-rank predicted peak bytes).
 
-    ``vision``: stage 0 is a vision-language model's tower (ending with the merge unit).
+    ``vision``: stage 0 is a vision-language model's tower (ending with the merge unit); ``moe_layers``:
+    the global indices of the mixture-of-experts layers (:attr:`braid.measure.config.ProfileConfig.moe_layers`).
 
     ``memory``: ``"instruction_end"`` (CPU measurements) or ``"allocator_peak"`` (GPU: true peak).
     ``cuda_graph``: how the run went (:func:`host_lane_for`); None takes the profile as it is.
@@ -42,7 +44,7 @@ def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int
     plan = schedules.build(schedule, pp, m)
     if len(layers_per_stage) != plan.num_stages:
         raise ValueError(f"{schedule} has {plan.num_stages} virtual stages; the profile has {len(layers_per_stage)}")
-    specs = chunk_specs(tuple(layers_per_stage), pp, plan.placement, vision=vision)
+    specs = chunk_specs(tuple(layers_per_stage), pp, plan.placement, moe_layers=moe_layers, vision=vision)
     if cuda_graph is not None:
         profile_doc = {**profile_doc, "host_task_s": host_lane_for(profile_doc, cuda_graph)}
     costs = costs_from_dict(profile_doc, Layout(tp, pp, plan.v, plan.placement), specs, where=f"profile for {schedule}")
@@ -158,6 +160,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     1. **Host lane** (``host_task_s``). Eager: the profiled host time per unit task. A graph
        replay issues no unit task from the host, so a graphed probe (and the graphed runs
        it predicts) has no host lane: ``host_task_s = 0``.
+    1a. **All-to-alls** (expert parallelism, ``a2a_scale`` in :data:`SCALE_BOUNDS`): the probe's recorded
+       exchanges (``probe["a2a_span_s"]``: per pipeline rank the replica with the least, summed) over the
+       simulated ones; it scales the profile's ``T_A2A`` and ``T_A2A_B``.
     1b. **Compute beside an all-reduce** (tp > 1, ``ar_slowdown``): :func:`pair_slowdown` of the
        profile's pair figures where it has them (the profiled figure, from GEMMs timed on
        their own stream, misses their late start; it stays as ``profiled_ar_slowdown``).
@@ -218,6 +223,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
               per_stage: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
         d = copy.deepcopy(base)
         for key, c in d["chunks"].items():
+            for k in ("T_A2A", "T_A2A_B"):
+                if k in c:
+                    c[k] *= a2a_scale
             for ph in "FBW":
                 c[f"T_{ph}"] *= sc[ph] * (per_stage[key][ph] if per_stage else 1.0)
             if pc.tp > 1:
@@ -244,6 +252,13 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
                 out[ph] = sc[ph] * (meas / nom if nom > 0 and meas > 0 else k_all)
         return out, k_all
 
+    # 1c. Expert parallelism's all-to-alls: the probe's recorded exchanges (on each pipeline rank the
+    # replica that waits least, the busiest, whose pace the others keep) over the simulated ones.
+    a2a_scale = 1.0
+    a2a_meas = float(probe.get("a2a_span_s") or 0.0)
+    if a2a_meas > 0:
+        a2a_nom = sum(e.dur for e in sim(base, record=True).trace.events if e.kind == "A2A")
+        a2a_scale = _clamp(a2a_meas / a2a_nom) if a2a_nom > 0 else 1.0
     step = lambda d: sim(d).report.step_time_s  # noqa: E731
     fit: dict[str, float] = {}
     raw_scale = ones
@@ -290,6 +305,8 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
         cal["compute_scale_per_stage"] = {key: {ph: v * scale[ph] for ph, v in sc.items()} for key, sc in per_stage.items()}
     if slowdown is not None:
         cal.update(ar_slowdown=slowdown, profiled_ar_slowdown=doc.get("ar_slowdown"))
+    if a2a_meas > 0:
+        cal.update(a2a_scale=a2a_scale, busy_a2a_s=a2a_meas)
     if graphed:
         cal["host_task_s"] = 0.0
     out["meta"] = {**out.get("meta", {}), "calibration": cal}
@@ -335,8 +352,9 @@ def fitted_factors(cal: dict[str, Any]) -> dict[str, float]:
     out = {f"compute_{ph}": v for ph, v in cal.get("compute_scale_per_phase", {}).items()}
     for key, sc in cal.get("compute_scale_per_stage", {}).items():
         out.update({f"compute_stage{key}_{ph}": v for ph, v in sc.items()})
-    if "ar_scale" in cal:
-        out["ar_scale"] = cal["ar_scale"]
+    for k in ("ar_scale", "a2a_scale"):
+        if k in cal:
+            out[k] = cal[k]
     return out
 
 

@@ -41,6 +41,10 @@ class ProfileConfig:
     e.g. ``(1, 1, 1.5, 0.5)``, cuts a layer between attention and MLP: :func:`braid.core.partition.stage_halves`);
     ``peak_flops``: the MFU denominator written to the file (0 = unknown).
 
+    ``ep``: expert parallelism of a mixture-of-experts model (:mod:`braid.runtime.expert_parallel`): the job
+    runs ``ep`` data-parallel replicas of the ``tp * pp`` layout (``dp = ep``; world ``tp * pp * ep``), each
+    MoE layer's experts sharded over them, each replica on micro-batches of its own.
+
     ``vision``: a vision-language model's config (:class:`braid.models.qwen2_vl.Qwen2VLConfig`; its
     ``vit.image_size`` sets the image of every sample). Stage 0 is then its vision chunk (patch
     embedding, all ``layers_per_stage[0]`` ViT blocks, merge), the other stages hold LM layers,
@@ -65,9 +69,13 @@ class ProfileConfig:
     tp_backend: str = "auto"  # braid.tp.comm backend, or "all": measure each and pick the best
     seq_shard: bool = False  # sequence parallelism inside TP (braid.tp.seq_shard; --sequence-parallel, on at tp > 1)
     vision: Any = None  # a vision-language model (see above); None: a decoder LM
+    ep: int = 1  # expert-parallel degree (see above): dp = ep data-parallel replicas share each layer's experts
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
+        from braid.runtime.expert_parallel import check_expert_layout
+
+        check_expert_layout(self.ep, self.dp, experts=getattr(self.model, "experts", 0), tp=self.tp)
         if self.tp_backend != "all":
             from braid.tp.comm import resolve_tp_backend
 
@@ -106,8 +114,19 @@ class ProfileConfig:
             raise ValueError(f"seq {self.seq} holds no text after the image's {len(self.vision.image_tokens())} tokens")
 
     @property
+    def dp(self) -> int:
+        """Data-parallel replicas of the layout: the expert-parallel ranks (1 without expert parallelism)."""
+        return self.ep
+
+    @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global indices of the (LM) layers that are mixtures of experts (none for a dense model)."""
+        is_moe = getattr(self.model, "is_moe", None)
+        return tuple(i for i in range(self.num_layers) if is_moe(i)) if is_moe is not None else ()
 
     @property
     def layout(self) -> Layout:
@@ -137,12 +156,13 @@ class ProfileConfig:
 
     def specs(self, placement: Placement) -> dict:
         """``(rank, chunk) -> ChunkSpec`` of this split under ``placement`` (the vision stage ends with ``merge``)."""
-        return chunk_specs(self.layers_per_stage, self.pp, placement, vision=self.vision is not None)
+        return chunk_specs(self.layers_per_stage, self.pp, placement, moe_layers=self.moe_layers, vision=self.vision is not None)
 
-    def micro_batches(self, m: int, dev: torch.device, seed: int = 7) -> tuple[list[Any], list[torch.Tensor]]:
+    def micro_batches(self, m: int, dev: torch.device, seed: int = 7, dp_rank: int = 0) -> tuple[list[Any], list[torch.Tensor]]:
         """``m`` random micro-batches (items, labels) as the executor takes them: token ids, or a
-        vision-language model's ``(images, input_ids)`` (:func:`braid.models.qwen2_vl.synthetic_batch`)."""
-        g = torch.Generator().manual_seed(seed)
+        vision-language model's ``(images, input_ids)`` (:func:`braid.models.qwen2_vl.synthetic_batch`);
+        each data-parallel replica (``dp_rank``) its own, as in real data parallelism."""
+        g = torch.Generator().manual_seed(seed + 1_000_003 * dp_rank)
         b = self.micro_batch_size
         if self.vision is not None:
             from braid.models.qwen2_vl import synthetic_batch
@@ -181,10 +201,12 @@ class ProfileConfig:
 
 
 def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan: Plan | None = None,
-                 model: torch.nn.Module | None = None) -> dict:
+                 model: torch.nn.Module | None = None, experts: Any = None) -> dict:
     """This rank's TP-sharded model chunks on ``dev`` (same seed on every rank, so shards agree),
     cut from ``model`` (default: a fresh :meth:`ProfileConfig.build_model`; a 7B-shaped one takes
-    seconds to initialise, so a job that has it passes it)."""
+    seconds to initialise, so a job that has it passes it). ``experts``: this rank's
+    :class:`braid.runtime.expert_parallel.ExpertGroups` at ``pc.ep > 1``: every MoE layer keeps its
+    expert-parallel share of the experts and sends its rows through the all-to-all, as the examples run it."""
     from braid.models.build import build_rank_chunks
 
     plan = plan or Plan("profile", ScheduleConfig(pc.pp, m, pc.v), pc.placement, tuple(() for _ in range(pc.pp)))
@@ -198,6 +220,10 @@ def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan:
     else:
         chunks = build_rank_chunks(model, plan, groups.coords.pp, pc.layers_per_stage, tp_rank=groups.coords.tp,
                                    tp_size=pc.tp, tp_group=tp_group, seq_shard=pc.seq_shard)
+    if experts is not None:
+        from braid.runtime.expert_parallel import shard_experts
+
+        shard_experts(chunks.values(), experts.ep_rank, experts.ep, experts)
     from braid.runtime.compiled import resolve, set_compiled
 
     set_compiled(chunks.values(), resolve(pc.compile, dev))  # units timed as the executor runs them
@@ -226,6 +252,10 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
     ap.add_argument("--chunks", type=int, default=2, help="chunks (virtual stages) per rank (default 2)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel degree of a mixture-of-experts --model (qwen3-moe-*): E data-parallel replicas "
+                         "of the tp x pp layout (world tp*pp*E), each on micro-batches of its own, share every MoE "
+                         "layer's experts, whose rows go through the all-to-all as in examples/train_cli.py --ep (default 1)")
     ap.add_argument("--layers-per-stage", default=None, help="layers of each virtual stage: one number or a comma list, whole or half layers "
                          "(1,1,1.5,0.5 cuts layer 3 between attention and MLP; default 1). A vision-language model: "
                          "LM layers of each stage after the tower's (one number), or the whole list with the ViT blocks "
@@ -266,19 +296,26 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         ap.error(str(err))
     if vision is None and args.image_size is not None:
         ap.error("--image-size sets a vision-language model's images; pick one with --model (qwen2-vl-tiny, qwen2-vl-7b, ...)")
-    check_counts(ap, args, ("hidden", "heads", "kv_heads", "ffn", "vocab", "tp", "pp", "chunks", "seq", "micro_batch_size", "iters"))
+    check_counts(ap, args, ("hidden", "heads", "kv_heads", "ffn", "vocab", "tp", "pp", "chunks", "ep", "seq", "micro_batch_size",
+                            "iters"))
     check_range(ap, "--peak-flops", args.peak_flops, 0.0, 1e18)
     overrides = {key: getattr(args, flag) for flag, key in (("hidden", "hidden"), ("heads", "heads"), ("kv_heads", "kv_heads"),
                                                              ("ffn", "ffn"), ("vocab", "vocab_size")) if getattr(args, flag) is not None}
     if vision is not None and overrides:
         ap.error(f"--{next(iter(overrides)).replace('_size', '').replace('_', '-')}: a vision-language --model runs at its "
                  "preset's shape (its tower and M-RoPE follow from it); pick another preset")
-    world = args.tp * args.pp
+    from braid.runtime.expert_parallel import check_expert_layout
+
+    try:  # the experts' layout before the ranks are counted: the runtime's own check (dp = ep here)
+        check_expert_layout(args.ep, args.ep, experts=getattr(cfg, "experts", 0), tp=args.tp)
+    except ValueError as err:
+        ap.error(str(err))
+    world, what = args.tp * args.pp * args.ep, "tp x pp" + (" x ep" if args.ep > 1 else "")
     device = args.device or ("cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu")
     if device == "cpu":
-        check_cpu_ranks(ap, world)
+        check_cpu_ranks(ap, world, what)
     if device == "cuda" and torch.cuda.device_count() < world:
-        ap.error(f"--device cuda with tp*pp = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
+        ap.error(f"--device cuda with {what} = {world} ranks needs {world} GPUs; {torch.cuda.device_count()} visible")
     from braid.runtime.compiled import resolve as resolve_compile
 
     try:
@@ -305,7 +342,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                              device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend,
                              resolve_seq_shard(args.sequence_parallel, args.tp, seq=seq, vision=vision is not None),
-                             vision=vision)
+                             vision=vision, ep=args.ep)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits

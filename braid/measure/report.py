@@ -16,6 +16,7 @@ from braid.io.trace import Trace
 from braid.measure.calibrate import predict, rel_err
 from braid.measure.config import BenchConfig
 from braid.measure.device_prediction import is_dense_decoder, predicted_device_used
+from braid.measure.experts import format_moe_runs, moe_run_fields
 from braid.measure.peers import best_per_peer, format_per_peer
 
 MEASUREMENTS_FORMAT = "braid-measurements/1"
@@ -41,19 +42,21 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         ranks = r["ranks"]
         rounds = by_round[(r["schedule"], r["m"])]
         step_s = statistics.median(rounds)
-        # one figure per pipeline rank: the max over its TP ranks (global rank = pp * tp + tp_rank)
-        peaks = [max(ranks[p * pc.tp + t]["peak"] for t in range(pc.tp)) for p in range(pc.pp)]
+        # one figure per pipeline rank: the max over its TP ranks and replicas (global rank = (dp * pp + pp_rank) * tp + tp_rank)
+        peaks = [max(ranks[(d * pc.pp + p) * pc.tp + t]["peak"] for d in range(pc.dp) for t in range(pc.tp)) for p in range(pc.pp)]
         mode = ranks[0].get("cuda_graph")  # a graph replay has no host lane
-        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory, mode, vision)
+        sim, pred_peaks = predict(doc, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory, mode, vision,
+                                  pc.moe_layers)
         pred = sim.report.step_time_s
         raw_pred = None
         if raw.get("raw_profile") is not None:
             raw_pred = predict(raw["raw_profile"], r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, memory,
-                               mode, vision)[0].report.step_time_s
-        mfu = r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
+                               mode, vision, pc.moe_layers)[0].report.step_time_s
+        # every data-parallel replica runs m micro-batches: the job's tokens and FLOPs are dp times one pipeline's
+        mfu = pc.dp * r["m"] * pc.micro_batch_size * flops / (step_s * pc.world_size * pc.peak_flops) if pc.peak_flops else 0.0
         out_runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": step_s, "step_s_rounds": rounds,
                          "step_s_all": slowest_rank_steps(ranks),
-                         "tokens_per_s": r["m"] * tokens / step_s, "mfu": mfu, "peak_bytes": peaks,
+                         "tokens_per_s": pc.dp * r["m"] * tokens / step_s, "mfu": mfu, "peak_bytes": peaks,
                          "predicted_step_s": pred, "step_err": rel_err(pred, step_s), "predicted_peak_bytes": pred_peaks,
                          "raw_predicted_step_s": raw_pred,
                          "raw_step_err": rel_err(raw_pred, step_s) if raw_pred is not None else None,
@@ -69,7 +72,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          # and the busy time per rank, chunk and phase of the recorded step after them
                          "timed_wall_rounds": walls[(r["schedule"], r["m"])],
                          "busy_per_chunk_s": _chunk_busy(ranks), "compute_s": _per_rank(ranks, "compute_s"),
-                         "compute_kernels": _per_rank(ranks, "compute_kernels")})
+                         "compute_kernels": _per_rank(ranks, "compute_kernels"),
+                         **moe_run_fields(pc, ranks, sim, r["m"], doc)})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
         merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
                        [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})
@@ -88,7 +92,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
         peaks = [x["peak"] for x in rk] if rk[0]["peak"] is not None else None
         ext.append({"schedule": e["schedule"], "peer": e.get("peer"), "mode": e.get("mode"), "m": e["m"], "step_s": step_s,
                     "step_s_rounds": rounds,
-                    "tokens_per_s": e["m"] * tokens / step_s, "peak_bytes": peaks,
+                    "tokens_per_s": pc.dp * e["m"] * tokens / step_s, "peak_bytes": peaks,
                     "reserved_peak_bytes": [x.get("reserved") for x in rk],
                     "device_used_bytes": [x.get("device_used") for x in rk],
                     "host_s": _host_s(rk), "compute_s": _per_rank(rk, "compute_s"),
@@ -279,12 +283,13 @@ def format_report(summary: dict[str, Any]) -> str:
         n = len(b["rounds"])
         spread = f" [{b['min']:.3f}, {b['max']:.3f}] over {n} rounds" if n > 1 else " (one round; --rounds N gives a spread)"
         lines.append(f"braid's best / best external baseline at m={m} (tokens/s, within a round): {b['median']:.3f}x{spread}")
+    lines += format_moe_runs(summary)
     lines += format_per_peer(summary.get("best_per_peer", {}))
     lines += format_device_memory(summary)
     lines += format_compute(summary)
     cal = summary["profile"].get("meta", {}).get("calibration")
     if cal:
-        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "host_task_s", "compute_factor")}
+        fitted = {k: v for k, v in cal.items() if k in ("p2p_s", "ar_scale", "a2a_scale", "host_task_s", "compute_factor")}
         scales = " ".join(f"{ph}={v:.3f}" for ph, v in cal.get("compute_scale_per_phase", {}).items())
         if cal.get("compute_scale_per_stage"):  # a graphed tp=1 probe's busy time per stage (F, then BW)
             scales += " per stage (F/BW) " + " ".join(f"{k}:{sc['F']:.3f}/{sc['B']:.3f}"

@@ -17,6 +17,7 @@ from braid.cost.costs import Layout, costs_from_dict
 from braid.planner.braid_tune import count_blocks
 from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_mbs, probe_plan
 from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
+from braid.measure.experts import count_routes, graph_reason, job_groups
 from braid.io.progress import Progress
 from braid.measure.launch import launch
 from braid.measure.report import slowest_rank_steps, summarize
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 NO_VLM_PEER = ("no vision-language row: the external baselines pipeline a decoder LM's layers, not a vision tower "
                "on the first stage")
+NO_EP_PEER = ("no expert-parallel row: the external baselines here pipeline the model without expert parallelism "
+              "(ep=1, dense data parallelism)")
 PROBE_STEPS = 11  # measured steps of the calibration probe (at least --steps)
 
 
@@ -40,8 +43,8 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _data(pc: ProfileConfig, m: int, dev: torch.device) -> tuple[list[Any], list[torch.Tensor]]:
-    return pc.micro_batches(m, dev, seed=7)
+def _data(pc: ProfileConfig, m: int, dev: torch.device, dp_rank: int = 0) -> tuple[list[Any], list[torch.Tensor]]:
+    return pc.micro_batches(m, dev, seed=7, dp_rank=dp_rank)
 
 
 def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None = None,
@@ -99,7 +102,7 @@ def _device_memory(dev: torch.device) -> dict[str, int]:
 
 
 def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=None, steps: int | None = None,
-                  comm=None, busy_step: bool = False, snapshot: str | None = None) -> dict[str, Any]:
+                  comm=None, busy_step: bool = False, snapshot: str | None = None, experts=None) -> dict[str, Any]:
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.runtime.executor import Executor
@@ -110,16 +113,17 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     if plan.num_stages != len(pc.layers_per_stage):
         raise ValueError(f"{plan.num_stages} virtual stages, but --chunks gives {len(pc.layers_per_stage)}")
     program = compile_plan(plan)[groups.coords.pp]
-    chunks = build_chunks(pc, groups, dev, plan=plan, model=model)  # as profiled: sequence sharding included
+    chunks = build_chunks(pc, groups, dev, plan=plan, model=model, experts=experts)  # as profiled: sequence sharding included
+    routes = count_routes(chunks)  # an MoE model's rows per expert, summed on the device
     from braid.measure.config import DTYPES
 
     kw = {} if comm is None else {"tp_comm": comm}
     ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=DTYPES[pc.dtype],
                               device=dev, compile=pc.compile, **kw)
-    toks, labs = _data(pc, m, dev)
+    toks, labs = _data(pc, m, dev, groups.coords.dp)
     from braid.runtime.graphs import WARMUP_STEPS, step_runner
 
-    graph = step_runner(ex, bc.cuda_graph)  # whole-step CUDA graph, captured in the warm-up steps
+    graph = step_runner(ex, bc.cuda_graph)  # whole-step CUDA graph, captured in the warm-up steps (an MoE at ep > 1: eager)
 
     # Every run is timed as it trains (record="off": no clocks, no unit events, and fused
     # chunks take one call per op); recorded steps after it give its trace (one step) or, for
@@ -141,6 +145,8 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     busy: list[dict[str, float]] = []
     chunk_busy: list[dict[str, float]] = []  # the same per rank, chunk and phase (where it was spent)
     recorded: list[dict[str, float]] = []  # per recorded step: its wall time and the all-reduce figures
+    if routes is not None:
+        routes.reset()  # the same micro-batches every step: the recorded step's rows per expert are every step's
     for _ in range(PROBE_BUSY_STEPS if name == "probe" else 1):
         _sync(dev)
         dist.barrier()
@@ -149,16 +155,19 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
         _sync(dev)
         summ = res.trace.meta.get("summary", {})
         recorded.append({"wall_s": time.perf_counter() - t0, "exposed_ar_s": float(summ.get("exposed_ar_s", 0.0)),
-                         "ar_span_s": float(summ.get("ar_span_s", 0.0))})
+                         "ar_span_s": float(summ.get("ar_span_s", 0.0)),
+                         **{k: float(summ[k]) for k in ("exposed_a2a_s", "a2a_span_s") if k in summ}})
         busy.append(busy_by_phase(res.trace))
         chunk_busy.append(busy_by_chunk(res.trace))
     if dev.type != "cuda":
         peak = res.trace.peak_memory(groups.coords.pp)
     shot = _snapshot_step(d, ex, chunks, toks, labs, snapshot) if snapshot else None
-    keep = groups.coords.tp == 0
+    keep = groups.coords.tp == 0  # one TP rank of each pipeline rank (and replica) tells the busy time
     cuda = dev.type == "cuda"
-    return {"times": times, "peak": peak, "reserved": held["reserved"] if cuda else None,
-            "device_used": held["device_used"] if cuda else None, "loss": res.loss, "trace": res.trace if keep else None, "busy": busy if keep else None,
+    return {"times": times, "peak": peak, "reserved": held["reserved"] if cuda else None, "pp": groups.coords.pp,
+            "dp": groups.coords.dp, "routes": routes.read() if routes is not None and keep else None,
+            "device_used": held["device_used"] if cuda else None, "loss": res.loss,
+            "trace": res.trace if keep and groups.coords.dp == 0 else None, "busy": busy if keep else None,
             "chunk_busy": chunk_busy if keep else None, "wall": wall,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
             "braided_blocks": count_blocks(plan), "compute_s": compute_s, "compute_kernels": kernels, "snapshot": shot}
@@ -211,7 +220,7 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
     dev = d.device
     pipe = baseline_pipeline(run.name, model, pc.peer_layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
                              seq_len=pc.seq, mode=run.mode, comm=torch_groups(run, groups, dev, shared))
-    toks, labs = _data(pc, m, dev)
+    toks, labs = _data(pc, m, dev, groups.coords.dp)
     x, y = torch.cat(toks), torch.cat(labs)
 
     def step():
@@ -230,14 +239,11 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
 
 
 def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
-    from braid.core.topology import Topology
     from braid.measure.units import assemble
     from braid.measure.units import profile_to_dict
-    from braid.runtime.distributed import ProcessGroups
 
     pc = bc.profile
-    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
-                                  tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)
+    groups, experts = job_groups(pc)
     lead = d.rank == 0
     doc = bc.costs
     raw_doc = None
@@ -245,7 +251,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     comm, choice = tp_comm_for(pc, groups, d.device)
     model = pc.build_model(d.device)  # once: the profile's chunks and every run are cut from it
     if doc is None:
-        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device, model=model), comm, choice)
+        res = measure_rank(d, pc, groups, build_chunks(pc, groups, d.device, model=model, experts=experts), comm, choice,
+                           experts)
         gathered: list[Any] = [None] * pc.world_size
         dist.all_gather_object(gathered, res)
         doc = raw_doc = profile_to_dict(assemble(pc, gathered))
@@ -254,12 +261,12 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         # benchmarked run, medians of the step time and of each phase's busy time, so one slow
         # step on a shared machine does not land in the fitted communication figure.
         plan = probe_plan(pc.pp, bc.probe_mbs or probe_mbs(pc.pp), pc.v)
-        out = _run_probe(d, bc, groups, model, plan, comm)
+        out = _run_probe(d, bc, groups, model, plan, comm, experts)
         gathered = [None] * pc.world_size
         dist.all_gather_object(gathered, out)
         if lead:
             step_s = statistics.median(slowest_rank_steps(gathered))
-            per_step = [{ph: sum(rk["busy"][i].get(ph, 0.0) for rk in gathered if rk["busy"] is not None) for ph in "FBW"}
+            per_step = [{ph: _over_pp(gathered, lambda rk: rk["busy"][i].get(ph, 0.0)) for ph in "FBW"}
                         for i in range(len(out["busy"]))]
             busy = {ph: statistics.median(b[ph] for b in per_step) for ph in "FBW"}
             # The probe's other evidence, kept with the calibration so that it can be re-fitted
@@ -269,14 +276,16 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             # recorded a trace; and the busy time per rank, chunk and phase (medians), which
             # tells where on the pipeline a phase's busy time above the profile's was spent.
             n_rec = len(out["recorded"])
-            per_chunk = [{k: v for rk in gathered if rk.get("chunk_busy") is not None for k, v in rk["chunk_busy"][i].items()}
+            per_chunk = [_busiest_replica([rk["chunk_busy"][i] for rk in gathered if rk.get("chunk_busy") is not None])
                          for i in range(n_rec)]
             probe = {"cuda_graph": out["cuda_graph"], "timed_wall": out["wall"],
                      "host_s": max((statistics.median(rk["host"]) for rk in gathered if rk.get("host")), default=0.0),
                      "recorded_step_s": statistics.median(max(rk["recorded"][i]["wall_s"] for rk in gathered)
                                                           for i in range(n_rec)),
-                     **{k: statistics.median(sum(rk["recorded"][i][k] for rk in gathered if rk["busy"] is not None)
-                                             for i in range(n_rec)) for k in ("exposed_ar_s", "ar_span_s")},
+                     **{k: statistics.median(_over_pp(gathered, lambda rk: rk["recorded"][i][k]) for i in range(n_rec))
+                        for k in ("exposed_ar_s", "ar_span_s")},
+                     **({"a2a_span_s": statistics.median(_over_pp(gathered, lambda rk: rk["recorded"][i]["a2a_span_s"], min)
+                                                         for i in range(n_rec))} if "a2a_span_s" in out["recorded"][0] else {}),
                      "busy_per_chunk_s": {k: statistics.median(b.get(k, 0.0) for b in per_chunk)
                                           for k in sorted(set().union(*per_chunk))}}
             doc = calibrate(doc, pc, plan, step_s, busy, probe)
@@ -285,6 +294,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     peers = bc.peers if bc.peers is not None else tuple(peer_runs_default(pc))
     if pc.vision is not None:
         peers = tuple(replace(p, why=p.why or NO_VLM_PEER) for p in peers)
+    if pc.ep > 1:
+        peers = tuple(replace(p, why=p.why or NO_EP_PEER) for p in peers)
     ext = [(p, m) for p in peers for m in bc.mbs] if bc.external else []
     peer_groups: dict[str, Any] = {}  # the torch baselines' process groups, made once
     progress = Progress(bc.rounds * (len(jobs) + len(ext)), "bench", enabled=lead)
@@ -299,7 +310,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
                 continue
             try:
                 out = _run_schedule(d, bc, groups, model, name, m, comm=comm, busy_step=bc.compute_busy and rnd == 0,
-                                    snapshot=snapshot)
+                                    snapshot=snapshot, experts=experts)
             except ValueError as err:
                 notes.append(f"skipped {name} m={m}: {err}")
                 skip.add((name, m))
@@ -343,6 +354,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     # The uncalibrated profile travels too: its predictions are reported beside the calibrated
     # ones, so the raw model's error stays visible.
     raw = raw_doc if raw_doc is not doc else None
+    if graph_reason(pc):
+        notes.append(f"CUDA graphs off for braid's rows: {graph_reason(pc)}")
     if pc.tp > 1:
         notes.append(f"TP all-reduce backend: {comm.backend}"
                      + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
@@ -350,14 +363,35 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
             "memory_snapshot": shots} if lead else None
 
 
-def _run_probe(d, bc: BenchConfig, groups, model, plan, comm) -> dict[str, Any]:
+def _run_probe(d, bc: BenchConfig, groups, model, plan, comm, experts=None) -> dict[str, Any]:
     """The calibration probe's run; one that runs out of device memory says how to make it fit."""
     try:
-        return _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps), comm=comm)
+        return _run_schedule(d, bc, groups, model, "probe", plan.m, plan, steps=max(PROBE_STEPS, bc.steps), comm=comm,
+                             experts=experts)
     except torch.cuda.OutOfMemoryError as err:
         raise RuntimeError(f"the calibration probe (m={plan.m}: every micro-batch's activations at once) ran out of "
                            f"device memory; lower it with --probe-mbs (at least --pp {plan.p}) or skip it with "
                            f"--no-calibrate") from err
+
+
+def _over_pp(gathered: list[dict[str, Any]], figure, pick=max) -> float:
+    """``figure`` of the ranks that recorded a busy time (one TP rank each), summed over the pipeline
+    ranks: of the data-parallel replicas of one pipeline rank, the busiest's (``pick``; expert parallelism
+    couples them at every all-to-all, so the busiest sets the pace, as the cost model prices it)."""
+    per_pp: dict[int, list[float]] = {}
+    for rk in gathered:
+        if rk["busy"] is not None:
+            per_pp.setdefault(rk.get("pp", 0), []).append(figure(rk))
+    return sum(pick(v) for v in per_pp.values())
+
+
+def _busiest_replica(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Busy seconds per ``r<pp rank>c<chunk><phase>`` merged over the ranks: the most of the replicas'."""
+    out: dict[str, float] = {}
+    for b in per_rank:
+        for k, v in b.items():
+            out[k] = max(out.get(k, 0.0), v)
+    return out
 
 
 def _write_partial(bc: BenchConfig, raw: dict[str, Any]) -> None:

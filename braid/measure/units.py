@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Unit, unit_tasks
+from braid.core.braiding import AR_BACKWARD, AR_FORWARD, ChunkSpec, Comm, Unit, unit_tasks
 from braid.tp.seq_shard import reduce_now
 from braid.core.ir import OpKind, stage_of
 from braid.cost.costs import (
@@ -115,17 +115,24 @@ class _Timer:
 
 
 def _profile_chunk(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
-                   progress: Progress) -> dict[str, Any]:
+                   progress: Progress, dp_rank: int = 0, ep_group: Any = None) -> dict[str, Any]:
     """Per-instance unit times (median) and memory deltas of one chunk, one micro-batch at a time
-    (backward calls on this thread, as the executor runs them)."""
+    (backward calls on this thread, as the executor runs them); ``dp_rank``: the replica whose data it reads.
+
+    An MoE unit's all-to-all (expert parallelism, ``ep_group``) is started and waited for outside the
+    unit's lap, as the executor starts it after the unit, and timed in a lap of its own (``a2a``:
+    per instance its median and the rows' bytes this rank sent); every phase starts after a barrier
+    of the group, so that the exchanges time the transfer and the routing's imbalance, not a peer's lag."""
     with on_this_thread():
-        return _profile_chunk_units(chunk, spec, pc, timer, tp_group, dev, progress)
+        return _profile_chunk_units(chunk, spec, pc, timer, tp_group, dev, progress, dp_rank, ep_group)
 
 
 def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Timer, tp_group, dev: torch.device,
-                         progress: Progress) -> dict[str, Any]:
+                         progress: Progress, dp_rank: int = 0, ep_group: Any = None) -> dict[str, Any]:
     dtype = DTYPES[pc.dtype]
-    chunk.set_batch(*pc.micro_batches(1, dev, seed=0))  # token ids, or a VLM's (images, input_ids)
+    chunk.set_batch(*pc.micro_batches(1, dev, seed=0, dp_rank=dp_rank))  # token ids, or a VLM's (images, input_ids)
+    a2a: dict[tuple[str, str, int], list[float]] = {}
+    a2a_bytes: dict[tuple[str, str, int], int] = {}
     times: dict[tuple[str, str, int], list[float]] = {}
     mem: dict[tuple[str, str, int], int] = {}
     work: dict[tuple[str, str, int], int] = {}
@@ -142,9 +149,11 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
             if phase is OpKind.B and not spec.head:
                 chunk.set_output_grad(0, torch.randn(pc.act_shape(), dtype=dtype, device=dev) * 1e-3)
             timer.sync()
+            if ep_group is not None:
+                dist.barrier(group=ep_group)
             # Fill the device queue: the host issues the whole phase while the device spins.
             timer.hold(2.0 * issue_s.get(phase, 0.025) + 0.005)
-            laps = []
+            laps, a2a_laps = [], []
             p0 = time.perf_counter()
             for i, task in enumerate(tasks):
                 key = (task.phase.value, task.unit.value, task.layer)
@@ -160,6 +169,12 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
                     chunk.end_backward(0)
                 lap = timer.lap_end(start)
                 ar(out, task)  # outside the lap; the next unit's start waits for it, as in the executor
+                if task.comm is Comm.A2A and out is not None:  # an MoE unit's exchange (an Exchange), timed on its own
+                    a2a_start = timer.lap_start()
+                    out.start().wait()
+                    if keep:
+                        a2a_laps.append((key, timer.lap_end(a2a_start)))
+                        a2a_bytes[key] = out.send.numel() * out.send.element_size()
                 if task.ar and i + 1 < len(tasks) and chunk.follows(tasks[i + 1]):
                     chunk.follow(0, tasks[i + 1])[0].wait()  # the next unit's head, as the executor runs it (braid.runtime.follow)
                 if keep:
@@ -173,6 +188,8 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
             timer.sync()
             for key, lap in laps:
                 times.setdefault(key, []).append(timer.seconds(lap))
+            for key, lap in a2a_laps:
+                a2a.setdefault(key, []).append(timer.seconds(lap))
             if phase is OpKind.F:
                 chunk.end_forward(0)
                 if not spec.head:
@@ -182,6 +199,7 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
         progress.step(f"stage units {it + 1}/{pc.warmup + pc.iters}")
     return {"times": [[*k, statistics.median(v)] for k, v in times.items()], "mem": [[*k, b] for k, b in mem.items()],
             "work": [[*k, b] for k, b in work.items()],
+            "a2a": [[*k, statistics.median(v), a2a_bytes[k]] for k, v in a2a.items()],
             # Host time to issue one unit task (GPU: the host runs ahead of the device; on CPU
             # the unit times already hold it, so the host lane is off).
             "host_s": statistics.median(host) if (host and timer.cuda) else 0.0,
@@ -396,36 +414,59 @@ def tp_comm_for(pc: ProfileConfig, groups, dev: torch.device) -> tuple[Any, dict
 
 
 def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=None,
-                 choice: dict[str, Any] | None = None) -> dict[str, Any]:
+                 choice: dict[str, Any] | None = None, experts: Any = None) -> dict[str, Any]:
     """Everything this rank measures (collective: every rank of the layout calls it).
 
     ``comm``: the TP all-reduce to measure (default: :func:`tp_comm_for`); ``choice``: the
-    backend comparison it came from, if any (written to the cost file's meta)."""
+    backend comparison it came from, if any (written to the cost file's meta); ``experts``: this
+    rank's expert groups at ``pc.ep > 1`` (:mod:`braid.measure.experts`: the all-to-all and the
+    routing counts are measured too)."""
+    from braid.measure.experts import a2a_figures, count_routes
+
     dev = d.device
     if comm is None:
         comm, choice = tp_comm_for(pc, groups, dev)
     timer = _Timer(dev)
-    chunks = chunks if chunks is not None else build_chunks(pc, groups, dev)
+    chunks = chunks if chunks is not None else build_chunks(pc, groups, dev, experts=experts)
+    routes = count_routes(chunks)
     progress = Progress(pc.v * (pc.warmup + pc.iters), "profile", enabled=d.rank == 0)
     stages = {}
     for c, ch in sorted(chunks.items()):
         stage = stage_of(pc.placement, pc.pp, groups.coords.pp, c)
-        stages[stage] = _profile_chunk(ch, ch.spec, pc, timer, groups.tp if pc.tp > 1 else None, dev, progress)
+        stages[stage] = _profile_chunk(ch, ch.spec, pc, timer, groups.tp if pc.tp > 1 else None, dev, progress,
+                                       groups.coords.dp, experts.ep_group if experts is not None else None)
         ch.zero_grad(set_to_none=True)
-    return {"rank": d.rank, "stages": stages, "comm": _comm_figures(pc, groups, timer, dev, comm),
-            "tp_backend": comm.backend, "tp_backends": choice}
+    figures = {**_comm_figures(pc, groups, timer, dev, comm), **a2a_figures(pc, experts, timer.time, dev, max(5, 2 * pc.iters))}
+    return {"rank": d.rank, "stages": stages, "comm": figures, "tp_backend": comm.backend, "tp_backends": choice,
+            "routes": routes.read() if routes is not None and groups.coords.tp == 0 else None}
 
 
 # ----------------------------------------------------------------------------------------
 # From measurements to a cost model
 # ----------------------------------------------------------------------------------------
-def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float, ar_vision_s: float | None = None) -> dict[Unit, UnitCost]:
+def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float, ar_vision_s: float | None = None,
+                a2a: tuple[float, float] = (0.0, 0.0)) -> dict[Unit, UnitCost]:
     """Average the per-instance medians (over layers and TP ranks) into one cost per unit kind.
 
     A vision stage (``spec.merge``): its units' all-reduces carry the tower's activations
     (``ar_vision_s``), but for the merge's forward one, which joins the visual tokens with the text
-    embedding at the LM's width (``ar_s``)."""
+    embedding at the LM's width (``ar_s``). An MoE chunk at expert parallelism (``a2a``: the busiest
+    rank's row exchange and the counts' exchange outside the units' times, seconds): the experts' times are the busiest
+    rank's (the mean over its layers, the most over the ranks), as the cost model prices the rank
+    every exchange waits for, and each MoE unit carries the all-to-all that ends it
+    (:func:`braid.measure.experts.unit_a2a`)."""
+    from braid.measure.experts import unit_a2a
+
     ar_in = ar_s if ar_vision_s is None or not spec.merge else ar_vision_s
+    busiest: dict[tuple[str, str], float] = {}  # experts at ep > 1: the most, over the ranks, of a rank's mean
+    if a2a[0] > 0:
+        for e in entries:
+            mine: dict[tuple[str, str], list[float]] = {}
+            for ph, u, _layer, v in e["times"]:
+                if u == Unit.EXPERTS.value:
+                    mine.setdefault((ph, u), []).append(v)
+            for k, v in mine.items():
+                busiest[k] = max(busiest.get(k, 0.0), statistics.fmean(v))
     t: dict[tuple[str, str], list[float]] = {}
     m: dict[tuple[str, str], list[float]] = {}
     work: dict[str, float] = {}  # unit -> the most workspace any of its instances and phases took
@@ -436,6 +477,7 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float, ar_
             t.setdefault((ph, u), []).append(v)
         for ph, u, _layer, b in e["mem"]:
             m.setdefault((ph, u), []).append(b)
+    t.update({k: [v] for k, v in busiest.items()})
     mean = lambda d, k: statistics.fmean(d[k]) if k in d else 0.0  # noqa: E731
     units = sorted({u for _, u in t}, key=[x.value for x in Unit].index)
     per_chunk = Counter(u.value for u, _ in spec.layer_units())  # half layers count their half
@@ -452,25 +494,30 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float, ar_
     for u in units:
         unit = Unit(u)
         ar_f = (ar_s if unit is Unit.MERGE else ar_in) if unit in AR_FORWARD else 0.0
+        a2a_f, a2a_b = unit_a2a(unit, *a2a) if spec.moe else (0.0, 0.0)
         out[unit] = UnitCost(mean(t, ("F", u)), mean(t, ("B", u)), mean(t, ("W", u)),
-                             ar_f, ar_in if unit in AR_BACKWARD else 0.0, act[u], w_res[u], work.get(u, 0.0))
+                             ar_f, ar_in if unit in AR_BACKWARD else 0.0, act[u], w_res[u], work.get(u, 0.0), a2a_f, a2a_b)
     return out
 
 
 def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
     """The cost model of the layout from every rank's :func:`measure_rank` result."""
     from braid.cost.catalog import ModelConfig
+    from braid.measure.experts import moe_meta
 
     specs = pc.specs(pc.placement)
     comm = [r["comm"] for r in results]
     ar_s = max(c["ar_s"] for c in comm)
     ar_v = max(c.get("ar_vision_s", ar_s) for c in comm)
     p2p = max(c["p2p_s"] for c in comm)
+    moe = moe_meta(pc, results)
+    # the busiest rank's row exchange; the counts' exchange blocks inside Pre-MLP's forward, whose time holds it
+    a2a = (max(c["a2a_s"] for c in comm) * moe["imbalance"], 0.0) if moe else (0.0, 0.0)
     chunks = {}
     for (rank, c), spec in specs.items():
         stage = stage_of(pc.placement, pc.pp, rank, c)
         entries = [r["stages"][stage] for r in results if stage in r["stages"]]
-        chunks[(rank, c)] = ChunkCosts(spec, _unit_costs(entries, spec, ar_s, ar_v), p2p)
+        chunks[(rank, c)] = ChunkCosts(spec, _unit_costs(entries, spec, ar_s, ar_v, a2a), p2p)
     ma = statistics.fmean(cc.total("act") for cc in chunks.values())
     mcfg = pc.model
     dtype_bytes = torch.finfo(DTYPES[pc.dtype]).bits // 8
@@ -478,6 +525,12 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
         from braid.models.qwen2_vl import catalog_shape
 
         mc = catalog_shape(pc.full_model(), "profiled", seq=pc.seq, micro_batch_size=pc.micro_batch_size, dtype_bytes=dtype_bytes)
+    elif getattr(mcfg, "experts", 0):  # the active experts (top-k) and the router (braid.cost.moe_costs)
+        from braid.models.registry import family_of_config
+        from braid.models.shapes import from_decoder_config
+
+        mc = from_decoder_config("profiled", pc.full_model(), family_of_config(mcfg).name, seq=pc.seq,
+                                 micro_batch_size=pc.micro_batch_size, dtype_bytes=dtype_bytes)
     else:
         mc = ModelConfig("profiled", pc.num_layers, mcfg.hidden, mcfg.heads, mcfg.kv_heads, mcfg.ffn,
                          mcfg.vocab_size, pc.seq, pc.micro_batch_size, dtype_bytes)
@@ -486,6 +539,8 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
             "tp_backend": results[0].get("tp_backend", "gloo")}
     if results[0].get("tp_backends"):
         meta["tp_backends"] = results[0]["tp_backends"]
+    if moe:
+        meta["moe"] = moe
     per_phase = [st["host_s_per_phase"] for r in results for st in r["stages"].values() if st.get("host_s_per_phase")]
     if per_phase:  # host time per unit task by phase (the host lane uses one figure: host_task_s)
         meta["host_task_s_per_phase"] = {ph: statistics.fmean(p[ph] for p in per_phase if ph in p)
@@ -507,12 +562,10 @@ def profile_to_dict(costs: CostModel) -> dict[str, Any]:
 
 
 def _profile_job(d, pc: ProfileConfig) -> dict[str, Any] | None:
-    from braid.core.topology import Topology
-    from braid.runtime.distributed import ProcessGroups
+    from braid.measure.experts import job_groups
 
-    groups = ProcessGroups.create(Topology(pc.world_size, pp=pc.pp, tp=pc.tp),
-                                  tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend)
-    res = measure_rank(d, pc, groups)
+    groups, experts = job_groups(pc)
+    res = measure_rank(d, pc, groups, experts=experts)
     gathered: list[Any] = [None] * pc.world_size
     dist.all_gather_object(gathered, res)
     return profile_to_dict(assemble(pc, gathered)) if d.rank == 0 else None

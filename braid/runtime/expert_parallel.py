@@ -45,9 +45,13 @@ EXPERT_ATTR = "braid_expert"  # set on a parameter that holds an expert-parallel
 
 
 def check_expert_layout(ep: int, dp: int, *, experts: int | None = None, cp: int = 1, tp: int = 1) -> None:
-    """``ValueError`` (one line) unless ``ep`` experts-parallel ranks fit ``dp`` data-parallel ranks and ``experts`` experts."""
+    """``ValueError`` (one line) unless ``ep`` experts-parallel ranks fit ``dp`` data-parallel ranks and ``experts`` experts
+    (None: not checked; 0: a dense model, which has none to shard)."""
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"--ep must be a positive integer, got {ep!r}")
+    if experts == 0 and ep > 1:
+        raise ValueError(f"--ep {ep} shards the experts of a mixture-of-experts model; this one is dense "
+                         "(pick one with --model, e.g. qwen3-moe-tiny)")
     if dp % ep:
         raise ValueError(f"--ep {ep} must divide the data-parallel ranks (dp={dp}): expert-parallel ranks are carved from them")
     if experts is not None and ep > 1 and experts % (ep * tp):

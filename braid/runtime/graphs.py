@@ -99,12 +99,17 @@ def check_mode(mode: str | None) -> CudaGraphMode | None:
     return mode  # type: ignore[return-value]
 
 
-def config_reason(device: torch.device | str, *, cp: int = 1, tp: int = 1, tp_backend: str | None = None) -> str | None:
+def config_reason(device: torch.device | str, *, cp: int = 1, tp: int = 1, tp_backend: str | None = None,
+                  ep: int = 1, moe: bool = False) -> str | None:
     """Why a run of this configuration cannot be captured (None: it can). Needs no process
-    group, so command lines check it before any work."""
+    group, so command lines check it before any work. ``moe``: the model has mixture-of-experts
+    layers (``ep``: their expert-parallel degree)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return f"device {dev.type}: CUDA graphs need a CUDA device (gloo/CPU runs eager)"
+    if moe and (ep > 1 or tp > 1):  # AllToAllDispatch.plan's splits, ExpertSlice.plan's rows before the slice
+        return (f"a mixture of experts at ep={ep} tp={tp} reads its routing counts on the host every step (the "
+                "all-to-all's splits, the TP slice's rows), which a graph replay cannot; it runs eager")
     if tp > 1 and tp_backend == "symm-mem":
         return "TP backend symm-mem: its copy-engine all-reduce runs on its own stream and buffers, not captured"
     # cp > 1 (2D-Attention) is captured: a rank's zigzag positions are made once per length and device,
@@ -119,6 +124,8 @@ def not_capturable(ex: Executor) -> str | None:
     if reason is not None:
         return reason
     for c, ch in sorted(ex.chunks.items()):
+        if ch.spec.moe and (tp > 1 or ch.moe_moves()):
+            return config_reason(ex.device, tp=tp, ep=2 if ch.moe_moves() else 1, moe=True)
         if type(ch).set_batch is not ModelChunk.set_batch and not vars(type(ch)).get("graph_safe_batch", False):
             return f"chunk {c} ({type(ch).__name__}) reads its micro-batches on the host every step; it runs eager"
     if ex.abort is not None and not ex.abort.cuda:
@@ -149,7 +156,8 @@ def graphed_costs(doc: dict[str, Any], mode: str | None) -> dict[str, Any]:
     simulator's host lane) is 0; the profiled figure stays in ``meta.profiled_host_task_s``."""
     meta = doc.setdefault("meta", {})
     cfg = meta.get("config", {})
-    why = config_reason(cfg.get("device", "cpu"), tp=cfg.get("tp", 1), tp_backend=meta.get("tp_backend"))
+    why = config_reason(cfg.get("device", "cpu"), tp=cfg.get("tp", 1), tp_backend=meta.get("tp_backend"), ep=cfg.get("ep", 1),
+                        moe=bool((cfg.get("model") or {}).get("experts")))
     if check_mode(mode) == "none" or why is not None:
         meta["cuda_graph"] = "none"
         return doc
