@@ -32,9 +32,10 @@ megatron-core 0.16.1's MoE needs two shims here (:func:`allow_moe`): ``moe_utils
 Transformer Engine's ``te_general_gemm`` in a ``try`` whose ``except`` leaves the name undefined,
 and the router's gating tests ``te_general_gemm is not None`` -- a ``NameError`` on every MoE
 forward without TE, on CUDA as on CPU; it is set to None (what that test expects). On a
-CPU-only job the alltoall dispatcher's side stream for its host copies, and the router's
-``torch.cuda.current_device()``, are redirected to the CPU
-(:func:`braid.baselines.megatron_gpt.cpu_torch_in`).
+CPU-only job the alltoall dispatcher's side stream for its host copies, and the
+``torch.cuda.current_device()`` of the router and of the expert-parallel all-gather, are redirected to the CPU
+(:func:`braid.baselines.megatron_gpt.cpu_torch_in`), and the dispatcher's host copy of its split sizes
+(a no-op for host tensors, which would stay tensors) gives numpy as on CUDA.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def moe_fields(cfg: Any, *, ep: int = 1, a2a_overlap: bool = False) -> dict[str,
 def allow_moe() -> None:
     """Let megatron-core 0.16.1's MoE layers run without Transformer Engine, and on a CPU-only job (module doc)."""
     bm.require()
+    import megatron.core.tensor_parallel.mappings as mappings
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.router as router
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
@@ -102,7 +104,14 @@ def allow_moe() -> None:
         moe_utils.te_general_gemm = None
     if not torch.cuda.is_available():
         bm.allow_cpu()
-        bm.cpu_torch_in(dispatcher, router, moe_utils)
+        bm.cpu_torch_in(dispatcher, router, moe_utils, mappings)
+        dispatcher.maybe_move_tensor_to_cpu = _host_splits
+
+
+def _host_splits(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """The alltoall dispatcher's ``maybe_move_tensor_to_cpu`` on a CPU-only job: its tensors are on the host
+    already, and the all-to-all's split sizes become numpy as on CUDA (``all_to_all_single`` takes no tensor)."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def block_spec(tconf: Any, *, vp_stage: int | None = None, pp_rank: int | None = None) -> Any:
