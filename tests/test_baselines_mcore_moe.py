@@ -107,7 +107,30 @@ def _ref_loss(model, toks, labs, micro: int) -> torch.Tensor:
     return sum(cross_entropy(model.logits(t), y) for t, y in zip(toks.chunk(micro), labs.chunk(micro))) / micro
 
 
-def _case_pipeline(ctx, pp: int, ep: int, device: str = "cpu", mode: str = "eager", dtype: str = "float32"):
+def _pipe(ctx, pp: int, ep: int, device: str, mode: str, dtype: torch.dtype):
+    """``mcore_1f1b_i`` on the test's Qwen3-MoE model at pp x ep (dp = ep x the expert-data-parallel ranks)."""
+    from braid.baselines.mcore import McorePipeline
+    from braid.baselines.modes import McoreMode
+    from braid.core.topology import Topology
+
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, dp=ctx.world_size // pp))
+    model = _model()
+    layers = (model.cfg.layers // (2 * pp),) * (2 * pp)
+    dev = torch.device(f"cuda:{ctx.rank}" if device == "cuda" else "cpu")
+    pipe = McorePipeline("mcore_1f1b_i", model, layers, M, groups=groups, device=dev, dtype=dtype, seq_len=SEQ,
+                         mode=McoreMode.parse(mode), ep=ep)
+    return pipe, model, layers
+
+
+def _step(pipe, toks, labs):
+    """This rank's replica's micro-batches (megatron-core's replica index, not braid's), one step, reduced gradients."""
+    mine = slice(pipe.dp_rank * M * B, (pipe.dp_rank + 1) * M * B)
+    loss = pipe.step((toks[mine],), labs[mine])
+    pipe.reduce_gradients()
+    return loss
+
+
+def _case_pipeline(ctx, pp: int, ep: int, device: str = "cpu"):
     """One step of ``mcore_1f1b_i`` on a Qwen3-MoE model at pp x ep (dp = ep): the mean loss over the replicas and
     every reduced gradient against the single-process model over the whole batch (float32 and float64
     references, :func:`tests.reference_error.assert_matches_reference`). Returns the loss the rank reports."""
@@ -115,40 +138,25 @@ def _case_pipeline(ctx, pp: int, ep: int, device: str = "cpu", mode: str = "eage
     from megatron.core import parallel_state as ps
 
     from braid.baselines import megatron_moe as mm
-    from braid.baselines.mcore import McorePipeline
-    from braid.baselines.modes import McoreMode
     from braid.core.ir import stage_of
     from braid.core.partition import layer_offset
-    from braid.core.topology import Topology
     from tests.reference_error import assert_matches_reference
 
     dp = ctx.world_size // pp
-    groups = ctx.process_groups(Topology(ctx.world_size, pp=pp, dp=dp))
-    model = _model()
+    pipe, model, layers = _pipe(ctx, pp, ep, device, "eager", torch.float32)
     cfg = model.cfg
-    layers = (cfg.layers // (2 * pp),) * (2 * pp)
-    dev = torch.device(f"cuda:{ctx.rank}" if device == "cuda" else "cpu")
-    dt = getattr(torch, dtype)
-    pipe = McorePipeline("mcore_1f1b_i", model, layers, M, groups=groups, device=dev, dtype=dt, seq_len=SEQ,
-                         mode=McoreMode.parse(mode), ep=ep)
     toks, labs = _data(cfg.vocab_size, dp)
-    mine = slice(pipe.dp_rank * M * B, (pipe.dp_rank + 1) * M * B)  # megatron-core's replica index, not braid's
-    loss = pipe.step((toks[mine],), labs[mine])
-    pipe.reduce_gradients()
+    loss = _step(pipe, toks, labs)
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     ref_loss, ref64_loss = (_ref_loss(m, toks, labs, dp * M) for m in (ref, ref64))
     ref_loss.backward()
     ref64_loss.backward()
-    where = f"mcore MoE pp={pp} ep={ep} {device} {mode} rank={ctx.rank}"
+    where = f"mcore MoE pp={pp} ep={ep} {device} rank={ctx.rank}"
     # the mean over the replicas of the last stage's losses (each rank of the last stage holds one)
     got = torch.tensor([loss if loss is not None else 0.0, float(loss is not None)], dtype=torch.float64)
     dist.all_reduce(got)
-    tol = {} if dt == torch.float32 else {"scale": 1e2}  # bf16: the reference's error is float32's, not megatron's
     assert_matches_reference(torch.tensor(float(got[0] / got[1]), dtype=torch.float32), ref_loss.detach(), ref64_loss.detach(),
-                             what=f"{where} loss", **tol)
-    if dt != torch.float32:
-        pipe.close()
-        return loss
+                             what=f"{where} loss")
 
     def mcore_grads(m):
         return mm.ep_shard(mm.to_mcore({n: p.grad for n, p in m.named_parameters()}, cfg),
@@ -219,11 +227,36 @@ def test_mcore_moe_modes_say_why_not():
     assert McoreMode.parse("a2a_overlap").label == "a2a_overlap"
 
 
+def _case_overlap_as_eager(ctx):
+    """ep=2, bf16 (what megatron-core's EP overlap requires): ``a2a_overlap`` runs the eager step's kernels in
+    another order (one micro-batch's forward beside another's backward), so its loss is the eager one's and its
+    gradients agree to bf16 rounding."""
+    toks, labs = _data(_cfg().vocab_size, ctx.world_size)
+    out = []
+    for mode in ("eager", "a2a_overlap"):
+        pipe, _, _ = _pipe(ctx, 1, 2, "cuda", mode, torch.bfloat16)
+        loss = _step(pipe, toks, labs)
+        out.append((loss, {k: p.grad.float().cpu() for k, p in pipe.modules[0].named_parameters()}))
+        pipe.close()
+    (eager, g_eager), (overlap, g_overlap) = out
+    assert abs(overlap - eager) <= 1e-6 * abs(eager), (overlap, eager)
+    scale = max(float(g.abs().max()) for g in g_eager.values())
+    eps = torch.finfo(torch.bfloat16).eps
+    for k, g in g_eager.items():
+        torch.testing.assert_close(g_overlap[k], g, rtol=4 * eps, atol=4 * eps * scale, msg=k)
+    return overlap
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.timeout(GPU_TEST_S)
-@pytest.mark.parametrize("mode,dtype", [("eager", "float32"), ("a2a_overlap", "bfloat16")])
-def test_mcore_moe_ep2_on_cuda_matches_reference(gpu_pools, mode, dtype):
-    """ep=2 on 2 GPUs over NCCL: eager in float32 (loss and gradients), and megatron-core's EP all-to-all
-    overlap (combined 1F1B, bf16 as it requires: the loss within bf16 rounding)."""
-    gpu_pools(2).run(_case_pipeline, 1, 2, "cuda", mode, dtype, timeout_s=GPU_RUN_S)
+def test_mcore_moe_ep2_on_cuda_matches_reference(gpu_pools):
+    """ep=2 on 2 GPUs over NCCL, float32: loss and every gradient as the single-process model's."""
+    gpu_pools(2).run(_case_pipeline, 1, 2, "cuda", timeout_s=GPU_RUN_S)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.timeout(GPU_TEST_S)
+def test_mcore_moe_a2a_overlap_on_cuda_as_eager(gpu_pools):
+    gpu_pools(2).run(_case_overlap_as_eager, timeout_s=GPU_RUN_S)

@@ -212,9 +212,11 @@ def is_expert_param(name: str) -> bool:
 
 
 # -- modes ---------------------------------------------------------------------------------
-GRAPH_REFUSAL = ("megatron-core's full-iteration CUDA graph cannot hold its alltoall MoE dispatcher: dropless routing "
-                 "copies every MoE layer's per-expert token counts to the host for the all-to-all's splits, which a "
-                 "captured stream may not do")
+# megatron-core's own config checks say as much for its layer-scoped graphs ("moe cuda graph is only supported with
+# drop-padding MoE"; "not supported when there are DtoH copies and synchronizations in the preprocess step").
+GRAPH_REFUSAL = ("megatron-core's full-iteration CUDA graph cannot hold its dropless alltoall MoE dispatcher: every MoE "
+                 "layer copies its per-expert token counts to the host and waits for them (the all-to-all's split sizes), "
+                 "which a capture may not do and a replay would not redo (megatron-core graphs MoE only drop-and-pad)")
 
 
 def mode_refusal(mode: Any, cfg: Any, *, ep: int, dtype: torch.dtype, pp: int) -> str | None:
