@@ -227,6 +227,18 @@ def test_mcore_moe_modes_say_why_not():
     assert McoreMode.parse("a2a_overlap").label == "a2a_overlap"
 
 
+def test_bench_rows_of_a_moe_model():
+    """The default megatron-core rows of a MoE bench add the EP overlap; on CPU it and graphed say why not."""
+    from types import SimpleNamespace
+
+    from braid.measure.peers import peer_runs_default
+
+    runs = {r.label: r.why for r in peer_runs_default(SimpleNamespace(model=_cfg(), tp=1, device="cpu")) if r.peer == "mcore"}
+    assert list(runs) == ["mcore:interleaved 1F1B [eager]", "mcore:interleaved 1F1B [graphed]",
+                          "mcore:interleaved 1F1B [a2a_overlap]"]
+    assert runs["mcore:interleaved 1F1B [eager]"] is None and all(runs[k] for k in list(runs)[1:])
+
+
 def _case_overlap_as_eager(ctx):
     """ep=2, bf16 (what megatron-core's EP overlap requires): ``a2a_overlap`` runs the eager step's kernels in
     another order (one micro-batch's forward beside another's backward), so its loss is the eager one's and its

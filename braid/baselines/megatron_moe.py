@@ -211,6 +211,13 @@ def is_expert_param(name: str) -> bool:
     return _EXPERTS in name
 
 
+def row_note(cfg: Any, ep: int) -> str:
+    """The report's line on megatron-core's MoE rows of model ``cfg`` at ``ep``."""
+    return (f"megatron-core MoE ('mcore:' rows): local spec, SequentialMLP experts (its GroupedMLP needs the grouped_gemm "
+            f"package, TEGroupedMLP Transformer Engine), alltoall dispatcher, dropless, ep={ep}, top-{cfg.experts_per_token} "
+            f"of {cfg.experts}, load-balancing loss {'on (megatron-core formula)' if aux_loss_on(cfg) else 'off'}")
+
+
 # -- modes ---------------------------------------------------------------------------------
 # megatron-core's own config checks say as much for its layer-scoped graphs ("moe cuda graph is only supported with
 # drop-padding MoE"; "not supported when there are DtoH copies and synchronizations in the preprocess step").

@@ -41,6 +41,12 @@ TORCH_PARTS = ("eager", "titan", "compile", "async_tp")
 MCORE_PARTS = ("eager", "graphed", "te", "a2a_overlap")
 BEST_MCORE_MODE = "graphed"  # megatron-core at its best on the local spec (te needs Transformer Engine built)
 DEFAULT_MCORE_MODES = ("eager", BEST_MCORE_MODE)
+MOE_MCORE_MODES = (*DEFAULT_MCORE_MODES, "a2a_overlap")  # a mixture of experts: graphed says why not, EP overlap is its best
+
+
+def default_mcore_modes(moe: bool) -> tuple[str, ...]:
+    """megatron-core's default modes: eager and graphed, and for a mixture of experts its EP all-to-all overlap."""
+    return MOE_MCORE_MODES if moe else DEFAULT_MCORE_MODES
 
 
 def _parts(text: str, valid: Sequence[str], what: str) -> set[str]:

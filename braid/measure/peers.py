@@ -3,8 +3,10 @@
 Every baseline (:data:`braid.baselines.torch_pp.BASELINES`) runs in every mode of its peer
 (:mod:`braid.baselines.modes`): by default torch eager and torch's best (torchtitan's TP with
 per-layer compile and async TP at tp > 1, compile at tp = 1), megatron-core eager and
-graphed. A row is named by its schedule and mode (``torch:ScheduleZBVZeroBubble [compile]``);
-a mode that cannot run on the job's device is a row that says why, not a failure.
+graphed (and for a mixture of experts, megatron-core's EP all-to-all overlap, ``a2a_overlap``).
+A row is named by its schedule and mode (``torch:ScheduleZBVZeroBubble [compile]``); a mode that
+cannot run on the job's device, or on its model (megatron-core's graph over a dropless MoE), is a
+row that says why, not a failure.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Sequence
 from braid.baselines.modes import (
     DEFAULT_MCORE_MODES,
     PeerMode,
+    default_mcore_modes,
     default_torch_modes,
     mode_unavailable,
     parse_modes,
@@ -51,7 +54,8 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
                     help="modes of the torch baselines, parts eager|titan|compile|async_tp joined with '+' "
                          "(default: eager titan+compile+async_tp at tp > 1, eager compile at tp = 1)")
     ap.add_argument("--mcore-modes", nargs="+", metavar="MODE", default=list(DEFAULT_MCORE_MODES),
-                    help="modes of the megatron-core baseline, parts eager|graphed|te joined with '+' (default: eager graphed)")
+                    help="modes of the megatron-core baseline, parts eager|graphed|te|a2a_overlap joined with '+' "
+                         "(default: eager graphed; a2a_overlap: a mixture of experts' EP all-to-all overlap, ep > 1, bf16)")
 
 
 def peer_runs_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, tp: int, device_type: str) -> list[PeerRun]:
@@ -70,10 +74,13 @@ def peer_runs_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, t
 
 
 def peer_runs_default(pc: Any) -> list[PeerRun]:
-    """The default rows for a job of profile config ``pc``: every available baseline in its peer's default modes."""
+    """The default rows for a job of profile config ``pc``: every available baseline in its peer's default modes
+    (megatron-core's EP overlap too for a mixture of experts)."""
+    from braid.baselines.megatron_moe import is_moe
     from braid.baselines.torch_pp import available_baselines
 
-    return peer_runs(available_baselines(), default_torch_modes(pc.tp), DEFAULT_MCORE_MODES, pc.tp, pc.device)
+    return peer_runs(available_baselines(), default_torch_modes(pc.tp), default_mcore_modes(is_moe(pc.model)), pc.tp,
+                     pc.device)
 
 
 def peer_runs(names: Sequence[str], torch_modes: Sequence[str], mcore_modes: Sequence[str], tp: int,
