@@ -231,12 +231,17 @@ def test_bench_rows_of_a_moe_model():
     """The default megatron-core rows of a MoE bench add the EP overlap; on CPU it and graphed say why not."""
     from types import SimpleNamespace
 
+    from braid.baselines.modes import McoreMode
     from braid.measure.peers import peer_runs_default
 
-    runs = {r.label: r.why for r in peer_runs_default(SimpleNamespace(model=_cfg(), tp=1, device="cpu")) if r.peer == "mcore"}
-    assert list(runs) == ["mcore:interleaved 1F1B [eager]", "mcore:interleaved 1F1B [graphed]",
-                          "mcore:interleaved 1F1B [a2a_overlap]"]
-    assert runs["mcore:interleaved 1F1B [eager]"] is None and all(runs[k] for k in list(runs)[1:])
+    from braid.baselines.megatron_moe import GRAPH_REFUSAL
+
+    for device, ep in (("cpu", 2), ("cuda", 1), ("cuda", 2)):  # ep: ProfileConfig.ep (absent: 1)
+        pc = SimpleNamespace(model=_cfg(), tp=1, pp=1, device=device, dtype="bfloat16", **({"ep": ep} if ep > 1 else {}))
+        runs = {r.mode.label: r.why for r in peer_runs_default(pc) if r.peer == "mcore"}
+        assert list(runs) == ["eager", "graphed", "a2a_overlap"] and runs["eager"] is None
+        assert runs["graphed"] == (GRAPH_REFUSAL if device == "cuda" else McoreMode.parse("graphed").unavailable("cpu"))
+        assert (runs["a2a_overlap"] is None) == (device == "cuda" and ep == 2), runs["a2a_overlap"]
 
 
 def _case_overlap_as_eager(ctx):
@@ -264,11 +269,11 @@ def _case_overlap_as_eager(ctx):
 @pytest.mark.timeout(GPU_TEST_S)
 def test_mcore_moe_ep2_on_cuda_matches_reference(gpu_pools):
     """ep=2 on 2 GPUs over NCCL, float32: loss and every gradient as the single-process model's."""
-    gpu_pools(2).run(_case_pipeline, 1, 2, "cuda", timeout_s=GPU_RUN_S)
+    assert all(x is not None for x in gpu_pools(2).run(_case_pipeline, 1, 2, "cuda", timeout_s=GPU_RUN_S))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 @pytest.mark.timeout(GPU_TEST_S)
 def test_mcore_moe_a2a_overlap_on_cuda_as_eager(gpu_pools):
-    gpu_pools(2).run(_case_overlap_as_eager, timeout_s=GPU_RUN_S)
+    assert all(x is not None for x in gpu_pools(2).run(_case_overlap_as_eager, timeout_s=GPU_RUN_S))

@@ -175,8 +175,8 @@ def check_baseline_layout(name: str, topo, layers_per_stage: Sequence[int], ep: 
     run tp x pp layouts (dp = cp = 1) with two virtual stages per rank; with ``ep`` > 1 expert-parallel
     ranks (a mixture of experts), dp may be a multiple of ``ep``: the ranks the experts are carved from."""
     if topo.cp != 1 or (topo.dp != 1 and (ep < 2 or topo.dp % ep)):
-        raise ValueError(f"{name} runs tp x pp layouts only, or dp a multiple of ep > 1 for a mixture of experts "
-                         f"(got dp={topo.dp}, cp={topo.cp}, ep={ep}); use dp=1, cp=1")
+        moe = f" (a mixture of experts: or dp a multiple of ep={ep})" if ep > 1 else ""
+        raise ValueError(f"{name} runs tp x pp layouts only{moe}, got dp={topo.dp}, cp={topo.cp}; use dp=1, cp=1")
     pp, n_stages = topo.pp, len(layers_per_stage)
     if not whole_layers(layers_per_stage):
         raise ValueError(f"{name} splits whole layers over its stages, got {list(layers_per_stage)}; "
