@@ -17,6 +17,17 @@ forward-backward of an iteration captured once in a CUDA graph and replayed
 the capture on the second, static input buffers per micro-batch, graph-safe RNG states);
 ``te`` -- megatron-core's Transformer Engine layer spec instead of the local one.
 
+A mixture of experts (a Qwen3-MoE config, :mod:`braid.baselines.megatron_moe`) builds megatron-core's
+MoE layers (local spec, ``SequentialMLP`` experts, alltoall dispatcher, dropless) with ``ep``
+expert-parallel ranks carved from the data-parallel ones (dp a multiple of ep; tp = 1); each
+rank steps its own data-parallel replica's micro-batches (its index: :attr:`McorePipeline.dp_rank`,
+megatron-core's). Its modes: eager, or ``a2a_overlap`` (megatron-core's EP all-to-all overlap,
+``overlap_moe_expert_parallel_comm``: the forward step hands megatron-core a schedule plan,
+``GPTModel.build_schedule_plan``, instead of running the model); graphed is refused
+(:data:`braid.baselines.megatron_moe.GRAPH_REFUSAL`). :meth:`McorePipeline.reduce_gradients`
+averages gradients over the replicas as braid's :func:`~braid.runtime.expert_parallel.reduce_gradients_ep`
+does (a training loop calls it; a timed step is the forward-backward alone, as braid's).
+
 Name: ``mcore_1f1b_i`` (:data:`MCORE_SCHEDULES`), beside :data:`braid.baselines.torch_pp.TORCH_SCHEDULES`.
 """
 
@@ -29,6 +40,7 @@ import torch
 from torch import nn
 
 from braid.baselines import megatron_gpt as bm
+from braid.baselines import megatron_moe as mm
 from braid.core.ir import stage_of
 from braid.core.partition import layer_offset
 from braid.baselines.modes import McoreMode, check_baseline_layout
@@ -44,31 +56,36 @@ class McorePipeline:
     ``layers_per_stage``: decoder layers of each virtual stage (``2 * pp`` stages, equal
     counts: megatron-core splits layers evenly); ``groups``: this rank's
     :class:`~braid.runtime.distributed.ProcessGroups` (only its topology is read; megatron-core
-    creates its own groups); ``mode``: eager or graphed, local or Transformer Engine layers
-    (:class:`braid.baselines.modes.McoreMode`). Collective: every rank of the job constructs it.
+    creates its own groups); ``mode``: eager or graphed, local or Transformer Engine layers, EP
+    overlap (:class:`braid.baselines.modes.McoreMode`); ``ep``: a mixture of experts' expert-parallel
+    ranks (default: every data-parallel rank). Collective: every rank of the job constructs it.
     """
 
     def __init__(self, name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
                  device: torch.device, dtype: torch.dtype, seq_len: int | None = None, timeout_s: float = 120.0,
-                 mode: McoreMode | None = None) -> None:
+                 mode: McoreMode | None = None, ep: int | None = None) -> None:
         mode = mode or McoreMode()
         if name not in MCORE_SCHEDULES:
             raise ValueError(f"unknown megatron-core baseline {name!r}; valid: {', '.join(MCORE_SCHEDULES)}")
-        why = mode.unavailable(device.type)
+        cfg = lm.cfg
+        topo = groups.topo
+        moe = mm.is_moe(cfg)
+        ep = (ep or topo.dp) if moe else 1
+        why = mode.unavailable(device.type) or mm.mode_refusal(mode, cfg, ep=ep, dtype=dtype, pp=topo.pp)
         if why:
             raise RuntimeError(why)
         bm.require()
         bm.allow_cpu()
-        cfg = lm.cfg
         bm.check_config(cfg)
-        topo = groups.topo
-        pp, n_stages = check_baseline_layout(name, topo, layers_per_stage)
+        pp, n_stages = check_baseline_layout(name, topo, layers_per_stage, ep=ep)
+        if moe:
+            mm.check_layout(cfg, tp=topo.tp, ep=ep, dp=topo.dp)
         if len(set(layers_per_stage)) != 1:
             raise ValueError(f"{name}: megatron-core splits layers evenly over stages; got {list(layers_per_stage)}")
         if sum(layers_per_stage) != cfg.layers:
             raise ValueError(f"{name}: {sum(layers_per_stage)} layers in the stages, the model has {cfg.layers}")
         vp = 2 if pp > 1 else None
-        bm.ensure_parallel_state(topo.tp, pp, vp, timeout_s)
+        bm.ensure_parallel_state(topo.tp, pp, vp, timeout_s, ep=ep)
         from megatron.core import parallel_state as ps
 
         if device.type == "cuda":
@@ -76,13 +93,20 @@ class McorePipeline:
 
             # A graph replays the RNG states it registered: they must be graph-safe generators.
             model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=mode.graphed, force_reset_rng=True)
-        self.name, self.m, self.tp, self.pp, self.mode = name, m, topo.tp, pp, mode
+        self.name, self.m, self.tp, self.pp, self.ep, self.mode = name, m, topo.tp, pp, ep, mode
         self.seq_len = seq_len
-        tconf = bm.transformer_config(cfg, tp=topo.tp, pp=pp, vp=vp, dtype=dtype, device=device, graphed=mode.graphed)
-        state = bm.tp_shard(bm.to_mcore({k: v.detach() for k, v in lm.state_dict().items()}, cfg), groups.coords.tp, topo.tp)
+        extra = mm.moe_fields(cfg, ep=ep, a2a_overlap=mode.a2a_overlap) if moe else None
+        tconf = bm.transformer_config(cfg, tp=topo.tp, pp=pp, vp=vp, dtype=dtype, device=device, graphed=mode.graphed,
+                                      extra=extra)
+        full = {k: v.detach() for k, v in lm.state_dict().items()}
+        if moe:
+            state = mm.ep_shard(mm.to_mcore(full, cfg), ps.get_expert_model_parallel_rank(), ep, cfg.experts)
+        else:
+            state = bm.tp_shard(bm.to_mcore(full, cfg), groups.coords.tp, topo.tp)
         if mode.spec == "te":
             state = bm.te_state(state)
-        pp_rank = groups.coords.pp
+        pp_rank = ps.get_pipeline_model_parallel_rank()  # braid's when dp = 1; megatron-core's grid otherwise
+        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.modules: list[nn.Module] = []
         # pp == 1: one model of all layers (megatron-core's no-pipelining schedule); else 2 chunks, looped placement.
         chunks = [(0, cfg.layers, True, True, None)] if pp == 1 else [
@@ -90,8 +114,12 @@ class McorePipeline:
             for c, s in ((c, stage_of("loop", pp, pp_rank, c)) for c in range(2))
         ]
         for first, n, embed, head, vp_stage in chunks:
-            mod = bm.gpt_model(cfg, tconf, seq_len=seq_len or 4096, pre_process=embed, post_process=head, vp_stage=vp_stage,
-                               spec=mode.spec)
+            if moe:
+                mod = mm.gpt_model(cfg, tconf, seq_len=seq_len or 4096, pre_process=embed, post_process=head,
+                                   vp_stage=vp_stage, pp_rank=pp_rank if pp > 1 else None)
+            else:
+                mod = bm.gpt_model(cfg, tconf, seq_len=seq_len or 4096, pre_process=embed, post_process=head,
+                                   vp_stage=vp_stage, spec=mode.spec)
             own = bm.chunk_state(state, first, n, embed=embed, head=head)
             missing, unexpected = mod.load_state_dict({k: v.to(dtype) for k, v in own.items()}, strict=False)
             missing = [k for k in missing if not k.endswith("._extra_state")]  # TE modules' FP8 metadata, none here
@@ -149,11 +177,13 @@ class McorePipeline:
             self._pos = torch.arange(s, device=self.device).expand(b, s)
         pos = self._pos
 
-        def forward_step(data_iterator: Any, model: nn.Module) -> tuple[torch.Tensor, Any]:
+        def forward_step(data_iterator: Any, model: nn.Module, return_schedule_plan: bool = False) -> tuple[Any, Any]:
             batch = next(data_iterator)  # a dict: the graphed mode copies it into its static buffers
             tok, lab = batch["tokens"], batch["labels"]
             keep = lab != IGNORE_INDEX
-            out = model(tok, pos, None, labels=torch.where(keep, lab, torch.zeros_like(lab)))
+            # EP overlap (combined 1F1B): megatron-core runs the model from its schedule plan, layer by layer
+            run = model.build_schedule_plan if return_schedule_plan else model
+            out = run(tok, pos, None, labels=torch.where(keep, lab, torch.zeros_like(lab)))
 
             def loss_fn(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 mask = keep.to(per_token.dtype)
@@ -172,6 +202,27 @@ class McorePipeline:
         if not self.is_last:
             return None
         return sum(float(x["loss"]) for x in losses) / len(losses)
+
+    def reduce_gradients(self) -> None:
+        """Average the gradients over the ``dp`` data-parallel replicas (collective; nothing at dp = 1):
+        a dense parameter's over its data-parallel group; an expert's -- already summed over its
+        expert-parallel group by the all-to-all's backward -- summed over its expert-data-parallel
+        group and divided by ``dp`` (as :func:`braid.runtime.expert_parallel.reduce_gradients_ep`)."""
+        if self.dp == 1:
+            return
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        edp = ps.get_expert_data_parallel_group() if self.ep > 1 else None
+        for mod in self.modules:
+            for name, p in mod.named_parameters():
+                if p.grad is None:
+                    continue
+                p.grad.div_(self.dp)
+                if not mm.is_expert_param(name):
+                    dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                elif edp is not None and dist.get_world_size(edp) > 1:
+                    dist.all_reduce(p.grad, group=edp)
 
 
 def reset_full_cuda_graph() -> None:

@@ -45,11 +45,14 @@ def available() -> bool:
     return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 
 
-def ensure_parallel_state(tp: int, pp: int, vp: int | None, timeout_s: float = 120.0) -> None:
-    """megatron-core's ``parallel_state`` for a tp x pp job (collective; redone when the sizes change).
+def ensure_parallel_state(tp: int, pp: int, vp: int | None, timeout_s: float = 120.0, ep: int = 1) -> None:
+    """megatron-core's ``parallel_state`` for a tp x pp job, ``ep`` expert-parallel ranks carved from its
+    data-parallel ones (collective; redone when the sizes change).
 
     Its rank order (TP fastest, PP slowest) is braid's :class:`~braid.core.topology.Topology`
-    grid with dp = cp = 1, so both put a TP group on the same neighbouring ranks.
+    grid with dp = cp = 1, so both put a TP group on the same neighbouring ranks. With dp > 1
+    (expert parallelism) and pp > 1 the grids differ (braid's DP is slowest; megatron-core needs PP
+    last then): read this rank's stage and replica from ``parallel_state``, not from braid's groups.
     """
     require()
     import torch.distributed as dist
@@ -59,11 +62,11 @@ def ensure_parallel_state(tp: int, pp: int, vp: int | None, timeout_s: float = 1
         raise RuntimeError("megatron-core models need torch.distributed initialised first (gloo or nccl, any world size)")
     if ps.model_parallel_is_initialized():
         same = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size())
-        if same == (tp, pp, vp):
+                ps.get_virtual_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if same == (tp, pp, vp, ep):
             return
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp,
+    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp, expert_model_parallel_size=ep,
                                  distributed_timeout_minutes=max(1, int(timeout_s // 60)))
 
 
@@ -91,8 +94,9 @@ def qkv_bias(cfg: Any) -> bool:
 
 
 def transformer_config(cfg: Any, *, tp: int = 1, pp: int = 1, vp: int | None = None, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str = "cpu", graphed: bool = False) -> Any:
-    """megatron-core's ``TransformerConfig`` for braid decoder ``cfg`` at ``tp`` x ``pp`` (``vp`` virtual stages per rank).
+                       device: torch.device | str = "cpu", graphed: bool = False, extra: dict[str, Any] | None = None) -> Any:
+    """megatron-core's ``TransformerConfig`` for braid decoder ``cfg`` at ``tp`` x ``pp`` (``vp`` virtual stages per rank);
+    ``extra``: more fields (a mixture of experts': :func:`braid.baselines.megatron_moe.moe_fields`).
 
     ``graphed``: the whole forward-backward runs in one CUDA graph (``cuda_graph_impl="local"``,
     ``cuda_graph_scope="full_iteration"``, as Megatron-LM's ``--cuda-graph-impl local
@@ -121,6 +125,7 @@ def transformer_config(cfg: Any, *, tp: int = 1, pp: int = 1, vp: int | None = N
         # transfer where it is issued.
         batch_p2p_comm=False, overlap_p2p_comm=not cpu and not graphed,
         **({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"} if graphed else {}),
+        **(extra or {}),
     )
 
 
@@ -315,8 +320,45 @@ def chunk_state(state: dict[str, torch.Tensor], first_layer: int, layers: int, *
 
 
 # -- CPU -----------------------------------------------------------------------------------
+class _CpuEvent:
+    """A CUDA event on a CPU-only job: the work it marks is done when it is recorded."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """The one CUDA stream of a CPU-only job: work runs in program order, so there is nothing to wait for."""
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event or _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+_CPU_STREAM = _CpuStream()
+
+
 class _CpuCuda(types.ModuleType):
-    """``torch.cuda`` as megatron-core's modules see it on a CPU-only job: the current device is the CPU."""
+    """``torch.cuda`` as megatron-core's modules see it on a CPU-only job: the current device is the CPU,
+    and every stream is the one in-order CPU stream (megatron-core's MoE dispatcher keeps a side stream
+    for its host copies)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
@@ -324,6 +366,24 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def current_device() -> torch.device:
         return torch.device("cpu")
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:  # noqa: N802 - torch.cuda's name
+        return _CPU_STREAM
+
+    @staticmethod
+    def current_stream(*args: Any) -> _CpuStream:
+        return _CPU_STREAM
+
+    @staticmethod
+    def stream(s: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def Event(*args: Any, **kwargs: Any) -> _CpuEvent:  # noqa: N802 - torch.cuda's name
+        return _CpuEvent()
 
 
 class _CpuTorch(types.ModuleType):
@@ -353,6 +413,11 @@ def allow_cpu() -> None:
     import megatron.core.pipeline_parallel.p2p_communication as p2p
     import megatron.core.pipeline_parallel.schedules as schedules
 
-    for mod in (rope, p2p, schedules):
+    cpu_torch_in(rope, p2p, schedules)
+
+
+def cpu_torch_in(*modules: types.ModuleType) -> None:
+    """Rebind ``torch`` in megatron-core's ``modules`` to the CPU view (:func:`allow_cpu`); idempotent."""
+    for mod in modules:
         if not isinstance(mod.torch, _CpuTorch):
             mod.torch = _CpuTorch("torch")

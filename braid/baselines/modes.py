@@ -17,7 +17,12 @@ baseline runs in named modes and the bench shows every mode as its own row:
   wraps the whole forward-backward of an iteration in one CUDA graph
   (``megatron.core.full_cuda_graph.FullCudaGraphWrapper``, ``cuda_graph_scope=full_iteration``,
   as Megatron-LM's ``--cuda-graph-impl local --cuda-graph-scope full_iteration``); ``te``
-  builds the layers from megatron-core's Transformer Engine spec instead of the local one.
+  builds the layers from megatron-core's Transformer Engine spec instead of the local one;
+  ``a2a_overlap`` (a mixture of experts at ep > 1, bf16/fp16, CUDA) turns on megatron-core's
+  EP all-to-all overlap (``overlap_moe_expert_parallel_comm``: its combined 1F1B runs one
+  micro-batch's forward beside another's backward, layer by layer, so that each one's
+  dispatch/combine all-to-alls hide behind the other's compute). A MoE model's rows run
+  eager or ``a2a_overlap`` (:func:`braid.baselines.megatron_moe.mode_refusal` says why not graphed).
 
 Every mode says in one line why it cannot run on a given device (:meth:`TorchMode.unavailable`,
 :meth:`McoreMode.unavailable`), so the bench prints that row instead of failing.
@@ -33,9 +38,15 @@ from typing import Literal, Sequence
 from braid.core.partition import whole_layers
 
 TORCH_PARTS = ("eager", "titan", "compile", "async_tp")
-MCORE_PARTS = ("eager", "graphed", "te")
+MCORE_PARTS = ("eager", "graphed", "te", "a2a_overlap")
 BEST_MCORE_MODE = "graphed"  # megatron-core at its best on the local spec (te needs Transformer Engine built)
 DEFAULT_MCORE_MODES = ("eager", BEST_MCORE_MODE)
+MOE_MCORE_MODES = (*DEFAULT_MCORE_MODES, "a2a_overlap")  # a mixture of experts: graphed says why not, EP overlap is its best
+
+
+def default_mcore_modes(moe: bool) -> tuple[str, ...]:
+    """megatron-core's default modes: eager and graphed, and for a mixture of experts its EP all-to-all overlap."""
+    return MOE_MCORE_MODES if moe else DEFAULT_MCORE_MODES
 
 
 def _parts(text: str, valid: Sequence[str], what: str) -> set[str]:
@@ -96,23 +107,33 @@ class TorchMode:
 @dataclass(frozen=True, slots=True)
 class McoreMode:
     """How the megatron-core baseline runs: layer ``spec`` (``local`` torch layers with SDPA, or
-    ``te``: Transformer Engine) and ``graphed`` (one CUDA graph per iteration)."""
+    ``te``: Transformer Engine), ``graphed`` (one CUDA graph per iteration) and ``a2a_overlap``
+    (a mixture of experts' EP all-to-all overlap, ``overlap_moe_expert_parallel_comm``)."""
 
     spec: Literal["local", "te"] = "local"
     graphed: bool = False
+    a2a_overlap: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "McoreMode":
-        """``eager``, ``graphed``, ``te``, ``te+graphed``."""
+        """``eager``, ``graphed``, ``te``, ``te+graphed``, ``a2a_overlap``, ..."""
         parts = _parts(text, MCORE_PARTS, "megatron-core")
-        return cls("te" if "te" in parts else "local", "graphed" in parts)
+        return cls("te" if "te" in parts else "local", "graphed" in parts, "a2a_overlap" in parts)
 
     @property
     def label(self) -> str:
-        return "+".join(p for p, on in (("te", self.spec == "te"), ("graphed", self.graphed)) if on) or "eager"
+        return "+".join(p for p, on in (("te", self.spec == "te"), ("graphed", self.graphed),
+                                        ("a2a_overlap", self.a2a_overlap)) if on) or "eager"
 
     def unavailable(self, device_type: str) -> str | None:
-        """Why this mode cannot run here, in one line, or None."""
+        """Why this mode cannot run here, in one line, or None (what the model makes impossible:
+        :func:`braid.baselines.megatron_moe.mode_refusal`)."""
+        if self.a2a_overlap:
+            if self.graphed:
+                return ("a2a_overlap with the full-iteration graph: megatron-core refuses a CUDA graph over the MoE "
+                        "layers with EP overlap")
+            if device_type != "cuda":
+                return f"megatron-core's EP all-to-all overlap runs on CUDA streams; this job runs on {device_type}"
         if self.graphed and device_type != "cuda":
             return f"megatron-core's full-iteration CUDA graph needs CUDA; this job runs on {device_type}"
         if self.spec == "te":
@@ -149,11 +170,13 @@ def parse_modes(names: Sequence[str], torch_modes: Sequence[str], mcore_modes: S
     return [(n, mode) for n in names for mode in (mm if peer_of(n) == "mcore" else tm)]
 
 
-def check_baseline_layout(name: str, topo, layers_per_stage: Sequence[int]) -> tuple[int, int]:
+def check_baseline_layout(name: str, topo, layers_per_stage: Sequence[int], ep: int = 1) -> tuple[int, int]:
     """``(pp, number of stages)`` of an external baseline's layout, or ``ValueError``: the baselines
-    run tp x pp layouts (dp = cp = 1) with two virtual stages per rank."""
-    if topo.dp != 1 or topo.cp != 1:
-        raise ValueError(f"{name} runs tp x pp layouts only (got dp={topo.dp}, cp={topo.cp}); use dp=1, cp=1")
+    run tp x pp layouts (dp = cp = 1) with two virtual stages per rank; with ``ep`` > 1 expert-parallel
+    ranks (a mixture of experts), dp may be a multiple of ``ep``: the ranks the experts are carved from."""
+    if topo.cp != 1 or (topo.dp != 1 and (ep < 2 or topo.dp % ep)):
+        moe = f" (a mixture of experts: or dp a multiple of ep={ep})" if ep > 1 else ""
+        raise ValueError(f"{name} runs tp x pp layouts only{moe}, got dp={topo.dp}, cp={topo.cp}; use dp=1, cp=1")
     pp, n_stages = topo.pp, len(layers_per_stage)
     if not whole_layers(layers_per_stage):
         raise ValueError(f"{name} splits whole layers over its stages, got {list(layers_per_stage)}; "

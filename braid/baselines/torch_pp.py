@@ -65,12 +65,13 @@ def available_baselines() -> list[str]:
 def baseline_pipeline(name: str, lm: nn.Module, layers_per_stage: Sequence[int], m: int, *, groups: Any,
                       device: torch.device, dtype: torch.dtype, vision: nn.Module | None = None,
                       seq_len: int | None = None, timeout_s: float = 120.0, mode: PeerMode | None = None,
-                      comm: BaselineGroups | None = None) -> Any:
+                      comm: BaselineGroups | None = None, ep: int | None = None) -> Any:
     """The baseline ``name`` over this rank's stages (:class:`TorchPipeline` or
     :class:`braid.baselines.mcore.McorePipeline`; both have ``modules``, ``parameters()``,
     ``optimizer(lr)``, ``step(inputs, labels)`` and ``close()``), in ``mode``
     (:mod:`braid.baselines.modes`; default eager); ``comm``: the torch baselines' groups, shared
-    by the baselines of a job (:class:`BaselineGroups`). Collective."""
+    by the baselines of a job (:class:`BaselineGroups`); ``ep``: a mixture of experts' expert-parallel ranks
+    (megatron-core's; default every data-parallel rank). Collective."""
     if name in MCORE_SCHEDULES:
         from braid.baselines.mcore import McorePipeline
 
@@ -79,7 +80,7 @@ def baseline_pipeline(name: str, lm: nn.Module, layers_per_stage: Sequence[int],
         if mode is not None and not isinstance(mode, McoreMode):
             raise ValueError(f"{name} takes a megatron-core mode, got {mode}")
         return McorePipeline(name, lm, layers_per_stage, m, groups=groups, device=device, dtype=dtype, seq_len=seq_len,
-                             timeout_s=timeout_s, mode=mode or McoreMode())
+                             timeout_s=timeout_s, mode=mode or McoreMode(), ep=ep)
     if mode is not None and not isinstance(mode, TorchMode):
         raise ValueError(f"{name} takes a torch mode, got {mode}")
     return TorchPipeline(name, lm, layers_per_stage, m, groups=groups, device=device, dtype=dtype, vision=vision,

@@ -3,20 +3,23 @@
 Every baseline (:data:`braid.baselines.torch_pp.BASELINES`) runs in every mode of its peer
 (:mod:`braid.baselines.modes`): by default torch eager and torch's best (torchtitan's TP with
 per-layer compile and async TP at tp > 1, compile at tp = 1), megatron-core eager and
-graphed. A row is named by its schedule and mode (``torch:ScheduleZBVZeroBubble [compile]``);
-a mode that cannot run on the job's device is a row that says why, not a failure.
+graphed (and for a mixture of experts, megatron-core's EP all-to-all overlap, ``a2a_overlap``).
+A row is named by its schedule and mode (``torch:ScheduleZBVZeroBubble [compile]``); a mode that
+cannot run on the job's device, or on its model (megatron-core's graph over a dropless MoE), is a
+row that says why, not a failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from braid.baselines.modes import (
     DEFAULT_MCORE_MODES,
     PeerMode,
+    default_mcore_modes,
     default_torch_modes,
     mode_unavailable,
     parse_modes,
@@ -51,11 +54,14 @@ def add_peer_args(ap: argparse.ArgumentParser) -> None:
                     help="modes of the torch baselines, parts eager|titan|compile|async_tp joined with '+' "
                          "(default: eager titan+compile+async_tp at tp > 1, eager compile at tp = 1)")
     ap.add_argument("--mcore-modes", nargs="+", metavar="MODE", default=list(DEFAULT_MCORE_MODES),
-                    help="modes of the megatron-core baseline, parts eager|graphed|te joined with '+' (default: eager graphed)")
+                    help="modes of the megatron-core baseline, parts eager|graphed|te|a2a_overlap joined with '+' "
+                         "(default: eager graphed; a2a_overlap: a mixture of experts' EP all-to-all overlap, ep > 1, bf16)")
 
 
-def peer_runs_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, tp: int, device_type: str) -> list[PeerRun]:
-    """The rows the flags ask for (``ap.error`` -- exit 2 -- on a bad name or mode)."""
+def peer_runs_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, tp: int, device_type: str,
+                        pc: Any = None) -> list[PeerRun]:
+    """The rows the flags ask for (``ap.error`` -- exit 2 -- on a bad name or mode); with the job's profile config
+    ``pc``, a row its model cannot run says why (:func:`with_model_refusals`)."""
     from braid.baselines.torch_pp import BASELINES, available_baselines
 
     names = args.baselines or available_baselines()
@@ -63,17 +69,34 @@ def peer_runs_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, t
     if bad:
         ap.error(f"unknown baseline {bad[0]!r}; valid names: {', '.join(BASELINES)}")
     try:
-        return peer_runs(names, args.torch_modes or default_torch_modes(tp), args.mcore_modes, tp, device_type)
+        runs = peer_runs(names, args.torch_modes or default_torch_modes(tp), args.mcore_modes, tp, device_type)
+        return runs if pc is None else with_model_refusals(runs, pc)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: ap.error exits
 
 
 def peer_runs_default(pc: Any) -> list[PeerRun]:
-    """The default rows for a job of profile config ``pc``: every available baseline in its peer's default modes."""
+    """The default rows for a job of profile config ``pc``: every available baseline in its peer's default modes
+    (megatron-core's EP overlap too for a mixture of experts)."""
+    from braid.baselines.megatron_moe import is_moe
     from braid.baselines.torch_pp import available_baselines
 
-    return peer_runs(available_baselines(), default_torch_modes(pc.tp), DEFAULT_MCORE_MODES, pc.tp, pc.device)
+    return with_model_refusals(peer_runs(available_baselines(), default_torch_modes(pc.tp),
+                                         default_mcore_modes(is_moe(pc.model)), pc.tp, pc.device), pc)
+
+
+def with_model_refusals(runs: Sequence[PeerRun], pc: Any) -> list[PeerRun]:
+    """``runs`` with each megatron-core row that the job's model, ``ep`` (``pc.ep``, 1 where the config has none)
+    and dtype rule out saying why (:func:`braid.baselines.megatron_moe.mode_refusal`: graphed over a dropless MoE,
+    the EP overlap without experts, at ep = 1 or in float32), so it is reported without being built."""
+    import torch
+
+    from braid.baselines.megatron_moe import mode_refusal
+
+    ep, dtype = getattr(pc, "ep", 1), getattr(torch, pc.dtype)
+    return [replace(r, why=r.why or mode_refusal(r.mode, pc.model, ep=ep, dtype=dtype, pp=pc.pp)) if r.peer == "mcore"
+            else r for r in runs]
 
 
 def peer_runs(names: Sequence[str], torch_modes: Sequence[str], mcore_modes: Sequence[str], tp: int,
