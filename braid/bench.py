@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--probe-mbs must be >= --pp ({args.pp}): every pipeline rank needs a micro-batch")
     check_counts(ap, args, ("mbs", "steps", "rounds", "warmup"), at_least_zero=("warmup",))
     pc = config_from_args(ap, args)
-    peers = tuple(peer_runs_from_args(ap, args, pc.tp, pc.device))
+    peers = tuple(peer_runs_from_args(ap, args, pc.tp, pc.device, pc=pc))
     if not args.no_external:
         try:
             pc.peer_layers_per_stage  # the external baselines' whole-layer split

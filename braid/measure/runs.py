@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 NO_VLM_PEER = ("no vision-language row: the external baselines pipeline a decoder LM's layers, not a vision tower "
                "on the first stage")
-NO_EP_PEER = ("no expert-parallel row: the external baselines here pipeline the model without expert parallelism "
-              "(ep=1, dense data parallelism)")
+NO_EP_PEER = ("no expert-parallel row: torch's pipelining schedules run the model without expert parallelism "
+              "(megatron-core's rows shard the experts as braid does)")
 PROBE_STEPS = 11  # measured steps of the calibration probe (at least --steps)
 
 
@@ -219,8 +219,10 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
     pc = bc.profile
     dev = d.device
     pipe = baseline_pipeline(run.name, model, pc.peer_layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
-                             seq_len=pc.seq, mode=run.mode, comm=torch_groups(run, groups, dev, shared))
-    toks, labs = _data(pc, m, dev, groups.coords.dp)
+                             seq_len=pc.seq, mode=run.mode, comm=torch_groups(run, groups, dev, shared),
+                             ep=pc.ep if pc.ep > 1 else None)
+    # a replica steps its own micro-batches (megatron-core numbers its data-parallel ranks itself)
+    toks, labs = _data(pc, m, dev, getattr(pipe, "dp_rank", groups.coords.dp))
     x, y = torch.cat(toks), torch.cat(labs)
 
     def step():
@@ -295,7 +297,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     if pc.vision is not None:
         peers = tuple(replace(p, why=p.why or NO_VLM_PEER) for p in peers)
     if pc.ep > 1:
-        peers = tuple(replace(p, why=p.why or NO_EP_PEER) for p in peers)
+        peers = tuple(replace(p, why=p.why or NO_EP_PEER) if p.peer != "mcore" else p for p in peers)
     ext = [(p, m) for p in peers for m in bc.mbs] if bc.external else []
     peer_groups: dict[str, Any] = {}  # the torch baselines' process groups, made once
     progress = Progress(bc.rounds * (len(jobs) + len(ext)), "bench", enabled=lead)
@@ -348,6 +350,10 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
                                 "external": external, "notes": notes + [f"partial: {rnd + 1} of {bc.rounds} rounds"]})
     if bc.external:
         notes.append(peers_note(peers))
+        from braid.baselines.megatron_moe import is_moe, row_note
+
+        if is_moe(pc.model) and any(p.peer == "mcore" for p in peers):
+            notes.append(row_note(pc.model, pc.ep))
         if pc.peer_layers_per_stage != pc.layers_per_stage:
             notes.append(f"braid's stages cut a layer in half (layers/stage={_counts(pc.layers_per_stage)}); the external "
                          f"baselines split whole layers, {_counts(pc.peer_layers_per_stage)}")
