@@ -153,8 +153,10 @@ def _case_pipeline(ctx, pp: int, ep: int, device: str = "cpu"):
     ref64_loss.backward()
     where = f"mcore MoE pp={pp} ep={ep} {device} rank={ctx.rank}"
     # the mean over the replicas of the last stage's losses (each rank of the last stage holds one)
-    got = torch.tensor([loss if loss is not None else 0.0, float(loss is not None)], dtype=torch.float64)
+    got = torch.tensor([loss if loss is not None else 0.0, float(loss is not None)], dtype=torch.float64,
+                       device=ctx.dist.device)  # NCCL reduces device tensors only
     dist.all_reduce(got)
+    got = got.cpu()
     assert_matches_reference(torch.tensor(float(got[0] / got[1]), dtype=torch.float32), ref_loss.detach(), ref64_loss.detach(),
                              what=f"{where} loss")
 
