@@ -7,7 +7,8 @@ import time
 
 
 class Progress:
-    """A one-line progress bar on stderr (only where ``enabled``): ``label [###...] done/total what``.
+    """A one-line progress bar on stderr (only where ``enabled``): ``label [###...] done/total seconds what``
+    (seconds since the bar was made).
 
     :meth:`step` advances it; :meth:`close` ends its line when the work stopped before ``total``
     (a search that proved its answer early). ``every_s``: redraw at most that often (many
@@ -17,6 +18,7 @@ class Progress:
     def __init__(self, total: int, label: str, enabled: bool = True, every_s: float = 0.0) -> None:
         self.total, self.label, self.done, self.enabled = max(1, total), label, 0, enabled
         self.every_s, self._drawn, self._what = every_s, -float("inf"), ""
+        self._t0 = time.monotonic()
 
     def step(self, what: str = "") -> None:
         self.done += 1
@@ -36,7 +38,8 @@ class Progress:
 
     def _draw(self) -> None:
         n = int(30 * min(self.done, self.total) / self.total)
-        sys.stderr.write(f"\r{self.label} [{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {self._what:<28}")
+        elapsed = time.monotonic() - self._t0  # where a long job spends its time, read off the log
+        sys.stderr.write(f"\r{self.label} [{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {elapsed:6.0f} s {self._what:<28}")
         if self.done == self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
