@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--probe-mbs", type=int, default=None, metavar="M",
                     help="micro-batches of the calibration probe (default 4 x --pp: long enough that a power-capped "
                          "GPU runs it at the clock of the benchmarked steps; it holds all M micro-batches' "
-                         "activations at once, so lower it where that does not fit)")
+                         "activations at once: without this flag m is lowered, to no less than --pp, until it fits)")
     ap.add_argument("--capture", metavar="FILE", help="add this run's measurements and profile to a stored set file")
     ap.add_argument("--capture-name", default=None, help="name of the stored set (default <device>-tp<t>-pp<p>, "
                     "with -graphed where every run was one CUDA graph replay)")

@@ -17,7 +17,9 @@ from braid.measure.calibrate import (
     SCALE_BOUNDS,
     calibrate,
     fitted_factors,
+    PROBE_MEMORY_MARGIN,
     pair_slowdown,
+    probe_fit,
     probe_plan,
 )
 from braid.measure.config import ProfileConfig
@@ -196,3 +198,20 @@ def test_per_stage_busy_time_longer_than_the_graphed_step_allows_is_not_taken_as
     assert "compute_scale_per_stage" not in cal
     assert cal["compute_scale_per_phase"] == pytest.approx({"F": 1.0, "B": 1.0, "W": 1.0})
     assert cal["p2p_s"] == pytest.approx(0.05, rel=1e-3)
+
+
+def test_the_probe_is_lowered_to_what_the_device_holds() -> None:
+    """A probe holds every micro-batch's activations of a rank's chunks at once: m is the most that fits 90%
+    of the free bytes at the margin, never above the asked m nor below pp; each pipeline rank sums its own chunks."""
+    pc = ProfileConfig(MODEL, (1, 1, 1, 1), pp=2)  # V placement: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2
+    gib = 2.0**30
+    doc = {"chunks": {"0": {"activation_bytes": 1 * gib}, "1": {"activation_bytes": 2 * gib},
+                      "2": {"activation_bytes": 2 * gib}, "3": {"activation_bytes": 3 * gib}}}
+    per_mb = {0: 4 * gib * PROBE_MEMORY_MARGIN, 1: 4 * gib * PROBE_MEMORY_MARGIN}
+    for rank in (0, 1):
+        assert probe_fit(doc, pc, rank, 100 * per_mb[rank] / 0.9, 8) == 8  # room for all: the asked m
+        assert probe_fit(doc, pc, rank, 5.5 * per_mb[rank] / 0.9, 8) == 5
+        assert probe_fit(doc, pc, rank, 0.5 * per_mb[rank] / 0.9, 8) == 2  # never below pp
+    lopsided = {"chunks": {**doc["chunks"], "3": {"activation_bytes": 7 * gib}}}
+    assert probe_fit(lopsided, pc, 0, 6 * per_mb[0] / 0.9, 8) == 3 and probe_fit(lopsided, pc, 1, 6 * per_mb[1] / 0.9, 8) == 6
+    assert probe_fit({"chunks": {}}, pc, 0, 1.0, 8) == 8  # nothing profiled: the asked m

@@ -96,6 +96,24 @@ def probe_plan(p: int, m: int, v: int = 2):
 # predicted 3-12% fast; at m = 4p the probe ran at ~1550 MHz, as the runs do
 # (benchmarks/results/probe_clocks_h200x2.txt).
 PROBE_MBS_PER_RANK = 4
+# The probe holds every micro-batch's activations at once. The profile's activation bytes have run
+# 18-28% below the allocator's peak on H100s (benchmarks/results/acceptance_h100x2_bench.json), and a
+# graphed probe keeps its graph's pool beside the eager one: a probe is sized for this much more.
+PROBE_MEMORY_MARGIN = 1.5
+
+
+def probe_fit(doc: dict[str, Any], pc: ProfileConfig, pp_rank: int, free_bytes: float, m: int) -> int:
+    """The largest probe micro-batch count, at most ``m`` and at least ``pc.pp``, whose activations (every
+    micro-batch of this pipeline rank's chunks at once, :data:`PROBE_MEMORY_MARGIN` over the profile's
+    ``activation_bytes``) fit 90% of ``free_bytes`` (what the device can still give this process)."""
+    from braid.core.ir import stage_of
+
+    chunks = doc.get("chunks", {})
+    act = sum(float(chunks.get(str(stage_of(pc.placement, pc.pp, pp_rank, c)), {}).get("activation_bytes", 0.0))
+              for c in range(pc.v))
+    if act <= 0:
+        return m
+    return max(pc.pp, min(m, int(0.9 * free_bytes / (PROBE_MEMORY_MARGIN * act))))
 
 
 def probe_mbs(p: int, cal: dict[str, Any] | None = None) -> int:

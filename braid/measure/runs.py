@@ -15,7 +15,7 @@ import torch.distributed as dist
 from braid.measure.peers import PeerRun, peer_fields, peer_runs_default, peers_note, torch_groups
 from braid.cost.costs import Layout, costs_from_dict
 from braid.planner.braid_tune import count_blocks
-from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_mbs, probe_plan
+from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_fit, probe_mbs, probe_plan
 from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
 from braid.measure.experts import count_routes, graph_reason, job_groups
 from braid.io.progress import Progress
@@ -258,11 +258,13 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         gathered: list[Any] = [None] * pc.world_size
         dist.all_gather_object(gathered, res)
         doc = raw_doc = profile_to_dict(assemble(pc, gathered))
+    probe_note = None
     if bc.costs is None and bc.calibrate:
         # The probe (m = 4p by default, see calibrate.PROBE_MBS_PER_RANK): more steps than a
         # benchmarked run, medians of the step time and of each phase's busy time, so one slow
         # step on a shared machine does not land in the fitted communication figure.
-        plan = probe_plan(pc.pp, bc.probe_mbs or probe_mbs(pc.pp), pc.v)
+        m_probe, probe_note = _probe_m(d, bc, doc, groups)
+        plan = probe_plan(pc.pp, m_probe, pc.v)
         out = _run_probe(d, bc, groups, model, plan, comm, experts)
         gathered = [None] * pc.world_size
         dist.all_gather_object(gathered, out)
@@ -291,7 +293,7 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
                      "busy_per_chunk_s": {k: statistics.median(b.get(k, 0.0) for b in per_chunk)
                                           for k in sorted(set().union(*per_chunk))}}
             doc = calibrate(doc, pc, plan, step_s, busy, probe)
-    runs, notes = [], []
+    runs, notes = [], [probe_note] if probe_note else []
     jobs = [(n, m) for n in bc.schedules for m in bc.mbs]
     peers = bc.peers if bc.peers is not None else tuple(peer_runs_default(pc))
     if pc.vision is not None:
@@ -367,6 +369,25 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
                      + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
     return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes,
             "memory_snapshot": shots} if lead else None
+
+
+def _probe_m(d, bc: BenchConfig, doc: dict[str, Any], groups) -> tuple[int, str | None]:
+    """The probe's micro-batch count: ``--probe-mbs``, else the default lowered until every rank's probe
+    activations fit its device (:func:`braid.measure.calibrate.probe_fit`; the ranks agree on the least),
+    and the note that says so. Collective on CUDA."""
+    pc = bc.profile
+    m = bc.probe_mbs or probe_mbs(pc.pp)
+    if bc.probe_mbs is not None or d.device.type != "cuda":
+        return m, None
+    free, _ = torch.cuda.mem_get_info(d.device)
+    free += torch.cuda.memory_reserved(d.device) - torch.cuda.memory_allocated(d.device)  # cached, reusable
+    fit = torch.tensor([probe_fit(doc, pc, groups.coords.pp, free, m)], device=d.device)
+    dist.all_reduce(fit, op=dist.ReduceOp.MIN)
+    got = int(fit.item())
+    if got == m:
+        return m, None
+    return got, (f"calibration probe at m={got}, not {m}: every micro-batch's activations at once would not fit the "
+                 f"device (--probe-mbs sets it)")
 
 
 def _run_probe(d, bc: BenchConfig, groups, model, plan, comm, experts=None) -> dict[str, Any]:
