@@ -72,3 +72,21 @@ def test_cpu_profile_is_a_cost_file_for_any_placement() -> None:
         assert 0 < entry["w_residual_bytes"] <= entry["activation_bytes"]
     # stage 1 has two layers: its forward keeps more than stage 2's one layer
     assert doc["chunks"]["1"]["activation_bytes"] > doc["chunks"]["2"]["activation_bytes"]
+
+
+def test_the_device_hold_before_a_phase_stays_bounded_when_the_phase_waits_on_the_device() -> None:
+    """A phase that reads the device on the host (routing counts) waits through the hold before it: its
+    issue time is taken without that wait, so the hold settles at twice the phase's own time instead of
+    doubling every iteration; a phase the host issues ahead of the device keeps its measured time."""
+    from braid.measure.units import hold_for, issue_time
+
+    work, issue = 0.05, None  # the device's time up to the phase's host read
+    holds = []
+    for _ in range(8):
+        held = hold_for(issue)
+        holds.append(held)
+        issue = issue_time(held + work, held, cuda=True)  # the host waited for the hold and the work
+    assert holds[-1] == pytest.approx(hold_for(work), rel=1e-12) == holds[-2]  # a few float sums' rounding
+    assert max(holds) < 3 * work
+    assert issue_time(0.004, hold_for(0.003), cuda=True) == 0.004  # issued ahead of the device: as measured
+    assert issue_time(0.2, 0.1, cuda=False) == 0.2  # CPU: no hold
