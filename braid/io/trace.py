@@ -149,11 +149,11 @@ class ExpertLoad:
             raise TraceError(f"{where} must be an object, got {type(d).__name__}")
         extra = sorted(set(d) - {"layers", "ep", "tp", "scope"})
         if extra:
-            raise TraceError(f"{where} has unknown key {extra[0]!r}"[:300] + "; keys: layers, ep, tp, scope")
+            raise TraceError(f"{where} has unknown key {extra[0][:40]!r}; keys: layers, ep, tp, scope")
         ep, tp, scope = d.get("ep", 1), d.get("tp", 1), d.get("scope", "")
         for name, v in (("ep", ep), ("tp", tp)):
             if not _is_int(v) or not 1 <= v <= COUNT_LIMITS[name]:
-                raise TraceError(f"{where}.{name} must be a whole number in [1, {COUNT_LIMITS[name]}], got {v!r}"[:300])
+                raise TraceError(f"{where}.{name} must be a whole number in [1, {COUNT_LIMITS[name]}], got {repr(v)[:40]}")
         if not isinstance(scope, str) or len(scope) > 200:
             raise TraceError(f"{where}.scope must be text of at most 200 characters")
         layers = d.get("layers")
@@ -163,15 +163,17 @@ class ExpertLoad:
         for key, counts in layers.items():
             layer = _int_text(key)
             if layer is None or layer >= MAX_LAYERS:
-                raise TraceError(f"{where}.layers: {key!r} is not a layer index (a whole number below {MAX_LAYERS})"[:300])
-            if (not isinstance(counts, list) or not 1 <= len(counts) <= MAX_EXPERTS
+                raise TraceError(f"{where}.layers: {str(key)[:20]!r} is not a layer index (a whole number below {MAX_LAYERS})")
+            if isinstance(counts, list) and len(counts) > MAX_EXPERTS:
+                raise TraceError(f"{where}.layers[{key!r}] has {len(counts):,} experts, more than {MAX_EXPERTS:,}")
+            if (not isinstance(counts, list) or not counts
                     or not all(_is_int(c) and 0 <= c < MAX_ROUTED_ROWS for c in counts)):
-                raise TraceError(f"{where}.layers[{key!r}] must be a list of 1 to {MAX_EXPERTS} whole numbers >= 0 "
-                                 f"(rows per expert), got {counts!r}"[:300])
+                raise TraceError(f"{where}.layers[{key!r}] must be a list of whole numbers >= 0 (rows per expert), "
+                                 f"got {repr(counts)[:120]}")
             out[layer] = tuple(counts)
         experts = {len(c) for c in out.values()}
         if len(experts) > 1:
-            raise TraceError(f"{where}.layers have different numbers of experts: {sorted(experts)}")
+            raise TraceError(f"{where}.layers have different numbers of experts: {sorted(experts)[:4]}")
         n = experts.pop()
         if len(out) * n > MAX_EXPERT_LOAD_CELLS:
             raise TraceError(f"{where}: {len(out)} layers x {n} experts, more than {MAX_EXPERT_LOAD_CELLS:,} counts")
@@ -238,7 +240,7 @@ class Trace:
         imb = meta.get("moe_imbalance")
         if imb is not None and not (_finite(imb) and 1.0 <= imb <= 1e6):
             raise TraceError(f"{where}: meta.moe_imbalance must be a number in [1, 1e6] (the busiest expert-parallel "
-                             f"rank's rows over the mean), got {imb!r}"[:300])
+                             f"rank's rows over the mean), got {repr(imb)[:40]}")
         return Trace(meta, events, memory)
 
 
