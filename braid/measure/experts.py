@@ -7,8 +7,10 @@ layer's experts are sharded over the replicas of one (pp, tp) slot as the exampl
 
 **Routing counts.** Each MoE layer's dispatcher is wrapped (:class:`CountingDispatch`) so that every
 micro-batch's rows per expert -- the counts the dispatch plans the all-to-all from -- are summed on
-the device, with no host read. :func:`routing_summary` joins every rank's sums (the data-parallel
-replicas' tokens; one TP rank of each, which all see the same tokens) into tokens per expert and rows
+the device, with no host read. :func:`expert_load` joins every rank's sums (the data-parallel
+replicas' tokens; one TP rank of each, which all see the same tokens) per layer -- what a measured
+trace carries (:class:`braid.io.trace.ExpertLoad`, ``meta.expert_load``) -- and :func:`routing_summary`
+gives its figures (:meth:`~braid.io.trace.ExpertLoad.summary`): tokens per expert and rows
 per device holding experts (TP slice x expert-parallel share, :class:`braid.models.moe_dispatch.ExpertSlice`),
 and the imbalance factors: the busiest over the mean, per layer, then the mean over layers (what the
 cost model's ``imbalance`` stands for: :mod:`braid.cost.moe_costs`) and the worst layer.
