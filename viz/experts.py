@@ -76,15 +76,14 @@ def load_traces(go: Any, panel: Panel) -> tuple[list[Any], dict[str, Any]]:
         return [], layout | {"annotations": []}
     s = load.summary()
     tokens, rows = s["tokens_per_expert"], s["rows_per_ep_rank"]
-    per = load.experts // load.devices
     labels = device_labels(load)
     worst = load.layers[s["expert_imbalance_worst_layer"]]
     hot_e, hot_d = tokens.index(max(tokens)), rows.index(max(rows))
     common = dict(showlegend=False)
     experts = go.Bar(name="tokens per expert", x=list(range(load.experts)), y=tokens, xaxis="x3", yaxis="y3",
-                     marker=dict(color=[BUSIEST if e == hot_e else SHADES[(e // per) % 2] for e in range(load.experts)],
+                     marker=dict(color=[BUSIEST if e == hot_e else SHADES[load.device_of(e) % 2] for e in range(load.experts)],
                                  line=dict(width=0)),
-                     customdata=[[labels[e // per], worst[e]] for e in range(load.experts)],
+                     customdata=[[labels[load.device_of(e)], worst[e]] for e in range(load.experts)],
                      hovertemplate=(f"expert %{{x}} on %{{customdata[0]}}<br>%{{y}} tokens (all {len(load.layers)} MoE "
                                     f"layers)<br>layer {s['expert_imbalance_worst_layer']} (worst): %{{customdata[1]}}"
                                     "<extra></extra>"), **common)

@@ -104,10 +104,16 @@ class ExpertLoad:
     def devices(self) -> int:
         return self.ep * self.tp
 
+    def device_of(self, expert: int) -> int:
+        """The device holding ``expert`` (contiguous shards)."""
+        return expert // (self.experts // self.devices)
+
     def device_rows(self, counts: Sequence[int]) -> list[int]:
         """Rows per device of one layer's rows per expert."""
-        per = len(counts) // self.devices
-        return [sum(counts[i * per:(i + 1) * per]) for i in range(self.devices)]
+        rows = [0] * self.devices
+        for e, c in enumerate(counts):
+            rows[self.device_of(e)] += c
+        return rows
 
     @property
     def tokens_per_expert(self) -> list[int]:
