@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from braid.cost.costs import CostModel
+from braid.cost.moe_costs import priced_imbalance
 from braid.core.ir import Program, compute_ops
 from braid.io.trace import Trace
 from braid.simulator.engine import Engine, SimulationError
@@ -42,7 +43,9 @@ def simulate(programs: Sequence[Program], costs: CostModel, *, name: str = "sche
     mbs = {op.mb for prog in programs for ins in prog.instructions for op in compute_ops(ins)}
     report = build_report(name, stats, series, costs, len(mbs), step)
     lay = costs.layout
+    imbalance = priced_imbalance(costs)
     trace_meta = {"schedule": name, "source": "simulated", "p": lay.p, "v": lay.v, "tp": lay.tp,
                   "placement": lay.placement, "m": len(mbs), "costs": costs.source, "ma_bytes": costs.ma_bytes,
+                  **({"moe_imbalance": imbalance} if imbalance is not None else {}),
                   "summary": report.to_dict(), **(meta or {})}
     return SimResult(Trace(trace_meta, eng.events, series), report)

@@ -97,6 +97,18 @@ def test_bar_timeline_with_dropdown_renders_offline(tmp_path: Path) -> None:
     assert s["dropdown"] == 1
 
 
+def test_expert_load_column_renders_offline(tmp_path: Path) -> None:
+    from braid.io.trace import ExpertLoad
+
+    moe = fake_trace(p=2, m=4, source="measured")
+    moe.meta["expert_load"] = ExpertLoad({0: (5, 1, 1, 1), 1: (2, 2, 3, 1)}, ep=2).to_dict()
+    page = render_html([moe, fake_trace(p=2, m=2, schedule="dense")], tmp_path / "moe.html")
+    s = status(chromium(tmp_path, probed_copy(page), "--virtual-time-budget=5000", "--dump-dom"))
+    assert s["errors"] == [] and s["dropdown"] == 1
+    outlines = {(e.rank, e.block) for e in moe.events if e.block}
+    assert s["bars"] == len(moe.events) + len(outlines) + 4 + 2  # + a bar per expert and per EP rank
+
+
 def test_webgl_timeline_expands_renders_and_screenshots(tmp_path: Path) -> None:
     trace = fake_trace(p=4, m=12, layers=2)
     page = render_html(trace, tmp_path / "gl.html", webgl_threshold=1000)

@@ -1,9 +1,10 @@
 """``python -m braid.viz TRACE.json [MORE.json ...] -o timeline.html [--chrome out.json] [--plotlyjs MODE]``.
 
 Renders every trace of the given files into one interactive HTML timeline (a dropdown when
-there are several; a simulated and a measured trace of one schedule are laid side by side)
+there are several; a simulated and a measured trace of one schedule are laid side by side;
+a mixture-of-experts run's expert load, where its trace carries it, in a column beside them)
 and, with ``--chrome``, writes the first trace as Chrome-trace JSON for Perfetto. A missing,
-corrupt, wrong-schema or empty trace file, an output that cannot be written or that names
+corrupt, wrong-schema (malformed expert load included) or empty trace file, an output that cannot be written or that names
 an input is one line on stderr and exit code 2, before anything is rendered.
 """
 

@@ -22,6 +22,7 @@ OTHER_COLORS: dict[str, str] = {
     "RS": "#e67e22",
     "AG": "#f1c40f",
     "OPT": "#34495e",
+    "A2A": "#16a085",  # expert parallelism's all-to-all
 }
 BLOCK_OUTLINE = "#222222"
 RANK_PALETTE: tuple[str, ...] = (

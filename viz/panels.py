@@ -7,6 +7,9 @@ measured trace of the same schedule laid side by side rank by rank ("r0 predicte
 TP comm, P2P, host copies). Blocks are grouped by kind x chunk -- one Plotly trace each --
 and coloured as in the paper's schedule figures (Sec. 3, Fig. 4-6); braided blocks
 (``block`` text such as ``F9c1&B3c1``) also get one outline each spanning both halves.
+A panel of a mixture-of-experts run also carries the expert load its traces hold (the
+measured routing counts, ``meta.expert_load``, and the imbalance a simulation priced,
+``meta.moe_imbalance``), which :mod:`viz.experts` draws beside the timeline.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from braid.io.trace import KINDS, LANES, Trace
+from braid.io.trace import KINDS, LANES, ExpertLoad, Trace
 from braid.viz.colors import BLOCK_OUTLINE, COMPUTE_SHADES, block_color
 from braid.viz.stats import TraceStats, format_bytes, pair_events, trace_stats
 
@@ -51,6 +54,9 @@ class Panel:
     series: tuple[str, ...]
     rows: list[Row] = field(default_factory=list)
     stats: tuple[TraceStats, ...] = ()
+    expert_load: ExpertLoad | None = None  # the routing counts of its measured trace (else of any that has them)
+    load_source: str = ""  # the source of the trace they came from
+    priced_imbalance: float | None = None  # the busiest EP rank's rows over the mean its simulation priced
 
     @property
     def num_events(self) -> int:
@@ -117,6 +123,12 @@ def make_panels(traces: Sequence[Trace]) -> list[Panel]:
         ranks = sorted(set().union(*(t.ranks for t in p.traces))) or [0]
         p.rows = [Row(r, lane, s) for r in ranks for s in p.series for lane in lanes]
         p.stats = tuple(trace_stats(t) for t in p.traces)
+        carrier = next((t for t in sorted(p.traces, key=lambda t: t.meta.get("source") != "measured")
+                        if t.expert_load is not None), None)
+        if carrier is not None:
+            p.expert_load, p.load_source = carrier.expert_load, str(carrier.meta.get("source", "trace"))
+        p.priced_imbalance = next((float(t.meta["moe_imbalance"]) for t in p.traces
+                                   if t.meta.get("moe_imbalance") is not None), None)
     return panels
 
 
@@ -174,13 +186,16 @@ def header_text(panel: Panel, title: str | None) -> tuple[str, str, int]:
     head = f"<b>{title or panel.name}</b>"
     parts = []
     lines = []
-    for series, st in zip(panel.series, panel.stats):
+    for trace, series, st in zip(panel.traces, panel.series, panel.stats):
         tag = f"{series}: " if series else ""
         parts.append(
             f"{tag}step {st.step_time_s * 1e3:.3f} ms · bubble {st.bubble_rate * 100:.1f}% (mean over ranks) · exposed TP comm "
             f"{sum(r.tp_exposed_s for r in st.ranks) * 1e3:.3f} ms (all ranks) · peak "
             f"{format_bytes(max((r.peak_bytes for r in st.ranks), default=0))}"
         )
+        priced = trace.meta.get("moe_imbalance")
+        if priced is not None and panel.expert_load is None:  # else beside the timeline, with the counts
+            parts[-1] += f" · MoE imbalance priced {priced:.3f} (busiest EP rank / mean)"
         cells = [
             f"r{r.rank}: bubble {r.pp_bubble_s / st.step_time_s * 100 if st.step_time_s else 0:.1f}%, "
             f"TP {r.tp_exposed_s * 1e3:.3f} ms, peak {format_bytes(r.peak_bytes)}"

@@ -3,7 +3,9 @@
 The upper subplot holds the blocks (rows from :mod:`viz.panels`), the lower one each rank's
 memory over the same time axis with its peak starred; a range slider sits under the time
 axis and the header states step time, bubble rate, exposed TP comm and peak memory per rank
-(the quantities of the paper's Table 1, Sec. 3.3). Idle time is the white background.
+(the quantities of the paper's Table 1, Sec. 3.3). Idle time is the white background. A
+mixture-of-experts run's expert load, where its trace carries one, is a column on the right
+(:mod:`viz.experts`).
 
 Up to ``webgl_threshold`` events a panel draws horizontal ``go.Bar`` blocks (``base`` =
 start, ``x`` = duration; micro-batch labels appear inside bars once zoomed in far enough).
@@ -24,6 +26,7 @@ import numpy as np
 
 from braid.io.trace import Trace
 from braid.viz.colors import rank_color
+from braid.viz.experts import MIN_PX as LOAD_MIN_PX, domains as load_axes, load_traces
 from braid.viz.panels import HOVER_TEMPLATE, Group, Panel, header_text, make_panels, panel_groups
 from braid.viz.stats import format_bytes
 
@@ -249,6 +252,7 @@ def assemble(traces: Sequence[Trace], *, title: str | None, webgl_threshold: int
     panels = make_panels(traces)
     n_rows = max(len(p.rows) for p in panels)
     row_px = 18 if n_rows <= 48 else 13
+    side = any(p.expert_load is not None for p in panels)  # a column of expert load beside the timeline
     payload = Payload()
     data: list[Any] = []
     owner: list[int] = []
@@ -262,12 +266,16 @@ def assemble(traces: Sequence[Trace], *, title: str | None, webgl_threshold: int
         memory, unit = _memory_traces(go, panel)
         for tr in memory:
             tr.visible = k == 0
-        data += blocks + memory
-        owner += [k] * (len(blocks) + len(memory))
         layout, lines = _panel_layout(panel, title, unit)
+        load, load_layout = load_traces(go, panel) if side else ([], {})
+        for tr in load:
+            tr.visible = k == 0
+        layout |= {**load_layout, "annotations": layout["annotations"] + load_layout.get("annotations", [])}
+        data += blocks + memory + load
+        owner += [k] * (len(blocks) + len(memory) + len(load))
         layouts.append(layout)
         max_lines = max(max_lines, lines)
-    timeline_px = n_rows * row_px
+    timeline_px = max(n_rows * row_px, LOAD_MIN_PX if side else 0)
     top = 50 + 15 * max_lines
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                         row_heights=[timeline_px / (timeline_px + MEMORY_PX), MEMORY_PX / (timeline_px + MEMORY_PX)])  # fmt: skip
@@ -289,6 +297,8 @@ def assemble(traces: Sequence[Trace], *, title: str | None, webgl_threshold: int
         xaxis2=dict(title="time (ms)", rangeslider=dict(visible=True, thickness=0.04), zeroline=False),
         meta={"panels": [{"name": p.name, "rows": [[r.rank, r.lane, r.series] for r in p.rows]} for p in panels]},
     )
+    if side:
+        fig.update_layout(load_axes(height - top - 40, fig.layout.yaxis.domain, fig.layout.yaxis2.domain))
     fig.update_layout(_nested(layouts[0]))
     if len(panels) > 1:
         buttons = [dict(label=p.name, method="update", args=[{"visible": [o == k for o in owner]}, layouts[k]])

@@ -37,7 +37,7 @@ from braid.core.braiding import A2A_BACKWARD, A2A_FORWARD, AR_BACKWARD, AR_FORWA
 from braid.cost.hardware import Hardware, ring_s
 from braid.core.ir import Placement
 from braid.cost.catalog import ModelConfig
-from braid.cost.moe_costs import MoeLayout, check_moe, mlp_width, moe_units
+from braid.cost.moe_costs import MoeLayout, applied_imbalance, check_moe, mlp_width, moe_units
 from braid.core.partition import chunk_specs, split_layers, whole_layers
 from braid.cost.recompute_costs import full_recompute, selective_recompute
 from braid.cost.runtime_act import runtime_act
@@ -373,7 +373,8 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     return CostModel(layout, chunks, ma, hw.pcie_bytes_per_s, hw.p2p_over_pcie, ar_slowdown, model.micro_batch_size,
                      model.seq, 3 * model_forward_flops(model) / model.micro_batch_size, hw.peak_flops,
                      f"analytic:{model.name}@{hw.name}", {"model": model.name, "hardware": hw.name, **(
-                         {"ep": (moe or MoeLayout()).ep, "moe_imbalance": (moe or MoeLayout()).imbalance} if model.experts else {})},
+                         {"ep": (moe or MoeLayout()).ep, "moe_imbalance": applied_imbalance(moe or MoeLayout(), layout.tp)}
+                         if model.experts else {})},
                      copy_duplex_slowdown=hw.pcie_duplex_slowdown)
 
 

@@ -86,8 +86,13 @@ def check_moe(model: ModelConfig, tp: int, ep: int) -> None:
 
 def routed_rows(model: ModelConfig, tokens: int, t: int, moe: MoeLayout) -> float:
     """Rows (token x top-k slots) the busiest rank's experts run for ``tokens`` tokens."""
-    imbalance = moe.imbalance if moe.ep * t > 1 else 1.0
-    return tokens * model.experts_per_token / t * imbalance
+    return tokens * model.experts_per_token / t * applied_imbalance(moe, t)
+
+
+def applied_imbalance(moe: MoeLayout, t: int) -> float:
+    """The imbalance the analytic model prices at TP ``t``: ``moe.imbalance`` where the experts are sharded
+    (``ep * t > 1``), else 1 (one device holds them all)."""
+    return moe.imbalance if moe.ep * t > 1 else 1.0
 
 
 def a2a_seconds(model: ModelConfig, tokens: int, t: int, d: int, moe: MoeLayout) -> tuple[float, float]:
@@ -166,4 +171,15 @@ def rescale_imbalance(costs: Any, imbalance: float) -> tuple[Any, float]:
             e = units[Unit.EXPERTS]
             units[Unit.EXPERTS] = _replace(e, f=e.f * k, b=e.b * k, w=e.w * k)
         chunks[key] = _replace(cc, units=units)
-    return _replace(costs, chunks=chunks), profiled
+    return _replace(costs, chunks=chunks, meta={**(costs.meta or {}), "moe_imbalance": imbalance}), profiled
+
+
+def priced_imbalance(costs: Any) -> float | None:
+    """The busiest expert-parallel rank's rows over the mean that ``costs`` price (``moe_imbalance`` of the
+    analytic model or of :func:`rescale_imbalance`, else a profile's own ``meta.moe.imbalance``); None for a
+    dense model or MoE costs that record none."""
+    if not any(cc.spec.moe for cc in costs.chunks.values()):
+        return None
+    meta = costs.meta or {}
+    got = meta.get("moe_imbalance", (meta.get("moe") or {}).get("imbalance"))
+    return float(got) if isinstance(got, (int, float)) and not isinstance(got, bool) else None

@@ -42,6 +42,11 @@ DATA_FILE = FileLimit(64 * GiB, 64, "jsonl")  # read by ``datasets`` in blocks; 
 DATA_SCAN = FileLimit(256 * MiB)  # a JSON lines file read whole to name its first bad line
 
 MAX_TRACE_EVENTS = 500_000  # events of one trace file (the viewer keeps each, about 2 kB, in memory)
+# A trace's expert load (``meta.expert_load``): the largest MoE models have a few hundred experts per layer
+# (DeepSeek-V3: 256) and under a hundred MoE layers; a count is a JSON-exact whole number.
+MAX_EXPERTS = 1 << 14
+MAX_EXPERT_LOAD_CELLS = 1 << 20  # MoE layers x experts
+MAX_ROUTED_ROWS = 1 << 53
 
 # -- counts ---------------------------------------------------------------------------------------
 # Programs grow as p x m (about 14 p m instructions for the two-chunk schedules; p=32, m=256 compiles in

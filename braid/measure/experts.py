@@ -7,8 +7,10 @@ layer's experts are sharded over the replicas of one (pp, tp) slot as the exampl
 
 **Routing counts.** Each MoE layer's dispatcher is wrapped (:class:`CountingDispatch`) so that every
 micro-batch's rows per expert -- the counts the dispatch plans the all-to-all from -- are summed on
-the device, with no host read. :func:`routing_summary` joins every rank's sums (the data-parallel
-replicas' tokens; one TP rank of each, which all see the same tokens) into tokens per expert and rows
+the device, with no host read. :func:`expert_load` joins every rank's sums (the data-parallel
+replicas' tokens; one TP rank of each, which all see the same tokens) per layer -- what a measured
+trace carries (:class:`braid.io.trace.ExpertLoad`, ``meta.expert_load``) -- and :func:`routing_summary`
+gives its figures (:meth:`~braid.io.trace.ExpertLoad.summary`): tokens per expert and rows
 per device holding experts (TP slice x expert-parallel share, :class:`braid.models.moe_dispatch.ExpertSlice`),
 and the imbalance factors: the busiest over the mean, per layer, then the mean over layers (what the
 cost model's ``imbalance`` stands for: :mod:`braid.cost.moe_costs`) and the worst layer.
@@ -27,6 +29,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from braid.io.trace import ExpertLoad
 from braid.models.moe_dispatch import RowPlan
 
 
@@ -106,38 +109,26 @@ def count_routes(chunks: dict[int, Any]) -> RouteCounts | None:
     return rc if rc.layers else None
 
 
-def routing_summary(per_rank: Sequence[dict | None], ep: int, tp: int) -> dict[str, Any] | None:
-    """Tokens per expert and rows per expert-holding device of the ranks' :meth:`RouteCounts.read` results
-    (one entry per rank that counted: one TP rank per replica; None entries are skipped); the imbalance
-    factors (module doc). None where nothing was counted."""
+def expert_load(per_rank: Sequence[dict | None], ep: int, tp: int, scope: str = "") -> ExpertLoad | None:
+    """The ranks' :meth:`RouteCounts.read` results (one entry per rank that counted: one TP rank per
+    replica; None entries are skipped) summed per layer: what a measured trace carries
+    (``meta.expert_load``). None where nothing was counted."""
     layers: dict[int, list[int]] = {}
     for got in per_rank:
         for layer, counts in (got or {}).items():
-            layer = int(layer)
-            acc = layers.setdefault(layer, [0] * len(counts))
-            layers[layer] = [a + b for a, b in zip(acc, counts)]
+            acc = layers.setdefault(int(layer), [0] * len(counts))
+            layers[int(layer)] = [a + b for a, b in zip(acc, counts)]
     if not layers or not any(sum(c) for c in layers.values()):
         return None
-    experts = len(next(iter(layers.values())))
-    devices = ep * tp
-    per = experts // devices
+    return ExpertLoad({k: tuple(v) for k, v in sorted(layers.items())}, ep, tp, scope)
 
-    def factor(xs: list[int]) -> float:
-        mean = sum(xs) / len(xs)
-        return max(xs) / mean if mean > 0 else 1.0
 
-    expert_f, device_f, per_device = [], [], {}
-    for layer, counts in sorted(layers.items()):
-        rows = [sum(counts[i * per:(i + 1) * per]) for i in range(devices)]
-        per_device[layer] = rows
-        expert_f.append(factor(counts))
-        device_f.append(factor(rows))
-    tokens = [sum(c[e] for c in layers.values()) for e in range(experts)]
-    return {"tokens_per_expert": tokens, "rows_per_ep_rank": [sum(r[i] for r in per_device.values()) for i in range(devices)],
-            "per_layer": {str(k): v for k, v in sorted(layers.items())},
-            "expert_imbalance": statistics.fmean(expert_f), "expert_imbalance_max": max(expert_f),
-            "ep_imbalance": statistics.fmean(device_f), "ep_imbalance_max": max(device_f),
-            "devices": devices, "ep": ep, "tp": tp}
+def routing_summary(per_rank: Sequence[dict | None], ep: int, tp: int) -> dict[str, Any] | None:
+    """Tokens per expert and rows per expert-holding device of the ranks' counts (:func:`expert_load`),
+    and the imbalance factors (module doc; :meth:`braid.io.trace.ExpertLoad.summary`). None where nothing
+    was counted."""
+    load = expert_load(per_rank, ep, tp)
+    return load.summary() if load is not None else None
 
 
 def format_routing(r: dict[str, Any], where: str) -> str:

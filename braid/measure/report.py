@@ -16,7 +16,7 @@ from braid.io.trace import Trace
 from braid.measure.calibrate import predict, rel_err
 from braid.measure.config import BenchConfig
 from braid.measure.device_prediction import is_dense_decoder, predicted_device_used
-from braid.measure.experts import format_moe_runs, moe_run_fields
+from braid.measure.experts import expert_load, format_moe_runs, moe_run_fields
 from braid.measure.peers import best_per_peer, format_per_peer
 
 MEASUREMENTS_FORMAT = "braid-measurements/1"
@@ -75,7 +75,9 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "compute_kernels": _per_rank(ranks, "compute_kernels"),
                          **moe_run_fields(pc, ranks, sim, r["m"], doc)})
         measured = [rk["trace"] for rk in ranks if rk["trace"] is not None]
-        merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device},
+        load = expert_load([rk.get("routes") for rk in ranks], pc.ep, pc.tp, "one step, all replicas")
+        merged = Trace({"schedule": r["schedule"], "source": "measured", "m": r["m"], "device": pc.device,
+                        **({"expert_load": load.to_dict()} if load is not None else {})},
                        [e for t in measured for e in t.events], {k: v for t in measured for k, v in t.memory.items()})
         traces[f"{r['schedule']}_m{r['m']}"] = (sim.trace, merged)
     ext = []
