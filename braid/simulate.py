@@ -541,5 +541,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def device_memory_gib(argv: Sequence[str]) -> dict[str, float]:
+    """Per schedule of ``argv`` (a ``python -m braid.simulate`` command line), the most device memory one GPU
+    is predicted to use, GiB: ``--json``'s ``schedules[name].dp.device_memory_gib``, what the planner checks
+    against the card. Empty where braid.simulate refuses the command line or runs no schedule; prints nothing."""
+    import contextlib
+    import io
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "simulate.json")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                code = main([*argv, "--json", out])
+            except SystemExit as stop:  # argparse's one-line refusal
+                code = stop.code
+        if code != 0 or not Path(out).exists():
+            return {}
+        doc = json.loads(Path(out).read_text())
+    return {n: float(s["dp"]["device_memory_gib"]) for n, s in doc["schedules"].items()}
+
+
 if __name__ == "__main__":
     sys.exit(run_main(main))

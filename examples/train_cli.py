@@ -135,6 +135,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                      help="braid's steps as whole-step CUDA graphs: 'step' captures each rank's step after "
                           "2 eager warm-up steps and replays it, 'none' runs eager (default: step on CUDA where the "
                           "program is capturable; the reason is logged where not)")
+    run.add_argument("--skip-memory-check", action="store_true",
+                     help="run even where braid.simulate predicts more device memory than the GPU has (train_fit.py)")
     opt = p.add_argument_group("optimizer (AdamW; braid's schedules)")
     opt.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine", "linear"],
                      help="decay after the warm-up, to --min-lr at the last step (default: %(default)s)")
@@ -370,6 +372,11 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         source = task.source(model, args)
     except ValueError as err:
         raise UsageError(str(err).splitlines()[0]) from None
+    from train_fit import check_fits
+
+    refusal = check_fits(args, task.vision, [n for n in names if n not in BASELINES], task.seq_len(model, args), rank)
+    if refusal:
+        raise UsageError(refusal)
     setup = Setup(args, world, rank, topo, runs, model, parser, source=source)
     if args.resume:
         from train_checkpoint import check_resume

@@ -1,0 +1,89 @@
+"""Whether a run fits its GPUs, asked before any process group starts.
+
+The prediction is ``braid.simulate``'s device memory per GPU (:func:`braid.simulate.device_memory_gib`:
+the allocator's reserve at the step's peak, model state and optimizer included, and what CUDA, NCCL and
+cuBLAS hold outside it -- the figure the planner checks against the card, ``braid.cost.device_memory``),
+for the run's own model preset, layout, schedule, micro-batches, optimizer, recomputation and layer split.
+
+* Predicted above the card's memory: one line and exit code 2, naming the schedules of the same layout
+  the same prediction fits; ``--skip-memory-check`` runs it anyway. On every stored GPU row the
+  prediction has been low, never high (``tests/test_device_memory.py``), so by that evidence a refused
+  run would not have fit. (Qwen2-VL-7B braided_v at tp=1 x pp=2 on 80 GB H100s: predicted 83.7 GiB;
+  run, it sat at the card's limit after its first step, ``benchmarks/results/vlm_7b_h100x2_pp2_runs.txt``.)
+* Predicted above :data:`WARN_SHARE` of the card: a warning line on rank 0 (a study of 454 training runs
+  found runs safe only while the estimate stayed below 80% of the card).
+
+Checked for CUDA runs of braid's schedules on a catalog preset that ``braid.simulate`` models: not for a
+``--hf`` checkpoint, ``--cp`` > 1, another ``--image-size`` than the preset's, or a torch baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Sequence
+
+WARN_SHARE = 0.9
+LIGHTER = ("1f1b_i", "zb_v", "braided_v_lowmem", "braided_v_offload", "1f1b")  # tried, in this order, for the refusal
+
+
+def catalog_name(args: argparse.Namespace, vision: bool) -> str | None:
+    """The catalog preset ``braid.simulate`` models for the example's ``--model`` (None: not one)."""
+    from braid.cost.catalog import MODELS
+
+    for name in (args.model, ("qwen2-vl-" if vision else "qwen2-") + args.model):
+        if name in MODELS and (MODELS[name].vit is not None) == vision:
+            return name
+    return None
+
+
+def simulate_argv(args: argparse.Namespace, model_name: str, seq_len: int) -> list[str]:
+    """The ``braid.simulate`` command line of this run's layout and settings (schedules added by the caller)."""
+    argv = ["--model", model_name, "--tp", str(args.tp), "--pp", str(args.pp), "--dp", str(args.dp), "--ep", str(args.ep),
+            "--mbs", str(args.mbs), "--micro-batch-size", str(args.micro_batch_size), "--seq", str(seq_len),
+            "--optimizer", args.optimizer, "--recompute", args.recompute,
+            "--last-stage-lighter", f"{args.last_stage_lighter:g}"]
+    argv.append("--sequence-parallel" if args.sequence_parallel else "--no-sequence-parallel")
+    if args.offload_alpha is not None:
+        argv += ["--offload-alpha", str(args.offload_alpha)]
+    return argv
+
+
+def verdict(argv: Sequence[str], schedules: Sequence[str], card_bytes: float) -> tuple[str | None, str | None]:
+    """(refusal, warning) for ``schedules`` under ``argv`` on a card of ``card_bytes``; None where there is none."""
+    from braid.simulate import device_memory_gib
+
+    got = device_memory_gib([*argv, *(x for s in schedules for x in ("--schedule", s))])
+    card = card_bytes / 2**30
+    over = [(s, g) for s, g in got.items() if g > card]
+    if over:
+        name, gib = over[0]
+        others = device_memory_gib([*argv, *(x for s in LIGHTER if s not in schedules for x in ("--schedule", s))])
+        fits = [f"{s} ({g:.1f} GiB)" for s in LIGHTER for g in [others.get(s)] if g is not None and g <= card]
+        hint = f"--schedule {' or '.join(fits)}" if fits else "more --pp or --tp, or --recompute selective"
+        return (f"--schedule {name}: predicted {gib:.1f} GiB of device memory per GPU (braid.simulate, model state and "
+                f"optimizer included) exceeds this GPU's {card:.1f} GiB; try {hint}, or --skip-memory-check to run it "
+                "anyway"), None
+    near = [(s, g) for s, g in got.items() if g > WARN_SHARE * card]
+    if near:
+        name, gib = near[0]
+        return None, (f"warning: --schedule {name}: predicted {gib:.1f} GiB of device memory per GPU, "
+                      f"{gib / card:.0%} of this GPU's {card:.1f} GiB: it may run out")
+    return None, None
+
+
+def check_fits(args: argparse.Namespace, vision: bool, schedules: Sequence[str], seq_len: int, rank: int) -> str | None:
+    """The refusal line for this run (None: it fits, or it is not checked); prints the warning on rank 0."""
+    import torch
+
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    name = catalog_name(args, vision)
+    if (not cuda or args.skip_memory_check or args.hf or args.cp > 1 or name is None or not schedules
+            or getattr(args, "image_size", None) is not None):
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+    refusal, warning = verdict(simulate_argv(args, name, seq_len), schedules,
+                               torch.cuda.get_device_properties(local).total_memory)
+    if warning and rank == 0:
+        print(warning, flush=True)
+    return refusal

@@ -1,0 +1,69 @@
+"""The examples' memory check before launch (``examples/train_fit.py``): braid.simulate's device memory per GPU
+against the card, on a card size given here (the check itself runs on CUDA only)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from braid.simulate import device_memory_gib
+
+GIB = 2.0**30
+H100 = 79.18 * GIB  # what torch reports for an 80 GB H100
+
+
+@pytest.fixture
+def train_fit(monkeypatch):
+    """``examples/train_fit.py`` (the examples' own modules are not a package)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "examples"))
+    import train_fit
+
+    return train_fit
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(model="7b", tp=1, pp=2, dp=1, ep=1, cp=1, mbs=8, micro_batch_size=2, optimizer="plain", recompute="none",
+                last_stage_lighter=2, sequence_parallel=False, offload_alpha=None, device="cuda", skip_memory_check=False,
+                hf=None, image_size=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _vlm_argv(train_fit, **kw) -> list[str]:
+    args = _args(**kw)
+    name = train_fit.catalog_name(args, vision=True)
+    assert name == "qwen2-vl-7b"
+    return train_fit.simulate_argv(args, name, 2306)  # 2048 caption tokens + the 7B tower's 258 visual tokens
+
+
+def test_the_vlm_layout_that_hung_at_the_cards_limit_is_refused_and_a_fitting_schedule_named(train_fit) -> None:
+    argv = _vlm_argv(train_fit)
+    predicted = device_memory_gib([*argv, "--schedule", "braided_v", "--schedule", "1f1b_i"])
+    assert predicted["braided_v"] > H100 / GIB > predicted["1f1b_i"]
+    refusal, warning = train_fit.verdict(argv, ["braided_v"], H100)
+    assert warning is None and refusal is not None and "\n" not in refusal
+    assert f"{predicted['braided_v']:.1f} GiB" in refusal and f"1f1b_i ({predicted['1f1b_i']:.1f} GiB)" in refusal
+    assert "--skip-memory-check" in refusal
+    # the same run on a card that holds it: nothing; on one it nearly fills: a warning, no refusal
+    assert train_fit.verdict(argv, ["braided_v"], 4 * predicted["braided_v"] * GIB) == (None, None)
+    refusal, warning = train_fit.verdict(argv, ["braided_v"], predicted["braided_v"] * GIB / 0.95)
+    assert refusal is None and warning.startswith("warning: --schedule braided_v") and "95%" in warning
+
+
+def test_the_layouts_that_ran_on_80_gb_cards_pass(train_fit) -> None:
+    """tp=2 VLM (both schedules ran at 40-53 GB allocated) and the tp=1 x pp=2 1f1b_i that ran at 46-59 GB."""
+    for kw, names in (({"tp": 2, "pp": 1}, ["braided_v", "1f1b_i"]), ({}, ["1f1b_i"])):
+        assert train_fit.verdict(_vlm_argv(train_fit, **kw), names, H100)[0] is None, kw
+
+
+@pytest.mark.parametrize("kw", [{"device": "cpu"}, {"skip_memory_check": True}, {"cp": 2}, {"hf": "ckpt"},
+                                {"image_size": 224}, {"model": "no-such-preset"}])
+def test_what_is_not_checked(train_fit, kw) -> None:
+    assert train_fit.check_fits(_args(**kw), True, ["braided_v"], 2306, rank=0) is None
+
+
+def test_language_model_presets_map_to_the_catalog(train_fit) -> None:
+    assert train_fit.catalog_name(_args(model="7b"), vision=False) == "qwen2-7b"
+    assert train_fit.catalog_name(_args(model="qwen3-moe-30b-a3b"), vision=False) == "qwen3-moe-30b-a3b"
+    assert train_fit.catalog_name(_args(model="qwen2-vl-7b"), vision=False) is None
