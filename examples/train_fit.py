@@ -6,7 +6,8 @@ cuBLAS hold outside it -- the figure the planner checks against the card, ``brai
 for the run's own model preset, layout, schedule, micro-batches, optimizer, recomputation and layer split.
 
 * Predicted above the card's memory: one line and exit code 2, naming the schedules of the same layout
-  the same prediction fits; ``--skip-memory-check`` runs it anyway. On every stored GPU row the
+  the same prediction fits, else the optimizer mode or recomputation under which the schedule fits;
+  ``--skip-memory-check`` runs it anyway. On every stored GPU row the
   prediction has been low, never high (``tests/test_device_memory.py``), so by that evidence a refused
   run would not have fit. (Qwen2-VL-7B braided_v at tp=1 x pp=2 on 80 GB H100s: predicted 83.7 GiB;
   run, it sat at the card's limit after its first step, ``benchmarks/results/vlm_7b_h100x2_pp2_runs.txt``.)
@@ -60,7 +61,7 @@ def verdict(argv: Sequence[str], schedules: Sequence[str], card_bytes: float) ->
         name, gib = over[0]
         others = device_memory_gib([*argv, *(x for s in LIGHTER if s not in schedules for x in ("--schedule", s))])
         fits = [f"{s} ({g:.1f} GiB)" for s in LIGHTER for g in [others.get(s)] if g is not None and g <= card]
-        hint = f"--schedule {' or '.join(fits)}" if fits else "more --pp or --tp, or --recompute selective"
+        hint = f"--schedule {' or '.join(fits)}" if fits else _lighter_settings(argv, name, card)
         return (f"--schedule {name}: predicted {gib:.1f} GiB of device memory per GPU (braid.simulate, model state and "
                 f"optimizer included) exceeds this GPU's {card:.1f} GiB; try {hint}, or --skip-memory-check to run it "
                 "anyway"), None
@@ -70,6 +71,25 @@ def verdict(argv: Sequence[str], schedules: Sequence[str], card_bytes: float) ->
         return None, (f"warning: --schedule {name}: predicted {gib:.1f} GiB of device memory per GPU, "
                       f"{gib / card:.0%} of this GPU's {card:.1f} GiB: it may run out")
     return None, None
+
+
+def _with(argv: Sequence[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def _lighter_settings(argv: Sequence[str], schedule: str, card: float) -> str:
+    """The first of less optimizer state, then recomputation, under which ``schedule`` is predicted to fit."""
+    from braid.simulate import device_memory_gib
+
+    for flag, value in (("--optimizer", "plain"), ("--recompute", "selective"), ("--recompute", "full")):
+        if argv[list(argv).index(flag) + 1] == value:
+            continue
+        got = device_memory_gib([*_with(argv, flag, value), "--schedule", schedule]).get(schedule)
+        if got is not None and got <= card:
+            return f"{flag} {value} ({got:.1f} GiB)"
+    return "more --pp or --tp"
 
 
 def check_fits(args: argparse.Namespace, vision: bool, schedules: Sequence[str], seq_len: int, rank: int) -> str | None:

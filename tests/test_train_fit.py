@@ -51,6 +51,15 @@ def test_the_vlm_layout_that_hung_at_the_cards_limit_is_refused_and_a_fitting_sc
     assert refusal is None and warning.startswith("warning: --schedule braided_v") and "95%" in warning
 
 
+def test_where_no_schedule_fits_the_refusal_names_the_lighter_optimizer(train_fit) -> None:
+    """The 7B VLM at tp=2 under the default optimizer (fp32 masters and moments at dp=1) fits no schedule of the
+    layout; its GPU runs used --optimizer plain, and the refusal names it with its prediction."""
+    argv = _vlm_argv(train_fit, tp=2, pp=1, optimizer="zero1")
+    plain = device_memory_gib([*_vlm_argv(train_fit, tp=2, pp=1), "--schedule", "braided_v"])["braided_v"]
+    refusal, _ = train_fit.verdict(argv, ["braided_v"], H100)
+    assert refusal is not None and f"try --optimizer plain ({plain:.1f} GiB)" in refusal
+
+
 def test_the_layouts_that_ran_on_80_gb_cards_pass(train_fit) -> None:
     """tp=2 VLM (both schedules ran at 40-53 GB allocated) and the tp=1 x pp=2 1f1b_i that ran at 46-59 GB."""
     for kw, names in (({"tp": 2, "pp": 1}, ["braided_v", "1f1b_i"]), ({}, ["1f1b_i"])):
