@@ -30,12 +30,13 @@ LIGHTER = ("1f1b_i", "zb_v", "braided_v_lowmem", "braided_v_offload", "1f1b")  #
 
 def catalog_name(args: argparse.Namespace, vision: bool) -> str | None:
     """The catalog preset ``braid.simulate`` models for the example's ``--model`` (None: not one)."""
-    from braid.cost.catalog import MODELS
+    from braid.cost.catalog import get_model
 
-    for name in (args.model, ("qwen2-vl-" if vision else "qwen2-") + args.model):
-        if name in MODELS and (MODELS[name].vit is not None) == vision:
-            return name
-    return None
+    try:
+        model = get_model(args.model, prefix="qwen2-vl-" if vision else "qwen2-")
+    except ValueError:
+        return None
+    return model.name if (model.vit is not None) == vision else None
 
 
 def simulate_argv(args: argparse.Namespace, model_name: str, seq_len: int) -> list[str]:

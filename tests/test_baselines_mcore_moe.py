@@ -19,7 +19,6 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install -e '.[megatron]')")
 
 from tests.conftest import GPU_RUN_S, GPU_TEST_S  # noqa: E402
-from tests.distributed_utils import DistPool  # noqa: E402
 
 M, B, SEQ = 2, 2, 8  # micro-batches per data-parallel replica, samples per micro-batch, tokens
 RTOL, ATOL = 1e-4, 1e-5  # megatron-core's logits against braid's, as tests/test_baselines_mcore.py
@@ -183,33 +182,23 @@ def _case_pipeline(ctx, pp: int, ep: int, device: str = "cpu"):
     return loss
 
 
-@pytest.fixture(scope="module")
-def pool():
-    p = DistPool(2)
-    yield p
-    p.close()
-
-
-def test_mcore_moe_logits_equal_braid(pool):
+def test_mcore_moe_logits_equal_braid(pools):
+    pool = pools(2)
     assert all(pool.run(_case_logits, True)) and all(pool.run(_case_logits, False))
 
 
-def test_mcore_moe_ep2_matches_reference(pool):
+def test_mcore_moe_ep2_matches_reference(pools):
     """ep=2 on 2 ranks (dp=2, megatron-core's no-pipelining schedule, alltoall over gloo): each rank holds
     2 of the 4 experts of every MoE layer; both replicas report a loss."""
-    losses = pool.run(_case_pipeline, 1, 2, timeout_s=180)
+    losses = pools(2).run(_case_pipeline, 1, 2, timeout_s=180)
     assert all(x is not None for x in losses)
 
 
-def test_mcore_moe_pp2_ep2_matches_reference():
+def test_mcore_moe_pp2_ep2_matches_reference(pools):
     """pp=2 x ep=2 on 4 ranks: megatron-core's interleaved 1F1B (2 chunks a rank) with its experts split over
     the replicas; megatron-core's rank grid puts PP last (braid's puts DP last): the last stage's two ranks
     report their replica's loss."""
-    p = DistPool(4)
-    try:
-        losses = p.run(_case_pipeline, 2, 2, timeout_s=240)
-    finally:
-        p.close()
+    losses = pools(4).run(_case_pipeline, 2, 2, timeout_s=240)
     assert sum(x is not None for x in losses) == 2
 
 
