@@ -215,3 +215,29 @@ def test_the_probe_is_lowered_to_what_the_device_holds() -> None:
     lopsided = {"chunks": {**doc["chunks"], "3": {"activation_bytes": 7 * gib}}}
     assert probe_fit(lopsided, pc, 0, 6 * per_mb[0] / 0.9, 8) == 3 and probe_fit(lopsided, pc, 1, 6 * per_mb[1] / 0.9, 8) == 6
     assert probe_fit({"chunks": {}}, pc, 0, 1.0, 8) == 8  # nothing profiled: the asked m
+
+
+def test_recorded_all_to_all_spans_bound_the_exchange_and_the_step_fits_it() -> None:
+    # Expert parallelism at pp=1, tp=1, eager (the stored A3B ep=2 bench's uncalibrated profile and
+    # layout). The machine runs the profile as profiled; the recorded steps' all-to-all spans hold
+    # more than the exchange (each waits on the host's read of the routing counts): 1.6x. The spans
+    # are an upper bound: the exchange is fitted to the measured step within it, compute stays put.
+    from braid.measure.refit import profile_config
+
+    root = Path(__file__).resolve().parents[1]
+    summary = json.loads((root / "benchmarks/results/moe_a3b_h100x2_ep2_r3.json").read_text())
+    doc, pc = summary["raw_profile"], profile_config(summary)
+    plan = probe_plan(1, 4, 2)
+    run = simulate(compile_plan(plan), costs_from_dict(doc, pc.layout, pc.specs(plan.placement)), name="probe", record=True)
+    busy: dict[str, float] = {}
+    for e in run.trace.events:
+        if e.lane == "compute":
+            busy[e.kind] = busy.get(e.kind, 0.0) + e.dur
+    a2a = sum(e.dur for e in run.trace.events if e.kind == "A2A")
+    assert a2a > 0
+    probe = {"cuda_graph": "none", "a2a_span_s": 1.6 * a2a}
+    cal = calibrate(doc, pc, plan, run.report.step_time_s, busy, probe)["meta"]["calibration"]
+    assert cal["a2a_scale"] == pytest.approx(1.0, rel=1e-2)
+    assert cal["compute_scale_per_phase"] == pytest.approx({"F": 1.0, "B": 1.0, "W": 1.0}, rel=1e-3)
+    assert cal["compute_factor"] == pytest.approx(1.0, rel=1e-3)
+    assert abs(cal["probe_error"]) < 1e-3

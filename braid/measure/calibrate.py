@@ -180,7 +180,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
        it predicts) has no host lane: ``host_task_s = 0``.
     1a. **All-to-alls** (expert parallelism, ``a2a_scale`` in :data:`SCALE_BOUNDS`): the probe's recorded
        exchanges (``probe["a2a_span_s"]``: per pipeline rank the replica with the least, summed) over the
-       simulated ones; it scales the profile's ``T_A2A`` and ``T_A2A_B``.
+       simulated ones; it scales the profile's ``T_A2A`` and ``T_A2A_B``. A recorded span is an upper
+       bound of the exchange (it holds the wait for the host's read of the routing counts), so where
+       the all-to-all is the communication figure of step 3 it is fitted there, below that bound.
     1b. **Compute beside an all-reduce** (tp > 1, ``ar_slowdown``): :func:`pair_slowdown` of the
        profile's pair figures where it has them (the profiled figure, from GEMMs timed on
        their own stream, misses their late start; it stays as ``profiled_ar_slowdown``).
@@ -202,7 +204,9 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
        step: with pp > 1 the effective P2P time (``p2p_s``, from 0; it absorbs a loaded
        machine's per-transfer latency), with pp = 1 and tp > 1 a scale of the profiled
        all-reduce times (``ar_scale``, in :data:`SCALE_BOUNDS`: the profile measured the
-       chosen backend's all-reduce alone and beside a GEMM), with pp = 1 and tp = 1 in
+       chosen backend's all-reduce alone and beside a GEMM), with pp = 1, tp = 1 and expert
+       parallelism in eager the all-to-all scale (from the bound of 1a down to its lower bound,
+       the host lane as profiled; at that bound, the host lane below it), with pp = 1 and tp = 1 in
        eager the host time per unit task (from 0; at pp = 1 nothing else can leave the
        device idle).
     4. Eager only: where that figure is at its lower bound and the prediction is still
@@ -238,12 +242,12 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
     ones = {ph: 1.0 for ph in "FBW"}
 
     def build(sc: dict[str, float], ar: float = 1.0, p2p: float | None = None, host: float | None = None,
-              per_stage: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+              per_stage: dict[str, dict[str, float]] | None = None, a2a: float | None = None) -> dict[str, Any]:
         d = copy.deepcopy(base)
         for key, c in d["chunks"].items():
             for k in ("T_A2A", "T_A2A_B"):
                 if k in c:
-                    c[k] *= a2a_scale
+                    c[k] *= a2a_scale if a2a is None else a2a
             for ph in "FBW":
                 c[f"T_{ph}"] *= sc[ph] * (per_stage[key][ph] if per_stage else 1.0)
             if pc.tp > 1:
@@ -287,6 +291,11 @@ def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: flo
             fit["p2p_s"] = _fit(lambda x, sc=scale: step(build(sc, p2p=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
         elif pc.tp > 1:
             fit["ar_scale"] = _fit(lambda x, sc=scale: step(build(sc, ar=x)), measured_step_s, *SCALE_BOUNDS)
+        elif a2a_meas > 0 and not graphed:
+            a2a_scale = _fit(lambda x, sc=scale: step(build(sc, host=profiled_host, a2a=x)), measured_step_s,
+                             SCALE_BOUNDS[0], max(a2a_scale, SCALE_BOUNDS[0]))
+            if step(build(scale, host=profiled_host)) > measured_step_s * (1 + 1e-3):  # the exchange at its bound
+                fit["host_task_s"] = _fit(lambda x, sc=scale: step(build(sc, host=x)), measured_step_s, 0.0, profiled_host)
         elif not graphed:
             fit["host_task_s"] = _fit(lambda x, sc=scale: step(build(sc, host=x)), measured_step_s, 0.0, 1e-3, measured_step_s)
     # 2b. A probe at tp = 1 (graphed or eager): its busy time per stage and phase, where the

@@ -43,16 +43,18 @@ SPLIT_TOTALS = {"F": "T_F", "B": "T_B", "W": "T_W", "AR": "T_AR", "AR_B": "T_AR_
 
 def profile_config(entry: dict[str, Any]) -> ProfileConfig:
     """The layout and model of a bench summary (``config``) or a stored set (``layout``, ``model``, ...)."""
-    from braid.models.qwen2 import Qwen2Config
+    from braid.models.registry import config_from_fields
 
     if "config" in entry:
         c = entry["config"]
-        return ProfileConfig(Qwen2Config(**c["model"]), tuple(c["layers_per_stage"]), seq=c["seq"],
-                             micro_batch_size=c["micro_batch_size"], tp=c["tp"], pp=c["pp"], v=c["v"], placement=c["placement"])
+        return ProfileConfig(config_from_fields(c["model"]), tuple(c["layers_per_stage"]), seq=c["seq"],
+                             micro_batch_size=c["micro_batch_size"], tp=c["tp"], pp=c["pp"], v=c["v"], placement=c["placement"],
+                             ep=c.get("ep", 1))
     lay = entry["layout"]
     placement = entry["profile"].get("layout", {}).get("placement", "v" if lay["v"] == 2 else "loop")
-    return ProfileConfig(Qwen2Config(**entry["model"]), tuple(lay["layers_per_stage"]), seq=entry["seq"],
-                         micro_batch_size=entry["micro_batch_size"], tp=lay["tp"], pp=lay["pp"], v=lay["v"], placement=placement)
+    return ProfileConfig(config_from_fields(entry["model"]), tuple(lay["layers_per_stage"]), seq=entry["seq"],
+                         micro_batch_size=entry["micro_batch_size"], tp=lay["tp"], pp=lay["pp"], v=lay["v"], placement=placement,
+                         ep=lay.get("ep", 1))
 
 
 def calibration_inputs(entry: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, float], dict[str, Any]]:
@@ -69,7 +71,7 @@ def calibration_inputs(entry: dict[str, Any]) -> tuple[dict[str, Any], float, di
         raise ValueError("the run was not calibrated (--no-calibrate or --costs): nothing to re-fit")
     pc = profile_config(entry)
     plan = probe_plan(pc.pp, probe_mbs(pc.pp, cal), pc.v)
-    specs = chunk_specs(pc.layers_per_stage, pc.pp, plan.placement)
+    specs = pc.specs(plan.placement)
     raw = entry.get("raw_profile")
     if raw is None:
         raw = copy.deepcopy(prof)
@@ -126,8 +128,8 @@ def judge(entry: dict[str, Any], profile: dict[str, Any], gap: float | None = No
     pc = profile_config(entry)
     runs = []
     for r in entry["runs"]:
-        pred = predict(profile, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage,
-                       cuda_graph=run_mode(entry, r))[0].report.step_time_s
+        pred = predict(profile, r["schedule"], r["m"], pc.pp, pc.tp, pc.layers_per_stage, cuda_graph=run_mode(entry, r),
+                       vision=pc.vision is not None, moe_layers=pc.moe_layers)[0].report.step_time_s
         runs.append({"schedule": r["schedule"], "m": r["m"], "step_s": r["step_s"], "predicted_step_s": pred,
                      "err": rel_err(pred, r["step_s"])})
     errs = [abs(r["err"]) for r in runs]

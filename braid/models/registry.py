@@ -162,3 +162,17 @@ def family_of(model: object) -> Family:
 def family_of_config(cfg: object) -> Family:
     """The family whose config class ``cfg`` is (the most derived match)."""
     return _most_derived(cfg, "config_cls")
+
+
+def config_from_fields(fields_: dict[str, Any]) -> Any:
+    """A family's config rebuilt from its fields (``dataclasses.asdict`` of it, as a ``--json``
+    summary stores ``config.model``): the family whose config class has exactly these fields,
+    the most derived first; ``ValueError`` if none has."""
+    import dataclasses
+
+    _load()
+    for f in sorted(_FAMILIES.values(), key=lambda f: -len(f.config_cls.__mro__)):
+        cls = f.config_cls
+        if dataclasses.is_dataclass(cls) and {x.name for x in dataclasses.fields(cls) if x.init} == set(fields_):
+            return cls(**fields_)
+    raise ValueError(f"no registered model family's config has the fields {', '.join(sorted(fields_))}")
