@@ -82,7 +82,8 @@ def bench_steps(*files: str) -> list[str]:
 
 def _layout(cfg: dict[str, Any]) -> str:
     sp = ", sequence-parallel" if cfg.get("seq_shard") else ""
-    return f"tp={cfg['tp']} x pp={cfg['pp']}{sp}, layers/stage {','.join(map(str, cfg['layers_per_stage']))}"
+    ep = f" x ep={cfg['ep']}" if cfg.get("ep", 1) > 1 else ""
+    return f"tp={cfg['tp']} x pp={cfg['pp']}{ep}{sp}, layers/stage {','.join(map(str, cfg['layers_per_stage']))}"
 
 
 def bench_headlines() -> list[str]:

@@ -34,6 +34,7 @@ RUNS: dict[str, tuple[list[str], bool, str]] = {
                            "sum of the kernels listed"),
     "recalibrate_stored.py": ([RESULTS + "bench_7b_h100x2_tp2_pp1_graphs.json"], False, "re-fitted: median |error|"),
     "render_results.py": (["--check"], False, ""),
+    "resplit_search.py": ([RESULTS + "bench_7b_h100x4_tp2_pp2.json", "--top", "3"], False, "splits of 4 layers over 4 stages"),
 }
 # script -> the test that runs it at its tiny size (the test's file must name the script)
 ELSEWHERE = {
