@@ -141,8 +141,15 @@ def document(prob: Problem, res: SearchResult, hw_name: str) -> dict[str, Any]:
                    "bound_pruned": res.bound_pruned, "best_proven": res.complete, "stopped": res.stopped or None,
                    "elapsed_s": res.elapsed_s},
         "ranked": ranked,
+        "over_cap": [{**ev.to_dict(), "command": torchrun_command(prob, ev)} for ev in over_cap(prob, res)],
         "simulated": [ev.to_dict() for ev in res.evaluated],
     }
+
+
+def over_cap(prob: Problem, res: SearchResult) -> list[Evaluation]:
+    """The simulated configurations faster than the pick that the memory cap rejected, fastest first."""
+    first = res.best[0].step_s if res.best else float("inf")
+    return sorted((e for e in res.evaluated if e.peak_bytes > prob.memory_bytes and e.step_s < first), key=lambda e: e.step_s)
 
 
 def format_ranking(res: SearchResult) -> str:
@@ -275,6 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nbest (compiled and validated{proof}):\n  " + torchrun_command(prob, best))
     for n in _notes(prob, best):
         print(f"note: {n}")
+    faster = over_cap(prob, res)
+    if faster:
+        ev = faster[0]
+        print(f"\nfaster, over the cap ({len(faster)} simulated): {ev.cand.describe()}: step {ev.step_s:.3f} s, "
+              f"{ev.peak_bytes / 2**30:.1f} GiB > {cap / 2**30:.1f}\n  " + torchrun_command(prob, ev))
     if args.json:
         atomic_write_text(args.json, json.dumps(document(prob, res, hw.name), indent=1))
         print(f"wrote {args.json}")

@@ -20,6 +20,7 @@ import torch
 from braid.core.partition import whole_layers
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
 from braid.io.cli import layer_count
+from train_fit import add_fit_args
 
 
 class UsageError(ValueError):
@@ -135,8 +136,7 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                      help="braid's steps as whole-step CUDA graphs: 'step' captures each rank's step after "
                           "2 eager warm-up steps and replays it, 'none' runs eager (default: step on CUDA where the "
                           "program is capturable; the reason is logged where not)")
-    run.add_argument("--skip-memory-check", action="store_true",
-                     help="run even where braid.simulate predicts more device memory than the GPU has (train_fit.py)")
+    add_fit_args(run)
     opt = p.add_argument_group("optimizer (AdamW; braid's schedules)")
     opt.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine", "linear"],
                      help="decay after the warm-up, to --min-lr at the last step (default: %(default)s)")

@@ -16,6 +16,12 @@ for the run's own model preset, layout, schedule, micro-batches, optimizer, reco
 
 Checked for CUDA runs of braid's schedules on a catalog preset that ``braid.simulate`` models: not for a
 ``--hf`` checkpoint, ``--cp`` > 1, another ``--image-size`` than the preset's, or a torch baseline.
+
+``--memory-cap GiB`` makes a smaller card of the one at hand: each process's CUDA caching allocator is held
+to that many GiB (``torch.cuda.set_per_process_memory_fraction``, set before anything is allocated), and the
+check above compares with the cap instead of the card -- how a planner's pick is shown to fit, and a faster
+layout over the cap shown not to (``benchmarks/plan_fits.py``). What CUDA, NCCL and cuBLAS hold outside the
+allocator is not capped: the cap binds the allocator's reserve.
 """
 
 from __future__ import annotations
@@ -51,10 +57,12 @@ def simulate_argv(args: argparse.Namespace, model_name: str, seq_len: int) -> li
     return argv
 
 
-def verdict(argv: Sequence[str], schedules: Sequence[str], card_bytes: float) -> tuple[str | None, str | None]:
-    """(refusal, warning) for ``schedules`` under ``argv`` on a card of ``card_bytes``; None where there is none."""
+def verdict(argv: Sequence[str], schedules: Sequence[str], card_bytes: float, capped: bool = False) -> tuple[str | None, str | None]:
+    """(refusal, warning) for ``schedules`` under ``argv`` on a card of ``card_bytes`` (``capped``: by
+    ``--memory-cap``); None where there is none."""
     from braid.simulate import device_memory_gib
 
+    cap_note = " (--memory-cap)" if capped else ""
     got = device_memory_gib([*argv, *(x for s in schedules for x in ("--schedule", s))])
     card = card_bytes / 2**30
     over = [(s, g) for s, g in got.items() if g > card]
@@ -64,13 +72,13 @@ def verdict(argv: Sequence[str], schedules: Sequence[str], card_bytes: float) ->
         fits = [f"{s} ({g:.1f} GiB)" for s in LIGHTER for g in [others.get(s)] if g is not None and g <= card]
         hint = f"--schedule {' or '.join(fits)}" if fits else _lighter_settings(argv, name, card)
         return (f"--schedule {name}: predicted {gib:.1f} GiB of device memory per GPU (braid.simulate, model state and "
-                f"optimizer included) exceeds this GPU's {card:.1f} GiB; try {hint}, or --skip-memory-check to run it "
+                f"optimizer included) exceeds this GPU's {card:.1f} GiB{cap_note}; try {hint}, or --skip-memory-check to run it "
                 "anyway"), None
     near = [(s, g) for s, g in got.items() if g > WARN_SHARE * card]
     if near:
         name, gib = near[0]
         return None, (f"warning: --schedule {name}: predicted {gib:.1f} GiB of device memory per GPU, "
-                      f"{gib / card:.0%} of this GPU's {card:.1f} GiB: it may run out")
+                      f"{gib / card:.0%} of this GPU's {card:.1f} GiB{cap_note}: it may run out")
     return None, None
 
 
@@ -93,18 +101,46 @@ def _lighter_settings(argv: Sequence[str], schedule: str, card: float) -> str:
     return "more --pp or --tp"
 
 
+def add_fit_args(group: argparse._ArgumentGroup) -> None:
+    """The memory check's flags (module doc)."""
+    group.add_argument("--skip-memory-check", action="store_true",
+                       help="run even where braid.simulate predicts more device memory than the GPU has (train_fit.py)")
+    group.add_argument("--memory-cap", type=float, default=None, metavar="GiB",
+                       help="hold each process's CUDA allocator to GiB (a smaller card; the memory check uses it)")
+
+
+def apply_cap(cap: float, cuda: bool, local: int) -> None:
+    """Hold this process's CUDA caching allocator on device ``local`` to ``cap`` GiB (``--memory-cap``);
+    ``ValueError`` off CUDA, or for a cap not above 0 or above the card."""
+    import torch
+
+    if not cuda:
+        raise ValueError("--memory-cap holds the CUDA caching allocator; it needs --device cuda")
+    card = torch.cuda.get_device_properties(local).total_memory
+    if not 0 < cap <= card / 2**30:
+        raise ValueError(f"--memory-cap {cap:g}: must be above 0 and at most this GPU's {card / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap * 2**30 / card, local)
+
+
 def check_fits(args: argparse.Namespace, vision: bool, schedules: Sequence[str], seq_len: int, rank: int) -> str | None:
-    """The refusal line for this run (None: it fits, or it is not checked); prints the warning on rank 0."""
+    """The refusal line for this run (None: it fits, or it is not checked); prints the warning on rank 0.
+    Applies ``--memory-cap`` (:func:`apply_cap`; a bad one is the refusal)."""
     import torch
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()) if cuda else 0
+    cap = getattr(args, "memory_cap", None)
+    if cap is not None:
+        try:
+            apply_cap(cap, cuda, local)
+        except ValueError as err:
+            return str(err)
     name = catalog_name(args, vision)
     if (not cuda or args.skip_memory_check or args.hf or args.cp > 1 or name is None or not schedules
             or getattr(args, "image_size", None) is not None):
         return None
-    local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
-    refusal, warning = verdict(simulate_argv(args, name, seq_len), schedules,
-                               torch.cuda.get_device_properties(local).total_memory)
+    card = cap * 2**30 if cap is not None else torch.cuda.get_device_properties(local).total_memory
+    refusal, warning = verdict(simulate_argv(args, name, seq_len), schedules, card, cap is not None)
     if warning and rank == 0:
         print(warning, flush=True)
     return refusal

@@ -44,7 +44,8 @@ ELSEWHERE = {
     "bench_offload.py": "tests/test_offload_runtime.py",  # measure() and report() of --tiny
 }
 GPU_ONLY = {"graph_smoke.py": "needs 2 CUDA devices",
-            "bench_memory_terms.py": "needs CUDA devices"}  # the one line it refuses with on CPU
+            "bench_memory_terms.py": "needs CUDA devices",
+            "plan_fits.py": "needs 2 CUDA devices"}  # the one line it refuses with on CPU
 HELPERS = {"_spawn.py"}  # imported by the scripts, not run
 
 

@@ -447,3 +447,18 @@ def test_full_recomputation_is_not_offered_for_experts() -> None:
         par = next(p for p in layouts(prob) if p.pp == 2 and p.cp == 1)
         cand = next(c for c in schedule_candidates(prob, par, plain=True) if c.lighter is None)
         assert any(c.par.recompute for c in _savers(prob, cand)) is offered, name
+
+
+def test_the_faster_layouts_the_cap_took_away_are_simulated_and_shown(tmp_path, capsys) -> None:
+    from braid.plan import main as plan_main
+
+    out = tmp_path / "plan.json"
+    assert plan_main(["--model", "qwen2-small", "--gpus", "2", "--hardware", "h100", "--memory", "6", "--global-batch", "16",
+                      "--top", "3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    pick, over = doc["ranked"][0], doc["over_cap"]
+    assert pick["peak_memory_gib"] <= 6.0 and over
+    assert all(o["peak_memory_gib"] > 6.0 and o["step_s"] < pick["step_s"] for o in over)
+    assert [o["step_s"] for o in over] == sorted(o["step_s"] for o in over)
+    text = capsys.readouterr().out
+    assert f"faster, over the cap ({len(over)} simulated)" in text and over[0]["command"] in text

@@ -76,3 +76,29 @@ def test_language_model_presets_map_to_the_catalog(train_fit) -> None:
     assert train_fit.catalog_name(_args(model="7b"), vision=False) == "qwen2-7b"
     assert train_fit.catalog_name(_args(model="qwen3-moe-30b-a3b"), vision=False) == "qwen3-moe-30b-a3b"
     assert train_fit.catalog_name(_args(model="qwen2-vl-7b"), vision=False) is None
+
+
+def test_a_memory_cap_is_the_card_the_check_compares_with(train_fit) -> None:
+    argv = _vlm_argv(train_fit, tp=2, pp=1)
+    need = device_memory_gib([*argv, "--schedule", "1f1b_i"])["1f1b_i"]
+    refusal, _ = train_fit.verdict(argv, ["1f1b_i"], 0.5 * need * GIB, capped=True)
+    assert refusal is not None and f"GPU's {0.5 * need:.1f} GiB (--memory-cap)" in refusal
+    assert train_fit.verdict(argv, ["1f1b_i"], 2 * need * GIB, capped=True) == (None, None)
+
+
+@pytest.mark.parametrize("cap", [4.0, float("nan")])
+def test_a_memory_cap_off_cuda_is_one_line(train_fit, cap) -> None:
+    got = train_fit.check_fits(_args(device="cpu", memory_cap=cap), True, ["braided_v"], 2306, rank=0)
+    assert got == "--memory-cap holds the CUDA caching allocator; it needs --device cuda"
+
+
+def test_the_example_refuses_a_memory_cap_on_cpu_before_any_work(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "examples/lm.py"), "--model", "tiny", "--device", "cpu",
+                           "--memory-cap", "4", "--steps", "1"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith("--memory-cap holds the CUDA caching allocator; it needs --device cuda")

@@ -410,6 +410,9 @@ def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bou
                       busiest.pp_bubble_s / step, comm / step, max(opts), res.method, bound)
 
 
+OVER_CAP_SHOWN = 3  # pruned-by-memory candidates simulated after the search, to show what the cap cost
+
+
 def search(prob: Problem, *, top: int = 10, max_simulations: int = MAX_SIMULATIONS, time_budget_s: float | None = None,
            only: Callable[[Candidate], bool] | None = None,
            costs_fn: Callable[[Candidate], CostModel] | None = None,
@@ -427,6 +430,7 @@ def search(prob: Problem, *, top: int = 10, max_simulations: int = MAX_SIMULATIO
     # (bound, order, candidate, costs, dp costs, bound counts the waits on all-reduces)
     queue: list[tuple[float, int, Candidate, CostModel, DpCosts, bool]] = []
     seq = 0
+    pruned: list[tuple[Candidate, CostModel]] = []  # dropped by memory unsimulated: the faster of them are shown over the cap
     dcs: dict[tuple[int, Parallel], tuple[CostModel, DpCosts]] = {}  # candidates of one layout share them
 
     def dp_costs_of(cand: Candidate, costs: CostModel) -> DpCosts:
@@ -464,6 +468,7 @@ def search(prob: Problem, *, top: int = 10, max_simulations: int = MAX_SIMULATIO
                 continue
             if min_memory(prob, cand, costs) > prob.memory_bytes:
                 out.memory_pruned += 1
+                pruned.append((cand, costs))
                 if not cand.par.recompute:
                     push(_savers(prob, cand))
                 continue
@@ -522,6 +527,16 @@ def search(prob: Problem, *, top: int = 10, max_simulations: int = MAX_SIMULATIO
                 if len(best) > top:
                     heapq.heappop(best)
     out.best = sorted((e for _, _, e in best), key=lambda e: e.step_s)
+    # the layouts the cap took away: the few pruned candidates whose bound beats the pick, simulated (shown, not ranked)
+    first = out.best[0].step_s if out.best else float("inf")
+    bounded = sorted(((b, i) for i, (c, k) in enumerate(pruned) for b in [lower_bound(prob, c, k, dp_costs_of(c, k), waits=False)]
+                      if b < first), key=lambda t: t[0])
+    for bound, i in bounded[:OVER_CAP_SHOWN]:
+        cand, costs = pruned[i]
+        try:
+            simulated(evaluate(prob, cand, costs, bound, dp_costs_of(cand, costs)))
+        except ValueError:
+            continue
     out.elapsed_s = time.perf_counter() - t0
     return out
 

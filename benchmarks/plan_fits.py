@@ -1,0 +1,107 @@
+"""The planner's pick shown to fit on the GPUs, and the faster layout it rejected shown not to.
+
+Runs ``braid.plan`` for a job on this machine's GPUs under a memory cap (``--memory GiB``), then
+trains its pick and the fastest configuration the cap rejected (the plan's ``over_cap`` list, shown
+under "faster, over the cap") with the example scripts, each process's allocator held to the cap
+(``--memory-cap``, :mod:`examples.train_fit`), while ``nvidia-smi`` samples what each GPU has in use.
+Per configuration: predicted device memory in use (the planner's figure), the most in use measured,
+the example's allocator peak, and whether it ran out::
+
+    PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python benchmarks/plan_fits.py \\
+        --model qwen2-small --gpus 2 --memory 6 --global-batch 16 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+def _sample(stop: threading.Event, out: list[int], every_s: float = 0.2) -> None:
+    """The most memory in use on any visible GPU (MiB), sampled until ``stop``."""
+    while not stop.is_set():
+        try:
+            got = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10).stdout.split()
+            out.append(max(int(x) for x in got))
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+        stop.wait(every_s)
+
+
+def run(command: str, cap: float, steps: int, timeout_s: float) -> dict:
+    """Train ``command`` (a plan's torchrun line) for ``steps`` under ``--memory-cap cap``."""
+    argv = shlex.split(command)
+    argv += ["--memory-cap", f"{cap:g}", "--steps", str(steps), "--skip-memory-check"]
+    stop, used = threading.Event(), []
+    sampler = threading.Thread(target=_sample, args=(stop, used), daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as err:
+        rc, text = 124, (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+    stop.set()
+    sampler.join()
+    peaks = [float(x.replace(",", "")) for x in re.findall(r"peak mem ([\d,.]+) MiB", text)]
+    return {"rc": rc, "out_of_memory": "out of memory" in text.lower() or "OutOfMemoryError" in text,
+            "steps_done": len(re.findall(r"step +\d+/", text)), "allocator_peak_mib": max(peaks, default=0.0),
+            "device_in_use_mib": max(used, default=0), "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="plan_fits.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2-small")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--memory", type=float, default=6.0, help="the cap, GiB per GPU (plan and runs)")
+    ap.add_argument("--global-batch", type=int, default=16)
+    ap.add_argument("--hardware", default="h100")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    if torch.cuda.device_count() < args.gpus:
+        print(f"plan_fits.py: needs {args.gpus} CUDA devices, {torch.cuda.device_count()} visible", file=sys.stderr)
+        return 2
+    from braid.plan import main as plan_main
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "plan.json")
+        rc = plan_main(["--model", args.model, "--gpus", str(args.gpus), "--hardware", args.hardware, "--memory", f"{args.memory:g}",
+                        "--global-batch", str(args.global_batch), "--top", "3", "--json", path])
+        if rc:
+            return rc
+        doc = json.loads(open(path).read())
+    rows = [("pick", doc["ranked"][0])] + [("over the cap", doc["over_cap"][0])] * bool(doc["over_cap"])
+    report = []
+    for what, cfg in rows:
+        got = run(cfg["command"], args.memory, args.steps, args.timeout)
+        report.append({"what": what, "predicted_step_s": cfg["step_s"], "predicted_in_use_gib": cfg["peak_memory_gib"],
+                       "command": cfg["command"], **{k: v for k, v in got.items() if k != "tail"}})
+        err = (got["device_in_use_mib"] / 1024) / cfg["peak_memory_gib"] - 1
+        print(f"{what:13s} predicted {cfg['peak_memory_gib']:.2f} GiB in use, step {cfg['step_s'] * 1e3:.1f} ms; "
+              f"measured {got['device_in_use_mib'] / 1024:.2f} GiB in use ({100 * err:+.1f}%), allocator peak "
+              f"{got['allocator_peak_mib'] / 1024:.2f} GiB, {got['steps_done']} steps, rc {got['rc']}"
+              + (", ran out of memory" if got["out_of_memory"] else ""), flush=True)
+        if got["rc"] and not got["out_of_memory"]:
+            print(got["tail"], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cap_gib": args.memory, "plan": doc["problem"], "runs": report}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
