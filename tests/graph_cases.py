@@ -119,7 +119,8 @@ def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict
         except ValueError as err:
             assert "captured for" in str(err), f"{where}: {err}"
         out.append({"run": f"{name} m={m} {opts or ''}".strip(), "events": list(runner.events), **runner.memory(),
-                    "capture_s": runner.capture_s})
+                    "capture_s": runner.capture_s,
+                    "param_bytes": sum(p.numel() * p.element_size() for p in params_g.values() if p.requires_grad)})
         runner.release()
         del runner, ex_g, ex_e, chunks_e, chunks_g, opt_e, opt_g
         torch.cuda.empty_cache()

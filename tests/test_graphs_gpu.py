@@ -35,6 +35,8 @@ def _check(got: list[list[dict]], n_runs: int) -> None:
             kinds = [e.split(": ", 1)[1].split(" ")[0] for e in r["events"]]
             assert kinds[:3] == ["eager", "eager", "capture"] and kinds.count("replay") == 3, f"rank {rank} {r['run']}: {r['events']}"
             assert r["capture_peak_bytes"] and r["capture_peak_bytes"] > 0, f"rank {rank} {r['run']}: {r}"
+            # every gradient is allocated by the captured backward (set to None before it), in the parameters' dtype
+            assert r["captured_grad_bytes"] == r["param_bytes"] <= r["capture_peak_bytes"], f"rank {rank} {r['run']}: {r}"
 
 
 @pytest.mark.parametrize("pp,tp", [(2, 1), (1, 2)])

@@ -138,8 +138,9 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
                                                   warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None,
                                                   wall=wall)
     mem = graph.memory()
-    if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took
-        peak = mem["capture_peak_bytes"] or 0
+    if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took, less the
+        # gradients the capture allocated (an eager step's are allocated before it, below its baseline)
+        peak = (mem["capture_peak_bytes"] or 0) - (mem.get("captured_grad_bytes") or 0)
     compute_s, kernels = _compute_step(dev, step) if busy_step else (None, None)
     graph.release()
     busy: list[dict[str, float]] = []

@@ -261,6 +261,7 @@ class GraphedStep:
         self.shape_changes = 0  # graphs released because some rank's micro-batch shapes changed
         self.eager_reason: str | None = None  # set when the inputs changed shape too often to keep a graph
         self.capture_peak_bytes: int | None = None  # allocator peak of the captured step above what was allocated before
+        self.grad_bytes: int | None = None  # of which the gradients the capture allocated (they stay: the replays write them)
         self.pool_bytes: int | None = None  # device memory the graph's private pool holds
         self.capture_s: float | None = None
 
@@ -345,6 +346,7 @@ class GraphedStep:
         for p in params:
             if getattr(p, "main_grad", None) is None:
                 p.grad = None  # allocated by the captured backward, from the graph's pool
+        kept = {id(p.grad) for p in params if p.grad is not None}
         ex.offloader.pool.forget_events()
         torch.cuda.synchronize(dev)
         _barrier(dev)
@@ -377,6 +379,7 @@ class GraphedStep:
         self._loss = res.loss_tensor
         self._counts = dict(res.counts)
         self._grads = [(p, p.grad) for p in params if p.grad is not None]
+        self.grad_bytes = sum(g.numel() * g.element_size() for _, g in self._grads if id(g) not in kept)
         torch.cuda.synchronize(dev)
         _barrier(dev)
         self.pool_bytes = _pool_bytes(self.pool)
@@ -427,9 +430,11 @@ class GraphedStep:
         torch.cuda.empty_cache()
 
     def memory(self) -> dict[str, int | None]:
-        """Device memory of the graph: the allocator's peak during capture (above what was allocated before)
-        and the bytes its private pool holds."""
-        return {"capture_peak_bytes": self.capture_peak_bytes, "graph_pool_bytes": self.pool_bytes}
+        """Device memory of the graph: the allocator's peak during capture (above what was allocated before),
+        the gradients among it (allocated by the captured backward, where an eager step's are there before it
+        starts) and the bytes its private pool holds."""
+        return {"capture_peak_bytes": self.capture_peak_bytes, "captured_grad_bytes": self.grad_bytes,
+                "graph_pool_bytes": self.pool_bytes}
 
 
 def step_runner(ex: Executor, mode: str | None = None, *, warmup: int = WARMUP_STEPS) -> GraphedStep | EagerStep:
