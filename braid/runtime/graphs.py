@@ -173,7 +173,12 @@ def _leaves(items: Sequence[Any]) -> list[Any]:
 
 
 def _empty_like(item: Any, dev: torch.device) -> Any:
-    return tuple(torch.empty_like(t, device=dev) for t in item) if isinstance(item, tuple) else torch.empty_like(item, device=dev)
+    """A static buffer like ``item``: a tensor, or a tuple of them of the same type (a named tuple stays one:
+    the chunks read a padded VLM micro-batch, :class:`braid.models.vlm_pack.PackedImages`, by its type)."""
+    if not isinstance(item, tuple):
+        return torch.empty_like(item, device=dev)
+    parts = [torch.empty_like(t, device=dev) for t in item]
+    return type(item)(*parts) if hasattr(item, "_fields") else tuple(parts)
 
 
 def _line(err: BaseException) -> str:
