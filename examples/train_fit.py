@@ -15,7 +15,7 @@ for the run's own model preset, layout, schedule, micro-batches, optimizer, reco
   found runs safe only while the estimate stayed below 80% of the card).
 
 Checked for CUDA runs of braid's schedules on a catalog preset that ``braid.simulate`` models: not for a
-``--hf`` checkpoint, ``--cp`` > 1, another ``--image-size`` than the preset's, or a torch baseline.
+``--hf`` checkpoint, ``--cp`` > 1, another ``--image-size`` than the preset's, ``--image-sizes``, or a torch baseline.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def check_fits(args: argparse.Namespace, vision: bool, schedules: Sequence[str],
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     name = catalog_name(args, vision)
     if (not cuda or args.skip_memory_check or args.hf or args.cp > 1 or name is None or not schedules
-            or getattr(args, "image_size", None) is not None):
+            or getattr(args, "image_size", None) is not None or getattr(args, "image_sizes", None) is not None):
         return None
     local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
     refusal, warning = verdict(simulate_argv(args, name, seq_len), schedules,
