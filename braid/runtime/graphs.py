@@ -63,7 +63,8 @@ whether any changed: then every rank drops its graph, runs an eager step of the 
 (its kernels, compiled code and buffers are made outside a capture) and captures on the next
 step of the same shapes. One graph is kept at a time: after :data:`MAX_CAPTURES` changes of
 shape the run stays eager and says why (pad or bucket the images to one shape per run, as
-production VLM trainers do, to keep the graph).
+production VLM trainers do, to keep the graph: micro-batches padded to a visual-token budget,
+:mod:`braid.models.vlm_pack`, all have one key, their per-step facts copied in with the tokens).
 """
 
 from __future__ import annotations
