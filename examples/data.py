@@ -21,6 +21,7 @@ Real data: subclass :class:`SampleSource` (``__getitem__(i) -> dict`` with ``tok
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,11 @@ class ShapesCaptions(SampleSource):
     ``image_tokens``: the token ids that stand for the image in the text, placed before
     the caption (for Qwen2-VL: vision start, one image pad per visual token, vision end;
     :meth:`braid.models.qwen2_vl.Qwen2VLConfig.image_tokens`); they take no loss.
+
+    ``image_sizes``: square image sides to draw each sample's from (uniformly, by seed and
+    index: :meth:`side`) instead of ``image_size``; ``image_tokens`` is then a mapping from
+    side to that image's token ids, and every sample is right-padded (``<pad>``, no loss) to
+    the longest image's ids plus ``seq``.
     """
 
     image_size: int
@@ -64,7 +70,8 @@ class ShapesCaptions(SampleSource):
     vocab_size: int
     seed: int = 0
     size: int = 1 << 30
-    image_tokens: tuple[int, ...] = ()
+    image_tokens: tuple[int, ...] | dict[int, tuple[int, ...]] = ()
+    image_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.words = caption_vocab()
@@ -72,9 +79,19 @@ class ShapesCaptions(SampleSource):
             raise ValueError(f"vocab_size {self.vocab_size} is smaller than the caption vocabulary ({len(self.words)} words)")
         if self.seq < 10:
             raise ValueError(f"caption sequence length must be >= 10 tokens, got {self.seq}")
-        if self.image_size < 8 or self.image_size % 4:
-            raise ValueError(f"image size must be a multiple of 4 and >= 8, got {self.image_size}")
+        for side in self.image_sizes or (self.image_size,):
+            if side < 8 or side % 4:
+                raise ValueError(f"image size must be a multiple of 4 and >= 8, got {side}")
+        if self.image_sizes and set(self.image_tokens) != set(self.image_sizes):
+            raise ValueError("image_sizes needs image_tokens as a mapping from each side to its token ids")
         self.index = {w: i for i, w in enumerate(self.words)}
+
+    def side(self, i: int) -> int:
+        """Sample ``i``'s image side: ``image_size``, or one of ``image_sizes`` drawn by (seed, i) alone (cheap:
+        a run's sides are known before any image is drawn)."""
+        if not self.image_sizes:
+            return self.image_size
+        return self.image_sizes[random.Random(self.seed * 1_000_003 + i).randrange(len(self.image_sizes))]
 
     def __len__(self) -> int:
         return self.size
@@ -84,7 +101,7 @@ class ShapesCaptions(SampleSource):
         colour = list(COLOURS)[int(torch.randint(len(COLOURS), (1,), generator=g))]
         shape = SHAPES[int(torch.randint(len(SHAPES), (1,), generator=g))]
         pos = int(torch.randint(len(POSITIONS), (1,), generator=g))
-        n = self.image_size
+        n = self.side(i)
         img = 0.15 * torch.rand(3, n, n, generator=g)
         half = n // 2
         y0, x0 = (pos // 2) * half, (pos % 2) * half
@@ -108,9 +125,14 @@ class ShapesCaptions(SampleSource):
         tokens[: len(ids)] = torch.tensor(ids)
         labels = torch.full((self.seq,), IGNORE, dtype=torch.long)
         labels[: len(ids) - 1] = tokens[1: len(ids)]
-        if self.image_tokens:
-            tokens = torch.cat([torch.tensor(self.image_tokens, dtype=torch.long), tokens])
-            labels = torch.cat([torch.full((len(self.image_tokens),), IGNORE, dtype=torch.long), labels])
+        image = self.image_tokens[n] if self.image_sizes else self.image_tokens
+        if image:
+            tokens = torch.cat([torch.tensor(image, dtype=torch.long), tokens])
+            labels = torch.cat([torch.full((len(image),), IGNORE, dtype=torch.long), labels])
+        if self.image_sizes:  # one length for every sample: the longest image's ids + seq, the rest right-padded
+            pad = max(len(t) for t in self.image_tokens.values()) - len(image)
+            tokens = torch.cat([tokens, torch.full((pad,), self.index["<pad>"], dtype=torch.long)])
+            labels = torch.cat([labels, torch.full((pad,), IGNORE, dtype=torch.long)])
         return {"tokens": tokens, "labels": labels, "pixels": img}
 
 

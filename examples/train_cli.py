@@ -45,8 +45,9 @@ class Task:
     ``stage_layers(model, num_stages, args) -> tuple``; ``check(model, topo, num_stages, args)``
     raises ``ValueError`` for layouts the model cannot take; ``build_chunks(model, plan,
     pp_rank, stage_layers, tp_rank, tp_size, tp_group)``; ``source(model, args)`` the data;
-    ``inputs(model, batch) -> (tokens_item, labels)`` per micro-batch; ``seq_len(model, args)``
-    the LM sequence; ``flops_per_sample(model, args)`` for MFU; ``models``: the ``--model`` presets.
+    ``inputs(model, batch, args) -> (tokens_item, labels)`` per micro-batch; ``seq_len(model, args)``
+    the LM sequence; ``flops_per_sample(model, args)`` for MFU; ``models``: the ``--model`` presets;
+    ``add_args(group)`` adds the script's own flags to the "batch and model" group.
     """
 
     prog: str
@@ -62,6 +63,7 @@ class Task:
     default_seq: int
     vision: bool = False
     models: tuple[str, ...] = ("tiny", "small", "7b", "15b")
+    add_args: Callable[[Any], None] | None = None
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -120,8 +122,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     run.add_argument("--seq", type=int, default=task.default_seq,
                      help=("caption tokens per sample; the LM sees visual tokens + these" if task.vision else "tokens per sample")
                      + " (default: %(default)s)")
-    if task.vision:
-        run.add_argument("--image-size", type=int, default=None, help="image side in pixels (default: the preset's)")
+    if task.add_args is not None:
+        task.add_args(run)
     run.add_argument("--steps", type=int, default=40, help="training steps in total, counting resumed ones (default: %(default)s)")
     run.add_argument("--lr", type=float, default=None,
                      help="AdamW peak learning rate (default: by model size, as published recipes scale it: 1e-3 below "

@@ -15,7 +15,7 @@ for the run's own model preset, layout, schedule, micro-batches, optimizer, reco
   found runs safe only while the estimate stayed below 80% of the card).
 
 Checked for CUDA runs of braid's schedules on a catalog preset that ``braid.simulate`` models: not for a
-``--hf`` checkpoint, ``--cp`` > 1, another ``--image-size`` than the preset's, or a torch baseline.
+``--hf`` checkpoint, ``--cp`` > 1, another ``--image-size`` than the preset's, ``--image-sizes``, or a torch baseline.
 
 ``--memory-cap GiB`` makes a smaller card of the one at hand: each process's CUDA caching allocator is held
 to that many GiB (``torch.cuda.set_per_process_memory_fraction``, set before anything is allocated), and the
@@ -137,7 +137,7 @@ def check_fits(args: argparse.Namespace, vision: bool, schedules: Sequence[str],
             return str(err)
     name = catalog_name(args, vision)
     if (not cuda or args.skip_memory_check or args.hf or args.cp > 1 or name is None or not schedules
-            or getattr(args, "image_size", None) is not None):
+            or getattr(args, "image_size", None) is not None or getattr(args, "image_sizes", None) is not None):
         return None
     card = cap * 2**30 if cap is not None else torch.cuda.get_device_properties(local).total_memory
     refusal, warning = verdict(simulate_argv(args, name, seq_len), schedules, card, cap is not None)

@@ -46,16 +46,22 @@ def peak_flops(args: argparse.Namespace, device: torch.device) -> float:
     return 0.0
 
 
-def gather_batch(source: Any, first: int, count: int) -> dict[str, torch.Tensor]:
-    """Samples ``first .. first + count - 1`` of ``source`` stacked into one micro-batch."""
+def gather_batch(source: Any, first: int, count: int) -> dict[str, Any]:
+    """Samples ``first .. first + count - 1`` of ``source`` stacked into one micro-batch; a field whose samples
+    differ in shape (images of several sizes: ``--image-sizes``) stays a list of them."""
     items = [source[first + k] for k in range(count)]
-    return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+    out = {}
+    for k in items[0]:
+        parts = [it[k] for it in items]
+        out[k] = torch.stack(parts) if all(t.shape == parts[0].shape for t in parts) else parts
+    return out
 
 
 def to_device(item: Any, device: torch.device, dtype: torch.dtype, non_blocking: bool = False) -> Any:
-    """A tensor (or tuple of tensors) on ``device``; floating-point ones in ``dtype``."""
-    if isinstance(item, tuple):
-        return tuple(to_device(x, device, dtype, non_blocking) for x in item)
+    """A tensor (or a tuple -- named ones keep their type -- or list of tensors) on ``device``; floating-point
+    ones in ``dtype``."""
+    if isinstance(item, (tuple, list)):
+        return _like(item, [to_device(x, device, dtype, non_blocking) for x in item])
     return item.to(device=device, dtype=dtype if item.is_floating_point() else item.dtype, non_blocking=non_blocking)
 
 
@@ -192,14 +198,21 @@ def host_micro_batches(task: Task, setup: Setup, source: Any, pos: int, dp_rank:
     first = pos + dp_rank * args.mbs * args.micro_batch_size
     toks, labs = [], []
     for i in range(args.mbs):
-        tok, lab = task.inputs(setup.model, gather_batch(source, first + i * args.micro_batch_size, args.micro_batch_size))
+        tok, lab = task.inputs(setup.model, gather_batch(source, first + i * args.micro_batch_size, args.micro_batch_size), args)
         toks.append(_pinned(tok) if pin else tok)
         labs.append(_pinned(lab) if pin else lab)
     return toks, labs
 
 
 def _pinned(item: Any) -> Any:
-    return tuple(_pinned(x) for x in item) if isinstance(item, tuple) else item.pin_memory()
+    return _like(item, [_pinned(x) for x in item]) if isinstance(item, (tuple, list)) else item.pin_memory()
+
+
+def _like(item: Any, parts: list) -> Any:
+    """``parts`` in ``item``'s container: a list, a tuple, or the same named tuple (a padded VLM micro-batch)."""
+    if isinstance(item, list):
+        return parts
+    return type(item)(*parts) if hasattr(item, "_fields") else tuple(parts)
 
 
 class Prefetcher:

@@ -105,12 +105,33 @@ def test_resume_continues_with_the_same_losses(reference, tmp_path) -> None:
     (["--schedule", "zb_v", "1f1b_i", "--trace", "t.json"], "take one --schedule"),
     (["--schedule", "torch_zb_v", "--dp", "1", "--cp", "1", "--save", "ckpt"], "checkpoint braid's schedules"),
     (["--last-stage-lighter", "0.5"], "the VLM's stages hold whole layers"),
+    (["--image-sizes", "8,12"], "--image-sizes 12: every image side must be a positive multiple of patch*merge"),
+    (["--image-sizes", ","], "--image-sizes is empty"),
+    (["--image-sizes", "8,big"], "give image sides as integers"),
+    (["--image-sizes", "8,32", "--visual-token-budget", "16"], "--visual-token-budget 16: micro-batch"),
+    (["--image-sizes", "8,32", "--image-size", "16"], "give one of them"),
+    (["--visual-token-budget", "9"], "it needs --image-sizes"),
 ])
 def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
     proc = _python(VLM, *args)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qwen2_vl.py: error:") and message in lines[0], proc.stderr
+
+
+def test_images_of_several_sizes_train_padded_as_the_unpadded_model(tmp_path) -> None:
+    """--image-sizes: micro-batches padded to one visual-token budget under tp=2 x pp=2 give the unsplit,
+    unpadded model's losses (--reference); the start-up line reports the budget and the padding share."""
+    metrics = tmp_path / "m.jsonl"
+    proc = _torchrun(4, VLM, *COMMON, "--model", "qwen2.5-vl-tiny", "--image-sizes", "16,24,32", "--tp", "2", "--pp", "2",
+                     "--steps", "2", "--reference", "--metrics", str(metrics))
+    _ok(proc)
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("dynamic resolution:"))
+    # budget: 2 samples x 16 tokens (32 px); images of 4, 9 or 16 tokens drawn with equal odds
+    assert "3 image sizes (16, 24, 32 px)" in line and "visual-token budget 32 per micro-batch" in line
+    share = float(line.split("padding ")[1].split("%")[0])
+    assert 0.0 < share < 100.0 and "over the run's 8 micro-batches" in line
+    assert [m["step"] for m in _metrics(metrics)] == [1, 2]
 
 
 def test_schedules_side_by_side_with_torch_baselines_match_the_unsplit_model(tmp_path) -> None:

@@ -60,6 +60,7 @@ MAX_PM = 1 << 16
 COUNT_LIMITS: dict[str, int] = {
     "tp": 1024, "dp": 1 << 20, "ep": 1 << 20, "cp": 1024, "hp": 1024, "chunks": 64, "gpus_per_node": 1024,
     "seq": 1 << 24, "micro_batch_size": 1 << 16, "image_size": 1 << 16,
+    "visual_token_budget": 1 << 24,
     "steps": 100_000_000, "warmup": 100_000_000, "save_every": 100_000_000, "keep_checkpoints": 100_000,
     "iters": 1_000_000, "rounds": 100_000,
 }

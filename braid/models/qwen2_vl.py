@@ -30,7 +30,7 @@ tower); :func:`vlm_preset` and :func:`vl_config` make them runnable.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -231,12 +231,18 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return torch.cat([labels[:, 1:], pad], dim=1)
 
 
-def vision_inputs(cfg: Qwen2VLConfig, pixels: torch.Tensor | None, image_grid_thw: torch.Tensor | None
-                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(pixel_values, image_grid_thw)`` from either HF's processor outputs or a batch of images ``(b, c, H, W)``
-    (one image per sample, laid out by :func:`braid.models.vit.patchify`)."""
+def vision_inputs(cfg: Qwen2VLConfig, pixels: torch.Tensor | Sequence[torch.Tensor] | None,
+                  image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(pixel_values, image_grid_thw)`` from either HF's processor outputs, a batch of images ``(b, c, H, W)``
+    (one image per sample, laid out by :func:`braid.models.vit.patchify`), or a list of images ``(c, H, W)``
+    of any sizes (one per sample: the examples' ``--image-sizes``)."""
     if pixels is None:
         return None, None
+    if isinstance(pixels, (list, tuple)):
+        if image_grid_thw is not None or not pixels or any(img.dim() != 3 for img in pixels):
+            raise ValueError("a list of images needs one (c, H, W) image per sample and no image_grid_thw")
+        parts = [patchify(img.unsqueeze(0), cfg.vit) for img in pixels]
+        return torch.cat([pv for pv, _ in parts]), torch.cat([grid for _, grid in parts])
     if image_grid_thw is None:
         if pixels.dim() != 4:
             raise ValueError(f"pixel_values of shape {tuple(pixels.shape)} need image_grid_thw (or pass images (b, c, H, W))")

@@ -59,6 +59,7 @@ from braid.models.qwen2_vl import (
 )
 from braid.models.tied import Tie, mark
 from braid.models.vlm_batch import BatchShape, ShapeCache, batch_shapes, capturing, flat_positions, scatter_rows
+from braid.models.vlm_pack import PackedImages, packed_key, packed_layout, take_rows
 from braid.models.vit import (
     PatchMerger,
     VisionBlock,
@@ -81,8 +82,15 @@ from braid.tp.layers import (
 _VISION = {"layers": "visual.blocks", "embed": "visual.patch_embed", "merger": "visual.merger", "text_embed": "lm.embed_tokens"}
 
 
-def _shapes(cfg: Qwen2VLConfig, tokens: Sequence) -> tuple[BatchShape, ...]:
-    """The micro-batches' shapes that a VLM chunk's step depends on (its ``batch_key``)."""
+def _shapes(cfg: Qwen2VLConfig, tokens: Sequence) -> tuple:
+    """The micro-batches' shapes that a VLM chunk's step depends on (its ``batch_key``): each one's
+    :class:`BatchShape`, or for micro-batches padded to a visual-token budget (:mod:`braid.models.vlm_pack`)
+    their fixed shape alone (no host read)."""
+    packed = [isinstance(item, PackedImages) for item in tokens]
+    if all(packed):
+        return tuple(packed_key(item) for item in tokens)
+    if any(packed):
+        raise ValueError("a step mixes micro-batches padded to a visual-token budget (PackedImages) with others")
     return batch_shapes(tokens, cfg.vit.patch, cfg.vit.merge, cfg.image_token_id)
 
 
@@ -126,9 +134,10 @@ class VisionChunk(ModelChunk):
         return _shapes(self.cfg, tokens)
 
     def prepare_batch(self, tokens: Sequence) -> tuple[BatchShape, ...]:
-        """The layouts and visual-token positions of these micro-batches, on this chunk's device (cached per shape)."""
+        """The layouts and visual-token positions of these micro-batches, on this chunk's device (cached per shape;
+        padded micro-batches carry theirs as data: :meth:`set_batch` makes them by device work)."""
         key = self.batch_key(tokens)
-        self._plans = [self._plan_of(shape) for shape in key]
+        self._plans = [None if isinstance(shape, tuple) and shape[0] == "padded" else self._plan_of(shape) for shape in key]
         return key
 
     def _build_plan(self, shape: BatchShape) -> tuple[VisionLayout, torch.Tensor, torch.Tensor]:
@@ -146,9 +155,13 @@ class VisionChunk(ModelChunk):
             self.prepare_batch(tokens)
         n = self.vit.patch_dim // self.tp_size
         patches, self.ids, self.layouts, self.image_rows = [], [], [], []
-        for item, (layout, rows, grid) in zip(tokens, self._plans):
-            pixel_values = item[0] if len(item) == 3 else patch_rows(item[0], self.vit)
-            check_pixels(pixel_values, grid, self.vit)  # shapes only: the grid is on the host
+        for item, plan in zip(tokens, self._plans):
+            if isinstance(item, PackedImages):  # padded to a visual-token budget: segments, positions and sources are data
+                layout, rows, pixel_values = packed_layout(item, self.vit), item.token_src, item.pixel_values
+            else:
+                layout, rows, grid = plan
+                pixel_values = item[0] if len(item) == 3 else patch_rows(item[0], self.vit)
+                check_pixels(pixel_values, grid, self.vit)  # shapes only: the grid is on the host
             x = layout.reorder(pixel_values, self.vit.merge ** 2)
             patches.append(x[:, self.tp_rank * n : (self.tp_rank + 1) * n].unsqueeze(0))  # (1, N, pd/t)
             self.ids.append(item[1])
@@ -189,7 +202,10 @@ class VisionChunk(ModelChunk):
             if layout.reverse is not None:
                 vis = vis[layout.reverse]
             text = self.text_embed(ids)  # (b, s, H) partial
-            out = scatter_rows(text, self.image_rows[mb], vis)  # the image pads' rows, no host read
+            if layout.masks is not None:  # padded: every LM position gathers its row; padded visual tokens go nowhere
+                out = take_rows(text, vis, self.image_rows[mb])
+            else:
+                out = scatter_rows(text, self.image_rows[mb], vis)  # the image pads' rows, no host read
         self._saved[key] = [_Piece((x,), (h,), tuple(self.merger.ln_q.parameters())), _Piece((hl,), (out,))]
         self._fwd[mb] = (out.detach(),)
         return self._fwd[mb][0]
@@ -239,9 +255,11 @@ class MRopeChunk(ModelChunk):
         return _shapes(self.cfg, tokens)
 
     def prepare_batch(self, tokens: Sequence) -> tuple[BatchShape, ...]:
-        """The M-RoPE positions of these micro-batches on this chunk's device (cached per shape)."""
+        """The M-RoPE positions of these micro-batches on this chunk's device (cached per shape; a padded
+        micro-batch carries its own)."""
         key = self.batch_key(tokens)
-        self.mrope = [self._positions_of(shape) for shape in key]
+        self.mrope = [item.mrope if isinstance(item, PackedImages) else self._positions_of(shape)
+                      for item, shape in zip(tokens, key)]
         return key
 
     def _build_positions(self, shape: BatchShape) -> torch.Tensor:

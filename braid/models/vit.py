@@ -189,6 +189,9 @@ class VisionLayout:
     ``cos``/``sin`` ``(N, head_dim)`` in the tower's patch order; ``full``/``windows``:
     lengths of the attention segments (one per frame / per window); ``order`` (merge units,
     window order) and ``reverse`` (its inverse) for Qwen2.5-VL, ``None`` for Qwen2-VL.
+    ``masks``: where the segments are device data instead (a micro-batch padded to a fixed
+    patch count, :mod:`braid.models.vlm_pack`), the block-diagonal ``(N, N)`` masks of the
+    full and the window segments (``full``/``windows`` are then empty).
     """
 
     cos: torch.Tensor
@@ -197,9 +200,17 @@ class VisionLayout:
     windows: list[int]
     order: torch.Tensor | None
     reverse: torch.Tensor | None
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def segments(self, full_attention: bool) -> list[int]:
         return self.full if full_attention else self.windows
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, full_attention: bool) -> torch.Tensor:
+        """Attention of ``q, k, v`` (1, heads, N, d) within the full or window segments: by their lengths
+        (:func:`segment_attention`), or one call under their block-diagonal mask (a static shape)."""
+        if self.masks is None:
+            return segment_attention(q, k, v, self.segments(full_attention))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.masks[0 if full_attention else 1])
 
     def reorder(self, x: torch.Tensor, unit: int) -> torch.Tensor:
         """Rows of ``x`` (N, ...) in window order (groups of ``unit`` rows move together); identity without windows."""
@@ -317,7 +328,7 @@ class VisionBlock(UnitMethods, nn.Module):
 
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Bidirectional attention within each segment (frame or window) and the out-projection (partial over TP)."""
-        o = segment_attention(q, k, v, self.layout.segments(self.full_attention))
+        o = self.layout.attend(q, k, v, self.full_attention)
         b, _, n, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 

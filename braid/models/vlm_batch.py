@@ -14,7 +14,9 @@ read inside the forward or backward (masked scatters, ``nonzero``, ``.tolist()``
 which is what a whole-step CUDA graph needs (:mod:`braid.runtime.graphs`): the graph captured
 for one tuple of shapes replays for every batch of the same shapes, and a new shape is a
 new capture (one graph is kept at a time). Production VLM trainers pad or bucket image sizes for
-the same reason; the examples' synthetic images all have one size, so one graph serves the run.
+the same reason: micro-batches padded to one visual-token budget (:mod:`braid.models.vlm_pack`,
+the examples' ``--image-sizes``) carry these facts as tensors and share one key, so one graph
+serves a run of mixed resolutions.
 """
 
 from __future__ import annotations

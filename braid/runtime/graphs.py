@@ -63,7 +63,8 @@ whether any changed: then every rank drops its graph, runs an eager step of the 
 (its kernels, compiled code and buffers are made outside a capture) and captures on the next
 step of the same shapes. One graph is kept at a time: after :data:`MAX_CAPTURES` changes of
 shape the run stays eager and says why (pad or bucket the images to one shape per run, as
-production VLM trainers do, to keep the graph).
+production VLM trainers do, to keep the graph: micro-batches padded to a visual-token budget,
+:mod:`braid.models.vlm_pack`, all have one key, their per-step facts copied in with the tokens).
 """
 
 from __future__ import annotations
@@ -173,7 +174,12 @@ def _leaves(items: Sequence[Any]) -> list[Any]:
 
 
 def _empty_like(item: Any, dev: torch.device) -> Any:
-    return tuple(torch.empty_like(t, device=dev) for t in item) if isinstance(item, tuple) else torch.empty_like(item, device=dev)
+    """A static buffer like ``item``: a tensor, or a tuple of them of the same type (a named tuple stays one:
+    the chunks read a padded VLM micro-batch, :class:`braid.models.vlm_pack.PackedImages`, by its type)."""
+    if not isinstance(item, tuple):
+        return torch.empty_like(item, device=dev)
+    parts = [torch.empty_like(t, device=dev) for t in item]
+    return type(item)(*parts) if hasattr(item, "_fields") else tuple(parts)
 
 
 def _line(err: BaseException) -> str:
