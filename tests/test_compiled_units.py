@@ -97,6 +97,16 @@ def test_each_compiled_function_gives_the_eager_values_and_gradients() -> None:
         got[which] = (ce * keep, torch.autograd.grad((ce * keep).sum(), leaf)[0])
     for a, b in zip(got["eager"], got["compiled"]):
         torch.testing.assert_close(b, a, **TOL)
+    # The vocab-parallel loss's pieces (tp > 1; here one shard [8, V) without its group: labels below it are
+    # another shard's): the compiled kernels against the eager ones, values and the logits' gradient.
+    shard = logits[..., 8:]
+    got = {}
+    for which, fns in (("eager", EAGER), ("compiled", fast)):
+        leaf = shard.clone().requires_grad_()
+        ce = fns.cross_entropy(leaf, labels.clamp(min=0), 8, None)
+        got[which] = (ce, torch.autograd.grad(ce.sum(), leaf)[0])
+    for a, b in zip(got["eager"], got["compiled"]):
+        torch.testing.assert_close(b, a, **TOL)
 
 
 def _executor_run(schedule: str, m: int, compile: bool, data, device: str = "cpu",

@@ -212,13 +212,21 @@ def _layer_units(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: 
 
 
 def eager_loss_workspace(tokens: int, vocab_t: int, d: int) -> float:
-    """The head's workspace under the eager loss (:func:`braid.tp.embedding.vocab_parallel_cross_entropy`):
-    at its peak it holds the logits in the model's dtype, their fp32 copy (none when ``d`` >= 4), the
-    shifted logits and their exponentials (the kept softmax) -- 14 bytes per token and vocabulary entry
-    of the TP shard in bf16, 10 above the softmax. The simulator charges it on top of the kept bytes
-    in the head's backward: the forward's peak. Compiled (tp=1) the loss is fused; none is counted."""
+    """The head's workspace under the eager vocab-parallel loss (:func:`braid.tp.embedding.vocab_parallel_cross_entropy`
+    with its eager pieces): above the logits it keeps, the forward holds their shifted fp32 copy (and the cast
+    that makes it, when ``d`` < 4) and the backward the recomputed softmax and its cast -- 8 bytes per token and
+    vocabulary entry of the TP shard in bf16, 4 in fp32. The simulator charges it on top of the kept bytes."""
     c = max(d, 4)  # the loss computes in fp32 (fp64 for an fp64 model)
-    return float(tokens * vocab_t * (d + (c if d < c else 0) + c))
+    return float(tokens * vocab_t * (c + (c if d < c else 0)))
+
+
+def loss_workspace(tokens: int, vocab_t: int, d: int, compiled: bool, t: int) -> float:
+    """The head unit's workspace (``tmp``): compiled at tp=1 the fused cross-entropy (none counted); compiled
+    at tp > 1 the vocab-parallel loss's fused pieces, whose backward writes the logits' gradient (``d`` bytes
+    per token and vocabulary entry of the shard); eager, :func:`eager_loss_workspace`."""
+    if compiled:
+        return 0.0 if t == 1 else float(tokens * vocab_t * d)
+    return eager_loss_workspace(tokens, vocab_t, d)
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -298,7 +306,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     ``recompute``: ``"selective"`` applies :func:`selective_recompute`, ``"full"``
     :func:`braid.cost.recompute_costs.full_recompute` to the LM layers. ``compiled``: whether the
     executor compiles its unit functions (its default on CUDA); with ``"runtime"`` the head's
-    workspace is :func:`eager_loss_workspace` unless the loss runs compiled (tp=1).
+    workspace is :func:`loss_workspace`'s.
     ``last_stage_lighter``: the layer split's (:func:`model_stage_layers`; None: the paper's).
     ``seq_shard``: sequence parallelism inside TP (:func:`seq_shard_units`; no effect at tp=1;
     the LM only: a vision-language model is refused, as the runtime refuses it).
@@ -333,9 +341,10 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     if activations == "runtime":
         acts = runtime_act(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, t, d)
         lm = {u: replace(c, act=acts[u]) for u, c in lm.items()}
-        # norm, its output, fp32 logits of the vocab shard; labels copy and masks (11 bytes per token)
-        head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + 4 * model.vocab // t + 11),
-                       tmp=0.0 if compiled and t == 1 else eager_loss_workspace(tok, model.vocab // t, d))
+        # norm, its output, the logits of the vocab shard; the loss's per-token max and sum of exponentials,
+        # local labels and mask (17 bytes per token)
+        head = replace(head, act=tok * (4 * h + 2 * d * h + 4 + d * (model.vocab // t) + 17),
+                       tmp=loss_workspace(tok, model.vocab // t, d, compiled, t))
         embed = replace(embed, act=tok * 9)  # shifted token ids and the shard mask
     if model.experts:
         lm = moe_units(lm, model, tok, t, d, hw, moe or MoeLayout(), activations)

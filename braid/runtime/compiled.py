@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.models.qwen2 import EAGER, UnitFns
-from braid.tp.embedding import vocab_parallel_cross_entropy
+from braid.tp.embedding import CEKernels, ce_logits_grad, ce_row_max, ce_row_stats, vocab_parallel_cross_entropy
 
 
 def available(device: torch.device | str) -> bool:
@@ -75,14 +75,14 @@ def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32)), labels.flatten(), reduction="none").view(labels.shape)
 
 
-def _cross_entropy(compiled_ce):
+def _cross_entropy(compiled_ce, kernels: CEKernels):
     def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0, group=None) -> torch.Tensor:
         # tp=1: the whole vocabulary is here, so the loss is plain cross-entropy and compiles into a few
-        # fused kernels (the eager path keeps an fp32 softmax of the logits for its backward). With a
-        # TP group the max and sums are all-reduced mid-function: that stays the eager autograd function.
+        # fused kernels. With a TP group the max and sums are all-reduced mid-function: the autograd
+        # function stays eager around them and its three element-wise pieces run compiled.
         if group is None and vocab_start == 0:
             return compiled_ce(logits, labels)
-        return vocab_parallel_cross_entropy(logits, labels, vocab_start, group)
+        return vocab_parallel_cross_entropy(logits, labels, vocab_start, group, kernels)
 
     return cross_entropy
 
@@ -98,7 +98,8 @@ def compiled_fns() -> UnitFns:
                    # one add (and a division at tp > 1) is one kernel in eager mode too; compiled, it
                    # would only add a compiled call's host time to every unit
                    add_residual=EAGER.add_residual,
-                   cross_entropy=_cross_entropy(jit(token_cross_entropy)))
+                   cross_entropy=_cross_entropy(jit(token_cross_entropy),
+                                                CEKernels(jit(ce_row_max), jit(ce_row_stats), jit(ce_logits_grad))))
 
 
 def set_compiled(modules: Iterable[nn.Module], enabled: bool) -> int:

@@ -9,6 +9,8 @@ LM head is column-parallel over the vocabulary).
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -71,44 +73,76 @@ class VocabParallelEmbedding(DeferredWeightGrad):
         return [dw]
 
 
+def ce_row_max(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token max of the shard's logits (tokens, V/tp), in fp32 (fp64 for an fp64 model)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).amax(dim=-1)
+
+
+def ce_row_stats(logits: torch.Tensor, lmax: torch.Tensor, local: torch.Tensor, mask: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target logit, sum of exponentials) per token, shifted by the global max ``lmax``; the target is 0
+    where the label is another shard's (``mask``)."""
+    shifted = logits.to(lmax.dtype) - lmax.unsqueeze(-1)
+    target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(mask, 0.0)
+    return target, shifted.exp_().sum(-1)
+
+
+def ce_logits_grad(logits: torch.Tensor, lmax: torch.Tensor, sum_exp: torch.Tensor, local: torch.Tensor,
+                   mask: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """d loss / d logits = (softmax - one-hot of the label) * grad_loss, the softmax recomputed from the
+    logits and the two per-token figures (none kept between forward and backward); in the logits' dtype."""
+    soft = (logits.to(lmax.dtype) - lmax.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))  # one new tensor, in place after
+    soft.scatter_add_(-1, local.unsqueeze(-1), (mask.to(soft.dtype) - 1).unsqueeze(-1))  # -1 at this shard's labels
+    return soft.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype)
+
+
+class CEKernels(NamedTuple):
+    """The vocab-parallel loss's three element-wise pieces, between its two all-reduces (eager by
+    default; :mod:`braid.runtime.compiled` gives ``torch.compile``d ones, each a fused kernel or two)."""
+
+    row_max: Callable[[torch.Tensor], torch.Tensor] = ce_row_max
+    row_stats: Callable[..., tuple[torch.Tensor, torch.Tensor]] = ce_row_stats
+    logits_grad: Callable[..., torch.Tensor] = ce_logits_grad
+
+
+EAGER_CE = CEKernels()
+
+
 class _VocabParallelCE(torch.autograd.Function):
+    """Kept for the backward: the logits in their own dtype and two fp32 figures per token (the max and
+    the sum of exponentials), not an fp32 softmax of the shard: half the bytes in bf16, and the
+    backward's one pass over the logits recomputes it."""
+
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-        # logits: (tokens, V/tp) in fp32; labels: (tokens,)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        lmax = logits.max(dim=-1).values
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None,
+                kernels: CEKernels) -> torch.Tensor:
+        # logits: (tokens, V/tp); labels: (tokens,)
+        lmax = kernels.row_max(logits)
         if group is not None:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - lmax.unsqueeze(-1)
         n = logits.shape[-1]
         local = labels - vocab_start
         mask = (local < 0) | (local >= n)
         local = local.masked_fill(mask, 0)
-        target = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(mask, 0.0)
-        exp = shifted.exp()
-        sum_exp = exp.sum(-1)
+        target, sum_exp = kernels.row_stats(logits, lmax, local, mask)
         if group is not None:
             both = torch.stack([target, sum_exp])
             dist.all_reduce(both, group=group)
             target, sum_exp = both[0], both[1]
-        loss = sum_exp.log() - target  # (tokens,)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local, mask)
-        return loss
+        ctx.save_for_backward(logits, lmax, sum_exp, local, mask)
+        ctx.kernels = kernels
+        return sum_exp.log() - target  # (tokens,)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local, mask = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local] -= (~mask).to(grad.dtype)
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None
+        logits, lmax, sum_exp, local, mask = ctx.saved_tensors
+        return ctx.kernels.logits_grad(logits, lmax, sum_exp, local, mask, grad_loss.contiguous()), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0, group: dist.ProcessGroup | None = None
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int = 0, group: dist.ProcessGroup | None = None,
+    kernels: CEKernels = EAGER_CE,
 ) -> torch.Tensor:
     """Per-token cross-entropy of vocab-sharded ``logits`` (``(..., V/tp)``); ``group=None`` means tp=1."""
     flat = logits.reshape(-1, logits.shape[-1])
-    return _VocabParallelCE.apply(flat, labels.reshape(-1), vocab_start, group).view(labels.shape)
+    return _VocabParallelCE.apply(flat, labels.reshape(-1), vocab_start, group, kernels).view(labels.shape)
