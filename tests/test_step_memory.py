@@ -1,5 +1,5 @@
 """The optimizer step's memory model (:mod:`braid.cost.step_memory`) and the eager loss's workspace
-(:func:`braid.cost.costs.eager_loss_workspace`) against the real code on CPU.
+(:func:`braid.cost.runtime_act.eager_loss_workspace`) against the real code on CPU.
 
 The parameter list follows the chunks' own parameters; the shards follow
 :class:`~braid.training.optimizer.ShardedAdamW`'s pieces; the step's temporaries and the loss's
@@ -149,7 +149,7 @@ def test_plain_foreach_step_temporaries_match_the_model() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_eager_loss_workspace_matches_the_loss(dtype: torch.dtype) -> None:
     """The head's logits and the eager loss: the peak above what stays for the backward (the logits), forward and backward."""
-    from braid.cost.costs import eager_loss_workspace
+    from braid.cost.runtime_act import eager_loss_workspace
     from braid.tp.embedding import vocab_parallel_cross_entropy
 
     tokens, hidden, vocab = 64, 32, 1000
@@ -177,7 +177,8 @@ def test_eager_loss_workspace_enters_the_simulated_peak() -> None:
     """Uncompiled the head's workspace is the eager loss's; at pp=1 it adds to the peak."""
     from braid.core.braiding import Unit
     from braid.cost.catalog import get_model
-    from braid.cost.costs import Layout, analytic_costs, eager_loss_workspace
+    from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.runtime_act import eager_loss_workspace
     from braid.cost.hardware import get_hardware
     from braid.simulator.fast import simulate_schedule
 

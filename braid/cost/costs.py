@@ -40,7 +40,7 @@ from braid.cost.catalog import ModelConfig
 from braid.cost.moe_costs import MoeLayout, applied_imbalance, check_moe, mlp_width, moe_units
 from braid.core.partition import chunk_specs, split_layers, whole_layers
 from braid.cost.recompute_costs import full_recompute, selective_recompute
-from braid.cost.runtime_act import runtime_act
+from braid.cost.runtime_act import loss_workspace, runtime_act
 from braid.cost.seq_shard_costs import KORTHIKANTI_ACT, seq_shard_units
 from braid.io.inputs import InputFileError, read_json
 from braid.io.cli import NO_SEQ_SHARD_VISION
@@ -93,7 +93,7 @@ class UnitCost:
     B until W; ``tmp``: workspace -- bytes allocated on top of those while the unit runs
     and freed when it ends (logits and their gradient, MLP intermediates), the most of its
     F, B and W (a GPU profile measures it; the analytic model counts the eager loss's, see
-    :func:`eager_loss_workspace`, and full recomputation's re-run).
+    :func:`braid.cost.runtime_act.eager_loss_workspace`, and full recomputation's re-run).
     """
 
     f: float
@@ -211,24 +211,6 @@ def _layer_units(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: 
     }
 
 
-def eager_loss_workspace(tokens: int, vocab_t: int, d: int) -> float:
-    """The head's workspace under the eager vocab-parallel loss (:func:`braid.tp.embedding.vocab_parallel_cross_entropy`
-    with its eager pieces): above the logits it keeps, the forward holds their shifted fp32 copy (and the cast
-    that makes it, when ``d`` < 4) and the backward the recomputed softmax and its cast -- 8 bytes per token and
-    vocabulary entry of the TP shard in bf16, 4 in fp32. The simulator charges it on top of the kept bytes."""
-    c = max(d, 4)  # the loss computes in fp32 (fp64 for an fp64 model)
-    return float(tokens * vocab_t * (c + (c if d < c else 0)))
-
-
-def loss_workspace(tokens: int, vocab_t: int, d: int, compiled: bool, t: int) -> float:
-    """The head unit's workspace (``tmp``): compiled at tp=1 the fused cross-entropy (none counted); compiled
-    at tp > 1 the vocab-parallel loss's fused pieces, whose backward writes the logits' gradient (``d`` bytes
-    per token and vocabulary entry of the shard); eager, :func:`eager_loss_workspace`."""
-    if compiled:
-        return 0.0 if t == 1 else float(tokens * vocab_t * d)
-    return eager_loss_workspace(tokens, vocab_t, d)
-
-
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -306,7 +288,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
     ``recompute``: ``"selective"`` applies :func:`selective_recompute`, ``"full"``
     :func:`braid.cost.recompute_costs.full_recompute` to the LM layers. ``compiled``: whether the
     executor compiles its unit functions (its default on CUDA); with ``"runtime"`` the head's
-    workspace is :func:`loss_workspace`'s.
+    workspace is :func:`braid.cost.runtime_act.loss_workspace`'s.
     ``last_stage_lighter``: the layer split's (:func:`model_stage_layers`; None: the paper's).
     ``seq_shard``: sequence parallelism inside TP (:func:`seq_shard_units`; no effect at tp=1;
     the LM only: a vision-language model is refused, as the runtime refuses it).

@@ -1,4 +1,4 @@
-"""The activation bytes braid's runtime saves per dense LM unit (the analytic cost model's ``activations="runtime"``)."""
+"""The bytes braid's runtime holds per dense LM unit: what each saves for its backward (the analytic cost model's ``activations="runtime"``) and the head's loss workspace."""
 
 from __future__ import annotations
 
@@ -26,3 +26,21 @@ def runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: i
         Unit.PRE_MLP: norm + tokens * d * h,
         Unit.MLP: tokens * 4 * (ffn // t) * d,
     }
+
+
+def eager_loss_workspace(tokens: int, vocab_t: int, d: int) -> float:
+    """The head's workspace under the eager vocab-parallel loss (:func:`braid.tp.embedding.vocab_parallel_cross_entropy`
+    with its eager pieces): above the logits it keeps, the forward holds their shifted fp32 copy (and the cast
+    that makes it, when ``d`` < 4) and the backward the recomputed softmax and its cast -- 8 bytes per token and
+    vocabulary entry of the TP shard in bf16, 4 in fp32. The simulator charges it on top of the kept bytes."""
+    c = max(d, 4)  # the loss computes in fp32 (fp64 for an fp64 model)
+    return float(tokens * vocab_t * (c + (c if d < c else 0)))
+
+
+def loss_workspace(tokens: int, vocab_t: int, d: int, compiled: bool, t: int) -> float:
+    """The head unit's workspace (``tmp``): compiled at tp=1 the fused cross-entropy (none counted); compiled
+    at tp > 1 the vocab-parallel loss's fused pieces, whose backward writes the logits' gradient (``d`` bytes
+    per token and vocabulary entry of the shard); eager, :func:`eager_loss_workspace`."""
+    if compiled:
+        return 0.0 if t == 1 else float(tokens * vocab_t * d)
+    return eager_loss_workspace(tokens, vocab_t, d)
