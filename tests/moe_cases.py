@@ -40,14 +40,15 @@ def a2a_beside_partner(program, chunks, trace) -> int:
 
 
 def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
-                   init_std: float = 0.2, tp: int = 1, compiled: bool = False) -> list[str]:
+                   init_std: float = 0.2, tp: int = 1, compiled: bool = False, dispatch: str = "splits") -> list[str]:
     """Two AdamW steps of each (schedule, m) of a Qwen3-MoE model on ``pp`` pipeline ranks x ``dp``
     data-parallel ranks (the rest of the world over ``tp``), experts sharded over ``ep`` of them, against the
     single-process model trained on every DP rank's micro-batches: the step's mean loss, every
     gradient before the first optimizer step and every parameter after the last, within
     :func:`reference_error.bound` (float64 on CPU, float32 on CUDA against a float64 reference's
     error). ``cfg_kw``: the model's shape instead of :data:`CFG_KW`; ``init_std``: its weights' spread;
-    ``compiled``: the distributed model's units call the compiled unit functions (:mod:`braid.runtime.compiled`)."""
+    ``compiled``: the distributed model's units call the compiled unit functions (:mod:`braid.runtime.compiled`);
+    ``dispatch``: how the rows cross ranks (``--moe-dispatch``: splits or padded)."""
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.core.partition import split_layers
@@ -80,10 +81,12 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
 
         def shard(whole, with_groups=None):
             chunks = build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
-            shard_experts(chunks.values(), experts.ep_rank, ep, with_groups)
+            shard_experts(chunks.values(), experts.ep_rank, ep, with_groups, dispatch)
             return chunks
 
+        where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} {dispatch} m={m} rank={ctx.rank}"
         chunks = shard(model, experts)
+        assert all(ch.moe_host_free() == (tp == 1 and (ep == 1 or dispatch == "padded")) for ch in chunks.values() if ch.spec.moe), where
         if compiled:
             from braid.runtime.compiled import set_compiled
 
@@ -92,7 +95,6 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
                                   act_shape=(MBS, SEQ, cfg.hidden), dtype=dtype, device=dev)
-        where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} m={m} rank={ctx.rank}"
         for step, data in enumerate(per_rank):
             opt.zero_grad(set_to_none=True)
             res = ex.run(*data[c.dp])

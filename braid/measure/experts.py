@@ -69,11 +69,15 @@ class CountingDispatch:
     def moves(self) -> bool:
         return self.inner.moves
 
-    def plan(self, counts: torch.Tensor) -> RowPlan:
+    @property
+    def host_free(self) -> bool:
+        return getattr(self.inner, "host_free", False)
+
+    def plan(self, counts: torch.Tensor, rows: int | None = None) -> RowPlan:
         if self.total is None or self.total.device != counts.device:
             self.total = torch.zeros(self.num_experts, dtype=torch.int64, device=counts.device)
         self.total += counts
-        return self.inner.plan(counts)
+        return self.inner.plan(counts, rows)
 
 
 class RouteCounts:
