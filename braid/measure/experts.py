@@ -35,12 +35,13 @@ from braid.models.moe_dispatch import RowPlan
 
 def graph_reason(pc: Any) -> str | None:
     """Why braid's runs of an MoE ``pc`` on CUDA run eager (:func:`braid.runtime.graphs.config_reason`: the
-    routing counts are read on the host at ep > 1 or tp > 1); None where nothing stops a graph for that."""
+    routing counts are read on the host at tp > 1, or at ep > 1 with the splits dispatcher); None where
+    nothing stops a graph for that."""
     from braid.runtime.graphs import config_reason
 
     if pc.device != "cuda" or not getattr(pc.model, "experts", 0):
         return None
-    return config_reason(pc.device, tp=pc.tp, ep=pc.ep, moe=True)
+    return config_reason(pc.device, tp=pc.tp, ep=pc.ep, moe=True, moe_dispatch=pc.moe_dispatch)
 
 
 def job_groups(pc: Any, timeout_s: float = 120.0) -> tuple[Any, Any]:
