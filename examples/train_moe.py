@@ -15,18 +15,17 @@ from typing import Any, Sequence
 
 def add_moe_args(group: argparse._ArgumentGroup) -> None:
     """``--moe-dispatch`` in ``group`` (the layout's flags, beside ``--ep``)."""
-    group.add_argument("--moe-dispatch", default="splits", metavar="{splits,padded}",
-                       help="how --ep's all-to-all moves the rows: 'splits' sends each peer exactly its rows (their counts "
-                            "read on the host every layer: the step runs eager), 'padded' a block of T*min(k, E/ep) rows, "
-                            "zeros after the real ones (nothing read on the host: the step can be a CUDA graph; ep times "
-                            "the rows on the wire; tp=1) (default: %(default)s)")
+    from braid.io.cli import add_moe_dispatch_arg
+
+    add_moe_dispatch_arg(group)
 
 
 def check_expert_parallel(args: argparse.Namespace, model: Any, torch_names: Sequence[str]) -> None:
     """``--ep``: a mixture-of-experts model whose experts and data-parallel ranks it divides, braid's schedules;
     ``--moe-dispatch`` one that runs at this layout; a whole-step CUDA graph only where the routing needs no
     host read (ep=1 tp=1, or ``--moe-dispatch padded`` at tp=1) (raises ``ValueError``)."""
-    from braid.runtime.expert_parallel import check_expert_layout, check_moe_dispatch
+    from braid.io.cli import check_moe_dispatch
+    from braid.runtime.expert_parallel import check_expert_layout
     from braid.runtime.graphs import config_reason
 
     experts = getattr(model.cfg, "experts", None)

@@ -17,8 +17,8 @@ from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
 )
-from braid.io.cli import (add_seq_shard_arg, check_counts, check_cpu_ranks, check_range, layer_count, local_seq,
-                          resolve_seq_shard)
+from braid.io.cli import (add_moe_dispatch_arg, add_seq_shard_arg, check_counts, check_cpu_ranks, check_moe_dispatch,
+                          check_range, layer_count, local_seq, resolve_seq_shard)
 from braid.io.limits import MAX_LAYERS
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
@@ -74,7 +74,7 @@ class ProfileConfig:
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
-        from braid.runtime.expert_parallel import check_expert_layout, check_moe_dispatch
+        from braid.runtime.expert_parallel import check_expert_layout
 
         check_expert_layout(self.ep, self.dp, experts=getattr(self.model, "experts", 0), tp=self.tp)
         check_moe_dispatch(self.moe_dispatch, ep=self.ep, tp=self.tp)
@@ -258,11 +258,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help="expert-parallel degree of a mixture-of-experts --model (qwen3-moe-*): E data-parallel replicas "
                          "of the tp x pp layout (world tp*pp*E), each on micro-batches of its own, share every MoE "
                          "layer's experts, whose rows go through the all-to-all as in examples/train_cli.py --ep (default 1)")
-    ap.add_argument("--moe-dispatch", default="splits", metavar="{splits,padded}",
-                    help="how --ep's all-to-all moves the rows: 'splits' (each peer its rows; the splits are read on the "
-                         "host every layer, so the step runs eager) or 'padded' (every peer a block of T*min(k, E/ep) "
-                         "rows, zeros after the real ones: nothing read on the host, the step capturable as a CUDA graph; "
-                         "tp=1; default splits)")
+    add_moe_dispatch_arg(ap)
     ap.add_argument("--layers-per-stage", default=None, help="layers of each virtual stage: one number or a comma list, whole or half layers "
                          "(1,1,1.5,0.5 cuts layer 3 between attention and MLP; default 1). A vision-language model: "
                          "LM layers of each stage after the tower's (one number), or the whole list with the ViT blocks "
@@ -311,7 +307,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
     if vision is not None and overrides:
         ap.error(f"--{next(iter(overrides)).replace('_size', '').replace('_', '-')}: a vision-language --model runs at its "
                  "preset's shape (its tower and M-RoPE follow from it); pick another preset")
-    from braid.runtime.expert_parallel import check_expert_layout, check_moe_dispatch
+    from braid.runtime.expert_parallel import check_expert_layout
 
     try:  # the experts' layout before the ranks are counted: the runtime's own check (dp = ep here)
         check_expert_layout(args.ep, args.ep, experts=getattr(cfg, "experts", 0), tp=args.tp)

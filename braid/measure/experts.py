@@ -148,7 +148,7 @@ def format_routing(r: dict[str, Any], where: str) -> str:
 def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tuple[float, Any]], dev: torch.device,
                 n: int) -> dict[str, float]:
     """The all-to-all at this shape on the expert-parallel group (module doc): ``a2a_s`` (one balanced row
-    exchange), ``a2a_counts_s`` (the per-expert counts' exchange), ``a2a_bytes`` (a rank's rows, bytes) and
+    exchange; padded, ``pc.moe_dispatch``: the ep blocks it always moves), ``a2a_counts_s`` (the per-expert counts' exchange), ``a2a_bytes`` (a rank's rows, bytes) and
     ``a2a_rows``; ``time_fn`` times a callable (a sync before and after). Collective over the group."""
     from braid.measure.config import DTYPES
 
@@ -156,7 +156,10 @@ def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tu
         return {}
     m = pc.model
     ep, group = experts.ep, experts.ep_group
-    rows = -(-pc.micro_batch_size * pc.seq * m.experts_per_token // pc.tp // ep) * ep  # a whole number per peer
+    tokens = pc.micro_batch_size * pc.seq
+    rows = -(-tokens * m.experts_per_token // pc.tp // ep) * ep  # a whole number per peer
+    if getattr(pc, "moe_dispatch", "splits") == "padded":  # ep blocks of the most one peer can get (tp=1)
+        rows = ep * tokens * min(m.experts_per_token, m.experts // ep)
     x = torch.randn(rows, m.hidden, dtype=DTYPES[pc.dtype], device=dev)  # (rows, h)
     out = torch.empty_like(x)
     counts = torch.ones(m.experts // pc.tp, dtype=torch.int64, device=dev)

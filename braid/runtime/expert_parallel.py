@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from braid.core.topology import Topology
+from braid.io.cli import check_moe_dispatch
 from braid.models.moe import Experts
 from braid.models.moe_dispatch import ExpertSlice, RowPlan
 from braid.runtime.distributed import reduce_gradients
@@ -68,20 +69,6 @@ def check_expert_layout(ep: int, dp: int, *, experts: int | None = None, cp: int
         raise ValueError(f"{what} must divide the model's {experts} experts per layer")
     if ep > 1 and cp > 1:
         raise ValueError(f"--ep {ep} runs with cp=1 only (got cp={cp})")
-
-
-MOE_DISPATCHERS: tuple[str, ...] = ("splits", "padded")  # --moe-dispatch: AllToAllDispatch, PaddedAllToAllDispatch
-
-
-def check_moe_dispatch(name: str, *, ep: int, tp: int = 1) -> None:
-    """``ValueError`` (one line) unless ``name`` is one of :data:`MOE_DISPATCHERS` and runs at this layout."""
-    if name not in MOE_DISPATCHERS:
-        raise ValueError(f"--moe-dispatch {name}: unknown; valid: {', '.join(MOE_DISPATCHERS)}")
-    if name == "padded" and ep < 2:
-        raise ValueError(f"--moe-dispatch padded pads expert parallelism's all-to-all; it needs --ep 2 or more (got --ep {ep})")
-    if name == "padded" and tp > 1:
-        raise ValueError(f"--moe-dispatch padded runs at tp=1 only (the TP slice of the experts reads its rows on the host); "
-                         f"got --tp {tp}")
 
 
 def expert_rank_groups(topo: Topology, ep: int) -> tuple[list[list[int]], list[list[int]]]:
