@@ -86,7 +86,8 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
 
         where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} {dispatch} m={m} rank={ctx.rank}"
         chunks = shard(model, experts)
-        assert all(ch.moe_host_free() == (tp == 1 and (ep == 1 or dispatch == "padded")) for ch in chunks.values() if ch.spec.moe), where
+        host_free = tp == 1 and (ep == 1 or dispatch == "padded")
+        assert all(ch.moe_host_free() == host_free for ch in chunks.values() if ch.spec.moe), where
         if compiled:
             from braid.runtime.compiled import set_compiled
 
@@ -168,7 +169,8 @@ def padded_moe_reads_no_host(ctx, tokens: int = 12) -> int:
     (ref, ref_ex), (ref64, ref64_ex) = reference(torch.float32), reference(torch.float64)
     mine = Experts(E, hidden, ffn)
     per = E // ep
-    mine.gate_up, mine.down = (GroupedLinear.from_weight(lin.weight[r * per:(r + 1) * per]) for lin in (whole.gate_up, whole.down))
+    mine.gate_up, mine.down = (GroupedLinear.from_weight(lin.weight[r * per:(r + 1) * per])
+                               for lin in (whole.gate_up, whole.down))
     dispatch = PaddedAllToAllDispatch(groups, E, k)
     h, logits, probe = (t.detach().clone() for t in data[r])
     h.requires_grad_(), logits.requires_grad_()

@@ -42,7 +42,8 @@ def test_padded_layer_reads_nothing_on_the_host(pools) -> None:
 
 
 @pytest.mark.parametrize("flags,world,fragment", [
-    (["--model", "qwen3-moe-tiny", "--ep", "2", "--moe-dispatch", "ragged"], 2, "--moe-dispatch ragged: unknown; valid: splits, padded"),
+    (["--model", "qwen3-moe-tiny", "--ep", "2", "--moe-dispatch", "ragged"], 2,
+     "--moe-dispatch ragged: unknown; valid: splits, padded"),
     (["--model", "qwen3-moe-tiny", "--moe-dispatch", "padded"], 1, "it needs --ep 2 or more (got --ep 1)"),
     (["--model", "qwen3-moe-tiny", "--ep", "2", "--dp", "2", "--tp", "2", "--moe-dispatch", "padded"], 4,
      "--moe-dispatch padded runs at tp=1 only"),
@@ -95,5 +96,6 @@ def test_the_graph_refusal_is_lifted_where_every_dispatcher_is_host_free() -> No
     assert graphs.config_reason("cuda", ep=2, moe=True, moe_dispatch="padded") is None
     assert "--moe-dispatch padded makes the step capturable" in graphs.config_reason("cuda", ep=2, moe=True)
     assert "reads its routing counts" in graphs.config_reason("cuda", ep=2, tp=2, moe=True, moe_dispatch="padded")
-    doc = {"meta": {"config": {"device": "cuda", "ep": 2, "moe_dispatch": "padded", "model": {"experts": 4}}}, "host_task_s": 1e-4}
+    config = {"device": "cuda", "ep": 2, "moe_dispatch": "padded", "model": {"experts": 4}}
+    doc = {"meta": {"config": config}, "host_task_s": 1e-4}
     assert graphs.graphed_costs(doc, None)["meta"]["cuda_graph"] == "step"

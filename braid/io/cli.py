@@ -180,7 +180,8 @@ def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp:
     return flag and tp > 1
 
 
-MOE_DISPATCHERS: tuple[str, ...] = ("splits", "padded")  # --moe-dispatch (braid.runtime.expert_parallel's AllToAllDispatch, PaddedAllToAllDispatch)
+# --moe-dispatch: braid.runtime.expert_parallel's AllToAllDispatch, PaddedAllToAllDispatch
+MOE_DISPATCHERS: tuple[str, ...] = ("splits", "padded")
 MOE_DISPATCH_HELP = ("how --ep's all-to-alls move the rows: 'splits' sends each peer exactly its rows (their counts read on "
                      "the host every MoE layer: the step runs eager), 'padded' a block of T*min(k, E/ep) rows, zeros after "
                      "the real ones (nothing read on the host: the step can be a CUDA graph; ep times the rows on the wire "

@@ -70,7 +70,7 @@ class ProfileConfig:
     seq_shard: bool = False  # sequence parallelism inside TP (braid.tp.seq_shard; --sequence-parallel, on at tp > 1)
     vision: Any = None  # a vision-language model (see above); None: a decoder LM
     ep: int = 1  # expert-parallel degree (see above): dp = ep data-parallel replicas share each layer's experts
-    moe_dispatch: str = "splits"  # how rows cross expert-parallel ranks: "splits" or "padded" (host-free; braid.runtime.expert_parallel)
+    moe_dispatch: str = "splits"  # how rows cross EP ranks: "splits" or "padded" (host-free; braid.runtime.expert_parallel)
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement

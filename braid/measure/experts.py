@@ -148,7 +148,8 @@ def format_routing(r: dict[str, Any], where: str) -> str:
 def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tuple[float, Any]], dev: torch.device,
                 n: int) -> dict[str, float]:
     """The all-to-all at this shape on the expert-parallel group (module doc): ``a2a_s`` (one balanced row
-    exchange; padded, ``pc.moe_dispatch``: the ep blocks it always moves), ``a2a_counts_s`` (the per-expert counts' exchange), ``a2a_bytes`` (a rank's rows, bytes) and
+    exchange; padded, ``pc.moe_dispatch``: the ep blocks it always moves),
+    ``a2a_counts_s`` (the per-expert counts' exchange), ``a2a_bytes`` (a rank's rows, bytes) and
     ``a2a_rows``; ``time_fn`` times a callable (a sync before and after). Collective over the group."""
     from braid.measure.config import DTYPES
 
