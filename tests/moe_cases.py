@@ -86,7 +86,7 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
 
         where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} {dispatch} m={m} rank={ctx.rank}"
         chunks = shard(model, experts)
-        host_free = tp == 1 and (ep == 1 or dispatch == "padded")
+        host_free = tp == 1 and dispatch == "padded"  # (the harness gives ep=1 a dispatcher too: a group of one)
         assert all(ch.moe_host_free() == host_free for ch in chunks.values() if ch.spec.moe), where
         if compiled:
             from braid.runtime.compiled import set_compiled
