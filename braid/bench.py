@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cuda_graph == "step":
         from braid.runtime.graphs import config_reason
 
-        why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend, ep=pc.ep, moe=bool(getattr(pc.model, "experts", 0)))
+        why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend, ep=pc.ep, moe=bool(getattr(pc.model, "experts", 0)),
+                            moe_dispatch=pc.moe_dispatch)
         if why:
             ap.error(f"--cuda-graph step: {why}; use --cuda-graph none")
     if args.compute_busy and pc.device != "cuda":

@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pc = config_from_args(ap, args)
     from braid.runtime.graphs import config_reason, graphed_costs
 
-    why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend, ep=pc.ep, moe=bool(getattr(pc.model, "experts", 0)))
+    why = config_reason(pc.device, tp=pc.tp, tp_backend=pc.tp_backend, ep=pc.ep, moe=bool(getattr(pc.model, "experts", 0)),
+                        moe_dispatch=pc.moe_dispatch)
     if args.cuda_graph == "step" and why:
         ap.error(f"--cuda-graph step: {why}")
     check_outputs(ap, [("-o", args.output)])

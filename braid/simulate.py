@@ -41,8 +41,8 @@ import sys
 from typing import Any, Sequence
 
 from braid.io.cli import Parser as _Parser
-from braid.io.cli import (add_seq_shard_arg, check_counts, check_outputs, check_plan_size, layer_count, resolve_seq_shard,
-                          run_main)
+from braid.io.cli import (add_moe_dispatch_arg, add_seq_shard_arg, check_counts, check_moe_dispatch, check_outputs,
+                          check_plan_size, layer_count, resolve_seq_shard, run_main)
 from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout, analytic_costs, load_cost_json, model_stage_layers,
                          read_costs)
 from braid.io.files import atomic_write_text
@@ -118,6 +118,7 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="mixture of experts: the busiest rank's routed tokens over the mean (>= 1); scales its expert "
                          "compute and all-to-all bytes (default 1: balanced; with --costs from braid.profile --ep, the "
                          "profile's own, meta.moe.imbalance, which F then replaces)")
+    add_moe_dispatch_arg(ap)
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -129,7 +130,7 @@ def _parallel(args: argparse.Namespace, pp: int | None = None):
     from braid.cost.cluster import Parallel
 
     return Parallel(args.tp, args.pp if pp is None else pp, args.dp, optimizer=args.optimizer or DEFAULT_OPTIMIZER,
-                    ep=args.ep, moe_imbalance=args.moe_imbalance)
+                    ep=args.ep, moe_imbalance=args.moe_imbalance, moe_dispatch=args.moe_dispatch)
 
 
 def _moe(args: argparse.Namespace, hw, pp: int | None = None):
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                       "recompute": args.recompute, "dp": args.dp, "sequence_parallel": args.sequence_parallel,
                                       "last_stage_lighter": getattr(args, "last_stage_lighter", None),
                                       "optimizer": args.optimizer or DEFAULT_OPTIMIZER, "ep": args.ep,
-                                      "moe_imbalance": args.moe_imbalance}, "schedules": {}}
+                                      "moe_imbalance": args.moe_imbalance, "moe_dispatch": args.moe_dispatch}, "schedules": {}}
     dp_rows = []
     traces, notes, reports, extrapolated = [], [], [], []
     braid_mode = getattr(args, "braid", "auto")
@@ -419,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.moe_imbalance != 1.0 and not model.experts:
             raise ValueError(f"--moe-imbalance {args.moe_imbalance} weighs a mixture of experts; {model.name!r} is dense")
         check_moe(model, args.tp, args.ep)
+        check_moe_dispatch(args.moe_dispatch, ep=args.ep, tp=args.tp)
         analytic_costs(model, get_hardware(args.hardware), Layout(args.tp, 1, 1 if model.vit is None else 2),
                        seq_shard=args.sequence_parallel, moe=_moe(args, get_hardware(args.hardware), pp=1))
     except ValueError as err:

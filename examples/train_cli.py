@@ -21,6 +21,7 @@ from braid.core.partition import whole_layers
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
 from braid.io.cli import layer_count
 from train_fit import add_fit_args
+from train_moe import add_moe_args, check_expert_parallel
 
 
 class UsageError(ValueError):
@@ -97,6 +98,7 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
     lay.add_argument("--ep", type=int, default=1,
                      help="expert-parallel size: each mixture-of-experts layer's experts sharded over E of the data-parallel "
                           "ranks, tokens exchanged by all-to-all (default: %(default)s)")
+    add_moe_args(lay)
     lay.add_argument("--cp", type=int, default=1,
                      help="sequence-parallel degree d_sp = d_hp x d_cp (LoongTrain 2D-Attention; default: %(default)s)")
     lay.add_argument("--hp", type=int, default=1, help="head-parallel part d_hp of --cp (default: %(default)s)")
@@ -439,27 +441,6 @@ def check_values(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     if args.timeout > MAX_TIMEOUT_S:  # (a larger one overflows the process group's timedelta)
         raise UsageError(f"--timeout {args.timeout:g}: at most {MAX_TIMEOUT_S:,} s (a day)")
-
-
-def check_expert_parallel(args: argparse.Namespace, model: Any, torch_names: Sequence[str]) -> None:
-    """``--ep``: a mixture-of-experts model whose experts and data-parallel ranks it divides, braid's schedules;
-    a whole-step CUDA graph only where the routing needs no host read (ep=1, tp=1) (raises ``ValueError``)."""
-    experts = getattr(model.cfg, "experts", None)
-    if experts is not None and args.cuda_graph == "step" and (args.ep > 1 or args.tp > 1):
-        raise ValueError(f"--cuda-graph step: a mixture of experts at --ep {args.ep} --tp {args.tp} reads its routing counts "
-                         "on the host each step; use --cuda-graph none (or --ep 1 --tp 1)")
-    if args.ep == 1:
-        return
-    from braid.runtime.expert_parallel import check_expert_layout
-
-    if experts is None:
-        raise ValueError(f"--ep {args.ep} needs a mixture-of-experts model (e.g. --model qwen3-moe-tiny); this one has no experts")
-    check_expert_layout(args.ep, args.dp, experts=experts, cp=args.cp, tp=args.tp)
-    if torch_names:
-        raise ValueError(f"--ep {args.ep}: {torch_names[0]} has no expert parallelism; use braid's schedules")
-    if (args.save or args.resume) and args.tp > 1:
-        raise ValueError(f"--ep {args.ep} --tp {args.tp}: --save/--resume keep expert shards at tp=1 only for now; "
-                         "--save-hf writes the trained model")
 
 
 def check_outputs(args: argparse.Namespace) -> None:

@@ -54,6 +54,8 @@ def simulate_argv(args: argparse.Namespace, model_name: str, seq_len: int) -> li
     argv.append("--sequence-parallel" if args.sequence_parallel else "--no-sequence-parallel")
     if args.offload_alpha is not None:
         argv += ["--offload-alpha", str(args.offload_alpha)]
+    if getattr(args, "moe_dispatch", "splits") != "splits":  # padded: the experts' buffers hold ep blocks of rows
+        argv += ["--moe-dispatch", args.moe_dispatch]
     return argv
 
 

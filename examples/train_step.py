@@ -101,7 +101,7 @@ class BraidRunner:
             from braid.runtime.expert_parallel import ExpertGroups, shard_experts
 
             self.experts = ExpertGroups.create(topo, groups.rank, args.ep, timeout_s=args.timeout)
-            shard_experts(self.chunks.values(), self.experts.ep_rank, args.ep, self.experts)
+            shard_experts(self.chunks.values(), self.experts.ep_rank, args.ep, self.experts, args.moe_dispatch)
         for ch in self.chunks.values():
             ch.to(device=device, dtype=dtype)
             if hasattr(ch, "set_recompute"):  # the LM chunks (the VLM's vision chunk keeps its activations)

@@ -40,14 +40,15 @@ def a2a_beside_partner(program, chunks, trace) -> int:
 
 
 def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
-                   init_std: float = 0.2, tp: int = 1, compiled: bool = False) -> list[str]:
+                   init_std: float = 0.2, tp: int = 1, compiled: bool = False, dispatch: str = "splits") -> list[str]:
     """Two AdamW steps of each (schedule, m) of a Qwen3-MoE model on ``pp`` pipeline ranks x ``dp``
     data-parallel ranks (the rest of the world over ``tp``), experts sharded over ``ep`` of them, against the
     single-process model trained on every DP rank's micro-batches: the step's mean loss, every
     gradient before the first optimizer step and every parameter after the last, within
     :func:`reference_error.bound` (float64 on CPU, float32 on CUDA against a float64 reference's
     error). ``cfg_kw``: the model's shape instead of :data:`CFG_KW`; ``init_std``: its weights' spread;
-    ``compiled``: the distributed model's units call the compiled unit functions (:mod:`braid.runtime.compiled`)."""
+    ``compiled``: the distributed model's units call the compiled unit functions (:mod:`braid.runtime.compiled`);
+    ``dispatch``: how the rows cross ranks (``--moe-dispatch``: splits or padded)."""
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.core.partition import split_layers
@@ -80,10 +81,13 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
 
         def shard(whole, with_groups=None):
             chunks = build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
-            shard_experts(chunks.values(), experts.ep_rank, ep, with_groups)
+            shard_experts(chunks.values(), experts.ep_rank, ep, with_groups, dispatch)
             return chunks
 
+        where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} {dispatch} m={m} rank={ctx.rank}"
         chunks = shard(model, experts)
+        host_free = tp == 1 and dispatch == "padded"  # (the harness gives ep=1 a dispatcher too: a group of one)
+        assert all(ch.moe_host_free() == host_free for ch in chunks.values() if ch.spec.moe), where
         if compiled:
             from braid.runtime.compiled import set_compiled
 
@@ -92,7 +96,6 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
                                   act_shape=(MBS, SEQ, cfg.hidden), dtype=dtype, device=dev)
-        where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} m={m} rank={ctx.rank}"
         for step, data in enumerate(per_rank):
             opt.zero_grad(set_to_none=True)
             res = ex.run(*data[c.dp])
@@ -118,3 +121,86 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         ran.append(f"{name} m={m}")
     return ran
 
+
+
+HOST_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")  # what a graph cannot replay
+
+
+def padded_moe_reads_no_host(ctx, tokens: int = 12) -> int:
+    """An MoE layer's forward and backward (:func:`braid.models.moe_dispatch.moe_forward`, fp32, ``torch._grouped_mm``)
+    through :class:`braid.runtime.expert_parallel.PaddedAllToAllDispatch` over the world (``ep`` = world,
+    dp = world) while every host read of a tensor raises; its output, input gradients and expert weight
+    gradients equal the single-process layer's on both ranks' tokens within :func:`reference_error.bound`
+    of its float64 run; under the same patch :class:`~braid.runtime.expert_parallel.AllToAllDispatch` raises.
+    Returns the padding rows this rank received."""
+    from unittest import mock
+
+    from braid.core.topology import Topology
+    from braid.models.moe import Experts, GroupedLinear, grouped_mm_runs
+    from braid.models.moe_dispatch import moe_forward
+    from braid.runtime.expert_parallel import ExpertGroups, PaddedAllToAllDispatch
+    from reference_error import assert_matches_reference
+
+    ep, r = ctx.world_size, ctx.rank
+    topo = Topology(ep, pp=1, tp=1, dp=ep)
+    key = ("experts", topo, ep)
+    if key not in ctx.groups:
+        ctx.groups[key] = ExpertGroups.create(topo, r, ep)
+    groups = ctx.groups[key]
+    E, k, hidden, ffn = 2 * ep, 2, 32, 16
+    torch.manual_seed(3)
+    whole = Experts(E, hidden, ffn)
+    for lin in (whole.gate_up, whole.down):
+        torch.nn.init.normal_(lin.weight, std=0.3)
+    data = [(torch.randn(tokens, hidden), torch.randn(tokens, E), torch.randn(tokens, hidden)) for _ in range(ep)]
+    kw = dict(top_k=k, norm_topk_prob=True, num_experts=E)
+
+    def reference(dtype):
+        ex = Experts(E, hidden, ffn).to(dtype)
+        ex.load_state_dict(whole.state_dict())
+        grads = []
+        for h, logits, probe in data:
+            h, logits = (t.detach().to(dtype).requires_grad_() for t in (h, logits))
+            out = moe_forward(h, logits, ex, **kw)
+            (out * probe.to(dtype)).sum().backward()
+            grads.append((out.detach(), h.grad, logits.grad))
+        return grads, ex
+
+    (ref, ref_ex), (ref64, ref64_ex) = reference(torch.float32), reference(torch.float64)
+    mine = Experts(E, hidden, ffn)
+    per = E // ep
+    mine.gate_up, mine.down = (GroupedLinear.from_weight(lin.weight[r * per:(r + 1) * per])
+                               for lin in (whole.gate_up, whole.down))
+    dispatch = PaddedAllToAllDispatch(groups, E, k)
+    h, logits, probe = (t.detach().clone() for t in data[r])
+    h.requires_grad_(), logits.requires_grad_()
+    assert grouped_mm_runs(h, mine.gate_up.weight) and grouped_mm_runs(h.new_empty(1, ffn), mine.down.weight.transpose(1, 2))
+
+    def refuse(name):
+        def read(self, *a, **kw):
+            raise AssertionError(f"host read: Tensor.{name} on the padded dispatcher's path")
+        return read
+
+    with mock.patch.multiple(torch.Tensor, **{n: refuse(n) for n in HOST_READS}):
+        out = moe_forward(h, logits, mine, dispatcher=dispatch, **kw)
+        (out * probe).sum().backward()
+    where = f"padded ep={ep} rank={r}"
+    for what, got, want, want64 in zip(("output", "d h", "d logits"), (out, h.grad, logits.grad), ref[r], ref64[r]):
+        assert_matches_reference(got, want, want64, what=f"{where}: {what}")
+    for name in ("gate_up", "down"):
+        got = getattr(mine, name).weight.grad
+        want, want64 = (getattr(ex, name).weight.grad[r * per:(r + 1) * per] for ex in (ref_ex, ref64_ex))
+        assert_matches_reference(got, want, want64, what=f"{where}: experts.{name} weight gradient")
+    # the same patch catches the splits dispatcher's read (both ranks exchange the counts, then raise)
+    from braid.runtime.expert_parallel import AllToAllDispatch
+
+    with mock.patch.multiple(torch.Tensor, **{n: refuse(n) for n in HOST_READS}):
+        try:
+            moe_forward(h.detach(), logits.detach(), mine, dispatcher=AllToAllDispatch(groups, E), **kw)
+        except AssertionError as err:
+            assert "host read: Tensor.tolist" in str(err), err
+        else:
+            raise AssertionError("the splits dispatcher ran without a host read: the patch misses it")
+    _, chosen = torch.topk(torch.softmax(data[r][1], -1), k)
+    plan = dispatch.plan(torch.bincount(chosen.reshape(-1), minlength=E), tokens * k)
+    return int((~plan.real).sum())

@@ -80,7 +80,7 @@ def test_routing_summary_counts_tokens_per_expert_and_rows_per_device() -> None:
     assert got["ep_imbalance"] == pytest.approx((8 / 7 + 1) / 2) and got["ep_imbalance_max"] == pytest.approx(8 / 7)
     assert got["expert_imbalance"] == pytest.approx((8 / 7 + 1) / 2)
     assert routing_summary([None, {}], ep=2, tp=1) is None
-    counter = CountingDispatch(type("Local", (), {"moves": False, "plan": lambda self, c: c})(), 4)
+    counter = CountingDispatch(type("Local", (), {"moves": False, "plan": lambda self, c, rows=None: c})(), 4)
     for c in ([1, 0, 2, 1], [0, 3, 0, 1]):
         counter.plan(torch.tensor(c))
     assert counter.total.tolist() == [1, 3, 2, 2] and counter.moves is False

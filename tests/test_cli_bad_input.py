@@ -179,6 +179,12 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes | _Sparse], str]] = {
     "bench-ep0": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "0"], {}, "--ep must be a positive integer"),
     "profile-ep-dense": (["braid.profile", "--model", "qwen2-7b", "--ep", "2"], {}, "this one is dense"),
     "profile-ep-experts": (["braid.profile", "--model", "qwen3-moe-tiny", "--ep", "8"], {}, "--ep 8 must divide the model's 4 experts"),
+    "bench-moe-dispatch-unknown": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "2", "--moe-dispatch", "ragged"], {},
+                                   "--moe-dispatch ragged: unknown; valid: splits, padded"),
+    "bench-moe-dispatch-padded-ep1": (["braid.bench", "--model", "qwen3-moe-tiny", "--moe-dispatch", "padded"], {},
+                                      "it needs --ep 2 or more (got --ep 1)"),
+    "profile-moe-dispatch-padded-tp": (["braid.profile", "--model", "qwen3-moe-tiny", "--ep", "2", "--tp", "2",
+                                        "--moe-dispatch", "padded"], {}, "--moe-dispatch padded runs at tp=1 only"),
     # --- profile
     "profile-output-dir-missing": (["braid.profile", "-o", "missing/c.json"], {}, "does not exist"),
     "profile-pp0": (["braid.profile", "--pp", "0"], {}, "--pp must be a positive integer"),

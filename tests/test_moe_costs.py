@@ -103,6 +103,26 @@ def test_imbalance_scales_the_busiest_ranks_experts_and_bytes() -> None:
     assert _mlp_units(par=Parallel(1, 1, 8, moe_imbalance=1.5)) == _mlp_units(par=Parallel(1, 1, 8))
 
 
+def test_padded_exchanges_price_ep_blocks_of_the_most_one_peer_can_get() -> None:
+    """--moe-dispatch padded: each row all-to-all moves ep blocks of T * min(k, E/ep) rows whatever the imbalance;
+    the experts' FLOPs stay the routed rows', their buffers (saved inputs, W stash) the padded rows'."""
+    for ep in (2, 8, 32):  # E/ep = 64, 16, 4 against k = 8: the block is T*k until a peer holds fewer than k experts
+        splits = _mlp_units(par=Parallel(1, 1, 32, ep=ep))
+        for imbalance in (1.0, 1.5):
+            padded = _mlp_units(par=Parallel(1, 1, 32, ep=ep, moe_imbalance=imbalance, moe_dispatch="padded"))
+            link = moe_layout(Cluster(HW, 8), Parallel(1, 1, 32, ep=ep))
+            block = MOE.tokens * min(MOE.experts_per_token, MOE.experts // ep)
+            rows = ring_s(ep * block * MOE.hidden * MOE.dtype_bytes, ep, link.a2a_bytes_per_s, link.a2a_latency_s)
+            assert padded[Unit.EXPERTS].a2a_f == padded[Unit.MLP].a2a_b == rows
+            held = ep * block / (MOE.tokens * MOE.experts_per_token)  # padded rows over the balanced routed ones
+            assert padded[Unit.EXPERTS].w_res == pytest.approx(held * splits[Unit.EXPERTS].w_res, rel=1e-12)
+            assert padded[Unit.EXPERTS].w == pytest.approx(imbalance * splits[Unit.EXPERTS].w, rel=1e-12)
+    with pytest.raises(ValueError, match="runs at tp=1 only"):
+        from braid.io.cli import check_moe_dispatch
+
+        check_moe_dispatch("padded", ep=2, tp=2)
+
+
 def test_expert_parameters_per_rank_fall_as_one_over_ep() -> None:
     costs = analytic_costs(MOE, HW, Layout(2, 4, 1))
     total = sum(chunk_param_parts(MOE, costs, 0, 0, 1))

@@ -91,7 +91,8 @@ class Parallel:
     on adjacent ranks; ``micro_batch_size``: samples per micro-batch. ``ep``: expert-parallel
     degree of an MoE model (carved from the dp ranks: ``ep`` consecutive DP ranks share the
     experts; cp must be 1, as in the runtime); ``moe_imbalance``: the busiest expert rank's routed
-    tokens over the mean (:mod:`braid.cost.moe_costs`).
+    tokens over the mean (:mod:`braid.cost.moe_costs`); ``moe_dispatch``: how the rows cross expert-parallel
+    ranks ("splits", or "padded": fixed blocks).
     """
 
     tp: int
@@ -107,6 +108,7 @@ class Parallel:
     seq_shard: bool = False  # sequence parallelism inside TP (braid.tp.seq_shard; the examples' --sequence-parallel)
     ep: int = 1
     moe_imbalance: float = 1.0
+    moe_dispatch: str = "splits"  # "padded": the row all-to-alls in fixed blocks (braid.cost.moe_costs)
 
     def __post_init__(self) -> None:
         mode_bytes(self.optimizer, 2)  # an unknown mode: ValueError naming the valid ones
@@ -146,7 +148,8 @@ def moe_layout(cluster: Cluster, par: Parallel) -> MoeLayout:
     once the group spans nodes: :meth:`Cluster.crosses`)."""
     size, stride = par.ep_link()
     bw, lat = cluster._link(stride, size)
-    return MoeLayout(ep=par.ep, imbalance=par.moe_imbalance, a2a_bytes_per_s=bw, a2a_latency_s=lat)
+    return MoeLayout(ep=par.ep, imbalance=par.moe_imbalance, a2a_bytes_per_s=bw, a2a_latency_s=lat,
+                     padded=par.moe_dispatch == "padded")
 
 
 def job_costs(model: ModelConfig, cluster: Cluster, par: Parallel, layout: Layout,

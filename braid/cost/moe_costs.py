@@ -25,6 +25,10 @@ side as the runtime runs it:
   of the bytes at the link's rate, plus latency). The all-to-alls are :class:`braid.cost.costs.UnitCost`'s
   ``a2a_f``/``a2a_b`` -- not part of ``f``/``b``: the simulator runs them on the rank's all-to-all
   lane, beside the other member's units in a braided block (:mod:`braid.core.braiding`).
+  **Padded** exchanges (``MoeLayout.padded``, ``--moe-dispatch padded``,
+  :class:`braid.runtime.expert_parallel.PaddedAllToAllDispatch`) move ``ep`` blocks of
+  ``T * min(k, E/ep)`` rows whatever the routing (:func:`exchanged_rows`); the experts' GEMMs
+  still run only the routed rows, but their saved inputs and intermediates are the padded buffers.
 
 Saved bytes, ``activations="runtime"`` (counted from the saved-tensor boxes of a CPU chunk,
 ``c`` = the fp32 compute size, 4 or the dtype's): Pre-MLP the dense Pre-MLP's (norm, the
@@ -57,12 +61,14 @@ INDEX_BYTES = 8  # int64 routing indices and counts
 class MoeLayout:
     """Expert parallelism of an MoE model as one layer's costs need it: ``ep`` ranks share the experts;
     ``imbalance``: the busiest rank's routed rows over the mean; the expert-parallel group's link
-    (:meth:`braid.cost.cluster.Cluster.moe_layout` picks it: NVLink inside a node, the NIC across)."""
+    (:meth:`braid.cost.cluster.Cluster.moe_layout` picks it: NVLink inside a node, the NIC across);
+    ``padded``: the row exchanges move fixed blocks (:func:`exchanged_rows`)."""
 
     ep: int = 1
     imbalance: float = 1.0
     a2a_bytes_per_s: float = 1.0
     a2a_latency_s: float = 0.0
+    padded: bool = False  # the row exchanges in fixed blocks (module doc), as --moe-dispatch padded runs them
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ep, int) and self.ep >= 1):
@@ -89,6 +95,14 @@ def routed_rows(model: ModelConfig, tokens: int, t: int, moe: MoeLayout) -> floa
     return tokens * model.experts_per_token / t * applied_imbalance(moe, t)
 
 
+def exchanged_rows(model: ModelConfig, tokens: int, t: int, moe: MoeLayout) -> float:
+    """Rows one row all-to-all of the busiest rank moves (its own block included): the routed rows, or
+    padded ``ep`` blocks of ``tokens * min(k, E/ep)`` rows (the most one peer can get; tp=1)."""
+    if moe.padded and moe.ep > 1:
+        return moe.ep * tokens * min(model.experts_per_token, model.experts // moe.ep)
+    return routed_rows(model, tokens, t, moe)
+
+
 def applied_imbalance(moe: MoeLayout, t: int) -> float:
     """The imbalance the analytic model prices at TP ``t``: ``moe.imbalance`` where the experts are sharded
     (``ep * t > 1``), else 1 (one device holds them all)."""
@@ -102,7 +116,7 @@ def a2a_seconds(model: ModelConfig, tokens: int, t: int, d: int, moe: MoeLayout)
     if moe.ep == 1:
         return 0.0, 0.0
     link = (moe.a2a_bytes_per_s, moe.a2a_latency_s)
-    rows = ring_s(routed_rows(model, tokens, t, moe) * model.hidden * d, moe.ep, *link)
+    rows = ring_s(exchanged_rows(model, tokens, t, moe) * model.hidden * d, moe.ep, *link)
     counts = ring_s(INDEX_BYTES * model.experts // t, moe.ep, *link)
     return counts, rows
 
@@ -115,21 +129,22 @@ def moe_units(units: Mapping[Unit, Any], model: ModelConfig, tokens: int, t: int
     rows = routed_rows(model, tokens, t, moe)
     router = 2 * tokens * h * e / hw.matmul_flops
     experts = 2 * rows * h * 3 * f / hw.matmul_flops
+    held = exchanged_rows(model, tokens, t, moe) if moe.padded else rows  # rows of the experts' buffers
     counts_s, rows_s = a2a_seconds(model, tokens, t, d, moe)
     pre, mlp = units[Unit.PRE_MLP], units[Unit.MLP]
     if activations == "runtime":
         c = max(d, 4)
         pre_act = pre.act + tokens * c * (e + 1) + tokens * k * (2 * INDEX_BYTES + c)
-        experts_act = (rows * (h + 4 * f) * d + INDEX_BYTES * e // (t * moe.ep)
-                       + (2 * INDEX_BYTES * rows if moe.ep > 1 else 0.0))
+        experts_act = (held * (h + 4 * f) * d + INDEX_BYTES * e // (t * moe.ep)
+                       + (2 * INDEX_BYTES * held if moe.ep > 1 else 0.0))
         mlp_act = tokens * k * (2 * h * d + 2 * INDEX_BYTES + d)
     else:
-        pre_act, experts_act, mlp_act = pre.act, 2 * rows * f * d, tokens * h * d / 2
+        pre_act, experts_act, mlp_act = pre.act, 2 * held * f * d, tokens * h * d / 2
     return {**units,
             Unit.PRE_MLP: replace(pre, f=router, b=router, w=router, act=pre_act, w_res=tokens * (h + e) * d,
                                   a2a_f=counts_s + rows_s),
             Unit.EXPERTS: replace(mlp, f=experts, b=experts, w=experts, ar_f=0.0, ar_b=0.0, act=experts_act,
-                                  w_res=rows * (2 * h + 3 * f) * d, a2a_f=rows_s, a2a_b=rows_s),
+                                  w_res=held * (2 * h + 3 * f) * d, a2a_f=rows_s, a2a_b=rows_s),
             Unit.MLP: replace(mlp, f=0.0, b=0.0, w=0.0, act=mlp_act, w_res=0.0, a2a_b=rows_s)}
 
 

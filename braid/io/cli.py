@@ -180,6 +180,30 @@ def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp:
     return flag and tp > 1
 
 
+# --moe-dispatch: braid.runtime.expert_parallel's AllToAllDispatch, PaddedAllToAllDispatch
+MOE_DISPATCHERS: tuple[str, ...] = ("splits", "padded")
+MOE_DISPATCH_HELP = ("how --ep's all-to-alls move the rows: 'splits' sends each peer exactly its rows (their counts read on "
+                     "the host every MoE layer: the step runs eager), 'padded' a block of T*min(k, E/ep) rows, zeros after "
+                     "the real ones (nothing read on the host: the step can be a CUDA graph; ep times the rows on the wire "
+                     "and in the experts' buffers; tp=1) (default: splits)")
+
+
+def check_moe_dispatch(name: str, *, ep: int, tp: int = 1) -> None:
+    """``ValueError`` (one line) unless ``name`` is one of :data:`MOE_DISPATCHERS` and runs at this layout."""
+    if name not in MOE_DISPATCHERS:
+        raise ValueError(f"--moe-dispatch {name}: unknown; valid: {', '.join(MOE_DISPATCHERS)}")
+    if name == "padded" and ep < 2:
+        raise ValueError(f"--moe-dispatch padded pads expert parallelism's all-to-all; it needs --ep 2 or more (got --ep {ep})")
+    if name == "padded" and tp > 1:
+        raise ValueError(f"--moe-dispatch padded runs at tp=1 only (the TP slice of the experts reads its rows on the host); "
+                         f"got --tp {tp}")
+
+
+def add_moe_dispatch_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--moe-dispatch`` (one help text for every command line; checked by :func:`check_moe_dispatch`)."""
+    ap.add_argument("--moe-dispatch", default="splits", metavar="{splits,padded}", help=MOE_DISPATCH_HELP)
+
+
 def run_main(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """``main(argv)``, with a closed stdout (``| head``) ending the command quietly, exit 0."""
     try:

@@ -17,8 +17,8 @@ from braid.cost.catalog import get_model
 from braid.cost.costs import (
     Layout,
 )
-from braid.io.cli import (add_seq_shard_arg, check_counts, check_cpu_ranks, check_range, layer_count, local_seq,
-                          resolve_seq_shard)
+from braid.io.cli import (add_moe_dispatch_arg, add_seq_shard_arg, check_counts, check_cpu_ranks, check_moe_dispatch,
+                          check_range, layer_count, local_seq, resolve_seq_shard)
 from braid.io.limits import MAX_LAYERS
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
@@ -70,12 +70,14 @@ class ProfileConfig:
     seq_shard: bool = False  # sequence parallelism inside TP (braid.tp.seq_shard; --sequence-parallel, on at tp > 1)
     vision: Any = None  # a vision-language model (see above); None: a decoder LM
     ep: int = 1  # expert-parallel degree (see above): dp = ep data-parallel replicas share each layer's experts
+    moe_dispatch: str = "splits"  # how rows cross EP ranks: "splits" or "padded" (host-free; braid.runtime.expert_parallel)
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
         from braid.runtime.expert_parallel import check_expert_layout
 
         check_expert_layout(self.ep, self.dp, experts=getattr(self.model, "experts", 0), tp=self.tp)
+        check_moe_dispatch(self.moe_dispatch, ep=self.ep, tp=self.tp)
         if self.tp_backend != "all":
             from braid.tp.comm import resolve_tp_backend
 
@@ -223,7 +225,7 @@ def build_chunks(pc: ProfileConfig, groups, dev: torch.device, m: int = 1, plan:
     if experts is not None:
         from braid.runtime.expert_parallel import shard_experts
 
-        shard_experts(chunks.values(), experts.ep_rank, experts.ep, experts)
+        shard_experts(chunks.values(), experts.ep_rank, experts.ep, experts, pc.moe_dispatch)
     from braid.runtime.compiled import resolve, set_compiled
 
     set_compiled(chunks.values(), resolve(pc.compile, dev))  # units timed as the executor runs them
@@ -256,6 +258,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                     help="expert-parallel degree of a mixture-of-experts --model (qwen3-moe-*): E data-parallel replicas "
                          "of the tp x pp layout (world tp*pp*E), each on micro-batches of its own, share every MoE "
                          "layer's experts, whose rows go through the all-to-all as in examples/train_cli.py --ep (default 1)")
+    add_moe_dispatch_arg(ap)
     ap.add_argument("--layers-per-stage", default=None, help="layers of each virtual stage: one number or a comma list, whole or half layers "
                          "(1,1,1.5,0.5 cuts layer 3 between attention and MLP; default 1). A vision-language model: "
                          "LM layers of each stage after the tower's (one number), or the whole list with the ViT blocks "
@@ -308,6 +311,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
 
     try:  # the experts' layout before the ranks are counted: the runtime's own check (dp = ep here)
         check_expert_layout(args.ep, args.ep, experts=getattr(cfg, "experts", 0), tp=args.tp)
+        check_moe_dispatch(args.moe_dispatch, ep=args.ep, tp=args.tp)
     except ValueError as err:
         ap.error(str(err))
     world, what = args.tp * args.pp * args.ep, "tp x pp" + (" x ep" if args.ep > 1 else "")
@@ -342,7 +346,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                              device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend,
                              resolve_seq_shard(args.sequence_parallel, args.tp, seq=seq, vision=vision is not None),
-                             vision=vision, ep=args.ep)
+                             vision=vision, ep=args.ep, moe_dispatch=args.moe_dispatch)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits

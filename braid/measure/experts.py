@@ -35,12 +35,13 @@ from braid.models.moe_dispatch import RowPlan
 
 def graph_reason(pc: Any) -> str | None:
     """Why braid's runs of an MoE ``pc`` on CUDA run eager (:func:`braid.runtime.graphs.config_reason`: the
-    routing counts are read on the host at ep > 1 or tp > 1); None where nothing stops a graph for that."""
+    routing counts are read on the host at tp > 1, or at ep > 1 with the splits dispatcher); None where
+    nothing stops a graph for that."""
     from braid.runtime.graphs import config_reason
 
     if pc.device != "cuda" or not getattr(pc.model, "experts", 0):
         return None
-    return config_reason(pc.device, tp=pc.tp, ep=pc.ep, moe=True)
+    return config_reason(pc.device, tp=pc.tp, ep=pc.ep, moe=True, moe_dispatch=pc.moe_dispatch)
 
 
 def job_groups(pc: Any, timeout_s: float = 120.0) -> tuple[Any, Any]:
@@ -69,11 +70,15 @@ class CountingDispatch:
     def moves(self) -> bool:
         return self.inner.moves
 
-    def plan(self, counts: torch.Tensor) -> RowPlan:
+    @property
+    def host_free(self) -> bool:
+        return getattr(self.inner, "host_free", False)
+
+    def plan(self, counts: torch.Tensor, rows: int | None = None) -> RowPlan:
         if self.total is None or self.total.device != counts.device:
             self.total = torch.zeros(self.num_experts, dtype=torch.int64, device=counts.device)
         self.total += counts
-        return self.inner.plan(counts)
+        return self.inner.plan(counts, rows)
 
 
 class RouteCounts:
@@ -143,7 +148,8 @@ def format_routing(r: dict[str, Any], where: str) -> str:
 def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tuple[float, Any]], dev: torch.device,
                 n: int) -> dict[str, float]:
     """The all-to-all at this shape on the expert-parallel group (module doc): ``a2a_s`` (one balanced row
-    exchange), ``a2a_counts_s`` (the per-expert counts' exchange), ``a2a_bytes`` (a rank's rows, bytes) and
+    exchange; padded, ``pc.moe_dispatch``: the ep blocks it always moves),
+    ``a2a_counts_s`` (the per-expert counts' exchange), ``a2a_bytes`` (a rank's rows, bytes) and
     ``a2a_rows``; ``time_fn`` times a callable (a sync before and after). Collective over the group."""
     from braid.measure.config import DTYPES
 
@@ -151,7 +157,10 @@ def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tu
         return {}
     m = pc.model
     ep, group = experts.ep, experts.ep_group
-    rows = -(-pc.micro_batch_size * pc.seq * m.experts_per_token // pc.tp // ep) * ep  # a whole number per peer
+    tokens = pc.micro_batch_size * pc.seq
+    rows = -(-tokens * m.experts_per_token // pc.tp // ep) * ep  # a whole number per peer
+    if getattr(pc, "moe_dispatch", "splits") == "padded":  # ep blocks of the most one peer can get (tp=1)
+        rows = ep * tokens * min(m.experts_per_token, m.experts // ep)
     x = torch.randn(rows, m.hidden, dtype=DTYPES[pc.dtype], device=dev)  # (rows, h)
     out = torch.empty_like(x)
     counts = torch.ones(m.experts // pc.tp, dtype=torch.int64, device=dev)

@@ -528,8 +528,9 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
     ar_v = max(c.get("ar_vision_s", ar_s) for c in comm)
     p2p = max(c["p2p_s"] for c in comm)
     moe = moe_meta(pc, results)
-    # the busiest rank's row exchange; the counts' exchange blocks inside Pre-MLP's forward, whose time holds it
-    a2a = (max(c["a2a_s"] for c in comm) * moe["imbalance"], 0.0) if moe else (0.0, 0.0)
+    # the busiest rank's row exchange (padded: the same blocks whatever the routing); the counts' exchange blocks
+    # inside Pre-MLP's forward, whose time holds it
+    a2a = (max(c["a2a_s"] for c in comm) * (1.0 if pc.moe_dispatch == "padded" else moe["imbalance"]), 0.0) if moe else (0.0, 0.0)
     chunks = {}
     for (rank, c), spec in specs.items():
         stage = stage_of(pc.placement, pc.pp, rank, c)

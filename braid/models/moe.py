@@ -47,21 +47,34 @@ def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` (N, in), sorted by group with ``counts`` (E,) rows each, times their group's
-    ``w[e]`` (in, out) -> (N, out)."""
+    ``w[e]`` (in, out) -> (N, out). Rows after the last group (a padded exchange's padding) are
+    left out: ``torch._grouped_mm`` leaves their output unset, the loop zero."""
     if grouped_mm_runs(x, w):
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
-    parts = [xe @ w[e] for e, xe in enumerate(x.split(counts.tolist()))]
+    sizes = _with_rest(counts, x.shape[0])
+    parts = [xe @ w[e] for e, xe in enumerate(x.split(sizes)) if e < counts.shape[0]]
+    if len(sizes) > counts.shape[0]:
+        parts.append(x.new_zeros(sizes[-1], w.shape[-1]))
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
 
 
+def _with_rest(counts: torch.Tensor, rows: int) -> list[int]:
+    """``counts`` on the host (the loop's split sizes), and the rows after the last group where there are any."""
+    sizes = counts.tolist()
+    rest = rows - sum(sizes)
+    return sizes + [rest] if rest else sizes
+
+
 def grouped_weight_grad(x: torch.Tensor, g: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Per group ``e``: ``g_e^T x_e`` -> (E, out, in), the gradient of a stacked weight (E, out, in)."""
+    """Per group ``e``: ``g_e^T x_e`` -> (E, out, in), the gradient of a stacked weight (E, out, in); rows
+    after the last group are left out."""
     if grouped_mm_runs(x, g.unsqueeze(0)):
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(g.t(), x, offs=offs)
     out = x.new_zeros(counts.shape[0], g.shape[-1], x.shape[-1])
-    for e, (xe, ge) in enumerate(zip(x.split(counts.tolist()), g.split(counts.tolist()))):
+    sizes = _with_rest(counts, x.shape[0])
+    for e, (xe, ge) in enumerate(zip(x.split(sizes)[:counts.shape[0]], g.split(sizes))):
         out[e] = ge.t() @ xe
     return out
 

@@ -10,6 +10,17 @@ order they came) -> the **combine** exchange (``back=True``) -> :func:`combined_
 TP ranks' rows as zeros) -> :func:`braid.models.moe.unpermute`. Without expert parallelism
 nothing moves (``RowPlan.send_splits`` is None) and the exchanges are identities.
 
+Two ways rows cross ranks. **Variable splits** (``RowPlan.slots`` None): each peer gets exactly
+its rows, so the splits are host integers read from the exchanged counts every layer
+(:class:`braid.runtime.expert_parallel.AllToAllDispatch`). **Padded** (``RowPlan.capacity`` set,
+:class:`braid.runtime.expert_parallel.PaddedAllToAllDispatch`): every peer gets a block of
+``capacity`` rows, its real rows first and zeros after, so the splits are a static shape and
+nothing is read on the host (a CUDA graph can capture it). :func:`sent_rows` scatters the sorted
+rows into the blocks (``slots``), :func:`expert_rows` regroups the arrived blocks by local expert
+with the padding last and zeroed (``order``, ``real``), :func:`returned_rows` zeroes the padding
+rows' outputs (and so their gradients), :func:`combined_rows` gathers the rows back out of the
+returned blocks. Exact: the real rows meet the same experts in the same order as with splits.
+
 An exchange's backward is the exchange the other way (the splits swapped). :func:`moe_forward`
 runs the whole path with blocking exchanges inside autograd (the single-device model, a fused
 chunk); a cut chunk (:mod:`braid.models.moe_ops`) stops at each exchange and hands it to the
@@ -38,6 +49,10 @@ class RowPlan:
     (left out of the exchange, zeros in the combine); ``send_splits``/``recv_splits``: rows sent
     to / received from each expert-parallel rank (None: nothing moves); ``order``: received rows
     (by source rank, then local expert) -> sorted by local expert, ``inverse`` its inverse.
+
+    Padded exchanges (module doc): ``capacity`` rows per peer block (the splits are ``capacity``
+    each); ``slots`` (T*k,): the block slot of each sorted row; ``real`` (ep*capacity,): which
+    rows in the experts' order (``order`` applied) are real, the padding being after the last group.
     """
 
     counts: torch.Tensor
@@ -48,6 +63,9 @@ class RowPlan:
     group: Any = None
     order: torch.Tensor | None = None
     inverse: torch.Tensor | None = None
+    capacity: int | None = None
+    slots: torch.Tensor | None = None
+    real: torch.Tensor | None = None
 
     @property
     def moves(self) -> bool:
@@ -62,8 +80,14 @@ class Dispatcher(Protocol):
         """Whether rows cross ranks (an all-to-all per exchange)."""
         ...
 
-    def plan(self, counts: torch.Tensor) -> RowPlan:
-        """Rows per global expert ``counts`` (E,) -> the plan of this micro-batch's rows."""
+    @property
+    def host_free(self) -> bool:
+        """Whether :meth:`plan` and the exchanges read nothing on the host (a CUDA graph can capture the layer)."""
+        ...
+
+    def plan(self, counts: torch.Tensor, rows: int | None = None) -> RowPlan:
+        """Rows per global expert ``counts`` (E,) -> the plan of this micro-batch's rows; ``rows``: how many
+        expert-sorted rows this rank holds (T*k, a static shape: a padded dispatcher sizes its blocks by it)."""
         ...
 
 
@@ -71,8 +95,9 @@ class LocalDispatch:
     """Every expert on this device: nothing moves."""
 
     moves = False
+    host_free = True
 
-    def plan(self, counts: torch.Tensor) -> RowPlan:
+    def plan(self, counts: torch.Tensor, rows: int | None = None) -> RowPlan:
         return RowPlan(counts)
 
 
@@ -85,6 +110,8 @@ class ExpertSlice:
     all-reduce then sums the ranks' parts (no token moves). ``inner``: how the slice's rows reach
     its experts (expert parallelism within the slice; default: they are all here)."""
 
+    host_free = False  # the slice's rows are read on the host (where they start and end)
+
     def __init__(self, first: int, count: int, inner: Dispatcher = LOCAL) -> None:
         self.first, self.count, self.inner = first, count, inner
 
@@ -92,11 +119,11 @@ class ExpertSlice:
     def moves(self) -> bool:
         return self.inner.moves
 
-    def plan(self, counts: torch.Tensor) -> RowPlan:
+    def plan(self, counts: torch.Tensor, rows: int | None = None) -> RowPlan:
         before = int(counts[:self.first].sum())  # rows are sorted by expert: one host read per layer
         mine = counts[self.first:self.first + self.count]
         n = int(mine.sum())
-        return replace(self.inner.plan(mine), before=before, after=int(counts.sum()) - before - n)
+        return replace(self.inner.plan(mine, n), before=before, after=int(counts.sum()) - before - n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,24 +175,38 @@ def exchanged(rows: torch.Tensor, plan: RowPlan, back: bool = False) -> torch.Te
 
 
 def sent_rows(rows: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    """The expert-sorted rows (T*k, h) this rank's experts run: its TP slice of them."""
+    """The expert-sorted rows (T*k, h) this rank's experts run: its TP slice of them; padded, the
+    blocks to send (ep*capacity, h): each peer's rows first, zeros after."""
+    if plan.slots is not None:
+        blocks = rows.new_zeros(len(plan.send_splits) * plan.capacity, *rows.shape[1:])
+        return blocks.index_copy(0, plan.slots, rows)  # differentiable in rows: its gradient is the slots' rows
     if plan.before or plan.after:
         return rows[plan.before:rows.shape[0] - plan.after]
     return rows
 
 
+def _zero_padding(rows: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """Padding rows zero (a mask on the device; a NaN there stays out, in the gradient too)."""
+    return rows if real is None else torch.where(real.unsqueeze(-1), rows, rows.new_zeros(()))
+
+
 def expert_rows(got: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    """Received rows (by source rank, then local expert) -> sorted by local expert."""
-    return got if plan.order is None else got[plan.order]
+    """Received rows (by source rank, then local expert) -> sorted by local expert (padded: the padding
+    last, zero, and its gradient zero)."""
+    return got if plan.order is None else _zero_padding(got[plan.order], plan.real)
 
 
 def returned_rows(out: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    """The experts' output rows back in the order they were received."""
-    return out if plan.inverse is None else out[plan.inverse]
+    """The experts' output rows back in the order they were received (padded: the padding rows zero,
+    whatever the grouped GEMM left there)."""
+    return out if plan.inverse is None else _zero_padding(out, plan.real)[plan.inverse]
 
 
 def combined_rows(rows: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    """This TP slice's rows back among all T*k rows (the other slices' rows zero)."""
+    """This TP slice's rows back among all T*k rows (the other slices' rows zero); padded, the real
+    rows gathered out of the returned blocks."""
+    if plan.slots is not None:
+        return rows[plan.slots]
     if plan.before or plan.after:
         return F.pad(rows, (0, 0, plan.before, plan.after))
     return rows
@@ -179,7 +220,7 @@ def moe_forward(h: torch.Tensor, logits: torch.Tensor, experts: Experts, *, top_
     h2 = h.reshape(-1, shape[-1])  # (T, hidden)
     weights, chosen = route(logits.reshape(-1, logits.shape[-1]), top_k, norm_topk_prob)
     rows, order, counts = permute(h2, chosen, num_experts)  # (T*k, hidden)
-    plan = dispatcher.plan(counts)
+    plan = dispatcher.plan(counts, rows.shape[0])
     got = exchanged(sent_rows(rows, plan), plan)
     out = returned_rows(experts(expert_rows(got, plan), plan.counts), plan)
     out = combined_rows(exchanged(out, plan, back=True), plan)

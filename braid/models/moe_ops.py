@@ -56,6 +56,11 @@ class MoeOps:
         """Whether an MoE layer of the chunk sends rows to other ranks (expert parallelism)."""
         return any(isinstance(lay, ExpertLayer) and lay.dispatcher.moves for lay in self._layer_seq)
 
+    def moe_host_free(self) -> bool:
+        """Whether every MoE layer of the chunk plans and exchanges its rows without a host read
+        (:attr:`braid.models.moe_dispatch.Dispatcher.host_free`: a CUDA graph can capture them)."""
+        return all(getattr(lay.dispatcher, "host_free", False) for lay in self._layer_seq if isinstance(lay, ExpertLayer))
+
     def _moe_unit(self, unit: Unit, layer: int) -> bool:
         return layer in self.spec.moe and unit in MOE_SIDE
 
@@ -67,7 +72,7 @@ class MoeOps:
                 x, h, norm, full = self._normed(mb, unit, layer)
                 hl = self._enter(full)  # (b, s, h)
                 rows, weights, order, counts = lay.route_rows(hl)  # (T*k, h), (T, k)
-                plan = lay.dispatcher.plan(counts)
+                plan = lay.dispatcher.plan(counts, rows.shape[0])
                 send = sent_rows(rows, plan)
             self._gather = None
             self._saved[key] = [_Piece((edge(x),), (edge(h),), (norm.weight,)), _Piece((edge(hl),), (edge(send), edge(weights)))]

@@ -17,6 +17,15 @@ end the units pre_mlp and experts and run asynchronously beside other units
 swapped, so an expert's weight gradient on its holder sums the contributions of every token of
 the group routed to it.
 
+Padded (``--moe-dispatch padded``, :class:`PaddedAllToAllDispatch`): the counts exchange stays, but
+nothing is read on the host: every rank sends each peer a block of ``C`` rows (the most it could
+ever send one peer, so nothing is dropped), its real rows first and zeros after; the receiver
+knows from the exchanged counts, on the device, which rows are real and regroups them by local
+expert with the padding last. The row exchanges then have equal splits, a static shape, and the
+step can be a CUDA graph (:mod:`braid.runtime.graphs`); they move ``ep * C`` rows instead of the
+real ones. Every rank of an expert-parallel group must hold the same tokens per micro-batch (the
+blocks' size): the examples' and the profiler's micro-batches have one shape.
+
 Gradients (:func:`reduce_gradients_ep`): non-expert parameters are averaged over the ``dp``
 ranks as without EP (:func:`braid.runtime.distributed.reduce_gradients`); an expert's
 gradient, already summed over its expert-parallel group by the all-to-all, is summed over the
@@ -37,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from braid.core.topology import Topology
+from braid.io.cli import check_moe_dispatch
 from braid.models.moe import Experts
 from braid.models.moe_dispatch import ExpertSlice, RowPlan
 from braid.runtime.distributed import reduce_gradients
@@ -101,12 +111,13 @@ class AllToAllDispatch:
     """The :class:`braid.models.moe_dispatch.Dispatcher` of one expert-parallel rank (see the module doc)."""
 
     moves = True
+    host_free = False  # the splits are read on the host
 
     def __init__(self, groups: ExpertGroups, num_experts: int) -> None:
         self.groups, self.num_experts = groups, num_experts
         self.local = num_experts // groups.ep
 
-    def plan(self, counts: torch.Tensor) -> RowPlan:
+    def plan(self, counts: torch.Tensor, rows: int | None = None) -> RowPlan:
         """The rows' plan, after exchanging the per-expert counts: a small blocking all-to-all of E
         integers at the start of the dispatch, because the row exchange needs its splits on the
         host before it starts (``all_to_all_single`` with variable splits). A cut chunk runs it at
@@ -125,15 +136,59 @@ class AllToAllDispatch:
                        inverse=inverse)
 
 
+class PaddedAllToAllDispatch:
+    """:class:`AllToAllDispatch` without a host read: every peer gets a block of :meth:`capacity` rows
+    (see the module doc; :mod:`braid.models.moe_dispatch` moves the rows)."""
+
+    moves = True
+    host_free = True
+
+    def __init__(self, groups: ExpertGroups, num_experts: int, top_k: int) -> None:
+        self.groups, self.num_experts, self.top_k = groups, num_experts, top_k
+        self.local = num_experts // groups.ep
+
+    def capacity(self, rows: int) -> int:
+        """Rows of a block for ``rows`` = T*k sorted rows: the most one peer can get. A token's top-k experts
+        are distinct, so it sends a peer (``local`` experts) at most min(k, local) rows: T min(k, local)."""
+        k = self.top_k
+        return rows if rows % k else rows // k * min(k, self.local)
+
+    def plan(self, counts: torch.Tensor, rows: int | None = None) -> RowPlan:
+        """The rows' plan from the exchanged counts (a small blocking all-to-all of E integers, as
+        :meth:`AllToAllDispatch.plan`'s), every index on the device."""
+        if rows is None:
+            raise TypeError("PaddedAllToAllDispatch.plan needs the rows this rank holds (T*k) to size its blocks")
+        ep, el, group = self.groups.ep, self.local, self.groups.ep_group
+        cap, dev = self.capacity(rows), counts.device
+        recv = torch.empty_like(counts)  # (ep * E/ep,): [source rank][local expert]
+        dist.all_to_all_single(recv, counts, group=group)
+        per_source = recv.view(ep, el)
+        # sender: sorted row i of global expert e goes to peer e // el, at its place among that peer's rows
+        i = torch.arange(rows, device=dev)
+        peer = torch.searchsorted(counts.cumsum(0), i, right=True) // el  # (T*k,)
+        per_peer = counts.view(ep, el).sum(1)
+        slots = peer * cap + i - (per_peer.cumsum(0) - per_peer)[peer]
+        # receiver: row j of source s's block is of local expert `within[s, j]`, el where it is padding
+        j = torch.arange(cap, device=dev).expand(ep, cap).contiguous()
+        within = torch.searchsorted(per_source.cumsum(1), j, right=True).reshape(-1)  # (ep*cap,)
+        order = torch.argsort(within, stable=True)  # by local expert, the padding last
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=dev)
+        return RowPlan(per_source.sum(0), send_splits=[cap] * ep, recv_splits=[cap] * ep, group=group, order=order,
+                       inverse=inverse, capacity=cap, slots=slots, real=within[order] < el)
+
+
 def moe_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
     """The layers under ``modules`` (model chunks, models) that hold experts (have an ``experts`` :class:`Experts`)."""
     return [m for top in modules for m in top.modules() if isinstance(getattr(m, "experts", None), Experts)]
 
 
-def shard_experts(modules: Iterable[nn.Module], ep_rank: int, ep: int, groups: ExpertGroups | None = None) -> None:
+def shard_experts(modules: Iterable[nn.Module], ep_rank: int, ep: int, groups: ExpertGroups | None = None,
+                  dispatch: str = "splits") -> None:
     """Cut every MoE layer under ``modules`` down, in place, to expert-parallel rank ``ep_rank``'s experts
     and mark those parameters (:data:`EXPERT_ATTR`); with ``groups``, its tokens then go through
-    :class:`AllToAllDispatch`. Call before the first step (and before an executor is built on them).
+    :class:`AllToAllDispatch` (``dispatch`` "splits") or :class:`PaddedAllToAllDispatch` ("padded", tp=1).
+    Call before the first step (and before an executor is built on them).
 
     Under TP a layer holds its TP rank's slice of the experts (:class:`braid.models.moe.ExpertSlice`);
     expert parallelism then shards that slice, and the all-to-all runs between the ranks of the
@@ -147,11 +202,13 @@ def shard_experts(modules: Iterable[nn.Module], ep_rank: int, ep: int, groups: E
             lin.weight = nn.Parameter(lin.weight.detach()[ep_rank * per:(ep_rank + 1) * per].clone())
             setattr(lin.weight, EXPERT_ATTR, True)
         if groups is not None:
-            dispatch = AllToAllDispatch(groups, total)
-            if isinstance(layer.dispatcher, ExpertSlice):
-                layer.dispatcher.inner = dispatch
+            sliced = isinstance(layer.dispatcher, ExpertSlice)
+            check_moe_dispatch(dispatch, ep=ep, tp=2 if sliced else 1)
+            how = PaddedAllToAllDispatch(groups, total, layer.top_k) if dispatch == "padded" else AllToAllDispatch(groups, total)
+            if sliced:
+                layer.dispatcher.inner = how
             else:
-                layer.dispatcher = dispatch
+                layer.dispatcher = how
 
 
 def is_expert(p: torch.Tensor) -> bool:

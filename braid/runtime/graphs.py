@@ -48,7 +48,10 @@ another algorithm for captured buffers, and a sum of three or more terms may the
 differently (two-rank sums are exact either way).
 
 Not capturable (:func:`not_capturable` says why in one line; ``mode=None`` then runs
-eager): a CPU device (gloo), the ``symm-mem`` TP backend (its own stream and buffers), a chunk
+eager): a CPU device (gloo), the ``symm-mem`` TP backend (its own stream and buffers), a
+mixture of experts whose dispatcher reads its routing counts on the host (the all-to-all's
+variable splits at ep > 1, the TP slice of the experts; ``--moe-dispatch padded`` is host-free at
+tp=1: :attr:`braid.models.moe_dispatch.Dispatcher.host_free`), a chunk
 whose ``set_batch`` reads its micro-batches on the host and does not say it is safe
 (``graph_safe_batch``), and an :class:`~braid.runtime.distributed.Abort` that reads its
 store before waits. A graphed step is for one input shape; another tensor shape is an error
@@ -101,16 +104,20 @@ def check_mode(mode: str | None) -> CudaGraphMode | None:
 
 
 def config_reason(device: torch.device | str, *, cp: int = 1, tp: int = 1, tp_backend: str | None = None,
-                  ep: int = 1, moe: bool = False) -> str | None:
+                  ep: int = 1, moe: bool = False, moe_dispatch: str = "splits") -> str | None:
     """Why a run of this configuration cannot be captured (None: it can). Needs no process
     group, so command lines check it before any work. ``moe``: the model has mixture-of-experts
-    layers (``ep``: their expert-parallel degree)."""
+    layers (``ep``: their expert-parallel degree, ``moe_dispatch``: how their rows cross ranks)."""
     dev = torch.device(device)
     if dev.type != "cuda":
         return f"device {dev.type}: CUDA graphs need a CUDA device (gloo/CPU runs eager)"
-    if moe and (ep > 1 or tp > 1):  # AllToAllDispatch.plan's splits, ExpertSlice.plan's rows before the slice
-        return (f"a mixture of experts at ep={ep} tp={tp} reads its routing counts on the host every step (the "
-                "all-to-all's splits, the TP slice's rows), which a graph replay cannot; it runs eager")
+    if moe and tp > 1:  # ExpertSlice.plan's rows before the slice
+        return (f"a mixture of experts at tp={tp} reads its routing counts on the host every step (the TP slice of "
+                "the experts' rows), which a graph replay cannot; it runs eager (--moe-dispatch padded makes ep > 1 "
+                "capturable at tp=1)")
+    if moe and ep > 1 and moe_dispatch != "padded":  # AllToAllDispatch.plan's splits
+        return (f"a mixture of experts at ep={ep} reads its routing counts on the host every step (the all-to-all's "
+                "splits), which a graph replay cannot; it runs eager (--moe-dispatch padded makes the step capturable)")
     if tp > 1 and tp_backend == "symm-mem":
         return "TP backend symm-mem: its copy-engine all-reduce runs on its own stream and buffers, not captured"
     # cp > 1 (2D-Attention) is captured: a rank's zigzag positions are made once per length and device,
@@ -125,8 +132,10 @@ def not_capturable(ex: Executor) -> str | None:
     if reason is not None:
         return reason
     for c, ch in sorted(ex.chunks.items()):
-        if ch.spec.moe and (tp > 1 or ch.moe_moves()):
-            return config_reason(ex.device, tp=tp, ep=2 if ch.moe_moves() else 1, moe=True)
+        if ch.spec.moe and not ch.moe_host_free():  # a dispatcher says whether it reads the host (Dispatcher.host_free)
+            return config_reason(ex.device, tp=tp, ep=2 if ch.moe_moves() else 1, moe=True) or (
+                f"chunk {c}: a mixture-of-experts layer's dispatcher reads its routing counts on the host every step; "
+                "it runs eager")
         if type(ch).set_batch is not ModelChunk.set_batch and not vars(type(ch)).get("graph_safe_batch", False):
             return f"chunk {c} ({type(ch).__name__}) reads its micro-batches on the host every step; it runs eager"
     if ex.abort is not None and not ex.abort.cuda:
@@ -158,7 +167,7 @@ def graphed_costs(doc: dict[str, Any], mode: str | None) -> dict[str, Any]:
     meta = doc.setdefault("meta", {})
     cfg = meta.get("config", {})
     why = config_reason(cfg.get("device", "cpu"), tp=cfg.get("tp", 1), tp_backend=meta.get("tp_backend"), ep=cfg.get("ep", 1),
-                        moe=bool((cfg.get("model") or {}).get("experts")))
+                        moe=bool((cfg.get("model") or {}).get("experts")), moe_dispatch=cfg.get("moe_dispatch", "splits"))
     if check_mode(mode) == "none" or why is not None:
         meta["cuda_graph"] = "none"
         return doc
