@@ -106,17 +106,32 @@ def test_resume_continues_with_the_same_losses(reference, tmp_path) -> None:
     (["--schedule", "torch_zb_v", "--dp", "1", "--cp", "1", "--save", "ckpt"], "checkpoint braid's schedules"),
     (["--last-stage-lighter", "0.5"], "the VLM's stages hold whole layers"),
     (["--image-sizes", "8,12"], "--image-sizes 12: every image side must be a positive multiple of patch*merge"),
-    (["--image-sizes", ","], "--image-sizes is empty"),
-    (["--image-sizes", "8,big"], "give image sides as integers"),
-    (["--image-sizes", "8,32", "--visual-token-budget", "16"], "--visual-token-budget 16: micro-batch"),
-    (["--image-sizes", "8,32", "--image-size", "16"], "give one of them"),
-    (["--visual-token-budget", "9"], "it needs --image-sizes"),
 ])
 def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
     proc = _python(VLM, *args)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("qwen2_vl.py: error:") and message in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--image-sizes", ","], "--image-sizes is empty"),
+    (["--image-sizes", "8,big"], "give image sides as integers"),
+    (["--image-sizes", "8,32", "--visual-token-budget", "16"], "--visual-token-budget 16: micro-batch"),
+    (["--image-sizes", "8,32", "--image-size", "16"], "give one of them"),
+    (["--visual-token-budget", "9"], "it needs --image-sizes"),
+])
+def test_image_size_flags_exit_2_with_one_line(args: list[str], message: str, monkeypatch, capsys) -> None:
+    """The rest of --image-sizes' checks, in this process (the subprocess case above shows the exit path end to end)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import qwen2_vl
+
+    try:
+        rc = qwen2_vl.main(qwen2_vl.TASK, args)
+    except SystemExit as err:  # argparse's own errors
+        rc = err.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("qwen2_vl.py: error:") and message in lines[0], lines
 
 
 def test_images_of_several_sizes_train_padded_as_the_unpadded_model(tmp_path) -> None:
