@@ -26,6 +26,7 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
+
 def _sample(stop: threading.Event, out: list[int], every_s: float = 0.2) -> None:
     """The most memory in use on any visible GPU (MiB), sampled until ``stop``."""
     while not stop.is_set():

@@ -2,9 +2,8 @@
 
 Reads a ``braid.bench --json`` summary, rewrites its (calibrated) profile for every split of the
 same layers into halves (:func:`braid.cost.resplit.resplit`), simulates each schedule at each m
-on it and prints the fastest splits with the stored split beside them; with the summary's runs
-at that split, the re-split profile's predictions of them (a check: the same as its own).
-No device needed; the pick is then measured with ``braid.bench --layers-per-stage``:
+on it and prints the fastest splits with the stored split marked beside them. No device needed;
+the pick is then measured with ``braid.bench --layers-per-stage``:
 
     PYTHONPATH=. python benchmarks/resplit_search.py benchmarks/results/bench_7b_h100x4_tp2_pp2.json --top 5
 """

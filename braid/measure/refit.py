@@ -49,7 +49,7 @@ def profile_config(entry: dict[str, Any]) -> ProfileConfig:
         c = entry["config"]
         return ProfileConfig(config_from_fields(c["model"]), tuple(c["layers_per_stage"]), seq=c["seq"],
                              micro_batch_size=c["micro_batch_size"], tp=c["tp"], pp=c["pp"], v=c["v"], placement=c["placement"],
-                             ep=c.get("ep", 1))
+                             ep=c.get("ep", 1), moe_dispatch=c.get("moe_dispatch", "splits"))
     lay = entry["layout"]
     placement = entry["profile"].get("layout", {}).get("placement", "v" if lay["v"] == 2 else "loop")
     return ProfileConfig(config_from_fields(entry["model"]), tuple(lay["layers_per_stage"]), seq=entry["seq"],
@@ -61,7 +61,6 @@ def calibration_inputs(entry: dict[str, Any]) -> tuple[dict[str, Any], float, di
     """(profile before calibration, probe's measured step, its busy time per phase, probe evidence)
     of a stored run; ``ValueError`` if it was not calibrated."""
     from braid.core.compiler import compile_plan
-    from braid.core.partition import chunk_specs
     from braid.cost.costs import ChunkCosts
     from braid.simulator import simulate
 
