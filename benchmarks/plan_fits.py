@@ -2,8 +2,10 @@
 
 Runs ``braid.plan`` for a job on this machine's GPUs under a memory cap (``--memory GiB``), then
 trains its pick and the fastest configuration the cap rejected (the plan's ``over_cap`` list, shown
-under "faster, over the cap") with the example scripts, each process's allocator held to the cap
-(``--memory-cap``, :mod:`examples.train_fit`), while ``nvidia-smi`` samples what each GPU has in use.
+under "faster, over the cap") with the example scripts under the cap (``--memory-cap``: device memory in
+use, the allocator held to the cap less what CUDA and NCCL hold outside it, :mod:`examples.train_fit`),
+while ``nvidia-smi`` samples what the job's GPUs have in use (only those: a job on the host's other GPUs
+is not this one's).
 Per configuration: predicted device memory in use (the planner's figure), the most in use measured,
 the example's allocator peak, and whether it ran out::
 
@@ -27,24 +29,35 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
-def _sample(stop: threading.Event, out: list[int], every_s: float = 0.2) -> None:
-    """The most memory in use on any visible GPU (MiB), sampled until ``stop``."""
+def job_gpus(gpus: int, environ=os.environ) -> list[str]:
+    """nvidia-smi's ids of the ``gpus`` devices the job's ranks take: the first of ``CUDA_VISIBLE_DEVICES``
+    (indices or UUIDs), else the first indices. nvidia-smi lists every GPU of the host, and another job
+    on the others is not this one's memory."""
+    vis = environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [x.strip() for x in vis.split(",") if x.strip()] if vis is not None else [str(i) for i in range(gpus)]
+    if len(ids) < gpus:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={vis!r} names {len(ids)} devices, the job takes {gpus}")
+    return ids[:gpus]
+
+
+def _sample(stop: threading.Event, out: list[int], ids: list[str], every_s: float = 0.2) -> None:
+    """The most memory in use on the job's GPUs ``ids`` (MiB), sampled until ``stop``."""
     while not stop.is_set():
         try:
-            got = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10).stdout.split()
+            got = subprocess.run(["nvidia-smi", "--id=" + ",".join(ids), "--query-gpu=memory.used",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout.split()
             out.append(max(int(x) for x in got))
         except (OSError, ValueError, subprocess.TimeoutExpired):
             pass
         stop.wait(every_s)
 
 
-def run(command: str, cap: float, steps: int, timeout_s: float) -> dict:
-    """Train ``command`` (a plan's torchrun line) for ``steps`` under ``--memory-cap cap``."""
+def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) -> dict:
+    """Train ``command`` (a plan's torchrun line) for ``steps`` under ``--memory-cap cap`` on GPUs ``ids``."""
     argv = shlex.split(command)
     argv += ["--memory-cap", f"{cap:g}", "--steps", str(steps), "--skip-memory-check"]
     stop, used = threading.Event(), []
-    sampler = threading.Thread(target=_sample, args=(stop, used), daemon=True)
+    sampler = threading.Thread(target=_sample, args=(stop, used, ids), daemon=True)
     sampler.start()
     t0 = time.perf_counter()
     try:
@@ -76,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() < args.gpus:
         print(f"plan_fits.py: needs {args.gpus} CUDA devices, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
+    ids = job_gpus(args.gpus)
     from braid.plan import main as plan_main
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("pick", doc["ranked"][0])] + [("over the cap", doc["over_cap"][0])] * bool(doc["over_cap"])
     report = []
     for what, cfg in rows:
-        got = run(cfg["command"], args.memory, args.steps, args.timeout)
+        got = run(cfg["command"], args.memory, args.steps, args.timeout, ids)
         report.append({"what": what, "predicted_step_s": cfg["step_s"], "predicted_in_use_gib": cfg["peak_memory_gib"],
                        "command": cfg["command"], **{k: v for k, v in got.items() if k != "tail"}})
         err = (got["device_in_use_mib"] / 1024) / cfg["peak_memory_gib"] - 1

@@ -17,11 +17,13 @@ for the run's own model preset, layout, schedule, micro-batches, optimizer, reco
 Checked for CUDA runs of braid's schedules on a catalog preset that ``braid.simulate`` models: not for a
 ``--hf`` checkpoint, ``--cp`` > 1, another ``--image-size`` than the preset's, ``--image-sizes``, or a torch baseline.
 
-``--memory-cap GiB`` makes a smaller card of the one at hand: each process's CUDA caching allocator is held
-to that many GiB (``torch.cuda.set_per_process_memory_fraction``, set before anything is allocated), and the
-check above compares with the cap instead of the card -- how a planner's pick is shown to fit, and a faster
-layout over the cap shown not to (``benchmarks/plan_fits.py``). What CUDA, NCCL and cuBLAS hold outside the
-allocator is not capped: the cap binds the allocator's reserve.
+``--memory-cap GiB`` makes a smaller card of the one at hand: the cap is device memory in use, the figure
+the planner and the check above compare with a card. CUDA, NCCL and cuBLAS hold their part outside the
+caching allocator, where no cap reaches; so each process's allocator is held
+(``torch.cuda.set_per_process_memory_fraction``, set before anything is allocated) to the cap less what
+``braid.cost.device_memory`` predicts outside it for this rank's layout (:func:`allocator_share`), and the
+check compares with the cap instead of the card -- how a planner's pick is shown to fit, and a faster
+layout over the cap shown not to (``benchmarks/plan_fits.py``, which samples what the device holds).
 """
 
 from __future__ import annotations
@@ -108,12 +110,30 @@ def add_fit_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--skip-memory-check", action="store_true",
                        help="run even where braid.simulate predicts more device memory than the GPU has (train_fit.py)")
     group.add_argument("--memory-cap", type=float, default=None, metavar="GiB",
-                       help="hold each process's CUDA allocator to GiB (a smaller card; the memory check uses it)")
+                       help="a smaller card: device memory in use held to GiB (the allocator gets GiB less what CUDA and NCCL hold outside it)")
 
 
-def apply_cap(cap: float, cuda: bool, local: int) -> None:
-    """Hold this process's CUDA caching allocator on device ``local`` to ``cap`` GiB (``--memory-cap``);
-    ``ValueError`` off CUDA, or for a cap not above 0 or above the card."""
+def allocator_share(cap: float, args: argparse.Namespace, rank: int) -> float:
+    """The caching allocator's bytes under a ``cap`` GiB of device memory in use: the cap less what
+    :func:`braid.cost.device_memory.outside_allocator_bytes` predicts for this rank's layout (its pipeline
+    rank's peers included); ``ValueError`` where nothing is left."""
+    from braid.core.topology import Topology
+    from braid.cost.device_memory import DEVICE_TERMS, outside_allocator_bytes
+
+    topo = Topology(args.tp * args.pp * args.dp * args.cp, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
+    outside = outside_allocator_bytes(DEVICE_TERMS, tp=args.tp, pp=args.pp, pp_rank=topo.coords(rank).pp,
+                                      dp=args.dp, cp=args.cp)
+    share = cap * 2**30 - outside
+    if share <= 0:
+        raise ValueError(f"--memory-cap {cap:g}: CUDA, NCCL and cuBLAS are predicted to hold {outside / 2**30:.2f} GiB "
+                         "outside the allocator at this layout; nothing is left for tensors")
+    return share
+
+
+def apply_cap(cap: float, cuda: bool, local: int, allocator_bytes: float | None = None) -> None:
+    """Hold this process's CUDA caching allocator on device ``local`` to ``allocator_bytes`` (default: the
+    whole ``cap`` GiB) under ``--memory-cap cap``; ``ValueError`` off CUDA, or for a cap not above 0 or
+    above the card."""
     import torch
 
     if not cuda:
@@ -121,7 +141,8 @@ def apply_cap(cap: float, cuda: bool, local: int) -> None:
     card = torch.cuda.get_device_properties(local).total_memory
     if not 0 < cap <= card / 2**30:
         raise ValueError(f"--memory-cap {cap:g}: must be above 0 and at most this GPU's {card / 2**30:.1f} GiB")
-    torch.cuda.set_per_process_memory_fraction(cap * 2**30 / card, local)
+    held = cap * 2**30 if allocator_bytes is None else min(allocator_bytes, cap * 2**30)
+    torch.cuda.set_per_process_memory_fraction(held / card, local)
 
 
 def check_fits(args: argparse.Namespace, vision: bool, schedules: Sequence[str], seq_len: int, rank: int) -> str | None:
@@ -134,7 +155,7 @@ def check_fits(args: argparse.Namespace, vision: bool, schedules: Sequence[str],
     cap = getattr(args, "memory_cap", None)
     if cap is not None:
         try:
-            apply_cap(cap, cuda, local)
+            apply_cap(cap, cuda, local, allocator_share(cap, args, rank) if cuda else None)
         except ValueError as err:
             return str(err)
     name = catalog_name(args, vision)

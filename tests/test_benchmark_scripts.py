@@ -88,3 +88,15 @@ def test_gpu_only_script_refuses_in_one_line_without_gpus(script, monkeypatch, c
     assert importlib.import_module(script.removesuffix(".py")).main([]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and GPU_ONLY[script] in err, err
+
+
+def test_plan_fits_samples_only_the_jobs_gpus(monkeypatch) -> None:
+    """nvidia-smi lists every GPU of the host: plan_fits samples the job's (the first ``--gpus`` of
+    CUDA_VISIBLE_DEVICES), so a job beside it on the other GPUs is not read as this one's memory."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    plan_fits = importlib.import_module("plan_fits")
+    assert plan_fits.job_gpus(2, {"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert plan_fits.job_gpus(1, {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}) == ["GPU-aa"]
+    assert plan_fits.job_gpus(2, {}) == ["0", "1"]
+    with pytest.raises(ValueError, match="names 1 devices, the job takes 2"):
+        plan_fits.job_gpus(2, {"CUDA_VISIBLE_DEVICES": "3"})

@@ -102,3 +102,16 @@ def test_the_example_refuses_a_memory_cap_on_cpu_before_any_work(tmp_path) -> No
                           cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].endswith("--memory-cap holds the CUDA caching allocator; it needs --device cuda")
+
+
+def test_a_memory_cap_leaves_the_allocator_what_cuda_and_nccl_do_not_hold(train_fit) -> None:
+    """The cap is device memory in use (the planner's figure): the allocator gets the cap less the bytes
+    ``braid.cost.device_memory`` places outside it, which differ by pipeline rank (a middle rank has two peers)."""
+    from braid.cost.device_memory import DEVICE_TERMS, outside_allocator_bytes
+
+    args = _args(tp=1, pp=4, dp=1)  # ranks 0..3 are pipeline ranks 0..3
+    first, middle = (train_fit.allocator_share(6.0, args, rank) for rank in (0, 1))
+    assert first == 6.0 * GIB - outside_allocator_bytes(DEVICE_TERMS, tp=1, pp=4, pp_rank=0)
+    assert first - middle == pytest.approx(DEVICE_TERMS.p2p_pair)  # one more P2P connection, nothing else
+    with pytest.raises(ValueError, match=r"^--memory-cap 1: CUDA, NCCL and cuBLAS are predicted to hold [\d.]+ GiB"):
+        train_fit.allocator_share(1.0, _args(tp=2, pp=2, dp=2), 0)

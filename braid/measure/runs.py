@@ -3,6 +3,7 @@ graphs) and the external baselines on the same model, layout and data, step by s
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -57,7 +58,13 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None
     line them up with a clock or power log taken beside the job). The peaks count the steps from
     index ``peak_from`` (default: the measured ones): a step captured into a CUDA graph during the
     warm-up allocates there what its replays reuse, so a graphed peer counts from its second step
-    (its first allocates the gradients every later step keeps)."""
+    (its first allocates the gradients every later step keeps). The allocator's cache is emptied first:
+    the blocks an earlier row (another schedule or peer in this process) left reserved are not this
+    row's, and every row starts from the same state."""
+    if dev.type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
     times, peak, res, host = [], 0, None, []
     held = {"reserved": 0, "device_used": 0}
     steps = bc.steps if steps is None else steps
