@@ -176,6 +176,8 @@ CASES: dict[str, tuple[list[str], dict[str, str | bytes | _Sparse], str]] = {
                            "tp x pp x ep = 66 ranks on the CPU: at most 64"),
     "bench-ep-gpus": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "2", "--pp", "200", "--device", "cuda"], {},
                       "--device cuda with tp x pp x ep = 400 ranks needs 400 GPUs"),
+    "bench-tp-max-ctas": (["braid.bench", "--tp-max-ctas", "65"], {}, "--tp-max-ctas 65: thread blocks per NCCL kernel, 1..64"),
+    "bench-ep-max-ctas": (["braid.bench", "--ep-max-ctas", "-1"], {}, "--ep-max-ctas -1: thread blocks per NCCL kernel"),
     "bench-ep0": (["braid.bench", "--model", "qwen3-moe-tiny", "--ep", "0"], {}, "--ep must be a positive integer"),
     "profile-ep-dense": (["braid.profile", "--model", "qwen2-7b", "--ep", "2"], {}, "this one is dense"),
     "profile-ep-experts": (["braid.profile", "--model", "qwen3-moe-tiny", "--ep", "8"], {}, "--ep 8 must divide the model's 4 experts"),

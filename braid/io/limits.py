@@ -68,6 +68,7 @@ COUNT_LIMITS: dict[str, int] = {
 PLAN_FILE_LIMITS = {"ranks": MAX_PP, "micro_batches": MAX_MBS, "product": MAX_PM,
                     "stages_per_rank": COUNT_LIMITS["chunks"]}
 MAX_LAYERS = 1024
+MAX_CTAS = 64  # thread blocks of one NCCL kernel (NCCL's MAXCHANNELS: config.maxCTAs above it is an error)
 MAX_TIMEOUT_S = 86_400  # a communication timeout (s): a day
 SHAPE_LIMITS: dict[str, int] = {
     "layers": MAX_LAYERS, "hidden": 1 << 18, "heads": 1 << 12, "kv_heads": 1 << 12, "ffn": 1 << 20,

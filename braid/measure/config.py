@@ -19,7 +19,7 @@ from braid.cost.costs import (
 )
 from braid.io.cli import (add_moe_dispatch_arg, add_seq_shard_arg, check_counts, check_cpu_ranks, check_moe_dispatch,
                           check_range, layer_count, local_seq, resolve_seq_shard)
-from braid.io.limits import MAX_LAYERS
+from braid.io.limits import MAX_CTAS, MAX_LAYERS
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
 
@@ -71,6 +71,8 @@ class ProfileConfig:
     vision: Any = None  # a vision-language model (see above); None: a decoder LM
     ep: int = 1  # expert-parallel degree (see above): dp = ep data-parallel replicas share each layer's experts
     moe_dispatch: str = "splits"  # how rows cross EP ranks: "splits" or "padded" (host-free; braid.runtime.expert_parallel)
+    tp_max_ctas: int = 4  # thread blocks of the TP group's NCCL kernels under nccl-capped (0: NCCL's default)
+    ep_max_ctas: int = 0  # the same for the EP group's all-to-all (0: NCCL's default)
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
@@ -78,6 +80,9 @@ class ProfileConfig:
 
         check_expert_layout(self.ep, self.dp, experts=getattr(self.model, "experts", 0), tp=self.tp)
         check_moe_dispatch(self.moe_dispatch, ep=self.ep, tp=self.tp)
+        for what, n in (("--tp-max-ctas", self.tp_max_ctas), ("--ep-max-ctas", self.ep_max_ctas)):
+            if not 0 <= n <= MAX_CTAS:
+                raise ValueError(f"{what} {n}: thread blocks per NCCL kernel, 1..{MAX_CTAS}, or 0 for NCCL's default")
         if self.tp_backend != "all":
             from braid.tp.comm import resolve_tp_backend
 
@@ -259,6 +264,11 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                          "of the tp x pp layout (world tp*pp*E), each on micro-batches of its own, share every MoE "
                          "layer's experts, whose rows go through the all-to-all as in examples/train_cli.py --ep (default 1)")
     add_moe_dispatch_arg(ap)
+    ap.add_argument("--tp-max-ctas", type=int, default=4, metavar="N",
+                    help="thread blocks NCCL gives the TP group's collectives under nccl-capped: fewer leave more SMs to the "
+                         "GEMMs braided beside them, more move the bytes faster (0: NCCL's default; default 4)")
+    ap.add_argument("--ep-max-ctas", type=int, default=0, metavar="N",
+                    help="the same cap for the expert-parallel group's all-to-all (0: NCCL's default, the default)")
     ap.add_argument("--layers-per-stage", default=None, help="layers of each virtual stage: one number or a comma list, whole or half layers "
                          "(1,1,1.5,0.5 cuts layer 3 between attention and MLP; default 1). A vision-language model: "
                          "LM layers of each stage after the tower's (one number), or the whole list with the ViT blocks "
@@ -346,7 +356,8 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                              device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend,
                              resolve_seq_shard(args.sequence_parallel, args.tp, seq=seq, vision=vision is not None),
-                             vision=vision, ep=args.ep, moe_dispatch=args.moe_dispatch)
+                             vision=vision, ep=args.ep, moe_dispatch=args.moe_dispatch, tp_max_ctas=args.tp_max_ctas,
+                             ep_max_ctas=args.ep_max_ctas)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits

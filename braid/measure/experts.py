@@ -52,8 +52,10 @@ def job_groups(pc: Any, timeout_s: float = 120.0) -> tuple[Any, Any]:
     from braid.runtime.expert_parallel import ExpertGroups
 
     topo = Topology(pc.world_size, pp=pc.pp, tp=pc.tp, dp=pc.dp)
-    groups = ProcessGroups.create(topo, tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend, timeout_s=timeout_s)
-    experts = ExpertGroups.create(topo, groups.rank, pc.ep, timeout_s=timeout_s) if pc.ep > 1 else None
+    groups = ProcessGroups.create(topo, tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend, timeout_s=timeout_s,
+                                  tp_max_ctas=pc.tp_max_ctas or None)
+    experts = (ExpertGroups.create(topo, groups.rank, pc.ep, timeout_s=timeout_s, max_ctas=pc.ep_max_ctas or None)
+               if pc.ep > 1 else None)
     return groups, experts
 
 

@@ -92,14 +92,19 @@ class ExpertGroups:
     edp_size: int
 
     @staticmethod
-    def create(topo: Topology, rank: int, ep: int, timeout_s: float = 120.0) -> "ExpertGroups":
-        """Create every expert group of the layout (collective: all ranks call it, same order)."""
+    def create(topo: Topology, rank: int, ep: int, timeout_s: float = 120.0, max_ctas: int | None = None) -> "ExpertGroups":
+        """Create every expert group of the layout (collective: all ranks call it, same order). ``max_ctas``
+        caps the thread blocks of the EP group's NCCL kernels (its all-to-all braided beside compute, as
+        :meth:`braid.runtime.distributed.ProcessGroups.create` caps the TP group's); None: NCCL's default."""
+        from braid.tp.comm import nccl_group_options
+
         ep_groups, edp_groups = expert_rank_groups(topo, ep)
         timeout = datetime.timedelta(seconds=timeout_s)
         mine: dict[str, tuple[Any, list[int]]] = {}
+        ep_opts = nccl_group_options("nccl-capped", max_ctas) if max_ctas is not None else None
         for kind, rows in (("ep", ep_groups), ("edp", edp_groups)):
             for ranks in rows:
-                g = dist.new_group(ranks, timeout=timeout)
+                g = dist.new_group(ranks, timeout=timeout, pg_options=ep_opts if kind == "ep" else None)
                 if rank in ranks:
                     mine[kind] = (g, ranks)
         ep_group, ep_ranks = mine["ep"]
