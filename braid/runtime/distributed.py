@@ -424,13 +424,17 @@ class ProcessGroups:
     tp_ranks: list[int]
     dp_cp_ranks: list[int]
     tp_backend: str = "gloo"  # how the TP all-reduce runs (braid.tp.comm)
+    _tp_comm: "TPComm | None" = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def tp_comm(self) -> "TPComm":
-        """The TP all-reduce of this rank under :attr:`tp_backend`."""
+        """The TP all-reduce of this rank under :attr:`tp_backend`, made once: under ``nccl-ce`` it holds
+        the group's registered staging buffers, which every user of the group shares."""
         from braid.tp.comm import TPComm
 
-        return TPComm(self.tp_backend, self.tp if self.topo.tp > 1 else None)
+        if self._tp_comm is None:
+            self._tp_comm = TPComm(self.tp_backend, self.tp if self.topo.tp > 1 else None)
+        return self._tp_comm
 
     @staticmethod
     def create(topo: Topology, rank: int | None = None, timeout_s: float = 120.0,

@@ -12,8 +12,16 @@ backends differ in exactly that:
 ``nccl``
     NCCL's defaults (fastest alone, most contention).
 ``nccl-zero-cta``
-    NCCL's zero-CTA policy (``NCCL_CTA_POLICY_ZERO``, NCCL >= 2.28): collectives driven by
-    the copy engines where NCCL can; needs a torch whose NCCL config exposes ``cta_policy``.
+    NCCL's zero-CTA policy (``NCCL_CTA_POLICY_ZERO``, NCCL >= 2.28; needs a torch whose NCCL
+    config exposes ``cta_policy``). NCCL 2.28 drives only AllGather, AlltoAll, Gather and
+    Scatter by the copy engines, and only between buffers in registered symmetric windows;
+    this backend registers none, so its all-reduce runs NCCL's kernels.
+``nccl-ce``
+    An all-reduce built from NCCL 2.28's copy-engine collectives (:mod:`braid.tp.ce_reduce`):
+    the zero-CTA policy, staging buffers registered as symmetric windows, an all-to-all and
+    an in-place all-gather on the copy engines, and one local sum kernel between them (under
+    sequence sharding the reduce-scatter is the all-to-all and the sum). Single node, NCCL >=
+    2.28, a torch with ``cta_policy`` and ``register_mem_pool(pool, symm=True)``.
 ``symm-mem``
     A copy-engine all-reduce over torch's symmetric memory: the low-contention
     reduce-scatter then the low-contention all-gather of ``torch.ops.symm_mem`` (peer
@@ -23,7 +31,8 @@ backends differ in exactly that:
     CPU (tests, CI): a plain all-reduce.
 
 Every backend computes the same sum (``tests/test_tp_comm.py``; bitwise where the
-reduction order is the same). ``python -m braid.profile --tp-backend all`` measures each
+reduction order is the same, as for two ranks; ``nccl-ce`` accumulates bfloat16 in float32 and
+rounds once, NCCL's ring rounds after each step). ``python -m braid.profile --tp-backend all`` measures each
 available one alone and beside a GEMM and picks the best for braided execution.
 """
 
@@ -35,11 +44,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from braid.tp.ce_reduce import CEBuffers
 from braid.tp.seq_shard import Scatter, reduce_scatter
 
-TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "symm-mem", "gloo"]
-TP_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "symm-mem", "gloo")
-CUDA_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "symm-mem")
+TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo"]
+TP_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo")
+CUDA_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem")
 DEFAULT_MAX_CTAS = 4
 NCCL_CTA_POLICY_ZERO = 0x02  # nccl.h: NCCL_CTA_POLICY_DEFAULT 0, _EFFICIENCY 1, _ZERO 2
 
@@ -72,13 +82,14 @@ def nccl_group_options(backend: str, max_ctas: int | None = DEFAULT_MAX_CTAS) ->
         if max_ctas is None:
             return None
         opts.config.max_ctas = int(max_ctas)
-    elif backend == "nccl-zero-cta":
+    elif backend in ("nccl-zero-cta", "nccl-ce"):
         version = torch.cuda.nccl.version()
         if tuple(version) < (2, 28, 0):
-            raise TPBackendError(f"nccl-zero-cta needs NCCL >= 2.28 (this torch has {'.'.join(map(str, version))}); "
+            raise TPBackendError(f"{backend} needs NCCL >= 2.28 (this torch has {'.'.join(map(str, version))}); "
                                  "use symm-mem or nccl-capped")
         if not hasattr(opts.config, "cta_policy"):
-            raise TPBackendError("nccl-zero-cta: this torch's NCCL config has no cta_policy field; use symm-mem or nccl-capped")
+            raise TPBackendError(f"{backend}: this torch's NCCL config has no cta_policy field; use symm-mem or nccl-capped")
+        # nccl.h's policies are flags, but NCCL 2.28 takes its copy-engine path only when the policy is exactly ZERO
         opts.config.cta_policy = NCCL_CTA_POLICY_ZERO
     return opts
 
@@ -98,6 +109,18 @@ class _EventWork:
 
     def is_completed(self) -> bool:
         return self.event.query()
+
+
+class _Done:
+    """The work handle of a reduction that ran synchronously (``nccl-ce``'s algorithm on a CPU group)."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: object | None = None) -> bool:  # noqa: ARG002 - same signature as dist.Work.wait
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,10 +164,12 @@ def _symm_mem_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> _EventWor
 def make_tp_comm(groups, backend: str, max_ctas: int | None = DEFAULT_MAX_CTAS) -> "TPComm":
     """A :class:`TPComm` for ``backend`` over this rank's TP group, created anew with the
     backend's NCCL options (collective: every rank calls it, and every TP group of the
-    layout is created on every rank, as ``new_group`` requires). Reuses the groups' own TP
-    group when its backend is already ``backend``."""
-    if backend == groups.tp_backend or groups.topo.tp == 1:
-        return TPComm(backend, groups.tp if groups.topo.tp > 1 else None)
+    layout is created on every rank, as ``new_group`` requires). Returns the groups' own
+    :attr:`~braid.runtime.distributed.ProcessGroups.tp_comm` when its backend is already ``backend``."""
+    if groups.topo.tp == 1:
+        return TPComm(backend, None)
+    if backend == groups.tp_backend:
+        return groups.tp_comm
     opts = nccl_group_options(backend, max_ctas)
     mine = None
     for ranks in groups.topo.groups("tp"):
@@ -156,27 +181,45 @@ def make_tp_comm(groups, backend: str, max_ctas: int | None = DEFAULT_MAX_CTAS) 
 
 class TPComm:
     """The TP all-reduce of one rank under a backend: ``all_reduce(t)`` sums ``t`` in place
-    over the TP group and returns a handle whose ``wait()`` orders the caller after it."""
+    over the TP group and returns a handle whose ``wait()`` orders the caller after it.
+
+    Under ``nccl-ce`` it owns the group's registered staging buffers (:class:`~braid.tp.ce_reduce.CEBuffers`,
+    made on first use and kept as long as this object), so a run keeps one TPComm per TP group
+    (:attr:`braid.runtime.distributed.ProcessGroups.tp_comm` is one)."""
 
     def __init__(self, backend: str, group: dist.ProcessGroup | None) -> None:
         if backend not in TP_BACKENDS:
             raise TPBackendError(f"unknown TP backend {backend!r}; choose one of {', '.join(TP_BACKENDS)}")
         self.backend = backend
         self.group = group
+        self._ce: CEBuffers | None = None
 
     def reduce(self, t: torch.Tensor | Scatter):
         """A unit's TP reduction, started: the all-reduce of ``t`` in place, or under sequence sharding
         (:mod:`braid.tp.seq_shard`) the reduce-scatter a :class:`Scatter` asks for. The reduce-scatter
-        runs as the group's collective under every backend (NCCL's own under nccl-zero-cta and
-        symm-mem's NCCL group: no copy-engine variant of it here)."""
+        runs as the group's collective under every backend but ``nccl-ce`` (NCCL's kernels under
+        nccl-zero-cta and symm-mem's NCCL group), which runs it as a copy-engine all-to-all and a sum."""
         if isinstance(t, Scatter):
+            if self.backend == "nccl-ce":
+                return self._handle(self._ce_buffers(t.src.device).reduce_scatter(t))
             return reduce_scatter(t, self.group)
         return self.all_reduce(t)
 
     def all_reduce(self, t: torch.Tensor):
         if self.backend == "symm-mem":
             return _symm_mem_all_reduce(t, self.group)
+        if self.backend == "nccl-ce":
+            return self._handle(self._ce_buffers(t.device).all_reduce(t))
         return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def _ce_buffers(self, device: torch.device) -> CEBuffers:
+        if self._ce is None:
+            self._ce = CEBuffers(self.group, device)
+        return self._ce
+
+    @staticmethod
+    def _handle(event: torch.cuda.Event | None) -> _EventWork | _Done:
+        return _Done() if event is None else _EventWork(event)
 
     def __repr__(self) -> str:
         return f"TPComm({self.backend})"

@@ -1,0 +1,189 @@
+"""The TP all-reduce and reduce-scatter built from NCCL's copy-engine collectives (``nccl-ce``).
+
+NCCL 2.28.9 drives four collectives with the GPU's copy engines instead of kernels: AllGather,
+AlltoAll, Gather and Scatter (``src/ce_coll.cc``, ``ncclCeImplemented``); no reduction. It
+takes that path only when (``src/enqueue.cc``, ``taskAppend``) the communicator's CTA policy is
+exactly ``NCCL_CTA_POLICY_ZERO``, the communicator spans one node, every peer is reachable over
+CUDA P2P with cuMem (``symmetricSupport``), and *both* the send and the receive buffer lie in
+windows registered with ``NCCL_WIN_COLL_SYMMETRIC``; otherwise it runs its kernels, silently.
+The zero-CTA policy alone (``nccl-zero-cta``) registers no window, so NCCL runs kernels there.
+
+So the all-reduce of ``t`` (``n`` elements, ``w`` ranks, ``h = ceil(n / w)``, this rank ``r``)
+runs as five steps on two registered buffers, ``x`` and ``a``, of ``w * h`` elements each:
+
+1. copy ``t`` into ``x[:n]`` (the tail ``x[n:]`` is padding);
+2. all-to-all ``x -> a`` (copy engines): ``a[j*h:(j+1)*h]`` is rank ``j``'s ``x[r*h:(r+1)*h]``;
+3. sum the ``w`` rows of ``a`` into ``x[r*h:(r+1)*h]`` -- the only work on SMs, one reduction
+   kernel. ``x`` is free again: the all-to-all has ended on this rank's stream, and NCCL's
+   copy-engine all-to-all ends only once every rank's copies into its peers have ended;
+4. all-gather ``x`` in place (copy engines): every rank's summed slice;
+5. copy ``x[:n]`` back into ``t``.
+
+Steps 1-3 alone are the reduce-scatter of sequence parallelism (:mod:`braid.tp.seq_shard`),
+whose input is already laid out by destination rank. Each rank sends ``(w-1)/w`` of the
+tensor in step 2 and again in step 4: the NVLink bytes of a ring all-reduce. Padding
+positions sum among themselves and never reach ``t``.
+
+Rounding: ``torch.sum`` accumulates bfloat16 and float16 in float32 and rounds once to the
+output dtype (its reductions' accumulate type, on CPU and CUDA); float32 and float64 sum in
+their own precision. NCCL's ring instead rounds after every step in the tensor's dtype, so
+over more than two ranks the results differ in the last bits; two-rank sums (one rounding of
+``a + b``) are equal.
+
+:func:`ce_all_reduce_` and :func:`ce_reduce_scatter` are the algorithm on any buffers and
+process group (gloo tests it on CPU with plain tensors). :class:`CEBuffers` owns the buffers of
+one TP group: on CUDA one ``torch.cuda.MemPool`` per (size, dtype), allocated through NCCL's
+allocator and registered as symmetric windows (``register_mem_pool(pool, symm=True)``, a
+collective) once its two buffers exist, so no registered pool grows; the steps run on a side
+stream and the caller gets an event. Sets are made on first use, eagerly: a CUDA graph capture
+that needs a size not made yet raises :class:`CEBufferError` (a graphed step's eager warm-up
+makes every size the step uses).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from braid.tp.seq_shard import Scatter, all_gather_into
+
+
+class CEBufferError(RuntimeError):
+    """A copy-engine collective needs a staging buffer that cannot be made now (inside a CUDA graph capture)."""
+
+
+def padded_numel(n: int, world: int) -> int:
+    """``n`` rounded up to a multiple of ``world``: the staging size of an all-reduce of ``n`` elements."""
+    return n + (-n) % world
+
+
+def ce_reduce_scatter(out: torch.Tensor, src: torch.Tensor, x: torch.Tensor, a: torch.Tensor, group: Any) -> None:
+    """Steps 1-3 of the module doc: ``out`` (flat, ``h``) = the sum over ``group`` of every rank's
+    ``src[r*h:(r+1)*h]``, with ``src`` (flat, ``w * h``) staged in ``x`` and received in ``a``
+    (both ``w * h``). ``out`` may be a slice of ``x``."""
+    if src.data_ptr() != x.data_ptr():
+        x[: src.numel()].copy_(src)
+    dist.all_to_all_single(a, x, group=group)  # (w*h) -> (w, h): row j is rank j's slice for this rank
+    torch.sum(a.view(dist.get_world_size(group), -1), 0, out=out)
+
+
+def ce_all_reduce_(flat: torch.Tensor, x: torch.Tensor, a: torch.Tensor, group: Any) -> None:
+    """Sum ``flat`` (1-D) over ``group`` in place through ``x`` and ``a`` (each
+    :func:`padded_numel` of it): the five steps of the module doc."""
+    n = flat.numel()
+    if n == 0:
+        return
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    h = x.numel() // w
+    x[:n].copy_(flat)
+    mine = x[r * h:(r + 1) * h]
+    ce_reduce_scatter(mine, x, x, a, group)
+    all_gather_into(x, mine, group, async_op=False)  # in place: this rank's slice is already there
+    flat.copy_(x[:n])
+
+
+def capture_refusal(numel: int, dtype: torch.dtype, capturing: bool) -> None:
+    """Raise :class:`CEBufferError` (one line) when a staging set of ``numel`` x ``dtype`` would be made
+    during a CUDA graph capture: registration is a collective and the pool must exist before capture."""
+    if capturing:
+        raise CEBufferError(f"nccl-ce: no registered staging buffers for {numel} x {str(dtype).removeprefix('torch.')} "
+                            "on this TP group, and a CUDA graph capture is in progress; run the step eagerly first "
+                            "(a graphed step's warm-up does), so that every size is registered before capture")
+
+
+class Staging(NamedTuple):
+    """One staging set: ``x`` (input, then the gathered sum) and ``a`` (all-to-all output), ``numel``
+    elements each; ``pool``: the registered ``torch.cuda.MemPool`` holding them (None on CPU)."""
+
+    x: torch.Tensor
+    a: torch.Tensor
+    pool: Any = None
+
+
+class CEBuffers:
+    """The copy-engine all-reduce of one rank on one TP group (module doc): its staging sets, keyed
+    by (padded numel, dtype) and kept for the group's life, and on CUDA the side stream that runs it.
+
+    Every rank of the group must ask for the same sizes in the same order (they do: the TP ranks
+    run the same units), since making a CUDA set is collective. On CPU the sets are plain tensors
+    and the steps run synchronously on gloo (tests)."""
+
+    def __init__(self, group: Any, device: torch.device) -> None:
+        self.group, self.device = group, torch.device(device)
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.sets: dict[tuple[int, torch.dtype], Staging] = {}
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._comm_ready = False
+
+    def staging(self, numel: int, dtype: torch.dtype) -> Staging:
+        """The set for ``numel`` (a multiple of the group size) elements of ``dtype``, made on first use."""
+        got = self.sets.get((numel, dtype))
+        if got is None:
+            got = self.sets[(numel, dtype)] = self._registered(numel, dtype) if self.cuda else Staging(
+                torch.zeros(numel, dtype=dtype, device=self.device), torch.zeros(numel, dtype=dtype, device=self.device))
+        return got
+
+    def _registered(self, numel: int, dtype: torch.dtype) -> Staging:
+        """A new CUDA set: a pool of its own from NCCL's allocator, both buffers allocated in it, then
+        the pool registered as symmetric windows and the copy-engine collectives run once on it."""
+        capture_refusal(numel, dtype, torch.cuda.is_current_stream_capturing())
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            if not self._comm_ready:  # registration needs the group's communicator to exist
+                dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+                self._comm_ready = True
+            backend = self.group._get_backend(self.device)
+            pool = torch.cuda.MemPool(backend.mem_allocator)
+            # Same sizes in the same order on every rank: the windows' offsets match, as NCCL requires.
+            with torch.cuda.use_mem_pool(pool, self.device):
+                x = torch.zeros(numel, dtype=dtype, device=self.device)
+                a = torch.zeros(numel, dtype=dtype, device=self.device)
+            try:
+                backend.register_mem_pool(pool, symm=True)
+            except TypeError as err:  # a torch whose register_mem_pool has no symm flag (before symmetric windows)
+                raise CEBufferError(f"nccl-ce: this torch cannot register symmetric windows ({err}); "
+                                    "use nccl-capped") from err
+            # NCCL's first copy-engine collective on a communicator initialises its CE state (a collective):
+            # run it now, eagerly, and warm both collectives on the new windows.
+            dist.all_to_all_single(a, x, group=self.group)
+            h = numel // self.world
+            all_gather_into(x, x[self.rank * h:(self.rank + 1) * h], self.group, async_op=False)
+        return Staging(x, a, pool)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.cuda.Event | None:
+        """Sum ``t`` (contiguous) over the group in place. CUDA: the steps run on the side stream after
+        the caller's stream; returns the event after them (None on CPU, where it has ended)."""
+        flat = t.view(-1)
+        s = self.staging(padded_numel(flat.numel(), self.world), t.dtype)
+        if not self.cuda:
+            ce_all_reduce_(flat, s.x, s.a, self.group)
+            return None
+        return self._on_side(lambda: ce_all_reduce_(flat, s.x, s.a, self.group), t)
+
+    def reduce_scatter(self, req: Scatter) -> torch.cuda.Event | None:
+        """``req.out`` = this rank's tokens of the sum of every rank's ``req.src`` (:mod:`braid.tp.seq_shard`);
+        the event after it on CUDA, None on CPU."""
+        src, out = req.src.view(-1), req.out.view(-1)
+        s = self.staging(src.numel(), src.dtype)
+        if not self.cuda:
+            ce_reduce_scatter(out, src, s.x, s.a, self.group)
+            return None
+        return self._on_side(lambda: ce_reduce_scatter(out, src, s.x, s.a, self.group), req.src, req.out)
+
+    def _on_side(self, steps: Any, *used: torch.Tensor) -> torch.cuda.Event:
+        """Run ``steps`` on the side stream after the caller's stream; the event after them. The
+        collectives in ``steps`` are synchronous, so the side stream waits for NCCL's stream after
+        each; one side stream per group keeps a size's two buffers used by one all-reduce at a time."""
+        cur, side = torch.cuda.current_stream(self.device), self.stream
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            steps()
+            ev = torch.cuda.Event()
+            ev.record(side)
+        # The caller's tensors were made on its stream and are read and written on the side stream:
+        # without this the allocator could hand their memory to the caller's next tensors too early.
+        for t in used:
+            t.record_stream(side)
+        return ev
