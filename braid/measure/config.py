@@ -283,7 +283,7 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--iters", type=int, default=5, help="measured repetitions per unit (median; default 5)")
     ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator per device (default: 989e12 on cuda, 0 on cpu)")
     ap.add_argument("--tp-backend", default="auto",
-                    help="how TP all-reduces run (braid.tp.comm): auto, nccl-capped, nccl, nccl-zero-cta, symm-mem, gloo; "
+                    help="how TP all-reduces run (braid.tp.comm): auto, nccl-capped, nccl, nccl-zero-cta, nccl-ce, symm-mem, gloo; "
                          "or 'all': measure each available one alone and beside a GEMM and use the best (default auto)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")

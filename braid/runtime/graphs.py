@@ -14,8 +14,9 @@ How a run goes (``mode="step"``):
   torch's recommended side-stream warm-up): the first creates everything built on first
   use -- the NCCL communicators and P2P connections of the TP/PP groups, cuBLAS handles and
   workspaces for that stream, the executor's bound unit steps and side stream,
-  ``torch.compile``'s kernels, the offloader's pinned host buffers -- none of which may
-  happen inside a capture; the second checks that the step is steady (no new pinned buffer).
+  ``torch.compile``'s kernels, the offloader's pinned host buffers, ``nccl-ce``'s registered
+  staging buffers (:mod:`braid.tp.ce_reduce`) -- none of which may happen inside a capture;
+  the second checks that the step is steady (no new pinned buffer).
 * **Capture** (the next step): the gradients are set to ``None`` first, so the captured
   backward allocates them from the graph's private memory pool (torch's whole-network
   recipe); the executor runs with ``record="off"`` and its ``capturing`` switch (no
