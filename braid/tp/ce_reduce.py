@@ -33,9 +33,9 @@ over more than two ranks the results differ in the last bits; two-rank sums (one
 :func:`ce_all_reduce_` and :func:`ce_reduce_scatter` are the algorithm on any buffers and
 process group (gloo tests it on CPU with plain tensors). :class:`CEBuffers` owns the buffers of
 one TP group: on CUDA one ``torch.cuda.MemPool`` per (size, dtype), allocated through NCCL's
-allocator and registered as symmetric windows (``register_mem_pool(pool, symm=True)``, a
-collective) once its two buffers exist, so no registered pool grows; the steps run on a side
-stream and the caller gets an event. Sets are made on first use, eagerly: a CUDA graph capture
+allocator, holding both buffers in one allocation and registered as a symmetric window
+(``register_mem_pool(pool, symm=True)``, a collective) once it exists, so no registered pool
+grows; the steps run on a side stream and the caller gets an event. Sets are made on first use, eagerly: a CUDA graph capture
 that needs a size not made yet raises :class:`CEBufferError` (a graphed step's eager warm-up
 makes every size the step uses).
 """
@@ -48,6 +48,9 @@ import torch
 import torch.distributed as dist
 
 from braid.tp.seq_shard import Scatter, all_gather_into
+
+
+WINDOW_ALIGN = 4096  # bytes: where a staging set's second buffer starts inside its window
 
 
 class CEBufferError(RuntimeError):
@@ -93,6 +96,14 @@ def capture_refusal(numel: int, dtype: torch.dtype, capturing: bool) -> None:
                             "(a graphed step's warm-up does), so that every size is registered before capture")
 
 
+def staging_pair(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``a`` of a staging set, ``numel`` elements each, as views of one zeroed allocation;
+    ``a`` starts at the first :data:`WINDOW_ALIGN`-byte boundary after ``x``."""
+    stride = -(-numel * dtype.itemsize // WINDOW_ALIGN) * WINDOW_ALIGN // dtype.itemsize  # x rounded up to WINDOW_ALIGN bytes
+    buf = torch.zeros(stride + numel, dtype=dtype, device=device)
+    return buf[:numel], buf[stride:]
+
+
 class Staging(NamedTuple):
     """One staging set: ``x`` (input, then the gathered sum) and ``a`` (all-to-all output), ``numel``
     elements each; ``pool``: the registered ``torch.cuda.MemPool`` holding them (None on CPU)."""
@@ -122,13 +133,13 @@ class CEBuffers:
         """The set for ``numel`` (a multiple of the group size) elements of ``dtype``, made on first use."""
         got = self.sets.get((numel, dtype))
         if got is None:
-            got = self.sets[(numel, dtype)] = self._registered(numel, dtype) if self.cuda else Staging(
-                torch.zeros(numel, dtype=dtype, device=self.device), torch.zeros(numel, dtype=dtype, device=self.device))
+            got = self.sets[(numel, dtype)] = (self._registered(numel, dtype) if self.cuda
+                                               else Staging(*staging_pair(numel, dtype, self.device)))
         return got
 
     def _registered(self, numel: int, dtype: torch.dtype) -> Staging:
-        """A new CUDA set: a pool of its own from NCCL's allocator, both buffers allocated in it, then
-        the pool registered as symmetric windows and the copy-engine collectives run once on it."""
+        """A new CUDA set: a pool of its own from NCCL's allocator, both buffers allocated in it at once,
+        then the pool registered as a symmetric window and the copy-engine collectives run once on it."""
         capture_refusal(numel, dtype, torch.cuda.is_current_stream_capturing())
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if not self._comm_ready:  # registration needs the group's communicator to exist
@@ -136,10 +147,11 @@ class CEBuffers:
                 self._comm_ready = True
             backend = self.group._get_backend(self.device)
             pool = torch.cuda.MemPool(backend.mem_allocator)
-            # Same sizes in the same order on every rank: the windows' offsets match, as NCCL requires.
+            # One allocation for both buffers, so the pool is one segment and one window: torch registers a
+            # pool's segments in address order, which need not be the same on every rank, and NCCL pairs the
+            # ranks' windows by registration order.
             with torch.cuda.use_mem_pool(pool, self.device):
-                x = torch.zeros(numel, dtype=dtype, device=self.device)
-                a = torch.zeros(numel, dtype=dtype, device=self.device)
+                x, a = staging_pair(numel, dtype, self.device)
             try:
                 backend.register_mem_pool(pool, symm=True)
             except TypeError as err:  # a torch whose register_mem_pool has no symm flag (before symmetric windows)
