@@ -14,8 +14,9 @@ runs as five steps on two registered buffers, ``x`` and ``a``, of ``w * h`` elem
 1. copy ``t`` into ``x[:n]`` (the tail ``x[n:]`` is padding);
 2. all-to-all ``x -> a`` (copy engines): ``a[j*h:(j+1)*h]`` is rank ``j``'s ``x[r*h:(r+1)*h]``;
 3. sum the ``w`` rows of ``a`` into ``x[r*h:(r+1)*h]`` -- the only work on SMs, one reduction
-   kernel. ``x`` is free again: the all-to-all has ended on this rank's stream, and NCCL's
-   copy-engine all-to-all ends only once every rank's copies into its peers have ended;
+   kernel. ``x`` is free again: the all-to-all has ended on this rank's stream, so its reads
+   of ``x`` have, and a peer writes into ``x`` only in step 4, which NCCL's copy-engine path
+   starts only once every rank has reached it;
 4. all-gather ``x`` in place (copy engines): every rank's summed slice;
 5. copy ``x[:n]`` back into ``t``.
 
@@ -35,9 +36,11 @@ process group (gloo tests it on CPU with plain tensors). :class:`CEBuffers` owns
 one TP group: on CUDA one ``torch.cuda.MemPool`` per (size, dtype), allocated through NCCL's
 allocator, holding both buffers in one allocation and registered as a symmetric window
 (``register_mem_pool(pool, symm=True)``, a collective) once it exists, so no registered pool
-grows; the steps run on a side stream and the caller gets an event. Sets are made on first use, eagerly: a CUDA graph capture
-that needs a size not made yet raises :class:`CEBufferError` (a graphed step's eager warm-up
-makes every size the step uses).
+grows; the steps run on a side stream and the caller gets an event. Sets are made on first
+use, eagerly, and kept for the group's life: two padded copies of each distinct (numel, dtype)
+the TP group reduces, device memory the planner's cost model does not count. A CUDA graph
+capture that needs a size not made yet raises :class:`CEBufferError` (a graphed step's eager
+warm-up makes every size the step uses).
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ WINDOW_ALIGN = 4096  # bytes: where a staging set's second buffer starts inside 
 
 
 class CEBufferError(RuntimeError):
-    """A copy-engine collective needs a staging buffer that cannot be made now (inside a CUDA graph capture)."""
+    """A staging set that cannot be made: inside a CUDA graph capture, or on a torch that cannot register
+    symmetric windows."""
 
 
 def padded_numel(n: int, world: int) -> int:
@@ -66,8 +70,8 @@ def ce_reduce_scatter(out: torch.Tensor, src: torch.Tensor, x: torch.Tensor, a: 
     """Steps 1-3 of the module doc: ``out`` (flat, ``h``) = the sum over ``group`` of every rank's
     ``src[r*h:(r+1)*h]``, with ``src`` (flat, ``w * h``) staged in ``x`` and received in ``a``
     (both ``w * h``). ``out`` may be a slice of ``x``."""
-    if src.data_ptr() != x.data_ptr():
-        x[: src.numel()].copy_(src)
+    if src is not x:
+        x.copy_(src)
     dist.all_to_all_single(a, x, group=group)  # (w*h) -> (w, h): row j is rank j's slice for this rank
     torch.sum(a.view(dist.get_world_size(group), -1), 0, out=out)
 
@@ -76,8 +80,6 @@ def ce_all_reduce_(flat: torch.Tensor, x: torch.Tensor, a: torch.Tensor, group: 
     """Sum ``flat`` (1-D) over ``group`` in place through ``x`` and ``a`` (each
     :func:`padded_numel` of it): the five steps of the module doc."""
     n = flat.numel()
-    if n == 0:
-        return
     w, r = dist.get_world_size(group), dist.get_rank(group)
     h = x.numel() // w
     x[:n].copy_(flat)
@@ -166,8 +168,11 @@ class CEBuffers:
 
     def all_reduce(self, t: torch.Tensor) -> torch.cuda.Event | None:
         """Sum ``t`` (contiguous) over the group in place. CUDA: the steps run on the side stream after
-        the caller's stream; returns the event after them (None on CPU, where it has ended)."""
+        the caller's stream; returns the event after them (None on CPU, where it has ended, and for
+        an empty ``t``)."""
         flat = t.view(-1)
+        if flat.numel() == 0:
+            return None
         s = self.staging(padded_numel(flat.numel(), self.world), t.dtype)
         if not self.cuda:
             ce_all_reduce_(flat, s.x, s.a, self.group)
