@@ -114,9 +114,11 @@ def test_titan_tp2_pp1_matches_single_process(refs, mode: TorchMode) -> None:
 
 @pytest.mark.parametrize("name", ["torch_1f1b_i", "torch_zb_v"])
 def test_titan_tp2_pp2_matches_single_process(refs, name: str) -> None:
+    """Both of torch's schedules with titan's TP; the compiled mode (its own code path, the same for any
+    schedule) once, with interleaved 1F1B: four ranks on a two-core CI machine compile slowly."""
     pool = DistPool(4)
     try:
-        for mode in MODES:
+        for mode in MODES if name == "torch_1f1b_i" else MODES[:1]:
             _compare(pool.run(_run, name, mode, 4, 2, 2), refs)
     finally:
         pool.close()
