@@ -15,7 +15,8 @@ The same chunk and data under two schedules should hold the same bytes per micro
 point; a tensor kept twice, or a boundary tensor kept alive by a pending handle, shows as a
 difference (:func:`excess`; ``tests/test_held_bytes.py`` holds braided_v to zb_v's). A storage
 counts for the (chunk, micro-batch) whose task made it: a chunk's output handed to the next
-chunk of the same rank stays its maker's, a received one becomes its receiver's. The executor's
+chunk of the same rank stays its maker's, a received one becomes its receiver's; what the executor
+makes outside the chunks' calls counts only once handed to a chunk (a receive buffer). The executor's
 TP reductions are waited until gloo has let go of them (:class:`SettledComm`); the gathers a chunk
 starts itself under sequence sharding are not, so there a point can count a gathered buffer a
 few milliseconds too long on a busy host. :func:`unit_saved_bytes` is the other view, the one
