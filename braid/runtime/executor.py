@@ -18,8 +18,8 @@ on CPU after the unit, or before it when the unit reads a tensor of that run.
 
 P2P is asynchronous, as the simulator models it: consecutive Send/Recv instructions go out
 as one ``batch_isend_irecv`` (see :mod:`braid.runtime.p2p`) without waiting; a received
-tensor is waited for only by the compute instruction that consumes it, and sends are
-completed at the end of the program. The compiler's order (the same on both sides of
+tensor is waited for only by the compute instruction that consumes it (with the rest of its
+batch: the batch's sent tensors are released then), and the other sends at the end of the program. The compiler's order (the same on both sides of
 every pair of ranks) makes this deadlock-free. Hand-offs between two chunks of the same rank (V-shape turn)
 stay in memory. After the program the caller reduces gradients over data/context
 parallel ranks (:func:`braid.runtime.distributed.reduce_gradients`) and steps its
@@ -54,20 +54,8 @@ import torch.distributed as dist
 
 from braid.core.braiding import Carry, ChunkSpec, Comm, UnitTask, carries, early_heads, next_of_op
 from braid.core.braiding import steps as braid_steps
-from braid.core.ir import (
-    Braided,
-    CommKind,
-    Compute,
-    Instruction,
-    Offload,
-    OpKind,
-    Plan,
-    Program,
-    Recv,
-    Reload,
-    Send,
-    compute_ops,
-)
+from braid.core.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send,
+                           compute_ops)
 from braid.io.trace import Trace
 from braid.models.chunk import ModelChunk
 from braid.models.chunk_parts import ChunkStateError
@@ -561,6 +549,10 @@ class Executor:
                 ch.set_input(ins.mb, t.buffer)
             else:
                 ch.set_output_grad(ins.mb, t.buffer)
+            if any(not w for w, _, _ in self._sends):  # sends of a batch just waited: their tensors go now, not at the end
+                done, self._sends = [x for x in self._sends if not x[0]], [x for x in self._sends if x[0]]
+                for x in done:
+                    self._finish_transfer(*x)
 
     def _copy(self, idx: int, ins: Offload | Reload) -> None:
         """Issue an offload or reload (asynchronous on CUDA; see :mod:`braid.runtime.offload`)."""
