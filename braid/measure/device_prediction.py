@@ -44,7 +44,7 @@ def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: s
     tp, pp = config["tp"], config["pp"]
     d = DTYPE_BYTES[config["dtype"]]
     backend = "nccl-capped" if config.get("tp_backend", "auto") == "auto" else config["tp_backend"]
-    if backend == "nccl-capped" and config.get("tp_max_ctas", 4) == 0:  # uncapped: NCCL's default group
+    if backend == "nccl-capped" and config.get("tp_max_ctas") == 0:  # uncapped: NCCL's default group
         backend = "nccl"
     out = []
     for rank in range(tp * pp):

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from braid.models.tied import reduce_tied_gradients
+from braid.tp.comm import DEFAULT_MAX_CTAS
 from braid.models.tp_partial import reduce_partial_gradients
 from braid.runtime.errors import CommTimeout, PeerFailure, PeerLost, describe_exception, first_line, lost_text
 from braid.runtime.store import Joined, arrive, create_store, join, store_gone
@@ -401,7 +402,7 @@ class Dist:
             dist.destroy_process_group()
 
 
-TP_MAX_CTAS = 4
+TP_MAX_CTAS = DEFAULT_MAX_CTAS  # braid.tp.comm's: nccl-capped's thread blocks
 
 
 @dataclass(slots=True)
