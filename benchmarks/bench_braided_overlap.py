@@ -149,7 +149,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
 
     device = torch.device(f"cuda:{rank}" if torch.cuda.is_available() and not args.tiny else "cpu")
     d = Dist.init(rank, 2, master_port=port, device=device, timeout_s=300)
-    groups = ProcessGroups.create(Topology(2, pp=1, tp=2), tp_max_ctas=None if args.tp_max_ctas == 0 else args.tp_max_ctas)
+    groups = ProcessGroups.create(Topology(2, pp=1, tp=2), tp_max_ctas=args.tp_max_ctas)
     if args.tiny:
         cfg = Qwen2Config(vocab_size=64, hidden=64, layers=args.layers, heads=4, kv_heads=2, ffn=128)
         dtype, seq = torch.float32, 16
@@ -169,7 +169,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
     order = (["plain", "braided"] if args.plain_first else ["braided", "plain"]) + ["ends"]
     for backend in backends:
         try:
-            comm = make_tp_comm(groups, backend, None if args.tp_max_ctas == 0 else args.tp_max_ctas)
+            comm = make_tp_comm(groups, backend, args.tp_max_ctas)
         except (TPBackendError, RuntimeError) as err:
             results[backend] = {"error": str(err).splitlines()[0]}
             continue

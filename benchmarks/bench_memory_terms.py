@@ -26,7 +26,7 @@ The terms (``term`` in the table and the JSON):
    the allocator's delta (the NCCL buffers live outside it): ``nccl.default_group``
    (``Dist.from_env``, which binds the device and creates the communicator eagerly, and a first
    all-reduce); ``nccl.new_group`` (a group of all ranks, NCCL defaults, as a TP group);
-   ``nccl.capped_group`` (another, with ``nccl_group_options("nccl-capped")``, as
+   ``nccl.capped_group`` (another, with ``nccl_group_options("nccl-capped", default_max_ctas(2))``, as
    ``braid.tp.comm.make_tp_comm`` creates one for a second backend); ``nccl.p2p_pair`` (a first
    ``batch_isend_irecv`` to the next rank and from the previous one on the default group, as
    ``braid.runtime.p2p`` issues them: torch opens a communicator per pair); ``nccl.layout_groups``
@@ -218,7 +218,7 @@ def nccl_terms(args, pc, d_box: list, probes: Mapping[str, Probe], dev: torch.de
 
     from braid.core.topology import Topology
     from braid.runtime.distributed import Dist, ProcessGroups
-    from braid.tp.comm import nccl_group_options
+    from braid.tp.comm import default_max_ctas, nccl_group_options
 
     outside = lambda dl: dl["used"] - dl["reserved"]  # noqa: E731 - NCCL's buffers are not the allocator's
     x = torch.ones(1024, device=dev)
@@ -243,8 +243,8 @@ def nccl_terms(args, pc, d_box: list, probes: Mapping[str, Probe], dev: torch.de
         sync()
 
     for label, opts, how in (("nccl.new_group", None, "dist.new_group(all ranks), NCCL defaults, and a first all-reduce"),
-                             ("nccl.capped_group", nccl_group_options("nccl-capped"),
-                              "dist.new_group(all ranks, nccl-capped options: max_ctas 4, as make_tp_comm) and a first all-reduce")):
+                             ("nccl.capped_group", nccl_group_options("nccl-capped", default_max_ctas(2)),
+                              "dist.new_group(all ranks, nccl-capped options at tp=2's default_max_ctas, as make_tp_comm) and a first all-reduce")):
         barrier()
         t, _ = measure_delta(label, lambda o=opts: first(dist.new_group(ranks, pg_options=o)), probes, value=outside,
                              sync=sync, how=how)

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from braid.tp.comm import CUDA_BACKENDS, TPBackendError, TPComm, resolve_tp_backend
+from braid.tp.comm import CUDA_BACKENDS, TPBackendError, TPComm, default_max_ctas, max_ctas_for, resolve_tp_backend
 from conftest import GPU_RUN_S, GPU_TEST_S
 from distributed_utils import DistPool
 
@@ -36,6 +36,17 @@ def test_resolve_refuses_with_one_clear_line(name, device, words):
     with pytest.raises(TPBackendError, match=words) as err:
         resolve_tp_backend(name, device)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("setting, tp, want", [(None, 2, default_max_ctas(2)), (None, 8, default_max_ctas(8)),
+                                               (0, 4, None), (8, 2, 8), (8, 4, 8)])
+def test_max_ctas_setting(setting, tp, want):
+    """None takes the measured default of the TP size, 0 leaves NCCL's choice, a number is kept."""
+    assert max_ctas_for(setting, tp) == want
+
+
+def test_wider_tp_groups_get_more_thread_blocks_by_default():
+    assert default_max_ctas(2) < default_max_ctas(4) == default_max_ctas(8)
 
 
 def test_unknown_backend_object_is_refused():

@@ -22,7 +22,7 @@ from braid.io.cli import (add_moe_dispatch_arg, add_seq_shard_arg, check_counts,
 from braid.io.limits import MAX_CTAS, MAX_LAYERS
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
-from braid.tp.comm import DEFAULT_MAX_CTAS
+from braid.tp.comm import MAX_CTAS_TP2, MAX_CTAS_WIDER
 
 # Per-layer shapes from the one preset list (braid.cost.catalog), built by their family's
 # config class (braid.models.registry); the profiler's own choices are one layer
@@ -72,7 +72,7 @@ class ProfileConfig:
     vision: Any = None  # a vision-language model (see above); None: a decoder LM
     ep: int = 1  # expert-parallel degree (see above): dp = ep data-parallel replicas share each layer's experts
     moe_dispatch: str = "splits"  # how rows cross EP ranks: "splits" or "padded" (host-free; braid.runtime.expert_parallel)
-    tp_max_ctas: int = DEFAULT_MAX_CTAS  # thread blocks of the TP group's NCCL kernels under nccl-capped (0: NCCL's default)
+    tp_max_ctas: int | None = None  # thread blocks of the TP group's NCCL kernels under nccl-capped (None: by TP size; 0: NCCL's default)
     ep_max_ctas: int = 0  # the same for the EP group's all-to-all (0: NCCL's default)
 
     def __post_init__(self) -> None:
@@ -82,7 +82,7 @@ class ProfileConfig:
         check_expert_layout(self.ep, self.dp, experts=getattr(self.model, "experts", 0), tp=self.tp)
         check_moe_dispatch(self.moe_dispatch, ep=self.ep, tp=self.tp)
         for what, n in (("--tp-max-ctas", self.tp_max_ctas), ("--ep-max-ctas", self.ep_max_ctas)):
-            if not 0 <= n <= MAX_CTAS:
+            if n is not None and not 0 <= n <= MAX_CTAS:
                 raise ValueError(f"{what} {n}: thread blocks per NCCL kernel, 1..{MAX_CTAS}, or 0 for NCCL's default")
         if self.tp_backend != "all":
             from braid.tp.comm import resolve_tp_backend
@@ -265,9 +265,10 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                          "of the tp x pp layout (world tp*pp*E), each on micro-batches of its own, share every MoE "
                          "layer's experts, whose rows go through the all-to-all as in examples/train_cli.py --ep (default 1)")
     add_moe_dispatch_arg(ap)
-    ap.add_argument("--tp-max-ctas", type=int, default=DEFAULT_MAX_CTAS, metavar="N",
+    ap.add_argument("--tp-max-ctas", type=int, default=None, metavar="N",
                     help="thread blocks NCCL gives the TP group's collectives under nccl-capped: fewer leave more SMs to the "
-                         f"GEMMs braided beside them, more move the bytes faster (0: NCCL's default; default {DEFAULT_MAX_CTAS})")
+                         f"GEMMs braided beside them, more move the bytes faster (0: NCCL's default; default {MAX_CTAS_TP2} at tp=2, "
+                         f"{MAX_CTAS_WIDER} at tp >= 4, as measured)")
     ap.add_argument("--ep-max-ctas", type=int, default=0, metavar="N",
                     help="the same cap for the expert-parallel group's all-to-all (0: NCCL's default, the default)")
     ap.add_argument("--layers-per-stage", default=None, help="layers of each virtual stage: one number or a comma list, whole or half layers "

@@ -53,7 +53,7 @@ def job_groups(pc: Any, timeout_s: float = 120.0) -> tuple[Any, Any]:
 
     topo = Topology(pc.world_size, pp=pc.pp, tp=pc.tp, dp=pc.dp)
     groups = ProcessGroups.create(topo, tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend, timeout_s=timeout_s,
-                                  tp_max_ctas=pc.tp_max_ctas or None)
+                                  tp_max_ctas=pc.tp_max_ctas)
     experts = (ExpertGroups.create(topo, groups.rank, pc.ep, timeout_s=timeout_s, max_ctas=pc.ep_max_ctas or None)
                if pc.ep > 1 else None)
     return groups, experts

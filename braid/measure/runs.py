@@ -23,6 +23,7 @@ from braid.io.progress import Progress
 from braid.measure.launch import launch
 from braid.measure.report import slowest_rank_steps, summarize
 from braid.measure.units import measure_rank, tp_comm_for
+from braid.tp.comm import max_ctas_for
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +374,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     if graph_reason(pc):
         notes.append(f"CUDA graphs off for braid's rows: {graph_reason(pc)}")
     if pc.tp > 1:
-        notes.append(f"TP all-reduce backend: {comm.backend}"
+        ctas = max_ctas_for(pc.tp_max_ctas, pc.tp) if comm.backend == "nccl-capped" else None
+        notes.append(f"TP all-reduce backend: {comm.backend}" + (f", {ctas} thread blocks" if ctas else "")
                      + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
     return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes,
             "memory_snapshot": shots} if lead else None

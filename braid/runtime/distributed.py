@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from braid.models.tied import reduce_tied_gradients
-from braid.tp.comm import DEFAULT_MAX_CTAS
 from braid.models.tp_partial import reduce_partial_gradients
 from braid.runtime.errors import CommTimeout, PeerFailure, PeerLost, describe_exception, first_line, lost_text
 from braid.runtime.store import Joined, arrive, create_store, join, store_gone
@@ -402,9 +401,6 @@ class Dist:
             dist.destroy_process_group()
 
 
-TP_MAX_CTAS = DEFAULT_MAX_CTAS  # braid.tp.comm's: nccl-capped's thread blocks
-
-
 @dataclass(slots=True)
 class ProcessGroups:
     """The process groups of one rank under a topology (pp, tp, dp, cp and dp x cp).
@@ -439,35 +435,34 @@ class ProcessGroups:
 
     @staticmethod
     def create(topo: Topology, rank: int | None = None, timeout_s: float = 120.0,
-               tp_max_ctas: int | None = TP_MAX_CTAS, tp_backend: str = "auto") -> "ProcessGroups":
+               tp_max_ctas: int | None = None, tp_backend: str = "auto") -> "ProcessGroups":
         """Create every group of the layout (collective: all ranks call it, same order).
 
         ``tp_backend``: how the TP all-reduce runs (:mod:`braid.tp.comm`; ``"auto"`` is
         ``nccl-capped`` on CUDA and ``gloo`` on CPU). ``tp_max_ctas`` caps the thread blocks NCCL gives the TP group's all-reduces. A
         braided block runs each all-reduce *while* the other micro-batch's GEMMs run; an
         uncapped NCCL kernel holds its SMs while it waits for the peer and slows those
-        GEMMs. Measured on 2 H200s (``benchmarks/bench_braided_overlap.py``, Qwen2-7B-sized
-        layers, seq 4096, TP=2): uncapped, braided ran 1.33x slower than unbraided; with 4
-        channels it ran 0.97x (faster). Only the TP
+        GEMMs (the measured defaults: :func:`braid.tp.comm.default_max_ctas`). Only the TP
         group is capped, so data-parallel and pipeline traffic keep full bandwidth. Ignored
-        on gloo; ``None`` leaves NCCL's default.
+        on gloo; ``None`` takes :func:`braid.tp.comm.default_max_ctas` of the TP size, ``0`` leaves NCCL's default.
         """
         if not dist.is_initialized():
             raise RuntimeError("ProcessGroups.create needs an initialised default process group (Dist.init)")
         world = dist.get_world_size()
         if world != topo.world_size:
             raise ValueError(f"topology is for {topo.world_size} ranks but {world} processes were started")
-        from braid.tp.comm import nccl_group_options, resolve_tp_backend
+        from braid.tp.comm import max_ctas_for, nccl_group_options, resolve_tp_backend
 
         rank = dist.get_rank() if rank is None else rank
         backend = resolve_tp_backend(tp_backend, "cuda" if dist.get_backend() == "nccl" else "cpu")
-        if backend == "nccl-capped" and tp_max_ctas is None:
+        ctas = max_ctas_for(tp_max_ctas, topo.tp)
+        if backend == "nccl-capped" and ctas is None:
             backend = "nccl"
         timeout = datetime.timedelta(seconds=timeout_s)
         mine: dict[str, dist.ProcessGroup] = {}
         ranks_of: dict[str, list[int]] = {}
         for dim in ("pp", "tp", "dp", "cp", "dp_cp"):
-            opts = nccl_group_options(backend, tp_max_ctas) if dim == "tp" else None
+            opts = nccl_group_options(backend, ctas) if dim == "tp" else None
             for ranks in topo.groups(dim):
                 g = dist.new_group(ranks, timeout=timeout, pg_options=opts)
                 if rank in ranks:

@@ -7,8 +7,8 @@ issued beside one waits for SMs, and once running it spins on SMs the GEMMs need
 backends differ in exactly that:
 
 ``nccl-capped``
-    NCCL with the TP communicator's CTAs capped (``max_ctas``, default 4): few SMs taken,
-    some bandwidth lost. The default on CUDA.
+    NCCL with the TP communicator's CTAs capped (``max_ctas``, by default
+    :func:`default_max_ctas` of the TP size): few SMs taken, some bandwidth lost. The default on CUDA.
 ``nccl``
     NCCL's defaults (fastest alone, most contention).
 ``nccl-zero-cta``
@@ -50,8 +50,27 @@ from braid.tp.seq_shard import Scatter, reduce_scatter
 TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo"]
 TP_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo")
 CUDA_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem")
-DEFAULT_MAX_CTAS = 4
+MAX_CTAS_TP2, MAX_CTAS_WIDER = 4, 16  # nccl-capped's thread blocks by default: see default_max_ctas
 NCCL_CTA_POLICY_ZERO = 0x02  # nccl.h: NCCL_CTA_POLICY_DEFAULT 0, _EFFICIENCY 1, _ZERO 2
+
+
+def default_max_ctas(tp: int) -> int:
+    """nccl-capped's thread blocks for a TP group of ``tp`` ranks, as measured with braided_v beside them.
+
+    tp=2: 4 (2 H200s, ``benchmarks/bench_braided_overlap.py``: uncapped, braided ran 1.33x slower than
+    unbraided; with 4, 0.97x). tp=4: 16 (4 H100s, 7b-layer, seq 4096, m=8,
+    ``benchmarks/results/bench_7b_h100x4_tp4_pp1_ctas.txt``: braided_v 126.9 ms at 16, 128.4 uncapped, 142.3 at 4,
+    whose all-reduce moved ~69 GB/s of bus bandwidth): a ring over more ranks needs more blocks to keep NVLink busy.
+    """
+    return MAX_CTAS_TP2 if tp <= 2 else MAX_CTAS_WIDER
+
+
+def max_ctas_for(setting: int | None, tp: int) -> int | None:
+    """The thread blocks a user's ``setting`` means for a TP group of ``tp`` ranks: None, the default
+    (:func:`default_max_ctas`); 0, NCCL's own choice (returned as None); n, n."""
+    if setting is None:
+        return default_max_ctas(tp)
+    return int(setting) or None
 
 
 class TPBackendError(ValueError):
@@ -73,8 +92,9 @@ def resolve_tp_backend(name: str, device: torch.device | str) -> str:
     return name
 
 
-def nccl_group_options(backend: str, max_ctas: int | None = DEFAULT_MAX_CTAS) -> object | None:
-    """``pg_options`` for the TP group's NCCL communicator under ``backend`` (None: defaults)."""
+def nccl_group_options(backend: str, max_ctas: int | None) -> object | None:
+    """``pg_options`` for the TP group's NCCL communicator under ``backend`` (None: defaults); ``max_ctas``:
+    nccl-capped's thread blocks (None: NCCL's own choice)."""
     if backend in ("gloo", "nccl", "symm-mem") or dist.get_backend() != "nccl":
         return None
     opts = dist.ProcessGroupNCCL.Options()
@@ -161,16 +181,17 @@ def _symm_mem_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> _EventWor
     return _EventWork(ev)
 
 
-def make_tp_comm(groups, backend: str, max_ctas: int | None = DEFAULT_MAX_CTAS) -> "TPComm":
+def make_tp_comm(groups, backend: str, max_ctas: int | None = None) -> "TPComm":
     """A :class:`TPComm` for ``backend`` over this rank's TP group, created anew with the
     backend's NCCL options (collective: every rank calls it, and every TP group of the
-    layout is created on every rank, as ``new_group`` requires). Returns the groups' own
+    layout is created on every rank, as ``new_group`` requires). ``max_ctas``: a setting of
+    :func:`max_ctas_for` (None: by TP size; 0: NCCL's own choice). Returns the groups' own
     :attr:`~braid.runtime.distributed.ProcessGroups.tp_comm` when its backend is already ``backend``."""
     if groups.topo.tp == 1:
         return TPComm(backend, None)
     if backend == groups.tp_backend:
         return groups.tp_comm
-    opts = nccl_group_options(backend, max_ctas)
+    opts = nccl_group_options(backend, max_ctas_for(max_ctas, groups.topo.tp))
     mine = None
     for ranks in groups.topo.groups("tp"):
         g = dist.new_group(ranks, pg_options=opts)
