@@ -218,7 +218,8 @@ def nccl_terms(args, pc, d_box: list, probes: Mapping[str, Probe], dev: torch.de
 
     from braid.core.topology import Topology
     from braid.runtime.distributed import Dist, ProcessGroups
-    from braid.tp.comm import default_max_ctas, nccl_group_options
+    from braid.core.ctas import default_max_ctas
+    from braid.tp.comm import nccl_group_options
 
     outside = lambda dl: dl["used"] - dl["reserved"]  # noqa: E731 - NCCL's buffers are not the allocator's
     x = torch.ones(1024, device=dev)

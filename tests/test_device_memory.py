@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 
 from braid import schedules
+from braid.core.ctas import default_max_ctas
 from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, nccl_bytes, outside_allocator_bytes,
                                       pipeline_peers, reserve_bytes)
-from braid.measure.device_prediction import predicted_device_used
+from braid.measure.device_prediction import PRE_FLAG_CTAS, predicted_device_used
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCH_FILES = ("bench_7b_h100x4_tp2_pp2.json", "bench_7b_h100x4_tp4_pp1.json", "sp_tp2_pp1_h100_busy.json")
+BENCH_FILES = ("bench_7b_h100x4_tp2_pp2.json", "bench_7b_h100x4_tp4_pp1.json", "sp_tp2_pp1_h100_busy.json",
+               "bench_7b_h100x4_tp4_pp1_ctas.json")
 OUTSIDE_TOL = 0.05
 # the whole prediction's relative error on the stored rows lies in [UNDER, OVER] (worst seen: -49.4%, tp2 x pp2
 # zb_v rank 0; best: -14.5%, tp4 braided_v)
@@ -75,6 +77,18 @@ def test_groups_of_more_ranks_cost_more_than_groups_of_one() -> None:
         pipeline_peers(2, 2)
 
 
+def test_the_capped_group_holds_buffers_per_thread_block() -> None:
+    """NCCL's buffers are per channel: the capped TP group at 16 thread blocks holds 4x what it holds at 4, its
+    default at tp=4 is the wider cap, and 0 (NCCL's own choice) is the uncapped group."""
+    t = H100_TORCH211
+    at4 = outside_allocator_bytes(t, tp=4, pp=1, pp_rank=0, tp_max_ctas=4)
+    assert outside_allocator_bytes(t, tp=4, pp=1, pp_rank=0, tp_max_ctas=16) == at4 + 3 * t.capped_group
+    assert outside_allocator_bytes(t, tp=4, pp=1, pp_rank=0) == outside_allocator_bytes(
+        t, tp=4, pp=1, pp_rank=0, tp_max_ctas=default_max_ctas(4))
+    assert outside_allocator_bytes(t, tp=4, pp=1, pp_rank=0, tp_max_ctas=0) == outside_allocator_bytes(
+        t, tp=4, pp=1, pp_rank=0, tp_backend="nccl")
+
+
 def test_reserve_eager_and_graphed() -> None:
     t = H100_TORCH211
     assert reserve_bytes(t, "1f1b_i", static_bytes=1.0, peak_bytes=3.0, graphed=False) == 4 * t.fragmentation["1f1b_i"]
@@ -92,13 +106,13 @@ def _rows():
 
 def test_outside_allocator_within_5_percent_of_every_stored_braid_row() -> None:
     rows = list(_rows())
-    assert len(rows) == 6
+    assert len(rows) == 10
     for name, cfg, r in rows:
         placement = schedules.build(r["schedule"], cfg["pp"], r["m"]).placement
         for g, (res, used) in enumerate(zip(r["reserved_peak_bytes"], r["device_used_bytes"])):
             want = used - res
             got = outside_allocator_bytes(DEVICE_TERMS, tp=cfg["tp"], pp=cfg["pp"], pp_rank=g // cfg["tp"],
-                                          placement=placement)
+                                          placement=placement, tp_max_ctas=cfg.get("tp_max_ctas", PRE_FLAG_CTAS))
             assert abs(got / want - 1) <= OUTSIDE_TOL, (name, r["schedule"], g, got / 2**20, want / 2**20)
 
 

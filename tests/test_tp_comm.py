@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from braid.tp.comm import CUDA_BACKENDS, TPBackendError, TPComm, default_max_ctas, max_ctas_for, resolve_tp_backend
+from braid.core.ctas import default_max_ctas, max_ctas_for
+from braid.tp.comm import CUDA_BACKENDS, TPBackendError, TPComm, resolve_tp_backend
 from conftest import GPU_RUN_S, GPU_TEST_S
 from distributed_utils import DistPool
 

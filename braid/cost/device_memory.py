@@ -8,7 +8,8 @@ simulator predicts. A rank holds, besides its live tensors:
   the default group (:meth:`braid.runtime.distributed.Dist.init` binds the device, so it is
   created at once), one group per dimension of :meth:`braid.runtime.distributed.ProcessGroups.create`
   that holds this rank (pp, tp, dp, cp and dp x cp; groups without it hold nothing here), the TP
-  group under ``nccl-capped`` with 4 thread blocks, and one P2P connection per pipeline neighbour
+  group under ``nccl-capped`` (its buffers in proportion to its thread blocks,
+  :func:`braid.core.ctas.default_max_ctas` unless set), and one P2P connection per pipeline neighbour
   (:mod:`braid.runtime.p2p` sends on the default group); cuBLAS's handle and modules after the
   first GEMM (its workspaces, one per stream, come from the allocator); the kernel modules a step
   loads lazily;
@@ -30,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
+from braid.core.ctas import max_ctas_for
+
 MIB = 1 << 20
 MEASURED = "benchmarks/results/memory_terms_h100x2_tp2.json"
 TpBackend = Literal["nccl-capped", "nccl", "gloo"]
@@ -42,7 +45,8 @@ class DeviceTerms:
     """Bytes (and ratios) of one software stack on one card; each field names the measured term it is.
 
     ``context``: ``context.this_process``; ``default_group``: ``nccl.default_group``; ``group``:
-    ``nccl.new_group`` (two ranks, NCCL defaults); ``capped_group``: ``nccl.capped_group``;
+    ``nccl.new_group`` (two ranks, NCCL defaults); ``capped_group``: ``nccl.capped_group``, a group of
+    ``capped_ctas`` thread blocks (NCCL's buffers are per channel: another cap scales it);
     ``single_group``: a group of one rank, ``(nccl.layout_groups - nccl.capped_group) / 4`` (at
     tp=2 x pp=1 the layout's groups are the capped TP group and four of one rank); ``p2p_pair``:
     ``nccl.p2p_pair``; ``blas``: ``blas.default_stream.mm`` less what it took from the allocator;
@@ -55,6 +59,7 @@ class DeviceTerms:
     default_group: float
     group: float
     capped_group: float
+    capped_ctas: int
     single_group: float
     p2p_pair: float
     blas: float
@@ -71,7 +76,7 @@ class DeviceTerms:
 
 # rank 0 of MEASURED, in bytes; fragmentation as the file gives it, pool ratios as its pool / capture peak bytes
 H100_TORCH211 = DeviceTerms(
-    context=645529600, default_group=887095296, group=509607936, capped_group=79691776,
+    context=645529600, default_group=887095296, group=509607936, capped_group=79691776, capped_ctas=4,
     single_group=(1713373184 - 79691776) / 4, p2p_pair=467664896, blas=102760448 - 33554432,
     step_modules=10485760,
     fragmentation={"braided_v": 1.0695707842128868, "1f1b_i": 1.1161575581723426, "zb_v": 1.1158414492959263},
@@ -99,25 +104,30 @@ def pipeline_peers(pp: int, pp_rank: int, placement: str = "v") -> int:
 
 
 def nccl_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1,
-               placement: str = "v", tp_backend: TpBackend = "nccl-capped") -> float:
+               placement: str = "v", tp_backend: TpBackend = "nccl-capped", tp_max_ctas: int | None = None) -> float:
     """The communicators of one rank: the default group, one per dimension (:func:`group_sizes`) and one
-    P2P connection per pipeline peer (:func:`pipeline_peers`)."""
+    P2P connection per pipeline peer (:func:`pipeline_peers`). ``tp_max_ctas``: the capped TP group's
+    thread blocks as a user sets them (:func:`braid.core.ctas.max_ctas_for`: None, by TP size; 0, NCCL's defaults)."""
+    ctas = max_ctas_for(tp_max_ctas, tp)
+    if tp_backend == "nccl-capped" and ctas is None:
+        tp_backend = "nccl"
     total = terms.default_group + pipeline_peers(pp, pp_rank, placement) * terms.p2p_pair
     for dim, size in group_sizes(tp, pp, dp, cp).items():
         if size == 1:
             total += terms.single_group
         elif dim == "tp" and tp_backend == "nccl-capped":
-            total += terms.capped_group
+            total += terms.capped_group * ctas / terms.capped_ctas
         elif not (dim == "tp" and tp_backend == "gloo"):
             total += terms.group
     return total
 
 
 def outside_allocator_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1,
-                            placement: str = "v", tp_backend: TpBackend = "nccl-capped") -> float:
+                            placement: str = "v", tp_backend: TpBackend = "nccl-capped",
+                            tp_max_ctas: int | None = None) -> float:
     """Device bytes a rank holds that the caching allocator does not count (module doc)."""
     return (terms.context + nccl_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp, placement=placement,
-                                       tp_backend=tp_backend) + terms.blas + terms.step_modules)
+                                       tp_backend=tp_backend, tp_max_ctas=tp_max_ctas) + terms.blas + terms.step_modules)
 
 
 def reserve_bytes(terms: DeviceTerms, schedule: str, *, static_bytes: float, peak_bytes: float, graphed: bool) -> float:

@@ -22,7 +22,7 @@ from braid.io.cli import (add_moe_dispatch_arg, add_seq_shard_arg, check_counts,
 from braid.io.limits import MAX_CTAS, MAX_LAYERS
 from braid.models.registry import family_of_config
 from braid.models.shapes import decoder_config, resolve_model
-from braid.tp.comm import MAX_CTAS_TP2, MAX_CTAS_WIDER
+from braid.core.ctas import MAX_CTAS_TP2, MAX_CTAS_WIDER
 
 # Per-layer shapes from the one preset list (braid.cost.catalog), built by their family's
 # config class (braid.models.registry); the profiler's own choices are one layer

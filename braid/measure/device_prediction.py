@@ -37,6 +37,9 @@ def rank_params(config: Mapping[str, Any], pp_rank: int, placement: str) -> int:
     return n
 
 
+PRE_FLAG_CTAS = 4  # a report without ``tp_max_ctas`` in its config predates the flag, when the cap was always 4
+
+
 def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: str, peaks: Sequence[float],
                           graphed: bool, terms: DeviceTerms = DEVICE_TERMS) -> list[float]:
     """Per global rank (``pp_rank * tp + tp_rank``): the reserve of ``peaks[pp_rank]`` (the predicted allocator
@@ -44,13 +47,12 @@ def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: s
     tp, pp = config["tp"], config["pp"]
     d = DTYPE_BYTES[config["dtype"]]
     backend = "nccl-capped" if config.get("tp_backend", "auto") == "auto" else config["tp_backend"]
-    if backend == "nccl-capped" and config.get("tp_max_ctas") == 0:  # uncapped: NCCL's default group
-        backend = "nccl"
     out = []
     for rank in range(tp * pp):
         r = rank // tp
         held = rank_params(config, r, placement) * d * (1 if graphed else 2)
         reserve = reserve_bytes(terms, schedule, static_bytes=held, peak_bytes=peaks[r], graphed=graphed)
-        outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend)
+        outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend,
+                                          tp_max_ctas=config.get("tp_max_ctas", PRE_FLAG_CTAS))
         out.append(device_bytes(reserve, outside))
     return out

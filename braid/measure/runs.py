@@ -23,7 +23,7 @@ from braid.io.progress import Progress
 from braid.measure.launch import launch
 from braid.measure.report import slowest_rank_steps, summarize
 from braid.measure.units import measure_rank, tp_comm_for
-from braid.tp.comm import max_ctas_for
+from braid.core.ctas import max_ctas_for
 
 log = logging.getLogger(__name__)
 

@@ -442,16 +442,17 @@ class ProcessGroups:
         ``nccl-capped`` on CUDA and ``gloo`` on CPU). ``tp_max_ctas`` caps the thread blocks NCCL gives the TP group's all-reduces. A
         braided block runs each all-reduce *while* the other micro-batch's GEMMs run; an
         uncapped NCCL kernel holds its SMs while it waits for the peer and slows those
-        GEMMs (the measured defaults: :func:`braid.tp.comm.default_max_ctas`). Only the TP
+        GEMMs (the measured defaults: :func:`braid.core.ctas.default_max_ctas`). Only the TP
         group is capped, so data-parallel and pipeline traffic keep full bandwidth. Ignored
-        on gloo; ``None`` takes :func:`braid.tp.comm.default_max_ctas` of the TP size, ``0`` leaves NCCL's default.
+        on gloo; ``None`` takes :func:`braid.core.ctas.default_max_ctas` of the TP size, ``0`` leaves NCCL's default.
         """
         if not dist.is_initialized():
             raise RuntimeError("ProcessGroups.create needs an initialised default process group (Dist.init)")
         world = dist.get_world_size()
         if world != topo.world_size:
             raise ValueError(f"topology is for {topo.world_size} ranks but {world} processes were started")
-        from braid.tp.comm import max_ctas_for, nccl_group_options, resolve_tp_backend
+        from braid.core.ctas import max_ctas_for
+        from braid.tp.comm import nccl_group_options, resolve_tp_backend
 
         rank = dist.get_rank() if rank is None else rank
         backend = resolve_tp_backend(tp_backend, "cuda" if dist.get_backend() == "nccl" else "cpu")

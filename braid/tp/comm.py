@@ -8,7 +8,7 @@ backends differ in exactly that:
 
 ``nccl-capped``
     NCCL with the TP communicator's CTAs capped (``max_ctas``, by default
-    :func:`default_max_ctas` of the TP size): few SMs taken, some bandwidth lost. The default on CUDA.
+    :func:`braid.core.ctas.default_max_ctas` of the TP size): few SMs taken, some bandwidth lost. The default on CUDA.
 ``nccl``
     NCCL's defaults (fastest alone, most contention).
 ``nccl-zero-cta``
@@ -44,33 +44,14 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from braid.core.ctas import max_ctas_for
 from braid.tp.ce_reduce import CEBuffers
 from braid.tp.seq_shard import Scatter, reduce_scatter
 
 TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo"]
 TP_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo")
 CUDA_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem")
-MAX_CTAS_TP2, MAX_CTAS_WIDER = 4, 16  # nccl-capped's thread blocks by default: see default_max_ctas
 NCCL_CTA_POLICY_ZERO = 0x02  # nccl.h: NCCL_CTA_POLICY_DEFAULT 0, _EFFICIENCY 1, _ZERO 2
-
-
-def default_max_ctas(tp: int) -> int:
-    """nccl-capped's thread blocks for a TP group of ``tp`` ranks, as measured with braided_v beside them.
-
-    tp=2: 4 (2 H200s, ``benchmarks/bench_braided_overlap.py``: uncapped, braided ran 1.33x slower than
-    unbraided; with 4, 0.97x). tp=4: 16 (4 H100s, 7b-layer, seq 4096, m=8,
-    ``benchmarks/results/bench_7b_h100x4_tp4_pp1_ctas.txt``: braided_v 126.9 ms at 16, 128.4 uncapped, 142.3 at 4,
-    whose all-reduce moved ~69 GB/s of bus bandwidth): a ring over more ranks needs more blocks to keep NVLink busy.
-    """
-    return MAX_CTAS_TP2 if tp <= 2 else MAX_CTAS_WIDER
-
-
-def max_ctas_for(setting: int | None, tp: int) -> int | None:
-    """The thread blocks a user's ``setting`` means for a TP group of ``tp`` ranks: None, the default
-    (:func:`default_max_ctas`); 0, NCCL's own choice (returned as None); n, n."""
-    if setting is None:
-        return default_max_ctas(tp)
-    return int(setting) or None
 
 
 class TPBackendError(ValueError):
@@ -185,7 +166,7 @@ def make_tp_comm(groups, backend: str, max_ctas: int | None = None) -> "TPComm":
     """A :class:`TPComm` for ``backend`` over this rank's TP group, created anew with the
     backend's NCCL options (collective: every rank calls it, and every TP group of the
     layout is created on every rank, as ``new_group`` requires). ``max_ctas``: a setting of
-    :func:`max_ctas_for` (None: by TP size; 0: NCCL's own choice). Returns the groups' own
+    :func:`braid.core.ctas.max_ctas_for` (None: by TP size; 0: NCCL's own choice). Returns the groups' own
     :attr:`~braid.runtime.distributed.ProcessGroups.tp_comm` when its backend is already ``backend``."""
     if groups.topo.tp == 1:
         return TPComm(backend, None)
