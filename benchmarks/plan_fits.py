@@ -69,8 +69,21 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
     sampler.join()
     peaks = [float(x.replace(",", "")) for x in re.findall(r"peak mem ([\d,.]+) MiB", text)]
     return {"rc": rc, "out_of_memory": "out of memory" in text.lower() or "OutOfMemoryError" in text,
+            "oom_where": oom_where(text),
             "steps_done": len(re.findall(r"step +\d+/", text)), "allocator_peak_mib": max(peaks, default=0.0),
             "device_in_use_mib": max(used, default=0), "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
+
+
+def oom_where(text: str) -> list[str]:
+    """Where a run ran out: the first rank's ``OutOfMemoryError`` line (what it tried to allocate, what the
+    allocator held) and the braid and example frames of its traceback just above it; [] if none."""
+    lines = text.splitlines()
+    at = next((i for i, line in enumerate(lines) if "OutOfMemoryError" in line and "Tried to allocate" in line), None)
+    if at is None:
+        return []
+    frames = [line.strip() for line in lines[max(0, at - 60):at]
+              if (m := re.search(r'File "([^"]+)"', line)) and re.search(r"(^|/)(braid|examples)/", m.group(1))]
+    return frames[-6:] + [lines[at].strip()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,13 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     for what, cfg in rows:
         got = run(cfg["command"], args.memory, args.steps, args.timeout, ids)
         report.append({"what": what, "predicted_step_s": cfg["step_s"], "predicted_in_use_gib": cfg["peak_memory_gib"],
-                       "command": cfg["command"], **{k: v for k, v in got.items() if k != "tail"}})
+                       "command": cfg["command"], **got})
         err = (got["device_in_use_mib"] / 1024) / cfg["peak_memory_gib"] - 1
         print(f"{what:13s} predicted {cfg['peak_memory_gib']:.2f} GiB in use, step {cfg['step_s'] * 1e3:.1f} ms; "
               f"measured {got['device_in_use_mib'] / 1024:.2f} GiB in use ({100 * err:+.1f}%), allocator peak "
               f"{got['allocator_peak_mib'] / 1024:.2f} GiB, {got['steps_done']} steps, rc {got['rc']}"
               + (", ran out of memory" if got["out_of_memory"] else ""), flush=True)
-        if got["rc"] and not got["out_of_memory"]:
+        if got["oom_where"]:
+            print("  " + "\n  ".join(got["oom_where"]), flush=True)
+        elif got["rc"]:
             print(got["tail"], flush=True)
     if args.json:
         with open(args.json, "w") as f:

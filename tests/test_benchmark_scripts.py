@@ -100,3 +100,26 @@ def test_plan_fits_samples_only_the_jobs_gpus(monkeypatch) -> None:
     assert plan_fits.job_gpus(2, {}) == ["0", "1"]
     with pytest.raises(ValueError, match="names 1 devices, the job takes 2"):
         plan_fits.job_gpus(2, {"CUDA_VISIBLE_DEVICES": "3"})
+
+
+def test_plan_fits_names_where_a_run_ran_out(monkeypatch) -> None:
+    """A run that runs out keeps torch's OutOfMemoryError line and the braid frames above it, so the next
+    look at a capped run says which allocation of which step did not fit."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    plan_fits = importlib.import_module("plan_fits")
+    text = "\n".join([
+        "step    1/6 loss 11.9",
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "/x/examples/lm.py", line 40, in <module>',
+        '[rank1]:   File "/x/braid/runtime/executor.py", line 300, in run',
+        '[rank1]:   File "/x/torch/nn/modules/module.py", line 1775, in _call_impl',
+        '[rank1]:   File "/x/braid/tp/layers.py", line 120, in forward',
+        "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 594.00 MiB. GPU 1 has a total "
+        "capacity of 79.19 GiB of which 73.4 GiB is free. Of the allocated memory 3.1 GiB is allocated by PyTorch",
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 MiB.",
+    ])
+    where = plan_fits.oom_where(text)
+    assert where[-1].startswith("[rank1]: torch.OutOfMemoryError") and "594.00 MiB" in where[-1]
+    assert [w.split('"')[1] for w in where[:-1]] == ["/x/examples/lm.py", "/x/braid/runtime/executor.py",
+                                                     "/x/braid/tp/layers.py"]
+    assert plan_fits.oom_where("step    1/6 loss 11.9\nrc 0") == []
