@@ -196,14 +196,14 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
             if got["ar"][3] is not None:
                 row[f"busy_{name}"] = (got["ar"][3], got["skip"][3])
         if device.type == "cuda":
-            from braid.measure.units import _ar_stretch
+            from braid.measure.pair import collective_pair
 
             x = torch.randn(1, seq, cfg.hidden, dtype=dtype, device=device)
             a = torch.randn(seq, cfg.hidden, dtype=dtype, device=device)
             b = torch.randn(cfg.hidden, cfg.ffn // 2, dtype=dtype, device=device)
             ar = statistics.median(_time(lambda: comm.all_reduce(x).wait(), device) for _ in range(6))
             one = statistics.median(_time(lambda: a @ b, device) for _ in range(6))
-            row["overlap"] = _ar_stretch(x, groups.tp, a, b, ar, one, device, 6, comm.all_reduce)
+            row["overlap"] = collective_pair(x, groups.tp, a, b, ar, one, device, 6, comm.all_reduce)
             row["ar_burst_s"] = _burst_s(comm, x, row["braided"][2].get("AR", 0), groups.tp, device)
         results[backend] = row
     if rank == 0:

@@ -15,9 +15,10 @@ a compute stream, a TP-communication stream, a P2P engine and two host-copy engi
   first unit task runs beside it, then the carried all-reduce is waited for. A chained run's
   posts are made at the rank's time with that later time stamp, so with a costly P2P its
   transfers may reserve the P2P engines ahead of earlier ones (free P2P is exact). Compute
-  that runs while a collective (all-reduce or all-to-all) is in flight
-  on the rank is slowed by ``CostModel.ar_slowdown``, and a collective that the next task
-  does not wait for (compute runs beside it) takes ``CostModel.ar_stretch`` times longer.
+  that runs while a collective is in flight on the rank is slowed by ``CostModel.ar_slowdown``
+  (an all-reduce) or ``CostModel.a2a_factor`` (an all-to-all; both in flight: the larger), and a
+  collective that the next task does not wait for (compute runs beside it) takes
+  ``CostModel.ar_stretch`` times longer.
   Under sequence sharding an op's first unit with a gathering head (``UnitCost.ag_f``/``ag_b``)
   waits for its all-gather on the TP stream: started as the instruction starts where
   :func:`braid.core.braiding.early_heads` says so (the unit waits for it as for a pending
@@ -305,7 +306,7 @@ class Engine:
         """Time unit rows ``first:stop`` from ``state`` = (t, TP and EP streams free, pending collective end
         and whether it is an all-to-all per member, last all-reduce start); returns the new state."""
         t, tp_free, ep_free, pend, lanes, s = state
-        f = self.costs.ar_slowdown
+        f, fa = self.costs.ar_slowdown, self.costs.a2a_factor
         rank = rs.rank
         mem_t, mem_d = rs.mem_t.append, rs.mem_d.append
         who = block = None
@@ -332,10 +333,12 @@ class Engine:
                 if who is not None:
                     ev(Event(rank, "tp-comm", who[member][0], "AG", g0, ag, who[member][1], who[member][2], label, block, idx))
                 t = tp_free
-            flight = tp_free if tp_free > ep_free else ep_free
-            if flight > t:  # a collective is in flight: slowed down while it lasts
-                win = flight - t
-                d = dur * f if win >= dur * f else win + (dur - win / f)
+            if tp_free > t or ep_free > t:  # a collective is in flight: slowed down while it lasts
+                k = f if tp_free > t else 1.0
+                if ep_free > t and fa > k:
+                    k = fa
+                win = (tp_free if tp_free > ep_free else ep_free) - t
+                d = dur * k if win >= dur * k else win + (dur - win / k)
             else:
                 d = dur
             end = t + d

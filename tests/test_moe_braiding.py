@@ -87,3 +87,48 @@ def test_the_trace_puts_all_to_alls_on_their_own_lane() -> None:
     # every op's two all-to-alls per MoE layer (2 layers, F and B of 6 micro-batches on 2 chunks, 2 ranks)
     assert {e.lane for e in a2a} == {"ep-comm"} and len(a2a) == 2 * 2 * 2 * 6 * 2 * 2
     assert all(e.dur == pytest.approx(T_A2A / 4) for e in a2a)
+
+
+def _trace(name: str, **extra: float):
+    plan = schedules.build(name, 2, 6)
+    specs = {(r, c): MOE_CHUNK for r in range(2) for c in range(plan.v)}
+    costs = uniform_costs(Layout(1, 2, plan.v, plan.placement), specs,
+                          **{"T_F": 1.0, "T_B": 1.0, "T_W": 1.0, "T_AR": 0.0, "T_A2A": T_A2A, "T_P2P": 0.0, "ar_slowdown": 1.0,
+                             **extra})
+    return simulate(compile_plan(plan), costs, name=name).trace
+
+
+@pytest.mark.parametrize("k", [1.25, 2.0])
+def test_compute_beside_an_all_to_all_is_slowed_by_a2a_slowdown(k: float) -> None:
+    """Inside an in-flight all-to-all's window a unit runs ``a2a_slowdown`` times slower (the rest of it at
+    full speed), whatever ``ar_slowdown`` says (braided_v runs the other member's units there)."""
+    base, slow = _trace("braided_v"), _trace("braided_v", a2a_slowdown=k)
+    comp = [(e.rank, e.name, e.unit) for e in base.events if e.lane == "compute"]
+    assert comp == [(e.rank, e.name, e.unit) for e in slow.events if e.lane == "compute"]
+    nominal = [e.dur for e in base.events if e.lane == "compute"]
+    a2a = [e for e in slow.events if e.kind == "A2A"]
+    beside = 0
+    for e, dur in zip((e for e in slow.events if e.lane == "compute"), nominal):
+        ends = [x.start + x.dur for x in a2a if x.rank == e.rank and x.start <= e.start < x.start + x.dur]
+        if not ends:
+            assert e.dur == pytest.approx(dur, abs=1e-12)
+            continue
+        beside += 1
+        win = max(ends) - e.start
+        assert e.dur == pytest.approx(dur * k if win >= dur * k else win + dur - win / k, abs=1e-12)
+    assert beside > 0
+    # unset, an all-to-all slows compute as an all-reduce does (tp=1: no all-reduce of its own here)
+    assert _trace("braided_v", ar_slowdown=k).events == slow.events
+
+
+def test_a2a_slowdown_in_a_cost_file() -> None:
+    from braid.cost.costs import CostFileError, costs_from_dict, costs_to_dict
+
+    lay, specs = Layout(1, 2, 1, "loop"), {(r, 0): MOE_CHUNK for r in range(2)}
+    one = dict(T_F=1.0, T_B=1.0, T_W=1.0, T_AR=0.0, T_A2A=T_A2A)
+    assert "a2a_slowdown" not in costs_to_dict(costs_from_dict(one, lay, specs))  # unset: ar_slowdown serves both
+    got = costs_from_dict(costs_to_dict(costs_from_dict({**one, "a2a_slowdown": 1.3}, lay, specs)), lay, specs)
+    assert (got.a2a_slowdown, got.a2a_factor) == (1.3, 1.3)
+    assert costs_from_dict({**one, "ar_slowdown": 1.2}, lay, specs).a2a_factor == 1.2
+    with pytest.raises(CostFileError, match="a2a_slowdown"):
+        costs_from_dict({**one, "a2a_slowdown": 0.5}, lay, specs)

@@ -146,6 +146,8 @@ class CostModel:
     one after another, never waiting for the device, and a unit cannot start on the device
     before the host has issued it. Measured by ``braid.profile`` on GPU; 0 on CPU, where a
     unit's measured time already includes its host time.
+    ``a2a_slowdown``: compute's slowdown while an expert-parallel all-to-all is in flight (as
+    ``ar_slowdown`` is beside a TP all-reduce; None: ``ar_slowdown`` serves both); read it as :attr:`a2a_factor`.
     """
 
     layout: Layout
@@ -163,6 +165,11 @@ class CostModel:
     copy_duplex_slowdown: float = 2.0
     ar_stretch: float = 1.0
     host_task_s: float = 0.0
+    a2a_slowdown: float | None = None
+
+    @property
+    def a2a_factor(self) -> float:
+        return self.ar_slowdown if self.a2a_slowdown is None else self.a2a_slowdown
 
     def __post_init__(self) -> None:
         want = {(r, c) for r in range(self.layout.p) for c in range(self.layout.v)}
@@ -173,6 +180,8 @@ class CostModel:
             raise ValueError(f"ar_slowdown must be >= 1 (a slowdown factor), got {self.ar_slowdown}")
         if not 1.0 <= self.ar_stretch <= 4.0:
             raise ValueError(f"ar_stretch must be in [1, 4] (an all-reduce's slowdown beside compute), got {self.ar_stretch}")
+        if self.a2a_slowdown is not None and not 1.0 <= self.a2a_slowdown <= 4.0:
+            raise ValueError(f"a2a_slowdown must be in [1, 4] (compute's slowdown beside an all-to-all), got {self.a2a_slowdown}")
         if not 0.0 <= self.host_task_s <= 1.0:
             raise ValueError(f"host_task_s must be in [0, 1] s (host time to issue one unit task), got {self.host_task_s}")
         if not 1.0 <= self.copy_duplex_slowdown <= 2.0:
@@ -380,7 +389,7 @@ def uniform_costs(layout: Layout, specs: Mapping[tuple[int, int], ChunkSpec], **
 _CHUNK_KEYS = ("T_F", "T_B", "T_W", "T_AR", "T_AR_B", "T_A2A", "T_A2A_B", "T_P2P", "activation_bytes", "w_residual_bytes",
                "unit_split", "unit_workspace")
 _GLOBAL_KEYS = ("format", "chunks", "M_a_bytes", "W_residual", "ar_slowdown", "pcie_bytes_per_s", "p2p_over_pcie",
-                "copy_duplex_slowdown", "ar_stretch", "host_task_s", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
+                "copy_duplex_slowdown", "ar_stretch", "host_task_s", "a2a_slowdown", "samples_per_microbatch", "tokens_per_sample", "model_flops_per_sample", "peak_flops", "meta", "layout")
 # split key -> (UnitCost field, total key)
 _SPLITS = {"F": "f", "B": "b", "W": "w", "AR": "ar_f", "AR_B": "ar_b", "act": "act", "w_residual": "w_res",
            "A2A": "a2a_f", "A2A_B": "a2a_b"}
@@ -400,6 +409,7 @@ _LIMITS: dict[str, tuple[float, float]] = {
     "W_residual": (0.0, 16.0), "pcie_bytes_per_s": (1.0, _MAX_RATE), "peak_flops": (0.0, _MAX_RATE),
     "model_flops_per_sample": (0.0, _MAX_FLOPS), "samples_per_microbatch": (1.0, 1e9), "tokens_per_sample": (1.0, 1e12),
     "ar_slowdown": (1.0, 100.0), "ar_stretch": (1.0, 4.0), "copy_duplex_slowdown": (1.0, 2.0), "host_task_s": (0.0, 1.0),
+    "a2a_slowdown": (1.0, 4.0),
 }
 _INT_KEYS = ("samples_per_microbatch", "tokens_per_sample")
 
@@ -527,7 +537,8 @@ def costs_from_dict(d: Mapping[str, Any], layout: Layout, specs: Mapping[tuple[i
             "file", dict(d.get("meta") or {}),
             _num(d, "copy_duplex_slowdown", where, b.copy_duplex_slowdown if b else 2.0),
             _num(d, "ar_stretch", where, b.ar_stretch if b else 1.0),
-            _num(d, "host_task_s", where, b.host_task_s if b else 0.0))
+            _num(d, "host_task_s", where, b.host_task_s if b else 0.0),
+            _num(d, "a2a_slowdown", where) if "a2a_slowdown" in d else (b.a2a_slowdown if b else None))
     except ValueError as err:
         if isinstance(err, CostFileError):
             raise
@@ -557,6 +568,7 @@ def costs_to_dict(costs: CostModel) -> dict[str, Any]:
                                      "placement": costs.layout.placement},
         "M_a_bytes": costs.ma_bytes, "ar_slowdown": costs.ar_slowdown, "ar_stretch": costs.ar_stretch,
         "host_task_s": costs.host_task_s, "pcie_bytes_per_s": costs.pcie_bytes_per_s,
+        **({"a2a_slowdown": costs.a2a_slowdown} if costs.a2a_slowdown is not None else {}),
         "p2p_over_pcie": costs.p2p_over_pcie, "copy_duplex_slowdown": costs.copy_duplex_slowdown,
         "samples_per_microbatch": costs.samples_per_microbatch,
         "tokens_per_sample": costs.tokens_per_sample, "model_flops_per_sample": costs.model_flops_per_sample,

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from braid.cost.costs import Layout, costs_from_dict
 from braid.io.trace import Trace
 from braid.measure.config import ProfileConfig
+from braid.measure.pair import pair_slowdown_of
 
 
 def predict(profile_doc: dict[str, Any], schedule: str, m: int, pp: int, tp: int, layers_per_stage: Sequence[int],
@@ -147,19 +148,14 @@ def _fit(f, target: float, lo: float, hi: float, limit: float | None = None, ite
 
 
 def pair_slowdown(comm: dict[str, Any]) -> float | None:
-    """The slowdown of compute beside an in-flight all-reduce that gives the profiled pair's time:
-    GEMMs of ``gemm_alone_s`` issued beside an all-reduce of ``ar_beside_s`` were both done after
-    ``together_s`` (:func:`braid.measure.units._ar_stretch`). The simulator slows compute by
-    ``f`` inside the all-reduce's window ``w``: ``together = w + g - w / f``, so
-    ``f = w / (w + g - together)`` (in [1, 4]). This holds what a GEMM measured on its own
-    stream misses: beside an all-reduce it starts late (persistent GEMM kernels wait for the
-    SMs the all-reduce holds). None where the profile has no such figures (CPU, tp = 1)."""
+    """The slowdown of compute beside an in-flight all-reduce that gives the profiled pair's time
+    (:func:`braid.measure.pair.pair_slowdown_of` of ``ar_beside_s``, ``gemm_alone_s`` and ``together_s``,
+    measured by :func:`braid.measure.pair.collective_pair`). None where the profile has no such
+    figures (CPU, tp = 1)."""
     w, g, t = (comm.get(k) for k in ("ar_beside_s", "gemm_alone_s", "together_s"))
     if not (isinstance(w, (int, float)) and isinstance(g, (int, float)) and isinstance(t, (int, float))) or w <= 0 or g <= 0:
         return None
-    if t <= max(g, w):
-        return 1.0
-    return 4.0 if w + g - t <= w / 4.0 else w / (w + g - t)
+    return pair_slowdown_of(w, g, t)
 
 
 def calibrate(doc: dict[str, Any], pc: ProfileConfig, plan, measured_step_s: float,

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from braid.io.trace import ExpertLoad
+from braid.measure.pair import collective_pair, pair_slowdown_of
 from braid.models.moe_dispatch import RowPlan
 
 
@@ -152,7 +153,10 @@ def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tu
     """The all-to-all at this shape on the expert-parallel group (module doc): ``a2a_s`` (one balanced row
     exchange; padded, ``pc.moe_dispatch``: the ep blocks it always moves),
     ``a2a_counts_s`` (the per-expert counts' exchange), ``a2a_bytes`` (a rank's rows, bytes) and
-    ``a2a_rows``; ``time_fn`` times a callable (a sync before and after). Collective over the group."""
+    ``a2a_rows``; ``time_fn`` times a callable (a sync before and after). On CUDA also the exchange beside
+    GEMMs (:func:`braid.measure.pair.collective_pair`: ``a2a_beside_s``, ``a2a_stretch``, ``a2a_gemm_alone_s``,
+    ``a2a_gemm_beside_s``, ``a2a_together_s``) and from them ``a2a_slowdown``, compute's slowdown beside an
+    in-flight all-to-all (:func:`braid.measure.pair.pair_slowdown_of`). Collective over the group."""
     from braid.measure.config import DTYPES
 
     if experts is None:
@@ -175,9 +179,20 @@ def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tu
             vals.append(time_fn(fn)[0])
         return statistics.median(vals[1:])
 
-    return {"a2a_s": timed(lambda: dist.all_to_all_single(out, x, group=group)),
-            "a2a_counts_s": timed(lambda: dist.all_to_all_single(got, counts, group=group)),
-            "a2a_bytes": float(x.numel() * x.element_size()), "a2a_rows": float(rows)}
+    figures = {"a2a_s": timed(lambda: dist.all_to_all_single(out, x, group=group)),
+               "a2a_counts_s": timed(lambda: dist.all_to_all_single(got, counts, group=group)),
+               "a2a_bytes": float(x.numel() * x.element_size()), "a2a_rows": float(rows)}
+    if dev.type == "cuda":  # the row exchange beside GEMMs of the LM's width on another stream, as a braided block runs it
+        a = torch.randn(tokens, m.hidden, dtype=x.dtype, device=dev)
+        b = torch.randn(m.hidden, m.hidden, dtype=x.dtype, device=dev)
+        one = statistics.median(time_fn(lambda: a @ b)[0] for _ in range(n))
+        pair = collective_pair(x, group, a, b, figures["a2a_s"], one, dev, n,
+                               lambda t: dist.all_to_all_single(out, t, group=group, async_op=True))
+        figures.update(a2a_beside_s=pair["ar_beside_s"], a2a_stretch=pair["ar_stretch"],
+                       a2a_gemm_alone_s=pair["gemm_alone_s"], a2a_gemm_beside_s=pair["gemm_beside_s"],
+                       a2a_together_s=pair["together_s"],
+                       a2a_slowdown=pair_slowdown_of(pair["ar_beside_s"], pair["gemm_alone_s"], pair["together_s"]))
+    return figures
 
 
 def unit_a2a(unit: Any, rows_s: float, counts_s: float) -> tuple[float, float]:

@@ -26,6 +26,7 @@ from braid.cost.costs import (
 from braid.measure.config import DTYPES, ProfileConfig, device_name, build_chunks
 from braid.io.progress import Progress
 from braid.measure.launch import launch
+from braid.measure.pair import collective_pair
 from braid.tp.autograd_calls import on_this_thread
 
 
@@ -275,7 +276,7 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device, c
             f = ar / max(ar + alone - d, ar / 2.0)
         out.update(ar_slowdown=min(2.0, max(1.0, f)), gemm_s=alone, gemm_overlapped_s=d)
         if timer.cuda:
-            out.update(_ar_stretch(x, groups.tp, a, b, ar, one, dev, n, all_reduce))
+            out.update(collective_pair(x, groups.tp, a, b, ar, one, dev, n, all_reduce))
     if pc.pp > 1:
         me = groups.coords.pp
         nxt, prv = groups.pp_ranks[(me + 1) % pc.pp], groups.pp_ranks[(me - 1) % pc.pp]
@@ -293,57 +294,6 @@ def _comm_figures(pc: ProfileConfig, groups, timer: _Timer, dev: torch.device, c
         out["p2p_s"] = statistics.median(vals[1:])
     out["copy_bytes_per_s"], out["copy_duplex_slowdown"] = measure_host_link(dev)
     return out
-
-
-def _ar_stretch(x: torch.Tensor, group, a: torch.Tensor, b: torch.Tensor, ar: float, one: float,
-                dev: torch.device, n: int, all_reduce: Callable[[torch.Tensor], Any] | None = None) -> dict[str, float]:
-    """How much longer an all-reduce takes while compute runs beside it (CUDA; ``ar_stretch``),
-    and how much longer the compute takes beside it (``gemm_slowdown``).
-
-    Both ranks start together (a barrier, then a sync); the all-reduce is issued, then GEMMs
-    that outlast it go to another stream, as the next unit task of a braided block would; the
-    all-reduce's time is from its issue to its end on the issuing stream. Alone: the same
-    without the GEMMs. The ratio of the medians, clamped to [1, 4]. The GEMMs' own time on
-    their stream, over the same GEMMs alone, is the slowdown the all-reduce causes; the time
-    until both are done (``together_s``) is what a braided block pays for the pair.
-    """
-    if all_reduce is None:
-        all_reduce = lambda t: dist.all_reduce(t, group=group, async_op=True)  # noqa: E731
-    side = torch.cuda.Stream(device=dev)
-    reps = max(1, int(3 * ar / one)) if one > 0 else 1
-
-    def timed(with_ar: bool, with_gemm: bool) -> tuple[float, float, float]:
-        ar_t, gemm_t, both_t = [], [], []
-        for _ in range(n + 1):
-            torch.cuda.synchronize(dev)
-            dist.barrier(group=group)
-            torch.cuda.synchronize(dev)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            gs, ge = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            work = all_reduce(x) if with_ar else None
-            if with_gemm:
-                side.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(side):
-                    gs.record(side)
-                    for _ in range(reps):
-                        a @ b
-                    ge.record(side)
-            if work is not None:
-                work.wait()
-            e.record()
-            torch.cuda.synchronize(dev)
-            ar_t.append(s.elapsed_time(e) / 1e3 if with_ar else 0.0)
-            gemm_t.append(gs.elapsed_time(ge) / 1e3 if with_gemm else 0.0)
-            both_t.append(max(s.elapsed_time(e), s.elapsed_time(ge) if with_gemm else 0.0) / 1e3)
-        return tuple(statistics.median(v[1:]) for v in (ar_t, gemm_t, both_t))  # type: ignore[return-value]
-
-    alone = timed(True, False)[0]
-    gemm_alone = timed(False, True)[1]
-    beside, gemm_beside, together = timed(True, True)
-    return {"ar_alone_s": alone, "ar_beside_s": beside, "ar_stretch": min(4.0, max(1.0, beside / alone)) if alone > 0 else 1.0,
-            "gemm_alone_s": gemm_alone, "gemm_beside_s": gemm_beside,
-            "gemm_slowdown": gemm_beside / gemm_alone if gemm_alone > 0 else 1.0, "together_s": together}
 
 
 def compare_tp_backends(pc: ProfileConfig, groups, dev: torch.device, backends: Sequence[str] | None = None) -> dict[str, Any]:
@@ -373,7 +323,7 @@ def compare_tp_backends(pc: ProfileConfig, groups, dev: torch.device, backends: 
         try:
             comm = make_tp_comm(groups, name)
             ar = _median_time(timer, lambda: comm.all_reduce(x).wait(), n)
-            figures[name] = {"ar_s": ar, **_ar_stretch(x, groups.tp, a, b, ar, one, dev, n, comm.all_reduce)}
+            figures[name] = {"ar_s": ar, **collective_pair(x, groups.tp, a, b, ar, one, dev, n, comm.all_reduce)}
         except (TPBackendError, RuntimeError) as err:  # not available with this torch / NCCL / machine
             figures[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
         dist.barrier()
@@ -568,6 +518,7 @@ def assemble(pc: ProfileConfig, results: Sequence[dict[str, Any]]) -> CostModel:
                      3 * model_forward_flops(mc) / pc.micro_batch_size, pc.peak_flops, "profile", meta,
                      copy_duplex_slowdown=max(c["copy_duplex_slowdown"] for c in comm),
                      ar_stretch=max(c["ar_stretch"] for c in comm),
+                     a2a_slowdown=max((c["a2a_slowdown"] for c in comm if "a2a_slowdown" in c), default=None),
                      host_task_s=statistics.fmean(st.get("host_s", 0.0) for r in results for st in r["stages"].values()))
 
 
