@@ -19,15 +19,17 @@ from braid import schedules
 from braid.core.ctas import default_max_ctas
 from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, nccl_bytes, outside_allocator_bytes,
                                       pipeline_peers, reserve_bytes)
-from braid.measure.device_prediction import PRE_FLAG_CTAS, predicted_device_used
+from braid.measure.device_prediction import DTYPE_BYTES, PRE_FLAG_CTAS, predicted_device_used, rank_params
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_FILES = ("bench_7b_h100x4_tp2_pp2.json", "bench_7b_h100x4_tp4_pp1.json", "sp_tp2_pp1_h100_busy.json",
                "bench_7b_h100x4_tp4_pp1_ctas.json")
 OUTSIDE_TOL = 0.05
-# the whole prediction's relative error on the stored rows lies in [UNDER, OVER] (worst seen: -49.4%, tp2 x pp2
-# zb_v rank 0; best: -14.5%, tp4 braided_v)
-UNDER, OVER = -0.50, 0.0
+# the whole prediction's relative error on the stored rows lies in [UNDER, OVER] (worst seen: -44.1%, tp2 x pp2
+# zb_v rank 0, a row that kept the reserve of the rows before it; best: -6.0%, tp4 1f1b_i)
+UNDER, OVER = -0.45, 0.0
+# rows measured with the allocator's cache emptied before each row (braid.bench since then): every rank within
+CLEAN_FILES, CLEAN_TOL = ("bench_7b_h100x4_tp4_pp1_ctas.json",), 0.10
 
 
 def _terms(rank: int = 0) -> dict[str, dict]:
@@ -123,3 +125,18 @@ def test_device_in_use_prediction_lies_in_the_band_the_data_supports() -> None:
         pred = predicted_device_used(cfg, r["schedule"], placement, r["predicted_peak_bytes"], r["cuda_graph"] == "step")
         errs += [(p / u - 1, name, r["schedule"], g) for g, (p, u) in enumerate(zip(pred, r["device_used_bytes"]))]
     assert all(UNDER <= e <= OVER for e, *_ in errs), [x for x in errs if not UNDER <= x[0] <= OVER]
+    clean = [x for x in errs if x[1] in CLEAN_FILES]
+    assert clean and all(abs(e) <= CLEAN_TOL for e, *_ in clean), clean
+
+
+def test_a_graphed_rows_pool_holds_the_captured_gradients() -> None:
+    """Under a whole-step graph the gradients are allocated in the capture: outside the pool the rank holds
+    its weights only, and the pool holds the capture's peak with the gradients (the row's peak leaves them out)."""
+    cfg = json.loads((ROOT / "benchmarks/results" / CLEAN_FILES[0]).read_text())["config"]
+    placement = schedules.build("1f1b_i", cfg["pp"], 8).placement
+    eager, graphed = (predicted_device_used(cfg, "1f1b_i", placement, [0.0] * cfg["pp"], g)[0] for g in (False, True))
+    weights = rank_params(cfg, 0, placement) * DTYPE_BYTES[cfg["dtype"]]
+    outside = outside_allocator_bytes(DEVICE_TERMS, tp=cfg["tp"], pp=cfg["pp"], pp_rank=0, placement=placement,
+                                      tp_max_ctas=cfg["tp_max_ctas"])
+    assert eager == pytest.approx(outside + DEVICE_TERMS.fragmentation_of("1f1b_i") * 2 * weights)
+    assert graphed == pytest.approx(outside + weights + DEVICE_TERMS.pool_ratio_of("1f1b_i") * weights)
