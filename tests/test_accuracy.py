@@ -113,6 +113,30 @@ def test_peak_memory_within_10_percent(predicted) -> None:
             assert abs(rel_err(pred, meas)) <= 0.10, f"{s['name']} {r['schedule']} m={r['m']} rank {rank}: predicted {pred} B, measured {meas} B"
 
 
+def test_device_memory_in_use_within_5_percent_median_10_worst(predicted) -> None:
+    """A GPU set captured with its device memory (``braid.bench --capture`` since the sets carry it): per rank,
+    what the device held in use (nvidia-smi's view) against :func:`braid.measure.device_prediction.predicted_device_used`
+    of the set's layout and the simulator's allocator peaks."""
+    from braid import schedules
+    from braid.measure.device_prediction import predicted_device_used
+
+    s, runs = predicted
+    runs = [(r, peaks) for r, _, peaks in runs if r.get("device_used_bytes")]
+    if not runs:
+        pytest.skip(f"{s['name']}: captured without device memory (CPU, or before sets carried it)")
+    lay = s["layout"]
+    cfg = {"tp": lay["tp"], "pp": lay["pp"], "layers_per_stage": lay["layers_per_stage"], "dtype": s["dtype"],
+           "model": s["model"], "tp_backend": s["tp_backend"], "tp_max_ctas": s["tp_max_ctas"]}
+    errs = {}
+    for r, peaks in runs:
+        placement = schedules.build(r["schedule"], lay["pp"], r["m"]).placement
+        pred = predicted_device_used(cfg, r["schedule"], placement, peaks, run_mode(s, r) == "step")
+        errs.update({f"{r['schedule']} m={r['m']} rank {g}": rel_err(p, u) for g, (p, u) in enumerate(zip(pred, r["device_used_bytes"]))})
+    detail = ", ".join(f"{k}: {100 * v:+.1f}%" for k, v in errs.items())
+    assert statistics.median(abs(e) for e in errs.values()) <= 0.05, f"{s['name']}: {detail}"
+    assert max(abs(e) for e in errs.values()) <= 0.10, f"{s['name']}: {detail}"
+
+
 def test_simulator_ranks_clearly_different_schedules(predicted_timed) -> None:
     s, runs = predicted_timed
     for i, (a, pa, _) in enumerate(runs):

@@ -337,6 +337,11 @@ def add_set(path: str | Path, entry: dict[str, Any]) -> None:
     atomic_write_text(p, json.dumps(doc, indent=1))
 
 
+# a run's device memory (GPU: reserved peak, in use, graph pool per rank; the predicted allocator peak per
+# pipeline rank that predicts them), so a stored set holds the device-memory model to it as to the step time
+DEVICE_MEMORY_KEYS = ("reserved_peak_bytes", "device_used_bytes", "graph_pool_bytes", "predicted_peak_bytes")
+
+
 def set_entry(summary: dict[str, Any], name: str) -> dict[str, Any]:
     """The stored set of a bench summary (the ``--json`` document)."""
     cfg = summary["config"]
@@ -349,7 +354,9 @@ def set_entry(summary: dict[str, Any], name: str) -> dict[str, Any]:
             "layout": {"tp": cfg["tp"], "pp": cfg["pp"], "v": cfg["v"], "layers_per_stage": list(cfg["layers_per_stage"])},
             "model": cfg["model"], "seq": cfg["seq"], "micro_batch_size": cfg["micro_batch_size"], "dtype": cfg["dtype"],
             "runs": [{k: r.get(k) for k in ("schedule", "m", "step_s", "step_s_all", "peak_bytes", "step_s_rounds", "host_s",
-                                            "cuda_graph")} for r in summary["runs"]],
+                                            "cuda_graph", *DEVICE_MEMORY_KEYS)} for r in summary["runs"]],
+            # what the device-memory model needs besides the layout and model (braid.measure.device_prediction)
+            "tp_backend": cfg.get("tp_backend", "auto"), "tp_max_ctas": cfg.get("tp_max_ctas"),
             # the calibrated profile the runs are predicted from, and the profile before the
             # calibration (None when the run read --costs): with the probe's evidence in
             # profile.meta.calibration, enough to re-fit the calibration offline
