@@ -303,9 +303,10 @@ def _ce_gpu_case(ctx):
 
 
 def _is_nccl_kernel(name: str) -> bool:
-    """An NCCL device kernel (``ncclDevKernel_AllGather_RING_LL(...)``, ``ncclKernel_...``); not torch's
-    ``nccl:all_to_all`` range, which the profiler puts on the GPU's timeline around copy-engine work too."""
-    return name.startswith(("ncclDevKernel", "ncclKernel"))
+    """An NCCL device kernel (``ncclDevKernel_SendRecv(...)``, ``ncclKernel_...``, a symmetric kernel's
+    ``ncclSym...``); not torch's ``nccl:all_to_all`` range, which the profiler puts on the GPU's timeline
+    around copy-engine work too."""
+    return name.startswith("nccl") and not name.startswith("nccl:")
 
 
 @pytest.mark.gpu
