@@ -121,6 +121,13 @@ def hold_for(issue_s: float | None) -> float:
     return 2.0 * (0.025 if issue_s is None else issue_s) + 0.005
 
 
+def _aligned(held_s: float, group, dev: torch.device) -> float:
+    """The longest of the group's holds (collective: every rank of ``group`` calls it), the ranks then synced."""
+    t = torch.tensor([held_s], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
 def issue_time(spent_s: float, held_s: float, cuda: bool) -> float:
     """The host's time to issue a phase from the wall time ``spent_s`` it took after a hold of ``held_s``.
     A phase that reads the device on the host (an MoE layer's routing counts, a vision grid) waits there
@@ -167,14 +174,23 @@ def _profile_chunk_units(chunk, spec: ChunkSpec, pc: ProfileConfig, timer: _Time
             timer.sync()
             if ep_group is not None:
                 dist.barrier(group=ep_group)
-            # Fill the device queue: the host issues the whole phase while the device spins.
+            # Fill the device queue: the host issues the whole phase while the device spins. The TP ranks
+            # start together and spin alike, so a collective inside a unit (sequence sharding's gathers)
+            # times the transfer, not one rank's longer hold or later start.
             held = hold_for(issue_s.get(phase))
+            if tp_group is not None:
+                held = _aligned(held, tp_group, dev)
             timer.hold(held)
+            # the op's first unit starts by gathering (sequence sharding): its head and gather run before its
+            # lap, as the other units' heads do (follow), and the simulator prices the gather; its memory counts
+            lead = bool(tasks) and tp_group is not None and chunk.follows(tasks[0])
             laps, a2a_laps = [], []
             p0 = time.perf_counter()
             for i, task in enumerate(tasks):
                 key = (task.phase.value, task.unit.value, task.layer)
                 before = timer.memory(chunk)
+                if lead and i == 0:
+                    chunk.lead(0, task).wait()
                 timer.reset_peak()
                 start = timer.lap_start()
                 h0 = time.perf_counter()
