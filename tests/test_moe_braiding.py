@@ -29,12 +29,19 @@ T_A2A = 0.25
 MOE_CHUNK = ChunkSpec(2, moe={0, 1})
 
 
-def _report(name: str, p: int, m: int):
+def _simulated(name: str, p: int, m: int, record: bool = False, **extra: float):
+    """``name`` at (p, m) on MoE chunks of uniform costs (``extra``: cost-file keys over the defaults)."""
     plan = schedules.build(name, p, m)
     specs = {(r, c): MOE_CHUNK for r in range(p) for c in range(plan.v)}
-    costs = uniform_costs(Layout(1, p, plan.v, plan.placement), specs, T_F=1.0, T_B=1.0, T_W=1.0, T_AR=0.0,
-                          T_A2A=T_A2A, T_P2P=0.0, ar_slowdown=1.0)
-    return plan, simulate(compile_plan(plan), costs, name=name, record=False).report
+    costs = uniform_costs(Layout(1, p, plan.v, plan.placement), specs,
+                          **{"T_F": 1.0, "T_B": 1.0, "T_W": 1.0, "T_AR": 0.0, "T_A2A": T_A2A, "T_P2P": 0.0, "ar_slowdown": 1.0,
+                             **extra})
+    return plan, simulate(compile_plan(plan), costs, name=name, record=record)
+
+
+def _report(name: str, p: int, m: int):
+    plan, res = _simulated(name, p, m)
+    return plan, res.report
 
 
 def test_an_moe_layer_is_cut_at_its_all_to_alls() -> None:
@@ -90,12 +97,7 @@ def test_the_trace_puts_all_to_alls_on_their_own_lane() -> None:
 
 
 def _trace(name: str, **extra: float):
-    plan = schedules.build(name, 2, 6)
-    specs = {(r, c): MOE_CHUNK for r in range(2) for c in range(plan.v)}
-    costs = uniform_costs(Layout(1, 2, plan.v, plan.placement), specs,
-                          **{"T_F": 1.0, "T_B": 1.0, "T_W": 1.0, "T_AR": 0.0, "T_A2A": T_A2A, "T_P2P": 0.0, "ar_slowdown": 1.0,
-                             **extra})
-    return simulate(compile_plan(plan), costs, name=name).trace
+    return _simulated(name, 2, 6, record=True, **extra)[1].trace
 
 
 @pytest.mark.parametrize("k", [1.25, 2.0])
