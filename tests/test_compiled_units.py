@@ -109,6 +109,25 @@ def test_each_compiled_function_gives_the_eager_values_and_gradients() -> None:
         torch.testing.assert_close(b, a, **TOL)
 
 
+def test_the_compiled_logits_gradient_writes_only_its_result() -> None:
+    """The vocab-parallel loss's backward, compiled, allocates one buffer: the logits' gradient in their dtype
+    (``braid.cost.runtime_act.loss_workspace``'s compiled figure at tp > 1), no fp32 softmax of the shard."""
+    from torch._inductor.utils import run_and_get_code
+
+    from braid.tp.embedding import ce_row_max
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(16, 48, generator=g).to(torch.bfloat16)
+    local, mask = torch.randint(0, 48, (16,), generator=g), torch.rand(16, generator=g) < 0.3
+    lmax = ce_row_max(logits)
+    args = (logits, lmax, torch.rand(16, generator=g) + 1, local, mask, torch.rand(16, generator=g))
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(compiled.compiled_ce_kernels().logits_grad, *args)
+    allocs = [line.split("=")[1].strip() for code in codes for line in code.splitlines() if "= empty_strided_cpu(" in line]
+    assert allocs == ["empty_strided_cpu((16, 48), (48, 1), torch.bfloat16)"], allocs
+    assert out.dtype == torch.bfloat16 and out.shape == logits.shape
+
+
 def _executor_run(schedule: str, m: int, compile: bool, data, device: str = "cpu",
                   dtype: torch.dtype = torch.float32) -> tuple[float, dict[str, torch.Tensor], dict]:
     plan = schedules.build(schedule, 1, m)

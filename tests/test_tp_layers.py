@@ -141,3 +141,21 @@ def test_topology_grid_and_errors() -> None:
         Topology(4, pp=1, tp=4).check_model(num_heads=8, num_kv_heads=4, vocab_size=10, num_layers=4, num_stages=1)
     with pytest.raises(TopologyError, match="3 layers cannot fill 4 virtual stages"):
         Topology(2, pp=2).check_model(num_heads=8, num_kv_heads=4, vocab_size=10, num_layers=3, num_stages=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_fusible_logits_gradient_equals_the_in_place_one_bitwise(dtype: torch.dtype) -> None:
+    from braid.tp.embedding import ce_logits_grad, ce_logits_grad_fused, ce_row_max, ce_row_stats
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(24, 40, generator=g).to(dtype)
+    labels = torch.randint(-20, 60, (24,), generator=g)  # this shard holds [0, 40): the rest are other shards'
+    mask = (labels < 0) | (labels >= 40)
+    local = labels.masked_fill(mask, 0)
+    lmax = ce_row_max(logits)
+    _, sum_exp = ce_row_stats(logits, lmax, local, mask)
+    grad_loss = torch.rand(24, generator=g, dtype=lmax.dtype)
+    want = ce_logits_grad(logits, lmax, sum_exp, local, mask, grad_loss)
+    got = ce_logits_grad_fused(logits, lmax, sum_exp, local, mask, grad_loss)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    assert mask.any() and (~mask).any()  # both kinds of label are in the case

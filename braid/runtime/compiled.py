@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from braid.models.qwen2 import EAGER, UnitFns
-from braid.tp.embedding import CEKernels, ce_logits_grad, ce_row_max, ce_row_stats, vocab_parallel_cross_entropy
+from braid.tp.embedding import CEKernels, ce_logits_grad_fused, ce_row_max, ce_row_stats, vocab_parallel_cross_entropy
 
 
 def available(device: torch.device | str) -> bool:
@@ -87,19 +87,26 @@ def _cross_entropy(compiled_ce, kernels: CEKernels):
     return cross_entropy
 
 
+def _jit(fn):
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+@functools.cache
+def compiled_ce_kernels() -> CEKernels:
+    """The vocab-parallel loss's element-wise pieces under ``torch.compile`` (the logits' gradient in its
+    fusible form, :func:`braid.tp.embedding.ce_logits_grad_fused`)."""
+    return CEKernels(_jit(ce_row_max), _jit(ce_row_stats), _jit(ce_logits_grad_fused))
+
+
 @functools.cache
 def compiled_fns() -> UnitFns:
     """The unit functions under ``torch.compile`` (built once per process; compiled lazily, at first call)."""
-    def jit(fn):
-        return torch.compile(fn, dynamic=False, fullgraph=True)
-
-    return UnitFns(rms_norm=jit(EAGER.rms_norm), rope_qk=jit(EAGER.rope_qk), split_rope_qkv=jit(EAGER.split_rope_qkv),
-                   swiglu=jit(EAGER.swiglu), swiglu_joined=jit(EAGER.swiglu_joined),
+    return UnitFns(rms_norm=_jit(EAGER.rms_norm), rope_qk=_jit(EAGER.rope_qk), split_rope_qkv=_jit(EAGER.split_rope_qkv),
+                   swiglu=_jit(EAGER.swiglu), swiglu_joined=_jit(EAGER.swiglu_joined),
                    # one add (and a division at tp > 1) is one kernel in eager mode too; compiled, it
                    # would only add a compiled call's host time to every unit
                    add_residual=EAGER.add_residual,
-                   cross_entropy=_cross_entropy(jit(token_cross_entropy),
-                                                CEKernels(jit(ce_row_max), jit(ce_row_stats), jit(ce_logits_grad))))
+                   cross_entropy=_cross_entropy(_jit(token_cross_entropy), compiled_ce_kernels()))
 
 
 def set_compiled(modules: Iterable[nn.Module], enabled: bool) -> int:

@@ -96,9 +96,22 @@ def ce_logits_grad(logits: torch.Tensor, lmax: torch.Tensor, sum_exp: torch.Tens
     return soft.mul_(grad_loss.unsqueeze(-1)).to(logits.dtype)
 
 
+def ce_logits_grad_fused(logits: torch.Tensor, lmax: torch.Tensor, sum_exp: torch.Tensor, local: torch.Tensor,
+                         mask: torch.Tensor, grad_loss: torch.Tensor) -> torch.Tensor:
+    """:func:`ce_logits_grad`'s values (bit for bit), written element-wise for ``torch.compile``: the one-hot
+    is a comparison with the column index instead of a scatter, so Inductor makes one kernel that writes
+    only the result in the logits' dtype. (The scatter splits it: an fp32 softmax of the shard, 2x the
+    logits' bytes in bf16, lived beside the result -- the workspace the memory model did not price.)
+    Eager, this form makes more temporaries than :func:`ce_logits_grad`'s in-place one."""
+    soft = (logits.to(lmax.dtype) - lmax.unsqueeze(-1)).exp().div(sum_exp.unsqueeze(-1))
+    hit = (torch.arange(logits.shape[-1], device=logits.device) == local.unsqueeze(-1)) & ~mask.unsqueeze(-1)
+    return (torch.where(hit, soft - 1, soft) * grad_loss.unsqueeze(-1)).to(logits.dtype)
+
+
 class CEKernels(NamedTuple):
     """The vocab-parallel loss's three element-wise pieces, between its two all-reduces (eager by
-    default; :mod:`braid.runtime.compiled` gives ``torch.compile``d ones, each a fused kernel or two)."""
+    default; :mod:`braid.runtime.compiled` gives ``torch.compile``d ones, each a fused kernel or two,
+    the logits' gradient from :func:`ce_logits_grad_fused`)."""
 
     row_max: Callable[[torch.Tensor], torch.Tensor] = ce_row_max
     row_stats: Callable[..., tuple[torch.Tensor, torch.Tensor]] = ce_row_stats
