@@ -415,3 +415,27 @@ def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
     units = analytic_costs(model, get_hardware("h200"), Layout(t, 2, 1, "loop"), activations="runtime",
                            seq_shard=shard).chunks[(0, 0)].units
     return kept, {u.value: units[u].act for u in LAYER_UNITS}
+
+
+def seq_shard_gathers(ctx, grouped: bool) -> tuple[int, list]:
+    """:func:`equivalence` of braided_v and zb_v at tp=2 under sequence sharding, with Q/K/V and gate/up
+    grouped into one GEMM each (the tiny model's default) or as separate linears (``grouped`` False: a
+    7b-sized layer's), counting the all-gathers the ranks start (:func:`braid.tp.seq_shard.all_gather_into`)."""
+    import braid.tp.layers as tp_layers
+    import braid.tp.seq_shard as seq_shard
+
+    calls = [0]
+    gather, limit = seq_shard.all_gather_into, tp_layers.GROUP_MAX_WEIGHT
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return gather(*args, **kwargs)
+
+    seq_shard.all_gather_into = counted
+    if not grouped:
+        tp_layers.GROUP_MAX_WEIGHT = 0
+    try:
+        ran = equivalence(ctx, 1, 2, [("braided_v", 3), ("zb_v", 2)], seq_shard=True)
+    finally:
+        seq_shard.all_gather_into, tp_layers.GROUP_MAX_WEIGHT = gather, limit
+    return calls[0], ran

@@ -181,3 +181,15 @@ def test_sequence_parallel_matches_reference_and_saves_activations(pools) -> Non
     for unit in kept0:
         assert kept0[unit] - kept1[unit] == model0[unit] - model1[unit], (unit, kept0, kept1, model0, model1)
     assert kept1["pre_attn"] < kept0["pre_attn"] and kept1["attn"] == kept0["attn"]
+
+
+def test_separate_linears_of_one_gathered_input_share_its_gather(pools) -> None:
+    # Under sequence sharding Q, K and V (and gate and up) save one gathered input: as separate linears
+    # (a 7b-sized layer's) they keep one slot of the rank's tokens and gather it once for the backward,
+    # as the grouped GEMM of the tiny model does -- and still compute the reference's values.
+    pool = pools(2)
+    grouped = pool.run(cases.seq_shard_gathers, True, timeout_s=120)
+    apart = pool.run(cases.seq_shard_gathers, False, timeout_s=120)
+    for rank, ((n_grouped, ran_g), (n_apart, ran_a)) in enumerate(zip(grouped, apart)):
+        assert [(n, m) for n, m, _ in ran_a] == [("braided_v", 3), ("zb_v", 2)], (rank, ran_a)
+        assert n_grouped > 0 and n_apart == n_grouped, (rank, n_grouped, n_apart)

@@ -349,10 +349,14 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
             g = self._gather
             if g is not None and p == g[0].data_ptr() and t.shape == g[0].shape:
                 # A linear's input all-gathered over the sequence: keep the rank's tokens, gather again when unpacked
-                # (Korthikanti et al. Sec. 4.2.2: the saved input of a column-parallel linear is s/t too).
-                box.tensors.append(g[1])
-                box.gathered[len(box.tensors) - 1] = None  # gathered again in the backward (_prefetch)
-                return (box, len(box.tensors) - 1, True)
+                # (Korthikanti et al. Sec. 4.2.2: the saved input of a column-parallel linear is s/t too). One slot
+                # for every linear that reads it (Q, K and V; gate and up): one gather, one whole copy held.
+                i = next((j for j in box.gathered if box.tensors[j] is g[1]), None)
+                if i is None:
+                    box.tensors.append(g[1])
+                    i = len(box.tensors) - 1
+                    box.gathered[i] = None  # gathered again in the backward (_prefetch)
+                return (box, i, True)
             box.tensors.append(t)
             return (box, len(box.tensors) - 1, False)
 
