@@ -20,10 +20,13 @@ from braid.core.braiding import UnitTask
 
 class _Joined:
     """The work of an all-gather that a side stream started after a reduce-scatter: ``wait``
-    orders the current stream after both. It holds the reduce-scatter's input (``keep``) until
-    then: that tensor was made on the caller's stream, which nothing yet orders after the
-    reduce-scatter (the side stream waited for it), so freed earlier its memory could be
-    handed to the caller's next tensors while the collective still reads it."""
+    orders the current stream after both. It holds the reduce-scatter's input and the tensors
+    the head read or made (``keep``) until then: a tensor made on the caller's stream, which
+    nothing yet orders after the side stream, freed earlier could have its memory handed to the
+    caller's next tensors while the side stream still reads it. Held rather than marked with
+    ``record_stream``: a block so marked is not reused inside a CUDA-graph capture (the
+    allocator defers it to the capture's end), so every micro-batch's heads would add their
+    bytes to a captured step's pool."""
 
     __slots__ = ("work", "side", "keep")
 
@@ -42,8 +45,10 @@ class Follower:
 
     On CUDA the head runs on a side stream ordered after the reduce-scatter, so the host goes
     on to the braided partner's units at once and both collectives run beside them; the
-    tensors the head reads or makes are marked as used on both streams (the allocator must not
-    hand their memory to either stream's later tensors while the other still uses them). On
+    tensors the head reads or makes are held until the caller's stream waits for the side
+    stream (:class:`_Joined`): then a block made on the caller's stream is free to reuse there,
+    and one made on the side stream is reused there only after its next ``wait_stream`` on the
+    caller's, which every later head starts with (after whatever read it on the caller's). On
     CPU the host waits for the reduce-scatter first (``wait``: the executor's bounded wait);
     the all-gather still runs beside the next units.
     """
@@ -65,7 +70,4 @@ class Follower:
         with torch.cuda.stream(side):
             work.wait()  # stream-ordered: the side stream waits for the reduce-scatter
             gather, touched = chunk.follow(mb, task)
-        for t in touched:
-            t.record_stream(cur)
-            t.record_stream(side)
-        return _Joined(gather, side, keep)
+        return _Joined(gather, side, (keep, touched))
