@@ -40,12 +40,11 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     its op's first (its input came from another chunk) gathers alone: ``ag_f``/``ag_b``, one
     all-gather (the simulator starts it as :func:`braid.core.braiding.early_heads` says).
     Not charged: the one reduce-scatter a chunk's last unit has no gather after (it is part of
-    its ``ar_f``), the head's backward re-gather of its saved input, and the re-gather of the
-    column-parallel linears' saved input, which runs beside the row-parallel unit's backward
-    before it. Saved bytes: both parts of Korthikanti's
+    its ``ar_f``) and the re-gather of the column-parallel linears' saved input, which runs
+    beside the row-parallel unit's backward before it. Saved bytes: both parts of Korthikanti's
     per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
     gathered linear inputs' bytes over ``t`` (:func:`braid.cost.runtime_act.runtime_act`); the
-    head's norm and input over ``t``, its logits unchanged.
+    head's norm over ``t``, its input (saved whole, :mod:`braid.models.seq_shard_ops`) and logits unchanged.
     """
     nbytes = tokens * h * d
     gather = _half_ring_time(nbytes, t, hw)
@@ -64,7 +63,7 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
         else:
             c = replace(c, act=sbh * sum(KORTHIKANTI_ACT[u]) / t)
         out[u] = c
-    whole = tokens * (4 * h + 2 * d * h + 4) if runtime else 4 * sbh
+    whole = tokens * (4 * h + d * h + 4) if runtime else 2 * sbh  # the norm's saved bytes; the LM head's input stays whole
     head = replace(head, ar_b=chain, act=head.act - whole + whole / t, ag_f=gather)
     embed = replace(embed, ar_f=chain, ag_b=gather)
     return out, head, embed
