@@ -138,6 +138,8 @@ class SeqShardOps:
             return work, [state[0], h, buf]
         st = self._bwd[mb]
         read = [t for t in st.pending[1:3] if t is not None]
+        box = self._boxes.get(st.pending[3])  # the norm's saved tensors, freed by _finish: maybe made on the caller's stream
+        read += [t for t in box.tensors if isinstance(t, torch.Tensor)] if box is not None else []
         g = self._finish(mb, st)
         buf, work = gather_start(g, self.seq_group)
         self._ahead_b[mb] = (g, buf)
