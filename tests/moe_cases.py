@@ -40,7 +40,8 @@ def a2a_beside_partner(program, chunks, trace) -> int:
 
 
 def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
-                   init_std: float = 0.2, tp: int = 1, compiled: bool = False, dispatch: str = "splits") -> list[str]:
+                   init_std: float = 0.2, tp: int = 1, compiled: bool = False, dispatch: str = "splits",
+                   ep_backend: str = "nccl") -> list[str]:
     """Two AdamW steps of each (schedule, m) of a Qwen3-MoE model on ``pp`` pipeline ranks x ``dp``
     data-parallel ranks (the rest of the world over ``tp``), experts sharded over ``ep`` of them, against the
     single-process model trained on every DP rank's micro-batches: the step's mean loss, every
@@ -48,7 +49,8 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
     :func:`reference_error.bound` (float64 on CPU, float32 on CUDA against a float64 reference's
     error). ``cfg_kw``: the model's shape instead of :data:`CFG_KW`; ``init_std``: its weights' spread;
     ``compiled``: the distributed model's units call the compiled unit functions (:mod:`braid.runtime.compiled`);
-    ``dispatch``: how the rows cross ranks (``--moe-dispatch``: splits or padded)."""
+    ``dispatch``: how the rows cross ranks (``--moe-dispatch``: splits or padded); ``ep_backend``: the EP
+    group's exchanges (``--ep-backend``; ``nccl-ce`` must then have run every exchange through its staging)."""
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.core.partition import split_layers
@@ -62,9 +64,9 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
 
     topo = Topology(ctx.world_size, pp=pp, tp=tp, dp=ctx.world_size // (pp * tp))
     groups = ctx.process_groups(topo)
-    key = ("experts", topo, ep)
+    key = ("experts", topo, ep, ep_backend)
     if key not in ctx.groups:
-        ctx.groups[key] = ExpertGroups.create(topo, ctx.rank, ep)
+        ctx.groups[key] = ExpertGroups.create(topo, ctx.rank, ep, backend=ep_backend)
     experts = ctx.groups[key]
     dev = ctx.dist.device
     c, dtype = groups.coords, run_dtype(dev)
@@ -118,6 +120,8 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         tol = 1e-8 if dtype == torch.float64 else 1e-3
         for n, t in gathered.items():
             torch.testing.assert_close(t, whole[n].detach(), rtol=tol, atol=tol, msg=lambda s: f"{where}: gathered {n}: {s}")
+        if ep_backend == "nccl-ce":  # the row exchanges went through the staging: one set per size of block
+            assert experts.ce is not None and experts.ce.sets, where
         ran.append(f"{name} m={m}")
     return ran
 

@@ -37,6 +37,14 @@ def test_padded_all_to_all_with_compiled_units(pools) -> None:
                         timeout_s=300) == [want] * 2
 
 
+def test_padded_exchanges_on_the_copy_engine_staging_match_single_process(pools) -> None:
+    """``--ep-backend nccl-ce``: every row exchange staged, all-to-all'd and copied out (gloo runs the
+    algorithm; NCCL runs it on the copy engines), the same values as the single process."""
+    want = ["1f1b_i m=4", "braided_v m=5"]
+    assert pools(2).run(cases.ep_equivalence, 1, 2, [("1f1b_i", 4), ("braided_v", 5)], None, 0.2, 1, False, "padded",
+                        "nccl-ce", timeout_s=300) == [want] * 2
+
+
 @pytest.mark.slow
 def test_padded_layer_reads_nothing_on_the_host(pools) -> None:
     padding = pools(2).run(cases.padded_moe_reads_no_host, timeout_s=120)

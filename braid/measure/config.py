@@ -74,6 +74,7 @@ class ProfileConfig:
     moe_dispatch: str = "splits"  # how rows cross EP ranks: "splits" or "padded" (host-free; braid.runtime.expert_parallel)
     tp_max_ctas: int | None = None  # thread blocks of the TP group's NCCL kernels under nccl-capped (None: by TP size; 0: NCCL's default)
     ep_max_ctas: int = 0  # the same for the EP group's all-to-all (0: NCCL's default)
+    ep_backend: str = "nccl"  # the EP exchanges: NCCL's kernels, or "nccl-ce" (copy engines; padded dispatch)
 
     def __post_init__(self) -> None:
         Layout(self.tp, self.pp, self.v, self.placement)  # validates degrees and placement
@@ -81,6 +82,9 @@ class ProfileConfig:
 
         check_expert_layout(self.ep, self.dp, experts=getattr(self.model, "experts", 0), tp=self.tp)
         check_moe_dispatch(self.moe_dispatch, ep=self.ep, tp=self.tp)
+        from braid.runtime.expert_parallel import check_ep_backend
+
+        check_ep_backend(self.ep_backend, max_ctas=self.ep_max_ctas, dispatch=self.moe_dispatch)
         for what, n in (("--tp-max-ctas", self.tp_max_ctas), ("--ep-max-ctas", self.ep_max_ctas)):
             if n is not None and not 0 <= n <= MAX_CTAS:
                 raise ValueError(f"{what} {n}: thread blocks per NCCL kernel, 1..{MAX_CTAS}, or 0 for NCCL's default")
@@ -271,6 +275,9 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
                          f"{MAX_CTAS_WIDER} at tp >= 4, as measured)")
     ap.add_argument("--ep-max-ctas", type=int, default=0, metavar="N",
                     help="the same cap for the expert-parallel group's all-to-all (0: NCCL's default, the default)")
+    ap.add_argument("--ep-backend", choices=("nccl", "nccl-ce"), default="nccl",
+                    help="the expert-parallel exchanges: NCCL's kernels (default), or nccl-ce, the copy engines through "
+                         "registered staging buffers (NCCL >= 2.28; no SMs beside the braided compute; --moe-dispatch padded)")
     ap.add_argument("--layers-per-stage", default=None, help="layers of each virtual stage: one number or a comma list, whole or half layers "
                          "(1,1,1.5,0.5 cuts layer 3 between attention and MLP; default 1). A vision-language model: "
                          "LM layers of each stage after the tower's (one number), or the whole list with the ViT blocks "
@@ -359,7 +366,7 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
                              device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend,
                              resolve_seq_shard(args.sequence_parallel, args.tp, seq=seq, vision=vision is not None),
                              vision=vision, ep=args.ep, moe_dispatch=args.moe_dispatch, tp_max_ctas=args.tp_max_ctas,
-                             ep_max_ctas=args.ep_max_ctas)
+                             ep_max_ctas=args.ep_max_ctas, ep_backend=args.ep_backend)
     except ValueError as err:
         ap.error(str(err))
         raise  # unreachable: error() exits

@@ -55,8 +55,8 @@ def job_groups(pc: Any, timeout_s: float = 120.0) -> tuple[Any, Any]:
     topo = Topology(pc.world_size, pp=pc.pp, tp=pc.tp, dp=pc.dp)
     groups = ProcessGroups.create(topo, tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend, timeout_s=timeout_s,
                                   tp_max_ctas=pc.tp_max_ctas)
-    experts = (ExpertGroups.create(topo, groups.rank, pc.ep, timeout_s=timeout_s, max_ctas=pc.ep_max_ctas or None)
-               if pc.ep > 1 else None)
+    experts = (ExpertGroups.create(topo, groups.rank, pc.ep, timeout_s=timeout_s, max_ctas=pc.ep_max_ctas or None,
+                                   backend=pc.ep_backend, device=pc.device) if pc.ep > 1 else None)
     return groups, experts
 
 
@@ -179,7 +179,14 @@ def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tu
             vals.append(time_fn(fn)[0])
         return statistics.median(vals[1:])
 
-    figures = {"a2a_s": timed(lambda: dist.all_to_all_single(out, x, group=group)),
+    def rows_a2a(t: torch.Tensor, async_op: bool = False) -> Any:
+        """The row exchange as the run makes it: NCCL's kernels, or the copy-engine staging (--ep-backend)."""
+        if experts.ce is None:
+            return dist.all_to_all_single(out, t, group=group, async_op=async_op)
+        work = experts.ce.all_to_all(out, t)
+        return work if async_op else work.wait() and None
+
+    figures = {"a2a_s": timed(lambda: rows_a2a(x)),
                "a2a_counts_s": timed(lambda: dist.all_to_all_single(got, counts, group=group)),
                "a2a_bytes": float(x.numel() * x.element_size()), "a2a_rows": float(rows)}
     if dev.type == "cuda":  # the row exchange beside GEMMs of the LM's width on another stream, as a braided block runs it
@@ -187,7 +194,7 @@ def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tu
         b = torch.randn(m.hidden, m.hidden, dtype=x.dtype, device=dev)
         one = statistics.median(time_fn(lambda: a @ b)[0] for _ in range(n))
         pair = collective_pair(x, group, a, b, figures["a2a_s"], one, dev, n,
-                               lambda t: dist.all_to_all_single(out, t, group=group, async_op=True))
+                               lambda t: rows_a2a(t, async_op=True))
         figures.update(a2a_beside_s=pair["ar_beside_s"], a2a_stretch=pair["ar_stretch"],
                        a2a_gemm_alone_s=pair["gemm_alone_s"], a2a_gemm_beside_s=pair["gemm_beside_s"],
                        a2a_together_s=pair["together_s"],

@@ -377,6 +377,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
         ctas = max_ctas_for(pc.tp_max_ctas, pc.tp) if comm.backend == "nccl-capped" else None
         notes.append(f"TP all-reduce backend: {comm.backend}" + (f", {ctas} thread blocks" if ctas else "")
                      + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
+    if pc.ep > 1:
+        notes.append(f"EP all-to-all backend: {pc.ep_backend}" + (f", {pc.ep_max_ctas} thread blocks" if pc.ep_max_ctas else ""))
     return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes,
             "memory_snapshot": shots} if lead else None
 

@@ -66,6 +66,7 @@ class RowPlan:
     capacity: int | None = None
     slots: torch.Tensor | None = None
     real: torch.Tensor | None = None
+    ce: Any = None  # padded under the copy-engine EP backend: the group's staging (braid.tp.ce_reduce.CEBuffers)
 
     @property
     def moves(self) -> bool:
@@ -136,8 +137,12 @@ class Exchange:
     out_splits: list[int]
     in_splits: list[int]
     group: Any
+    ce: Any = None  # the copy-engine EP backend's staging: equal blocks exchanged by the copy engines
 
     def start(self, async_op: bool = True) -> Any:
+        if self.ce is not None:
+            work = self.ce.all_to_all(self.out, self.send)
+            return work if async_op else work.wait() and None
         return dist.all_to_all_single(self.out, self.send, self.out_splits, self.in_splits, group=self.group,
                                       async_op=async_op)
 
@@ -149,7 +154,7 @@ def exchange(rows: torch.Tensor, plan: RowPlan, back: bool = False) -> Exchange 
         return None
     out_splits, in_splits = (plan.send_splits, plan.recv_splits) if back else (plan.recv_splits, plan.send_splits)
     out = rows.new_empty(sum(out_splits), *rows.shape[1:])
-    return Exchange(out, rows.detach().contiguous(), out_splits, in_splits, plan.group)
+    return Exchange(out, rows.detach().contiguous(), out_splits, in_splits, plan.group, plan.ce)
 
 
 class _Exchanged(torch.autograd.Function):

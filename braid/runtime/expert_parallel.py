@@ -71,6 +71,21 @@ def check_expert_layout(ep: int, dp: int, *, experts: int | None = None, cp: int
         raise ValueError(f"--ep {ep} runs with cp=1 only (got cp={cp})")
 
 
+EP_BACKENDS = ("nccl", "nccl-ce")
+
+
+def check_ep_backend(backend: str, *, max_ctas: int | None = None, dispatch: str = "padded") -> None:
+    """``ValueError`` (one line) for an EP backend this run cannot use: an unknown one, ``nccl-ce`` with a
+    thread-block cap (it runs no thread blocks) or with variable splits (the copy engines exchange equal
+    blocks between registered windows: ``--moe-dispatch padded``)."""
+    if backend not in EP_BACKENDS:
+        raise ValueError(f"unknown EP backend {backend!r}; choose one of {', '.join(EP_BACKENDS)}")
+    if backend == "nccl-ce" and max_ctas:
+        raise ValueError("--ep-backend nccl-ce runs no thread blocks; --ep-max-ctas applies to nccl only")
+    if backend == "nccl-ce" and dispatch != "padded":
+        raise ValueError("--ep-backend nccl-ce exchanges equal blocks of rows: it needs --moe-dispatch padded")
+
+
 def expert_rank_groups(topo: Topology, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     """(expert-parallel groups, expert-data-parallel groups) of global ranks: every group of the layout, in one order."""
     check_expert_layout(ep, topo.dp, cp=topo.cp, tp=topo.tp)
@@ -90,18 +105,28 @@ class ExpertGroups:
     ep_group: Any
     edp_group: Any
     edp_size: int
+    ce: Any = None  # the copy-engine backend's staging of the EP group (braid.tp.ce_reduce.CEBuffers); None: NCCL's kernels
 
     @staticmethod
-    def create(topo: Topology, rank: int, ep: int, timeout_s: float = 120.0, max_ctas: int | None = None) -> "ExpertGroups":
+    def create(topo: Topology, rank: int, ep: int, timeout_s: float = 120.0, max_ctas: int | None = None,
+               backend: str = "nccl", device: torch.device | str | None = None) -> "ExpertGroups":
         """Create every expert group of the layout (collective: all ranks call it, same order). ``max_ctas``
         caps the thread blocks of the EP group's NCCL kernels (its all-to-all braided beside compute, as
-        :meth:`braid.runtime.distributed.ProcessGroups.create` caps the TP group's); None: NCCL's default."""
+        :meth:`braid.runtime.distributed.ProcessGroups.create` caps the TP group's); None: NCCL's default.
+        ``backend`` (:data:`EP_BACKENDS`): ``nccl-ce`` runs the padded exchanges on the copy engines, no
+        thread blocks at all (NCCL 2.28's zero-CTA all-to-all between registered windows; staging
+        buffers of ``device``, made on first use, :class:`braid.tp.ce_reduce.CEBuffers`)."""
+        from braid.tp.ce_reduce import CEBuffers
         from braid.tp.comm import nccl_group_options
 
+        check_ep_backend(backend, max_ctas=max_ctas)
         ep_groups, edp_groups = expert_rank_groups(topo, ep)
         timeout = datetime.timedelta(seconds=timeout_s)
         mine: dict[str, tuple[Any, list[int]]] = {}
-        ep_opts = nccl_group_options("nccl-capped", max_ctas) if max_ctas is not None else None
+        if backend == "nccl-ce":
+            ep_opts = nccl_group_options("nccl-ce", None)
+        else:
+            ep_opts = nccl_group_options("nccl-capped", max_ctas) if max_ctas is not None else None
         for kind, rows in (("ep", ep_groups), ("edp", edp_groups)):
             for ranks in rows:
                 g = dist.new_group(ranks, timeout=timeout, pg_options=ep_opts if kind == "ep" else None)
@@ -109,7 +134,11 @@ class ExpertGroups:
                     mine[kind] = (g, ranks)
         ep_group, ep_ranks = mine["ep"]
         edp_group, edp_ranks = mine["edp"]
-        return ExpertGroups(ep, ep_ranks.index(rank), ep_group, edp_group, len(edp_ranks))
+        ce = None
+        if backend == "nccl-ce" and ep > 1:
+            dev = device if device is not None else ("cuda" if dist.get_backend(ep_group) == "nccl" else "cpu")
+            ce = CEBuffers(ep_group, torch.device(dev))
+        return ExpertGroups(ep, ep_ranks.index(rank), ep_group, edp_group, len(edp_ranks), ce)
 
 
 class AllToAllDispatch:
@@ -180,7 +209,7 @@ class PaddedAllToAllDispatch:
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=dev)
         return RowPlan(per_source.sum(0), send_splits=[cap] * ep, recv_splits=[cap] * ep, group=group, order=order,
-                       inverse=inverse, capacity=cap, slots=slots, real=within[order] < el)
+                       inverse=inverse, capacity=cap, slots=slots, real=within[order] < el, ce=self.groups.ce)
 
 
 def moe_layers(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -198,6 +227,8 @@ def shard_experts(modules: Iterable[nn.Module], ep_rank: int, ep: int, groups: E
     Under TP a layer holds its TP rank's slice of the experts (:class:`braid.models.moe.ExpertSlice`);
     expert parallelism then shards that slice, and the all-to-all runs between the ranks of the
     same TP index (their expert-parallel group) on the slice's rows."""
+    if groups is not None and groups.ce is not None:
+        check_ep_backend("nccl-ce", dispatch=dispatch)
     for layer in moe_layers(modules):
         total = layer.experts.count
         if total % ep:

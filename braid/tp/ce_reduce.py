@@ -76,6 +76,14 @@ def ce_reduce_scatter(out: torch.Tensor, src: torch.Tensor, x: torch.Tensor, a: 
     torch.sum(a.view(dist.get_world_size(group), -1), 0, out=out)
 
 
+def ce_all_to_all(out: torch.Tensor, src: torch.Tensor, x: torch.Tensor, a: torch.Tensor, group: Any) -> None:
+    """``out`` (flat) = the all-to-all of ``src`` (flat, ``w`` equal blocks) over ``group``, staged in ``x``
+    and received in ``a`` (both ``src.numel()``): the expert-parallel exchange of padded rows."""
+    x.copy_(src)
+    dist.all_to_all_single(a, x, group=group)
+    out.copy_(a)
+
+
 def ce_all_reduce_(flat: torch.Tensor, x: torch.Tensor, a: torch.Tensor, group: Any) -> None:
     """Sum ``flat`` (1-D) over ``group`` in place through ``x`` and ``a`` (each
     :func:`padded_numel` of it): the five steps of the module doc."""
@@ -104,6 +112,39 @@ def staging_pair(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[
     stride = -(-numel * dtype.itemsize // WINDOW_ALIGN) * WINDOW_ALIGN // dtype.itemsize  # x rounded up to WINDOW_ALIGN bytes
     buf = torch.zeros(stride + numel, dtype=dtype, device=device)
     return buf[:numel], buf[stride:]
+
+
+class EventWork:
+    """A work handle for a collective that ran on a side stream: ``wait`` makes the current stream
+    wait for it (stream-ordered, like NCCL's). ``keep``: the caller's tensors the side stream reads
+    or writes, held until then -- made on the caller's stream, they must not be handed to its next
+    tensors before it is ordered after the side stream (held, not marked with ``record_stream``,
+    whose blocks a CUDA-graph capture does not reuse before it ends)."""
+
+    __slots__ = ("event", "keep")
+
+    def __init__(self, event: torch.cuda.Event, keep: Any = None) -> None:
+        self.event, self.keep = event, keep
+
+    def wait(self, timeout: object | None = None) -> bool:  # noqa: ARG002 - same signature as dist.Work.wait
+        self.event.wait(torch.cuda.current_stream())
+        self.keep = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+
+class Done:
+    """The work handle of a collective that ran synchronously (the copy-engine algorithms on a CPU group)."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: object | None = None) -> bool:  # noqa: ARG002 - same signature as dist.Work.wait
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class Staging(NamedTuple):
@@ -188,6 +229,29 @@ class CEBuffers:
             ce_reduce_scatter(out, src, s.x, s.a, self.group)
             return None
         return self._on_side(lambda: ce_reduce_scatter(out, src, s.x, s.a, self.group), req.src, req.out)
+
+    def all_to_all(self, out: torch.Tensor, send: torch.Tensor) -> EventWork | Done:
+        """``out`` = the group's all-to-all of ``send`` (contiguous, the same size as ``out``, in equal
+        blocks per rank) through a staging set: copied in, exchanged and copied out on the copy engines
+        (an expert-parallel exchange of padded rows, :mod:`braid.models.moe_dispatch`). CUDA: on the side
+        stream, a handle that holds both tensors until its ``wait``; CPU: run now."""
+        src, dst = send.reshape(-1), out.view(-1)
+        if src.numel() != dst.numel() or src.numel() % self.world or src.dtype != dst.dtype:
+            raise ValueError(f"nccl-ce all-to-all: {src.numel()} {src.dtype} elements into {dst.numel()} {dst.dtype}; "
+                             f"both the same, in {self.world} equal blocks")
+        if src.numel() == 0:
+            return Done()
+        s = self.staging(src.numel(), src.dtype)
+        if not self.cuda:
+            ce_all_to_all(dst, src, s.x, s.a, self.group)
+            return Done()
+        cur, side = torch.cuda.current_stream(self.device), self.stream
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            ce_all_to_all(dst, src, s.x, s.a, self.group)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        return EventWork(ev, (send, out))
 
     def _on_side(self, steps: Any, *used: torch.Tensor) -> torch.cuda.Event:
         """Run ``steps`` on the side stream after the caller's stream; the event after them. The

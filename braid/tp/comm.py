@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from braid.core.ctas import max_ctas_for
-from braid.tp.ce_reduce import CEBuffers
+from braid.tp.ce_reduce import CEBuffers, Done, EventWork
 from braid.tp.seq_shard import Scatter, reduce_scatter
 
 TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo"]
@@ -95,45 +95,7 @@ def nccl_group_options(backend: str, max_ctas: int | None) -> object | None:
     return opts
 
 
-class _EventWork:
-    """A work handle for an all-reduce that ran on a side stream: ``wait`` makes the
-    current stream wait for it (stream-ordered, like NCCL's)."""
-
-    __slots__ = ("event",)
-
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
-
-    def wait(self, timeout: object | None = None) -> bool:  # noqa: ARG002 - same signature as dist.Work.wait
-        self.event.wait(torch.cuda.current_stream())
-        return True
-
-    def is_completed(self) -> bool:
-        return self.event.query()
-
-
-class _Done:
-    """The work handle of a reduction that ran synchronously (``nccl-ce``'s algorithm on a CPU group)."""
-
-    __slots__ = ()
-
-    def wait(self, timeout: object | None = None) -> bool:  # noqa: ARG002 - same signature as dist.Work.wait
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-@functools.lru_cache(maxsize=None)
-def _enable_symm_mem(group_name: str) -> None:
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group_name):
-        enable(group_name)
-
-
-def _symm_mem_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> _EventWork:
+def _symm_mem_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> EventWork:
     """Sum ``t`` in place over ``group`` with copy-engine peer copies (see the module doc)."""
     from torch.distributed import _symmetric_memory as symm_mem
 
@@ -159,7 +121,7 @@ def _symm_mem_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> _EventWor
     # next tensors while the copies still run (seen as wrong losses when braided units overlap).
     for used in (t, flat, ag):
         used.record_stream(side)
-    return _EventWork(ev)
+    return EventWork(ev)
 
 
 def make_tp_comm(groups, backend: str, max_ctas: int | None = None) -> "TPComm":
@@ -220,8 +182,8 @@ class TPComm:
         return self._ce
 
     @staticmethod
-    def _handle(event: torch.cuda.Event | None) -> _EventWork | _Done:
-        return _Done() if event is None else _EventWork(event)
+    def _handle(event: torch.cuda.Event | None) -> EventWork | Done:
+        return Done() if event is None else EventWork(event)
 
     def __repr__(self) -> str:
         return f"TPComm({self.backend})"
