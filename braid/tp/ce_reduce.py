@@ -207,27 +207,27 @@ class CEBuffers:
             all_gather_into(x, x[self.rank * h:(self.rank + 1) * h], self.group, async_op=False)
         return Staging(x, a, pool)
 
-    def all_reduce(self, t: torch.Tensor) -> torch.cuda.Event | None:
+    def all_reduce(self, t: torch.Tensor) -> EventWork | Done:
         """Sum ``t`` (contiguous) over the group in place. CUDA: the steps run on the side stream after
-        the caller's stream; returns the event after them (None on CPU, where it has ended, and for
-        an empty ``t``)."""
+        the caller's stream; returns a handle whose ``wait`` orders the caller after them (on CPU, and
+        for an empty ``t``, they have ended)."""
         flat = t.view(-1)
         if flat.numel() == 0:
-            return None
+            return Done()
         s = self.staging(padded_numel(flat.numel(), self.world), t.dtype)
         if not self.cuda:
             ce_all_reduce_(flat, s.x, s.a, self.group)
-            return None
+            return Done()
         return self._on_side(lambda: ce_all_reduce_(flat, s.x, s.a, self.group), t)
 
-    def reduce_scatter(self, req: Scatter) -> torch.cuda.Event | None:
+    def reduce_scatter(self, req: Scatter) -> EventWork | Done:
         """``req.out`` = this rank's tokens of the sum of every rank's ``req.src`` (:mod:`braid.tp.seq_shard`);
-        the event after it on CUDA, None on CPU."""
+        a handle as :meth:`all_reduce`'s."""
         src, out = req.src.view(-1), req.out.view(-1)
         s = self.staging(src.numel(), src.dtype)
         if not self.cuda:
             ce_reduce_scatter(out, src, s.x, s.a, self.group)
-            return None
+            return Done()
         return self._on_side(lambda: ce_reduce_scatter(out, src, s.x, s.a, self.group), req.src, req.out)
 
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor) -> EventWork | Done:
@@ -245,26 +245,17 @@ class CEBuffers:
         if not self.cuda:
             ce_all_to_all(dst, src, s.x, s.a, self.group)
             return Done()
-        cur, side = torch.cuda.current_stream(self.device), self.stream
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            ce_all_to_all(dst, src, s.x, s.a, self.group)
-            ev = torch.cuda.Event()
-            ev.record(side)
-        return EventWork(ev, (send, out))
+        return self._on_side(lambda: ce_all_to_all(dst, src, s.x, s.a, self.group), send, out)
 
-    def _on_side(self, steps: Any, *used: torch.Tensor) -> torch.cuda.Event:
-        """Run ``steps`` on the side stream after the caller's stream; the event after them. The
+    def _on_side(self, steps: Any, *used: torch.Tensor) -> EventWork:
+        """Run ``steps`` on the side stream after the caller's stream; a handle on the event after them,
+        holding ``used`` (the caller's tensors the steps read or write) until its ``wait``. The
         collectives in ``steps`` are synchronous, so the side stream waits for NCCL's stream after
-        each; one side stream per group keeps a size's two buffers used by one all-reduce at a time."""
+        each; one side stream per group keeps a size's two buffers used by one collective at a time."""
         cur, side = torch.cuda.current_stream(self.device), self.stream
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             steps()
             ev = torch.cuda.Event()
             ev.record(side)
-        # The caller's tensors were made on its stream and are read and written on the side stream:
-        # without this the allocator could hand their memory to the caller's next tensors too early.
-        for t in used:
-            t.record_stream(side)
-        return ev
+        return EventWork(ev, used)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from braid.core.ctas import max_ctas_for
-from braid.tp.ce_reduce import CEBuffers, Done, EventWork
+from braid.tp.ce_reduce import CEBuffers, EventWork
 from braid.tp.seq_shard import Scatter, reduce_scatter
 
 TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo"]
@@ -165,7 +165,7 @@ class TPComm:
         nccl-zero-cta and symm-mem's NCCL group), which runs it as a copy-engine all-to-all and a sum."""
         if isinstance(t, Scatter):
             if self.backend == "nccl-ce":
-                return self._handle(self._ce_buffers(t.src.device).reduce_scatter(t))
+                return self._ce_buffers(t.src.device).reduce_scatter(t)
             return reduce_scatter(t, self.group)
         return self.all_reduce(t)
 
@@ -173,17 +173,13 @@ class TPComm:
         if self.backend == "symm-mem":
             return _symm_mem_all_reduce(t, self.group)
         if self.backend == "nccl-ce":
-            return self._handle(self._ce_buffers(t.device).all_reduce(t))
+            return self._ce_buffers(t.device).all_reduce(t)
         return dist.all_reduce(t, group=self.group, async_op=True)
 
     def _ce_buffers(self, device: torch.device) -> CEBuffers:
         if self._ce is None:
             self._ce = CEBuffers(self.group, device)
         return self._ce
-
-    @staticmethod
-    def _handle(event: torch.cuda.Event | None) -> EventWork | Done:
-        return Done() if event is None else EventWork(event)
 
     def __repr__(self) -> str:
         return f"TPComm({self.backend})"
