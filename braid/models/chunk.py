@@ -419,14 +419,16 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         self._saved[key] = [_Piece(tuple(edge(t) for t in leaves), (edge(out),))]
         return self._reduction(mb, out)
 
-    def _finish(self, mb: int, st: _Backward) -> torch.Tensor:
-        """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual."""
+    def _finish(self, mb: int, st: _Backward, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual. ``keep``
+        (run ahead on a side stream, :meth:`follow`) gets what it made: autograd runs the norm's backward
+        on its forward's stream, maybe the caller's, so they are held until the caller's stream waits for
+        the side stream (held rather than marked with record_stream, which a CUDA-graph capture does not reuse)."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
-        if self.seq_shard and dx.is_cuda:  # run ahead on a side stream (follow), the norm's forward maybe not
-            for t in (dx, *dps):
-                t.record_stream(torch.cuda.current_stream(dx.device))
+        if keep is not None:
+            keep += [dx, *dps]
         for p, g in zip(piece.params, dps):
             self._norm_grad(p, g)
         self._boxes.pop(box_key, None)

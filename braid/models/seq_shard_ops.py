@@ -140,7 +140,7 @@ class SeqShardOps:
         read = [t for t in st.pending[1:3] if t is not None]
         box = self._boxes.get(st.pending[3])  # the norm's saved tensors, freed by _finish: maybe made on the caller's stream
         read += [t for t in box.tensors if isinstance(t, torch.Tensor)] if box is not None else []
-        g = self._finish(mb, st)
+        g = self._finish(mb, st, read)
         buf, work = gather_start(g, self.seq_group)
         self._ahead_b[mb] = (g, buf)
         shares = [t for _, t in self._seq_grads.values()]  # the norm backward's weight-gradient shares (sum_seq_grads)
