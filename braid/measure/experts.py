@@ -184,7 +184,10 @@ def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tu
         if experts.ce is None:
             return dist.all_to_all_single(out, t, group=group, async_op=async_op)
         work = experts.ce.all_to_all(out, t)
-        return work if async_op else work.wait() and None
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     figures = {"a2a_s": timed(lambda: rows_a2a(x)),
                "a2a_counts_s": timed(lambda: dist.all_to_all_single(got, counts, group=group)),

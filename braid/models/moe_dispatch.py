@@ -142,7 +142,10 @@ class Exchange:
     def start(self, async_op: bool = True) -> Any:
         if self.ce is not None:
             work = self.ce.all_to_all(self.out, self.send)
-            return work if async_op else work.wait() and None
+            if async_op:
+                return work
+            work.wait()
+            return None
         return dist.all_to_all_single(self.out, self.send, self.out_splits, self.in_splits, group=self.group,
                                       async_op=async_op)
 
