@@ -32,3 +32,13 @@ def test_a3b_layer_with_experts_over_two_gpus_matches_reference(gpu_pools, compi
     ran = gpu_pools(2, fresh=True).run(cases.ep_equivalence, 1, 2, [("1f1b", 3)], A3B_LAYER, 0.02, 1, compiled,
                                        timeout_s=limit)
     assert ran == [["1f1b m=3"]] * 2
+
+
+def test_padded_exchanges_on_the_copy_engines_match_reference(gpu_pools) -> None:
+    # --ep-backend nccl-ce: the padded blocks staged in registered symmetric windows and exchanged by NCCL's
+    # zero-CTA all-to-all (copy engines), braided beside the partner's units, within the reference's error
+    if tuple(torch.cuda.nccl.version()) < (2, 28, 0):
+        pytest.skip("nccl-ce needs NCCL >= 2.28")
+    ran = gpu_pools(2, fresh=True).run(cases.ep_equivalence, 1, 2, [("braided_v", 5)], A3B_LAYER, 0.02, 1, False,
+                                       "padded", "nccl-ce", timeout_s=GPU_RUN_S)
+    assert ran == [["braided_v m=5"]] * 2
