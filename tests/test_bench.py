@@ -336,3 +336,25 @@ def test_device_memory_lines_show_what_runs_out_per_rank() -> None:
                                           "  mcore:interleaved 1F1B [graphed] m=4: 1024/2048 1024/2048"]
     cpu = {"runs": [{"schedule": "braided_v", "m": 4, "reserved_peak_bytes": [None, None]}], "external": []}
     assert format_device_memory(cpu) == []
+    mib = 2**20
+    split = {"pool_bytes": 300 * mib, "other_bytes": 200 * mib, "other_active_bytes": 120 * mib, "pinned_bytes": 40 * mib,
+             "pinned_active_bytes": 10 * mib}
+    cuda["runs"][0]["reserve_breakdown"] = [split, None]
+    assert format_device_memory(cuda)[3:] == [
+        "where rank 0's reserve lies after the counted steps, MiB (graph pool; other segments, in use; of those partly in use, "
+        "in use):", "  braided_v m=4: 300; 200, 120; 40, 10"]
+
+
+def test_the_reserve_splits_into_the_graph_pool_and_segments_partly_in_use(monkeypatch) -> None:
+    import torch
+
+    from braid.runtime.graphs import reserve_breakdown
+
+    segments = [{"total_size": 64, "active_size": 64, "segment_pool_id": (0, 7)},  # the graph's pool
+                {"total_size": 32, "active_size": 0, "segment_pool_id": (0, 0)},  # free: empty_cache returns it
+                {"total_size": 20, "active_size": 5, "segment_pool_id": (0, 0)},  # pinned by one live block
+                {"total_size": 8, "active_size": 8, "segment_pool_id": (0, 0)}]
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda *a, **k: {"segments": segments})
+    assert reserve_breakdown((0, 7)) == {"pool_bytes": 64, "other_bytes": 60, "other_active_bytes": 13, "pinned_bytes": 20,
+                                         "pinned_active_bytes": 5}
+    assert reserve_breakdown(None)["pool_bytes"] == 0

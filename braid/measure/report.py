@@ -63,6 +63,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "peak_err": max((abs(rel_err(p, q)) for p, q in zip(pred_peaks, peaks)), default=0.0),
                          "host_s": _host_s(ranks), "cuda_graph": ranks[0].get("cuda_graph"),
                          "graph_pool_bytes": [rk.get("graph_pool_bytes") for rk in ranks],
+                         "reserve_breakdown": [rk.get("reserve_breakdown") for rk in ranks],  # where the reserve lies (CUDA)
                          "reserved_peak_bytes": [rk.get("reserved") for rk in ranks],  # per rank, absolute (CUDA)
                          "device_used_bytes": [rk.get("device_used") for rk in ranks],  # nvidia-smi's view (CUDA)
                          "predicted_device_used_bytes": _predicted_used(pc, r["schedule"], r["m"], pred_peaks, mode),
@@ -253,6 +254,12 @@ def format_device_memory(summary: dict[str, Any]) -> list[str]:
         per = " ".join(f"{mib(a)}/{mib(b)}" + (f"/{mib(pred[i])}" if i < len(pred) else "")
                        for i, (a, b) in enumerate(zip(r["reserved_peak_bytes"], r.get("device_used_bytes") or [])))
         out.append(f"  {r['schedule']} m={r['m']}: {per}")
+    split = [(r, b) for r in summary["runs"] for b in (r.get("reserve_breakdown") or [])[:1] if b]
+    if split:
+        out.append("where rank 0's reserve lies after the counted steps, MiB (graph pool; other segments, in use; of those "
+                   "partly in use, in use):")
+        out += [f"  {r['schedule']} m={r['m']}: {mib(b['pool_bytes'])}; {mib(b['other_bytes'])}, {mib(b['other_active_bytes'])}; "
+                f"{mib(b['pinned_bytes'])}, {mib(b['pinned_active_bytes'])}" for r, b in split]
     return out
 
 
@@ -339,7 +346,7 @@ def add_set(path: str | Path, entry: dict[str, Any]) -> None:
 
 # a run's device memory (GPU: reserved peak, in use, graph pool per rank; the predicted allocator peak per
 # pipeline rank that predicts them), so a stored set holds the device-memory model to it as to the step time
-DEVICE_MEMORY_KEYS = ("reserved_peak_bytes", "device_used_bytes", "graph_pool_bytes", "predicted_peak_bytes")
+DEVICE_MEMORY_KEYS = ("reserved_peak_bytes", "device_used_bytes", "graph_pool_bytes", "predicted_peak_bytes", "reserve_breakdown")
 
 
 def set_entry(summary: dict[str, Any], name: str) -> dict[str, Any]:

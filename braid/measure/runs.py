@@ -129,7 +129,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     ex = Executor.from_groups(plan, program, chunks, groups, d.abort, act_shape=pc.act_shape(), dtype=DTYPES[pc.dtype],
                               device=dev, compile=pc.compile, **kw)
     toks, labs = _data(pc, m, dev, groups.coords.dp)
-    from braid.runtime.graphs import WARMUP_STEPS, step_runner
+    from braid.runtime.graphs import WARMUP_STEPS, reserve_breakdown, step_runner
 
     graph = step_runner(ex, bc.cuda_graph)  # whole-step CUDA graph, captured in the warm-up steps (an MoE at ep > 1: eager)
 
@@ -146,6 +146,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
                                                   warmup=max(bc.warmup, WARMUP_STEPS + 1) if graph.mode == "step" else None,
                                                   wall=wall)
     mem = graph.memory()
+    reserve = reserve_breakdown(getattr(graph, "pool", None)) if dev.type == "cuda" else None  # after the measured steps
     if graph.mode == "step":  # replays allocate nothing: the graph's memory is what its capture took, less the
         # gradients the capture allocated (an eager step's are allocated before it, below its baseline)
         peak = (mem["capture_peak_bytes"] or 0) - (mem.get("captured_grad_bytes") or 0)
@@ -179,7 +180,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
             "trace": res.trace if keep and groups.coords.dp == 0 else None, "busy": busy if keep else None,
             "chunk_busy": chunk_busy if keep else None, "wall": wall,
             "recorded": recorded, "host": host, "cuda_graph": graph.mode, "graph_pool_bytes": mem.get("graph_pool_bytes"),
-            "braided_blocks": count_blocks(plan), "compute_s": compute_s, "compute_kernels": kernels, "snapshot": shot}
+            "reserve_breakdown": reserve, "braided_blocks": count_blocks(plan), "compute_s": compute_s, "compute_kernels": kernels, "snapshot": shot}
 
 
 def _snapshot_step(d, ex, chunks: dict, toks, labs, path: str) -> dict[str, Any]:

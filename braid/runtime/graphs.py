@@ -211,6 +211,30 @@ def _pool_bytes(pool: Any) -> int | None:
         return None
 
 
+def reserve_breakdown(pool: Any = None) -> dict[str, int] | None:
+    """Where this process's allocator reserve lies now (None where torch does not say): ``pool_bytes``, the
+    segments of the graph's private ``pool``; ``other_bytes``, every other segment, of which ``other_active_bytes``
+    is in use; ``pinned_bytes``, the other segments that are partly in use (``torch.cuda.empty_cache`` cannot
+    return them), holding ``pinned_active_bytes``."""
+    try:
+        segments = torch.cuda.memory._snapshot()["segments"]
+    except Exception:  # noqa: BLE001 - a torch without the snapshot
+        return None
+    key = tuple(pool) if pool is not None else None
+    out = dict.fromkeys(("pool_bytes", "other_bytes", "other_active_bytes", "pinned_bytes", "pinned_active_bytes"), 0)
+    for seg in segments:
+        total, active = int(seg["total_size"]), int(seg.get("active_size", seg.get("allocated_size", 0)))
+        if key is not None and tuple(seg.get("segment_pool_id", ())) == key:
+            out["pool_bytes"] += total
+            continue
+        out["other_bytes"] += total
+        out["other_active_bytes"] += active
+        if 0 < active < total:
+            out["pinned_bytes"] += total
+            out["pinned_active_bytes"] += active
+    return out
+
+
 def _barrier(dev: torch.device) -> None:
     if dist.is_initialized():
         if dist.get_backend() == "nccl":
