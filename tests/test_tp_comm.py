@@ -104,7 +104,7 @@ def _ce_sums_case(ctx):
     braid.tp.ce_reduce run synchronously, the same code the CUDA path runs on its side stream."""
     from braid.core.topology import Topology
     from braid.tp.comm import TPComm
-    from braid.tp.seq_shard import scatter_request
+    from braid.tp.seq_shard import gathered_view, scatter_request
 
     w, r = ctx.world_size, ctx.rank
     groups = ctx.process_groups(Topology(w, pp=1, tp=w))
@@ -132,6 +132,10 @@ def _ce_sums_case(ctx):
         parts = torch.stack([f.double() for f in fulls])[:, :, 2 * r:2 * r + 2]
         err = (req.out.double() - parts.sum(0)).abs()
         assert (err <= _sum_bound(parts, dtype, acc)).all(), f"rank {r} {dtype} reduce-scatter: off by {err.max()}"
+        # the all-gather of sequence sharding: every rank's (b, s/w, h) tokens, in rank order, exactly
+        buf, work = comm.gather_start(fulls[r][:, :2])
+        work.wait()
+        assert torch.equal(gathered_view(buf), torch.cat([f[:, :2] for f in fulls], 1)), f"rank {r} {dtype} all-gather"
     return sorted((n, str(d)) for n, d in comm._ce.sets)
 
 
@@ -148,7 +152,7 @@ def test_nccl_ce_algorithm_sums_on_gloo(pools, world):
 def test_nccl_ce_braided_v_matches_reference_on_gloo(pools):
     """braided_v through nccl-ce's TPComm (over a gloo TP group: the algorithm without registration)
     equals the single-process reference, with the all-reduces and with sequence sharding's
-    reduce-scatters."""
+    reduce-scatters and all-gathers (both through its staging)."""
     import executor_cases as cases
 
     pool = pools(2)

@@ -26,7 +26,7 @@ Where the unit cuts are (Korthikanti et al. Sec. 4.2.2, operators g and g-bar):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from braid.core.braiding import Phase, Unit, UnitTask, gather_head
 from braid.models.chunk_parts import ChunkStateError, _Backward, _Box, _Piece
 from braid.runtime.offload import Parked
 from braid.tp.layers import accumulate_grad
-from braid.tp.seq_shard import Scatter, all_gather, gather_start, gathered_view, scatter_request
+from braid.tp.seq_shard import Scatter, gather_start, gathered_view, scatter_request
 
 _PRE_OF = {Unit.ATTN: Unit.PRE_ATTN, Unit.MLP: Unit.PRE_MLP}  # the backward unit that follows (same layer)
 
@@ -53,6 +53,9 @@ class SeqShardOps:
         # The all-gathers' group: the TP group, or the executor's TP backend's (use_group), which
         # runs the reduce-scatters, so that both go through one communicator and its options.
         self.seq_group = self.tp_group
+        # How the all-gathers start (local -> (buffer, work)): the executor's TP backend's (TPComm.gather_start,
+        # the copy engines under nccl-ce), else the group's collective
+        self.seq_gather_start: Callable[[torch.Tensor], tuple[torch.Tensor, Any]] | None = None
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None  # (gathered, local) of the unit running
         # micro-batch -> the head :meth:`follow` ran of its next forward / backward unit (apart: a
         # backward under full recomputation re-runs forward units between a follow and its unit)
@@ -79,9 +82,21 @@ class SeqShardOps:
         st.pending = (piece, req.out if self.seq_shard else dh, residual, key)
         return req
 
+    def _gather_start(self, local: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start the all-gather of ``local`` (b, s/t, h): its buffer and work (:attr:`seq_gather_start`)."""
+        if self.seq_gather_start is not None:
+            return self.seq_gather_start(local)
+        return gather_start(local, self.seq_group)
+
+    def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole sequence (b, s, h) of every rank's ``local``, blocking (inside a unit)."""
+        buf, work = self._gather_start(local)
+        work.wait()
+        return gathered_view(buf)
+
     def _gathered(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (b, s/t, h) with the whole sequence all-gathered under ``seq_shard`` (blocking); else ``t``."""
-        return all_gather(t.detach(), self.seq_group) if self.seq_shard else t
+        return self._all_gather(t.detach()) if self.seq_shard else t
 
     def _normed(self, mb: int, unit: Unit, layer: int) -> tuple[torch.Tensor, torch.Tensor, nn.Module, torch.Tensor]:
         """The head of a forward ``pre_*``/``head`` unit (inside its saved-tensor box): its entered
@@ -133,7 +148,7 @@ class SeqShardOps:
             norm = self.norm if task.unit is Unit.HEAD else self._layer_seq[task.layer].unit_norm(task.unit)
             with self._saving(mb, task.unit, task.layer):
                 h = norm(x)
-            buf, work = gather_start(h.detach(), self.seq_group)
+            buf, work = self._gather_start(h.detach())
             self._ahead_f[mb] = (x, h, norm, buf)
             return work, [state[0], h, buf]
         st = self._bwd[mb]
@@ -141,7 +156,7 @@ class SeqShardOps:
         box = self._boxes.get(st.pending[3])  # the norm's saved tensors, freed by _finish: maybe made on the caller's stream
         read += [t for t in box.tensors if isinstance(t, torch.Tensor)] if box is not None else []
         g = self._finish(mb, st, read)
-        buf, work = gather_start(g, self.seq_group)
+        buf, work = self._gather_start(g)
         self._ahead_b[mb] = (g, buf)
         shares = [t for _, t in self._seq_grads.values()]  # the norm backward's weight-gradient shares (sum_seq_grads)
         return work, [*read, g, buf, *shares]
@@ -161,7 +176,7 @@ class SeqShardOps:
             raise ChunkStateError(f"B{mb}: {task.label} is not its op's first unit with its output gradient in hand")
         self._bwd[mb] = _Backward()
         g = self._grad_out.pop(mb)
-        buf, work = gather_start(g, self.seq_group)
+        buf, work = self._gather_start(g)
         self._ahead_b[mb] = (g, buf)
         return work
 
@@ -175,7 +190,7 @@ class SeqShardOps:
             return
         for i, held in box.gathered.items():
             if held is None and not isinstance(box.tensors[i], Parked):
-                box.gathered[i] = gather_start(box.tensors[i], self.seq_group)
+                box.gathered[i] = self._gather_start(box.tensors[i])
 
     def _unpack_gathered(self, box: _Box, i: int) -> torch.Tensor:
         """A saved linear input over the whole sequence, from the box's local tokens (slot ``i``)."""
@@ -183,7 +198,7 @@ class SeqShardOps:
         if isinstance(held, torch.Tensor):
             return held
         if held is None:
-            full = all_gather(box.tensors[i], self.seq_group)
+            full = self._all_gather(box.tensors[i])
         else:
             buf, work = held
             work.wait()

@@ -158,6 +158,8 @@ class Executor:
         for ch in chunks.values():  # sequence sharding's all-gathers beside its reduce-scatters
             if getattr(ch, "seq_shard", False) and self.tp_comm.group is not None:
                 ch.seq_group = self.tp_comm.group
+                if self.tp_comm.backend == "nccl-ce":  # the all-gathers on the copy engines too
+                    ch.seq_gather_start = self.tp_comm.gather_start
         self.sp_group = sp_group
         self.abort = abort
         # One per rank and executor: its pinned host buffers are reused by every step.

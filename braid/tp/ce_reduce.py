@@ -84,6 +84,17 @@ def ce_all_to_all(out: torch.Tensor, src: torch.Tensor, x: torch.Tensor, a: torc
     out.copy_(a)
 
 
+def ce_all_gather(out: torch.Tensor, local: torch.Tensor, x: torch.Tensor, group: Any) -> None:
+    """``out`` (flat, ``w * n``) = every rank's ``local`` (flat, ``n``) in rank order, staged in ``x``
+    (``w * n``): this rank's slice copied in, the in-place all-gather of step 4, copied out (sequence
+    sharding's all-gather, :mod:`braid.tp.seq_shard`)."""
+    n, r = local.numel(), dist.get_rank(group)
+    mine = x[r * n:(r + 1) * n]
+    mine.copy_(local)
+    all_gather_into(x, mine, group, async_op=False)
+    out.copy_(x)
+
+
 def ce_all_reduce_(flat: torch.Tensor, x: torch.Tensor, a: torch.Tensor, group: Any) -> None:
     """Sum ``flat`` (1-D) over ``group`` in place through ``x`` and ``a`` (each
     :func:`padded_numel` of it): the five steps of the module doc."""
@@ -229,6 +240,21 @@ class CEBuffers:
             ce_reduce_scatter(out, src, s.x, s.a, self.group)
             return Done()
         return self._on_side(lambda: ce_reduce_scatter(out, src, s.x, s.a, self.group), req.src, req.out)
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> EventWork | Done:
+        """``out`` (``w`` times ``local``'s elements) = every rank's ``local`` in rank order, through a staging
+        set's ``x`` on the copy engines; a handle as :meth:`all_reduce`'s."""
+        src, dst = local.reshape(-1), out.view(-1)
+        if dst.numel() != self.world * src.numel() or src.dtype != dst.dtype:
+            raise ValueError(f"nccl-ce all-gather: {src.numel()} {src.dtype} elements per rank into {dst.numel()} "
+                             f"{dst.dtype}; the output holds {self.world} times the input")
+        if src.numel() == 0:
+            return Done()
+        s = self.staging(dst.numel(), src.dtype)
+        if not self.cuda:
+            ce_all_gather(dst, src, s.x, self.group)
+            return Done()
+        return self._on_side(lambda: ce_all_gather(dst, src, s.x, self.group), local, out)
 
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor) -> EventWork | Done:
         """``out`` = the group's all-to-all of ``send`` (contiguous, the same size as ``out``, in equal

@@ -79,13 +79,6 @@ def gathered_view(buf: torch.Tensor) -> torch.Tensor:
     return buf.transpose(0, 1).reshape(b, t * n, *rest)
 
 
-def all_gather(local: torch.Tensor, group: Any) -> torch.Tensor:
-    """The whole sequence (b, s, h) from every rank's tokens (b, s/t, h), blocking (inside a unit)."""
-    buf, work = gather_start(local, group)
-    work.wait()
-    return gathered_view(buf)
-
-
 def reduce_now(req: torch.Tensor | Scatter, group: Any) -> None:
     """A unit's TP reduction, blocking: all-reduce in place, or the reduce-scatter of a :class:`Scatter`."""
     if isinstance(req, Scatter):
