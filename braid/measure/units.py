@@ -411,6 +411,10 @@ def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=
         comm, choice = tp_comm_for(pc, groups, dev)
     timer = _Timer(dev)
     chunks = chunks if chunks is not None else build_chunks(pc, groups, dev, experts=experts)
+    if comm.backend == "nccl-ce":  # sequence sharding's all-gathers on the copy engines, as the executor runs them
+        for ch in chunks.values():
+            if getattr(ch, "seq_shard", False):
+                ch.seq_gather_start = comm.gather_start
     routes = count_routes(chunks)
     progress = Progress(pc.v * (pc.warmup + pc.iters), "profile", enabled=d.rank == 0)
     stages = {}
