@@ -65,6 +65,7 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
         rc, text = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as err:
         rc, text = 124, (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+    text = machine_free(text)
     stop.set()
     sampler.join()
     peaks = [float(x.replace(",", "")) for x in re.findall(r"peak mem ([\d,.]+) MiB", text)]
@@ -72,6 +73,17 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
             "oom_where": oom_where(text),
             "steps_done": len(re.findall(r"step +\d+/", text)), "allocator_peak_mib": max(peaks, default=0.0),
             "device_in_use_mib": max(used, default=0), "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
+
+
+def machine_free(text: str) -> str:
+    """``text`` with this machine's paths left out: the repository's root (its files named as in the
+    repository), the Python environment's prefix and Inductor's cache directory."""
+    import getpass
+
+    cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    for path, name in ((os.path.realpath(ROOT), ""), (sys.prefix, "<python env>/"), (cache, "<inductor cache>/")):
+        text = text.replace(path.rstrip(os.sep) + os.sep, name)
+    return text
 
 
 def oom_where(text: str) -> list[str]:

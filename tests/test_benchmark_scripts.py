@@ -123,3 +123,6 @@ def test_plan_fits_names_where_a_run_ran_out(monkeypatch) -> None:
     assert [w.split('"')[1] for w in where[:-1]] == ["/x/examples/lm.py", "/x/braid/runtime/executor.py",
                                                      "/x/braid/tp/layers.py"]
     assert plan_fits.oom_where("step    1/6 loss 11.9\nrc 0") == []
+    root = plan_fits.os.path.realpath(plan_fits.ROOT)
+    assert plan_fits.machine_free(f'File "{root}/braid/tp/layers.py" and "{sys.prefix}/bin/torchrun"') == \
+        'File "braid/tp/layers.py" and "<python env>/bin/torchrun"'  # stored results name no machine's paths
