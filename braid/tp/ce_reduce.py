@@ -226,20 +226,14 @@ class CEBuffers:
         if flat.numel() == 0:
             return Done()
         s = self.staging(padded_numel(flat.numel(), self.world), t.dtype)
-        if not self.cuda:
-            ce_all_reduce_(flat, s.x, s.a, self.group)
-            return Done()
-        return self._on_side(lambda: ce_all_reduce_(flat, s.x, s.a, self.group), t)
+        return self._run(lambda: ce_all_reduce_(flat, s.x, s.a, self.group), t)
 
     def reduce_scatter(self, req: Scatter) -> EventWork | Done:
         """``req.out`` = this rank's tokens of the sum of every rank's ``req.src`` (:mod:`braid.tp.seq_shard`);
         a handle as :meth:`all_reduce`'s."""
         src, out = req.src.view(-1), req.out.view(-1)
         s = self.staging(src.numel(), src.dtype)
-        if not self.cuda:
-            ce_reduce_scatter(out, src, s.x, s.a, self.group)
-            return Done()
-        return self._on_side(lambda: ce_reduce_scatter(out, src, s.x, s.a, self.group), req.src, req.out)
+        return self._run(lambda: ce_reduce_scatter(out, src, s.x, s.a, self.group), req.src, req.out)
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> EventWork | Done:
         """``out`` (``w`` times ``local``'s elements) = every rank's ``local`` in rank order, through a staging
@@ -251,10 +245,7 @@ class CEBuffers:
         if src.numel() == 0:
             return Done()
         s = self.staging(dst.numel(), src.dtype)
-        if not self.cuda:
-            ce_all_gather(dst, src, s.x, self.group)
-            return Done()
-        return self._on_side(lambda: ce_all_gather(dst, src, s.x, self.group), local, out)
+        return self._run(lambda: ce_all_gather(dst, src, s.x, self.group), local, out)
 
     def all_to_all(self, out: torch.Tensor, send: torch.Tensor) -> EventWork | Done:
         """``out`` = the group's all-to-all of ``send`` (contiguous, the same size as ``out``, in equal
@@ -268,16 +259,17 @@ class CEBuffers:
         if src.numel() == 0:
             return Done()
         s = self.staging(src.numel(), src.dtype)
-        if not self.cuda:
-            ce_all_to_all(dst, src, s.x, s.a, self.group)
-            return Done()
-        return self._on_side(lambda: ce_all_to_all(dst, src, s.x, s.a, self.group), send, out)
+        return self._run(lambda: ce_all_to_all(dst, src, s.x, s.a, self.group), send, out)
 
-    def _on_side(self, steps: Any, *used: torch.Tensor) -> EventWork:
-        """Run ``steps`` on the side stream after the caller's stream; a handle on the event after them,
-        holding ``used`` (the caller's tensors the steps read or write) until its ``wait``. The
-        collectives in ``steps`` are synchronous, so the side stream waits for NCCL's stream after
-        each; one side stream per group keeps a size's two buffers used by one collective at a time."""
+    def _run(self, steps: Any, *used: torch.Tensor) -> EventWork | Done:
+        """Run ``steps``: on CPU now (gloo, synchronous), a done handle; on CUDA on the side stream after
+        the caller's stream, a handle on the event after them, holding ``used`` (the caller's tensors the
+        steps read or write) until its ``wait``. The collectives in ``steps`` are synchronous, so the
+        side stream waits for NCCL's stream after each; one side stream per group keeps a size's two
+        buffers used by one collective at a time."""
+        if not self.cuda:
+            steps()
+            return Done()
         cur, side = torch.cuda.current_stream(self.device), self.stream
         side.wait_stream(cur)
         with torch.cuda.stream(side):
