@@ -50,11 +50,9 @@ class SeqShardOps:
     def _init_seq_shard(self, on: bool) -> None:
         self.seq_shard = on and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
         self._seq_grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # this step's norm-weight shares
-        # The all-gathers' group: the TP group, or the executor's TP backend's (use_group), which
-        # runs the reduce-scatters, so that both go through one communicator and its options.
-        self.seq_group = self.tp_group
-        # How the all-gathers start (local -> (buffer, work)): the executor's TP backend's (TPComm.gather_start,
-        # the copy engines under nccl-ce), else the group's collective
+        # How the all-gathers start (local -> (buffer, work)): the executor sets its TP backend's
+        # (TPComm.gather_start: the communicator of the reduce-scatters, the copy engines under nccl-ce);
+        # unset, the TP group's collective
         self.seq_gather_start: Callable[[torch.Tensor], tuple[torch.Tensor, Any]] | None = None
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None  # (gathered, local) of the unit running
         # micro-batch -> the head :meth:`follow` ran of its next forward / backward unit (apart: a
@@ -86,7 +84,7 @@ class SeqShardOps:
         """Start the all-gather of ``local`` (b, s/t, h): its buffer and work (:attr:`seq_gather_start`)."""
         if self.seq_gather_start is not None:
             return self.seq_gather_start(local)
-        return gather_start(local, self.seq_group)
+        return gather_start(local, self.tp_group)
 
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """The whole sequence (b, s, h) of every rank's ``local``, blocking (inside a unit)."""

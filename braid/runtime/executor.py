@@ -155,11 +155,9 @@ class Executor:
         self.tp_group = tp_group
         # How the TP all-reduces run (braid.tp.comm); a plain async all-reduce by default.
         self.tp_comm = tp_comm if tp_comm is not None else TPComm("gloo", tp_group)
-        for ch in chunks.values():  # sequence sharding's all-gathers beside its reduce-scatters
+        for ch in chunks.values():  # sequence sharding's all-gathers through the backend of its reduce-scatters
             if getattr(ch, "seq_shard", False) and self.tp_comm.group is not None:
-                ch.seq_group = self.tp_comm.group
-                if self.tp_comm.backend == "nccl-ce":  # the all-gathers on the copy engines too
-                    ch.seq_gather_start = self.tp_comm.gather_start
+                ch.seq_gather_start = self.tp_comm.gather_start
         self.sp_group = sp_group
         self.abort = abort
         # One per rank and executor: its pinned host buffers are reused by every step.
