@@ -176,7 +176,10 @@ class CEBuffers:
     and the steps run synchronously on gloo (tests)."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
-        self.group, self.device = group, torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # a memory pool needs the index
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.group, self.device = group, device
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.sets: dict[tuple[int, torch.dtype], Staging] = {}
         self.cuda = self.device.type == "cuda"

@@ -95,6 +95,15 @@ def nccl_group_options(backend: str, max_ctas: int | None) -> object | None:
     return opts
 
 
+@functools.lru_cache(maxsize=None)
+def _enable_symm_mem(group_name: str) -> None:
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        enable(group_name)
+
+
 def _symm_mem_all_reduce(t: torch.Tensor, group: dist.ProcessGroup) -> EventWork:
     """Sum ``t`` in place over ``group`` with copy-engine peer copies (see the module doc)."""
     from torch.distributed import _symmetric_memory as symm_mem
