@@ -85,7 +85,8 @@ def run(task: Task, setup: Setup, source: Any = None, joined: Any = None
         # a raw communication failure anywhere inside (a collective of a library call) leaves as the
         # executor's would: PeerLost naming the lost rank, PeerFailure naming the first failing one
         with d.abort.collective():
-            groups = ProcessGroups.create(setup.topo, timeout_s=args.timeout)
+            groups = ProcessGroups.create(setup.topo, timeout_s=args.timeout,
+                                          seq_shard=args.sequence_parallel)
             source = source if source is not None else setup.source
             ref = train_reference(task, setup, source, device, dtype, d.abort) if args.reference else None
             stats = {r.name: train_schedule(task, setup, r, d, groups, source, device, dtype) for r in setup.runs}

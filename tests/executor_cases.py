@@ -417,6 +417,50 @@ def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
     return kept, {u.value: units[u].act for u in LAYER_UNITS}
 
 
+def seq_shard_w_stash(ctx, shard: bool) -> tuple[list, list, list]:
+    """One layer at tp=2 (float64), forward then activation backward unit by unit (weight gradients split
+    off): the shapes of the column-parallel linears' stashed inputs after B, what the chunk still holds
+    (:meth:`pending_work`) after every W, and the weight gradients."""
+    from braid.core.braiding import AR_BACKWARD, AR_FORWARD, LAYER_UNITS, ChunkSpec, Comm, Phase, UnitTask
+    from braid.core.topology import Topology
+    from braid.models.build import build_chunk
+    from braid.models.qwen2 import Qwen2Config, Qwen2Model
+    from braid.tp.seq_shard import reduce_now
+
+    groups = ctx.process_groups(Topology(ctx.world_size, pp=1, tp=2))
+    b, s, t = MBS, SEQ, 2
+    cfg = Qwen2Config(layers=1, **CFG_KW)
+    torch.manual_seed(0)
+    ch = build_chunk(Qwen2Model(cfg).double(), ChunkSpec(1), 0, tp_rank=groups.coords.tp, tp_size=t, tp_group=groups.tp,
+                     seq_shard=shard)
+    toks, labs = _data(cfg, 1, 0)
+    ch.set_batch(toks, labs)
+    torch.manual_seed(1)
+    x, g = (torch.randn(b, s, cfg.hidden, dtype=torch.float64) for _ in range(2))
+    rank = groups.coords.tp
+    part = (lambda v: v.chunk(t, dim=1)[rank].contiguous()) if shard else (lambda v: v)
+    ch.set_input(0, part(x))
+    for unit in LAYER_UNITS:
+        out = ch.run(0, UnitTask(Phase.F, unit, 0, Comm.AR if unit in AR_FORWARD else None))
+        if out is not None:
+            reduce_now(out, groups.tp)
+    ch.end_forward(0)
+    ch.pop_output(0)
+    ch.set_output_grad(0, part(g))
+    for unit in reversed(LAYER_UNITS):
+        out = ch.run(0, UnitTask(Phase.B, unit, 0, Comm.AR if unit in AR_BACKWARD else None))
+        if out is not None:
+            reduce_now(out, groups.tp)
+    stashed = sorted(tuple(x.shape) for unit in LAYER_UNITS for m in ch._deferred(unit, 0)
+                     for x in m.stashed_inputs(0) if unit.value.startswith("pre_"))
+    held = []
+    for unit in reversed(LAYER_UNITS):
+        ch.run(0, UnitTask(Phase.W, unit, 0))
+        held.append(sorted(w for w in ch.pending_work() if w.startswith(("stash", "stashed"))))
+    grads = [(n, p.grad.clone()) for n, p in ch.named_parameters() if p.grad is not None and p.dim() == 2]
+    return stashed, held, grads
+
+
 def seq_shard_gathers(ctx, grouped: bool) -> tuple[int, list]:
     """:func:`equivalence` of braided_v and zb_v at tp=2 under sequence sharding, with Q/K/V and gate/up
     grouped into one GEMM each (the tiny model's default) or as separate linears (``grouped`` False: a

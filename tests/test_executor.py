@@ -18,6 +18,7 @@ import torch
 from braid import schedules
 from distributed_utils import DistPool
 import executor_cases as cases
+from reference_error import assert_matches_reference
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)]
 # m as a function of p: p, and two counts that are not multiples of p (for p > 1).
@@ -181,6 +182,24 @@ def test_sequence_parallel_matches_reference_and_saves_activations(pools) -> Non
     for unit in kept0:
         assert kept0[unit] - kept1[unit] == model0[unit] - model1[unit], (unit, kept0, kept1, model0, model1)
     assert kept1["pre_attn"] < kept0["pre_attn"] and kept1["attn"] == kept0["attn"]
+
+
+def test_a_split_backward_stashes_the_ranks_tokens_and_w_gathers_them(pools) -> None:
+    # Under sequence sharding the column-parallel linears' input gradient does not read their input: B
+    # stashes the rank's s/t tokens for W (not the gathered sequence, Megatron's choice too), W gathers
+    # them, and the weight gradients are those of the unsharded layer.
+    pool = pools(2)
+    whole = pool.run(cases.seq_shard_w_stash, False, timeout_s=60)
+    shard = pool.run(cases.seq_shard_w_stash, True, timeout_s=60)
+    for rank, ((st0, held0, g0), (st1, held1, g1)) in enumerate(zip(whole, shard)):
+        assert st0 and len(st0) == len(st1), (rank, st0, st1)
+        for a, b in zip(st0, st1):  # (b, s, h) without sharding, (b, s/2, h) with it
+            assert a[:1] + a[2:] == b[:1] + b[2:] and a[1] == 2 * b[1], (rank, st0, st1)
+        assert held1[-1] == [] and held0[-1] == [], (rank, held0, held1)
+        assert [n for n, _ in g0] == [n for n, _ in g1], rank
+        scale = max(float(a.abs().max()) for _, a in g0)
+        for (n, a), (_, b) in zip(g0, g1):  # float64 sums in another order (norms on the rank's tokens)
+            assert_matches_reference(b, a, what=f"rank {rank} sharded {n}.grad", scale=scale)
 
 
 def test_separate_linears_of_one_gathered_input_share_its_gather(pools) -> None:

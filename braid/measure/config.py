@@ -293,7 +293,8 @@ def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--peak-flops", type=float, default=None, help="MFU denominator per device (default: 989e12 on cuda, 0 on cpu)")
     ap.add_argument("--tp-backend", default="auto",
                     help="how TP all-reduces run (braid.tp.comm): auto, nccl-capped, nccl, nccl-zero-cta, nccl-ce, symm-mem, gloo; "
-                         "or 'all': measure each available one alone and beside a GEMM and use the best (default auto)")
+                         "or 'all': measure each available one alone and beside a GEMM and use the best (default auto: "
+                         "nccl-capped, or nccl-ce under --sequence-parallel where NCCL >= 2.28)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the units' element-wise functions (default: on with CUDA, off on CPU)")
     add_seq_shard_arg(ap)

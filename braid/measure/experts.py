@@ -54,7 +54,7 @@ def job_groups(pc: Any, timeout_s: float = 120.0) -> tuple[Any, Any]:
 
     topo = Topology(pc.world_size, pp=pc.pp, tp=pc.tp, dp=pc.dp)
     groups = ProcessGroups.create(topo, tp_backend="auto" if pc.tp_backend == "all" else pc.tp_backend, timeout_s=timeout_s,
-                                  tp_max_ctas=pc.tp_max_ctas)
+                                  tp_max_ctas=pc.tp_max_ctas, seq_shard=pc.seq_shard)
     experts = (ExpertGroups.create(topo, groups.rank, pc.ep, timeout_s=timeout_s, max_ctas=pc.ep_max_ctas or None,
                                    backend=pc.ep_backend, device=pc.device) if pc.ep > 1 else None)
     return groups, experts

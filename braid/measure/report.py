@@ -30,6 +30,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
     tokens = pc.seq * pc.micro_batch_size
     vision = pc.vision is not None
     flops = doc.get("model_flops_per_sample", 0.0)
+    backend = doc.get("meta", {}).get("tp_backend") or pc.tp_backend  # as the run resolved "auto" (or "all")
     out_runs = []
     traces = {}
     by_round = _round_steps(raw["runs"])
@@ -66,7 +67,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "reserve_breakdown": [rk.get("reserve_breakdown") for rk in ranks],  # where the reserve lies (CUDA)
                          "reserved_peak_bytes": [rk.get("reserved") for rk in ranks],  # per rank, absolute (CUDA)
                          "device_used_bytes": [rk.get("device_used") for rk in ranks],  # nvidia-smi's view (CUDA)
-                         "predicted_device_used_bytes": _predicted_used(pc, r["schedule"], r["m"], pred_peaks, mode),
+                         "predicted_device_used_bytes": _predicted_used(pc, r["schedule"], r["m"], pred_peaks, mode, backend),
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None),
                          "braided_blocks": ranks[0].get("braided_blocks"),
                          # where its time went: the epoch seconds of each round's measured steps (rank 0),
@@ -101,7 +102,7 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                     "host_s": _host_s(rk), "compute_s": _per_rank(rk, "compute_s"),
                     "compute_kernels": _per_rank(rk, "compute_kernels")})
     cfg = {**asdict(pc), "model": asdict(pc.model), "schedules": list(bc.schedules), "mbs": list(bc.mbs),
-           "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds}
+           "warmup": bc.warmup, "steps": bc.steps, "rounds": bc.rounds, "tp_backend": backend}
     done = 1 + max((r.get("round", 0) for r in raw["runs"] + raw["external"]), default=-1)
     return {"config": cfg, "device": doc.get("meta", {}).get("device"), "memory": memory, "rounds_done": done, "runs": out_runs,
             "external": ext, "best_over_external": round_ratios(out_runs, ext), "ranking": ranking(out_runs),
@@ -110,10 +111,10 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
             "memory_snapshot": raw.get("memory_snapshot"), "_traces": traces}
 
 
-def _predicted_used(pc, schedule: str, m: int, peaks: list[float], mode: str | None) -> list[float] | None:
+def _predicted_used(pc, schedule: str, m: int, peaks: list[float], mode: str | None, backend: str) -> list[float] | None:
     """Per rank, the device memory in use :mod:`braid.cost.device_memory` predicts (CUDA, dense decoder LMs;
-    None otherwise)."""
-    cfg = {**asdict(pc), "model": asdict(pc.model)}
+    None otherwise); ``backend``: the TP backend the run used."""
+    cfg = {**asdict(pc), "model": asdict(pc.model), "tp_backend": backend}
     if pc.device != "cuda" or pc.vision is not None or not is_dense_decoder(cfg["model"]):
         return None
     from braid import schedules

@@ -393,7 +393,7 @@ def tp_comm_for(pc: ProfileConfig, groups, dev: torch.device) -> tuple[Any, dict
     if pc.tp_backend == "all":
         choice = compare_tp_backends(pc, groups, dev)
         return make_tp_comm(groups, choice["chosen"], pc.tp_max_ctas), choice
-    return make_tp_comm(groups, resolve_tp_backend(pc.tp_backend, dev), pc.tp_max_ctas), None
+    return make_tp_comm(groups, resolve_tp_backend(pc.tp_backend, dev, pc.seq_shard), pc.tp_max_ctas), None
 
 
 def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=None,

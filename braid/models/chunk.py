@@ -275,6 +275,7 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         out += [f"stash {type(m).__name__}" for m in self._deferred_all() if m.stash_bytes()]
         out += [f"fused graph mb{k}" for k in self._ops]
         out += [f"unit head run ahead mb{k}" for k in (*self._ahead_f, *self._ahead_b)]  # seq_shard (follow)
+        out += [f"stashed tokens {tuple(rec[0].shape)} not gathered for W" for rec in self._stashed_local.values()]
         out += [f"routing of MoE layer {layer} mb{mb}" for mb, layer in self._routings]
         return out
 
@@ -289,6 +290,9 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
             return self._backward(mb, task.unit, task.layer)
         if mb in self._joint_done:  # its weight gradients came with its fused backward
             return None
+        if self.seq_shard:  # the stashed tokens of gathered linear inputs: whole again for this W, the next W's started
+            self.gather_stashed(mb, task.unit, task.layer)
+            self.prefetch_stashed(mb, task.unit, task.layer)
         for mod in self._deferred(task.unit, task.layer):
             mod.weight_backward(mb)
         return None
@@ -355,7 +359,7 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
                 if i is None:
                     box.tensors.append(g[1])
                     i = len(box.tensors) - 1
-                    box.gathered[i] = None  # gathered again in the backward (_prefetch)
+                    box.gathered[i] = None  # gathered again for W (SeqShardOps._unpack_gathered)
                 return (box, i, True)
             box.tensors.append(t)
             return (box, len(box.tensors) - 1, False)
@@ -473,13 +477,15 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
                 return self._pend(st, pieces[0], dh, None, key)  # partial over TP: reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
                 (hl,) = pieces[1].inputs
-                (dh,) = grad(pieces[1].outputs, (hl,), st.grads)
+                self._defer_gathers = self.seq_shard  # the linears' saved input: stashed as the rank's tokens
+                try:
+                    (dh,) = grad(pieces[1].outputs, (hl,), st.grads)
+                finally:
+                    self._defer_gathers = False
                 req = self._pend(st, pieces[0], dh, st.residual, key)
                 st.grads, st.residual = (), None
                 return req
             g, gf = self._grad_whole(mb, st)  # gf: the whole sequence's gradient under seq_shard
-            if self.seq_shard:
-                self._prefetch(mb, unit, layer)
             if unit is Unit.EMBED:
                 torch.autograd.backward(pieces[0].outputs, (gf,), inputs=[self.embed.weight])
                 self._boxes.pop(key, None)

@@ -110,8 +110,6 @@ class MoeOps:
         plan = self._plan(mb, layer)[0]
         if unit is Unit.MLP:
             g, gf = self._grad_whole(mb, st)
-            if self.seq_shard:
-                self._prefetch(mb, unit, layer)
             d_rows, d_weights = grad(pieces[0].outputs, pieces[0].inputs, (gf,))
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             req = exchange(d_rows, plan)  # the combine's backward: to the experts' ranks

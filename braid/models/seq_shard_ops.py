@@ -16,10 +16,14 @@ Where the unit cuts are (Korthikanti et al. Sec. 4.2.2, operators g and g-bar):
   instruction starts when the op follows its block's leader
   (:func:`braid.core.braiding.early_heads`); otherwise the unit runs it itself, the gather blocking.
 * A column-parallel linear's input is the gathered sequence; its saved copy is the rank's
-  tokens (:meth:`braid.models.chunk.ModelChunk._saving`), gathered again for the backward:
-  started as the backward of the row-parallel unit before it begins (:meth:`_prefetch`), so
-  it runs beside that unit's compute. The LM head's input is saved whole: nothing runs before
-  its backward for a re-gather to hide behind.
+  tokens (:meth:`braid.models.chunk.ModelChunk._saving`). Only its weight gradient reads it
+  (the input gradient is the output gradient times the weight), so the activation backward
+  stashes the rank's tokens for W (:meth:`_unpack_gathered`) and the W task gathers them
+  again (:meth:`gather_stashed`): started as the W of the row-parallel unit before it begins
+  (:meth:`prefetch_stashed`), so it runs beside that unit's compute. A split B's stash then
+  holds ``s/t`` tokens until W, not the whole sequence (Megatron-LM gathers in its weight
+  gradient too). The LM head's input is saved whole: nothing runs before its backward for a
+  re-gather to hide behind.
 * RMSNorm weights see only the rank's tokens: their gradients are shares, summed over TP at
   the end of the step (:meth:`sum_seq_grads`).
 """
@@ -34,7 +38,6 @@ from torch import nn
 
 from braid.core.braiding import Phase, Unit, UnitTask, gather_head
 from braid.models.chunk_parts import ChunkStateError, _Backward, _Box, _Piece
-from braid.runtime.offload import Parked
 from braid.tp.layers import accumulate_grad
 from braid.tp.seq_shard import Scatter, gather_start, gathered_view, scatter_request
 
@@ -59,6 +62,11 @@ class SeqShardOps:
         # backward under full recomputation re-runs forward units between a follow and its unit)
         self._ahead_f: dict[int, tuple] = {}
         self._ahead_b: dict[int, tuple] = {}
+        # While an activation backward stashes for W (set around a pre_attn / pre_mlp B): a gathered slot
+        # unpacks to the rank's tokens, recorded here by address (autograd unpacks a new tensor object of
+        # the same memory) -> [tokens, None | (buffer, work) | gathered]
+        self._defer_gathers = False
+        self._stashed_local: dict[int, list] = {}
 
     # -- reductions and gathers -----------------------------------------------------------
     def _reduction(self, mb: int, out: torch.Tensor) -> torch.Tensor | Scatter:
@@ -178,31 +186,74 @@ class SeqShardOps:
         self._ahead_b[mb] = (g, buf)
         return work
 
-    # -- saved linear inputs: the rank's tokens, gathered again for the backward -------------
-    def _prefetch(self, mb: int, unit: Unit, layer: int) -> None:
-        """Start gathering the saved linear inputs of the backward unit after ``unit`` (its
-        pre-unit in the same layer) so that they arrive while ``unit``'s backward computes."""
-        pre = _PRE_OF.get(unit)
-        box = self._boxes.get((mb, pre, layer)) if pre is not None else None
-        if box is None:
-            return
-        for i, held in box.gathered.items():
-            if held is None and not isinstance(box.tensors[i], Parked):
-                box.gathered[i] = self._gather_start(box.tensors[i])
-
+    # -- saved linear inputs: the rank's tokens, gathered again in W ------------------------
     def _unpack_gathered(self, box: _Box, i: int) -> torch.Tensor:
-        """A saved linear input over the whole sequence, from the box's local tokens (slot ``i``)."""
+        """A saved linear input (slot ``i`` of ``box``, the rank's tokens): in an activation backward
+        that stashes it for W (``_defer_gathers``), the tokens themselves -- the linears' input
+        gradients do not read it, W gathers it (:meth:`gather_stashed`); otherwise the whole sequence."""
         held = box.gathered.get(i)
         if isinstance(held, torch.Tensor):
             return held
-        if held is None:
-            full = self._all_gather(box.tensors[i])
-        else:
-            buf, work = held
-            work.wait()
-            full = gathered_view(buf)
+        local = box.tensors[i]
+        if self._defer_gathers:
+            self._stashed_local.setdefault(local.data_ptr(), [local, None])
+            return local
+        full = self._all_gather(local)
         box.gathered[i] = full
         return full
+
+    def _stashed_of(self, mb: int, unit: Unit, layer: int) -> list[list]:
+        """The records of the rank's tokens stashed for the W of (``mb``, ``unit``, ``layer``), once each."""
+        seen: dict[int, list] = {}
+        for mod in self._deferred(unit, layer):
+            for x in mod.stashed_inputs(mb):
+                rec = self._stashed_local.get(x.data_ptr())
+                if rec is not None:
+                    seen[x.data_ptr()] = rec
+        return list(seen.values())
+
+    def prefetch_stashed(self, mb: int, unit: Unit, layer: int) -> None:
+        """As the W of ``unit`` starts, start gathering the stashed tokens of the W after it (its
+        pre-unit in the same layer), so the gather runs beside this W's compute -- from the pre-unit's
+        saved tokens where its B is still to come (then they are stashed with the gather in flight)."""
+        pre = _PRE_OF.get(unit)
+        if pre is None:
+            return
+        box = self._boxes.get((mb, pre, layer))
+        if box is not None:  # its B has not run yet (a full backward: each unit's W follows its B): the saved tokens
+            for i, held in box.gathered.items():
+                local = box.tensors[i]
+                if held is None and isinstance(local, torch.Tensor):  # (not on the host)
+                    rec = self._stashed_local.setdefault(local.data_ptr(), [local, None])
+                    if rec[1] is None:
+                        rec[1] = self._gather_start(local)
+            return
+        for rec in self._stashed_of(mb, pre, layer):
+            if rec[1] is None:
+                rec[1] = self._gather_start(rec[0])
+
+    def gather_stashed(self, mb: int, unit: Unit, layer: int) -> None:
+        """Before the W of (``mb``, ``unit``, ``layer``): its modules' stashed tokens replaced by the whole
+        sequence (one gather per input: Q, K and V share theirs, as gate and up do)."""
+        if not self._stashed_local:
+            return
+        recs = self._stashed_of(mb, unit, layer)
+        if not recs:
+            return
+        for rec in recs:
+            if not isinstance(rec[1], torch.Tensor):
+                buf, work = rec[1] if rec[1] is not None else self._gather_start(rec[0])
+                work.wait()
+                rec[1] = gathered_view(buf)
+
+        def whole(x: torch.Tensor) -> torch.Tensor:
+            rec = self._stashed_local.get(x.data_ptr())
+            return x if rec is None else rec[1]
+
+        for mod in self._deferred(unit, layer):
+            mod.map_stashed_inputs(mb, whole)
+        for rec in recs:
+            del self._stashed_local[rec[0].data_ptr()]
 
     # -- norm weights --------------------------------------------------------------------
     def _norm_grad(self, p: nn.Parameter, g: torch.Tensor) -> None:

@@ -435,11 +435,11 @@ class ProcessGroups:
 
     @staticmethod
     def create(topo: Topology, rank: int | None = None, timeout_s: float = 120.0,
-               tp_max_ctas: int | None = None, tp_backend: str = "auto") -> "ProcessGroups":
+               tp_max_ctas: int | None = None, tp_backend: str = "auto", seq_shard: bool = False) -> "ProcessGroups":
         """Create every group of the layout (collective: all ranks call it, same order).
 
-        ``tp_backend``: how the TP all-reduce runs (:mod:`braid.tp.comm`; ``"auto"`` is
-        ``nccl-capped`` on CUDA and ``gloo`` on CPU). ``tp_max_ctas`` caps the thread blocks NCCL gives the TP group's all-reduces. A
+        ``tp_backend``: how the TP all-reduce runs (:mod:`braid.tp.comm`; ``"auto"``:
+        :func:`braid.tp.comm.resolve_tp_backend` of ``seq_shard``, the run's sequence sharding). ``tp_max_ctas`` caps the thread blocks NCCL gives the TP group's all-reduces. A
         braided block runs each all-reduce *while* the other micro-batch's GEMMs run; an
         uncapped NCCL kernel holds its SMs while it waits for the peer and slows those
         GEMMs (the measured defaults: :func:`braid.core.ctas.default_max_ctas`). Only the TP
@@ -455,7 +455,7 @@ class ProcessGroups:
         from braid.tp.comm import nccl_group_options, resolve_tp_backend
 
         rank = dist.get_rank() if rank is None else rank
-        backend = resolve_tp_backend(tp_backend, "cuda" if dist.get_backend() == "nccl" else "cpu")
+        backend = resolve_tp_backend(tp_backend, "cuda" if dist.get_backend() == "nccl" else "cpu", seq_shard)
         ctas = max_ctas_for(tp_max_ctas, topo.tp)
         if backend == "nccl-capped" and ctas is None:
             backend = "nccl"

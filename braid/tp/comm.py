@@ -8,7 +8,8 @@ backends differ in exactly that:
 
 ``nccl-capped``
     NCCL with the TP communicator's CTAs capped (``max_ctas``, by default
-    :func:`braid.core.ctas.default_max_ctas` of the TP size): few SMs taken, some bandwidth lost. The default on CUDA.
+    :func:`braid.core.ctas.default_max_ctas` of the TP size): few SMs taken, some bandwidth lost. The default on CUDA
+    without sequence sharding.
 ``nccl``
     NCCL's defaults (fastest alone, most contention).
 ``nccl-zero-cta``
@@ -20,8 +21,12 @@ backends differ in exactly that:
     An all-reduce built from NCCL 2.28's copy-engine collectives (:mod:`braid.tp.ce_reduce`):
     the zero-CTA policy, staging buffers registered as symmetric windows, an all-to-all and
     an in-place all-gather on the copy engines, and one local sum kernel between them (under
-    sequence sharding the reduce-scatter is the all-to-all and the sum). Single node, NCCL >=
-    2.28, a torch with ``cta_policy`` and ``register_mem_pool(pool, symm=True)``.
+    sequence sharding the reduce-scatter is the all-to-all and the sum, the all-gather the
+    copy-engine one). Single node, NCCL >= 2.28, a torch with ``cta_policy`` and
+    ``register_mem_pool(pool, symm=True)``. The default on CUDA under sequence sharding where
+    NCCL and torch have it (:func:`resolve_tp_backend`): measured on 2 H100s (7b-layer, tp=2,
+    ``benchmarks/results/sp_tp2_pp1_h100_4l_backends.txt``) braided_v's sequence-sharded step
+    took 247.0 ms on nccl-capped, 221.1 ms on nccl-ce.
 ``symm-mem``
     A copy-engine all-reduce over torch's symmetric memory: the low-contention
     reduce-scatter then the low-contention all-gather of ``torch.ops.symm_mem`` (peer
@@ -58,12 +63,22 @@ class TPBackendError(ValueError):
     """A TP backend that cannot run here; the message says what to use instead."""
 
 
-def resolve_tp_backend(name: str, device: torch.device | str) -> str:
-    """The backend ``name`` means on ``device`` (``"auto"``: nccl-capped on CUDA, gloo on CPU),
-    or one clear :class:`TPBackendError`."""
+def copy_engine_collectives() -> bool:
+    """Whether this torch's NCCL has the copy-engine collectives ``nccl-ce`` needs (NCCL >= 2.28, ``cta_policy``)."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return False
+    return tuple(torch.cuda.nccl.version()) >= (2, 28, 0) and hasattr(dist.ProcessGroupNCCL.Options().config, "cta_policy")
+
+
+def resolve_tp_backend(name: str, device: torch.device | str, seq_shard: bool = False) -> str:
+    """The backend ``name`` means on ``device`` (``"auto"``: gloo on CPU; on CUDA nccl-capped, or under
+    sequence sharding ``seq_shard`` nccl-ce where :func:`copy_engine_collectives`), or one clear
+    :class:`TPBackendError`."""
     dev = torch.device(device)
     if name == "auto":
-        return "nccl-capped" if dev.type == "cuda" else "gloo"
+        if dev.type != "cuda":
+            return "gloo"
+        return "nccl-ce" if seq_shard and copy_engine_collectives() else "nccl-capped"
     if name not in TP_BACKENDS:
         raise TPBackendError(f"unknown TP backend {name!r}; choose one of auto, {', '.join(TP_BACKENDS)}")
     if dev.type == "cuda" and name == "gloo":

@@ -19,7 +19,7 @@ from abc import abstractmethod
 
 import contextlib
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Iterator, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -103,6 +103,17 @@ class DeferredWeightGrad(nn.Module):
 
     def has_stash(self, key: Hashable) -> bool:
         return key in self._stash
+
+    def stashed_inputs(self, key: Hashable) -> list[torch.Tensor]:
+        """The inputs stashed under ``key`` (none if nothing is)."""
+        return [item[0] for item in self._stash.get(key, ())]
+
+    def map_stashed_inputs(self, key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace each input stashed under ``key`` by ``fn(input)``: a sequence-sharded chunk stashes the
+        rank's tokens of a gathered input and gathers them in W (:mod:`braid.models.seq_shard_ops`)."""
+        items = self._stash.get(key)
+        if items:
+            self._stash[key] = [(fn(item[0]), *item[1:]) for item in items]
 
     def stash_bytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for v in self._stash.values() for a, b in v)
