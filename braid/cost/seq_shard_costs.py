@@ -40,8 +40,8 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     its op's first (its input came from another chunk) gathers alone: ``ag_f``/``ag_b``, one
     all-gather (the simulator starts it as :func:`braid.core.braiding.early_heads` says).
     Not charged: the one reduce-scatter a chunk's last unit has no gather after (it is part of
-    its ``ar_f``) and the re-gather of the column-parallel linears' saved input, which runs
-    beside the row-parallel unit's backward before it. Saved bytes: both parts of Korthikanti's
+    its ``ar_f``) and the re-gather of the column-parallel linears' saved input in their W,
+    which runs beside the row-parallel unit's W before it. Saved bytes: both parts of Korthikanti's
     per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
     gathered linear inputs' bytes over ``t`` (:func:`braid.cost.runtime_act.runtime_act`); the
     head's norm over ``t``, its input (saved whole, :mod:`braid.models.seq_shard_ops`) and logits unchanged.

@@ -155,7 +155,8 @@ def local_seq(seq: int, tp: int, on: bool) -> int:
 SEQ_SHARD_HELP = ("sequence parallelism inside tensor parallelism (Megatron's; not --cp): reduce-scatter and all-gather "
                   "over the sequence where TP all-reduces, norms and residual on s/t tokens, a layer's activations "
                   "34/t instead of 10 + 24/t bytes per s*b*h. Default: off (opt in at --tp > 1; it does not cover --cp > 1, "
-                  "a vision-language model or a sequence --tp does not divide; on 2 H100s its step is slower than without)")
+                  "a vision-language model or a sequence --tp does not divide; on 2 H100s its step is level with the unsharded "
+                  "one, its activation peak 0.87-0.90x)")
 
 
 def add_seq_shard_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -165,8 +166,9 @@ def add_seq_shard_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
 
 def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp: int = 1, vision: bool = False) -> bool:
     """Whether a run shards the sequence over TP (:mod:`braid.tp.seq_shard`): ``flag``; None (not asked
-    for) is off -- it matches the single-process model (gloo and NCCL, eager and graphed), but on 2 H100s
-    its step is slower than without (benchmarks/results/sp_tp2_pp1_h100_{on,off}.txt). No effect at tp=1. ``True`` where it cannot run (``cp > 1``,
+    for) is off -- it matches the single-process model (gloo and NCCL, eager and graphed), and on 2 H100s
+    its step is level with the unsharded one, but its activation peak is 0.87-0.90x of it, short of the
+    formula's 0.77x (benchmarks/results/sp_tp2_pp1_h100_8l_ce_r5.txt). No effect at tp=1. ``True`` where it cannot run (``cp > 1``,
     ``vision``, a ``seq`` that ``tp`` does not divide) raises :class:`~braid.tp.seq_shard.SeqShardError`,
     a one-line refusal."""
     if flag is None:
