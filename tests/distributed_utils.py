@@ -68,6 +68,16 @@ class RankContext:
                 doomed |= {id(g): g for g in (held.pp, held.tp, held.dp, held.cp, held.dp_cp)}
             elif isinstance(held, ExpertGroups):
                 doomed |= {id(g): g for g in (held.ep_group, held.edp_group)}
+        held = None
+        # nccl-ce's staging (braid.tp.ce_reduce.CEBuffers, held by the layout's TP comm and the expert groups) lives in
+        # memory pools registered with the groups' communicators: free it while they still exist. Freed after them,
+        # the next empty_cache raised "NCCL communicator was aborted" and the pool's ranks died.
+        gc.collect()
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         for g in doomed.values():
             dist.destroy_process_group(g)
 

@@ -17,7 +17,7 @@ from executor_cases import CFG_KW, EPS, LR, MBS, SEQ, _data
 
 
 def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int = 1234, seq_shard: bool = False,
-           cp: int = 1):
+           cp: int = 1, recompute: str = "none"):
     from braid.core.compiler import compile_plan
     from braid.core.topology import Topology
     from braid.models.build import build_rank_chunks
@@ -41,6 +41,8 @@ def _build(ctx, plan, pp: int, tp: int, layers, compile: bool | None, seed: int 
     model = Qwen2Model(cfg).to(ctx.dist.device, dtype)
     chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, sp=sp, seq_len=SEQ,
                                seq_shard=seq_shard)
+    for ch in chunks.values():
+        ch.set_recompute(recompute)
     local = SEQ if sp is None else sp.local_len(SEQ)
     local = local // tp if seq_shard and tp > 1 else local
     ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort, act_shape=(MBS, local, cfg.hidden),
@@ -76,11 +78,12 @@ def _check_step(at: str, res_e, res_g, eager: tuple[dict, torch.optim.Optimizer]
 
 def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict]], replays: int = 3,
                           compile: bool | None = False, stage_layers: dict[int, tuple[float, ...]] | None = None,
-                          seq_shard: bool = False, cp: int = 1) -> list[dict]:
+                          seq_shard: bool = False, cp: int = 1, recompute: str = "none") -> list[dict]:
     """For each (schedule, m, schedule options): eager and graphed training from the same weights,
     ``WARMUP_STEPS + 1 + replays`` steps of different micro-batches, compared bitwise every step.
     ``stage_layers``: the layout per number of virtual stages (half layers allowed) instead of the default;
-    ``seq_shard``: sequence parallelism inside TP (:mod:`braid.tp.seq_shard`); ``cp``: 2D-Attention over ``cp`` ranks.
+    ``seq_shard``: sequence parallelism inside TP (:mod:`braid.tp.seq_shard`); ``cp``: 2D-Attention over ``cp`` ranks;
+    ``recompute``: the chunks' recomputation (:meth:`braid.models.chunk.ModelChunk.set_recompute`).
 
     Returns per run what the graphed step reported (its step-by-step events and memory figures)."""
     from braid import schedules
@@ -94,15 +97,15 @@ def graphed_matches_eager(ctx, pp: int, tp: int, runs: list[tuple[str, int, dict
         layers = split_layers(2 * stages - 1, stages) if stages > 1 else (2,)
         if stage_layers is not None:
             layers = stage_layers[stages]
-        cfg, chunks_e, ex_e = _build(ctx, plan, pp, tp, layers, compile, seq_shard=seq_shard, cp=cp)
-        _, chunks_g, ex_g = _build(ctx, plan, pp, tp, layers, compile, seq_shard=seq_shard, cp=cp)
+        cfg, chunks_e, ex_e = _build(ctx, plan, pp, tp, layers, compile, seq_shard=seq_shard, cp=cp, recompute=recompute)
+        _, chunks_g, ex_g = _build(ctx, plan, pp, tp, layers, compile, seq_shard=seq_shard, cp=cp, recompute=recompute)
         runner = GraphedStep(ex_g)
         params_e = {f"{c}.{n}": p for c, ch in chunks_e.items() for n, p in ch.named_parameters()}
         params_g = {f"{c}.{n}": p for c, ch in chunks_g.items() for n, p in ch.named_parameters()}
         opt_e = torch.optim.AdamW(params_e.values(), lr=LR, eps=EPS)
         opt_g = torch.optim.AdamW(params_g.values(), lr=LR, eps=EPS)
         dev = ctx.dist.device
-        where = f"rank {ctx.rank} {name} m={m} {opts or ''} pp={pp} tp={tp} cp={cp} compile={ex_g.compiled}"
+        where = f"rank {ctx.rank} {name} m={m} {opts or ''} pp={pp} tp={tp} cp={cp} recompute={recompute} compile={ex_g.compiled}"
         for step in range(WARMUP_STEPS + 1 + replays):
             toks, labs = (list(t.to(dev) for t in x) for x in _data(cfg, m, seed=100 + step))
             opt_e.zero_grad(set_to_none=True)

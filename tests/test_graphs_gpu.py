@@ -61,6 +61,15 @@ def test_graphed_sequence_parallel_equals_eager_bitwise(pool) -> None:
     _check(pool.run(cases.graphed_matches_eager, 1, 2, runs, 3, False, None, True, timeout_s=GPU_RUN_S), len(runs))
 
 
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_graphed_recompute_equals_eager_bitwise(pool, recompute: str) -> None:
+    """braided_v and 1f1b_i at tp=2 with recomputation (full: each layer's forward re-run under autograd inside
+    the backward, its all-reduces included) captured and replayed, as ``braid.plan`` picks it under a memory cap."""
+    runs = [(name, 3, {}) for name in ("braided_v", "1f1b_i")]
+    _check(pool.run(cases.graphed_matches_eager, 1, 2, runs, 3, False, None, False, 1, recompute, timeout_s=GPU_RUN_S),
+           len(runs))
+
+
 def test_graphed_offload_equals_eager_bitwise(pool) -> None:
     """braided_v with activation offload at pp=2: D2H/H2D copies on their streams inside the graph."""
     runs = [("braided_v_offload", 5, {"offload_alpha": 0.5, "offload_alpha_warmup": 0.5})]
