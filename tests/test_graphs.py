@@ -205,3 +205,37 @@ def test_a_graph_is_kept_for_inputs_without_a_key_and_recaptured_for_new_shapes(
     assert "capture" not in _decisions(True, list("abcdef"))
     got = _decisions(True, ["a"] * 3 + [k for k in "bcdefghij" for _ in range(2)])
     assert got.count("capture") == graphs.MAX_CAPTURES and any("changed shape 4 times" in e for e in got) and got[-1] == "eager"
+
+
+class _Event:
+    """A stand-in for a CUDA event: passed after ``after`` queries (never when None)."""
+
+    def __init__(self, after: int | None) -> None:
+        self.after, self.queries = after, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.after is not None and self.queries > self.after
+
+
+def test_a_replay_wait_is_bounded_and_reads_the_failure_record(monkeypatch) -> None:
+    from braid.runtime.errors import CommTimeout, PeerFailure
+
+    ev = _Event(3)  # the replay ends: the wait returns
+    graphs.bounded_wait(ev, 5.0, "rank 0: the replay of step 3", poll_s=0.0)
+    assert ev.queries == 4
+    # a replay that never ends (a captured collective whose peer never joins) ends in CommTimeout naming it
+    with pytest.raises(CommTimeout, match="rank 1: the replay of step 7 did not finish within 0.05 s"):
+        graphs.bounded_wait(_Event(None), 0.05, "rank 1: the replay of step 7", poll_s=0.001)
+    # while it waits, another rank's recorded failure stops it (Abort.check raises PeerFailure)
+    monkeypatch.setattr(graphs, "REPLAY_CHECK_S", 0.0)
+    calls = []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise PeerFailure("rank 0 stops: rank 1 failed first: boom", 1, "boom")
+
+    with pytest.raises(PeerFailure, match="rank 1 failed first"):
+        graphs.bounded_wait(_Event(None), None, "rank 0: the replay of step 2", check, poll_s=0.0)
+    assert len(calls) == 2

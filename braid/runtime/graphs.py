@@ -30,7 +30,10 @@ How a run goes (``mode="step"``):
   a step after ``zero_grad(set_to_none=True)``; a fp32 ``main_grad`` buffer is added to,
   as in eager mode, so the caller zeroes it), and the graph is launched. The loss is a
   copy of the captured loss tensor; the gradient norm, the data-parallel reduction and the
-  optimizer step run after it, outside the graph, on those very gradient tensors.
+  optimizer step run after it, outside the graph, on those very gradient tensors. The host
+  then waits for the replay, at most the job's timeout, reading the failure record every
+  second (:func:`bounded_wait`): NCCL's watchdog does not see a graph's collectives, so a
+  replay whose peer never joins would otherwise wait for ever.
 
 What capture needs from the executor, and where it is: no host synchronisation inside
 the step (``Executor.capturing`` skips the end-of-step ``synchronize``;
@@ -81,6 +84,7 @@ import torch
 import torch.distributed as dist
 
 from braid.models.chunk import ModelChunk
+from braid.runtime.errors import CommTimeout
 from braid.runtime.executor import Executor
 from braid.runtime.results import StepResult
 from braid.io.trace import Trace
@@ -91,6 +95,27 @@ CudaGraphMode = Literal["none", "step"]
 CUDA_GRAPH_MODES: tuple[str, ...] = ("none", "step")
 WARMUP_STEPS = 2
 MAX_CAPTURES = 4  # new micro-batch shapes (each a new capture) before a run stays eager
+
+
+REPLAY_CHECK_S = 1.0  # while a replay runs: how often the job's failure record is read
+
+
+def bounded_wait(event: Any, timeout_s: float | None, what: str, check: Any = None, poll_s: float = 2e-4) -> None:
+    """Wait until ``event`` (recorded after a replay) has passed, at most ``timeout_s`` seconds (None: no
+    bound), calling ``check`` (:meth:`braid.runtime.distributed.Abort.check`: raises if another rank
+    failed) every :data:`REPLAY_CHECK_S`. NCCL's watchdog does not see collectives captured in a graph,
+    so a replay whose peer never joins would otherwise wait for ever; ``CommTimeout`` names ``what``."""
+    start = last = time.monotonic()
+    while not event.query():
+        now = time.monotonic()
+        if check is not None and now - last >= REPLAY_CHECK_S:
+            check()
+            last = now
+        if timeout_s is not None and now - start >= timeout_s:
+            raise CommTimeout(f"{what} did not finish within {timeout_s:g} s (a captured collective or transfer whose "
+                              "peer did not join: NCCL's watchdog does not see a graph's collectives; raise the "
+                              "timeout if it is only slow)")
+        time.sleep(poll_s)
 
 
 class GraphCaptureError(RuntimeError):
@@ -447,6 +472,11 @@ class GraphedStep:
             if p.grad is not g:
                 p.grad = g  # the graph writes these tensors
         self.graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        abort = self.ex.abort
+        bounded_wait(done, abort.timeout_s if abort is not None else None, f"rank {self.ex.rank}: the replay of step "
+                     f"{self.steps}", abort.check if abort is not None else None)
         self.events.append(f"step {self.steps}: {note}")
         self.steps += 1
         ex = self.ex
