@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,16 +56,22 @@ def _sample(stop: threading.Event, out: list[int], ids: list[str], every_s: floa
 def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) -> dict:
     """Train ``command`` (a plan's torchrun line) for ``steps`` under ``--memory-cap cap`` on GPUs ``ids``."""
     argv = shlex.split(command)
-    argv += ["--memory-cap", f"{cap:g}", "--steps", str(steps), "--skip-memory-check"]
+    # the job's own communication timeout (a stuck collective, a CUDA-graph replay whose peer never joins) ends it
+    # with a message naming the rank before this script's limit does
+    argv += ["--memory-cap", f"{cap:g}", "--steps", str(steps), "--skip-memory-check", "--timeout", f"{job_timeout(timeout_s):g}"]
     stop, used = threading.Event(), []
     sampler = threading.Thread(target=_sample, args=(stop, used, ids), daemon=True)
     sampler.start()
     t0 = time.perf_counter()
+    # a session of its own, so that at the limit torchrun's workers go with it (left behind, they held the GPUs)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-        rc, text = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as err:
-        rc, text = 124, (err.stdout or b"").decode(errors="replace") + (err.stderr or b"").decode(errors="replace")
+        out, err = proc.communicate(timeout=timeout_s)
+        rc, text = proc.returncode, out + err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        rc, text = 124, (out or "") + (err or "")
     text = machine_free(text)
     stop.set()
     sampler.join()
@@ -73,6 +80,11 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
             "oom_where": oom_where(text),
             "steps_done": len(re.findall(r"step +\d+/", text)), "allocator_peak_mib": max(peaks, default=0.0),
             "device_in_use_mib": max(used, default=0), "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
+
+
+def job_timeout(limit_s: float) -> float:
+    """The ``--timeout`` a run gets under a ``limit_s`` limit: half of it, at least 30 s."""
+    return max(30.0, limit_s / 2)
 
 
 def machine_free(text: str) -> str:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +129,32 @@ def test_plan_fits_names_where_a_run_ran_out(monkeypatch) -> None:
     root = plan_fits.os.path.realpath(plan_fits.ROOT)
     assert plan_fits.machine_free(f'File "{root}/braid/tp/layers.py" and "{sys.prefix}/bin/torchrun"') == \
         'File "braid/tp/layers.py" and "<python env>/bin/torchrun"'  # stored results name no machine's paths
+
+
+def test_plan_fits_ends_a_run_at_its_limit_with_every_process_of_it(monkeypatch) -> None:
+    """A run past its limit goes with its whole session (torchrun's workers left behind held the GPUs
+    the next measurement read), and the run's own --timeout is set below the limit."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    plan_fits = importlib.import_module("plan_fits")
+    child = "import time; time.sleep(120)"
+    parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+              "print('child', p.pid, 'argv', sys.argv[1:], flush=True); time.sleep(120)")
+    got = plan_fits.run(f"{sys.executable} -c {shlex.quote(parent)}", 6.0, 2, 3.0, [])
+    assert got["rc"] == 124 and got["seconds"] < 60, got
+    pid = int(re.search(r"child (\d+)", got["tail"]).group(1))
+    assert "'--timeout', '30'" in got["tail"], got["tail"]  # job_timeout(3 s): at least 30 s
+    for _ in range(100):  # killed, the child is gone (or a zombie until whoever adopted it reaps it)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the run's child {pid} outlived the run")
+    assert plan_fits.job_timeout(240) == 120 and plan_fits.job_timeout(20) == 30
