@@ -140,3 +140,16 @@ def test_a_graphed_rows_pool_holds_the_captured_gradients() -> None:
                                       tp_max_ctas=cfg["tp_max_ctas"])
     assert eager == pytest.approx(outside + DEVICE_TERMS.fragmentation_of("1f1b_i") * 2 * weights)
     assert graphed == pytest.approx(outside + weights + DEVICE_TERMS.pool_ratio_of("1f1b_i") * weights)
+
+
+def test_a_device_shared_with_another_process_is_noted() -> None:
+    # The bench reads each rank's device in use as the job starts: above this process's CUDA context and default
+    # communicator (and a GiB of slack) another process holds memory, and every "in use" figure of the run includes it.
+    from braid.cost.device_memory import DEVICE_TERMS
+    from braid.measure.runs import foreign_memory_note
+
+    own = int(DEVICE_TERMS.context + DEVICE_TERMS.default_group)
+    assert foreign_memory_note([None, None]) is None  # CPU
+    assert foreign_memory_note([own, own + 2**29]) is None
+    note = foreign_memory_note([own, own + 5 * 2**30])
+    assert note is not None and "rank 1's" in note and "rank 0" not in note and "another process" in note, note

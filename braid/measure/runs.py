@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from braid.measure.peers import PeerRun, peer_fields, peer_runs_default, peers_note, torch_groups
 from braid.cost.costs import Layout, costs_from_dict
+from braid.cost.device_memory import DEVICE_TERMS
 from braid.planner.braid_tune import count_blocks
 from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_fit, probe_mbs, probe_plan
 from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
@@ -250,11 +251,34 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
             "compute_kernels": kernels}
 
 
+def _device_used(dev: torch.device) -> int | None:
+    """``total - free`` of ``dev`` (what nvidia-smi shows in use, every process's); None off CUDA."""
+    if dev.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(dev)
+    return total - free
+
+
+def foreign_memory_note(used_at_start: list[int | None], slack: float = 2**30) -> str | None:
+    """A note when a rank's device held more, as the job started, than this process's CUDA context and
+    default communicator (:data:`braid.cost.device_memory.DEVICE_TERMS`) and ``slack``: another process's
+    memory, which every "in use on the device" figure of the run then includes. None when none did."""
+    own = DEVICE_TERMS.context + DEVICE_TERMS.default_group
+    over = [(r, u) for r, u in enumerate(used_at_start) if u is not None and u > own + slack]
+    if not over:
+        return None
+    where = ", ".join(f"rank {r}'s {u / 2**20:,.0f} MiB" for r, u in over)
+    return (f"devices in use before this job's tensors: {where}, where this process's CUDA context and default "
+            f"communicator take about {own / 2**20:,.0f} MiB: another process holds memory there, and the device "
+            "memory in use below includes it")
+
+
 def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     from braid.measure.units import assemble
     from braid.measure.units import profile_to_dict
 
     pc = bc.profile
+    before = _device_used(d.device)  # this process's CUDA context and default group only, if the device is ours alone
     groups, experts = job_groups(pc)
     lead = d.rank == 0
     doc = bc.costs
@@ -380,6 +404,11 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
                      + (" (chosen by measuring " + ", ".join(choice["backends"]) + ")" if choice else ""))
     if pc.ep > 1:
         notes.append(f"EP all-to-all backend: {pc.ep_backend}" + (f", {pc.ep_max_ctas} thread blocks" if pc.ep_max_ctas else ""))
+    starts: list[Any] = [None] * pc.world_size
+    dist.all_gather_object(starts, before)
+    shared = foreign_memory_note(starts)
+    if shared:
+        notes.append(shared)
     return {"profile": doc, "raw_profile": raw, "runs": runs, "external": external, "notes": notes,
             "memory_snapshot": shots} if lead else None
 
