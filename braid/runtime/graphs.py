@@ -100,7 +100,7 @@ MAX_CAPTURES = 4  # new micro-batch shapes (each a new capture) before a run sta
 REPLAY_CHECK_S = 1.0  # while a replay runs: how often the job's failure record is read
 
 
-def bounded_wait(event: Any, timeout_s: float | None, what: str, check: Any = None, poll_s: float = 2e-4) -> None:
+def bounded_wait(event: Any, timeout_s: float | None, what: str, check: Any = None, poll_s: float = 5e-5) -> None:
     """Wait until ``event`` (recorded after a replay) has passed, at most ``timeout_s`` seconds (None: no
     bound), calling ``check`` (:meth:`braid.runtime.distributed.Abort.check`: raises if another rank
     failed) every :data:`REPLAY_CHECK_S`. NCCL's watchdog does not see collectives captured in a graph,
