@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from braid.io.trace import ExpertLoad
 from braid.measure.pair import collective_pair, pair_slowdown_of
-from braid.models.moe_dispatch import RowPlan
+from braid.models.moe_dispatch import Exchange, RowPlan
 
 
 def graph_reason(pc: Any) -> str | None:
@@ -179,15 +179,12 @@ def a2a_figures(pc: Any, experts: Any, time_fn: Callable[[Callable[[], Any]], tu
             vals.append(time_fn(fn)[0])
         return statistics.median(vals[1:])
 
+    blocks = [rows // ep] * ep
+
     def rows_a2a(t: torch.Tensor, async_op: bool = False) -> Any:
-        """The row exchange as the run makes it: NCCL's kernels, or the copy-engine staging (--ep-backend)."""
-        if experts.ce is None:
-            return dist.all_to_all_single(out, t, group=group, async_op=async_op)
-        work = experts.ce.all_to_all(out, t)
-        if async_op:
-            return work
-        work.wait()
-        return None
+        """The row exchange as the run makes it (:class:`braid.models.moe_dispatch.Exchange`: NCCL's kernels,
+        or the copy-engine staging under --ep-backend nccl-ce)."""
+        return Exchange(out, t, blocks, blocks, group, experts.ce).start(async_op)
 
     figures = {"a2a_s": timed(lambda: rows_a2a(x)),
                "a2a_counts_s": timed(lambda: dist.all_to_all_single(got, counts, group=group)),

@@ -251,14 +251,6 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
             "compute_kernels": kernels}
 
 
-def _device_used(dev: torch.device) -> int | None:
-    """``total - free`` of ``dev`` (what nvidia-smi shows in use, every process's); None off CUDA."""
-    if dev.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(dev)
-    return total - free
-
-
 def foreign_memory_note(used_at_start: list[int | None], slack: float = 2**30) -> str | None:
     """A note when a rank's device held more, as the job started, than this process's CUDA context and
     default communicator (:data:`braid.cost.device_memory.DEVICE_TERMS`) and ``slack``: another process's
@@ -278,7 +270,8 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     from braid.measure.units import profile_to_dict
 
     pc = bc.profile
-    before = _device_used(d.device)  # this process's CUDA context and default group only, if the device is ours alone
+    # in use as the job starts: this process's CUDA context and default group only, if the device is ours alone
+    before = _device_memory(d.device)["device_used"] if d.device.type == "cuda" else None
     groups, experts = job_groups(pc)
     lead = d.rank == 0
     doc = bc.costs

@@ -27,6 +27,7 @@ from braid.measure.config import DTYPES, ProfileConfig, device_name, build_chunk
 from braid.io.progress import Progress
 from braid.measure.launch import launch
 from braid.measure.pair import collective_pair
+from braid.models.seq_shard_ops import gather_through
 from braid.tp.autograd_calls import on_this_thread
 
 
@@ -411,10 +412,7 @@ def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=
         comm, choice = tp_comm_for(pc, groups, dev)
     timer = _Timer(dev)
     chunks = chunks if chunks is not None else build_chunks(pc, groups, dev, experts=experts)
-    if comm.backend == "nccl-ce":  # sequence sharding's all-gathers on the copy engines, as the executor runs them
-        for ch in chunks.values():
-            if getattr(ch, "seq_shard", False):
-                ch.seq_gather_start = comm.gather_start
+    gather_through(chunks, comm)  # sequence sharding's all-gathers as the executor runs them
     routes = count_routes(chunks)
     progress = Progress(pc.v * (pc.warmup + pc.iters), "profile", enabled=d.rank == 0)
     stages = {}

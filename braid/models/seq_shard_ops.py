@@ -44,6 +44,16 @@ from braid.tp.seq_shard import Scatter, gather_start, gathered_view, scatter_req
 _PRE_OF = {Unit.ATTN: Unit.PRE_ATTN, Unit.MLP: Unit.PRE_MLP}  # the backward unit that follows (same layer)
 
 
+def gather_through(chunks: Any, comm: Any) -> None:
+    """Sequence-sharded chunks of ``chunks`` (a dict) start their all-gathers through ``comm``
+    (:class:`braid.tp.comm.TPComm`: the communicator of their reduce-scatters, the copy engines under nccl-ce)."""
+    if comm.group is None:
+        return
+    for ch in chunks.values():
+        if getattr(ch, "seq_shard", False):
+            ch.seq_gather_start = comm.gather_start
+
+
 class SeqShardOps:
     """Sequence sharding of :class:`braid.models.chunk.ModelChunk` (module doc); inert unless ``seq_shard``."""
 

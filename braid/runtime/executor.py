@@ -59,6 +59,7 @@ from braid.core.ir import (Braided, CommKind, Compute, Instruction, Offload, OpK
 from braid.io.trace import Trace
 from braid.models.chunk import ModelChunk
 from braid.models.chunk_parts import ChunkStateError
+from braid.models.seq_shard_ops import gather_through
 from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.follow import Follower
@@ -155,9 +156,7 @@ class Executor:
         self.tp_group = tp_group
         # How the TP all-reduces run (braid.tp.comm); a plain async all-reduce by default.
         self.tp_comm = tp_comm if tp_comm is not None else TPComm("gloo", tp_group)
-        for ch in chunks.values():  # sequence sharding's all-gathers through the backend of its reduce-scatters
-            if getattr(ch, "seq_shard", False) and self.tp_comm.group is not None:
-                ch.seq_gather_start = self.tp_comm.gather_start
+        gather_through(chunks, self.tp_comm)  # sequence sharding's all-gathers through the backend of its reduce-scatters
         self.sp_group = sp_group
         self.abort = abort
         # One per rank and executor: its pinned host buffers are reused by every step.

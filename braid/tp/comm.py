@@ -63,11 +63,22 @@ class TPBackendError(ValueError):
     """A TP backend that cannot run here; the message says what to use instead."""
 
 
-def copy_engine_collectives() -> bool:
-    """Whether this torch's NCCL has the copy-engine collectives ``nccl-ce`` needs (NCCL >= 2.28, ``cta_policy``)."""
+def zero_cta_missing() -> str | None:
+    """Why this torch's NCCL cannot run the zero-CTA policy (``nccl-zero-cta``) and the copy-engine
+    collectives (``nccl-ce``): NCCL < 2.28, or no ``cta_policy`` field; None when it can."""
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
-        return False
-    return tuple(torch.cuda.nccl.version()) >= (2, 28, 0) and hasattr(dist.ProcessGroupNCCL.Options().config, "cta_policy")
+        return "no CUDA NCCL in this torch"
+    version = torch.cuda.nccl.version()
+    if tuple(version) < (2, 28, 0):
+        return f"needs NCCL >= 2.28 (this torch has {'.'.join(map(str, version))})"
+    if not hasattr(dist.ProcessGroupNCCL.Options().config, "cta_policy"):
+        return "this torch's NCCL config has no cta_policy field"
+    return None
+
+
+def copy_engine_collectives() -> bool:
+    """Whether this torch's NCCL has the copy-engine collectives ``nccl-ce`` needs (:func:`zero_cta_missing`)."""
+    return zero_cta_missing() is None
 
 
 def resolve_tp_backend(name: str, device: torch.device | str, seq_shard: bool = False) -> str:
@@ -99,12 +110,9 @@ def nccl_group_options(backend: str, max_ctas: int | None) -> object | None:
             return None
         opts.config.max_ctas = int(max_ctas)
     elif backend in ("nccl-zero-cta", "nccl-ce"):
-        version = torch.cuda.nccl.version()
-        if tuple(version) < (2, 28, 0):
-            raise TPBackendError(f"{backend} needs NCCL >= 2.28 (this torch has {'.'.join(map(str, version))}); "
-                                 "use symm-mem or nccl-capped")
-        if not hasattr(opts.config, "cta_policy"):
-            raise TPBackendError(f"{backend}: this torch's NCCL config has no cta_policy field; use symm-mem or nccl-capped")
+        why = zero_cta_missing()
+        if why:
+            raise TPBackendError(f"{backend}: {why}; use symm-mem or nccl-capped")
         # nccl.h's policies are flags, but NCCL 2.28 takes its copy-engine path only when the policy is exactly ZERO
         opts.config.cta_policy = NCCL_CTA_POLICY_ZERO
     return opts
