@@ -63,15 +63,30 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
     sampler = threading.Thread(target=_sample, args=(stop, used, ids), daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    # a session of its own, so that at the limit torchrun's workers go with it (left behind, they held the GPUs)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        rc, text = proc.returncode, out + err
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        rc, text = 124, (out or "") + (err or "")
+    # a session of its own, so that at the limit torchrun's workers go with it (left behind, they held the GPUs);
+    # output to a file, not a pipe: a process that left the session (a compile worker) and kept the pipe open
+    # would hold the read past the limit; faulthandler on, so that a run stopped at its limit prints its stacks
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = 124
+            os.killpg(proc.pid, signal.SIGABRT)  # every process prints where it waits, then ends
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(1)  # the workers' own dumps
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        log.seek(0)
+        text = log.read()
     text = machine_free(text)
     stop.set()
     sampler.join()
@@ -79,7 +94,7 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
     return {"rc": rc, "out_of_memory": "out of memory" in text.lower() or "OutOfMemoryError" in text,
             "oom_where": oom_where(text),
             "steps_done": len(re.findall(r"step +\d+/", text)), "allocator_peak_mib": max(peaks, default=0.0),
-            "device_in_use_mib": max(used, default=0), "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
+            "device_in_use_mib": max(used, default=0), "seconds": time.perf_counter() - t0, "tail": text[-(20000 if rc == 124 else 3000):]}
 
 
 def job_timeout(limit_s: float) -> float:
