@@ -63,9 +63,8 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
     sampler = threading.Thread(target=_sample, args=(stop, used, ids), daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    # a session of its own, so that at the limit torchrun's workers go with it (left behind, they held the GPUs);
-    # output to a file, not a pipe: a process that left the session (a compile worker) and kept the pipe open
-    # would hold the read past the limit; faulthandler on, so that a run stopped at its limit prints its stacks
+    # output to a file, not a pipe: a process left behind that kept the pipe open would hold the read past the
+    # limit; faulthandler on, so that a run stopped at its limit prints its stacks (end_tree)
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
@@ -74,17 +73,7 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             rc = 124
-            os.killpg(proc.pid, signal.SIGABRT)  # every process prints where it waits, then ends
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-            time.sleep(1)  # the workers' own dumps
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            end_tree(proc)
         log.seek(0)
         text = log.read()
     text = machine_free(text)
@@ -95,6 +84,44 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
             "oom_where": oom_where(text),
             "steps_done": len(re.findall(r"step +\d+/", text)), "allocator_peak_mib": max(peaks, default=0.0),
             "device_in_use_mib": max(used, default=0), "seconds": time.perf_counter() - t0, "tail": text[-(20000 if rc == 124 else 3000):]}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (Linux's ``/proc``): torchrun's workers run in sessions of their
+    own, so a signal to the run's process group does not reach them."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def end_tree(proc: subprocess.Popen) -> None:
+    """End a run at its limit: every process of it (its session and whatever it started, torchrun's workers
+    in their own sessions included) first prints its Python stacks (SIGABRT under faulthandler), then is killed."""
+    pids = [proc.pid] + descendants(proc.pid)
+    for sig, wait_s in ((signal.SIGABRT, 5.0), (signal.SIGKILL, 0.0)):
+        for pid in reversed(pids):  # the workers before the launcher that would forward or restart
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        time.sleep(wait_s)
+    proc.wait()
 
 
 def job_timeout(limit_s: float) -> float:
