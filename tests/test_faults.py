@@ -549,3 +549,21 @@ def test_the_error_file_gives_torchruns_summary_the_line(tmp_path, monkeypatch, 
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
     summary = ChildFailedError("qwen2.py", {0: failure}).format_msg()
     assert f"traceback : {line}" in summary and "To enable traceback" not in summary, summary
+
+
+@pytest.mark.parametrize("device, failed, called", [("cuda", True, "abort"), ("cuda", False, "destroy"),
+                                                     ("cpu", True, "destroy"), ("cpu", False, "destroy")])
+def test_a_failed_nccl_rank_aborts_its_groups_instead_of_destroying_them(monkeypatch, device: str, failed: bool,
+                                                                           called: str) -> None:
+    """Destroying NCCL communicators waits for their collectives: after a failure mid-step (a peer failed elsewhere,
+    a replayed graph's all-reduce waits on the device) that is for ever, and the rank's error never prints."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from braid.runtime.distributed import Dist
+
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda *a: calls.append("abort"))
+    Dist(0, 2, torch.device(device), None, None, 1.0).close(failed)
+    assert calls == [called]

@@ -396,8 +396,18 @@ class Dist:
         return Dist.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device=device, timeout_s=timeout_s,
                          joined=joined)
 
-    def close(self) -> None:
-        if dist.is_initialized():
+    def close(self, failed: bool = False) -> None:
+        """Tear down the process groups. A rank that ``failed`` mid-step may hold NCCL collectives no peer will
+        join (the others failed elsewhere, or a replayed CUDA graph's collectives wait on the device): destroying
+        those communicators waits for the collectives for ever, so such a rank aborts them (torch's
+        ``_abort_process_group``, every group at once) and its exception reaches the user."""
+        if not dist.is_initialized():
+            return
+        if failed and self.device.type == "cuda":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        else:
             dist.destroy_process_group()
 
 
