@@ -47,6 +47,7 @@ from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout,
                          read_costs)
 from braid.io.files import atomic_write_text
 from braid.cost.hardware import HARDWARE, get_hardware
+from braid.core.capture import captured_by_default
 from braid.cost.device_memory import planned_device_bytes
 from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
@@ -327,6 +328,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             doc["schedules"][name]["a2a_share"] = max(r.a2a_exposed_s / r.end_s for r in report.ranks if r.end_s > 0)
         par = _parallel(args)
         dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node), par)
+        # as the examples run it on CUDA: a whole-step graph where they capture one
+        graphed = captured_by_default(tp=par.tp, ep=par.ep, moe=bool(model.experts), moe_dispatch=par.moe_dispatch)
         with_dp = args.dp > 1 or args.optimizer is not None  # asked for: the trace gets the tail's events
         tail = dp_tail([r.end_s for r in report.ranks], ready, dc, chunks=costs.layout.v, record=record and with_dp)
         if record and with_dp:
@@ -337,7 +340,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                                                for r in report.ranks) / 2**30,
                                         # what the planner checks against the card (braid.cost.device_memory)
                                         "device_memory_gib": max(planned_device_bytes(
-                                            name, dc.peak_bytes(r.rank, r.peak_activation_bytes), tp=par.tp, pp=par.pp,
+                                            name, static_bytes=dc.held_bytes(r.rank), activation_bytes=r.peak_activation_bytes,
+                                            step_bytes=dc.step_temp_bytes(r.rank), graphed=graphed, tp=par.tp, pp=par.pp,
                                             pp_rank=r.rank, dp=par.dp, cp=par.cp, placement=costs.layout.placement)
                                             for r in report.ranks) / 2**30}
     if unsearched:

@@ -344,12 +344,19 @@ class DpCosts:
     extra_bytes: Sequence[float] = ()
     step_bytes: Sequence[float] = ()
 
+    def held_bytes(self, rank: int) -> float:
+        """The state held across steps: static state and what the mode's table leaves out."""
+        return self.static_bytes[rank] + (self.extra_bytes[rank] if self.extra_bytes else 0.0)
+
+    def step_temp_bytes(self, rank: int) -> float:
+        """The optimizer step's temporaries."""
+        return self.step_bytes[rank] if self.step_bytes else 0.0
+
     def peak_bytes(self, rank: int, activation_bytes: float) -> float:
-        """Static state + the larger of the activation peak and the step's temporaries (never at once:
-        the step runs after the last backward)."""
-        extra = self.extra_bytes[rank] if self.extra_bytes else 0.0
-        step = self.step_bytes[rank] if self.step_bytes else 0.0
-        return self.static_bytes[rank] + extra + max(activation_bytes, step)
+        """Static state + the larger of the activation peak and the step's temporaries (never at once in an
+        eager step: the update runs after the last backward; a captured step's pool keeps the activations'
+        bytes, :func:`braid.cost.device_memory.planned_device_bytes`)."""
+        return self.held_bytes(rank) + max(activation_bytes, self.step_temp_bytes(rank))
 
 
 

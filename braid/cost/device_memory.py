@@ -143,11 +143,23 @@ def device_bytes(reserve: float, outside: float) -> float:
     return reserve + outside
 
 
-def planned_device_bytes(schedule: str, allocated_peak: float, *, tp: int, pp: int, pp_rank: int, dp: int = 1,
-                         cp: int = 1, placement: str = "v", terms: DeviceTerms = DEVICE_TERMS) -> float:
-    """What the planner checks against the card's memory: an eager step's reserve of ``allocated_peak``
-    (everything the allocator holds at the step's peak, state included) and the bytes outside it, TP
-    all-reduces on the capped NCCL group (the CUDA default)."""
-    reserve = reserve_bytes(terms, schedule, static_bytes=0.0, peak_bytes=allocated_peak, graphed=False)
+def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes: float, step_bytes: float = 0.0,
+                         graphed: bool, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1, placement: str = "v",
+                         terms: DeviceTerms = DEVICE_TERMS) -> float:
+    """What the planner checks against the card's memory on pipeline rank ``pp_rank``: the allocator's reserve
+    and the bytes outside it (TP all-reduces on the capped NCCL group, the CUDA default). ``static_bytes``: the
+    state held across steps (weights, gradients, optimizer state); ``activation_bytes``: the step's activation
+    peak above it; ``step_bytes``: the optimizer step's temporaries. Eager, the allocated peak is the static
+    state and the larger of the activations and the temporaries (the update runs after the last backward),
+    times the schedule's fragmentation. ``graphed`` (a whole-step CUDA graph, what the examples run on CUDA by
+    default: :func:`braid.core.capture.captured_by_default`): the graph's private pool keeps the activations'
+    bytes between replays, and the optimizer step, run after the replay outside the graph, allocates its
+    temporaries beside it."""
+    if graphed:
+        reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes + step_bytes, peak_bytes=activation_bytes,
+                                graphed=True)
+    else:
+        reserve = reserve_bytes(terms, schedule, static_bytes=0.0,
+                                peak_bytes=static_bytes + max(activation_bytes, step_bytes), graphed=False)
     return device_bytes(reserve, outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp,
                                                          placement=placement))

@@ -53,6 +53,7 @@ from braid.cost.cluster import Cluster, DpCosts, Parallel, dp_costs, job_costs, 
 from braid.cost.costs import CostModel, Layout, model_forward_flops, model_stage_layers, stage_lighter
 from braid.cost.catalog import ModelConfig
 from braid.cost.device_memory import planned_device_bytes
+from braid.core.capture import captured_by_default
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER
 from braid.io.cli import MAX_MBS, MAX_PM
 
@@ -372,18 +373,24 @@ def lower_bound(prob: Problem, cand: Candidate, costs: CostModel, dc: DpCosts | 
     return best + max(s + g for s, g in zip(dc.step_s, dc.gather_s))
 
 
-def device_memory(cand: Candidate, costs: CostModel, rank: int, allocated_peak: float) -> float:
-    """Device memory in use on pipeline rank ``rank`` at an allocator peak (:mod:`braid.cost.device_memory`):
-    what the planner compares with the card's memory."""
+def device_memory(prob: Problem, cand: Candidate, costs: CostModel, rank: int, held: float, activation: float,
+                  step: float = 0.0) -> float:
+    """Device memory in use on pipeline rank ``rank`` (:func:`braid.cost.device_memory.planned_device_bytes`):
+    what the planner compares with the card's memory, for the step as the printed command runs it (a whole-step
+    CUDA graph where the examples capture one). ``held``: state held across steps; ``activation``: the step's
+    activation peak; ``step``: the optimizer step's temporaries."""
     p, lay = cand.par, costs.layout
-    return planned_device_bytes(cand.schedule, allocated_peak, tp=p.tp, pp=p.pp, pp_rank=rank, dp=p.dp, cp=p.cp,
+    graphed = captured_by_default(tp=p.tp, ep=p.ep, moe=bool(prob.model.experts), moe_dispatch=p.moe_dispatch)
+    return planned_device_bytes(cand.schedule, static_bytes=held, activation_bytes=activation, step_bytes=step,
+                                graphed=graphed, tp=p.tp, pp=p.pp, pp_rank=rank, dp=p.dp, cp=p.cp,
                                 placement=lay.placement)
 
 
 def min_memory(prob: Problem, cand: Candidate, costs: CostModel) -> float:
     """Static bytes of each rank plus one micro-batch's activations of one chunk, in use on the device: a floor."""
     act = max(cc.total("act") for cc in costs.chunks.values())
-    return max(device_memory(cand, costs, r, static_bytes(prob.model, costs, cand.par, r) + act) for r in range(costs.layout.p))
+    return max(device_memory(prob, cand, costs, r, static_bytes(prob.model, costs, cand.par, r), act)
+               for r in range(costs.layout.p))
 
 
 def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bound: float = 0.0,
@@ -399,7 +406,8 @@ def evaluate(prob: Problem, cand: Candidate, costs: CostModel | None = None, bou
     dc = dc or dp_costs(prob.model, costs, prob.cluster, cand.par)
     tail = dp_tail([r.end_s for r in rep.ranks], res.grad_ready, dc, chunks=costs.layout.v)
     step, tails, opts = tail.step_s, tail.reduce_exposed_s, tail.optimizer_s
-    peak = max(device_memory(cand, costs, r.rank, dc.peak_bytes(r.rank, r.peak_activation_bytes)) for r in rep.ranks)
+    peak = max(device_memory(prob, cand, costs, r.rank, dc.held_bytes(r.rank), r.peak_activation_bytes,
+                             dc.step_temp_bytes(r.rank)) for r in rep.ranks)
     stat = max(dc.static_bytes)
     tokens = prob.global_batch * prob.model.seq
     flops = 3 * model_forward_flops(prob.model.with_(micro_batch_size=1)) * prob.global_batch

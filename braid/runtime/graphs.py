@@ -83,6 +83,7 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.distributed as dist
 
+from braid.core.capture import capture_reason
 from braid.models.chunk import ModelChunk
 from braid.runtime.errors import CommTimeout
 from braid.runtime.executor import Executor
@@ -131,24 +132,11 @@ def check_mode(mode: str | None) -> CudaGraphMode | None:
 
 def config_reason(device: torch.device | str, *, cp: int = 1, tp: int = 1, tp_backend: str | None = None,
                   ep: int = 1, moe: bool = False, moe_dispatch: str = "splits") -> str | None:
-    """Why a run of this configuration cannot be captured (None: it can). Needs no process
-    group, so command lines check it before any work. ``moe``: the model has mixture-of-experts
-    layers (``ep``: their expert-parallel degree, ``moe_dispatch``: how their rows cross ranks)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return f"device {dev.type}: CUDA graphs need a CUDA device (gloo/CPU runs eager)"
-    if moe and tp > 1:  # ExpertSlice.plan's rows before the slice
-        return (f"a mixture of experts at tp={tp} reads its routing counts on the host every step (the TP slice of "
-                "the experts' rows), which a graph replay cannot; it runs eager (--moe-dispatch padded makes ep > 1 "
-                "capturable at tp=1)")
-    if moe and ep > 1 and moe_dispatch != "padded":  # AllToAllDispatch.plan's splits
-        return (f"a mixture of experts at ep={ep} reads its routing counts on the host every step (the all-to-all's "
-                "splits), which a graph replay cannot; it runs eager (--moe-dispatch padded makes the step capturable)")
-    if tp > 1 and tp_backend == "symm-mem":
-        return "TP backend symm-mem: its copy-engine all-reduce runs on its own stream and buffers, not captured"
-    # cp > 1 (2D-Attention) is captured: a rank's zigzag positions are made once per length and device,
-    # the ring's P2P and the loss sum over the SP group are stream-ordered (tests/test_graphs_gpu.py)
-    return None
+    """Why a run of this configuration cannot be captured (None: it can;
+    :func:`braid.core.capture.capture_reason`). Needs no process group, so command lines check it before any
+    work. ``cp`` (2D-Attention) is captured (tests/test_graphs_gpu.py)."""
+    return capture_reason(torch.device(device).type, tp=tp, tp_backend=tp_backend, ep=ep, moe=moe,
+                          moe_dispatch=moe_dispatch)
 
 
 def not_capturable(ex: Executor) -> str | None:
