@@ -168,7 +168,8 @@ def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp:
     """Whether a run shards the sequence over TP (:mod:`braid.tp.seq_shard`): ``flag``; None (not asked
     for) is off -- it matches the single-process model (gloo and NCCL, eager and graphed), and on 2 H100s
     its step is level with the unsharded one, but its activation peak is 0.87-0.90x of it, short of the
-    formula's 0.77x (benchmarks/results/sp_tp2_pp1_h100_8l_ce_r5.txt). No effect at tp=1. ``True`` where it cannot run (``cp > 1``,
+    formula's 0.77x (benchmarks/results/sp_tp2_pp1_h100_8l_ce_r5.txt; the SwiGLU intermediate it does not
+    shard holds half the peak: sp_tp2_pp1_h100_4l_memory_snapshot.txt). No effect at tp=1. ``True`` where it cannot run (``cp > 1``,
     ``vision``, a ``seq`` that ``tp`` does not divide) raises :class:`~braid.tp.seq_shard.SeqShardError`,
     a one-line refusal."""
     if flag is None:
