@@ -47,7 +47,7 @@ from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout,
                          read_costs)
 from braid.io.files import atomic_write_text
 from braid.cost.hardware import HARDWARE, get_hardware
-from braid.core.capture import captured_by_default
+from braid.core.capture import capture_reason, captured_by_default
 from braid.cost.device_memory import planned_device_bytes
 from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
@@ -120,6 +120,10 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                          "compute and all-to-all bytes (default 1: balanced; with --costs from braid.profile --ep, the "
                          "profile's own, meta.moe.imbalance, which F then replaces)")
     add_moe_dispatch_arg(ap)
+    ap.add_argument("--cuda-graph", choices=("none", "step"), default=None,
+                    help="how the run executes, for the device memory in use (--json's dp.device_memory_gib): 'step' a "
+                         "whole-step CUDA graph (its pool keeps the activations beside the optimizer step's temporaries), "
+                         "'none' eager (default: as the training examples run on CUDA, 'step' where they capture)")
     ap.add_argument("--json", metavar="FILE", help="write the reports as JSON: {config, schedules: {name: {...}}}")
     ap.add_argument("--trace", metavar="FILE", help="write the simulated traces (braid trace format, all schedules)")
     ap.add_argument("--html", metavar="FILE", help="write an interactive timeline of all simulated schedules (needs plotly)")
@@ -328,8 +332,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             doc["schedules"][name]["a2a_share"] = max(r.a2a_exposed_s / r.end_s for r in report.ranks if r.end_s > 0)
         par = _parallel(args)
         dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node), par)
-        # as the examples run it on CUDA: a whole-step graph where they capture one
-        graphed = captured_by_default(tp=par.tp, ep=par.ep, moe=bool(model.experts), moe_dispatch=par.moe_dispatch)
+        graphed = args.cuda_graph == "step" if args.cuda_graph else captured_by_default(
+            tp=par.tp, ep=par.ep, moe=bool(model.experts), moe_dispatch=par.moe_dispatch)
         with_dp = args.dp > 1 or args.optimizer is not None  # asked for: the trace gets the tail's events
         tail = dp_tail([r.end_s for r in report.ranks], ready, dc, chunks=costs.layout.v, record=record and with_dp)
         if record and with_dp:
@@ -425,6 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--moe-imbalance {args.moe_imbalance} weighs a mixture of experts; {model.name!r} is dense")
         check_moe(model, args.tp, args.ep)
         check_moe_dispatch(args.moe_dispatch, ep=args.ep, tp=args.tp)
+        why = capture_reason("cuda", tp=args.tp, ep=args.ep, moe=bool(model.experts), moe_dispatch=args.moe_dispatch)
+        if args.cuda_graph == "step" and why:
+            raise ValueError(f"--cuda-graph step: {why}")
         analytic_costs(model, get_hardware(args.hardware), Layout(args.tp, 1, 1 if model.vit is None else 2),
                        seq_shard=args.sequence_parallel, moe=_moe(args, get_hardware(args.hardware), pp=1))
     except ValueError as err:

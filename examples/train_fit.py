@@ -58,6 +58,8 @@ def simulate_argv(args: argparse.Namespace, model_name: str, seq_len: int) -> li
         argv += ["--offload-alpha", str(args.offload_alpha)]
     if getattr(args, "moe_dispatch", "splits") != "splits":  # padded: the experts' buffers hold ep blocks of rows
         argv += ["--moe-dispatch", args.moe_dispatch]
+    if getattr(args, "cuda_graph", None):  # else as the example runs on CUDA: a whole-step graph where it captures
+        argv += ["--cuda-graph", args.cuda_graph]
     return argv
 
 

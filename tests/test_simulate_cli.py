@@ -81,6 +81,7 @@ def test_a_profiled_cost_file_labels_its_device_and_shape(tmp_path, capsys):
     (["--bogus"], None),
     (["--offload-alpha", "1.5"], None),
     (["--offload-budget", "3"], None),
+    (["--model", "qwen3-moe-tiny", "--dp", "2", "--ep", "2", "--cuda-graph", "step"], None),  # splits read the host
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, names, capsys):
     with pytest.raises(SystemExit) as err:
@@ -208,3 +209,25 @@ def test_with_a_data_parallel_tail_both_tables_rank_by_the_step_and_every_file_s
     viz = subprocess.run([sys.executable, "-m", "braid.viz", str(trace), "-o", str(html)], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
     assert viz.returncode == 0 and (viz.stdout + viz.stderr).count("wrote") == 1, viz.stdout + viz.stderr
+
+
+def test_device_memory_is_priced_as_the_run_executes(tmp_path) -> None:
+    """The device memory in use of a whole-step CUDA graph (the examples' default on CUDA) holds the pool of
+    the step's activations beside the optimizer step's temporaries; eager, the larger of the two. Default: as
+    the examples run (captured for a dense LM; eager for MoE whose dispatch reads its counts on the host)."""
+    def gib(*extra: str) -> float:
+        out = tmp_path / "s.json"
+        assert main(["--model", "qwen2-small", "--tp", "2", "--pp", "1", "--mbs", "16", "--schedule", "braided_v",
+                     "--optimizer", "zero1", *extra, "--json", str(out)]) == 0
+        return json.loads(out.read_text())["schedules"]["braided_v"]["dp"]["device_memory_gib"]
+
+    eager, graphed = gib("--cuda-graph", "none"), gib("--cuda-graph", "step")
+    assert graphed > eager and gib() == graphed
+
+    def moe(*extra: str) -> float:
+        out = tmp_path / "m.json"
+        assert main(["--model", "qwen3-moe-tiny", "--dp", "2", "--ep", "2", "--pp", "1", "--mbs", "4", "--schedule",
+                     "1f1b_i", "--optimizer", "zero1", *extra, "--json", str(out)]) == 0
+        return json.loads(out.read_text())["schedules"]["1f1b_i"]["dp"]["device_memory_gib"]
+
+    assert moe() == moe("--cuda-graph", "none")

@@ -37,6 +37,12 @@ def _vlm_argv(train_fit, **kw) -> list[str]:
     return train_fit.simulate_argv(args, name, 2306)  # 2048 caption tokens + the 7B tower's 258 visual tokens
 
 
+def test_the_check_prices_the_run_as_it_executes(train_fit) -> None:
+    """--cuda-graph none runs eager: the check prices that, not the whole-step graph of the default."""
+    assert "--cuda-graph" not in _vlm_argv(train_fit)
+    assert _vlm_argv(train_fit, cuda_graph="none")[-2:] == ["--cuda-graph", "none"]
+
+
 def test_the_vlm_layout_that_hung_at_the_cards_limit_is_refused_and_a_fitting_schedule_named(train_fit) -> None:
     argv = _vlm_argv(train_fit)
     predicted = device_memory_gib([*argv, "--schedule", "braided_v", "--schedule", "1f1b_i"])
