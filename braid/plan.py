@@ -32,6 +32,7 @@ from braid.cost.cluster import Cluster
 from braid.cost.costs import stage_lighter
 from braid.cost.hardware import HARDWARE, get_hardware
 from braid.cost.catalog import MODELS
+from braid.cost.device_memory import MEMORY_MARGIN
 from braid.planner.search import MAX_SIMULATIONS, MICRO_BATCH_SIZES, Evaluation, Problem, SearchResult, layouts, search
 from braid.simulate import resolve_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--memory", type=float, default=None, metavar="GiB",
                     help="memory cap per GPU in GiB (default: the hardware's device memory as the driver reports it, "
                          "140.4 GiB on h200 -- sold as 141 GB; braid.cost.hardware.DEVICE_MIB)")
+    ap.add_argument("--memory-margin", type=float, default=MEMORY_MARGIN, metavar="F",
+                    help="share of the cap kept back, in [0, 1): a pick's predicted device memory in use stays within "
+                         "(1 - F) x the cap (default %(default)g: the median by which the measured memory in use has "
+                         "exceeded the prediction, braid.cost.device_memory.MEMORY_MARGIN)")
     ap.add_argument("--global-batch", type=int, default=None, metavar="B", help="samples per step (default: 2 per GPU)")
     ap.add_argument("--seq", type=int, default=None, help="LM tokens per sample (default: the model's, 4096)")
     ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS,
@@ -128,14 +133,16 @@ def _notes(prob: Problem, ev: Evaluation) -> list[str]:
     return notes
 
 
-def document(prob: Problem, res: SearchResult, hw_name: str) -> dict[str, Any]:
-    """The JSON document: problem, search statistics, ranked configurations with their commands."""
+def document(prob: Problem, res: SearchResult, hw_name: str, margin: float = 0.0) -> dict[str, Any]:
+    """The JSON document: problem, search statistics, ranked configurations with their commands. ``margin``: the
+    share of the cap kept back (``prob.memory_bytes`` is what is left of it)."""
     ranked = []
     for i, ev in enumerate(res.best, 1):
         ranked.append({"rank": i, **ev.to_dict(), "command": torchrun_command(prob, ev), "notes": _notes(prob, ev)})
     return {
         "problem": {"model": prob.model.name, "gpus": prob.gpus, "gpus_per_node": prob.cluster.gpus_per_node,
-                    "hardware": hw_name, "memory_gib": prob.memory_bytes / 2**30, "global_batch": prob.global_batch,
+                    "hardware": hw_name, "memory_gib": prob.memory_bytes / (1 - margin) / 2**30,
+                    "memory_margin": margin, "planned_gib": prob.memory_bytes / 2**30, "global_batch": prob.global_batch,
                     "seq": prob.model.seq, "optimizer": prob.optimizer},
         "search": {"enumerated": res.enumerated, "memory_pruned": res.memory_pruned, "simulated": len(res.evaluated),
                    "bound_pruned": res.bound_pruned, "best_proven": res.complete, "stopped": res.stopped or None,
@@ -222,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--gpus {args.gpus:,}: at most {MAX_GPUS:,} GPUs")
     if args.memory is not None and not args.memory > 0:
         ap.error(f"--memory must be a positive number of GiB, got {args.memory}")
+    if not (math.isfinite(args.memory_margin) and 0 <= args.memory_margin < 1):
+        ap.error(f"--memory-margin must be a share of the cap in [0, 1), got {args.memory_margin}")
     if args.time_budget is not None and not args.time_budget > 0:
         ap.error(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
@@ -247,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = resolve_model(args.model)
     model = model.with_(seq=args.seq) if args.seq else model
     cap = args.memory * 2**30 if args.memory else hw.memory_bytes
-    prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, cap, args.optimizer, args.sequence_parallel,
+    usable = cap * (1 - args.memory_margin)  # what a pick's predicted device memory in use may reach
+    prob = Problem(model, args.gpus, Cluster(hw, args.gpus_per_node), gb, usable, args.optimizer, args.sequence_parallel,
                    None if args.ep == "auto" else args.ep, args.moe_imbalance)
     if args.ep != "auto" and args.ep > 1 and next(layouts(prob), None) is None:
         ap.error(f"--ep {args.ep} fits no layout of {args.gpus} GPUs and --global-batch {gb}: it must divide the data-parallel "
@@ -259,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  progress=lambda r: bar.step(f"in {r.elapsed_s:.0f} s"))
     bar.close()
     print(f"# {model.name} on {args.gpus} x {hw.name} ({args.gpus_per_node} per node), global batch {gb} x {model.seq} tokens, "
-          f"cap {cap / 2**30:.1f} GiB per GPU, optimizer {args.optimizer}")
+          f"cap {cap / 2**30:.1f} GiB per GPU ({usable / 2**30:.1f} planned: {args.memory_margin:.1%} kept back), "
+          f"optimizer {args.optimizer}")
     print(f"# {res.enumerated} candidates, {res.memory_pruned} pruned by memory, {len(res.evaluated)} simulated, "
           f"{res.bound_pruned} left by the bound, in {res.elapsed_s:.1f} s"
           + ("; no unsimulated candidate can beat #1" if res.complete else
@@ -269,8 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"raise {_budget(res)}", file=sys.stderr)
         return 2
     if not res.best:
-        print(f"{ap.prog}: error: no configuration fits {cap / 2**30:.1f} GiB per GPU; use more GPUs or a shorter --seq",
-              file=sys.stderr)
+        print(f"{ap.prog}: error: no configuration fits {usable / 2**30:.1f} GiB per GPU ({cap / 2**30:.1f} less "
+              f"--memory-margin {args.memory_margin:g}); use more GPUs or a shorter --seq", file=sys.stderr)
         return 2
     print(format_ranking(res))
     from braid import schedules
@@ -286,9 +297,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if faster:
         ev = faster[0]
         print(f"\nfaster, over the cap ({len(faster)} simulated): {ev.cand.describe()}: step {ev.step_s:.3f} s, "
-              f"{ev.peak_bytes / 2**30:.1f} GiB > {cap / 2**30:.1f}\n  " + torchrun_command(prob, ev))
+              f"{ev.peak_bytes / 2**30:.1f} GiB > {usable / 2**30:.1f}\n  " + torchrun_command(prob, ev))
     if args.json:
-        atomic_write_text(args.json, json.dumps(document(prob, res, hw.name), indent=1))
+        atomic_write_text(args.json, json.dumps(document(prob, res, hw.name, args.memory_margin), indent=1))
         print(f"wrote {args.json}")
     if args.html:
         _write_html(prob, res, args.html)
