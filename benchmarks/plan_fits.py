@@ -106,11 +106,21 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def end_tree(proc: subprocess.Popen) -> None:
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has ended: only its parent's wait is left)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def end_tree(proc: subprocess.Popen, dump_s: float = 5.0) -> None:
     """End a run at its limit: every process of it (its session and whatever it started, torchrun's workers
-    in their own sessions included) first prints its Python stacks (SIGABRT under faulthandler), then is killed."""
+    in their own sessions included) first prints its Python stacks (SIGABRT under faulthandler; up to
+    ``dump_s`` for them to end), then whatever is left is killed."""
     pids = [proc.pid] + descendants(proc.pid)
-    for sig, wait_s in ((signal.SIGABRT, 5.0), (signal.SIGKILL, 0.0)):
+    for sig in (signal.SIGABRT, signal.SIGKILL):
         for pid in reversed(pids):  # the workers before the launcher that would forward or restart
             try:
                 os.kill(pid, sig)
@@ -120,7 +130,9 @@ def end_tree(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
-        time.sleep(wait_s)
+        deadline = time.monotonic() + dump_s
+        while sig == signal.SIGABRT and time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.05)
     proc.wait()
 
 
