@@ -1,8 +1,9 @@
 """The planner's pick shown to fit on the GPUs, and the faster layout it rejected shown not to.
 
 Runs ``braid.plan`` for a job on this machine's GPUs under a memory cap (``--memory GiB``), then
-trains its pick and the fastest configuration the cap rejected (the plan's ``over_cap`` list, shown
-under "faster, over the cap") with the example scripts under the cap (``--memory-cap``: device memory in
+trains its pick and the fastest configuration predicted over the cap itself (from the plan's ``over_cap`` list,
+shown under "faster, over the planned memory": the plan keeps ``--memory-margin`` of the cap back) with the
+example scripts under the cap (``--memory-cap``: device memory in
 use, the allocator held to the cap less what CUDA and NCCL hold outside it, :mod:`examples.train_fit`),
 while ``nvidia-smi`` samples what the job's GPUs have in use (only those: a job on the host's other GPUs
 is not this one's).
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shlex
 import signal
 import subprocess
@@ -66,6 +68,8 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
     # output to a file, not a pipe: a process left behind that kept the pipe open would hold the read past the
     # limit; faulthandler on, so that a run stopped at its limit prints its stacks (end_tree)
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    # no core files from the aborted processes (GPU processes' cores run to gigabytes): inherited by the run
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
                                 start_new_session=True)
@@ -106,32 +110,35 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has ended: only its parent's wait is left)."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """``pid``'s state letter and start time (clock ticks after boot; with the pid, one process's identity), or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def end_tree(proc: subprocess.Popen, dump_s: float = 5.0) -> None:
     """End a run at its limit: every process of it (its session and whatever it started, torchrun's workers
     in their own sessions included) first prints its Python stacks (SIGABRT under faulthandler; up to
-    ``dump_s`` for them to end), then whatever is left is killed."""
-    pids = [proc.pid] + descendants(proc.pid)
+    ``dump_s`` for them to end), then whatever is left is killed. A process is signalled only while its start
+    time is the one listed (a pid freed and taken by another process in between is left alone)."""
+    listed = {pid: st[1] for pid in [proc.pid] + descendants(proc.pid) if (st := _stat(pid)) is not None}
+
+    def running() -> list[int]:
+        return [pid for pid, start in listed.items() if (st := _stat(pid)) is not None and st[1] == start
+                and st[0] not in ("Z", "X")]  # a zombie has ended: only its parent's wait is left
+
     for sig in (signal.SIGABRT, signal.SIGKILL):
-        for pid in reversed(pids):  # the workers before the launcher that would forward or restart
+        for pid in reversed(running()):  # the workers before the launcher that would forward or restart
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
         deadline = time.monotonic() + dump_s
-        while sig == signal.SIGABRT and time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while sig == signal.SIGABRT and time.monotonic() < deadline and running():
             time.sleep(0.05)
     proc.wait()
 
@@ -191,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         if rc:
             return rc
         doc = json.loads(open(path).read())
-    rows = [("pick", doc["ranked"][0])] + [("over the cap", doc["over_cap"][0])] * bool(doc["over_cap"])
+    # the plan's over_cap list is over the planned memory (the cap less the margin): run one over the cap itself
+    over = [cfg for cfg in doc["over_cap"] if cfg["peak_memory_gib"] > args.memory]
+    rows = [("pick", doc["ranked"][0])] + [("over the cap", over[0])] * bool(over)
     report = []
     for what, cfg in rows:
         got = run(cfg["command"], args.memory, args.steps, args.timeout, ids)

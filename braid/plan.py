@@ -133,15 +133,18 @@ def _notes(prob: Problem, ev: Evaluation) -> list[str]:
     return notes
 
 
-def document(prob: Problem, res: SearchResult, hw_name: str, margin: float = 0.0) -> dict[str, Any]:
-    """The JSON document: problem, search statistics, ranked configurations with their commands. ``margin``: the
-    share of the cap kept back (``prob.memory_bytes`` is what is left of it)."""
+def document(prob: Problem, res: SearchResult, hw_name: str, cap_bytes: float | None = None,
+             margin: float = 0.0) -> dict[str, Any]:
+    """The JSON document: problem, search statistics, ranked configurations with their commands. ``cap_bytes``:
+    the memory cap per GPU (default ``prob.memory_bytes``), of which ``margin`` is kept back: ``prob.memory_bytes``
+    is the planned memory, what a pick's prediction may reach (``over_cap`` lists those above it)."""
+    cap_bytes = prob.memory_bytes if cap_bytes is None else cap_bytes
     ranked = []
     for i, ev in enumerate(res.best, 1):
         ranked.append({"rank": i, **ev.to_dict(), "command": torchrun_command(prob, ev), "notes": _notes(prob, ev)})
     return {
         "problem": {"model": prob.model.name, "gpus": prob.gpus, "gpus_per_node": prob.cluster.gpus_per_node,
-                    "hardware": hw_name, "memory_gib": prob.memory_bytes / (1 - margin) / 2**30,
+                    "hardware": hw_name, "memory_gib": cap_bytes / 2**30,
                     "memory_margin": margin, "planned_gib": prob.memory_bytes / 2**30, "global_batch": prob.global_batch,
                     "seq": prob.model.seq, "optimizer": prob.optimizer},
         "search": {"enumerated": res.enumerated, "memory_pruned": res.memory_pruned, "simulated": len(res.evaluated),
@@ -154,7 +157,8 @@ def document(prob: Problem, res: SearchResult, hw_name: str, margin: float = 0.0
 
 
 def over_cap(prob: Problem, res: SearchResult) -> list[Evaluation]:
-    """The simulated configurations faster than the pick that the memory cap rejected, fastest first."""
+    """The simulated configurations faster than the pick that the planned memory (the cap less the margin)
+    rejected, fastest first."""
     first = res.best[0].step_s if res.best else float("inf")
     return sorted((e for e in res.evaluated if e.peak_bytes > prob.memory_bytes and e.step_s < first), key=lambda e: e.step_s)
 
@@ -181,11 +185,11 @@ def _write_html(prob: Problem, res: SearchResult, path: str) -> None:
     fits = [e for e in res.evaluated if e.peak_bytes <= prob.memory_bytes]
     over = [e for e in res.evaluated if e.peak_bytes > prob.memory_bytes]
     fig = go.Figure()
-    for evs, name in ((fits, "fits"), (over, "over the memory cap"), ([best], "chosen")):
+    for evs, name in ((fits, "fits"), (over, "over the planned memory"), ([best], "chosen")):
         fig.add_trace(go.Scatter(x=[e.peak_bytes / 2**30 for e in evs], y=[e.tokens_s for e in evs], mode="markers",
                                  name=name, text=[e.cand.describe() for e in evs], hovertemplate="%{text}<br>%{x:.1f} GiB, %{y:.0f} tokens/s",
                                  marker={"size": 14 if name == "chosen" else 7, "symbol": "star" if name == "chosen" else "circle"}))
-    fig.add_vline(x=prob.memory_bytes / 2**30, line_dash="dash", annotation_text="memory cap")
+    fig.add_vline(x=prob.memory_bytes / 2**30, line_dash="dash", annotation_text="planned memory (cap less the margin)")
     fig.update_layout(title=f"{prob.model.name} on {prob.gpus} GPUs: throughput vs peak memory per GPU",
                       xaxis_title="peak memory per GPU (GiB)", yaxis_title="tokens/s")
     timeline = Path(path).with_suffix(".timeline.html")
@@ -296,10 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     faster = over_cap(prob, res)
     if faster:
         ev = faster[0]
-        print(f"\nfaster, over the cap ({len(faster)} simulated): {ev.cand.describe()}: step {ev.step_s:.3f} s, "
+        print(f"\nfaster, over the planned memory ({len(faster)} simulated): {ev.cand.describe()}: step {ev.step_s:.3f} s, "
               f"{ev.peak_bytes / 2**30:.1f} GiB > {usable / 2**30:.1f}\n  " + torchrun_command(prob, ev))
     if args.json:
-        atomic_write_text(args.json, json.dumps(document(prob, res, hw.name, args.memory_margin), indent=1))
+        atomic_write_text(args.json, json.dumps(document(prob, res, hw.name, cap, args.memory_margin), indent=1))
         print(f"wrote {args.json}")
     if args.html:
         _write_html(prob, res, args.html)

@@ -138,14 +138,17 @@ def test_plan_fits_ends_a_run_at_its_limit_with_every_process_of_it(monkeypatch)
     waited; and the run's own --timeout is set below the limit."""
     monkeypatch.syspath_prepend(str(BENCH))
     plan_fits = importlib.import_module("plan_fits")
-    child = "import time; time.sleep(120)"
+    child = "import time\ndef child_waits(): time.sleep(120)\nchild_waits()"
+    left = "import time\ndef left_waits(): time.sleep(120)\nleft_waits()"
     # a child in the run's session, and one in a session of its own (as torchrun's workers are)
     parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
-              f"q = subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True); "
+              f"q = subprocess.Popen([sys.executable, '-c', {left!r}], start_new_session=True); "
               "print('child', p.pid, 'left', q.pid, 'argv', sys.argv[1:], flush=True); time.sleep(120)")
     got = plan_fits.run(f"{sys.executable} -c {shlex.quote(parent)}", 6.0, 2, 3.0, [])
     assert got["rc"] == 124 and got["seconds"] < 60, got
-    assert "Fatal Python error: Aborted" in got["tail"] and "line 1 in <module>" in got["tail"], got["tail"]  # its stack
+    # each printed its stack, the one in a session of its own too
+    assert "Fatal Python error: Aborted" in got["tail"] and "in child_waits" in got["tail"] and "in left_waits" in got["tail"], \
+        got["tail"]
     assert "'--timeout', '30'" in got["tail"], got["tail"]  # job_timeout(3 s): at least 30 s
     for pid in (int(re.search(rf"{what} (\d+)", got["tail"]).group(1)) for what in ("child", "left")):
         for _ in range(100):  # killed, the child is gone (or a zombie until whoever adopted it reaps it)

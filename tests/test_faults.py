@@ -567,3 +567,22 @@ def test_a_failed_nccl_rank_aborts_its_groups_instead_of_destroying_them(monkeyp
     monkeypatch.setattr(c10d, "_abort_process_group", lambda *a: calls.append("abort"))
     Dist(0, 2, torch.device(device), None, None, 1.0).close(failed)
     assert calls == [called]
+
+
+def test_a_failing_abort_does_not_replace_the_ranks_own_error(monkeypatch) -> None:
+    """close runs in the train loop's finally: an abort that raises (a group NCCL's watchdog already tore down)
+    is logged, and the exception that failed the rank is the one that leaves."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from braid.runtime.distributed import Dist
+
+    def broken(*a):
+        raise RuntimeError("abort failed")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(c10d, "_abort_process_group", broken)
+    with pytest.raises(ValueError, match="the rank's own"):
+        try:
+            raise ValueError("the rank's own")
+        finally:
+            Dist(0, 2, torch.device("cuda"), None, None, 1.0).close(True)

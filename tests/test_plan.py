@@ -458,12 +458,12 @@ def test_the_faster_layouts_the_cap_took_away_are_simulated_and_shown(tmp_path, 
                       "--top", "3", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     pick, over, planned = doc["ranked"][0], doc["over_cap"], doc["problem"]["planned_gib"]
-    assert planned == pytest.approx(7.0 * (1 - MEMORY_MARGIN)) and doc["problem"]["memory_gib"] == pytest.approx(7.0)
+    assert planned == pytest.approx(7.0 * (1 - MEMORY_MARGIN)) and doc["problem"]["memory_gib"] == 7.0
     assert pick["peak_memory_gib"] <= planned and over
     assert all(o["peak_memory_gib"] > planned and o["step_s"] < pick["step_s"] for o in over)
     assert [o["step_s"] for o in over] == sorted(o["step_s"] for o in over)
     text = capsys.readouterr().out
-    assert f"faster, over the cap ({len(over)} simulated)" in text and over[0]["command"] in text
+    assert f"faster, over the planned memory ({len(over)} simulated)" in text and over[0]["command"] in text
 
 
 def test_the_memory_margin_keeps_a_share_of_the_cap_back(tmp_path, capsys) -> None:

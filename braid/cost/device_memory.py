@@ -85,8 +85,10 @@ H100_TORCH211 = DeviceTerms(
 )
 DEVICE_TERMS = H100_TORCH211  # the stack every estimate uses until another is measured
 # The share of a card the planner keeps back (``braid.plan --memory-margin``): the median of how far the device
-# memory in use measured above this model on the stored graphed sets, 6.4% over 36 rank-rows (worst 28.9%;
-# benchmarks/results/measurements_h100x2_graphed_memory_2.json, tests/test_device_memory.py holds it to the file).
+# memory in use measured above this model's prediction on the stored graphed sets, 6.4% over 36 rank-rows (worst
+# 28.9%; benchmarks/results/measurements_h100x2_graphed_memory_2.json, tests/test_device_memory.py holds it to the
+# file). Those are braid.bench's steps (braid.measure.device_prediction's terms, no optimizer step); a median, so a
+# pick predicted at the planned limit still overran it on half of them.
 MEMORY_MARGIN = 0.065
 
 
@@ -158,7 +160,8 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
     times the schedule's fragmentation. ``graphed`` (a whole-step CUDA graph, what the examples run on CUDA by
     default: :func:`braid.core.capture.captured_by_default`): the graph's private pool keeps the activations'
     bytes between replays, and the optimizer step, run after the replay outside the graph, allocates its
-    temporaries beside it."""
+    temporaries beside it. Its two eager warm-up steps are not priced apart: the eager figure scales the static
+    state by the fragmentation measured on small steps, which for a large model's state is not measured."""
     if graphed:
         reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes + step_bytes, peak_bytes=activation_bytes,
                                 graphed=True)

@@ -406,7 +406,10 @@ class Dist:
         if failed and self.device.type == "cuda":
             from torch.distributed.distributed_c10d import _abort_process_group
 
-            _abort_process_group()
+            try:
+                _abort_process_group()
+            except Exception:  # noqa: BLE001 - the rank's own failure is the one to report, not its teardown's
+                log.warning("rank %d: aborting its process groups after its failure failed", self.rank, exc_info=True)
         else:
             dist.destroy_process_group()
 
