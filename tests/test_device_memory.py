@@ -205,3 +205,19 @@ def test_the_planners_margin_is_the_median_shortfall_of_the_stored_graphed_sets(
     assert len(over) == 36
     median = statistics.median(over)
     assert median <= MEMORY_MARGIN <= median + 0.005, median
+
+
+def test_a_bench_row_starts_without_the_cublas_workspaces_of_earlier_rows(monkeypatch) -> None:
+    """Every row's executor runs GEMMs on side streams of its own, and cuBLAS keeps a workspace per stream for
+    the process's life: the memory in use beside a graph pool grew by one a row (measured), which no row's
+    model counts. A row starts after those workspaces and the allocator's cache are given back, in that order."""
+    import torch
+
+    from braid.measure import runs
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear_workspaces"), raising=False)
+    runs.release_earlier_rows(torch.device("cuda", 0))
+    assert calls == ["sync", "clear_workspaces", "empty_cache"]

@@ -41,6 +41,20 @@ PROBE_BUSY_STEPS = 5  # recorded probe steps after the timed ones: unit busy tim
 # ----------------------------------------------------------------------------------------
 # The job on every rank
 # ----------------------------------------------------------------------------------------
+def release_earlier_rows(dev: torch.device) -> None:
+    """Give back what earlier rows of this process hold on CUDA device ``dev`` and no later row uses: their
+    garbage, cuBLAS's workspaces (one per stream a GEMM ran on, kept by torch for the process's life: every
+    row's executor makes side streams of its own, and the memory in use beside a graph pool grew by a
+    workspace a row, 1253 -> 1419 MiB over six rows, measurements_h100x2_graphed_memory_2.txt) and the
+    allocator's cached blocks."""
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # what torch's cudagraph trees call before a capture
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -60,13 +74,11 @@ def _timed_steps(bc: BenchConfig, dev: torch.device, run_step, steps: int | None
     line them up with a clock or power log taken beside the job). The peaks count the steps from
     index ``peak_from`` (default: the measured ones): a step captured into a CUDA graph during the
     warm-up allocates there what its replays reuse, so a graphed peer counts from its second step
-    (its first allocates the gradients every later step keeps). The allocator's cache is emptied first:
-    the blocks an earlier row (another schedule or peer in this process) left reserved are not this
-    row's, and every row starts from the same state."""
+    (its first allocates the gradients every later step keeps). The allocator's cache is emptied first
+    (:func:`release_earlier_rows`): the blocks an earlier row (another schedule or peer in this process) left
+    reserved are not this row's, and every row starts from the same state."""
     if dev.type == "cuda":
-        gc.collect()
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
+        release_earlier_rows(dev)
     times, peak, res, host = [], 0, None, []
     held = {"reserved": 0, "device_used": 0}
     steps = bc.steps if steps is None else steps
