@@ -90,18 +90,24 @@ def run(command: str, cap: float, steps: int, timeout_s: float, ids: list[str]) 
             "device_in_use_mib": max(used, default=0), "seconds": time.perf_counter() - t0, "tail": text[-(20000 if rc == 124 else 3000):]}
 
 
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``pid``'s state letter, parent pid and start time (clock ticks after boot; with the pid, one process's
+    identity) from Linux's ``/proc``, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def descendants(pid: int) -> list[int]:
-    """Every living process below ``pid`` (Linux's ``/proc``): torchrun's workers run in sessions of their
-    own, so a signal to the run's process group does not reach them."""
+    """Every living process below ``pid``: torchrun's workers run in sessions of their own, so a signal to the
+    run's process group does not reach them."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            children.setdefault(st[1], []).append(int(entry))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -110,36 +116,36 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """``pid``'s state letter and start time (clock ticks after boot; with the pid, one process's identity), or None."""
+def _signal(pid: int, sig: int) -> None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def end_tree(proc: subprocess.Popen, dump_s: float = 5.0) -> None:
     """End a run at its limit: every process of it (its session and whatever it started, torchrun's workers
     in their own sessions included) first prints its Python stacks (SIGABRT under faulthandler; up to
-    ``dump_s`` for them to end), then whatever is left is killed. A process is signalled only while its start
-    time is the one listed (a pid freed and taken by another process in between is left alone)."""
-    listed = {pid: st[1] for pid in [proc.pid] + descendants(proc.pid) if (st := _stat(pid)) is not None}
+    ``dump_s`` for them all to end, one after the other so that the stacks do not interleave), then whatever is
+    left is killed. A process is signalled only while its start time is the one listed (a pid freed and taken by
+    another process in between is left alone)."""
+    listed = {pid: st[2] for pid in [proc.pid] + descendants(proc.pid) if (st := _stat(pid)) is not None}
 
     def running() -> list[int]:
-        return [pid for pid, start in listed.items() if (st := _stat(pid)) is not None and st[1] == start
+        return [pid for pid, start in listed.items() if (st := _stat(pid)) is not None and st[2] == start
                 and st[0] not in ("Z", "X")]  # a zombie has ended: only its parent's wait is left
 
-    for sig in (signal.SIGABRT, signal.SIGKILL):
-        for pid in reversed(running()):  # the workers before the launcher that would forward or restart
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + dump_s
-        while sig == signal.SIGABRT and time.monotonic() < deadline and running():
-            time.sleep(0.05)
+    deadline = time.monotonic() + dump_s
+    for pid in reversed(running()):  # the workers before the launcher that would forward or restart
+        _signal(pid, signal.SIGABRT)
+        while pid in running() and time.monotonic() < deadline:  # one at a time: the stacks do not interleave
+            time.sleep(0.02)
+    for pid in running():
+        _signal(pid, signal.SIGKILL)
+    try:  # and whatever joined the run's session after the listing
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     proc.wait()
 
 
