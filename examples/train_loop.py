@@ -81,7 +81,7 @@ def run(task: Task, setup: Setup, source: Any = None, joined: Any = None
         d = Dist.from_env(device=device, timeout_s=args.timeout, joined=joined)
     else:
         d = Dist.init(0, 1, master_port=_free_port(), device=device, timeout_s=args.timeout)
-    failed = False
+    failed: BaseException | None = None
     try:
         # a raw communication failure anywhere inside (a collective of a library call) leaves as the
         # executor's would: PeerLost naming the lost rank, PeerFailure naming the first failing one
@@ -97,12 +97,12 @@ def run(task: Task, setup: Setup, source: Any = None, joined: Any = None
     except (RunError, CheckpointError):
         raise  # a verdict every rank reached together: nobody to abort
     except BaseException as err:
-        failed = True  # collectives may be in flight that no peer joins: close aborts them
+        failed = err  # collectives may be in flight that no peer joins: close aborts them
         if isinstance(err, Exception):
             d.abort.fail(err)  # first failing rank wins the record; a report of another rank's failure is not recorded
         raise
     finally:
-        d.close(failed)
+        d.close(failed is not None, failed)
 
 
 def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, source: Any, device: torch.device,

@@ -586,3 +586,26 @@ def test_a_failing_abort_does_not_replace_the_ranks_own_error(monkeypatch) -> No
             raise ValueError("the rank's own")
         finally:
             Dist(0, 2, torch.device("cuda"), None, None, 1.0).close(True)
+
+
+def test_a_failed_rank_prints_its_error_before_an_abort_that_never_returns(monkeypatch, capsys) -> None:
+    """NCCL's abort can wait on a kernel that never ends (on 2 H100s: 300 s, then no return): the rank's own error
+    is on stderr before the abort starts, and the rank leaves the abort behind after ABORT_WAIT_S."""
+    import threading
+
+    import torch.distributed.distributed_c10d as c10d
+
+    import braid.runtime.distributed as bd
+
+    never = threading.Event()
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(c10d, "_abort_process_group", lambda *a: never.wait())
+    monkeypatch.setattr(bd, "ABORT_WAIT_S", 0.2)
+    t0 = time.monotonic()
+    bd.Dist(3, 4, torch.device("cuda"), None, None, 1.0).close(True, MemoryError("CUDA out of memory.\nmore"))
+    waited = time.monotonic() - t0
+    never.set()
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["rank 3: MemoryError: CUDA out of memory.; aborting its NCCL groups",
+                   "rank 3: aborting its NCCL groups did not finish within 0.2 s; left behind"], err
+    assert 0.2 <= waited < 5.0

@@ -22,11 +22,11 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
     exit_with_parent(parent)
 
     d = Dist.init(rank, world, master_port=port, device=f"cuda:{rank}" if device == "cuda" else "cpu", timeout_s=600)
-    failed = False
+    failed: BaseException | None = None
     try:
         out.put((rank, True, fn(d, *args)))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
-        failed = True
+        failed = err
         import traceback
 
         from braid.runtime.distributed import PeerFailure
@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
             first = None
         out.put((rank, False, (traceback.format_exc(), first)))
     finally:
-        d.close(failed)
+        d.close(failed is not None, failed)
 
 
 _GRACE_AFTER_DEATH_S = 30.0

@@ -35,6 +35,8 @@ import json
 import logging
 import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
     from braid.tp.comm import TPComm
 
 log = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 30.0  # how long a failed CUDA rank waits for NCCL's abort of its groups (Dist.close)
 
 ABORT_KEY = "braid/abort"
 TIMED_OUT_PREFIX = "braid/timed_out/"  # + rank: that rank's wait ran out (Abort.silent_ranks)
@@ -396,20 +400,35 @@ class Dist:
         return Dist.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device=device, timeout_s=timeout_s,
                          joined=joined)
 
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, error: BaseException | None = None) -> None:
         """Tear down the process groups. A rank that ``failed`` mid-step may hold NCCL collectives no peer will
         join (the others failed elsewhere, or a replayed CUDA graph's collectives wait on the device): destroying
         those communicators waits for the collectives for ever, so such a rank aborts them (torch's
-        ``_abort_process_group``, every group at once) and its exception reaches the user."""
+        ``_abort_process_group``, every group at once) and its exception reaches the user. NCCL's abort can itself
+        wait on a kernel that never ends (seen: 300 s, then no return), so the rank's ``error`` is printed first,
+        one line on stderr, and the abort is given :data:`ABORT_WAIT_S` before the rank leaves it behind."""
         if not dist.is_initialized():
             return
         if failed and self.device.type == "cuda":
-            from torch.distributed.distributed_c10d import _abort_process_group
+            if error is not None:
+                first = (str(error).splitlines() or [""])[0]
+                print(f"rank {self.rank}: {type(error).__name__}: {first}; aborting its NCCL groups",
+                      file=sys.stderr, flush=True)
+            done = threading.Event()
 
-            try:
-                _abort_process_group()
-            except Exception:  # noqa: BLE001 - the rank's own failure is the one to report, not its teardown's
-                log.warning("rank %d: aborting its process groups after its failure failed", self.rank, exc_info=True)
+            def abort() -> None:
+                from torch.distributed.distributed_c10d import _abort_process_group
+
+                try:
+                    _abort_process_group()
+                except Exception:  # noqa: BLE001 - the rank's own failure is the one to report, not its teardown's
+                    log.warning("rank %d: aborting its process groups after its failure failed", self.rank, exc_info=True)
+                done.set()
+
+            threading.Thread(target=abort, name="braid-nccl-abort", daemon=True).start()
+            if not done.wait(ABORT_WAIT_S):
+                print(f"rank {self.rank}: aborting its NCCL groups did not finish within {ABORT_WAIT_S:g} s; "
+                      "left behind", file=sys.stderr, flush=True)
         else:
             dist.destroy_process_group()
 
