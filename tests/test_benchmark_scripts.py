@@ -28,6 +28,8 @@ RESULTS = "benchmarks/results/"
 # script -> (argv, run as a subprocess?, a line its output must hold); {tmp}: the test's own directory
 RUNS: dict[str, tuple[list[str], bool, str]] = {
     "bench_attention2d.py": (["--device", "cpu", "--tiny", "--seqs", "64", "--iters", "1", "--warmup", "0"], True, "HP2"),
+    "bench_held_bytes.py": (["--preset", "tiny", "--seq", "16", "--mbs", "3", "--json", "{tmp}/held.json"], True,
+                           "points where braided_v holds more than zb_v: 0"),
     "bench_executor_overhead.py": (["--m", "2", "--layers", "1", "--steps", "1", "--warmup", "0", "--json", "{tmp}/o.json"],
                                    True, "cut record=off"),
     "bench_compile.py": (["--tiny"], False, "braided_v"),
