@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"points where braided_v holds more than zb_v: {over}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "held_bytes": {str(r): g for r, g in by_rank.items()}}, f, indent=1)
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json"}, "held_bytes": {str(r): g for r, g in by_rank.items()}}, f, indent=1)
     return 0
 
 
