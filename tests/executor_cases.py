@@ -173,7 +173,8 @@ def _check_carried_overlap(program, chunks, trace, where: str, on_cpu: bool) -> 
 
 def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
                 compile: bool | None = None, tp_backend: str | None = None, recompute: str = "none",
-                stage_layers: dict[int, tuple[float, ...]] | None = None, seq_shard: bool = False) -> list[tuple[str, int, dict]]:
+                stage_layers: dict[int, tuple[float, ...]] | None = None, seq_shard: bool = False,
+                stage_p2p: bool | None = None) -> list[tuple[str, int, dict]]:
     """Run each (schedule, m) for two AdamW steps and compare with the single-process reference:
     the loss of each step, every gradient before the first optimizer step and every parameter
     after the last, within :func:`reference_error.bound` (float64 on CPU, float32 against a
@@ -182,8 +183,9 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
     group created with its options, instead of the groups' default; ``recompute``: the chunks'
     recomputation mode; ``stage_layers``: the layout per number of virtual stages (half layers
     allowed) instead of the default split; ``seq_shard``: sequence parallelism inside TP
-    (:mod:`braid.tp.seq_shard`). The counts returned carry ``peak_bytes``: the rank's
-    peak of the first step's memory series."""
+    (:mod:`braid.tp.seq_shard`); ``stage_p2p``: the executor's staged transfers (:mod:`braid.runtime.p2p`) on
+    or off (None: its default, on while a CUDA graph captures). The counts returned carry ``peak_bytes``: the rank's
+    peak of the first step's memory series, and ``staging_made``: the staging buffers the executor allocated."""
     from braid import schedules
     from braid.core.braiding import carries
     from braid.core.compiler import compile_plan
@@ -233,6 +235,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
         seq = SEQ // tp if sharded else SEQ
         ex = Executor.from_groups(plan, program, chunks, groups, ctx.dist.abort, act_shape=(MBS, seq, cfg.hidden), device=dev,
                                   dtype=dtype, compile=compile, **kw)
+        ex.stage_p2p = stage_p2p
         where = (f"{name} pp={pp} tp={tp} m={m} rank={ctx.rank} compile={ex.compiled} seq_shard={sharded} "
                  f"tp_backend={tp_backend or groups.tp_backend}")
         for step, (toks, labs) in enumerate(steps_data):
@@ -259,7 +262,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
         ref.check_params(chunks, shard, where)
         # all-gathers started as their instruction starts (braiding.early_heads; sequence sharding)
         early = sum(e.kind == "AG" and e.lane == "tp-comm" for e in res.trace.events)
-        ran.append((name, m, dict(res.counts, peak_bytes=peak, seq_shard=sharded, early_AG=early)))
+        ran.append((name, m, dict(res.counts, peak_bytes=peak, seq_shard=sharded, early_AG=early, staging_made=ex.staging.made)))
     return ran
 
 

@@ -212,3 +212,16 @@ def test_separate_linears_of_one_gathered_input_share_its_gather(pools) -> None:
     for rank, ((n_grouped, ran_g), (n_apart, ran_a)) in enumerate(zip(grouped, apart)):
         assert [(n, m) for n, m, _ in ran_a] == [("braided_v", 3), ("zb_v", 2)], (rank, ran_a)
         assert n_grouped > 0 and n_apart == n_grouped, (rank, n_grouped, n_apart)
+
+
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)], ids=["pp2-tp1", "pp2-tp2"])
+def test_staged_transfers_match_reference_and_reuse_their_buffers(pools, pp: int, tp: int) -> None:
+    """A captured step sends and receives through kept staging buffers (braid.runtime.p2p: a graph's pool never
+    reuses a freed message tensor). Forced on here, without a capture: the same losses, gradients and parameters
+    as the single process, m not a multiple of p included; and fewer buffers than messages (they are reused)."""
+    combos = [(name, m) for name in ("braided_v", "zb_v", "1f1b_i", "dualpipe_v") for m in (4, 5)]
+    ran_by_rank = pools(pp * tp).run(cases.equivalence, pp, tp, combos, None, None, "none", None, False, True, timeout_s=400)
+    for rank, rank_ran in enumerate(ran_by_rank):
+        assert {(n, m) for n, m, _ in rank_ran} >= {("braided_v", 5), ("zb_v", 5), ("1f1b_i", 4)}, rank_ran
+        for name, m, counts in rank_ran:
+            assert 0 < counts["staging_made"] < counts["P2P"], (rank, name, m, counts)

@@ -64,7 +64,7 @@ from braid.runtime import compiled
 from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.follow import Follower
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
-from braid.runtime.p2p import Transfer, issue
+from braid.runtime.p2p import Staging, Transfer, issue
 from braid.runtime.results import (
     ExecutionError,
     Record,
@@ -181,6 +181,7 @@ class Executor:
         self._side: Any = None  # CUDA stream that posts a chained Send/Recv run (created on first use)
         self._follow = Follower(self.device, self._wait)  # sequence sharding's unit heads after their reduce-scatter
         self.capturing = False  # a CUDA graph captures run() (braid.runtime.graphs): no host sync in the step
+        self.staging, self.stage_p2p = Staging(), None  # P2P through kept buffers (braid.runtime.p2p); None: while capturing
 
     @staticmethod
     def from_groups(plan: Plan, program: Program, chunks: dict[int, ModelChunk], groups: ProcessGroups, abort: Abort, **kw: Any) -> "Executor":
@@ -506,6 +507,7 @@ class Executor:
     # -- communication -------------------------------------------------------------------
     def _comm(self, start: int, batch: Sequence[Instruction]) -> None:
         transfers: list[Transfer] = []
+        staged = self.capturing if self.stage_p2p is None else self.stage_p2p
         for k, ins in enumerate(batch):
             idx = start + k
             stage = self.plan.stage_of(self.rank, ins.chunk)
@@ -517,10 +519,11 @@ class Executor:
                     else:
                         buf = ch.pop_input_grad(ins.mb)
                     dst = self.plan.comm_stages(self.rank, ins)[1]
-                    transfers.append(Transfer(ins, idx, buf.contiguous(), dst))
+                    buf = self.staging.send(buf) if staged else buf.contiguous()
+                    transfers.append(Transfer(ins, idx, buf, dst, staged))
                 else:
-                    buf = torch.empty(self.act_shape, dtype=self.dtype, device=self.device)
-                    transfers.append(Transfer(ins, idx, buf, stage))
+                    buf = (self.staging.take if staged else torch.empty)(self.act_shape, dtype=self.dtype, device=self.device)
+                    transfers.append(Transfer(ins, idx, buf, stage, staged))
             except (ChunkStateError, KeyError) as err:
                 raise self._fail(idx, ins, err) from err
         s = self.clock.mark()
@@ -542,12 +545,15 @@ class Executor:
         ins = t.instr
         kind = "SEND" if isinstance(ins, Send) else "RECV"
         self._events.append(("p2p", str(ins), kind, start, e, ins.mb, ins.chunk, None, None, t.index, ins.peer))
+        got = self.staging.received(t.buffer) if t.staged and isinstance(ins, Recv) else t.buffer
+        if t.staged and isinstance(ins, Send):
+            self.staging.give(t.buffer)
         if isinstance(ins, Recv):
             ch = self.chunks[ins.chunk]
             if ins.comm is CommKind.ACT:
-                ch.set_input(ins.mb, t.buffer)
+                ch.set_input(ins.mb, got)
             else:
-                ch.set_output_grad(ins.mb, t.buffer)
+                ch.set_output_grad(ins.mb, got)
             if any(not w for w, _, _ in self._sends):  # sends of a batch just waited: their tensors go now, not at the end
                 done, self._sends = [x for x in self._sends if not x[0]], [x for x in self._sends if x[0]]
                 for x in done:
