@@ -51,7 +51,8 @@ ELSEWHERE = {
 }
 GPU_ONLY = {"graph_smoke.py": "needs 2 CUDA devices",
             "bench_memory_terms.py": "needs CUDA devices",
-            "plan_fits.py": "needs 2 CUDA devices"}  # the one line it refuses with on CPU
+            "plan_fits.py": "needs 2 CUDA devices",
+            "bench_p2p_capture.py": "needs 2 CUDA devices"}  # the one line it refuses with on CPU
 HELPERS = {"_spawn.py"}  # imported by the scripts, not run
 
 
