@@ -64,7 +64,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out) -> None:
 
         out.put((rank, {"error": traceback.format_exc()}))
     finally:
-        d.close(failed is not None, failed)
+        d.close(failed)
 
 
 def compare(by_rank: dict[int, dict]) -> tuple[list[str], int]:

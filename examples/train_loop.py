@@ -102,7 +102,7 @@ def run(task: Task, setup: Setup, source: Any = None, joined: Any = None
             d.abort.fail(err)  # first failing rank wins the record; a report of another rank's failure is not recorded
         raise
     finally:
-        d.close(failed is not None, failed)
+        d.close(failed)
 
 
 def train_schedule(task: Task, setup: Setup, run: Run, d: Any, groups: Any, source: Any, device: torch.device,

@@ -28,7 +28,7 @@ def test_a_failed_nccl_rank_aborts_its_groups_instead_of_destroying_them(monkeyp
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
     monkeypatch.setattr(c10d, "_abort_process_group", lambda *a: calls.append("abort"))
-    Dist(0, 2, torch.device(device), None, None, 1.0).close(failed)
+    Dist(0, 2, torch.device(device), None, None, 1.0).close(RuntimeError("a step failed") if failed else None)
     assert calls == [called]
 
 
@@ -48,7 +48,7 @@ def test_a_failing_abort_does_not_replace_the_ranks_own_error(monkeypatch) -> No
         try:
             raise ValueError("the rank's own")
         finally:
-            Dist(0, 2, torch.device("cuda"), None, None, 1.0).close(True)
+            Dist(0, 2, torch.device("cuda"), None, None, 1.0).close(ValueError("the rank's own"))
 
 
 def test_a_failed_rank_prints_its_error_before_an_abort_that_never_returns(monkeypatch, capsys) -> None:
@@ -65,7 +65,7 @@ def test_a_failed_rank_prints_its_error_before_an_abort_that_never_returns(monke
     monkeypatch.setattr(c10d, "_abort_process_group", lambda *a: never.wait())
     monkeypatch.setattr(bd, "ABORT_WAIT_S", 0.2)
     t0 = time.monotonic()
-    bd.Dist(3, 4, torch.device("cuda"), None, None, 1.0).close(True, MemoryError("CUDA out of memory.\nmore"))
+    bd.Dist(3, 4, torch.device("cuda"), None, None, 1.0).close(MemoryError("CUDA out of memory.\nmore"))
     waited = time.monotonic() - t0
     never.set()
     err = capsys.readouterr().err.splitlines()

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
             first = None
         out.put((rank, False, (traceback.format_exc(), first)))
     finally:
-        d.close(failed is not None, failed)
+        d.close(failed)
 
 
 _GRACE_AFTER_DEATH_S = 30.0

@@ -400,20 +400,18 @@ class Dist:
         return Dist.init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device=device, timeout_s=timeout_s,
                          joined=joined)
 
-    def close(self, failed: bool = False, error: BaseException | None = None) -> None:
-        """Tear down the process groups. A rank that ``failed`` mid-step may hold NCCL collectives no peer will
-        join (the others failed elsewhere, or a replayed CUDA graph's collectives wait on the device): destroying
-        those communicators waits for the collectives for ever, so such a rank aborts them (torch's
-        ``_abort_process_group``, every group at once) and its exception reaches the user. NCCL's abort can itself
-        wait on a kernel that never ends (seen: 300 s, then no return), so the rank's ``error`` is printed first,
+    def close(self, error: BaseException | None = None) -> None:
+        """Tear down the process groups. A rank that failed mid-step (``error``: what it raised) may hold NCCL
+        collectives no peer will join (the others failed elsewhere, or a replayed CUDA graph's collectives wait on
+        the device): destroying those communicators waits for the collectives for ever, so such a rank aborts them
+        (torch's ``_abort_process_group``, every group at once) and its exception reaches the user. NCCL's abort can
+        itself wait on a kernel that never ends (seen: 300 s, then no return), so the rank's error is printed first,
         one line on stderr, and the abort is given :data:`ABORT_WAIT_S` before the rank leaves it behind."""
         if not dist.is_initialized():
             return
-        if failed and self.device.type == "cuda":
-            if error is not None:
-                first = (str(error).splitlines() or [""])[0]
-                print(f"rank {self.rank}: {type(error).__name__}: {first}; aborting its NCCL groups",
-                      file=sys.stderr, flush=True)
+        if error is not None and self.device.type == "cuda":
+            first = (str(error).splitlines() or [""])[0]
+            print(f"rank {self.rank}: {type(error).__name__}: {first}; aborting its NCCL groups", file=sys.stderr, flush=True)
             done = threading.Event()
 
             def abort() -> None:

@@ -545,10 +545,10 @@ class Executor:
         ins = t.instr
         kind = "SEND" if isinstance(ins, Send) else "RECV"
         self._events.append(("p2p", str(ins), kind, start, e, ins.mb, ins.chunk, None, None, t.index, ins.peer))
-        got = self.staging.received(t.buffer) if t.staged and isinstance(ins, Recv) else t.buffer
-        if t.staged and isinstance(ins, Send):
+        if isinstance(ins, Send) and t.staged:
             self.staging.give(t.buffer)
         if isinstance(ins, Recv):
+            got = self.staging.received(t.buffer) if t.staged else t.buffer
             ch = self.chunks[ins.chunk]
             if ins.comm is CommKind.ACT:
                 ch.set_input(ins.mb, got)
