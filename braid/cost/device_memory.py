@@ -16,7 +16,8 @@ simulator predicts. A rank holds, besides its live tensors:
 * **the allocator's reserve** (:func:`reserve_bytes`): eager, the allocated peak times the
   schedule's fragmentation (reserved over allocated peak); a whole-step CUDA graph, the static
   state plus its private pool, the capture's allocated peak times the schedule's pool ratio
-  (``torch.cuda.graph`` empties the cache before the capture, so the eager warm-up's blocks go).
+  (``torch.cuda.graph`` empties the cache before the capture and :class:`braid.runtime.graphs.GraphedStep`
+  after it, so the eager warm-up's blocks go, those still held when the capture began included).
 
 Every figure is one measurement of ``benchmarks/bench_memory_terms.py`` on 2 H100s (torch 2.11,
 CUDA 13.0, NCCL 2.28.9, ``NCCL_NVLS_ENABLE=0``), rank 0 of
