@@ -185,7 +185,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
     allowed) instead of the default split; ``seq_shard``: sequence parallelism inside TP
     (:mod:`braid.tp.seq_shard`); ``stage_p2p``: the executor's staged transfers (:mod:`braid.runtime.p2p`) on
     or off (None: its default, on while a CUDA graph captures). The counts returned carry ``peak_bytes``: the rank's
-    peak of the first step's memory series, and ``staging_made``: the staging buffers the executor allocated."""
+    peak of the first step's memory series, and ``staging_made``: the staging buffers the executor allocated, ``sends_held``: the sends it still holds after the step."""
     from braid import schedules
     from braid.core.braiding import carries
     from braid.core.compiler import compile_plan
@@ -262,7 +262,8 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
         ref.check_params(chunks, shard, where)
         # all-gathers started as their instruction starts (braiding.early_heads; sequence sharding)
         early = sum(e.kind == "AG" and e.lane == "tp-comm" for e in res.trace.events)
-        ran.append((name, m, dict(res.counts, peak_bytes=peak, seq_shard=sharded, early_AG=early, staging_made=ex.staging.made)))
+        ran.append((name, m, dict(res.counts, peak_bytes=peak, seq_shard=sharded, early_AG=early, staging_made=ex.staging.made,
+                                      sends_held=len(ex._sends))))
     return ran
 
 

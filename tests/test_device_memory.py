@@ -19,7 +19,9 @@ from braid import schedules
 from braid.core.ctas import default_max_ctas
 from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEMORY_MARGIN, nccl_bytes,
                                       outside_allocator_bytes, pipeline_peers, planned_device_bytes, reserve_bytes)
-from braid.measure.device_prediction import DTYPE_BYTES, PRE_FLAG_CTAS, predicted_device_used, rank_params
+from braid.io.trace import Event, Trace
+from braid.measure.device_prediction import (DTYPE_BYTES, PRE_FLAG_CTAS, captured_peak, chunk_grad_bytes,
+                                             predicted_device_used, rank_params)
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_FILES = ("bench_7b_h100x4_tp2_pp2.json", "bench_7b_h100x4_tp4_pp1.json", "sp_tp2_pp1_h100_busy.json",
@@ -174,6 +176,31 @@ def test_a_graphed_rows_pool_holds_the_captured_gradients() -> None:
                                       tp_max_ctas=cfg["tp_max_ctas"])
     assert eager == pytest.approx(outside + DEVICE_TERMS.fragmentation_of("1f1b_i") * 2 * weights)
     assert graphed == pytest.approx(outside + weights + DEVICE_TERMS.pool_ratio_of("1f1b_i") * weights)
+
+
+@pytest.mark.parametrize("w_at,want", [(0.5, 300 + 1000 + 10), (2.5, 200 + 1000 + 10), (None, 50 + 1000 + 10)])
+def test_a_captured_peak_holds_the_gradients_allocated_by_then(w_at, want) -> None:
+    """A graphed step's gradients are allocated by the captured backward: chunk 0's (1000 B) as its first W starts,
+    chunk 1's (10 B, first W at 0.1) before anything; a peak reached before chunk 0's first W holds only chunk 1's.
+    A chunk with no W in the trace has its gradients counted at the step's end."""
+    series = [(0.0, 100), (1.0, 300), (2.0, 200), (3.0, 50)]
+    events = [Event(0, "compute", "W0c1", "W", 0.1, 0.1, 0, 1)] + (
+        [Event(0, "compute", "W0c0", "W", w_at, 0.2, 0, 0), Event(0, "compute", "W1c0", "W", w_at + 0.3, 0.2, 1, 0),
+         Event(1, "compute", "W0c0", "W", 0.0, 0.2, 0, 0), Event(0, "compute", "F0c0", "F", 0.0, 0.2, 0, 0)]
+        if w_at is not None else [])
+    trace = Trace({}, events, {0: series})
+    grads = {0: 1000, 1: 10}
+    assert captured_peak(trace, 0, grads) == want
+
+
+def test_chunk_gradients_add_up_to_the_ranks_parameters() -> None:
+    cfg = json.loads((ROOT / "benchmarks/results" / CLEAN_FILES[0]).read_text())["config"]
+    cfg = {**cfg, "pp": 2, "layers_per_stage": [1, 1, 1, 1]}
+    grads = chunk_grad_bytes(cfg, "v")
+    assert sorted(grads) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank in range(2):
+        assert sum(b for (r, _), b in grads.items() if r == rank) == rank_params(cfg, rank, "v") * DTYPE_BYTES[cfg["dtype"]]
+    assert grads[(0, 0)] > grads[(1, 0)]  # stage 0 holds the embedding
 
 
 def test_a_device_shared_with_another_process_is_noted() -> None:

@@ -225,6 +225,7 @@ def test_staged_transfers_match_reference_and_reuse_their_buffers(pools, pp: int
         assert {(n, m) for n, m, _ in rank_ran} >= {("braided_v", 5), ("zb_v", 5), ("1f1b_i", 4)}, rank_ran
         for name, m, counts in rank_ran:
             assert 0 < counts["staging_made"] < counts["P2P"], (rank, name, m, counts)
+            assert counts["sends_held"] == 0, (rank, name, m, counts)  # sent tensors go with the step, not the next one
     if tp == 1:  # by default an eager step sends and receives its own tensors: no staging buffer is made
         for rank_ran in pools(pp).run(cases.equivalence, pp, 1, [("zb_v", 4)], timeout_s=200):
             assert [c["staging_made"] for _, _, c in rank_ran] == [0] and rank_ran[0][2]["P2P"] > 0, rank_ran

@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 from braid.core.partition import chunk_specs
 from braid.cost.device_memory import DEVICE_TERMS, DeviceTerms, device_bytes, outside_allocator_bytes, reserve_bytes
 from braid.cost.step_memory import param_sizes
+from braid.io.trace import Trace
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DENSE_KEYS = frozenset({"hidden", "heads", "kv_heads", "ffn", "vocab_size"})
@@ -26,35 +27,73 @@ def is_dense_decoder(model: Mapping[str, Any]) -> bool:
     return DENSE_KEYS <= model.keys() and not any(model.get(k) for k in ("experts", "num_experts", "vision"))
 
 
-def rank_params(config: Mapping[str, Any], pp_rank: int, placement: str) -> int:
-    """Parameters one TP rank of pipeline rank ``pp_rank`` holds (a decoder LM's chunks, module order)."""
+def chunk_grad_bytes(config: Mapping[str, Any], placement: str) -> dict[tuple[int, int], int]:
+    """``(pipeline rank, chunk) ->`` the bytes of one TP rank's parameters of that chunk (a decoder LM's, module
+    order), in the model's dtype: its weights', and its gradients' where the step keeps them in that dtype."""
     m, tp = config["model"], config["tp"]
     kv = m["kv_heads"] * (m["hidden"] // m["heads"])
-    n = 0
-    for (rank, _), spec in chunk_specs(tuple(config["layers_per_stage"]), config["pp"], placement).items():
-        if rank == pp_rank:
-            n += sum(p.numel for p in param_sizes(m["hidden"], kv, m["ffn"], m["vocab_size"], int(spec.layers),
-                                                  bool(spec.embed), bool(spec.head), tp, half_in=spec.half_in,
-                                                  half_out=spec.half_out))
-    return n
+    d = DTYPE_BYTES[config["dtype"]]
+    return {key: d * sum(p.numel for p in param_sizes(m["hidden"], kv, m["ffn"], m["vocab_size"], int(spec.layers),
+                                                      bool(spec.embed), bool(spec.head), tp, half_in=spec.half_in,
+                                                      half_out=spec.half_out))
+            for key, spec in chunk_specs(tuple(config["layers_per_stage"]), config["pp"], placement).items()}
+
+
+def rank_params(config: Mapping[str, Any], pp_rank: int, placement: str) -> int:
+    """Parameters one TP rank of pipeline rank ``pp_rank`` holds (a decoder LM's chunks, module order)."""
+    d = DTYPE_BYTES[config["dtype"]]
+    return sum(b for (rank, _), b in chunk_grad_bytes(config, placement).items() if rank == pp_rank) // d
+
+
+GRAD_PHASES = frozenset({"W", "BW"})  # the tasks that write a chunk's weight gradients
+
+
+def captured_peak(trace: Trace, pp_rank: int, grads: Mapping[int, float]) -> float:
+    """A whole-step CUDA graph's allocated peak on pipeline rank ``pp_rank`` above the weights, from the simulated
+    step: its activation bytes plus the gradients the captured backward has allocated by then. A graphed step
+    sets every gradient to None before it captures (:class:`braid.runtime.graphs.GraphedStep`), so chunk ``c``'s
+    (``grads[c]`` bytes) are taken from the graph's pool as its first weight-gradient task (W, or BW unsplit)
+    starts: a peak reached before some chunk's first W holds less than every gradient beside it."""
+    first: dict[int, float] = {}
+    for e in trace.events:
+        if e.rank == pp_rank and e.lane == "compute" and e.kind in GRAD_PHASES and e.chunk in grads:
+            first[e.chunk] = min(first.get(e.chunk, e.start), e.start)
+    allocs = sorted((t, grads[c]) for c, t in first.items())
+    series = trace.memory.get(pp_rank, [])
+    best, held, level, i = 0.0, 0.0, 0.0, 0
+    for t, b in series:
+        while i < len(allocs) and allocs[i][0] <= t:
+            held += allocs[i][1]
+            best = max(best, level + held)
+            i += 1
+        level = b
+        best = max(best, level + held)
+    held += sum(g for _, g in allocs[i:]) + sum(g for c, g in grads.items() if c not in first)
+    return max(best, level + held)
 
 
 PRE_FLAG_CTAS = 4  # a report without ``tp_max_ctas`` in its config predates the flag, when the cap was always 4
 
 
 def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: str, peaks: Sequence[float],
-                          graphed: bool, terms: DeviceTerms = DEVICE_TERMS) -> list[float]:
+                          graphed: bool, terms: DeviceTerms = DEVICE_TERMS, trace: Trace | None = None) -> list[float]:
     """Per global rank (``pp_rank * tp + tp_rank``): the reserve of ``peaks[pp_rank]`` (the predicted allocator
-    peak of the step above the held state) and the bytes outside the allocator of the layout."""
+    peak of the step above the held state) and the bytes outside the allocator of the layout. ``graphed``: the
+    graph's pool holds the capture's peak of activations and the gradients allocated by then
+    (:func:`captured_peak` of the simulated step's ``trace``; without it, every gradient beside ``peaks``)."""
     tp, pp = config["tp"], config["pp"]
-    d = DTYPE_BYTES[config["dtype"]]
+    grads = chunk_grad_bytes(config, placement)
     backend = "nccl-capped" if config.get("tp_backend", "auto") == "auto" else config["tp_backend"]
     out = []
     for rank in range(tp * pp):
         r = rank // tp
-        weights = rank_params(config, r, placement) * d
-        held, captured = (weights, weights) if graphed else (2 * weights, 0)  # graphed: the gradients in the pool
-        reserve = reserve_bytes(terms, schedule, static_bytes=held, peak_bytes=peaks[r] + captured, graphed=graphed)
+        mine = {c: b for (q, c), b in grads.items() if q == r}
+        weights = sum(mine.values())
+        if not graphed:
+            held, capture = 2 * weights, peaks[r]  # the gradients held across steps
+        else:  # the gradients are in the pool
+            held, capture = weights, peaks[r] + weights if trace is None else captured_peak(trace, r, mine)
+        reserve = reserve_bytes(terms, schedule, static_bytes=held, peak_bytes=capture, graphed=graphed)
         outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend,
                                           tp_max_ctas=config.get("tp_max_ctas", PRE_FLAG_CTAS))
         out.append(device_bytes(reserve, outside))

@@ -67,7 +67,8 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
                          "reserve_breakdown": [rk.get("reserve_breakdown") for rk in ranks],  # where the reserve lies (CUDA)
                          "reserved_peak_bytes": [rk.get("reserved") for rk in ranks],  # per rank, absolute (CUDA)
                          "device_used_bytes": [rk.get("device_used") for rk in ranks],  # nvidia-smi's view (CUDA)
-                         "predicted_device_used_bytes": _predicted_used(pc, r["schedule"], r["m"], pred_peaks, mode, backend),
+                         "predicted_device_used_bytes": _predicted_used(pc, r["schedule"], r["m"], pred_peaks, mode, backend,
+                                                                         sim.trace),
                          "loss": next((rk["loss"] for rk in ranks if rk["loss"] is not None), None),
                          "braided_blocks": ranks[0].get("braided_blocks"),
                          # where its time went: the epoch seconds of each round's measured steps (rank 0),
@@ -111,15 +112,18 @@ def summarize(bc: BenchConfig, raw: dict[str, Any]) -> dict[str, Any]:
             "memory_snapshot": raw.get("memory_snapshot"), "_traces": traces}
 
 
-def _predicted_used(pc, schedule: str, m: int, peaks: list[float], mode: str | None, backend: str) -> list[float] | None:
+def _predicted_used(pc, schedule: str, m: int, peaks: list[float], mode: str | None, backend: str,
+                    trace: Trace) -> list[float] | None:
     """Per rank, the device memory in use :mod:`braid.cost.device_memory` predicts (CUDA, dense decoder LMs;
-    None otherwise); ``backend``: the TP backend the run used."""
+    None otherwise); ``backend``: the TP backend the run used; ``trace``: the simulated step (when a graphed
+    step's gradients are allocated)."""
     cfg = {**asdict(pc), "model": asdict(pc.model), "tp_backend": backend}
     if pc.device != "cuda" or pc.vision is not None or not is_dense_decoder(cfg["model"]):
         return None
     from braid import schedules
 
-    return predicted_device_used(cfg, schedule, schedules.build(schedule, pc.pp, m).placement, peaks, mode == "step")
+    return predicted_device_used(cfg, schedule, schedules.build(schedule, pc.pp, m).placement, peaks, mode == "step",
+                                 trace=trace)
 
 
 def _chunk_busy(ranks: list[dict[str, Any]]) -> dict[str, float] | None:

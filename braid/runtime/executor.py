@@ -257,7 +257,8 @@ class Executor:
                 except (ChunkStateError, StashError, OffloadStateError) as err:
                     raise self._fail(i, ins, err) from err
                 i += 1
-            for works, t, s in self._sends:
+            sends, self._sends = self._sends, []  # the step keeps no sent tensor: they go before the optimizer's step
+            for works, t, s in sends:
                 self._finish_transfer(works, t, s)
             on_host = self.offloader.finish()
             if on_host:
