@@ -229,3 +229,28 @@ def test_staged_transfers_match_reference_and_reuse_their_buffers(pools, pp: int
     if tp == 1:  # by default an eager step sends and receives its own tensors: no staging buffer is made
         for rank_ran in pools(pp).run(cases.equivalence, pp, 1, [("zb_v", 4)], timeout_s=200):
             assert [c["staging_made"] for _, _, c in rank_ran] == [0] and rank_ran[0][2]["P2P"] > 0, rank_ran
+
+
+def test_sends_go_as_their_batch_completes_in_order_of_posting() -> None:
+    """Before a compute instruction the executor finishes every send whose batch is complete (or was waited with a
+    receive) and keeps the others, in order: a rank that only sends late in the step does not pile its tensors up
+    until the end (the simulator frees a sent tensor as its send ends)."""
+    from types import SimpleNamespace
+
+    from braid.runtime.executor import Executor
+
+    class Work:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    finished: list[str] = []
+    sends = [([Work(True)], "a", 0), ([Work(False), Work(True)], "b", 1), ([], "c", 2), ([Work(False)], "d", 3)]
+    fake = SimpleNamespace(_sends=list(sends), _finish_transfer=lambda works, t, start: finished.append(t))
+    Executor._drop_sent(fake)
+    assert finished == ["a", "c"] and [t for _, t, _ in fake._sends] == ["b", "d"]
+    fake._sends[0][0][0].done = True
+    Executor._drop_sent(fake)
+    assert finished == ["a", "c", "b"] and [t for _, t, _ in fake._sends] == ["d"]

@@ -19,7 +19,8 @@ on CPU after the unit, or before it when the unit reads a tensor of that run.
 P2P is asynchronous, as the simulator models it: consecutive Send/Recv instructions go out
 as one ``batch_isend_irecv`` (see :mod:`braid.runtime.p2p`) without waiting; a received
 tensor is waited for only by the compute instruction that consumes it (with the rest of its
-batch: the batch's sent tensors are released then), and the other sends at the end of the program. The compiler's order (the same on both sides of
+batch); a sent tensor is let go before the first compute instruction that finds its batch complete (eager: a
+capture cannot ask), the rest at the end of the program. The compiler's order (the same on both sides of
 every pair of ranks) makes this deadlock-free. Hand-offs between two chunks of the same rank (V-shape turn)
 stay in memory. After the program the caller reduces gradients over data/context
 parallel ranks (:func:`braid.runtime.distributed.reduce_gradients`) and steps its
@@ -65,14 +66,7 @@ from braid.runtime.distributed import Abort, ProcessGroups
 from braid.runtime.follow import Follower
 from braid.runtime.offload import ActivationOffloader, OffloadStateError
 from braid.runtime.p2p import Staging, Transfer, issue
-from braid.runtime.results import (
-    ExecutionError,
-    Record,
-    StepResult,
-    _Clock,
-    check_record,
-    measured_trace,
-)
+from braid.runtime.results import ExecutionError, Record, StepResult, _Clock, check_record, measured_trace
 from braid.tp.autograd_calls import on_this_thread
 from braid.tp.comm import TPComm
 from braid.tp.layers import StashError
@@ -247,6 +241,8 @@ class Executor:
                     continue
                 try:
                     if isinstance(ins, (Compute, Braided)):
+                        if self._sends and not self.capturing:  # a capture cannot ask a transfer whether it is done
+                            self._drop_sent()
                         with _range(ins.__str__):  # a braided block: "F3c0&B1c1"
                             self._compute(i, ins)
                     elif isinstance(ins, (Offload, Reload)):
@@ -555,10 +551,15 @@ class Executor:
                 ch.set_input(ins.mb, got)
             else:
                 ch.set_output_grad(ins.mb, got)
-            if any(not w for w, _, _ in self._sends):  # sends of a batch just waited: their tensors go now, not at the end
-                done, self._sends = [x for x in self._sends if not x[0]], [x for x in self._sends if x[0]]
-                for x in done:
-                    self._finish_transfer(*x)
+
+    def _drop_sent(self) -> None:
+        """Sends whose batch is complete (or was waited) are finished and let their tensors go now, as the simulator
+        frees a sent tensor when its send ends: held until a later receive, a rank that only sends piles them up."""
+        done = [all(w.is_completed() for w in works) for works, _, _ in self._sends]
+        if any(done):
+            sends, self._sends = self._sends, [x for x, d in zip(self._sends, done) if not d]
+            for x in (x for x, d in zip(sends, done) if d):
+                self._finish_transfer(*x)
 
     def _copy(self, idx: int, ins: Offload | Reload) -> None:
         """Issue an offload or reload (asynchronous on CUDA; see :mod:`braid.runtime.offload`)."""
