@@ -15,7 +15,10 @@ the optimizer step's temporaries on that data-parallel rank (:mod:`braid.cost.st
 
     {"device": ..., "config": {...}, "command": ..., "runs": [{"optimizer": "zero1", "recompute": "full",
       "measured_bytes": [per rank], "predicted_bytes": [per rank], "rel_err": worst |pred - meas| / meas,
-      "leftover_bytes": [per rank: allocated from earlier cases when this one starts]}, ...]}
+      "leftover_bytes": [per rank: allocated from earlier cases when this one starts],
+      "reserved_bytes": [per rank: the allocator's reserved peak; CUDA], "device_used_bytes": [per rank: in use on
+      the device after the steps, nvidia-smi's view; CUDA], "predicted_device_bytes": [per rank: what the planner
+      checks against the card, braid.cost.device_memory.planned_device_bytes]}, ...]}
 
 The 2-GPU check of issue 37 (dp=2, 7B-shaped layers, seq 4096)::
 
@@ -68,8 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_bytes: int) -> dict[tuple[int, int], float]:
-    """The predicted peak per (pipeline rank, data-parallel rank).
+def predicted(args: argparse.Namespace, plan, mode: str, recompute: str,
+              dtype_bytes: int) -> dict[tuple[int, int], tuple[float, float]]:
+    """The predicted peak per (pipeline rank, data-parallel rank), and the device memory in use the planner checks
+    against the card there (:func:`braid.cost.device_memory.planned_device_bytes`, eager: the steps run eager).
 
     Static bytes of the mode (:func:`braid.cost.cluster.dp_costs`) plus what the mode table leaves
     out (``zero1``'s reduce-scatter shard), plus the larger of the schedule's activation peak (the
@@ -81,6 +86,7 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_b
     """
     from braid.cost.cluster import Cluster, Parallel, dp_costs, rank_param_list
     from braid.cost.costs import Layout, analytic_costs
+    from braid.cost.device_memory import planned_device_bytes
     from braid.cost.hardware import get_hardware
     from braid.cost.catalog import get_model
     from braid.cost.step_memory import step_transient_bytes
@@ -100,14 +106,20 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str, dtype_b
         params = rank_param_list(model, costs, r.rank)
         for k in range(args.dp):
             step = step_transient_bytes(mode, dtype_bytes, params, args.dp, k)
-            out[(r.rank, k)] = dc.static_bytes[r.rank] + dc.extra_bytes[r.rank] + max(r.peak_activation_bytes, step)
+            static = dc.static_bytes[r.rank] + dc.extra_bytes[r.rank]
+            out[(r.rank, k)] = (static + max(r.peak_activation_bytes, step),
+                                planned_device_bytes(args.schedule, static_bytes=static,
+                                                     activation_bytes=r.peak_activation_bytes, step_bytes=step,
+                                                     graphed=False, tp=args.tp, pp=args.pp, pp_rank=r.rank, dp=args.dp,
+                                                     placement=plan.placement))
     return out
 
 
 def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.device,
-            dtype: torch.dtype) -> tuple[int, int]:
-    """This rank's peak bytes over ``--steps`` steps after ``--warmup`` (module doc), and the bytes still
-    allocated from the cases before when this one starts (0 on CPU; should be 0 on CUDA)."""
+            dtype: torch.dtype) -> tuple[int, int, int | None, int | None]:
+    """This rank's peak bytes over ``--steps`` steps after ``--warmup`` (module doc), the bytes still
+    allocated from the cases before when this one starts (0 on CPU; should be 0 on CUDA), and on CUDA the
+    allocator's reserved peak over those steps and the device memory in use after them (nvidia-smi's view)."""
     import gc
     from braid.core.compiler import compile_plan
     from braid.models.build import meta_model
@@ -154,9 +166,13 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
         opt.step()
         if step >= args.warmup and res.trace.memory:
             peak_act = max(peak_act, max((b for _, b in next(iter(res.trace.memory.values()))), default=0))
+    reserved = used = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         out = torch.cuda.max_memory_allocated(device)
+        reserved = torch.cuda.max_memory_reserved(device)
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
     else:
         n = sum(p.numel() for _, p in named)
         out = int(peak_act + n * state_bytes_per_param(mode, torch.empty((), dtype=dtype).element_size(), args.dp))
@@ -165,7 +181,7 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
     gc.collect()  # the executor and its chunks may hold each other: free them before the next case
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return int(out), int(leftover)
+    return int(out), int(leftover), reserved, used
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,12 +215,17 @@ def main(argv: list[str] | None = None) -> int:
             mine = measure(args, d, groups, plan, mode, rc, device, dtype)
             every = [None] * d.world_size
             dist.all_gather_object(every, ((groups.coords.pp, groups.coords.dp), mine))
-            pred = predicted(args, plan, mode, rc, torch.empty((), dtype=dtype).element_size())
-            meas = [m for _, (m, _) in every]
-            worst = max(abs(pred[at] - m) / m for at, (m, _) in every)
+            both = predicted(args, plan, mode, rc, torch.empty((), dtype=dtype).element_size())
+            pred = {at: p for at, (p, _) in both.items()}
+            meas = [m for _, (m, *_) in every]
+            worst = max(abs(pred[at] - m) / m for at, (m, *_) in every)
             runs.append({"optimizer": mode, "recompute": rc, "measured_bytes": meas,
                          "predicted_bytes": [pred[at] for at, _ in every], "rel_err": worst,
-                         "leftover_bytes": [left for _, (_, left) in every]})
+                         "leftover_bytes": [left for _, (_, left, *_) in every],
+                         # CUDA: the reserved peak and the device memory in use, against the planner's device figure
+                         "reserved_bytes": [r for _, (_, _, r, _) in every],
+                         "device_used_bytes": [u for _, (*_, u) in every],
+                         "predicted_device_bytes": [both[at][1] for at, _ in every]})
             if d.rank == 0:
                 print(f"{mode:<7} {rc:<10} measured {max(meas) / 2**20:10.1f} MiB  predicted "
                       f"{max(pred.values()) / 2**20:10.1f} MiB  worst error {100 * worst:5.1f}%", flush=True)

@@ -220,7 +220,7 @@ def test_stored_two_gpu_run_is_predicted_within_ten_percent(name: str) -> None:
     from braid.simulator.fast import simulate_schedule
 
     for run in doc["runs"]:
-        pred = bench.predicted(args, plan, run["optimizer"], run["recompute"], 2)
+        pred = {at: p for at, (p, _) in bench.predicted(args, plan, run["optimizer"], run["recompute"], 2).items()}
         # the planner's and the simulator's peak (DpCosts.peak_bytes) is the worst data-parallel rank's
         model = get_model(args.model).with_(layers=args.layers, seq=args.seq, micro_batch_size=args.micro_batch_size)
         costs = analytic_costs(model, get_hardware(args.hardware), Layout(1, 1, 1, plan.placement), activations="runtime",
