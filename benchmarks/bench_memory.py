@@ -119,7 +119,8 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
             dtype: torch.dtype) -> tuple[int, int, int | None, int | None]:
     """This rank's peak bytes over ``--steps`` steps after ``--warmup`` (module doc), the bytes still
     allocated from the cases before when this one starts (0 on CPU; should be 0 on CUDA), and on CUDA the
-    allocator's reserved peak over those steps and the device memory in use after them (nvidia-smi's view)."""
+    allocator's reserved peak over those steps (with what it kept cached from the warm-up) and the device memory
+    in use after them (nvidia-smi's view)."""
     import gc
     from braid.core.compiler import compile_plan
     from braid.models.build import meta_model

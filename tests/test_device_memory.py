@@ -248,3 +248,28 @@ def test_a_bench_row_starts_without_the_cublas_workspaces_of_earlier_rows(monkey
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear_workspaces"), raising=False)
     runs.release_earlier_rows(torch.device("cuda", 0))
     assert calls == ["sync", "clear_workspaces", "empty_cache"]
+
+
+@pytest.mark.parametrize("name", ["measurements_h100x2_tp1_pp2_graphed_memory_4.json",
+                                  "measurements_h100x2_tp1_pp2_eager_memory_5.json"])
+def test_device_in_use_of_the_stored_pp2_sets_within_5_percent_median_10_worst(name: str) -> None:
+    """The tp=1 x pp=2 sets (2 H100s) stay out of tests/data while their reserved peaks are not predicted (issue 51;
+    the files' headers say why); their device memory in use is, per rank: graphed, the pool from the simulated
+    step's activations and the gradients allocated by then (``captured_peak``)."""
+    import statistics
+
+    from braid.measure.calibrate import predict, rel_err
+    from braid.measure.refit import run_mode
+
+    (s,) = json.loads((ROOT / "benchmarks/results" / name).read_text())["sets"]
+    lay = s["layout"]
+    cfg = {"tp": lay["tp"], "pp": lay["pp"], "layers_per_stage": lay["layers_per_stage"], "dtype": s["dtype"],
+           "model": s["model"], "tp_backend": s["tp_backend"], "tp_max_ctas": s["tp_max_ctas"]}
+    errs = []
+    for r in s["runs"]:
+        sim, peaks = predict(s["profile"], r["schedule"], r["m"], lay["pp"], lay["tp"], lay["layers_per_stage"],
+                             s["memory"], run_mode(s, r))
+        placement = schedules.build(r["schedule"], lay["pp"], r["m"]).placement
+        pred = predicted_device_used(cfg, r["schedule"], placement, peaks, run_mode(s, r) == "step", trace=sim.trace)
+        errs += [rel_err(p, u) for p, u in zip(pred, r["device_used_bytes"])]
+    assert len(errs) == 12 and statistics.median(map(abs, errs)) <= 0.05 and max(map(abs, errs)) <= 0.10, errs

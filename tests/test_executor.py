@@ -232,8 +232,8 @@ def test_staged_transfers_match_reference_and_reuse_their_buffers(pools, pp: int
 
 
 def test_sends_go_as_their_batch_completes_in_order_of_posting() -> None:
-    """Before a compute instruction the executor finishes every send whose batch is complete (or was waited with a
-    receive) and keeps the others, in order: a rank that only sends late in the step does not pile its tensors up
+    """After a receive and before a compute instruction the executor finishes every send whose batch was waited (with a
+    receive) or is complete (eager) and keeps the others, in order: a rank that only sends late in the step does not pile its tensors up
     until the end (the simulator frees a sent tensor as its send ends)."""
     from types import SimpleNamespace
 
@@ -248,7 +248,11 @@ def test_sends_go_as_their_batch_completes_in_order_of_posting() -> None:
 
     finished: list[str] = []
     sends = [([Work(True)], "a", 0), ([Work(False), Work(True)], "b", 1), ([], "c", 2), ([Work(False)], "d", 3)]
-    fake = SimpleNamespace(_sends=list(sends), _finish_transfer=lambda works, t, start: finished.append(t))
+    fake = SimpleNamespace(_sends=list(sends), _finish_transfer=lambda works, t, start: finished.append(t), capturing=True)
+    Executor._drop_sent(fake)  # a capture cannot ask a work: only the batch already waited (with a receive) goes
+    assert finished == ["c"] and [t for _, t, _ in fake._sends] == ["a", "b", "d"]
+    finished.clear()
+    fake.capturing, fake._sends = False, list(sends)
     Executor._drop_sent(fake)
     assert finished == ["a", "c"] and [t for _, t, _ in fake._sends] == ["b", "d"]
     fake._sends[0][0][0].done = True

@@ -45,15 +45,15 @@ def rank_params(config: Mapping[str, Any], pp_rank: int, placement: str) -> int:
     return sum(b for (rank, _), b in chunk_grad_bytes(config, placement).items() if rank == pp_rank) // d
 
 
-GRAD_PHASES = frozenset({"W", "BW"})  # the tasks that write a chunk's weight gradients
+GRAD_PHASES = frozenset({"W"})  # the unit tasks that write a chunk's weight gradients (a BW op's W units included)
 
 
 def captured_peak(trace: Trace, pp_rank: int, grads: Mapping[int, float]) -> float:
     """A whole-step CUDA graph's allocated peak on pipeline rank ``pp_rank`` above the weights, from the simulated
     step: its activation bytes plus the gradients the captured backward has allocated by then. A graphed step
     sets every gradient to None before it captures (:class:`braid.runtime.graphs.GraphedStep`), so chunk ``c``'s
-    (``grads[c]`` bytes) are taken from the graph's pool as its first weight-gradient task (W, or BW unsplit)
-    starts: a peak reached before some chunk's first W holds less than every gradient beside it."""
+    (``grads[c]`` bytes) are taken from the graph's pool as its first weight-gradient unit task starts (per
+    chunk, not per layer: a peak inside that task is priced with all of them): a peak reached before some chunk's first W holds less than every gradient beside it."""
     first: dict[int, float] = {}
     for e in trace.events:
         if e.rank == pp_rank and e.lane == "compute" and e.kind in GRAD_PHASES and e.chunk in grads:
@@ -77,10 +77,11 @@ PRE_FLAG_CTAS = 4  # a report without ``tp_max_ctas`` in its config predates the
 
 def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: str, peaks: Sequence[float],
                           graphed: bool, terms: DeviceTerms = DEVICE_TERMS, trace: Trace | None = None) -> list[float]:
-    """Per global rank (``pp_rank * tp + tp_rank``): the reserve of ``peaks[pp_rank]`` (the predicted allocator
-    peak of the step above the held state) and the bytes outside the allocator of the layout. ``graphed``: the
-    graph's pool holds the capture's peak of activations and the gradients allocated by then
-    (:func:`captured_peak` of the simulated step's ``trace``; without it, every gradient beside ``peaks``)."""
+    """Per global rank (``pp_rank * tp + tp_rank``): the allocator's reserve and the bytes outside the allocator of
+    the layout. Eager, the reserve of ``peaks[pp_rank]`` (the predicted allocator peak of the step above the held
+    state) beside the weights and gradients; ``graphed``, the graph's pool holds the capture's peak of activations
+    and the gradients allocated by then: :func:`captured_peak` of the simulated step's ``trace`` (then ``peaks`` is
+    not read), or without a trace ``peaks`` and every gradient."""
     tp, pp = config["tp"], config["pp"]
     grads = chunk_grad_bytes(config, placement)
     backend = "nccl-capped" if config.get("tp_backend", "auto") == "auto" else config["tp_backend"]

@@ -19,8 +19,8 @@ on CPU after the unit, or before it when the unit reads a tensor of that run.
 P2P is asynchronous, as the simulator models it: consecutive Send/Recv instructions go out
 as one ``batch_isend_irecv`` (see :mod:`braid.runtime.p2p`) without waiting; a received
 tensor is waited for only by the compute instruction that consumes it (with the rest of its
-batch); a sent tensor is let go before the first compute instruction that finds its batch complete (eager: a
-capture cannot ask), the rest at the end of the program. The compiler's order (the same on both sides of
+batch); a sent tensor is let go once its batch was waited, or (NCCL, eager) before the first compute instruction
+that finds it complete, the rest at the end of the program. The compiler's order (the same on both sides of
 every pair of ranks) makes this deadlock-free. Hand-offs between two chunks of the same rank (V-shape turn)
 stay in memory. After the program the caller reduces gradients over data/context
 parallel ranks (:func:`braid.runtime.distributed.reduce_gradients`) and steps its
@@ -53,8 +53,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from braid.core.braiding import Carry, ChunkSpec, Comm, UnitTask, carries, early_heads, next_of_op
-from braid.core.braiding import steps as braid_steps
+from braid.core.braiding import Carry, ChunkSpec, Comm, UnitTask, carries, early_heads, next_of_op, steps as braid_steps
 from braid.core.ir import (Braided, CommKind, Compute, Instruction, Offload, OpKind, Plan, Program, Recv, Reload, Send,
                            compute_ops)
 from braid.io.trace import Trace
@@ -241,7 +240,7 @@ class Executor:
                     continue
                 try:
                     if isinstance(ins, (Compute, Braided)):
-                        if self._sends and not self.capturing:  # a capture cannot ask a transfer whether it is done
+                        if self._sends:
                             self._drop_sent()
                         with _range(ins.__str__):  # a braided block: "F3c0&B1c1"
                             self._compute(i, ins)
@@ -551,11 +550,13 @@ class Executor:
                 ch.set_input(ins.mb, got)
             else:
                 ch.set_output_grad(ins.mb, got)
+            if self._sends:
+                self._drop_sent()
 
     def _drop_sent(self) -> None:
-        """Sends whose batch is complete (or was waited) are finished and let their tensors go now, as the simulator
-        frees a sent tensor when its send ends: held until a later receive, a rank that only sends piles them up."""
-        done = [all(w.is_completed() for w in works) for works, _, _ in self._sends]
+        """Sends whose batch was waited (with a receive), or is complete (NCCL says so unwaited, gloo does not; a capture
+        cannot ask), are finished and let their tensors go now, as the simulator frees a sent tensor as its send ends."""
+        done = [not works or (not self.capturing and all(w.is_completed() for w in works)) for works, _, _ in self._sends]
         if any(done):
             sends, self._sends = self._sends, [x for x, d in zip(self._sends, done) if not d]
             for x in (x for x, d in zip(sends, done) if d):

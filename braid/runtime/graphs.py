@@ -442,9 +442,9 @@ class GraphedStep:
         self.grad_bytes = sum(g.numel() * g.element_size() for _, g in self._grads if id(g) not in kept)
         torch.cuda.synchronize(dev)
         _barrier(dev)
-        # The warm-up's tensors the executor still held when the capture began (torch.cuda.graph empties the cache
-        # then) and what other streams allocated during it were freed into the ordinary pool while capturing: its
-        # segments would stay cached beside the graph's pool (0.2-1.4 GiB a rank at 7b-layer shapes, measured).
+        # What was still live when the capture began (torch.cuda.graph empties the cache then) and is freed while
+        # capturing goes back to the ordinary pool, whose segments would stay cached beside the graph's: 0.2-1.4 GiB a
+        # rank at 7b-layer shapes, measured while the executor still held its last step's sent tensors.
         torch.cuda.empty_cache()
         self.pool_bytes = _pool_bytes(self.pool)
         split = reserve_breakdown(self.pool)

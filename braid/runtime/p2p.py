@@ -2,7 +2,8 @@
 
 A maximal run of consecutive ``Send``/``Recv`` instructions is issued as one
 ``dist.batch_isend_irecv``; the executor waits for a receive only when the compute that
-consumes it comes up, and for sends at the end of the program. The compiler orders
+consumes it comes up; a send's tensor goes once its batch was waited or is complete
+(``Executor._drop_sent``), the rest at the end of the program. The compiler orders
 communication so this cannot deadlock, and the simulator models the same semantics. Every message carries a tag derived from (kind, micro-batch, receiving stage),
 so gloo matches messages by identity; NCCL ignores tags and relies on the order.
 
