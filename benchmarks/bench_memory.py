@@ -25,6 +25,12 @@ The 2-GPU check of issue 37 (dp=2, 7B-shaped layers, seq 4096)::
     torchrun --nproc-per-node 2 benchmarks/bench_memory.py --dp 2 --layers 4 --seq 4096 --mbs 4 \\
         --out benchmarks/results/memory_dp2_<gpu>.json
 
+The same with device memory in use against the planner's figure, eager and as whole-step CUDA graphs (issue 51's
+dp=2 sets)::
+
+    torchrun --nproc-per-node 2 benchmarks/bench_memory.py --dp 2 --layers 4 --seq 4096 --mbs 4 --recompute none \
+        --cuda-graph {none,step} --out benchmarks/results/memory_dp2_<gpu>_<mode>.json
+
 A CPU smoke run (gloo, seconds)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_memory.py --model qwen2-tiny --dp 2 --layers 2 --seq 16 --mbs 2 \\
@@ -64,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--cuda-graph", default="none", choices=["none", "step"],
+                    help="the steps eager (none, default) or as a whole-step CUDA graph (step: CUDA; its eager warm-up "
+                         "steps and capture are warm-up, the optimizer steps outside the graph, as the examples run)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compiled units (default: the executor's, on with CUDA); --no-compile saves the compile time")
     ap.add_argument("--hardware", default="h100", help="hardware preset of the simulation (memory does not depend on it)")
@@ -74,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 def predicted(args: argparse.Namespace, plan, mode: str, recompute: str,
               dtype_bytes: int) -> dict[tuple[int, int], tuple[float, float]]:
     """The predicted peak per (pipeline rank, data-parallel rank), and the device memory in use the planner checks
-    against the card there (:func:`braid.cost.device_memory.planned_device_bytes`, eager: the steps run eager).
+    against the card there (:func:`braid.cost.device_memory.planned_device_bytes`, eager or graphed as the steps ran).
 
     Static bytes of the mode (:func:`braid.cost.cluster.dp_costs`) plus what the mode table leaves
     out (``zero1``'s reduce-scatter shard), plus the larger of the schedule's activation peak (the
@@ -110,7 +119,8 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str,
             out[(r.rank, k)] = (static + max(r.peak_activation_bytes, step),
                                 planned_device_bytes(args.schedule, static_bytes=static,
                                                      activation_bytes=r.peak_activation_bytes, step_bytes=step,
-                                                     graphed=False, tp=args.tp, pp=args.pp, pp_rank=r.rank, dp=args.dp,
+                                                     graphed=getattr(args, "cuda_graph", "none") == "step",
+                                                     tp=args.tp, pp=args.pp, pp_rank=r.rank, dp=args.dp,
                                                      placement=plan.placement))
     return out
 
@@ -150,6 +160,10 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
     ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, d.abort,
                               act_shape=(args.micro_batch_size, args.seq, cfg.hidden), dtype=dtype, device=device,
                               compile=args.compile)
+    from braid.runtime.graphs import WARMUP_STEPS, step_runner
+
+    runner = step_runner(ex, args.cuda_graph)
+    warmup = max(args.warmup, WARMUP_STEPS + 1) if runner.mode == "step" else args.warmup  # warm-up, capture, then replays
     named = [(f"{ci}.{n}", p) for ci, ch in chunks.items() for n, p in ch.named_parameters()]
     opt = Optimization(OptimConfig.of_mode(mode, lr=1e-4), named, chunks.values(),
                        groups=groups, abort=d.abort)
@@ -158,14 +172,14 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
     toks = [torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.mbs)]
     labs = [torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.mbs)]
     peak_act = 0
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup and device.type == "cuda":
+    for step in range(warmup + args.steps):
+        if step == warmup and device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         opt.zero_grad()
-        res = ex.run(toks, labs)
+        res = runner.run(toks, labs)
         opt.step()
-        if step >= args.warmup and res.trace.memory:
+        if step >= warmup and res.trace.memory:
             peak_act = max(peak_act, max((b for _, b in next(iter(res.trace.memory.values()))), default=0))
     reserved = used = None
     if device.type == "cuda":
@@ -178,7 +192,9 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
         n = sum(p.numel() for _, p in named)
         out = int(peak_act + n * state_bytes_per_param(mode, torch.empty((), dtype=dtype).element_size(), args.dp))
     opt.close()
-    del ex, opt, chunks, named, model, res, toks, labs
+    if runner.mode == "step":
+        runner.release()
+    del ex, runner, opt, chunks, named, model, res, toks, labs
     gc.collect()  # the executor and its chunks may hold each other: free them before the next case
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -198,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if args.cuda_graph == "step" and device.type != "cuda":
+        print("bench_memory: --cuda-graph step needs --device cuda", file=sys.stderr)
+        return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from braid.runtime.compiled import resolve
 

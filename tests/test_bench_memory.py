@@ -30,3 +30,13 @@ def test_memory_bench_runs_every_mode_at_tiny_size(tmp_path) -> None:
         assert runs[("zero1", "none")][key][0] < runs[("master", "none")][key][0]
         assert runs[("zero1", "full")][key][0] < runs[("zero1", "none")][key][0]
     assert doc["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_memory.py --model qwen2-tiny")
+
+
+def test_graphed_steps_on_cpu_are_refused_in_one_line(capsys) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "benchmarks" / "bench_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--cuda-graph", "step"]) == 2
+    assert capsys.readouterr().err.strip() == "bench_memory: --cuda-graph step needs --device cuda"
