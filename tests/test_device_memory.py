@@ -265,11 +265,16 @@ def test_device_in_use_of_the_stored_pp2_sets_within_5_percent_median_10_worst(n
     lay = s["layout"]
     cfg = {"tp": lay["tp"], "pp": lay["pp"], "layers_per_stage": lay["layers_per_stage"], "dtype": s["dtype"],
            "model": s["model"], "tp_backend": s["tp_backend"], "tp_max_ctas": s["tp_max_ctas"]}
-    errs = []
+    errs, every_grad = [], []
     for r in s["runs"]:
         sim, peaks = predict(s["profile"], r["schedule"], r["m"], lay["pp"], lay["tp"], lay["layers_per_stage"],
                              s["memory"], run_mode(s, r))
         placement = schedules.build(r["schedule"], lay["pp"], r["m"]).placement
-        pred = predicted_device_used(cfg, r["schedule"], placement, peaks, run_mode(s, r) == "step", trace=sim.trace)
+        graphed = run_mode(s, r) == "step"
+        pred = predicted_device_used(cfg, r["schedule"], placement, peaks, graphed, trace=sim.trace)
         errs += [rel_err(p, u) for p, u in zip(pred, r["device_used_bytes"])]
+        every_grad += [rel_err(p, u) for p, u in zip(predicted_device_used(cfg, r["schedule"], placement, peaks, graphed),
+                                                     r["device_used_bytes"])]
     assert len(errs) == 12 and statistics.median(map(abs, errs)) <= 0.05 and max(map(abs, errs)) <= 0.10, errs
+    if "graphed" in name:  # pricing every gradient beside the peak misses more (braided_v m=4 rank 1: +8.8% against +4.1%)
+        assert max(map(abs, errs)) < max(map(abs, every_grad)), (errs, every_grad)
