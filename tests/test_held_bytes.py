@@ -56,3 +56,39 @@ def test_a_unit_output_kept_twice_is_counted(pools) -> None:
     assert all(a - b in (copy, copy - 128) for a, b in over.values()), over
     with pytest.raises(AssertionError, match="holds more than zb_v"):
         _check(got, exact=False, where="leaky")
+
+
+class _Inner:
+    """A TP comm whose reductions return ``make(tensors)``'s work."""
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def reduce(self, t):
+        return self.make(t)
+
+
+def test_a_settled_reduction_through_a_python_work_handle_returns_at_its_wait() -> None:
+    """The copy-engine backends' work handles (braid.tp.ce_reduce.EventWork) keep Python references to the reduced
+    tensors and drop them as they are waited; SettledComm's wait returns then (it polled reference counts that such
+    a handle never moves, and timed out: sequence parallelism's held bytes on NCCL). c10d works are still polled
+    (the gloo cases above)."""
+    import time
+
+    import torch
+
+    from braid.measure.held_bytes import SettledComm
+
+    class LetsGoOnWait:
+        def __init__(self, t) -> None:
+            self.keep = t
+
+        def wait(self, timeout=None) -> bool:
+            self.keep = None
+            return True
+
+    works = []
+    t0 = time.monotonic()
+    settled = SettledComm(_Inner(lambda t: works.append(LetsGoOnWait(t)) or works[-1]), timeout_s=5.0).reduce(torch.zeros(4))
+    assert settled.wait() and time.monotonic() - t0 < 1.0
+    assert works[0].keep is None and settled.work is None and settled.tensors == []

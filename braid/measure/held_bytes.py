@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -238,6 +239,9 @@ class SettledComm:
     micro-batch (a 4 KiB output gradient at random points of the tiny preset at tp=2). After the
     wait the handle is dropped and the reference counts of the reduced tensors and their storages
     are polled until one falls (the work held each tensor or a view of it; nothing else runs meanwhile).
+    Only a c10d work is polled: the copy-engine backends' handles (:class:`braid.tp.ce_reduce.EventWork`,
+    ``nccl-ce``, sequence parallelism's default) keep Python references, which these counts do not see and
+    their wait drops; polled, they timed out.
     """
 
     def __init__(self, inner: Any, timeout_s: float = 10.0) -> None:
@@ -264,6 +268,9 @@ class _Settled:
         if self.work is None:
             return True
         ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not isinstance(self.work, dist.Work):  # a Python handle (EventWork, Done): its wait let go what it kept
+            self.work, self.tensors = None, []
+            return ok
         held = self._counts()
         self.work = None
         deadline = time.monotonic() + self.timeout_s
