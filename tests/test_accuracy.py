@@ -113,37 +113,64 @@ def test_peak_memory_within_10_percent(predicted) -> None:
             assert abs(rel_err(pred, meas)) <= 0.10, f"{s['name']} {r['schedule']} m={r['m']} rank {rank}: predicted {pred} B, measured {meas} B"
 
 
-@pytest.mark.parametrize("what", ["device_used_bytes", "reserved_peak_bytes"])
-def test_device_memory_within_5_percent_median_10_worst(predicted, what: str) -> None:
-    """A GPU set captured with its device memory (``braid.bench --capture`` since the sets carry it): per rank,
-    what the device held in use (nvidia-smi's view) against :func:`braid.measure.device_prediction.predicted_device_used`
-    of the set's layout and the simulated step, and the allocator's reserved peak against that less what lies
-    outside the allocator (:func:`braid.cost.device_memory.outside_allocator_bytes`)."""
+def _device_errors(s: dict, runs: list, what: str, trace: bool = True) -> dict[str, float]:
+    """Per run and rank of a GPU set captured with its device memory, the relative error of
+    :func:`braid.measure.device_prediction.predicted_device_parts` against ``what``: the device memory in use
+    (``device_used_bytes``, nvidia-smi's view: reserve and outside added) or the allocator's reserved peak
+    (``reserved_peak_bytes``: the reserve); ``trace``: a graphed pool priced from the simulated step's trace."""
     from braid import schedules
-    from braid.cost.device_memory import DEVICE_TERMS, outside_allocator_bytes
-    from braid.measure.device_prediction import PRE_FLAG_CTAS, predicted_device_used
+    from braid.measure.device_prediction import predicted_device_parts
 
-    s, runs = predicted
-    runs = [(r, peaks, trace) for r, _, peaks, trace in runs if r.get("device_used_bytes")]
-    if not runs:
-        pytest.skip(f"{s['name']}: captured without device memory (CPU, or before sets carried it)")
     lay = s["layout"]
     cfg = {"tp": lay["tp"], "pp": lay["pp"], "layers_per_stage": lay["layers_per_stage"], "dtype": s["dtype"],
            "model": s["model"], "tp_backend": s["tp_backend"], "tp_max_ctas": s["tp_max_ctas"]}
-    backend = "nccl-capped" if s["tp_backend"] == "auto" else s["tp_backend"]
     errs = {}
-    for r, peaks, trace in runs:
+    for r, _, peaks, sim_trace in runs:
         placement = schedules.build(r["schedule"], lay["pp"], r["m"]).placement
-        pred = predicted_device_used(cfg, r["schedule"], placement, peaks, run_mode(s, r) == "step", trace=trace)
-        for g, (p, got) in enumerate(zip(pred, r[what])):
-            if what == "reserved_peak_bytes":
-                p -= outside_allocator_bytes(DEVICE_TERMS, tp=lay["tp"], pp=lay["pp"], pp_rank=g // lay["tp"],
-                                             placement=placement, tp_backend=backend,
-                                             tp_max_ctas=s.get("tp_max_ctas", PRE_FLAG_CTAS))
+        parts = predicted_device_parts(cfg, r["schedule"], placement, peaks, run_mode(s, r) == "step",
+                                       trace=sim_trace if trace else None)
+        for g, ((reserve, outside), got) in enumerate(zip(parts, r[what])):
+            p = reserve if what == "reserved_peak_bytes" else reserve + outside
             errs[f"{r['schedule']} m={r['m']} rank {g}"] = rel_err(p, got)
+    return errs
+
+
+def _within_5_median_10_worst(errs: dict[str, float], what: str) -> None:
     detail = ", ".join(f"{k}: {100 * v:+.1f}%" for k, v in errs.items())
-    assert statistics.median(abs(e) for e in errs.values()) <= 0.05, f"{s['name']} {what}: {detail}"
-    assert max(abs(e) for e in errs.values()) <= 0.10, f"{s['name']} {what}: {detail}"
+    assert statistics.median(abs(e) for e in errs.values()) <= 0.05, f"{what}: {detail}"
+    assert max(abs(e) for e in errs.values()) <= 0.10, f"{what}: {detail}"
+
+
+@pytest.mark.parametrize("what", ["device_used_bytes", "reserved_peak_bytes"])
+def test_device_memory_within_5_percent_median_10_worst(predicted, what: str) -> None:
+    """A GPU set captured with its device memory (``braid.bench --capture`` since the sets carry it): per rank,
+    what the device held in use (nvidia-smi's view) and the allocator's reserved peak against
+    :func:`braid.measure.device_prediction.predicted_device_parts` of the set's layout and the simulated step."""
+    s, runs = predicted
+    runs = [x for x in runs if x[0].get("device_used_bytes")]
+    if not runs:
+        pytest.skip(f"{s['name']}: captured without device memory (CPU, or before sets carried it)")
+    _within_5_median_10_worst(_device_errors(s, runs, what), f"{s['name']} {what}")
+
+
+# tp=1 x pp=2 sets (2 H100s) kept out of tests/data while their reserved peaks are not predicted (issue 51; the
+# files' headers say why): their device memory in use is
+PP2_SETS = ("measurements_h100x2_tp1_pp2_graphed_memory_4.json", "measurements_h100x2_tp1_pp2_eager_memory_5.json")
+
+
+@pytest.mark.parametrize("name", PP2_SETS)
+def test_device_in_use_of_the_stored_pp2_sets_within_5_percent_median_10_worst(name: str) -> None:
+    """Per rank of the stored pp=2 sets; graphed, the pool priced from the simulated step's activations and the
+    gradients allocated by then (``captured_peak``), which misses less than every gradient beside the peak
+    (braided_v m=4 rank 1: +4.1% against +8.8%)."""
+    (s,) = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / name).read_text())["sets"]
+    s, runs = _predict(s)
+    errs = _device_errors(s, runs, "device_used_bytes")
+    assert len(errs) == 12
+    _within_5_median_10_worst(errs, name)
+    if "graphed" in name:
+        every_grad = _device_errors(s, runs, "device_used_bytes", trace=False)
+        assert max(map(abs, errs.values())) < max(map(abs, every_grad.values())), (errs, every_grad)
 
 
 def test_simulator_ranks_clearly_different_schedules(predicted_timed) -> None:

@@ -20,7 +20,7 @@ from braid.core.ctas import default_max_ctas
 from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEMORY_MARGIN, nccl_bytes,
                                       outside_allocator_bytes, pipeline_peers, planned_device_bytes, reserve_bytes)
 from braid.io.trace import Event, Trace
-from braid.measure.device_prediction import (DTYPE_BYTES, PRE_FLAG_CTAS, captured_peak, chunk_grad_bytes,
+from braid.measure.device_prediction import (DTYPE_BYTES, PRE_FLAG_CTAS, captured_peak, chunk_param_bytes,
                                              predicted_device_used, rank_params)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,7 +196,7 @@ def test_a_captured_peak_holds_the_gradients_allocated_by_then(w_at, want) -> No
 def test_chunk_gradients_add_up_to_the_ranks_parameters() -> None:
     cfg = json.loads((ROOT / "benchmarks/results" / CLEAN_FILES[0]).read_text())["config"]
     cfg = {**cfg, "pp": 2, "layers_per_stage": [1, 1, 1, 1]}
-    grads = chunk_grad_bytes(cfg, "v")
+    grads = chunk_param_bytes(cfg, "v")
     assert sorted(grads) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank in range(2):
         assert sum(b for (r, _), b in grads.items() if r == rank) == rank_params(cfg, rank, "v") * DTYPE_BYTES[cfg["dtype"]]
@@ -248,33 +248,3 @@ def test_a_bench_row_starts_without_the_cublas_workspaces_of_earlier_rows(monkey
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear_workspaces"), raising=False)
     runs.release_earlier_rows(torch.device("cuda", 0))
     assert calls == ["sync", "clear_workspaces", "empty_cache"]
-
-
-@pytest.mark.parametrize("name", ["measurements_h100x2_tp1_pp2_graphed_memory_4.json",
-                                  "measurements_h100x2_tp1_pp2_eager_memory_5.json"])
-def test_device_in_use_of_the_stored_pp2_sets_within_5_percent_median_10_worst(name: str) -> None:
-    """The tp=1 x pp=2 sets (2 H100s) stay out of tests/data while their reserved peaks are not predicted (issue 51;
-    the files' headers say why); their device memory in use is, per rank: graphed, the pool from the simulated
-    step's activations and the gradients allocated by then (``captured_peak``)."""
-    import statistics
-
-    from braid.measure.calibrate import predict, rel_err
-    from braid.measure.refit import run_mode
-
-    (s,) = json.loads((ROOT / "benchmarks/results" / name).read_text())["sets"]
-    lay = s["layout"]
-    cfg = {"tp": lay["tp"], "pp": lay["pp"], "layers_per_stage": lay["layers_per_stage"], "dtype": s["dtype"],
-           "model": s["model"], "tp_backend": s["tp_backend"], "tp_max_ctas": s["tp_max_ctas"]}
-    errs, every_grad = [], []
-    for r in s["runs"]:
-        sim, peaks = predict(s["profile"], r["schedule"], r["m"], lay["pp"], lay["tp"], lay["layers_per_stage"],
-                             s["memory"], run_mode(s, r))
-        placement = schedules.build(r["schedule"], lay["pp"], r["m"]).placement
-        graphed = run_mode(s, r) == "step"
-        pred = predicted_device_used(cfg, r["schedule"], placement, peaks, graphed, trace=sim.trace)
-        errs += [rel_err(p, u) for p, u in zip(pred, r["device_used_bytes"])]
-        every_grad += [rel_err(p, u) for p, u in zip(predicted_device_used(cfg, r["schedule"], placement, peaks, graphed),
-                                                     r["device_used_bytes"])]
-    assert len(errs) == 12 and statistics.median(map(abs, errs)) <= 0.05 and max(map(abs, errs)) <= 0.10, errs
-    if "graphed" in name:  # pricing every gradient beside the peak misses more (braided_v m=4 rank 1: +8.8% against +4.1%)
-        assert max(map(abs, errs)) < max(map(abs, every_grad)), (errs, every_grad)

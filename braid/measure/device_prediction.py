@@ -27,7 +27,7 @@ def is_dense_decoder(model: Mapping[str, Any]) -> bool:
     return DENSE_KEYS <= model.keys() and not any(model.get(k) for k in ("experts", "num_experts", "vision"))
 
 
-def chunk_grad_bytes(config: Mapping[str, Any], placement: str) -> dict[tuple[int, int], int]:
+def chunk_param_bytes(config: Mapping[str, Any], placement: str) -> dict[tuple[int, int], int]:
     """``(pipeline rank, chunk) ->`` the bytes of one TP rank's parameters of that chunk (a decoder LM's, module
     order), in the model's dtype: its weights', and its gradients' where the step keeps them in that dtype."""
     m, tp = config["model"], config["tp"]
@@ -42,21 +42,19 @@ def chunk_grad_bytes(config: Mapping[str, Any], placement: str) -> dict[tuple[in
 def rank_params(config: Mapping[str, Any], pp_rank: int, placement: str) -> int:
     """Parameters one TP rank of pipeline rank ``pp_rank`` holds (a decoder LM's chunks, module order)."""
     d = DTYPE_BYTES[config["dtype"]]
-    return sum(b for (rank, _), b in chunk_grad_bytes(config, placement).items() if rank == pp_rank) // d
-
-
-GRAD_PHASES = frozenset({"W"})  # the unit tasks that write a chunk's weight gradients (a BW op's W units included)
+    return sum(b for (rank, _), b in chunk_param_bytes(config, placement).items() if rank == pp_rank) // d
 
 
 def captured_peak(trace: Trace, pp_rank: int, grads: Mapping[int, float]) -> float:
     """A whole-step CUDA graph's allocated peak on pipeline rank ``pp_rank`` above the weights, from the simulated
     step: its activation bytes plus the gradients the captured backward has allocated by then. A graphed step
     sets every gradient to None before it captures (:class:`braid.runtime.graphs.GraphedStep`), so chunk ``c``'s
-    (``grads[c]`` bytes) are taken from the graph's pool as its first weight-gradient unit task starts (per
-    chunk, not per layer: a peak inside that task is priced with all of them): a peak reached before some chunk's first W holds less than every gradient beside it."""
+    (``grads[c]`` bytes) are taken from the graph's pool as its first W unit task starts (a BW op's W units
+    included; per chunk, not per layer: a peak inside that task is priced with all of them). A peak reached
+    before some chunk's first W holds less than every gradient beside it."""
     first: dict[int, float] = {}
     for e in trace.events:
-        if e.rank == pp_rank and e.lane == "compute" and e.kind in GRAD_PHASES and e.chunk in grads:
+        if e.rank == pp_rank and e.lane == "compute" and e.kind == "W" and e.chunk in grads:
             first[e.chunk] = min(first.get(e.chunk, e.start), e.start)
     allocs = sorted((t, grads[c]) for c, t in first.items())
     series = trace.memory.get(pp_rank, [])
@@ -75,20 +73,21 @@ def captured_peak(trace: Trace, pp_rank: int, grads: Mapping[int, float]) -> flo
 PRE_FLAG_CTAS = 4  # a report without ``tp_max_ctas`` in its config predates the flag, when the cap was always 4
 
 
-def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: str, peaks: Sequence[float],
-                          graphed: bool, terms: DeviceTerms = DEVICE_TERMS, trace: Trace | None = None) -> list[float]:
+def predicted_device_parts(config: Mapping[str, Any], schedule: str, placement: str, peaks: Sequence[float],
+                           graphed: bool, terms: DeviceTerms = DEVICE_TERMS,
+                           trace: Trace | None = None) -> list[tuple[float, float]]:
     """Per global rank (``pp_rank * tp + tp_rank``): the allocator's reserve and the bytes outside the allocator of
     the layout. Eager, the reserve of ``peaks[pp_rank]`` (the predicted allocator peak of the step above the held
     state) beside the weights and gradients; ``graphed``, the graph's pool holds the capture's peak of activations
     and the gradients allocated by then: :func:`captured_peak` of the simulated step's ``trace`` (then ``peaks`` is
     not read), or without a trace ``peaks`` and every gradient."""
     tp, pp = config["tp"], config["pp"]
-    grads = chunk_grad_bytes(config, placement)
+    params = chunk_param_bytes(config, placement)
     backend = "nccl-capped" if config.get("tp_backend", "auto") == "auto" else config["tp_backend"]
     out = []
     for rank in range(tp * pp):
         r = rank // tp
-        mine = {c: b for (q, c), b in grads.items() if q == r}
+        mine = {c: b for (q, c), b in params.items() if q == r}
         weights = sum(mine.values())
         if not graphed:
             held, capture = 2 * weights, peaks[r]  # the gradients held across steps
@@ -97,5 +96,12 @@ def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: s
         reserve = reserve_bytes(terms, schedule, static_bytes=held, peak_bytes=capture, graphed=graphed)
         outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend,
                                           tp_max_ctas=config.get("tp_max_ctas", PRE_FLAG_CTAS))
-        out.append(device_bytes(reserve, outside))
+        out.append((reserve, outside))
     return out
+
+
+def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: str, peaks: Sequence[float],
+                          graphed: bool, terms: DeviceTerms = DEVICE_TERMS, trace: Trace | None = None) -> list[float]:
+    """Per global rank, the device memory in use: :func:`predicted_device_parts` added up."""
+    return [device_bytes(reserve, outside)
+            for reserve, outside in predicted_device_parts(config, schedule, placement, peaks, graphed, terms, trace)]
