@@ -31,6 +31,11 @@ dp=2 sets)::
     torchrun --nproc-per-node 2 benchmarks/bench_memory.py --dp 2 --layers 4 --seq 4096 --mbs 4 --recompute none \
         --cuda-graph {none,step} --out benchmarks/results/memory_dp2_<gpu>_<mode>.json
 
+``--memory-snapshot FILE`` (CUDA) records each case's steps, warm-up included, under the allocator's history and
+writes torch's snapshot per case and rank (``FILE.<optimizer>-<recompute>.rank<r>.pickle``); rank 0 prints each rank's
+attribution (:mod:`braid.measure.snapshot`): the blocks live at the peak, and the reserve's free bytes by the allocation
+that made their segment -- where the reserve exceeds the allocated peak.
+
 A CPU smoke run (gloo, seconds)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_memory.py --model qwen2-tiny --dp 2 --layers 2 --seq 16 --mbs 2 \\
@@ -75,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                          "steps and capture are warm-up, the optimizer steps outside the graph, as the examples run)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compiled units (default: the executor's, on with CUDA); --no-compile saves the compile time")
+    ap.add_argument("--memory-snapshot", metavar="FILE", default=None,
+                    help="record each case's steps (warm-up included) under the CUDA allocator's history: a snapshot per "
+                         "case and rank, FILE.<optimizer>-<recompute>.rank<r>.pickle, and its attribution printed (CUDA)")
     ap.add_argument("--hardware", default="h100", help="hardware preset of the simulation (memory does not depend on it)")
     ap.add_argument("--out", default=None, help="JSON file (default: print only)")
     return ap
@@ -126,11 +134,11 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str,
 
 
 def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.device,
-            dtype: torch.dtype) -> tuple[int, int, int | None, int | None]:
+            dtype: torch.dtype) -> tuple[int, int, int | None, int | None, list[str]]:
     """This rank's peak bytes over ``--steps`` steps after ``--warmup`` (module doc), the bytes still
-    allocated from the cases before when this one starts (0 on CPU; should be 0 on CUDA), and on CUDA the
+    allocated from the cases before when this one starts (0 on CPU; should be 0 on CUDA), on CUDA the
     allocator's reserved peak over those steps (with what it kept cached from the warm-up) and the device memory
-    in use after them (nvidia-smi's view)."""
+    in use after them (nvidia-smi's view), and with ``--memory-snapshot`` the recorded steps' attribution (lines)."""
     import gc
     from braid.core.compiler import compile_plan
     from braid.models.build import meta_model
@@ -171,16 +179,30 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
     shape = (args.micro_batch_size, args.seq)
     toks = [torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.mbs)]
     labs = [torch.randint(0, cfg.vocab_size, shape, generator=g).to(device) for _ in range(args.mbs)]
-    peak_act = 0
-    for step in range(warmup + args.steps):
-        if step == warmup and device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        opt.zero_grad()
-        res = runner.run(toks, labs)
-        opt.step()
-        if step >= warmup and res.trace.memory:
-            peak_act = max(peak_act, max((b for _, b in next(iter(res.trace.memory.values()))), default=0))
+    peak_act, res = 0, None
+
+    def steps() -> None:
+        nonlocal peak_act, res
+        for step in range(warmup + args.steps):
+            if step == warmup and device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            opt.zero_grad()
+            res = runner.run(toks, labs)
+            opt.step()
+            if step >= warmup and res.trace.memory:
+                peak_act = max(peak_act, max((b for _, b in next(iter(res.trace.memory.values()))), default=0))
+
+    lines: list[str] = []
+    if args.memory_snapshot:
+        from braid.measure.snapshot import format_attribution, rank_path, record_step
+
+        base = Path(args.memory_snapshot)
+        path = rank_path(base.with_name(f"{base.stem if base.suffix else base.name}.{mode}-{recompute}{base.suffix or '.pickle'}"),
+                         d.rank, d.world_size)
+        lines = format_attribution(record_step(steps, path, device), f"{mode} {recompute} rank {d.rank} ({path})")
+    else:
+        steps()
     reserved = used = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -198,7 +220,7 @@ def measure(args, d, groups, plan, mode: str, recompute: str, device: torch.devi
     gc.collect()  # the executor and its chunks may hold each other: free them before the next case
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return int(out), int(leftover), reserved, used
+    return int(out), int(leftover), reserved, used, lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     if args.cuda_graph == "step" and device.type != "cuda":
         print("bench_memory: --cuda-graph step needs --device cuda", file=sys.stderr)
+        return 2
+    if args.memory_snapshot and device.type != "cuda":
+        print("bench_memory: --memory-snapshot records the CUDA caching allocator's history; it needs --device cuda",
+              file=sys.stderr)
         return 2
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     from braid.runtime.compiled import resolve
@@ -243,12 +269,15 @@ def main(argv: list[str] | None = None) -> int:
                          "predicted_bytes": [pred[at] for at, _ in every], "rel_err": worst,
                          "leftover_bytes": [left for _, (_, left, *_) in every],
                          # CUDA: the reserved peak and the device memory in use, against the planner's device figure
-                         "reserved_bytes": [r for _, (_, _, r, _) in every],
-                         "device_used_bytes": [u for _, (*_, u) in every],
+                         "reserved_bytes": [r for _, (_, _, r, _, _) in every],
+                         "device_used_bytes": [u for _, (_, _, _, u, _) in every],
                          "predicted_device_bytes": [both[at][1] for at, _ in every]})
             if d.rank == 0:
                 print(f"{mode:<7} {rc:<10} measured {max(meas) / 2**20:10.1f} MiB  predicted "
                       f"{max(pred.values()) / 2**20:10.1f} MiB  worst error {100 * worst:5.1f}%", flush=True)
+                for _, (*_, lines) in every:
+                    if lines:
+                        print("\n".join(lines), flush=True)
     if d.rank == 0:
         doc = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "config": {k: v for k, v in vars(args).items() if k != "out"},

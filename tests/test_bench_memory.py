@@ -32,7 +32,7 @@ def test_memory_bench_runs_every_mode_at_tiny_size(tmp_path) -> None:
     assert doc["command"].startswith("torchrun --nproc-per-node 2 benchmarks/bench_memory.py --model qwen2-tiny")
 
 
-def test_graphed_steps_on_cpu_are_refused_in_one_line(capsys) -> None:
+def test_graphed_steps_and_a_memory_snapshot_on_cpu_are_refused_in_one_line(capsys) -> None:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_memory", ROOT / "benchmarks" / "bench_memory.py")
@@ -40,3 +40,6 @@ def test_graphed_steps_on_cpu_are_refused_in_one_line(capsys) -> None:
     spec.loader.exec_module(bench)
     assert bench.main(["--device", "cpu", "--cuda-graph", "step"]) == 2
     assert capsys.readouterr().err.strip() == "bench_memory: --cuda-graph step needs --device cuda"
+    assert bench.main(["--device", "cpu", "--memory-snapshot", "snap.pickle"]) == 2
+    assert capsys.readouterr().err.strip() == ("bench_memory: --memory-snapshot records the CUDA caching allocator's "
+                                               "history; it needs --device cuda")

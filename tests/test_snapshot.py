@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from braid.measure.snapshot import (BACKWARD, BEFORE, OTHER, STATE, attribute, classify, format_attribution, main,
-                                    rank_path)
+from braid.measure.snapshot import (BACKWARD, BEFORE, GRAPH_POOL, OTHER, SEGMENT_BEFORE, STATE, attribute, classify,
+                                    format_attribution, idle_reserve, main, rank_path)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS, RUNTIME = str(ROOT / "braid" / "models"), str(ROOT / "braid" / "runtime")
@@ -83,6 +83,40 @@ def test_attribute_finds_the_peak_and_groups_the_blocks_live_then() -> None:
     assert att.by_kind == {STATE: 1000, "model": 500, BEFORE: 500, BACKWARD: 400, "runtime": 50}
     assert att.by_unit == {"pre_attn": 300, "head": 200}
     assert [r.term for r in attribute(_snapshot(), top=2).rows] == ["weights", "CUDA graph pool"]
+
+
+def test_idle_reserve_charges_each_segments_free_bytes_to_the_allocation_that_made_it() -> None:
+    """Three segments of device 1 beside the ones above: the script's (made in the trace, 4096 B, 100 live), a
+    second the script made and the trace freed again (gone), and one a qkv allocation made (2048 B, none live)."""
+    snap = _snapshot()
+    trace = snap["device_traces"][1]
+    trace += [{"action": "segment_alloc", "addr": 0xB000, "size": 2048, "frames": QKV, "stream": 0},
+              {"action": "segment_alloc", "addr": 0xC000, "size": 8192, "frames": SCRIPT, "stream": 0},
+              {"action": "segment_free", "addr": 0xC000, "size": 8192, "frames": [], "stream": 0}]
+    live = {"state": "active_allocated", "frames": []}
+    snap["segments"] += [
+        {"device": 1, "address": 0x9000, "total_size": 4096, "segment_pool_id": (0, 0),
+         "blocks": [{"address": 0x8000, "size": 100, **live}, {"address": 0x8064, "size": 3996, "state": "inactive"}]},
+        {"device": 1, "address": 0xB000, "total_size": 2048, "segment_pool_id": (0, 0),
+         "blocks": [{"address": 0xB000, "size": 2048, "state": "inactive"}]},
+    ]
+    reserved, idle, rows = idle_reserve(snap)
+    got = {(r.kind, r.term): (r.reserved, r.idle, r.count) for r in rows}
+    assert got == {
+        (BEFORE, SEGMENT_BEFORE): (1 << 20, (1 << 20) - 1200, 1),  # weights 1000 and the loss's 200 live in it
+        (BEFORE, GRAPH_POOL): (1 << 20, (1 << 20) - 500, 1),
+        (OTHER, "my_script.py:12 main"): (4096, 3996, 1),
+        ("model", "qwen2.py:266 project_qkv"): (2048, 2048, 1),
+    }
+    assert (reserved, idle) == (sum(v[0] for v in got.values()), sum(v[1] for v in got.values()))
+    assert [r.idle for r in rows] == sorted((r.idle for r in rows), reverse=True)
+    att = attribute(snap, top=2)
+    assert (att.reserved_bytes, att.idle_bytes, len(att.idle)) == (reserved, idle, 2)
+    text = "\n".join(format_attribution(att))
+    assert f"reserve when the trace ends: {reserved / 2**20:,.1f} MiB" in text and SEGMENT_BEFORE in text
+    from dataclasses import asdict
+
+    assert format_attribution(asdict(att)) == format_attribution(att)  # the dict form a bench job gathers
 
 
 def test_a_block_freed_first_by_the_trace_counts_from_its_start() -> None:
@@ -168,7 +202,8 @@ def test_the_cli_prints_the_attribution_of_a_saved_snapshot(tmp_path, capsys) ->
     assert main([str(f), "--top", "3"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"{f}: peak 0.0 MiB allocated on cuda:1, at entry 5 of 10")
-    assert [line[47:] for line in out[4:]] == ["weights", "CUDA graph pool", "autograd backward op (no Python frame)"]
+    assert [line[47:] for line in out[4:7]] == ["weights", "CUDA graph pool", "autograd backward op (no Python frame)"]
+    assert out[7].startswith("  reserve when the trace ends: 2.0 MiB") and [x[41:] for x in out[9:]] == [GRAPH_POOL, SEGMENT_BEFORE]
     assert format_attribution(attribute(_snapshot()))[1].startswith("  by kind: state 0.0 MiB (41%)")
 
 

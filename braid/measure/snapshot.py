@@ -21,6 +21,11 @@ thread of its own, whose Python stack is empty). A block allocated before the re
 is named by its pool (a CUDA graph's private pool) or as allocated before the step. Anything
 else is named by its innermost frame outside torch and the standard library.
 
+The allocator's reserve is read too (:func:`idle_reserve`): the bytes its segments hold free when the
+trace ends (cached, not allocated: what fragmentation costs), grouped by the allocation that made
+each segment -- so record from the first step whose segments matter (``benchmarks/bench_memory.py``
+records a whole case); a segment made before the recording is named so.
+
 Which blocks a pipeline rank holds of which micro-batch and chunk is not in the stacks (one
 code path serves every chunk); the rows name the code that allocated them. Several ranks
 write one file each (:func:`rank_path`). ``python -m braid.measure.snapshot FILE [--top N]``
@@ -58,6 +63,7 @@ PLACES: tuple[tuple[str, str], ...] = (
 STATE = "state"  # a tensor the caller named (weights, gradients, optimizer state), still live when the step ends
 BEFORE = "before"  # allocated before the recording began, unnamed: its CUDA graph pool, or just that
 BEFORE_STEP, GRAPH_POOL = "allocated before the step", "CUDA graph pool"
+SEGMENT_BEFORE = "segment made before the recording"
 BACKWARD = "backward"  # no Python frame: allocated on autograd's backward threads
 OTHER = "other"  # the innermost frame outside torch and the standard library
 
@@ -108,6 +114,22 @@ class Attribution:
     by_kind: dict[str, int] = field(default_factory=dict)
     by_unit: dict[str, int] = field(default_factory=dict)
     truncated: bool = False  # the trace holds MAX_ENTRIES: it may have lost its start
+    reserved_bytes: int = 0  # the device's segments when the trace ends
+    idle_bytes: int = 0  # of those, free (cached)
+    idle: list[Idle] = field(default_factory=list)  # idle_reserve's largest rows
+
+
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """The segments one allocation site made (``count``): their reserved bytes and the bytes free in them
+    when the trace ends (kept by the allocator's cache, allocated to nothing)."""
+
+    kind: str
+    term: str
+    reserved: int
+    idle: int
+    count: int
+    source: str = ""
 
 
 # ----------------------------------------------------------------------------------------
@@ -211,8 +233,44 @@ def attribute(snapshot: dict[str, Any], top: int = TOP, device: int | None = Non
     rows = [Row(kind, term, b, n, unit, _source(fr))
             for (kind, term), (b, n, unit, _, fr) in groups.items()]
     rows.sort(key=lambda r: (-r.bytes, r.term))
+    reserved, idle, idle_rows = idle_reserve(snapshot, top, device)
     return Attribution(device, peak, peak_at, len(trace), rows[:top], _totals(rows, "kind"), _totals(rows, "unit"),
-                       len(trace) >= MAX_ENTRIES)
+                       len(trace) >= MAX_ENTRIES, reserved, idle, idle_rows)
+
+
+def idle_reserve(snapshot: dict[str, Any], top: int = TOP, device: int | None = None) -> tuple[int, int, list[Idle]]:
+    """``(reserved, idle, rows)`` of ``device``'s segments when the trace ends: their bytes, the bytes free in
+    them, and the ``top`` sites with the most idle bytes. A segment is charged to the allocation whose
+    ``segment_alloc`` the trace recorded (:func:`classify` of its stack), a CUDA graph's private pool to
+    that pool, any other to :data:`SEGMENT_BEFORE`."""
+    device = _device_of(snapshot, device)
+    made: dict[int, list] = {}
+    for e in snapshot["device_traces"][device]:
+        if e.get("action") == "segment_alloc":
+            made[e["addr"]] = e.get("frames") or []
+        elif e.get("action") == "segment_free":
+            made.pop(e["addr"], None)
+    groups: dict[tuple[str, str], list] = {}  # (kind, term) -> [reserved, idle, segments, largest idle, its frame]
+    for seg in snapshot["segments"]:
+        if seg.get("device", device) != device:
+            continue
+        total = seg["total_size"]
+        free = total - sum(b["size"] for b in seg.get("blocks", []) if b.get("state") == _LIVE)
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            kind, term, fr = BEFORE, GRAPH_POOL, None
+        elif seg["address"] in made:
+            kind, term, _, fr = classify(made[seg["address"]])
+        else:
+            kind, term, fr = BEFORE, SEGMENT_BEFORE, None
+        g = groups.setdefault((kind, term), [0, 0, 0, -1, None])
+        g[0] += total
+        g[1] += free
+        g[2] += 1
+        if free > g[3]:
+            g[3], g[4] = free, fr
+    rows = [Idle(kind, term, r, i, n, _source(fr)) for (kind, term), (r, i, n, _, fr) in groups.items()]
+    rows.sort(key=lambda r: (-r.idle, -r.reserved, r.term))
+    return sum(r.reserved for r in rows), sum(r.idle for r in rows), rows[:top]
 
 
 def _live_before(segments: list[dict[str, Any]], events: list[tuple[int, dict[str, Any]]],
@@ -339,7 +397,8 @@ def format_attribution(att: Attribution | dict[str, Any], title: str = "") -> li
         a = att
     else:
         a = Attribution(**{f.name: att[f.name] for f in fields(Attribution) if f.name in att})
-        a = replace(a, rows=[r if isinstance(r, Row) else Row(**r) for r in a.rows])
+        a = replace(a, rows=[r if isinstance(r, Row) else Row(**r) for r in a.rows],
+                    idle=[r if isinstance(r, Idle) else Idle(**r) for r in a.idle])
     head = f"{title}: " if title else ""
     at = "before the first entry" if a.peak_index < 0 else f"at entry {a.peak_index} of {a.entries}"
     lines = [f"{head}peak {_mib(a.peak_bytes)} MiB allocated on cuda:{a.device}, {at} of the allocator's trace"]
@@ -354,6 +413,14 @@ def format_attribution(att: Attribution | dict[str, Any], title: str = "") -> li
         lines.append(f"  {_mib(r.bytes):>10} {share(r.bytes):>6} {r.count:>6}  {r.kind:<9} {r.unit or '-':<8} {r.term}")
         if r.source:
             lines.append(f"{'':>47}| {r.source[:100]}")
+    if a.reserved_bytes:
+        lines.append(f"  reserve when the trace ends: {_mib(a.reserved_bytes)} MiB, {_mib(a.idle_bytes)} MiB of it free "
+                     f"(cached); free MiB by the allocation that made the segment:")
+        lines.append(f"  {'free':>10} {'of MiB':>10} {'segs':>5}  {'kind':<9} term")
+        for r in a.idle:
+            lines.append(f"  {_mib(r.idle):>10} {_mib(r.reserved):>10} {r.count:>5}  {r.kind:<9} {r.term}")
+            if r.source:
+                lines.append(f"{'':>41}| {r.source[:100]}")
     return lines
 
 
