@@ -5,10 +5,12 @@ allocates temporaries, and they depend on the parameters' sizes and on which ran
 which piece of the flat gradient buffer. What the step allocates, as the code does it:
 
 * the global gradient norm (:meth:`braid.training.optimizer.ShardedAdamW.grad_norm`,
-  :func:`braid.training.grads.global_grad_norm`) squares each counted gradient (piece) in
-  fp64: ``g.double().square()`` holds two fp64 copies of the largest counted piece
-  (16 bytes per element). Counted on every rank of the sharding group under ``zero1``, on
-  the group's first rank under ``master`` and ``plain`` (the others hold copies);
+  :func:`braid.training.grads.global_grad_norm`) sums each counted gradient's (piece's) squares
+  in fp64, :data:`NORM_CHUNK` elements at a time (:func:`braid.training.grads.square_sum`): one
+  fp64 copy of at most that many elements, squared in place (whole, a 545M-element embedding's
+  copy and its square took 8.1 GiB beside the activations' cache). Counted on every rank of the
+  sharding group under ``zero1``, on the group's first rank under ``master`` and ``plain`` (the
+  others hold copies);
 * ``master``/``zero1``: :class:`torch.optim.AdamW` with ``foreach=False`` steps piece by piece
   in fp32; ``denom = (exp_avg_sq.sqrt() / c).add_(eps)`` holds two fp32 temporaries of the
   piece while the previous piece's ``denom`` is still bound: ``4 * (2 * p_i + p_{i-1})``;
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 FP32, FP64 = 4, 8
+NORM_CHUNK = 1 << 24  # elements of a gradient the norm squares at once (a 128 MiB fp64 copy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +84,11 @@ def _pieces(mode: str, params: Sequence[Param], ways: int, rank: int) -> list[Pa
 
 
 def norm_bytes(mode: str, params: Sequence[Param], ways: int, rank: int) -> float:
-    """The global norm's fp64 copy and square of the largest counted piece (0 on a rank that counts none)."""
+    """The global norm's fp64 copy of the largest counted piece, at most :data:`NORM_CHUNK` elements of it
+    (0 on a rank that counts none)."""
     if not (mode == "zero1" and ways > 1) and rank != 0:
         return 0.0
-    return float(2 * FP64 * max((p.numel for p in _pieces(mode, params, ways, rank)), default=0))
+    return float(FP64 * min(NORM_CHUNK, max((p.numel for p in _pieces(mode, params, ways, rank)), default=0)))
 
 
 def update_bytes(mode: str, d: int, params: Sequence[Param], ways: int, rank: int) -> float:

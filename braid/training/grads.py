@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from braid.cost.step_memory import NORM_CHUNK
+
 
 def decays(p: torch.Tensor) -> bool:
     """Decoupled weight decay applies to matrices (linear weights, embeddings), not to norms or biases."""
@@ -78,6 +80,19 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
+def square_sum(g: torch.Tensor) -> torch.Tensor:
+    """The sum of ``g``'s squares in float64 (a 0-d tensor), :data:`NORM_CHUNK` elements at a time: one float64 copy
+    of a chunk, squared in place, so the temporaries stay bounded whatever the gradient's size."""
+    chunk = NORM_CHUNK
+    flat = g.reshape(-1)
+    if flat.numel() <= chunk:
+        return flat.to(torch.float64, copy=True).square_().sum()
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    for part in flat.split(chunk):
+        total += part.to(torch.float64, copy=True).square_().sum()
+    return total
+
+
 def global_grad_norm(grads: Sequence[torch.Tensor | None], counted: Sequence[bool], group: dist.ProcessGroup | None = None,
                      abort: Any = None) -> torch.Tensor:
     """sqrt of the sum over the job of the squares of the counted gradients (collective over ``group``, default all ranks).
@@ -90,7 +105,7 @@ def global_grad_norm(grads: Sequence[torch.Tensor | None], counted: Sequence[boo
     sq = torch.zeros((), dtype=torch.float64, device=dev)
     for g, c in zip(grads, counted):
         if c and g is not None:
-            sq += g.double().square().sum()
+            sq += square_sum(g)
     if abort is not None:
         abort.all_reduce(sq, group=group)
     elif dist.is_initialized():

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from braid.tp.seq_shard import all_gather_into, reduce_scatter_into
-from braid.training.grads import clip_coefficient, decays
+from braid.training.grads import clip_coefficient, decays, square_sum
 
 
 BUCKET = 1 << 24  # elements per rank and all-gather: 32 MiB of bf16, 64 MiB of fp32
@@ -164,7 +164,7 @@ class ShardedAdamW(torch.optim.AdamW):
         if self.owner:
             for pc in self.pieces:
                 if self.counted[pc.index]:
-                    sq += grads[pc.at:pc.at + pc.hi - pc.lo].double().square().sum()
+                    sq += square_sum(grads[pc.at:pc.at + pc.hi - pc.lo])
         if self._group is not None or self.norm_group is not None:
             self._wait(dist.all_reduce(sq, group=self.norm_group, async_op=True))
         return sq.sqrt()
