@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from braid.measure.snapshot import (BACKWARD, BEFORE, GRAPH_POOL, OTHER, SEGMENT_BEFORE, STATE, attribute, classify,
-                                    format_attribution, idle_reserve, main, rank_path)
+from braid.measure.snapshot import (BACKWARD, BEFORE, EXPANDABLE, GRAPH_POOL, OTHER, SEGMENT_BEFORE, STATE, attribute,
+                                    classify, format_attribution, idle_reserve, main, rank_path)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS, RUNTIME = str(ROOT / "braid" / "models"), str(ROOT / "braid" / "runtime")
@@ -86,8 +86,9 @@ def test_attribute_finds_the_peak_and_groups_the_blocks_live_then() -> None:
 
 
 def test_idle_reserve_charges_each_segments_free_bytes_to_the_allocation_that_made_it() -> None:
-    """Three segments of device 1 beside the ones above: the script's (made in the trace, 4096 B, 100 live), a
-    second the script made and the trace freed again (gone), and one a qkv allocation made (2048 B, none live)."""
+    """Segments of device 1 beside the ones above: the script's (made in the trace, 4096 B, 100 live), a second the
+    script made and the trace freed again (gone), one a qkv allocation made (2048 B, none live), and an expandable
+    one (6144 B, 1024 still used by another stream)."""
     snap = _snapshot()
     trace = snap["device_traces"][1]
     trace += [{"action": "segment_alloc", "addr": 0xB000, "size": 2048, "frames": QKV, "stream": 0},
@@ -99,6 +100,10 @@ def test_idle_reserve_charges_each_segments_free_bytes_to_the_allocation_that_ma
          "blocks": [{"address": 0x8000, "size": 100, **live}, {"address": 0x8064, "size": 3996, "state": "inactive"}]},
         {"device": 1, "address": 0xB000, "total_size": 2048, "segment_pool_id": (0, 0),
          "blocks": [{"address": 0xB000, "size": 2048, "state": "inactive"}]},
+        # expandable: no segment_alloc names it; a block another stream still uses is not free
+        {"device": 1, "address": 0xD000, "total_size": 6144, "segment_pool_id": (0, 0), "is_expandable": True,
+         "blocks": [{"address": 0xD000, "size": 1024, "state": "active_pending_free"},
+                    {"address": 0xD400, "size": 5120, "state": "inactive"}]},
     ]
     reserved, idle, rows = idle_reserve(snap)
     got = {(r.kind, r.term): (r.reserved, r.idle, r.count) for r in rows}
@@ -107,6 +112,7 @@ def test_idle_reserve_charges_each_segments_free_bytes_to_the_allocation_that_ma
         (BEFORE, GRAPH_POOL): (1 << 20, (1 << 20) - 500, 1),
         (OTHER, "my_script.py:12 main"): (4096, 3996, 1),
         ("model", "qwen2.py:266 project_qkv"): (2048, 2048, 1),
+        (OTHER, EXPANDABLE): (6144, 5120, 1),
     }
     assert (reserved, idle) == (sum(v[0] for v in got.values()), sum(v[1] for v in got.values()))
     assert [r.idle for r in rows] == sorted((r.idle for r in rows), reverse=True)

@@ -64,6 +64,7 @@ STATE = "state"  # a tensor the caller named (weights, gradients, optimizer stat
 BEFORE = "before"  # allocated before the recording began, unnamed: its CUDA graph pool, or just that
 BEFORE_STEP, GRAPH_POOL = "allocated before the step", "CUDA graph pool"
 SEGMENT_BEFORE = "segment made before the recording"
+EXPANDABLE = "expandable segment (mapped page by page, by many allocations)"
 BACKWARD = "backward"  # no Python frame: allocated on autograd's backward threads
 OTHER = "other"  # the innermost frame outside torch and the standard library
 
@@ -81,6 +82,7 @@ UNIT_OF_FUNCTION: dict[str, Unit] = {
 }
 
 _LIVE = "active_allocated"
+_HELD = (_LIVE, "active_pending_free")  # a segment's blocks that are not free to reuse
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -242,7 +244,9 @@ def idle_reserve(snapshot: dict[str, Any], top: int = TOP, device: int | None = 
     """``(reserved, idle, rows)`` of ``device``'s segments when the trace ends: their bytes, the bytes free in
     them, and the ``top`` sites with the most idle bytes. A segment is charged to the allocation whose
     ``segment_alloc`` the trace recorded (:func:`classify` of its stack), a CUDA graph's private pool to
-    that pool, any other to :data:`SEGMENT_BEFORE`."""
+    that pool, an expandable segment (``expandable_segments:True``: no one allocation made it) to
+    :data:`EXPANDABLE`, any other to :data:`SEGMENT_BEFORE`. A block freed but still used by another
+    stream (``active_pending_free``) is not free yet."""
     device = _device_of(snapshot, device)
     made: dict[int, list] = {}
     for e in snapshot["device_traces"][device]:
@@ -255,9 +259,11 @@ def idle_reserve(snapshot: dict[str, Any], top: int = TOP, device: int | None = 
         if seg.get("device", device) != device:
             continue
         total = seg["total_size"]
-        free = total - sum(b["size"] for b in seg.get("blocks", []) if b.get("state") == _LIVE)
+        free = total - sum(b["size"] for b in seg.get("blocks", []) if b.get("state") in _HELD)
         if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
             kind, term, fr = BEFORE, GRAPH_POOL, None
+        elif seg.get("is_expandable"):
+            kind, term, fr = OTHER, EXPANDABLE, None
         elif seg["address"] in made:
             kind, term, _, fr = classify(made[seg["address"]])
         else:

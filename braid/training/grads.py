@@ -82,7 +82,8 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def square_sum(g: torch.Tensor) -> torch.Tensor:
     """The sum of ``g``'s squares in float64 (a 0-d tensor), :data:`NORM_CHUNK` elements at a time: one float64 copy
-    of a chunk, squared in place, so the temporaries stay bounded whatever the gradient's size."""
+    of a chunk, squared in place, so the temporaries stay bounded whatever the gradient's size (a non-contiguous
+    gradient is first flattened into a copy of its own dtype; the executor's and the optimizer's are contiguous)."""
     chunk = NORM_CHUNK
     flat = g.reshape(-1)
     if flat.numel() <= chunk:
