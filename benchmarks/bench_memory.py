@@ -122,7 +122,7 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str,
     for r in rep.ranks:
         params = rank_param_list(model, costs, r.rank)
         for k in range(args.dp):
-            step = step_transient_bytes(mode, dtype_bytes, params, args.dp, k)
+            step = step_transient_bytes(mode, params, args.dp, k)
             static = dc.static_bytes[r.rank] + dc.extra_bytes[r.rank]
             out[(r.rank, k)] = (static + max(r.peak_activation_bytes, step),
                                 planned_device_bytes(args.schedule, static_bytes=static,

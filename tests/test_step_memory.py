@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from braid.cost.step_memory import (Param, extra_state_bytes, norm_bytes, param_sizes, shard_pieces, step_transient_bytes,
-                                    update_bytes, worst_step_transient_bytes)
+                                    worst_step_transient_bytes)
 from test_examples import ROOT
 
 
@@ -88,8 +88,8 @@ def test_param_sizes_follow_the_chunks_parameters(layout) -> None:
 @pytest.mark.parametrize("ways", [1, 2, 3, 7, 40, 1000])  # 1000: shards inside the embedding after a partial one
 def test_worst_rank_is_the_max_over_ranks(mode: str, ways: int) -> None:
     params = _sizes()
-    want = max(step_transient_bytes(mode, 2, params, ways, k) for k in range(ways))
-    assert worst_step_transient_bytes(mode, 2, params, ways) == want
+    want = max(step_transient_bytes(mode, params, ways, k) for k in range(ways))
+    assert worst_step_transient_bytes(mode, params, ways) == want
 
 
 @pytest.mark.parametrize("rank", [0, 1, 2])
@@ -125,7 +125,8 @@ def test_sharded_step_temporaries_match_the_model(monkeypatch, mode: str) -> Non
         torch.optim.AdamW.step(opt)
     rank = 1 if ways > 1 else 0
     assert norm.peak == norm_bytes(mode, params, ways, rank) + 16  # + the fp64 sum and a piece's
-    assert update.peak == update_bytes(mode, 4, params, ways, rank)
+    assert update.peak == 0 and step_transient_bytes(mode, params, ways, rank) == norm_bytes(mode, params, ways, rank)
+    assert all(g["fused"] for g in opt.param_groups)  # torch's fused kernel: the moments updated in place
 
 
 @pytest.mark.parametrize("n", [1000, 1024, 3000])
@@ -150,22 +151,26 @@ def test_the_norm_squares_a_large_gradient_in_chunks_of_bounded_temporaries(monk
     assert float(mod.square_sum(gd)) == pytest.approx(exact, rel=1e-12) and torch.equal(gd, kept)  # squared in a copy
 
 
-def test_plain_foreach_step_temporaries_match_the_model() -> None:
-    from braid.training.grads import clip_grads_, param_groups
+def test_plain_step_temporaries_match_the_model() -> None:
+    """``plain``: braid's Optimization over the parameters (torch's AdamW, fused), the norm on the group's first rank."""
+    from braid.training.grads import clip_grads_
+    from braid.training.step import OptimConfig, Optimization
 
     params = _sizes()
     ps = _tensors(params, torch.bfloat16)
     for p in ps:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(param_groups(ps, 0.01), foreach=True)  # torch's default on CUDA
-    opt.step()  # the moments exist after the first step, as in a run's later steps
+    cfg = OptimConfig.of_mode("plain")
+    opt = Optimization(cfg, [(f"p{i}", p) for i, p in enumerate(ps)], [])
+    assert not opt.sharded and all(g["fused"] for g in opt.optimizer.param_groups)
+    opt.optimizer.step()  # the moments exist after the first step, as in a run's later steps
     with _PeakBytes() as norm:
         clip_grads_(ps, [True] * len(ps), None)
     with _PeakBytes() as update:
-        opt.step()
+        opt.optimizer.step()
     assert norm.peak == norm_bytes("plain", params, 2, 0) + 16
     assert norm_bytes("plain", params, 2, 1) == 0  # the other replica counts nothing
-    assert update.peak == update_bytes("plain", 2, params, 2, 1)
+    assert update.peak == 0 and step_transient_bytes("plain", params, 2, 1) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -381,11 +381,11 @@ def dp_costs(model: ModelConfig, costs: CostModel, cluster: Cluster, par: Parall
     plist = [rank_param_list(model, costs, r, par.ep) for r in range(lay.p)]
     if par.ep > 1:  # two optimizers, one after the other: the worse step, both reduce-scatter shards
         split = [([p for p in ps if not p.expert], [p for p in ps if p.expert]) for ps in plist]
-        step = [max(worst_step_transient_bytes(par.optimizer, model.dtype_bytes, d, ways),
-                    worst_step_transient_bytes(par.optimizer, model.dtype_bytes, e, eways)) for d, e in split]
+        step = [max(worst_step_transient_bytes(par.optimizer, d, ways),
+                    worst_step_transient_bytes(par.optimizer, e, eways)) for d, e in split]
         extra = [extra_state_bytes(par.optimizer, d, ways) + extra_state_bytes(par.optimizer, e, eways) for d, e in split]
     else:
-        step = [worst_step_transient_bytes(par.optimizer, model.dtype_bytes, ps, ways) for ps in plist]
+        step = [worst_step_transient_bytes(par.optimizer, ps, ways) for ps in plist]
         extra = [extra_state_bytes(par.optimizer, ps, ways) for ps in plist]
     return DpCosts(reduce, [(mb.step * n + me.step * e) / cluster.hw.hbm_bytes_per_s for n, e in parts], gather,
                    [static_bytes(model, costs, par, r) for r in range(lay.p)], par.optimizer,

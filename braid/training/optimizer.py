@@ -54,6 +54,11 @@ class _Piece:
     at: int
 
 
+def _step_tensor(step: float, v: torch.Tensor) -> torch.Tensor:
+    """AdamW's step count as its fused kernel reads it: a float32 scalar on the master's device."""
+    return torch.tensor(step, dtype=torch.float32, device=v.device)
+
+
 class ShardedAdamW(torch.optim.AdamW):
     """AdamW on fp32 masters of this rank's shard; see the module docstring.
 
@@ -131,10 +136,10 @@ class ShardedAdamW(torch.optim.AdamW):
             groups[False].append(v)
         super().__init__([{"params": groups[True], "weight_decay": weight_decay},
                           {"params": groups[False], "weight_decay": 0.0}],
-                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+                         lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
         for g in self.param_groups:  # eager state: a checkpoint can be loaded before the first step
             for v in g["params"]:
-                self.state[v] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
+                self.state[v] = {"step": _step_tensor(0.0, v), "exp_avg": torch.zeros_like(v), "exp_avg_sq": torch.zeros_like(v)}
         self.last_norm: float | None = None
 
     # -- the step ------------------------------------------------------------------------
@@ -266,7 +271,7 @@ class ShardedAdamW(torch.optim.AdamW):
             st = self.state[v]
             for key, dst in (("master", v), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
                 dst.copy_(entry[key].reshape(-1)[pc.lo:pc.hi])
-            st["step"] = torch.tensor(step)
+            st["step"] = _step_tensor(step, v)
         if "lr" in state:
             for g in self.param_groups:
                 g["lr"] = float(state["lr"])

@@ -114,7 +114,8 @@ class Optimization:
                 self.optimizer = sharded([n for n, _ in split[0]], groups.dp_cp, [c for _, c in split[0]])
                 self.expert_optimizer = sharded([n for n, _ in split[1]], self.experts.edp_group, [c for _, c in split[1]])
         else:
-            self.optimizer = torch.optim.AdamW(param_groups(self.params, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+            self.optimizer = torch.optim.AdamW(param_groups(self.params, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                               fused=True)
         self.schedulers = [build_scheduler(o, total=cfg.total_steps, warmup=cfg.warmup, decay=cfg.decay, lr=cfg.lr,
                                            min_lr=cfg.min_lr) for o in (self.optimizer, self.expert_optimizer) if o is not None]
         self.scheduler = self.schedulers[0]
