@@ -48,7 +48,8 @@ The terms (``term`` in the table and the JSON):
    ``used_peak`` (the largest ``used`` sampled after each step; detail ``used_peak_bound``: the
    largest ``used - reserved`` sampled plus the reserved peak, nvidia-smi's view at the allocator's
    peak if nothing outside the allocator moved within a step), ``fragmentation`` (reserved peak
-   over allocated peak: what the allocator holds per byte live) and ``nonallocator`` (``used -
+   over allocated peak: what the allocator holds per byte live), ``fragmentation_above_held`` (the
+   same above the state held after the steps: what the device-memory model scales) and ``nonallocator`` (``used -
    reserved`` added by the case: lazily created communicators, cuBLAS handles of new streams,
    loaded Triton modules). Graphed (``step.<schedule>.graphed``: ``braid.runtime.graphs.step_runner``
    with mode ``"step"``, as ``braid.measure.runs`` runs it): its eager warm-up, then the capture
@@ -161,6 +162,13 @@ def profile_config(args: argparse.Namespace, world: int):
 
 
 # ----------------------------------------------------------------------------------------
+def above_held(peaks: dict, held: float) -> float | None:
+    """The reserved over the allocated peak above the state ``held`` across steps (what
+    ``braid.cost.device_memory.DeviceTerms.fragmentation`` scales); None if nothing was allocated above it."""
+    over = peaks["allocated_peak"] - held
+    return (peaks["reserved_peak"] - held) / over if over > 0 else None
+
+
 # The measurements on one rank (CUDA)
 # ----------------------------------------------------------------------------------------
 def cuda_probes(dev: torch.device) -> dict[str, Probe]:
@@ -355,6 +363,8 @@ def step_case(args, pc, d, groups, model, name: str, *, compiled: bool, graphed:
              Term(f"{label}.used_peak", peaks["used_peak"], "largest mem_get_info used read after each step (device-wide)",
                   detail={"used_peak_bound": peaks["used_peak_bound"]}),
              Term(f"{label}.fragmentation", peaks["fragmentation"], "reserved peak / allocated peak", unit="ratio"),
+             Term(f"{label}.fragmentation_above_held", above_held(peaks, end["allocated"]),
+                  "(reserved peak - held) / (allocated peak - held); held: allocated after the steps", unit="ratio"),
              Term(f"{label}.nonallocator", (end["used"] - end["reserved"]) - (base["used"] - base["reserved"]),
                   "used - reserved at the end less at the case's start (outside the allocator)")]
     if graphed:

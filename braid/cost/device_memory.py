@@ -13,8 +13,10 @@ simulator predicts. A rank holds, besides its live tensors:
   (:mod:`braid.runtime.p2p` sends on the default group); cuBLAS's handle and modules after the
   first GEMM (its workspaces, one per stream, come from the allocator); the kernel modules a step
   loads lazily;
-* **the allocator's reserve** (:func:`reserve_bytes`): eager, the allocated peak times the
-  schedule's fragmentation (reserved over allocated peak); a whole-step CUDA graph, the static
+* **the allocator's reserve** (:func:`reserve_bytes`): eager, the state held across steps plus the
+  step's allocated peak above it times the schedule's fragmentation (the reserved over the allocated
+  peak, both above the held state: the state is allocated once, in large blocks, and does not
+  fragment -- at dp=2 with 27 GiB of it the whole peak reserved only 1.03x); a whole-step CUDA graph, the static
   state plus its private pool, the capture's allocated peak times the schedule's pool ratio
   (``torch.cuda.graph`` empties the cache before the capture and :class:`braid.runtime.graphs.GraphedStep`
   after it, so the eager warm-up's blocks go, those still held when the capture began included).
@@ -52,7 +54,8 @@ class DeviceTerms:
     tp=2 x pp=1 the layout's groups are the capped TP group and four of one rank); ``p2p_pair``:
     ``nccl.p2p_pair``; ``blas``: ``blas.default_stream.mm`` less what it took from the allocator;
     ``step_modules``: ``step.<first schedule>.eager.uncompiled.nonallocator``; ``fragmentation`` and
-    ``pool_ratio`` per schedule: ``step.<s>.eager.fragmentation`` and ``step.<s>.graphed.graph_pool``
+    ``pool_ratio`` per schedule: ``step.<s>.eager.fragmentation_above_held`` (``reserved_peak`` and
+    ``allocated_peak`` less the held state, the allocated bytes after the steps) and ``step.<s>.graphed.graph_pool``
     over ``step.<s>.graphed.capture_peak``; a schedule not measured takes the largest.
     """
 
@@ -75,12 +78,14 @@ class DeviceTerms:
         return self.pool_ratio.get(schedule, max(self.pool_ratio.values(), default=1.0))
 
 
-# rank 0 of MEASURED, in bytes; fragmentation as the file gives it, pool ratios as its pool / capture peak bytes
+# rank 0 of MEASURED, in bytes; fragmentation as (reserved - held) / (allocated - held) peak bytes, pool ratios as pool / capture peak bytes
 H100_TORCH211 = DeviceTerms(
     context=645529600, default_group=887095296, group=509607936, capped_group=79691776, capped_ctas=4,
     single_group=(1713373184 - 79691776) / 4, p2p_pair=467664896, blas=102760448 - 33554432,
     step_modules=10485760,
-    fragmentation={"braided_v": 1.0695707842128868, "1f1b_i": 1.1161575581723426, "zb_v": 1.1158414492959263},
+    fragmentation={"braided_v": (9820962816 - 3186454016) / (9182153216 - 3186454016),
+                   "1f1b_i": (9418309632 - 3221057024) / (8438154240 - 3221057024),
+                   "zb_v": (9453961216 - 3255660032) / (8472495104 - 3255660032)},
     pool_ratio={"braided_v": 8172601344 / 7551832576, "1f1b_i": 7751073792 / 6773229056,
                 "zb_v": 7751073792 / 6772705792},
 )
@@ -139,10 +144,9 @@ def outside_allocator_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: in
 
 def reserve_bytes(terms: DeviceTerms, schedule: str, *, static_bytes: float, peak_bytes: float, graphed: bool) -> float:
     """The allocator's reserve: ``peak_bytes`` is the step's allocated peak above ``static_bytes`` (the
-    state held across steps); eager, fragmentation x both; graphed, the static state plus the pool."""
-    if graphed:
-        return static_bytes + terms.pool_ratio_of(schedule) * peak_bytes
-    return terms.fragmentation_of(schedule) * (static_bytes + peak_bytes)
+    state held across steps); the static state plus, eager, the peak times the fragmentation, graphed, the pool."""
+    ratio = terms.pool_ratio_of(schedule) if graphed else terms.fragmentation_of(schedule)
+    return static_bytes + ratio * peak_bytes
 
 
 def device_bytes(reserve: float, outside: float) -> float:
@@ -158,16 +162,15 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
     state held across steps (weights, gradients, optimizer state); ``activation_bytes``: the step's activation
     peak above it; ``step_bytes``: the optimizer step's temporaries. Eager, the allocated peak is the static
     state and the larger of the activations and the temporaries (the update runs after the last backward),
-    times the schedule's fragmentation. ``graphed`` (a whole-step CUDA graph, what the examples run on CUDA by
+    the part above the state times the schedule's fragmentation. ``graphed`` (a whole-step CUDA graph, what the examples run on CUDA by
     default: :func:`braid.core.capture.captured_by_default`): the graph's private pool keeps the activations'
     bytes between replays, and the optimizer step, run after the replay outside the graph, allocates its
-    temporaries beside it. Its two eager warm-up steps are not priced apart: the eager figure scales the static
-    state by the fragmentation measured on small steps, which for a large model's state is not measured."""
+    temporaries beside it. Its two eager warm-up steps are not priced apart."""
     if graphed:
         reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes + step_bytes, peak_bytes=activation_bytes,
                                 graphed=True)
     else:
-        reserve = reserve_bytes(terms, schedule, static_bytes=0.0,
-                                peak_bytes=static_bytes + max(activation_bytes, step_bytes), graphed=False)
+        reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes, peak_bytes=max(activation_bytes, step_bytes),
+                                graphed=False)
     return device_bytes(reserve, outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp,
                                                          placement=placement))
