@@ -46,7 +46,9 @@ def release_earlier_rows(dev: torch.device) -> None:
     garbage, cuBLAS's workspaces (one per stream a GEMM ran on, kept by torch for the process's life: every
     row's executor makes side streams of its own, and the memory in use beside a graph pool grew by a
     workspace a row, 1253 -> 1419 MiB over six rows, measurements_h100x2_graphed_memory_2.txt) and the
-    allocator's cached blocks."""
+    allocator's cached blocks. Called before a row builds its weights and again before its steps: weights
+    placed in an earlier row's cached segment keep that segment (and its free rest) reserved beside a graph's pool,
+    as a training job, which builds its weights once on an empty cache, never does."""
     gc.collect()
     torch.cuda.synchronize(dev)
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # what torch's cudagraph trees call before a capture
@@ -134,6 +136,8 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     if plan.num_stages != len(pc.layers_per_stage):
         raise ValueError(f"{plan.num_stages} virtual stages, but --chunks gives {len(pc.layers_per_stage)}")
     program = compile_plan(plan)[groups.coords.pp]
+    if dev.type == "cuda":  # before the row's weights: placed in an earlier row's cached segments, they would keep them
+        release_earlier_rows(dev)
     chunks = build_chunks(pc, groups, dev, plan=plan, model=model, experts=experts)  # as profiled: sequence sharding included
     routes = count_routes(chunks)  # an MoE model's rows per expert, summed on the device
     from braid.measure.config import DTYPES
@@ -241,6 +245,8 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
 
     pc = bc.profile
     dev = d.device
+    if dev.type == "cuda":  # as for braid's rows: the peer's weights in segments of their own
+        release_earlier_rows(dev)
     pipe = baseline_pipeline(run.name, model, pc.peer_layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
                              seq_len=pc.seq, mode=run.mode, comm=torch_groups(run, groups, dev, shared),
                              ep=pc.ep if pc.ep > 1 else None)
