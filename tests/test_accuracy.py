@@ -153,16 +153,17 @@ def test_device_memory_within_5_percent_median_10_worst(predicted, what: str) ->
     _within_5_median_10_worst(_device_errors(s, runs, what), f"{s['name']} {what}")
 
 
-# tp=1 x pp=2 sets (2 H100s, tree e3b428e) kept out of tests/data while the graphed set's reserved peak is not predicted
-# (issue 51; measurements_h100x2_tp1_pp2_memory_6.txt says why): device memory in use of both, and the eager set's reserved peak
-PP2_SETS = ("measurements_h100x2_tp1_pp2_graphed_memory_6.json", "measurements_h100x2_tp1_pp2_eager_memory_6.json")
+# tp=1 x pp=2 sets (2 H100s, tree 580ba51) kept out of tests/data while the eager set's reserved peak is not predicted
+# (issue 51; measurements_h100x2_tp1_pp2_memory_7.txt says why): device memory in use of both, and the graphed set's reserved peak
+PP2_SETS = ("measurements_h100x2_tp1_pp2_graphed_memory_7.json", "measurements_h100x2_tp1_pp2_eager_memory_7.json")
 
 
 @pytest.mark.parametrize("name", PP2_SETS)
 def test_device_in_use_of_the_stored_pp2_sets_within_5_percent_median_10_worst(name: str) -> None:
     """Per rank of the stored pp=2 sets; graphed, the pool priced from the simulated step's activations and the
-    gradients allocated by then (``captured_peak``), which misses less than every gradient beside the peak
-    (worst row -7.1% against +8.8%, braided_v m=4 rank 1); eager, the reserved peak too."""
+    gradients allocated by then (``captured_peak``), which misses less than every gradient beside the peak, and
+    the reserved peak too (the pool and the weights: since braid.bench builds each row's weights on an empty cache,
+    nothing else is reserved beside them)."""
     (s,) = json.loads((Path(__file__).parent.parent / "benchmarks" / "results" / name).read_text())["sets"]
     s, runs = _predict(s)
     errs = _device_errors(s, runs, "device_used_bytes")
@@ -171,7 +172,6 @@ def test_device_in_use_of_the_stored_pp2_sets_within_5_percent_median_10_worst(n
     if "graphed" in name:
         every_grad = _device_errors(s, runs, "device_used_bytes", trace=False)
         assert max(map(abs, errs.values())) < max(map(abs, every_grad.values())), (errs, every_grad)
-    else:
         _within_5_median_10_worst(_device_errors(s, runs, "reserved_peak_bytes"), f"{name} reserved_peak_bytes")
 
 
