@@ -159,3 +159,54 @@ def test_the_fusible_logits_gradient_equals_the_in_place_one_bitwise(dtype: torc
     got = ce_logits_grad_fused(logits, lmax, sum_exp, local, mask, grad_loss)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
     assert mask.any() and (~mask).any()  # both kinds of label are in the case
+
+
+def _w_into_main_grad(dtype: torch.dtype, device: str, group: bool):
+    """A column-parallel linear (or a group of two) whose weights have fp32 ``main_grad`` buffers, after one split
+    W task: (the buffers, the fp64 expected sums, the largest allocation the W task made)."""
+    from braid.tp.layers import ColumnParallelGroup
+
+    torch.manual_seed(0)
+    parts = [ColumnParallelLinear.from_full(nn.Linear(64, n, bias=False), 0, 1).to(device, dtype) for n in (48, 80)]
+    mod = ColumnParallelGroup(parts) if group else parts[0]
+    ws = [p.weight for p in parts] if group else [parts[0].weight]
+    for w in ws:
+        w.main_grad = torch.randn(w.shape, dtype=torch.float32, device=device)
+    start = [w.main_grad.double() for w in ws]
+    x = torch.randn(4, 16, 64, dtype=dtype, device=device, requires_grad=True)
+    gy = torch.randn(4, 16, sum(w.shape[0] for w in ws), dtype=dtype, device=device)
+    with split_weight_grads([mod], "k"):
+        mod(x).backward(gy)
+    g2, x2 = gy.reshape(-1, gy.shape[-1]).double(), x.detach().reshape(-1, 64).double()
+    split = g2.split([w.shape[0] for w in ws], dim=1)
+    want = [s + g.t() @ x2 for s, g in zip(start, split)]
+    # fp32 accumulation of n exact products (bf16 x bf16 is exact in fp32) onto the start: |error| <= (n+1) eps32 sum|terms|
+    bound = [(x2.shape[0] + 1) * torch.finfo(torch.float32).eps * (s.abs() + g.t().abs() @ x2.abs()) for s, g in zip(start, split)]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    mod.weight_backward("k")
+    made = torch.cuda.max_memory_allocated() - base if device == "cuda" else None
+    return [w.main_grad for w in ws], want, bound, made
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_a_w_task_adds_into_an_fp32_main_grad(group: bool) -> None:
+    """fp32 weights (CPU): the W task adds into ``main_grad`` within fp32 rounding of the exact sum."""
+    got, want, bound, _ = _w_into_main_grad(torch.float32, "cpu", group)
+    for g, w, b in zip(got, want, bound):
+        assert bool(((g.double() - w).abs() <= b).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.addmm's out_dtype)")
+@pytest.mark.parametrize("group", [False, True])
+def test_a_bf16_w_task_accumulates_in_fp32_without_a_temporary(group: bool) -> None:
+    """bf16 inputs into an fp32 ``main_grad`` on CUDA: the product is accumulated in fp32 in the GEMM (closer to the
+    exact sum than a bf16 product would be: one bf16 rounding of a 64-term dot product is 2^-8 relative) and no
+    weight-sized temporary is allocated."""
+    got, want, bound, made = _w_into_main_grad(torch.bfloat16, "cuda", group)
+    for g, w, b in zip(got, want, bound):
+        assert bool(((g.double() - w).abs() <= b).all())
+    assert made < min(g.numel() for g in got) * 2, made  # less than one bf16 weight-sized product

@@ -156,6 +156,25 @@ def accumulate_grad(p: nn.Parameter, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
+def gemm_accumulates(target: torch.Tensor, inp: torch.Tensor) -> bool:
+    """Whether a weight-gradient GEMM of ``inp``'s dtype can add itself into ``target`` (beta=1): same dtype,
+    or an fp32 ``target`` (a ``main_grad`` buffer) of bf16/fp16 inputs on CUDA (``torch.addmm(out_dtype=...)``;
+    elsewhere the product is made in the inputs' dtype and added by :func:`accumulate_grad`)."""
+    if target.dtype == inp.dtype:
+        return True
+    return (target.is_cuda and target.dtype == torch.float32 and inp.dtype in (torch.bfloat16, torch.float16)
+            and target.is_contiguous())
+
+
+def gemm_accumulate(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``target += a @ b`` in one GEMM (beta=1) where :func:`gemm_accumulates` says it can: an fp32 target of
+    bf16/fp16 inputs takes the product in fp32, never rounded to the inputs' dtype."""
+    if target.dtype == a.dtype:
+        target.addmm_(a, b)
+    else:
+        torch.addmm(target, a, b, out_dtype=target.dtype, out=target)
+
+
 def add_column_sums(out: torch.Tensor, g2: torch.Tensor) -> None:
     """``out += g2.sum(0)`` for ``g2`` (tokens, n): one GEMV that adds itself (beta=1), instead
     of a reduction and an add (a bias gradient of an output gradient ``g2``)."""
@@ -227,13 +246,16 @@ class _ParallelLinear(DeferredWeightGrad):
 
     def _accumulate_weight_grads(self, params: list[nn.Parameter | None], inp: torch.Tensor, grad_out: torch.Tensor) -> None:
         # Into an existing gradient the GEMM accumulates itself (beta=1): no temporary dW of the
-        # weight's size and no separate add over it (a W task of a 7B-sized MLP moves ~0.5 GB less).
-        # (An fp32 main_grad buffer takes the bf16 product through accumulate_grad instead.)
-        if self.weight.grad is None or getattr(self.weight, "main_grad", None) is not None:
+        # weight's size and no separate add over it (a W task of a 7B-sized MLP moves ~0.5 GB less);
+        # into an fp32 main_grad buffer too, where the GEMM can write fp32 from its inputs' dtype
+        # (:func:`gemm_accumulates`; megatron-core's gradient-accumulation fusion).
+        main = getattr(self.weight, "main_grad", None)
+        target = main if main is not None else self.weight.grad
+        if target is None or not gemm_accumulates(target, inp):
             super()._accumulate_weight_grads(params, inp, grad_out)
             return
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
-        self.weight.grad.addmm_(g2.t(), inp.reshape(-1, inp.shape[-1]))
+        gemm_accumulate(target, g2.t(), inp.reshape(-1, inp.shape[-1]))
         if self.bias is not None:
             accumulate_bias_grad(self.bias, g2)
 
@@ -366,6 +388,16 @@ class ColumnParallelGroup(DeferredWeightGrad):
         return None if dw is None or (bs and db is None) else (dw, db)
 
     def _accumulate_weight_grads(self, params: list[nn.Parameter | None], inp: torch.Tensor, grad_out: torch.Tensor) -> None:
+        ws, bs = self._lists()
+        mains = [getattr(p, "main_grad", None) for p in ws]
+        if all(m is not None and gemm_accumulates(m, inp) for m in mains):  # each part's GEMM into its fp32 buffer
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            x2 = inp.reshape(-1, inp.shape[-1])
+            for main, g in zip(mains, g2.split(self.sizes, dim=1)):
+                gemm_accumulate(main, g.t(), x2)
+            for p, g in zip(bs, g2.split(self.sizes, dim=1)):
+                accumulate_bias_grad(p, g)
+            return
         joined = self._joined_grads()
         if joined is None:  # per part (the first time: the parts' grads become views of one product)
             super()._accumulate_weight_grads(params, inp, grad_out)
