@@ -96,7 +96,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from braid.measure.memory_terms import (Probe, Term, nvml_bus, nvml_used, child_context, document,  # noqa: E402
+from braid.measure.memory_terms import (Probe, Term, above_held, nvml_bus, nvml_used, child_context, document,  # noqa: E402
                                         env_vars, inductor_terms, measure_delta, nvml_handle, run_peaks, table)
 
 PROG = "bench_memory_terms.py"
@@ -162,13 +162,6 @@ def profile_config(args: argparse.Namespace, world: int):
 
 
 # ----------------------------------------------------------------------------------------
-def above_held(peaks: dict, held: float) -> float | None:
-    """The reserved over the allocated peak above the state ``held`` across steps (what
-    ``braid.cost.device_memory.DeviceTerms.fragmentation`` scales); None if nothing was allocated above it."""
-    over = peaks["allocated_peak"] - held
-    return (peaks["reserved_peak"] - held) / over if over > 0 else None
-
-
 # The measurements on one rank (CUDA)
 # ----------------------------------------------------------------------------------------
 def cuda_probes(dev: torch.device) -> dict[str, Probe]:
@@ -363,7 +356,7 @@ def step_case(args, pc, d, groups, model, name: str, *, compiled: bool, graphed:
              Term(f"{label}.used_peak", peaks["used_peak"], "largest mem_get_info used read after each step (device-wide)",
                   detail={"used_peak_bound": peaks["used_peak_bound"]}),
              Term(f"{label}.fragmentation", peaks["fragmentation"], "reserved peak / allocated peak", unit="ratio"),
-             Term(f"{label}.fragmentation_above_held", above_held(peaks, end["allocated"]),
+             Term(f"{label}.fragmentation_above_held", above_held(peaks["reserved_peak"], peaks["allocated_peak"], end["allocated"]),
                   "(reserved peak - held) / (allocated peak - held); held: allocated after the steps", unit="ratio"),
              Term(f"{label}.nonallocator", (end["used"] - end["reserved"]) - (base["used"] - base["reserved"]),
                   "used - reserved at the end less at the case's start (outside the allocator)")]

@@ -95,6 +95,14 @@ def test_run_peaks_leaves_fragmentation_undefined_when_nothing_was_allocated() -
     assert got["fragmentation"] is None and got["used_peak"] == 1000 * MIB
 
 
+def test_fragmentation_above_the_held_state() -> None:
+    """(reserved - held) / (allocated - held): 3 MiB held, 5 allocated above it, 6 reserved above it; none above: None."""
+    from braid.measure.memory_terms import above_held
+
+    assert above_held(9 * MIB, 8 * MIB, 3 * MIB) == 6 / 5
+    assert above_held(9 * MIB, 3 * MIB, 3 * MIB) is None
+
+
 def test_child_context_reads_used_before_the_child_and_while_it_holds_on(tmp_path) -> None:
     flag = tmp_path / "started"
     child = ("import sys, pathlib\n"

@@ -192,8 +192,15 @@ def _w_into_main_grad(dtype: torch.dtype, device: str, group: bool):
 
 
 @pytest.mark.parametrize("group", [False, True])
-def test_a_w_task_adds_into_an_fp32_main_grad(group: bool) -> None:
-    """fp32 weights (CPU): the W task adds into ``main_grad`` within fp32 rounding of the exact sum."""
+def test_a_w_task_adds_into_an_fp32_main_grad_in_its_gemm(group: bool, monkeypatch) -> None:
+    """fp32 weights (CPU): the W task's GEMM adds into ``main_grad`` (no product made apart and added: that path,
+    accumulate_grad, is made to fail here), within fp32 rounding of the exact sum."""
+    from braid.tp import layers
+
+    def made_apart(p, g):
+        raise AssertionError(f"a weight gradient {tuple(g.shape)} was made apart and added")
+
+    monkeypatch.setattr(layers, "accumulate_grad", made_apart)
     got, want, bound, _ = _w_into_main_grad(torch.float32, "cpu", group)
     for g, w, b in zip(got, want, bound):
         assert bool(((g.double() - w).abs() <= b).all())

@@ -204,3 +204,16 @@ def test_recipe_learning_rate_and_warmup_follow_the_model_size() -> None:
     assert recipe_lr(6.7e9) > recipe_lr(8.3e9) > recipe_lr(13e9)  # Qwen2-VL-7B's 8.3B parameters fall between
     assert recipe_lr(1e12) == RECIPE_LR[-1][1]
     assert recipe_warmup(7e9) == RECIPE_WARMUP and recipe_warmup(1e8) == 0
+
+
+def test_a_rank_holding_padding_only_resumes_at_the_saved_step(monkeypatch) -> None:
+    """Three elements over four sharding ranks: rank 3's shard is padding only (an empty piece in the optimizer).
+    Loading a state restores the step count there too, so the state it saves next carries it."""
+    from braid.training import optimizer as mod
+
+    monkeypatch.setattr(mod.dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(mod.dist, "get_rank", lambda group=None: 3)
+    opt = mod.ShardedAdamW([("w", torch.nn.Parameter(torch.ones(3)))], group=object())
+    assert not opt.pieces and len(opt.state) == 1
+    opt.load_state_dict({"step": torch.tensor(5.0), "params": {"w": {k: torch.ones(3) for k in ("master", "exp_avg", "exp_avg_sq")}}})
+    assert opt._step_count_value() == 5.0

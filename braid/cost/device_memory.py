@@ -16,7 +16,7 @@ simulator predicts. A rank holds, besides its live tensors:
 * **the allocator's reserve** (:func:`reserve_bytes`): eager, the state held across steps plus the
   step's allocated peak above it times the schedule's fragmentation (the reserved over the allocated
   peak, both above the held state: the state is allocated once, in large blocks, and does not
-  fragment -- at dp=2 with 27 GiB of it the whole peak reserved only 1.03x); a whole-step CUDA graph, the static
+  fragment; ``docs/costs.md`` has the measurement); a whole-step CUDA graph, the static
   state plus its private pool, the capture's allocated peak times the schedule's pool ratio
   (``torch.cuda.graph`` empties the cache before the capture and :class:`braid.runtime.graphs.GraphedStep`
   after it, so the eager warm-up's blocks go, those still held when the capture began included).
@@ -54,8 +54,9 @@ class DeviceTerms:
     tp=2 x pp=1 the layout's groups are the capped TP group and four of one rank); ``p2p_pair``:
     ``nccl.p2p_pair``; ``blas``: ``blas.default_stream.mm`` less what it took from the allocator;
     ``step_modules``: ``step.<first schedule>.eager.uncompiled.nonallocator``; ``fragmentation`` and
-    ``pool_ratio`` per schedule: ``step.<s>.eager.fragmentation_above_held`` (``reserved_peak`` and
-    ``allocated_peak`` less the held state, the allocated bytes after the steps) and ``step.<s>.graphed.graph_pool``
+    ``pool_ratio`` per schedule: :func:`braid.measure.memory_terms.above_held` of ``step.<s>.eager``'s
+    ``reserved_peak``, ``allocated_peak`` and held state (its allocated bytes after the steps; the stored file
+    predates its own ``fragmentation_above_held`` term) and ``step.<s>.graphed.graph_pool``
     over ``step.<s>.graphed.capture_peak``; a schedule not measured takes the largest.
     """
 

@@ -13,9 +13,8 @@ which piece of the flat gradient buffer. What the step allocates, as the code do
   others hold copies);
 * the update allocates nothing: every mode runs torch's fused AdamW kernel
   (``fused=True``: :class:`~braid.training.optimizer.ShardedAdamW` on the fp32 masters, ``plain``
-  on the parameters), which reads and writes the moments in place. The per-tensor update had held
-  ``denom = (exp_avg_sq.sqrt() / c).add_(eps)``, two fp32 temporaries of the piece: on 2 H100s at dp=2
-  its segments for a 545M-element embedding's piece stayed reserved, 7.7 GiB idle on zero1's rank 1;
+  on the parameters), which reads and writes the moments in place (``docs/training.md`` tells what
+  the per-tensor update it replaced had held);
 * ``zero1`` at more than one rank also keeps the reduce-scatter's output, an fp32 shard of
   the gradients (``4 / n`` bytes per parameter), besides the full fp32 accumulation buffer.
 
@@ -100,7 +99,7 @@ def step_transient_bytes(mode: str, params: Sequence[Param], ways: int, rank: in
 def worst_step_transient_bytes(mode: str, params: Sequence[Param], ways: int) -> float:
     """:func:`step_transient_bytes` of the worst rank of the sharding group (one pass over the shards)."""
     if not (mode == "zero1" and ways > 1):
-        return step_transient_bytes(mode, params, ways, 0)  # rank 0 counts the norm, the update is the same
+        return step_transient_bytes(mode, params, ways, 0)  # rank 0 counts the norm
     n = sum(p.numel for p in params)
     size = -(-n // ways)
     worst, shard, filled = 0.0, [], 0  # the shard being filled: its pieces and their elements

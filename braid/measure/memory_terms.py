@@ -70,6 +70,13 @@ def run_peaks(step: Callable[[], Any], steps: int, probes: Mapping[str, Probe], 
             "fragmentation": pr / pa if pa else None, "used_after_each_step": used}
 
 
+def above_held(reserved_peak: float, allocated_peak: float, held: float) -> float | None:
+    """The fragmentation above the state ``held`` across steps: ``(reserved peak - held) / (allocated peak - held)``,
+    what :attr:`braid.cost.device_memory.DeviceTerms.fragmentation` scales; None if nothing was allocated above it."""
+    over = allocated_peak - held
+    return (reserved_peak - held) / over if over > 0 else None
+
+
 def child_context(used: Probe, argv: Sequence[str], env: Mapping[str, str], timeout_s: float = 300.0) -> tuple[int, int]:
     """Start ``argv`` (a child that prints its allocator reserve once it holds its context, then waits
     for a line), read ``used`` before it starts and while it waits: (used delta, the child's reserve)."""

@@ -136,7 +136,7 @@ def _run_schedule(d, bc: BenchConfig, groups, model, name: str, m: int, plan=Non
     if plan.num_stages != len(pc.layers_per_stage):
         raise ValueError(f"{plan.num_stages} virtual stages, but --chunks gives {len(pc.layers_per_stage)}")
     program = compile_plan(plan)[groups.coords.pp]
-    if dev.type == "cuda":  # before the row's weights: placed in an earlier row's cached segments, they would keep them
+    if dev.type == "cuda":  # before the row builds its weights (release_earlier_rows says why)
         release_earlier_rows(dev)
     chunks = build_chunks(pc, groups, dev, plan=plan, model=model, experts=experts)  # as profiled: sequence sharding included
     routes = count_routes(chunks)  # an MoE model's rows per expert, summed on the device
@@ -245,7 +245,7 @@ def _run_external(d, bc: BenchConfig, groups, model, run: PeerRun, m: int, share
 
     pc = bc.profile
     dev = d.device
-    if dev.type == "cuda":  # as for braid's rows: the peer's weights in segments of their own
+    if dev.type == "cuda":  # as for braid's rows
         release_earlier_rows(dev)
     pipe = baseline_pipeline(run.name, model, pc.peer_layers_per_stage, m, groups=groups, device=dev, dtype=DTYPES[pc.dtype],
                              seq_len=pc.seq, mode=run.mode, comm=torch_groups(run, groups, dev, shared),

@@ -15,9 +15,8 @@ as with ``nn.Linear``.
 
 from __future__ import annotations
 
-from abc import abstractmethod
-
 import contextlib
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
@@ -156,19 +155,41 @@ def accumulate_grad(p: nn.Parameter, g: torch.Tensor) -> None:
         p.grad.add_(g)
 
 
-def gemm_accumulates(target: torch.Tensor, inp: torch.Tensor) -> bool:
-    """Whether a weight-gradient GEMM of ``inp``'s dtype can add itself into ``target`` (beta=1): same dtype,
-    or an fp32 ``target`` (a ``main_grad`` buffer) of bf16/fp16 inputs on CUDA (``torch.addmm(out_dtype=...)``;
-    elsewhere the product is made in the inputs' dtype and added by :func:`accumulate_grad`)."""
-    if target.dtype == inp.dtype:
+def gemm_accumulates(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``target += a @ b`` runs as one GEMM (beta=1): inputs of one dtype, and ``target`` of it or an fp32
+    ``target`` (a ``main_grad`` buffer) of bf16/fp16 inputs on CUDA where torch's ``addmm`` takes ``out_dtype``
+    (:func:`_fp32_out_gemm`); elsewhere the product is made in the inputs' dtype and added by :func:`accumulate_grad`."""
+    if a.dtype != b.dtype:
+        return False
+    if target.dtype == a.dtype:
         return True
-    return (target.is_cuda and target.dtype == torch.float32 and inp.dtype in (torch.bfloat16, torch.float16)
-            and target.is_contiguous())
+    return (target.is_cuda and target.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
+            and target.is_contiguous() and _fp32_out_gemm())
+
+
+def _fp32_out_gemm() -> bool:
+    """Whether this torch's CUDA ``addmm`` writes an fp32 result of bf16 inputs into an fp32 ``self`` (``out_dtype``:
+    torch >= 2.8), tried once on a 1x1 product. Not first asked inside a CUDA graph's capture (the eager warm-up
+    steps run every W task before it, :data:`braid.runtime.graphs.WARMUP_STEPS`); asked there, it says no, unprobed."""
+    if not _FP32_OUT_GEMM:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        c = torch.zeros(1, 1, device="cuda")
+        x = torch.ones(1, 1, dtype=torch.bfloat16, device="cuda")
+        try:
+            torch.addmm(c, x, x, out_dtype=torch.float32, out=c)
+            _FP32_OUT_GEMM.append(float(c) == 1.0)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _FP32_OUT_GEMM.append(False)
+    return _FP32_OUT_GEMM[0]
+
+
+_FP32_OUT_GEMM: list[bool] = []  # _fp32_out_gemm's answer, once probed
 
 
 def gemm_accumulate(target: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``target += a @ b`` in one GEMM (beta=1) where :func:`gemm_accumulates` says it can: an fp32 target of
-    bf16/fp16 inputs takes the product in fp32, never rounded to the inputs' dtype."""
+    """``target += a @ b`` in one GEMM where :func:`gemm_accumulates` says it can: an fp32 target of bf16/fp16
+    inputs takes the product in fp32, never rounded to the inputs' dtype."""
     if target.dtype == a.dtype:
         target.addmm_(a, b)
     else:
@@ -251,7 +272,7 @@ class _ParallelLinear(DeferredWeightGrad):
         # (:func:`gemm_accumulates`; megatron-core's gradient-accumulation fusion).
         main = getattr(self.weight, "main_grad", None)
         target = main if main is not None else self.weight.grad
-        if target is None or not gemm_accumulates(target, inp):
+        if target is None or not gemm_accumulates(target, grad_out, inp):
             super()._accumulate_weight_grads(params, inp, grad_out)
             return
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
@@ -390,7 +411,7 @@ class ColumnParallelGroup(DeferredWeightGrad):
     def _accumulate_weight_grads(self, params: list[nn.Parameter | None], inp: torch.Tensor, grad_out: torch.Tensor) -> None:
         ws, bs = self._lists()
         mains = [getattr(p, "main_grad", None) for p in ws]
-        if all(m is not None and gemm_accumulates(m, inp) for m in mains):  # each part's GEMM into its fp32 buffer
+        if all(m is not None and gemm_accumulates(m, grad_out, inp) for m in mains):  # each part's GEMM into its fp32 buffer
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             x2 = inp.reshape(-1, inp.shape[-1])
             for main, g in zip(mains, g2.split(self.sizes, dim=1)):

@@ -271,6 +271,7 @@ class ShardedAdamW(torch.optim.AdamW):
             st = self.state[v]
             for key, dst in (("master", v), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
                 dst.copy_(entry[key].reshape(-1)[pc.lo:pc.hi])
+        for v, st in self.state.items():  # a rank whose shard holds padding only steps its empty piece too
             st["step"] = _step_tensor(step, v)
         if "lr" in state:
             for g in self.param_groups:
