@@ -58,8 +58,7 @@ def _sizes() -> list[Param]:
 
 def _tensors(params: list[Param], dtype: torch.dtype) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(*((p.numel // 8, 8) if p.decays else (p.numel,)), generator=g).to(dtype))
-            for p in params]
+    return [torch.nn.Parameter(torch.randn(p.numel, generator=g).to(dtype)) for p in params]
 
 
 @pytest.mark.parametrize("layout", [(2, 2), (1.5, 2.5)], ids=["whole", "half-cut"])
@@ -70,7 +69,6 @@ def test_param_sizes_follow_the_chunks_parameters(layout) -> None:
     from braid.models.build import build_rank_chunks, meta_model
     from braid.models.registry import get_family
     from braid.models.shapes import decoder_config
-    from braid.training.grads import decays
 
     preset = get_model("qwen2-tiny")
     cfg = decoder_config(preset, layers=4)
@@ -78,7 +76,7 @@ def test_param_sizes_follow_the_chunks_parameters(layout) -> None:
     plan = schedules.build("1f1b", 2, 2)
     for stage in range(2):
         chunks = build_rank_chunks(model, plan, stage, layout, tp_rank=0, tp_size=1, tp_group=None)
-        real = [Param(p.numel(), decays(p)) for ch in chunks.values() for p in ch.parameters()]
+        real = [Param(p.numel()) for ch in chunks.values() for p in ch.parameters()]
         spec = chunk_specs(layout, 2, plan.placement)[(stage, 0)]
         assert real == param_sizes(preset.hidden, preset.kv_heads * preset.head_dim, preset.ffn, preset.vocab, spec.layers,
                                    embed=stage == 0, head=stage == 1, half_in=spec.half_in, half_out=spec.half_out)
@@ -145,7 +143,7 @@ def test_the_norm_squares_a_large_gradient_in_chunks_of_bounded_temporaries(monk
     with _PeakBytes() as norm:
         got = mod.square_sum(g)
     assert got.dtype == torch.float64 and abs(float(got) - exact) <= 1e-12 * exact
-    assert norm.peak <= norm_bytes("plain", [Param(n, True)], 1, 0) + 16 == 8 * 256 + 16  # + the sum and a chunk's
+    assert norm.peak <= norm_bytes("plain", [Param(n)], 1, 0) + 16 == 8 * 256 + 16  # + the sum and a chunk's
     gd = g.double()
     kept = gd.clone()
     assert float(mod.square_sum(gd)) == pytest.approx(exact, rel=1e-12) and torch.equal(gd, kept)  # squared in a copy

@@ -268,9 +268,9 @@ def rank_param_list(model: ModelConfig, costs: CostModel, rank: int, ep: int = 1
         spec = costs.chunks[(rank, c)].spec
         if model.vit is not None and spec.embed:
             v = model.vit
-            vit = [Param(v.hidden * v.hidden // t, True)] * 4 + [Param(v.hidden * v.ffn // t, True)] * 2
-            out += vit * spec.layers + [Param(v.patch_pixels * v.hidden, True), Param(16 * v.hidden * v.hidden // t, True),
-                                        Param(4 * v.hidden * model.hidden // t, True)]
+            vit = [Param(v.hidden * v.hidden // t)] * 4 + [Param(v.hidden * v.ffn // t)] * 2
+            out += vit * spec.layers + [Param(v.patch_pixels * v.hidden), Param(16 * v.hidden * v.hidden // t),
+                                        Param(4 * v.hidden * model.hidden // t)]
             out += param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, 0, True, False, t)
         else:
             out += param_sizes(model.hidden, model.kv_heads * model.head_dim, model.ffn, model.vocab, spec.layers,

@@ -34,11 +34,10 @@ NORM_CHUNK = 1 << 24  # elements of a gradient the norm squares at once (a 128 M
 
 @dataclass(frozen=True, slots=True)
 class Param:
-    """A parameter's elements on one TP rank and whether weight decay applies (matrices; not norms or biases);
-    ``expert``: an MoE layer's expert stack (under expert parallelism it has an optimizer of its own)."""
+    """A parameter's elements on one TP rank; ``expert``: an MoE layer's expert stack (under expert parallelism
+    it has an optimizer of its own)."""
 
     numel: int
-    decays: bool
     expert: bool = False
 
 
@@ -51,17 +50,17 @@ def param_sizes(hidden: int, kv: int, ffn: int, vocab: int, layers: int, embed: 
     mixture of experts in every layer: the MLP half is then the norm, the router (whole on every TP
     rank) and the two expert stacks (:class:`braid.models.qwen3_moe.Qwen3MoeLayer`)."""
     h = hidden
-    layer = [Param(h, False), Param(h * h // tp, True), Param(h // tp, False), Param(kv * h // tp, True),
-             Param(kv // tp, False), Param(kv * h // tp, True), Param(kv // tp, False), Param(h * h // tp, True),
-             Param(h, False), Param(ffn * h // tp, True), Param(ffn * h // tp, True), Param(h * ffn // tp, True)]
+    layer = [Param(h), Param(h * h // tp), Param(h // tp), Param(kv * h // tp),
+             Param(kv // tp), Param(kv * h // tp), Param(kv // tp), Param(h * h // tp),
+             Param(h), Param(ffn * h // tp), Param(ffn * h // tp), Param(h * ffn // tp)]
     if moe is not None:
         experts, local, f = moe
-        layer = layer[:9] + [Param(experts * h, True), Param(local * 2 * f * h, True, True), Param(local * f * h, True, True)]
+        layer = layer[:9] + [Param(experts * h), Param(local * 2 * f * h, expert=True), Param(local * f * h, expert=True)]
     out = layer[8:] * half_in + layer * layers + layer[:8] * half_out  # the attention half: norm, q, k, v, o
     if embed:
-        out.append(Param(vocab * h // tp, True))
+        out.append(Param(vocab * h // tp))
     if head:
-        out += [Param(h, False), Param(vocab * h // tp, True)]
+        out += [Param(h), Param(vocab * h // tp)]
     return out
 
 
@@ -73,7 +72,7 @@ def shard_pieces(params: Sequence[Param], ways: int, rank: int) -> list[Param]:
     for p in params:
         a, b = max(start, lo), min(start + p.numel, hi)
         if a < b:
-            out.append(Param(b - a, p.decays))
+            out.append(Param(b - a))
         start += p.numel
     return out
 
@@ -107,11 +106,11 @@ def worst_step_transient_bytes(mode: str, params: Sequence[Param], ways: int) ->
         left = p.numel
         while left:
             if filled == 0 and left >= size:  # whole shards inside one parameter are alike: one stands for them
-                worst = max(worst, step_transient_bytes(mode, [Param(size, p.decays)], 1, 0))
+                worst = max(worst, step_transient_bytes(mode, [Param(size)], 1, 0))
                 left %= size
                 continue
             take = min(left, size - filled)
-            shard.append(Param(take, p.decays))
+            shard.append(Param(take))
             filled += take
             left -= take
             if filled == size:
