@@ -99,8 +99,8 @@ def _parser(schedule_names: Sequence[str]) -> argparse.ArgumentParser:
                     help="layers fewer on the last virtual stage (default: the paper's split, 2 where the layers allow); "
                          "a half (0.5, 2.5) cuts a layer between attention and MLP")
     ap.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
-                    help="activation recomputation of the LM layers: 'selective' re-runs the attention core and the "
-                         "SwiGLU product in the backward, 'full' the whole layer before its backward, keeping only its "
+                    help="activation recomputation of the LM layers: 'selective' re-runs the attention core in the "
+                         "backward, 'full' the whole layer before its backward, keeping only its "
                          "input (more backward time, fewer saved bytes; analytic costs)")
     add_seq_shard_arg(ap)
     ap.add_argument("--dp", type=int, default=1,

@@ -158,8 +158,8 @@ def build_parser(task: Task) -> argparse.ArgumentParser:
                           "(plain where a torch_* baseline is among --schedule: the baselines' only mode). fp32 "
                           "gradient accumulation with zero1/master; the model computes in its dtype (bf16 on GPU)")
     opt.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
-                     help="activation recomputation: 'selective' re-runs the attention core and the SwiGLU product in "
-                          "the backward instead of keeping their activations; 'full' keeps only each layer's input and "
+                     help="activation recomputation: 'selective' re-runs the attention core in "
+                          "the backward instead of keeping its activations; 'full' keeps only each layer's input and "
                           "re-runs the whole layer (its TP all-reduces included) before its backward (default: %(default)s)")
     dat = p.add_argument_group("data (default: synthetic)")
     dat.add_argument("--data", metavar="FILE_OR_DIR", help="local .jsonl/.parquet text files, packed to --seq tokens "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -217,3 +219,43 @@ def test_a_bf16_w_task_accumulates_in_fp32_without_a_temporary(group: bool) -> N
     for g, w, b in zip(got, want, bound):
         assert bool(((g.double() - w).abs() <= b).all())
     assert made < min(g.numel() for g in got) * 2, made  # less than one bf16 weight-sized product
+
+
+@pytest.mark.parametrize("joined", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_swiglu_down_keeps_gate_and_up_and_computes_the_unfused_mlp(joined: bool, split: bool) -> None:
+    """``braid.tp.swiglu_down``: loss, the gradients of gate and up and the down-projection's weight gradient
+    equal the unfused ``down(silu(gate) * up)`` bitwise (eager: autograd's own formulas), with the weight
+    gradient computed at once or stashed for a W task; its backward keeps gate and up, not their product."""
+    from braid.models.qwen2 import EAGER
+    from braid.tp.swiglu_down import swiglu_down
+
+    torch.manual_seed(0)
+    b, s, f, h = 2, 5, 6, 4
+    down = RowParallelLinear(torch.randn(h, f, dtype=torch.float64), None)
+    ref = nn.Linear(f, h, bias=False, dtype=torch.float64)
+    ref.weight.data.copy_(down.weight.data)
+    gate_up = torch.randn(b, s, 2 * f, dtype=torch.float64)
+    target = torch.randn(b, s, h, dtype=torch.float64)
+
+    def inputs():
+        x = gate_up.clone().requires_grad_()
+        return x, ((x,) if joined else tuple(x.unflatten(-1, (2, -1)).unbind(-2)))
+
+    x0, acts0 = inputs()
+    y0 = ref(EAGER.swiglu_joined(*acts0) if joined else EAGER.swiglu(*acts0))
+    ((y0 - target) ** 2).sum().backward()
+    x1, acts1 = inputs()
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fwd, bwd = (EAGER.swiglu_joined, EAGER.swiglu_joined_grad) if joined else (EAGER.swiglu, EAGER.swiglu_grad)
+        y1 = swiglu_down(down, fwd, bwd, *acts1)
+    assert sum(t.numel() for t in saved) == b * s * 2 * f  # gate and up; no product
+    assert torch.equal(y1, y0)
+    with split_weight_grads([down], "mb") if split else nullcontext():
+        ((y1 - target) ** 2).sum().backward()
+    assert torch.equal(x1.grad, x0.grad)
+    if split:
+        assert down.weight.grad is None and down.has_stash("mb")
+        down.weight_backward("mb")
+    assert torch.equal(down.weight.grad, ref.weight.grad)

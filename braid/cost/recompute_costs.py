@@ -36,26 +36,29 @@ def full_recompute(units: Mapping[Unit, Any], layer_input_bytes: float) -> dict[
 def selective_recompute(units: Mapping[Unit, Any], tokens: int, seq: int, h: int, heads: int, ffn: int, t: int, d: int,
                         hw: Any, activations: str = "runtime") -> dict[Unit, Any]:
     """LM layer units under selective recomputation (:mod:`braid.models.recompute`): the attention
-    core and the SwiGLU product run their forward again inside the backward, and keep only their inputs.
+    core runs its forward again inside the backward, and keeps only its inputs.
 
     Attn: ``b`` grows by the core's forward time; its saved bytes lose the flash-attention
     log-sum-exp (fp32 per head and token) -- q, k, v and the output are kept either way (the
-    output is the out-projection's input). MLP (an MoE layer's Experts): ``b`` grows by the elementwise
-    ``silu(gate) * up`` (a few FLOPs per element, at matmul speed here: a small term); its
-    saved bytes lose ``silu(gate)``.
+    output is the out-projection's input). The MLP keeps what it keeps without recomputation:
+    braid's runtime never keeps the SwiGLU product (:mod:`braid.tp.swiglu_down`), and an MoE
+    layer's experts recompute nothing.
 
     With ``activations="korthikanti"`` the saved bytes follow that formula's terms instead:
     it already assumes flash attention (no softmax term), so Attn keeps its bytes, and the
-    MLP loses a quarter of its ffn-wide term (one of SwiGLU's four ffn-wide tensors).
+    MLP (an MoE layer's Experts) loses a quarter of its ffn-wide term (one of SwiGLU's four
+    ffn-wide tensors), its ``b`` growing by the element-wise ``silu(gate) * up`` (a few FLOPs
+    per element, at matmul speed here: a small term).
     """
     f_core = 4 * tokens * seq * (h // heads) * heads / t * 0.5  # causal
     swiglu = Unit.EXPERTS if Unit.EXPERTS in units else Unit.MLP  # the unit that runs the SwiGLU product
     attn, mlp = units[Unit.ATTN], units[swiglu]
     if activations == "runtime":
-        attn_saved, mlp_saved = tokens * 4 * heads / t, tokens * ffn / t * d
+        attn_saved, mlp_saved = tokens * 4 * heads / t, 0.0
     else:
         attn_saved, mlp_saved = 0.0, tokens * h * d / 2 * 16 / t / 4
     out = dict(units)
     out[Unit.ATTN] = replace(attn, b=attn.b + f_core / hw.attn_flops, act=max(0.0, attn.act - attn_saved))
-    out[swiglu] = replace(mlp, b=mlp.b + 5 * tokens * ffn / t / hw.matmul_flops, act=max(0.0, mlp.act - mlp_saved))
+    if mlp_saved:
+        out[swiglu] = replace(mlp, b=mlp.b + 5 * tokens * ffn / t / hw.matmul_flops, act=max(0.0, mlp.act - mlp_saved))
     return out

@@ -13,7 +13,8 @@ def runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: i
     rsqrt and the normalised input cast back (4h + d*h + 4 per token); the linears after
     it keep their (shared) input; RoPE keeps one cos/sin pair for q and k (per position); flash
     attention keeps q, k, v, its output (= o_proj's input) and the fp32 LSE; the SwiGLU
-    MLP keeps gate, up, silu(gate) and their product (down_proj's input). Korthikanti's
+    MLP keeps gate and up (the down-projection remakes their product in the backward,
+    :mod:`braid.tp.swiglu_down`). Korthikanti's
     coefficients assume a 4h GELU MLP and no fp32 norm copies: for a Qwen2-7B layer in
     bf16 they count about half of these bytes.
     """
@@ -24,7 +25,7 @@ def runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: i
         Unit.PRE_ATTN: norm + tokens * d * h + 2 * seq * hd * d,
         Unit.ATTN: tokens * (d * (2 * heads // t * hd + 2 * kvh) + 4 * heads // t),
         Unit.PRE_MLP: norm + tokens * d * h,
-        Unit.MLP: tokens * 4 * (ffn // t) * d,
+        Unit.MLP: tokens * 2 * (ffn // t) * d,
     }
 
 

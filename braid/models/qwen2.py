@@ -31,6 +31,7 @@ from braid.models.registry import Family, register
 from braid.models.seam import UnitMethods, fused_residual
 from braid.tp.embedding import vocab_parallel_cross_entropy
 from braid.models.recompute import recomputed
+from braid.tp.swiglu_down import swiglu_down
 from braid.tp.layers import ColumnParallelGroup, ColumnParallelLinear, RowParallelLinear, group_pays
 
 if TYPE_CHECKING:
@@ -175,6 +176,21 @@ def swiglu_joined(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(pair[..., 0, :]) * pair[..., 1, :]
 
 
+def swiglu_grad(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`swiglu`'s gate and up for the product's gradient ``grad``, and the
+    product itself, made again (:mod:`braid.tp.swiglu_down`): autograd's formulas for ``silu`` and
+    ``*``, so eager values equal autograd's through :func:`swiglu`."""
+    silu = F.silu(gate)
+    return torch.ops.aten.silu_backward(grad * up, gate), grad * silu, silu * up
+
+
+def swiglu_joined_grad(gate_up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`swiglu_grad` of a joined gate/up projection: its gradient (b, s, 2 ffn/t) and the product."""
+    pair = gate_up.unflatten(-1, (2, -1))
+    d_gate, d_up, product = swiglu_grad(pair[..., 0, :], pair[..., 1, :], grad)
+    return torch.stack((d_gate, d_up), dim=-2).flatten(-2), product
+
+
 def add_residual(out: torch.Tensor, residual: torch.Tensor, tp: int) -> torch.Tensor:
     """The fused residual of a unit that ends with the TP all-reduce: ``out + residual / tp``
     (the chunk runner passes the residual detached when it cuts the graph between units and
@@ -195,11 +211,14 @@ class UnitFns(NamedTuple):
     split_rope_qkv: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # of a joined Q/K/V projection
     swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     swiglu_joined: Callable[[torch.Tensor], torch.Tensor]  # of a joined gate/up projection
+    swiglu_grad: Callable[..., tuple[torch.Tensor, ...]]  # gate's and up's gradients and the product
+    swiglu_joined_grad: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     add_residual: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
     cross_entropy: Callable[..., torch.Tensor]  # per-token loss of the head: (logits, labels, vocab_start, tp_group)
 
 
-EAGER = UnitFns(rms_norm, rope_qk, split_rope_qkv, swiglu, swiglu_joined, add_residual, vocab_parallel_cross_entropy)
+EAGER = UnitFns(rms_norm, rope_qk, split_rope_qkv, swiglu, swiglu_joined, swiglu_grad, swiglu_joined_grad, add_residual,
+                vocab_parallel_cross_entropy)
 
 
 class RMSNorm(nn.Module):
@@ -219,8 +238,9 @@ class Qwen2Layer(UnitMethods, nn.Module):
 
     ``qkv_bias``: Qwen2 has biases on the Q/K/V projections (a family without them, as
     Llama, sets it False in a subclass). ``recompute``: ``"selective"`` recomputes the
-    attention core and the SwiGLU product in the backward instead of keeping their
-    activations (:mod:`braid.models.recompute`).
+    attention core in the backward instead of keeping its activations
+    (:mod:`braid.models.recompute`); the SwiGLU product a TP shard remakes in the backward
+    under every mode (:mod:`braid.tp.swiglu_down`).
 
     ``qkv_group`` / ``gate_up_group``: a TP shard (:func:`parallelize_layer`) of small layers
     runs Q/K/V and gate/up as one GEMM each (:class:`braid.tp.layers.ColumnParallelGroup`),
@@ -320,9 +340,13 @@ class Qwen2Layer(UnitMethods, nn.Module):
         return self.gate_proj(h), self.up_proj(h)
 
     def mlp_core(self, *acts: torch.Tensor) -> torch.Tensor:
-        """SwiGLU and the down-projection of :meth:`gate_up`'s activations."""
-        swiglu_fn = self.fns.swiglu_joined if len(acts) == 1 else self.fns.swiglu
-        return self.down_proj(recomputed(swiglu_fn, *acts) if self.recompute == "selective" else swiglu_fn(*acts))
+        """SwiGLU and the down-projection of :meth:`gate_up`'s activations. A TP shard's down-projection
+        keeps gate and up for its backward, not their product (:mod:`braid.tp.swiglu_down`)."""
+        joined = len(acts) == 1
+        swiglu_fn = self.fns.swiglu_joined if joined else self.fns.swiglu
+        if isinstance(self.down_proj, RowParallelLinear):
+            return swiglu_down(self.down_proj, swiglu_fn, self.fns.swiglu_joined_grad if joined else self.fns.swiglu_grad, *acts)
+        return self.down_proj(swiglu_fn(*acts))
 
     def mlp(self, *inputs: torch.Tensor) -> torch.Tensor:
         """MLP unit: SwiGLU, down-projection and the fused residual (partial over TP); ``inputs``:

@@ -1,10 +1,11 @@
 """Selective activation recomputation (Megatron's ``--recompute-granularity selective``).
 
-Two pieces of a decoder layer hold much activation memory for little compute: the
-attention core (softmax(QK^T)V -- on the math path the (s x s) probabilities, with flash
-attention its log-sum-exp and output) and the SwiGLU product ``silu(gate) * up`` (silu's
-output beside its inputs). Under recomputation each runs forward *without* autograd,
-saves only its inputs, and runs again with autograd inside its own backward.
+The attention core (softmax(QK^T)V -- on the math path the (s x s) probabilities, with
+flash attention its log-sum-exp and output) holds much activation memory for little
+compute: under recomputation it runs forward *without* autograd, saves only its inputs,
+and runs again with autograd inside its own backward. (The MLP's other such piece, the
+SwiGLU product ``silu(gate) * up``, a TP shard never keeps under any mode: its
+down-projection remakes it in the backward, :mod:`braid.tp.swiglu_down`.)
 
 The inputs are saved with ``ctx.save_for_backward``, so they pass through the chunk's
 saved-tensor hooks like every other activation: counted in the unit's box, and moved to
@@ -21,7 +22,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 MODES = ("none", "selective", "full")
 
@@ -52,11 +52,6 @@ def recomputed(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
         return fn(*inputs)
     return _Recomputed.apply(fn, *inputs)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU product ``silu(gate) * up``."""
-    return F.silu(gate) * up
 
 
 def check_mode(mode: str) -> str:

@@ -103,6 +103,7 @@ def compiled_fns() -> UnitFns:
     """The unit functions under ``torch.compile`` (built once per process; compiled lazily, at first call)."""
     return UnitFns(rms_norm=_jit(EAGER.rms_norm), rope_qk=_jit(EAGER.rope_qk), split_rope_qkv=_jit(EAGER.split_rope_qkv),
                    swiglu=_jit(EAGER.swiglu), swiglu_joined=_jit(EAGER.swiglu_joined),
+                   swiglu_grad=_jit(EAGER.swiglu_grad), swiglu_joined_grad=_jit(EAGER.swiglu_joined_grad),
                    # one add (and a division at tp > 1) is one kernel in eager mode too; compiled, it
                    # would only add a compiled call's host time to every unit
                    add_residual=EAGER.add_residual,
