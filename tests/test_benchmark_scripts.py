@@ -50,6 +50,7 @@ ELSEWHERE = {
     "bench_offload.py": "tests/test_offload_runtime.py",  # measure() and report() of --tiny
 }
 GPU_ONLY = {"graph_smoke.py": "needs 2 CUDA devices",
+            "bench_attention_layout.py": "needs a CUDA device",
             "bench_memory_terms.py": "needs CUDA devices",
             "plan_fits.py": "needs 2 CUDA devices",
             "bench_p2p_capture.py": "needs 2 CUDA devices"}  # the one line it refuses with on CPU

@@ -136,9 +136,13 @@ def cached_rope_tables(cache: RopeCache, theta: float, s: int, d: int, device: t
 
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE of the queries and the keys (b, heads, s, d) from one pair of :func:`rope_tables`,
-    both returned contiguous (b, heads, s, d): the layout of the gradients SDPA hands back, so
-    a compiled RoPE's backward takes them without a copy."""
-    return _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin).contiguous()
+    both returned as (b, heads, s, d) views of new (b, s, heads, d) memory: the layout the
+    attention kernels (cuDNN's, flash attention's) read and write without a copy, so the
+    attention output's (b, s, h) view for the out-projection is free (no second copy of it kept
+    for the backward) and a compiled RoPE's backward takes the gradients they hand back as they
+    come (measured on an H200, ``benchmarks/results/sdpa_layout_h200.txt``)."""
+    c, s_ = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return _rotate(q.transpose(1, 2), c, s_).transpose(1, 2), _rotate(k.transpose(1, 2), c, s_).transpose(1, 2)
 
 
 def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,12 +157,12 @@ def split_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> tu
 
 def split_rope_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`split_qkv` and :func:`rope_qk`: q and k rotated, v copied out, all three
-    contiguous (so no view keeps the joined projection alive; compiled, the three come out of
-    one kernel and its backward writes the joined gradient in one more)."""
+    """:func:`split_qkv` and :func:`rope_qk`: q and k rotated, v copied out, all three in new
+    (b, s, heads, d) memory (so no view keeps the joined projection alive; compiled, the three
+    come out of one kernel and its backward writes the joined gradient in one more)."""
     q, k, v = split_qkv(qkv, heads, kv_heads, head_dim)
     q, k = rope_qk(q, k, cos, sin)
-    return q, k, v.contiguous()
+    return q, k, v.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
