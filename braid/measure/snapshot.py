@@ -76,7 +76,8 @@ UNIT_OF_FUNCTION: dict[str, Unit] = {
     "rope_qk": Unit.PRE_ATTN, "norm1": Unit.PRE_ATTN,
     "attn": Unit.ATTN, "attn_core": Unit.ATTN, "_sdpa": Unit.ATTN,
     "gate_up": Unit.PRE_MLP, "norm2": Unit.PRE_MLP,
-    "mlp": Unit.MLP, "mlp_core": Unit.MLP, "swiglu": Unit.MLP, "swiglu_joined": Unit.MLP,
+    "mlp": Unit.MLP, "mlp_core": Unit.MLP, "swiglu": Unit.MLP, "swiglu_joined": Unit.MLP, "swiglu_down": Unit.MLP,
+    "swiglu_grad": Unit.MLP, "swiglu_joined_grad": Unit.MLP,
     "route_rows": Unit.PRE_MLP, "moe_forward": Unit.EXPERTS, "run_experts": Unit.EXPERTS,
     "_loss": Unit.HEAD, "logits": Unit.HEAD,
 }
