@@ -114,10 +114,13 @@ def test_v_placement(name: str) -> None:
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (6, 20), (8, 48)])
 def test_braided_blocks_are_well_formed(name: str, p: int, m: int) -> None:
     kinds = set()
-    for ops in schedules.build(name, p, m).ranks:
+    for rank, ops in enumerate(schedules.build(name, p, m).ranks):
         for instr in ops:
             if isinstance(instr, Braided):
                 a, b = instr.ops
+                if a.kind is OpKind.BW:  # the cool-down's pair of full backwards: rank 0 only, chunk 0 with chunk 1
+                    assert rank == 0 and b.kind is OpKind.BW and (a.chunk, b.chunk) == (0, 1) and a.mb < b.mb, str(instr)
+                    continue
                 kinds.add(b.kind if b.kind is not OpKind.BW else OpKind.B)
                 assert a.kind is OpKind.F
                 if b.kind in (OpKind.B, OpKind.BW):

@@ -83,12 +83,14 @@ class Compute:
         return f"{self.kind.value}{self.mb}c{self.chunk}"
 
 
-# Which pairs may be braided. The first member is always a forward; the paper's authors'
-# schedule uses F&F (warm-up), F&W (warm-up, cool-down) and F&B (steady state, with the weight
-# gradient split off -- B -- or not -- BW). The backward or weight member may act on the other
-# chunk (DualPipeV overlaps the forward of one chunk with the backward of the other).
+# Which pairs may be braided. The paper's authors' schedule uses F&F (warm-up), F&W (warm-up,
+# cool-down) and F&B (steady state, with the weight gradient split off -- B -- or not -- BW), a
+# forward first; the backward or weight member may act on the other chunk (DualPipeV overlaps the
+# forward of one chunk with the backward of the other). BW&BW, two full backwards of different
+# micro-batches, is braid's: the cool-down's pairs on the rank that holds the first and the last
+# stage (schedules/generators/braided.py, phase 7).
 BRAIDABLE: frozenset[tuple[OpKind, OpKind]] = frozenset(
-    {(OpKind.F, OpKind.F), (OpKind.F, OpKind.W), (OpKind.F, OpKind.B), (OpKind.F, OpKind.BW)}
+    {(OpKind.F, OpKind.F), (OpKind.F, OpKind.W), (OpKind.F, OpKind.B), (OpKind.F, OpKind.BW), (OpKind.BW, OpKind.BW)}
 )
 
 
@@ -119,7 +121,8 @@ class Braided:
             )
         if self.first.key == self.second.key:
             raise ValueError(f"cannot braid {self.first}&{self.second}: both act on the same (mb, chunk)")
-        if self.second.kind in (OpKind.B, OpKind.BW) and self.cross_chunk is False and self.first.mb <= self.second.mb:
+        if (self.first.kind is OpKind.F and self.second.kind in (OpKind.B, OpKind.BW) and self.cross_chunk is False
+                and self.first.mb <= self.second.mb):
             raise ValueError(
                 f"F&B block {self.first}&{self.second} on one chunk: the forward micro-batch must be larger than the "
                 "backward one (pair chunks differently for a cross-chunk block)"

@@ -330,7 +330,7 @@ def analytic_costs(model: ModelConfig, hw: Hardware, layout: Layout, ar_slowdown
                     2 * sbh + tok * model.vocab / t * d)
     embed = UnitCost(0.0, 0.0, 0.0, ar_lm, 0.0, tok * 8, tok * h * d)
     if activations == "runtime":
-        acts = runtime_act(tok, model.seq, h, model.heads, model.kv_heads, model.ffn, t, d)
+        acts = runtime_act(tok, h, model.heads, model.kv_heads, model.ffn, t, d)
         lm = {u: replace(c, act=acts[u]) for u, c in lm.items()}
         # norm, its output, the logits of the vocab shard; the loss's per-token max and sum of exponentials,
         # local labels and mask (17 bytes per token)

@@ -5,14 +5,15 @@ from __future__ import annotations
 from braid.core.braiding import Unit
 
 
-def runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: int, t: int, d: int) -> dict[Unit, float]:
+def runtime_act(tokens: int, h: int, heads: int, kv_heads: int, ffn: int, t: int, d: int) -> dict[Unit, float]:
     """Bytes each LM unit of braid's runtime saves for its backward (``activations="runtime"``).
 
     Counted from the chunk's saved-tensor boxes (``ModelChunk.live_bytes``), distinct
     storages: RMSNorm keeps its fp32 input (the input itself when ``d`` = 4), the fp32
     rsqrt and the normalised input cast back (4h + d*h + 4 per token); the linears after
-    it keep their (shared) input; RoPE keeps one cos/sin pair for q and k (per position); flash
-    attention keeps q, k, v, its output (= o_proj's input) and the fp32 LSE; the SwiGLU
+    it keep their (shared) input; RoPE's cos/sin tables are the layer's, kept across micro-batches
+    (:class:`braid.models.qwen2.RopeCache`, not an activation); flash attention keeps q, k, v, its
+    output (o_proj's input is a view of it: :func:`braid.models.qwen2.rope_qk`) and the fp32 LSE; the SwiGLU
     MLP keeps gate and up (the down-projection remakes their product in the backward,
     :mod:`braid.tp.swiglu_down`). Korthikanti's
     coefficients assume a 4h GELU MLP and no fp32 norm copies: for a Qwen2-7B layer in
@@ -22,7 +23,7 @@ def runtime_act(tokens: int, seq: int, h: int, heads: int, kv_heads: int, ffn: i
     kvh = max(kv_heads // t, 1) * hd
     norm = tokens * (4 * h + d * h + 4)
     return {
-        Unit.PRE_ATTN: norm + tokens * d * h + 2 * seq * hd * d,
+        Unit.PRE_ATTN: norm + tokens * d * h,
         Unit.ATTN: tokens * (d * (2 * heads // t * hd + 2 * kvh) + 4 * heads // t),
         Unit.PRE_MLP: norm + tokens * d * h,
         Unit.MLP: tokens * 2 * (ffn // t) * d,

@@ -296,7 +296,11 @@ def fusable_pairs(plan: Plan) -> list[tuple[int, int]]:
 
 
 def _fused(a: Compute, b: Compute, lead: int | None) -> Braided | None:
-    """The block of plain ops ``a`` then ``b``, the forward first (``b`` first if only it is one); None if not braidable."""
+    """The block of plain ops ``a`` then ``b``, the forward first (``b`` first if only it is one); None if not braidable
+    or neither is a forward (two backwards braid only where the generator places them, on the rank whose block
+    waits for no other rank: :mod:`braid.schedules.generators.braided`)."""
+    if OpKind.F not in (a.kind, b.kind):
+        return None
     first, second = (a, b) if a.kind is OpKind.F else (b, a)
     try:
         return Braided(first, second, lead=lead)
