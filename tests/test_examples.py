@@ -53,6 +53,24 @@ def _metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _in_process(script: str, args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """``script``'s main run in this process, as one process (no RANK/WORLD_SIZE): (exit code, stdout, stderr).
+    For what the scripts check before any work; the subprocess cases show the exit path end to end."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    mod = importlib.import_module(Path(script).stem)
+    capsys.readouterr()
+    try:
+        rc = mod.main(mod.TASK, list(args))
+    except SystemExit as err:  # argparse's own errors and --help
+        rc = err.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[dict]:
     """One process, tp=1, pp=1, 4 steps: the run the others are compared with."""
@@ -95,7 +113,7 @@ def test_resume_continues_with_the_same_losses(reference, tmp_path) -> None:
     assert [m["loss"] for m in got] == [m["loss"] for m in reference]  # exact: same layout, same arithmetic
 
 
-@pytest.mark.parametrize("args,message", [
+BAD_FLAGS = [
     (["--tp", "3"], "world size 1 != dp*pp*cp*tp"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--schedule", "1f1b"], "at least 2 virtual stages"),
@@ -106,12 +124,24 @@ def test_resume_continues_with_the_same_losses(reference, tmp_path) -> None:
     (["--schedule", "torch_zb_v", "--dp", "1", "--cp", "1", "--save", "ckpt"], "checkpoint braid's schedules"),
     (["--last-stage-lighter", "0.5"], "the VLM's stages hold whole layers"),
     (["--image-sizes", "8,12"], "--image-sizes 12: every image side must be a positive multiple of patch*merge"),
-])
-def test_bad_flags_exit_2_with_one_line(args: list[str], message: str) -> None:
-    proc = _python(VLM, *args)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qwen2_vl.py: error:") and message in lines[0], proc.stderr
+]
+
+
+def test_bad_flags_exit_2_with_one_line_from_the_script() -> None:
+    """One bad flag (a check of braid's, then one of argparse's) through the script as a user runs it: exit
+    code 2 and one line on stderr; the other flags' checks run in this process below, through the same main."""
+    for args, message in BAD_FLAGS[:2]:
+        proc = _python(VLM, *args)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("qwen2_vl.py: error:") and message in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("args,message", BAD_FLAGS)
+def test_bad_flags_exit_2_with_one_line(args: list[str], message: str, monkeypatch, capsys) -> None:
+    rc, out, err = _in_process(VLM, args, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("qwen2_vl.py: error:") and message in lines[0], err
 
 
 @pytest.mark.parametrize("args,message", [
@@ -197,12 +227,12 @@ def test_impossible_layout_under_torchrun_stops_every_rank() -> None:
     _torchrun_summary_reads(proc.stdout + proc.stderr, "qwen2_vl.py: error: world size 2 != dp*pp*cp*tp", 2)
 
 
-def test_help_reads_like_documentation() -> None:
-    proc = _python(VLM, "--help")
-    _ok(proc)
+def test_help_reads_like_documentation(monkeypatch, capsys) -> None:
+    rc, out, _ = _in_process(VLM, ["--help"], monkeypatch, capsys)
+    assert rc == 0
     for flag in ("--schedule", "--tp", "--pp", "--dp", "--mbs", "--micro-batch-size", "--seq", "--image-size", "--steps",
                  "--model", "--lr", "--seed", "--device", "--metrics", "--trace", "--save", "--resume", "torchrun"):
-        assert flag in proc.stdout, flag
+        assert flag in out, flag
 
 
 def test_llm_example_pp2(tmp_path) -> None:
@@ -229,12 +259,14 @@ def test_llm_example_half_layer_cut_matches_single_process() -> None:
     (["--last-stage-lighter", "0.5", "--recompute", "full"], "re-runs whole layers"),
     (["--pp", "2", "--schedule", "torch_1f1b_i", "--last-stage-lighter", "0.5"], "split whole layers"),
 ])
-def test_bad_half_layer_flags_exit_2(args: list[str], message: str) -> None:
-    proc = _python(LLM, "--model", "tiny", "--device", "cpu", "--steps", "1", *args) if "--pp" not in args else \
-        _torchrun(2, LLM, "--model", "tiny", "--device", "cpu", "--steps", "1", *args)
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
-    if "--pp" not in args:
-        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+def test_bad_half_layer_flags_exit_2(args: list[str], message: str, monkeypatch, capsys) -> None:
+    """One process: in this process (checks made before any work); two: under torchrun."""
+    if "--pp" in args:
+        proc = _torchrun(2, LLM, "--model", "tiny", "--device", "cpu", "--steps", "1", *args)
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+        return
+    rc, _, err = _in_process(LLM, ["--model", "tiny", "--device", "cpu", "--steps", "1", *args], monkeypatch, capsys)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_llm_example_sequence_parallel_matches_single_process(tmp_path) -> None:
@@ -251,13 +283,12 @@ def test_llm_example_sequence_parallel_matches_single_process(tmp_path) -> None:
     (["--cp", "2", "--hp", "3"], "--hp 3 must divide --cp 2"),
     (["--hp", "2"], "--hp and --ring-size need --cp > 1"),
 ])
-def test_bad_sequence_parallel_flags_exit_2(args: list[str], message: str) -> None:
-    proc = _python(LLM, *args)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+def test_bad_sequence_parallel_flags_exit_2(args: list[str], message: str, monkeypatch, capsys) -> None:
+    rc, _, err = _in_process(LLM, args, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and message in lines[0], err
 
 
-def test_vlm_rejects_sequence_parallel_with_a_clear_error() -> None:
-    proc = _python(VLM, "--cp", "2")
-    assert proc.returncode == 2 and "not supported by the vision-language example" in proc.stderr, proc.stderr
+def test_vlm_rejects_sequence_parallel_with_a_clear_error(monkeypatch, capsys) -> None:
+    rc, _, err = _in_process(VLM, ["--cp", "2"], monkeypatch, capsys)
+    assert rc == 2 and "not supported by the vision-language example" in err, err

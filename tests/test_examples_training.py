@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from test_examples import COMMON, LLM, _metrics, _ok, _python, _torchrun
+from test_examples import COMMON, LLM, _in_process, _metrics, _ok, _python, _torchrun
 
 OPTIM = ["--lr-schedule", "cosine", "--warmup", "1", "--min-lr", "1e-4", "--clip-grad", "0.5", "--weight-decay", "0.1"]
 
@@ -122,14 +122,15 @@ def test_text_data_resumes_at_the_same_sample(corpus, tmp_path) -> None:
     (["--recompute", "full", "--cp", "2"], "--recompute full does not cover 2D-Attention"),
     (["--optimizer", "adam8bit"], "invalid choice: 'adam8bit'"),
 ])
-def test_bad_optimizer_and_data_flags_are_one_line(extra, message) -> None:
-    proc = _python(LLM, *COMMON, "--steps", "2", *extra)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qwen2.py: error:") and message in lines[0], proc.stderr
+def test_bad_optimizer_and_data_flags_are_one_line(extra, message, monkeypatch, capsys) -> None:
+    """In this process (checks made before any work; test_train_faults runs the script's exit path for real)."""
+    rc, _, err = _in_process(LLM, [*COMMON, "--steps", "2", *extra], monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("qwen2.py: error:") and message in lines[0], err
 
 
-def test_data_errors_are_one_line(corpus, tmp_path) -> None:
+def test_data_errors_are_one_line(corpus, tmp_path, monkeypatch, capsys) -> None:
+    """In this process, as the flags above."""
     data, tok = corpus
     big = tmp_path / "big"
     big.mkdir()
@@ -140,7 +141,6 @@ def test_data_errors_are_one_line(corpus, tmp_path) -> None:
     for extra, message in [(["--data", str(tmp_path / "none"), "--tokenizer", str(tok)], "does not exist"),
                            (["--data", str(data), "--tokenizer", str(tmp_path)], "no tokenizer.json"),
                            (["--data", str(data), "--tokenizer", str(big)], "vocabulary is 32")]:
-        proc = _python(LLM, *COMMON, "--steps", "2", *extra)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], proc.stderr
+        rc, _, err = _in_process(LLM, [*COMMON, "--steps", "2", *extra], monkeypatch, capsys)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and message in lines[0], err

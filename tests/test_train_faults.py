@@ -446,24 +446,38 @@ DAMAGED = {
 }
 
 
+def _in_process(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """qwen2.py's main in this process, as one process: (exit code, stderr). For checks made before any work."""
+    from test_examples import _in_process as run
+
+    rc, _, err = run(LLM, args, monkeypatch, capsys)
+    return rc, err
+
+
 @pytest.mark.parametrize("case", sorted(DAMAGED))
-def test_damaged_checkpoint_is_one_line_exit_2(saved: Path, tmp_path: Path, case: str) -> None:
+def test_damaged_checkpoint_is_one_line_exit_2(saved: Path, tmp_path: Path, case: str, monkeypatch, capsys) -> None:
+    """The checksum case through the script as a user runs it; the others in this process (the same check, before
+    any process group)."""
     import shutil
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)
     damage, message = DAMAGED[case]
     damage(ckpt / (ckpt / "latest").read_text().strip())
-    proc = _python(LLM, *COMMON, "--steps", "2", "--resume", str(ckpt))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    if case == "flipped":
+        proc = _python(LLM, *COMMON, "--steps", "2", "--resume", str(ckpt))
+        rc, err = proc.returncode, proc.stderr
+    else:
+        rc, err = _in_process([*COMMON, "--steps", "2", "--resume", str(ckpt)], monkeypatch, capsys)
+    assert rc == 2, err[-2000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err[-2000:]
 
 
-def test_resume_with_another_model_is_one_line(saved: Path) -> None:
-    proc = _python(LLM, "--model", "small", "--steps", "2", "--resume", str(saved))
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [line for line in proc.stderr.strip().splitlines() if "saved for another model" in line]
+def test_resume_with_another_model_is_one_line(saved: Path, monkeypatch, capsys) -> None:
+    rc, err = _in_process(["--model", "small", "--steps", "2", "--resume", str(saved)], monkeypatch, capsys)
+    assert rc == 2
+    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "saved for another model" in line]
 
 
 def test_resume_of_the_own_save_directory_before_any_save_starts_fresh(tmp_path: Path) -> None:
