@@ -12,8 +12,9 @@ caller is passed on to it. ``sys.executable`` is the ``python`` shim in the chil
 workers torchrun starts are forked from the server too. Anything the shim does not understand
 (another interpreter option, no server) runs in the real interpreter instead.
 
-The docs test runs its commands this way (see ``test_docs.py``): on a 2-core CI machine an
-interpreter that imports torch takes seconds, and the documents start dozens of them.
+:func:`shared_bin` is the session's server. The docs test runs its commands this way, and the example
+tests their training runs where the launch is not what they check (``test_examples.forked``): on a
+2-core CI machine an interpreter that imports torch takes seconds, and those tests start many.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from pathlib import Path
 
 # What the server imports before it forks: the start-up every command would pay (torch imports
 # Dynamo lazily on the first optimizer or meta-device initialisation).
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.run", "torch.optim", "numpy")
+# (Not a module a command runs as ``__main__``, e.g. torch.distributed.run: runpy would warn that it was imported.)
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.elastic.agent.server.api", "torch.optim",
+           "numpy")
 
 SHIM = r'''#!{python} -S
 import array, json, os, signal, socket, sys
@@ -117,6 +120,25 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+_SHARED: list[ForkServer] = []
+
+
+def shared_bin() -> Path:
+    """The ``bin`` folder (``python``, ``torchrun``) of this test session's fork server, started on first use
+    and stopped when the session's process exits. Each command brings its own directory and environment."""
+    if not _SHARED or _SHARED[0].proc.poll() is not None:
+        import atexit
+        import shutil
+        import tempfile
+
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        home = Path(tempfile.mkdtemp(prefix="braid-fork-"))
+        server = ForkServer(home / "bin", env, home)
+        _SHARED[:] = [server]
+        atexit.register(lambda: (server.close(), shutil.rmtree(home, ignore_errors=True)))
+    return _SHARED[0].bin_dir
 
 
 # ----------------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def test_example_runs_mcore_beside_braid_with_reference_losses(tmp_path):
     metrics = tmp_path / "m.jsonl"
     names = ["braided_v", "mcore_1f1b_i"]
     _ok(_torchrun(2, LLM, *COMMON, "--tp", "2", "--pp", "1", "--steps", "2", "--reference", "--metrics", str(metrics),
-                  "--schedule", *names))
+                  "--schedule", *names, forked=True))
     got = _metrics(metrics)
     assert [m["schedule"] for m in got] == [n for n in names for _ in range(2)]
     by_step: dict[int, list[float]] = {}

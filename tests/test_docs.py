@@ -142,21 +142,12 @@ def _run(block: Block, cwd: Path, bin_dir: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def fork_bin(tmp_path_factory):
-    """The ``bin`` folder of one fork server for the module's documents: each command takes its own folder and
-    environment (the server's only served the imports before its first fork)."""
-    from forkserver import ForkServer
-
-    base = tmp_path_factory.mktemp("fork")
-    server = ForkServer(base / "bin", _env(base), base)
-    yield server.bin_dir
-    server.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
-def test_every_command_of_the_doc_runs_on_cpu_in_order(doc: Path, tmp_path: Path, fork_bin: Path) -> None:
+def test_every_command_of_the_doc_runs_on_cpu_in_order(doc: Path, tmp_path: Path) -> None:
+    from forkserver import shared_bin
+
+    fork_bin = shared_bin()
     cwd = _workdir(tmp_path)
     ran = 0
     for block in blocks(doc):
