@@ -104,12 +104,15 @@ class ForkServer:
             shim = bin_dir / kind
             shim.write_text(SHIM.format(python=sys.executable, sock=self.sock, kind=kind))
             shim.chmod(0o755)
-        self.proc = subprocess.Popen([sys.executable, __file__, self.sock, str(bin_dir / "python")], env=env, cwd=cwd,
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        log = bin_dir / "forkserver.log"  # the server's own output (a pipe nobody reads could fill and stop it)
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen([sys.executable, __file__, self.sock, str(bin_dir / "python")], env=env, cwd=cwd,
+                                         stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while not os.path.exists(self.sock):
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the fork server did not start: {self.proc.stderr.read()[-2000:]}")
+                self.close()
+                raise RuntimeError(f"the fork server did not start: {log.read_text()[-2000:]}")
             time.sleep(0.05)
 
     def close(self) -> None:
