@@ -8,21 +8,43 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def pools():
-    """``pools(n)``: a gloo process pool of ``n`` ranks, started once per test module and reused by its cases."""
-    from distributed_utils import DistPool
-
+@pytest.fixture(scope="session")
+def _session_pools():
+    """The gloo pools behind ``pools``, by world size: started once per session (a rank's start-up -- torch,
+    braid and, for some modules, megatron-core imported again -- cost each module seconds per rank on a
+    2-core CI machine)."""
     made: dict = {}
+    yield made
+    for p in made.values():
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def pools(_session_pools):
+    """``pools(n)``: a gloo process pool of ``n`` ranks, reused by every case of the module (and, started
+    once per session, by the modules after it). When the module ends, its ranks drop Dynamo's compiled code
+    (:func:`distributed_utils.reset_rank`); the cached process groups stay, as between a module's cases. Ranks
+    that no longer hold the same number of process groups are closed, and the next module starts fresh ones."""
+    from distributed_utils import DistPool, reset_rank
+
+    made, used = _session_pools, set()
 
     def get(n: int):
         if n not in made or made[n].closed:  # a pool that timed out was closed: start a fresh one
             made[n] = DistPool(n, timeout_s=60)
+        used.add(n)
         return made[n]
 
     yield get
-    for p in made.values():
-        p.close()
+    for n in sorted(used):
+        pool = made.get(n)
+        if pool is not None and not pool.closed:
+            try:
+                held = pool.run(reset_rank, timeout_s=60)
+            except AssertionError:  # a rank that cannot reset: the next module gets fresh ranks
+                held = None
+            if held is None or len(set(held)) > 1:  # ranks that disagree on their groups: fresh ranks next
+                pool.close()
 
 
 # Per-test limit of the GPU tests that run in ``gpu_pools`` (seconds, the pool's own answer

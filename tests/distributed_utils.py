@@ -85,6 +85,21 @@ class RankContext:
 SHARED_POOL = "attention-group-pool"  # RankContext.groups key of the 2D-Attention GroupPool
 
 
+def reset_rank(ctx: RankContext) -> int:
+    """Between two test modules that share a pool (``conftest.pools``): drop Dynamo's compiled code, so that a
+    module's compiled cases compile as on fresh ranks (and no module meets the recompile limit with another's
+    graphs, where Dynamo would run the code eagerly). The cached process groups stay, as they do between the
+    cases of one module. Returns how many process groups this rank holds: a group made among its members only
+    (``use_local_synchronization``, the 2D-Attention pool's) is named after that count, so the ranks must agree
+    on it (megatron-core's parallel state leaves groups on some ranks only; the fixture then starts fresh ranks)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+    gc.collect()
+    return len(c10d._world.pg_names)
+
+
 def _worker(rank: int, world: int, port: int, timeout_s: float, device: str, tasks, results, parent: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if device == "cuda":

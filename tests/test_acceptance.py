@@ -14,9 +14,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _acceptance(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _acceptance(*args: str, timeout: float = 120, forked: bool = False) -> subprocess.CompletedProcess:
+    """``python -m braid.acceptance ARGS``; ``forked``: forked from the session's fork server (``forkserver.py``),
+    its parts then too (they start ``sys.executable``), for a run whose launch is not what the test checks."""
+    from forkserver import shared_bin
+
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "braid.acceptance", *args], env=env, cwd=ROOT, capture_output=True,
+    exe = str(shared_bin() / "python") if forked else sys.executable
+    return subprocess.run([exe, "-m", "braid.acceptance", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -40,7 +45,7 @@ def test_bad_arguments_are_one_line(tmp_path) -> None:
 def test_cpu_smoke_writes_each_result_and_the_summary(tmp_path) -> None:
     out = tmp_path / "acc"
     parts = ["gpu-tests", "executor-limit", "bench-tp1-pp2", "braided-overlap"]  # bench-tp2-pp1: the same code path
-    proc = _acceptance("--out", str(out), "--cpu-smoke", "--only", *parts)
+    proc = _acceptance("--out", str(out), "--cpu-smoke", "--only", *parts, forked=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((out / "summary.json").read_text())
     assert doc["mode"] == "cpu-smoke" and doc["device"] == "cpu" and doc["torch"] == torch.__version__

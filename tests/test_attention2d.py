@@ -1,6 +1,6 @@
 """2D-Attention on real gloo processes: forward and dQ/dK/dV equal full single-process attention.
 
-Each world size (4 and 8) is spawned once and runs its whole grid of (d_hp, d_cp, w,
+Each world size (4 and 8) runs its whole grid of (d_hp, d_cp, w,
 placement) x (MHA, GQA) x (causal, not) inside one process group. Inputs and the reference
 are fp64 (tolerance 1e-9: only summation order differs); one fp32 pass per world checks the
 low-precision path (tolerance 2e-5).
@@ -119,23 +119,34 @@ def _check_checkpoint(pool: GroupPool, world: int) -> None:
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def _check_grid(world: int) -> None:
+    """Every case of ``world``'s grid on this rank (the default group spans the ``world`` ranks)."""
+    pool = GroupPool()
+    seed = 0
+    for d_hp, d_cp, w in GRIDS[world]:
+        placements = ("head_first", "context_first") if d_hp > 1 and d_cp > 1 else ("head_first",)
+        for placement in placements:
+            for h_kv in (H, 2):
+                for causal in (True, False):
+                    seed += 1
+                    _check_case(pool, world, d_hp, d_cp, w, placement, h_kv, causal, torch.float64, seed)
+    _check_case(pool, world, 2, world // 2, 2, "head_first", 2, True, torch.float32, 99)
+    _check_checkpoint(pool, world)
+    dist.barrier()
+
+
+def _grid_on_pool(ctx, world: int) -> None:
+    """:func:`_check_grid` on a rank of the shared gloo pool (``conftest.pools``)."""
+    assert dist.get_world_size() == world
+    _check_grid(world)
+
+
 def _worker(rank: int, world: int, port: int, errfile: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     try:
-        pool = GroupPool()
-        seed = 0
-        for d_hp, d_cp, w in GRIDS[world]:
-            placements = ("head_first", "context_first") if d_hp > 1 and d_cp > 1 else ("head_first",)
-            for placement in placements:
-                for h_kv in (H, 2):
-                    for causal in (True, False):
-                        seed += 1
-                        _check_case(pool, world, d_hp, d_cp, w, placement, h_kv, causal, torch.float64, seed)
-        _check_case(pool, world, 2, world // 2, 2, "head_first", 2, True, torch.float32, 99)
-        _check_checkpoint(pool, world)
-        dist.barrier()
+        _check_grid(world)
     except BaseException:
         with open(f"{errfile}.{rank}", "w") as f:
             f.write(traceback.format_exc())
@@ -152,7 +163,11 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [4, 8])
-def test_attention2d_matches_full_attention(world: int, tmp_path) -> None:
+def test_attention2d_matches_full_attention(world: int, tmp_path, pools) -> None:
+    """World 4 on the session's 4-rank gloo pool; world 8 (no other module runs 8 ranks) spawned here."""
+    if world == 4:
+        pools(4).run(_grid_on_pool, world, timeout_s=300)
+        return
     errfile = str(tmp_path / "err")
     try:
         mp.spawn(_worker, args=(world, _free_port(), errfile), nprocs=world, join=True)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from braid.baselines.torch_pp import TORCH_SCHEDULES
-from tests.distributed_utils import DistPool
 from tests.reference_error import assert_matches_reference, loss_amplify
 
 M, B = 8, 1
@@ -24,10 +23,8 @@ LR, ADAM_EPS = 1e-2, 1e-8  # torch AdamW's default epsilon
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = DistPool(4)
-    yield p
-    p.close()
+def pool(pools):
+    return pools(4)
 
 
 def _model(vlm: bool):

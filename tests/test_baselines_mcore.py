@@ -18,7 +18,6 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install -e '.[megatron]')")
 
 from tests.conftest import GPU_RUN_S, GPU_TEST_S  # noqa: E402
-from tests.distributed_utils import DistPool  # noqa: E402
 
 M, B, SEQ = 4, 1, 8
 RTOL, ATOL = 1e-4, 1e-5  # megatron-core's logits against braid's: two implementations, not one in another order
@@ -166,10 +165,8 @@ def _check_losses(res: list, where: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    p = DistPool(2)
-    yield p
-    p.close()
+def pool(pools):
+    return pools(2)
 
 
 def test_mcore_logits_equal_braid(pool):
@@ -189,7 +186,7 @@ def test_example_runs_mcore_beside_braid_with_reference_losses(tmp_path):
     metrics = tmp_path / "m.jsonl"
     names = ["braided_v", "mcore_1f1b_i"]
     _ok(_torchrun(2, LLM, *COMMON, "--tp", "2", "--pp", "1", "--steps", "2", "--reference", "--metrics", str(metrics),
-                  "--schedule", *names))
+                  "--schedule", *names, forked=True))
     got = _metrics(metrics)
     assert [m["schedule"] for m in got] == [n for n in names for _ in range(2)]
     by_step: dict[int, list[float]] = {}
@@ -238,13 +235,9 @@ def test_te_names_hold_the_norms_in_the_linears():
 
 
 @pytest.mark.slow
-def test_mcore_1f1b_i_tp2_pp2_matches_reference():
+def test_mcore_1f1b_i_tp2_pp2_matches_reference(pools):
     """tp=2 x pp=2 on 4 gloo ranks: megatron-core's TP inside its interleaved pipeline."""
-    pool = DistPool(4)
-    try:
-        res = pool.run(_case_pipeline, 2, 2, "qwen2", timeout_s=300)
-    finally:
-        pool.close()
+    res = pools(4).run(_case_pipeline, 2, 2, "qwen2", timeout_s=300)
     assert len([r for r in res if r[0][0] is not None]) == 2, "both TP ranks of the last stage report the loss"
     _check_losses(res, "tp=2 pp=2")
 

@@ -16,7 +16,6 @@ import torch
 
 from braid.baselines.modes import TorchMode
 from tests.conftest import GPU_RUN_S, GPU_TEST_S
-from tests.distributed_utils import DistPool
 from tests.test_baselines import _data, _model, _ref_name
 
 M, B = 4, 1
@@ -103,25 +102,16 @@ MODES = [TorchMode("titan"), TorchMode("titan", compile=True, backend="aot_eager
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.label)
-def test_titan_tp2_pp1_matches_single_process(refs, mode: TorchMode) -> None:
-    pool = DistPool(2)
-    try:
-        got = pool.run(_run, "torch_1f1b_i", mode, 2, 2, 1)
-    finally:
-        pool.close()
-    _compare(got, refs)
+def test_titan_tp2_pp1_matches_single_process(pools, refs, mode: TorchMode) -> None:
+    _compare(pools(2).run(_run, "torch_1f1b_i", mode, 2, 2, 1), refs)
 
 
 @pytest.mark.parametrize("name", ["torch_1f1b_i", "torch_zb_v"])
-def test_titan_tp2_pp2_matches_single_process(refs, name: str) -> None:
+def test_titan_tp2_pp2_matches_single_process(pools, refs, name: str) -> None:
     """Both of torch's schedules with titan's TP; the compiled mode (its own code path, the same for any
     schedule) once, with interleaved 1F1B: four ranks on a two-core CI machine compile slowly."""
-    pool = DistPool(4)
-    try:
-        for mode in MODES if name == "torch_1f1b_i" else MODES[:1]:
-            _compare(pool.run(_run, name, mode, 4, 2, 2), refs)
-    finally:
-        pool.close()
+    for mode in MODES if name == "torch_1f1b_i" else MODES[:1]:
+        _compare(pools(4).run(_run, name, mode, 4, 2, 2), refs)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from test_examples import ROOT, _ok, _torchrun
 def test_memory_bench_runs_every_mode_at_tiny_size(tmp_path) -> None:
     out = tmp_path / "memory.json"
     _ok(_torchrun(2, str(ROOT / "benchmarks" / "bench_memory.py"), "--model", "qwen2-tiny", "--dp", "2", "--layers", "2",
-                  "--seq", "16", "--mbs", "2", "--device", "cpu", "--out", str(out), timeout=600))
+                  "--seq", "16", "--mbs", "2", "--device", "cpu", "--out", str(out), timeout=600, forked=True))
     doc = json.loads(out.read_text())
     runs = {(r["optimizer"], r["recompute"]): r for r in doc["runs"]}
     assert set(runs) == {(o, r) for o in ("zero1", "master", "plain") for r in ("none", "selective", "full")}

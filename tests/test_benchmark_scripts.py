@@ -3,8 +3,8 @@
 :data:`RUNS` names each script's smallest invocation, run here; a script another test already
 runs end to end at its tiny size names that test instead (:data:`ELSEWHERE`); a script that
 needs GPUs refuses in one line with exit code 2. A new script must be added to one of them.
-Scripts that start process groups or spawn ranks run as a subprocess, the rest in this process
-through their ``main(argv)``.
+Scripts that start process groups or spawn ranks run as a process of their own (forked from the
+session's fork server, ``forkserver.py``), the rest in this process through their ``main(argv)``.
 """
 
 from __future__ import annotations
@@ -71,8 +71,10 @@ def test_script_runs_at_its_tiniest_size(script, monkeypatch, capsys, tmp_path) 
     argv, subproc, says = RUNS[script]
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     if subproc:
+        from forkserver import shared_bin
+
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        proc = subprocess.run([sys.executable, str(BENCH / script), *argv], cwd=ROOT, env=env, capture_output=True,
+        proc = subprocess.run([str(shared_bin() / "python"), str(BENCH / script), *argv], cwd=ROOT, env=env, capture_output=True,
                               text=True, timeout=110)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         out = proc.stdout

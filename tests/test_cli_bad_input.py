@@ -425,8 +425,11 @@ def test_the_vlm_example_refuses_a_language_model_checkpoint(example_inputs: Pat
     from test_input_files import _tiny_checkpoint
 
     _tiny_checkpoint(tmp_path / "lm")
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "qwen2_vl.py"), "--device", "cpu", "--steps", "1", "--hf", "lm"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    from forkserver import shared_bin
+
+    # forked from the session's fork server: the script's own process without an interpreter start-up
+    out = subprocess.run([str(shared_bin() / "python"), str(ROOT / "examples" / "qwen2_vl.py"), "--device", "cpu", "--steps", "1",
+                          "--hf", "lm"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-2000:]
     assert "--hf lm: config.json describes a language model" in out.stderr and "examples/lm.py" in out.stderr
     shutil.rmtree(tmp_path / "lm")

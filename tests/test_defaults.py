@@ -89,6 +89,6 @@ def test_the_readme_planner_pick_trains_at_tiny_size(tmp_path) -> None:
             "--last-stage-lighter": "0"}
     world = int(tiny["--tp"]) * int(tiny["--pp"]) * 2
     argv = [x for kv in tiny.items() for x in kv]
-    proc = _torchrun(world, VLM, *argv, "--device", "cpu", "--seed", "1", "--steps", "2", "--reference", timeout=600)
+    proc = _torchrun(world, VLM, *argv, "--device", "cpu", "--seed", "1", "--steps", "2", "--reference", timeout=600, forked=True)
     _ok(proc)
     assert "norm diff" in proc.stdout and tiny["--schedule"] in proc.stdout

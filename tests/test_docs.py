@@ -12,6 +12,11 @@ checkpoint, an install) says so in the document itself, on the line above it::
     <!-- docs-test: skip: needs 2 GPUs -->
 
 and is skipped with that reason.
+
+Every ``python`` and ``torchrun`` the commands start (torchrun's workers included) is a process
+forked from one server that imported torch once (``forkserver.py``), not a new interpreter: the
+same arguments, directory, environment, descriptors and exit codes, without the seconds of
+start-up each of them cost on a 2-core CI machine.
 """
 
 from __future__ import annotations
@@ -128,21 +133,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(block: Block, cwd: Path) -> subprocess.CompletedProcess:
-    argv = ["bash", "-e", "-o", "pipefail", "-c", block.code] if block.kind == "shell" else [sys.executable, "-"]
-    return subprocess.run(argv, input=None if block.kind == "shell" else block.code, cwd=cwd, env=_env(cwd),
+def _run(block: Block, cwd: Path, bin_dir: Path) -> subprocess.CompletedProcess:
+    """``block`` in ``cwd``, its ``python`` and ``torchrun`` those of ``bin_dir`` (the fork server's)."""
+    env = _env(cwd)
+    env["PATH"] = str(bin_dir) + os.pathsep + env["PATH"]
+    argv = ["bash", "-e", "-o", "pipefail", "-c", block.code] if block.kind == "shell" else [str(bin_dir / "python"), "-"]
+    return subprocess.run(argv, input=None if block.kind == "shell" else block.code, cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
 def test_every_command_of_the_doc_runs_on_cpu_in_order(doc: Path, tmp_path: Path) -> None:
+    from forkserver import shared_bin
+
+    fork_bin = shared_bin()
     cwd = _workdir(tmp_path)
     ran = 0
     for block in blocks(doc):
         if block.kind == "data" or block.skip:
             continue
-        out = _run(block, cwd)
+        out = _run(block, cwd, fork_bin)
         assert out.returncode == 0, (f"{block.where()} failed (exit {out.returncode}):\n{block.code}\n"
                                      f"--- stdout\n{out.stdout[-3000:]}\n--- stderr\n{out.stderr[-3000:]}")
         ran += 1

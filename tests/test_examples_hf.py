@@ -27,7 +27,7 @@ def test_train_from_hf_checkpoint_and_export(tmp_path) -> None:
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "start", max_shard_size="30KB")
     out, metrics = tmp_path / "trained", tmp_path / "m.jsonl"
     proc = _torchrun(2, LLM, "--hf", str(tmp_path / "start"), "--pp", "2", "--schedule", "1f1b", "--steps", "3", "--seq", "16",
-                     "--device", "cpu", "--reference", "--save-hf", str(out), "--metrics", str(metrics))
+                     "--device", "cpu", "--reference", "--save-hf", str(out), "--metrics", str(metrics), forked=True)
     _ok(proc)
     assert "max rel diff" in proc.stdout and f"--hf {tmp_path / 'start'}" in proc.stdout
     assert [m["step"] for m in _metrics(metrics)] == [1, 2, 3]
@@ -65,7 +65,7 @@ def test_vlm_trains_from_hf_checkpoint_and_exports(kind: str, tied: bool, schedu
     model_cls = _vl_checkpoint(kind, tied, tmp_path / "start")
     out = tmp_path / "trained"
     proc = _torchrun(4, VLM, "--hf", str(tmp_path / "start"), "--tp", "2", "--pp", "2", "--schedule", schedule, "--reference",
-                     "--device", "cpu", "--image-size", "16", "--steps", "3", "--save-hf", str(out))
+                     "--device", "cpu", "--image-size", "16", "--steps", "3", "--save-hf", str(out), forked=True)
     _ok(proc)
     row = next(line for line in proc.stdout.splitlines() if line.startswith(schedule))
     assert float(row.split()[5]) <= 1e-4  # max rel diff of the losses vs the unsplit model
@@ -97,11 +97,11 @@ def test_qwen3_moe_trains_with_experts_over_two_ranks_and_exports(tmp_path) -> N
     out, ck, whole, part = tmp_path / "trained", tmp_path / "ck", tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
     common = ["--hf", str(tmp_path / "start"), "--schedule", "1f1b", "--seq", "16", "--device", "cpu"]
     proc = _torchrun(2, LLM, *common, "--ep", "2", "--steps", "20", "--reference", "--save-hf", str(out), "--save", str(ck),
-                     "--save-every", "10", "--metrics", str(whole))
+                     "--save-every", "10", "--metrics", str(whole), forked=True)
     _ok(proc)
     assert "max rel diff" in proc.stdout
     _ok(_torchrun(2, LLM, *common, "--pp", "2", "--mbs", "2", "--micro-batch-size", "4", "--steps", "12",
-                  "--resume", str(ck / "step_00000010"), "--metrics", str(part)))
+                  "--resume", str(ck / "step_00000010"), "--metrics", str(part), forked=True))
     got, want = _metrics(part), _metrics(whole)[10:12]
     assert [m["step"] for m in got] == [11, 12]
     for key in ("loss", "grad_norm"):

@@ -1,4 +1,5 @@
-"""The example scripts with the optimizer and data flags, launched as a user would (gloo on CPU).
+"""The example scripts with the optimizer and data flags, launched as a user would (gloo on CPU), their
+processes forked from the session's fork server (``test_examples._python``'s ``forked``).
 
 * warm-up + cosine decay, clipping, weight decay, selective recomputation and the sharded
   fp32-master optimizer at dp=2 x pp=2: every schedule's losses *and gradient norms*
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_examples import COMMON, LLM, _metrics, _ok, _python, _torchrun
+from test_examples import COMMON, LLM, _in_process, _metrics, _ok, _python, _torchrun
 
 OPTIM = ["--lr-schedule", "cosine", "--warmup", "1", "--min-lr", "1e-4", "--clip-grad", "0.5", "--weight-decay", "0.1"]
 
@@ -32,7 +33,7 @@ def test_zero1_with_schedule_clipping_and_recompute_matches_the_unsplit_model(tm
     names = ["braided_v", "zb_v"]
     metrics = tmp_path / "m.jsonl"
     proc = _torchrun(4, LLM, *COMMON, "--pp", "2", "--dp", "2", "--steps", "3", *OPTIM, "--optimizer", "zero1", "--recompute", "selective",
-                     "--reference", "--metrics", str(metrics), "--schedule", *names)
+                     "--reference", "--metrics", str(metrics), "--schedule", *names, forked=True)
     _ok(proc)
     rows = _table_rows(proc.stdout, names)
     assert sorted(rows) == sorted(names), proc.stdout
@@ -49,9 +50,9 @@ def test_zero1_with_schedule_clipping_and_recompute_matches_the_unsplit_model(tm
 def test_zero1_resume_continues_the_uninterrupted_run(tmp_path) -> None:
     flags = [*COMMON, "--dp", "2", "--schedule", "1f1b", *OPTIM, "--optimizer", "zero1"]
     whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
-    _ok(_torchrun(2, LLM, *flags, "--steps", "4", "--metrics", str(whole)))
-    _ok(_torchrun(2, LLM, *flags, "--steps", "2", "--save", str(tmp_path / "ck")))
-    _ok(_torchrun(2, LLM, *flags, "--steps", "4", "--resume", str(tmp_path / "ck"), "--metrics", str(part)))
+    _ok(_torchrun(2, LLM, *flags, "--steps", "4", "--metrics", str(whole), forked=True))
+    _ok(_torchrun(2, LLM, *flags, "--steps", "2", "--save", str(tmp_path / "ck"), forked=True))
+    _ok(_torchrun(2, LLM, *flags, "--steps", "4", "--resume", str(tmp_path / "ck"), "--metrics", str(part), forked=True))
     want, got = _metrics(whole)[2:], _metrics(part)
     assert [m["step"] for m in got] == [3, 4]
     for key in ("loss", "grad_norm", "lr"):
@@ -65,10 +66,10 @@ def test_zero1_checkpoint_resumes_at_another_layout(tmp_path) -> None:
     base = ["--model", "tiny", "--micro-batch-size", "2", "--seed", "1", "--device", "cpu", "--pp", "2", *OPTIM, "--optimizer", "zero1"]
     whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
     saved = [*base, "--dp", "2", "--mbs", "4", "--schedule", "braided_v"]
-    _ok(_torchrun(4, LLM, *saved, "--steps", "4", "--metrics", str(whole)))
-    _ok(_torchrun(4, LLM, *saved, "--steps", "2", "--save", str(tmp_path / "ck")))
+    _ok(_torchrun(4, LLM, *saved, "--steps", "4", "--metrics", str(whole), forked=True))
+    _ok(_torchrun(4, LLM, *saved, "--steps", "2", "--save", str(tmp_path / "ck"), forked=True))
     _ok(_torchrun(4, LLM, *base, "--tp", "2", "--dp", "1", "--mbs", "8", "--schedule", "zb_v", "--steps", "4",
-                  "--resume", str(tmp_path / "ck"), "--metrics", str(part)))
+                  "--resume", str(tmp_path / "ck"), "--metrics", str(part), forked=True))
     want, got = _metrics(whole)[2:], _metrics(part)
     assert [m["step"] for m in got] == [3, 4]
     for key in ("loss", "grad_norm", "lr"):
@@ -93,7 +94,7 @@ def test_text_files_with_a_local_tokenizer_train_like_the_unsplit_model(corpus, 
     metrics = tmp_path / "m.jsonl"
     proc = _torchrun(2, LLM, *COMMON, "--pp", "2", "--seq", "16", "--steps", "3", *OPTIM, "--optimizer", "master",
                      "--data", str(data), "--tokenizer", str(tok), "--reference", "--schedule", "braided_v",
-                     "--metrics", str(metrics))
+                     "--metrics", str(metrics), forked=True)
     _ok(proc)
     row = _table_rows(proc.stdout, ["braided_v"])["braided_v"]
     assert float(row[5]) <= 1e-4 and float(row[6]) <= 1e-4, row
@@ -105,9 +106,9 @@ def test_text_data_resumes_at_the_same_sample(corpus, tmp_path) -> None:
     data, tok = corpus
     flags = [*COMMON, "--seq", "16", "--schedule", "1f1b", *OPTIM, "--data", str(data), "--tokenizer", str(tok)]
     whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
-    _ok(_python(LLM, *flags, "--steps", "4", "--metrics", str(whole)))
-    _ok(_python(LLM, *flags, "--steps", "2", "--save", str(tmp_path / "ck")))
-    _ok(_python(LLM, *flags, "--steps", "4", "--resume", str(tmp_path / "ck"), "--metrics", str(part)))
+    _ok(_python(LLM, *flags, "--steps", "4", "--metrics", str(whole), forked=True))
+    _ok(_python(LLM, *flags, "--steps", "2", "--save", str(tmp_path / "ck"), forked=True))
+    _ok(_python(LLM, *flags, "--steps", "4", "--resume", str(tmp_path / "ck"), "--metrics", str(part), forked=True))
     assert [m["loss"] for m in _metrics(part)] == [m["loss"] for m in _metrics(whole)[2:]]
 
 
@@ -122,14 +123,15 @@ def test_text_data_resumes_at_the_same_sample(corpus, tmp_path) -> None:
     (["--recompute", "full", "--cp", "2"], "--recompute full does not cover 2D-Attention"),
     (["--optimizer", "adam8bit"], "invalid choice: 'adam8bit'"),
 ])
-def test_bad_optimizer_and_data_flags_are_one_line(extra, message) -> None:
-    proc = _python(LLM, *COMMON, "--steps", "2", *extra)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qwen2.py: error:") and message in lines[0], proc.stderr
+def test_bad_optimizer_and_data_flags_are_one_line(extra, message, monkeypatch, capsys) -> None:
+    """In this process (checks made before any work; test_train_faults runs the script's exit path for real)."""
+    rc, _, err = _in_process(LLM, [*COMMON, "--steps", "2", *extra], monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("qwen2.py: error:") and message in lines[0], err
 
 
-def test_data_errors_are_one_line(corpus, tmp_path) -> None:
+def test_data_errors_are_one_line(corpus, tmp_path, monkeypatch, capsys) -> None:
+    """In this process, as the flags above."""
     data, tok = corpus
     big = tmp_path / "big"
     big.mkdir()
@@ -140,7 +142,6 @@ def test_data_errors_are_one_line(corpus, tmp_path) -> None:
     for extra, message in [(["--data", str(tmp_path / "none"), "--tokenizer", str(tok)], "does not exist"),
                            (["--data", str(data), "--tokenizer", str(tmp_path)], "no tokenizer.json"),
                            (["--data", str(data), "--tokenizer", str(big)], "vocabulary is 32")]:
-        proc = _python(LLM, *COMMON, "--steps", "2", *extra)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], proc.stderr
+        rc, _, err = _in_process(LLM, [*COMMON, "--steps", "2", *extra], monkeypatch, capsys)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and message in lines[0], err

@@ -105,6 +105,6 @@ def test_the_example_trains_with_full_recomputation_like_the_unsplit_model() -> 
 
     for script in (LLM, VLM):
         proc = _torchrun(4, script, *COMMON, "--tp", "2", "--pp", "2", "--steps", "2", "--recompute", "full", "--reference",
-                         "--schedule", "braided_v", "1f1b_i", timeout=600)
+                         "--schedule", "braided_v", "1f1b_i", timeout=600, forked=True)
         _ok(proc)
         assert "norm diff" in proc.stdout and "braided_v" in proc.stdout and "1f1b_i" in proc.stdout

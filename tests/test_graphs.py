@@ -5,7 +5,6 @@ every command line (bad input: one line, exit 2). Capture and replay themselves 
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -124,15 +123,35 @@ def test_host_pool_forgets_buffer_events() -> None:
     (["-m", "braid.bench", "--cuda-graph", "all"], "--cuda-graph"),
     (["benchmarks/bench_executor_limit.py", "--cuda-graph", "step", "--device", "cpu"], "--cuda-graph step: device cpu"),
 ])
-def test_cuda_graph_flag_bad_input_is_one_line_exit_2(tmp_path, argv: list[str], fragment: str) -> None:
-    if not argv[0].startswith("-"):
-        argv = [str(ROOT / argv[0]), *argv[1:]]
-    proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
-    lines = proc.stderr.strip().splitlines()
+def test_cuda_graph_flag_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, capsys, argv: list[str], fragment: str) -> None:
+    """Each command line run as ``python ARGV`` runs it, in this process (``runpy``: the script or module as
+    ``__main__``, exit code from its ``sys.exit``), in an empty directory; the refusal comes before any work.
+    test_cli_bad_input runs braid.bench's and braid.profile's refusals through a new interpreter, as test_examples
+    and test_train_faults do the example scripts'."""
+    import runpy
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # a script puts its own folders first
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    module = argv[1] if argv[0] == "-m" else None
+    script = None if module else str(ROOT / argv[0])
+    monkeypatch.setattr(sys, "argv", [script or module, *argv[2 if module else 1:]])
+    capsys.readouterr()
+    try:
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as err:
+        code = err.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
     if "bench_executor_limit" in argv[0]:  # a plain argparse script: usage, then the one error line
         lines = lines[-1:]
-    assert proc.returncode == 2 and len(lines) == 1 and fragment in lines[0], (proc.returncode, proc.stderr[-2000:])
+    assert code == 2 and len(lines) == 1 and fragment in lines[0], (code, err[-2000:])
     assert list(tmp_path.iterdir()) == []
 
 

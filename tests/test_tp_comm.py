@@ -20,7 +20,6 @@ import torch
 from braid.core.ctas import default_max_ctas, max_ctas_for
 from braid.tp.comm import CUDA_BACKENDS, TPBackendError, TPComm, resolve_tp_backend
 from conftest import GPU_RUN_S, GPU_TEST_S
-from distributed_utils import DistPool
 
 
 @pytest.mark.parametrize("name,device,want", [("auto", "cpu", "gloo"), ("auto", "cuda", "nccl-capped"), ("gloo", "cpu", "gloo"),
@@ -77,12 +76,8 @@ def _gloo_case(ctx):
     return x, refused
 
 
-def test_gloo_backend_sums_over_the_tp_group():
-    pool = DistPool(2, timeout_s=60)
-    try:
-        out = pool.run(_gloo_case)
-    finally:
-        pool.close()
+def test_gloo_backend_sums_over_the_tp_group(pools):
+    out = pools(2).run(_gloo_case)
     want = torch.arange(10, dtype=torch.float32) * 3
     for x, refused in out:
         assert torch.equal(x, want)

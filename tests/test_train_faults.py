@@ -1,5 +1,9 @@
 """The example training loop under faults, layout changes and bad input, with real processes (gloo, CPU).
 
+Runs that check what training computes or reports (resharding, non-finite losses, run files, metrics) start
+their processes through the session's fork server (``forkserver.py``); kills, signals, file size limits,
+plain-rank start-ups, torchrun's summary and ``--help`` run in new interpreters.
+
 * killed with SIGKILL at random moments and during saves, then resumed from its
   directory, a run continues where its last complete save stopped and ends with the
   uninterrupted run's losses (one process: exactly; a killed torchrun worker: to 1e-5);
@@ -28,6 +32,8 @@ from pathlib import Path
 
 import pytest
 
+from forkserver import shared_bin
+
 ROOT = Path(__file__).resolve().parent.parent
 LLM = str(ROOT / "examples" / "qwen2.py")
 VLM = str(ROOT / "examples" / "qwen2_vl.py")
@@ -42,11 +48,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _python(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+def _python(*args: str, timeout: float = 180, forked: bool = False) -> subprocess.CompletedProcess:
+    """``python ARGS``; ``forked``: forked from the session's fork server (``forkserver.py``), for runs whose
+    launch is not what the test checks (the kills, signals, limits and torchrun summaries below use real
+    interpreters)."""
+    exe = str(shared_bin() / "python") if forked else sys.executable
+    return subprocess.run([exe, *args], env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def _torchrun(n: int, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _torchrun(n: int, *args: str, timeout: float = 240, forked: bool = False) -> subprocess.CompletedProcess:
+    if forked:
+        return subprocess.run([str(shared_bin() / "torchrun"), "--nproc-per-node", str(n), "--standalone", *args], env=_env(),
+                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     return _python("-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone", *args, timeout=timeout)
 
 
@@ -174,14 +187,15 @@ def test_saved_at_tp2_pp2_resumes_at_tp1_pp2_and_at_pp4_with_the_uninterrupted_l
     steps = ["--steps", "4"]
     full, first = tmp_path / "full.jsonl", tmp_path / "first.jsonl"
     ckpt = tmp_path / "ckpt"
-    _ok(_torchrun(4, LLM, *COMMON, "--tp", "2", "--pp", "2", "--schedule", "braided_v", *steps, "--metrics", str(full)))
+    _ok(_torchrun(4, LLM, *COMMON, "--tp", "2", "--pp", "2", "--schedule", "braided_v", *steps, "--metrics", str(full),
+                  forked=True))
     _ok(_torchrun(4, LLM, *COMMON, "--tp", "2", "--pp", "2", "--schedule", "braided_v", "--steps", "2", "--save", str(ckpt),
-                  "--metrics", str(first)))
+                  "--metrics", str(first), forked=True))
     want = _losses(full)
     assert _losses(first) == want[:2]
     for n, layout in ((2, ["--tp", "1", "--pp", "2", "--schedule", "zb_v"]), (4, ["--pp", "4", "--schedule", "1f1b"])):
         out = tmp_path / f"resumed_{n}.jsonl"
-        proc = _torchrun(n, LLM, *COMMON, *layout, *steps, "--resume", str(ckpt), "--metrics", str(out))
+        proc = _torchrun(n, LLM, *COMMON, *layout, *steps, "--resume", str(ckpt), "--metrics", str(out), forked=True)
         _ok(proc)
         assert "resharded to" in proc.stderr
         assert _close(_losses(out), want[2:], RESHARD_RTOL), (layout, _losses(out), want[2:])
@@ -190,13 +204,14 @@ def test_saved_at_tp2_pp2_resumes_at_tp1_pp2_and_at_pp4_with_the_uninterrupted_l
 def test_vlm_saved_at_tp2_pp2_resumes_at_dp2_and_in_one_process(tmp_path: Path) -> None:
     common = ["--mbs", "4", "--seed", "1", "--device", "cpu"]
     full, ckpt = tmp_path / "full.jsonl", tmp_path / "ckpt"
-    _ok(_python(VLM, *common, "--steps", "5", "--metrics", str(full)))
-    _ok(_torchrun(4, VLM, *common, "--tp", "2", "--pp", "2", "--schedule", "braided_v", "--steps", "2", "--save", str(ckpt)))
+    _ok(_python(VLM, *common, "--steps", "5", "--metrics", str(full), forked=True))
+    _ok(_torchrun(4, VLM, *common, "--tp", "2", "--pp", "2", "--schedule", "braided_v", "--steps", "2", "--save", str(ckpt),
+                  forked=True))
     mid = tmp_path / "mid.jsonl"
     _ok(_torchrun(4, VLM, "--seed", "1", "--device", "cpu", "--pp", "2", "--dp", "2", "--mbs", "2", "--schedule", "zb_v",
-                  "--steps", "4", "--resume", str(ckpt), "--save", str(ckpt), "--metrics", str(mid)))
+                  "--steps", "4", "--resume", str(ckpt), "--save", str(ckpt), "--metrics", str(mid), forked=True))
     last = tmp_path / "last.jsonl"
-    _ok(_python(VLM, *common, "--steps", "5", "--resume", str(ckpt), "--metrics", str(last)))
+    _ok(_python(VLM, *common, "--steps", "5", "--resume", str(ckpt), "--metrics", str(last), forked=True))
     want = _losses(full)
     assert _close(_losses(mid) + _losses(last), want[2:], RESHARD_RTOL), (_losses(mid), _losses(last), want)
 
@@ -204,7 +219,8 @@ def test_vlm_saved_at_tp2_pp2_resumes_at_dp2_and_in_one_process(tmp_path: Path) 
 # -- non-finite loss -------------------------------------------------------------------------------
 def test_non_finite_loss_stops_before_any_save_naming_step_and_rank(tmp_path: Path) -> None:
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    proc = _python(LLM, *COMMON, "--steps", "3", "--init-std", "1e30", "--save", str(ckpt), "--metrics", str(metrics))
+    proc = _python(LLM, *COMMON, "--steps", "3", "--init-std", "1e30", "--save", str(ckpt), "--metrics", str(metrics),
+                   forked=True)
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert errors == ["qwen2.py: error: non-finite loss at step 1 (first on rank 0); stopped before the optimizer update, "
@@ -216,7 +232,7 @@ def test_non_finite_loss_stops_before_any_save_naming_step_and_rank(tmp_path: Pa
 def test_diverging_run_keeps_its_earlier_checkpoints_and_strict_metrics(tmp_path: Path) -> None:
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     proc = _python(LLM, *COMMON, "--steps", "8", "--lr", "1e6", "--save", str(ckpt), "--save-every", "1",
-                   "--keep-checkpoints", "10", "--metrics", str(metrics))
+                   "--keep-checkpoints", "10", "--metrics", str(metrics), forked=True)
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("qwen2.py: error: non-finite") and "(first on rank 0)" in line, line
@@ -363,7 +379,7 @@ def test_a_save_past_the_file_size_limit_is_one_line_and_keeps_the_last_checkpoi
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
-    _ok(_python(LLM, *COMMON, "--steps", "1", "--save", str(ckpt)))
+    _ok(_python(LLM, *COMMON, "--steps", "1", "--save", str(ckpt), forked=True))
     return ckpt
 
 
@@ -446,31 +462,45 @@ DAMAGED = {
 }
 
 
+def _in_process(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """qwen2.py's main in this process, as one process: (exit code, stderr). For checks made before any work."""
+    from test_examples import _in_process as run
+
+    rc, _, err = run(LLM, args, monkeypatch, capsys)
+    return rc, err
+
+
 @pytest.mark.parametrize("case", sorted(DAMAGED))
-def test_damaged_checkpoint_is_one_line_exit_2(saved: Path, tmp_path: Path, case: str) -> None:
+def test_damaged_checkpoint_is_one_line_exit_2(saved: Path, tmp_path: Path, case: str, monkeypatch, capsys) -> None:
+    """The checksum case through the script as a user runs it; the others in this process (the same check, before
+    any process group)."""
     import shutil
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)
     damage, message = DAMAGED[case]
     damage(ckpt / (ckpt / "latest").read_text().strip())
-    proc = _python(LLM, *COMMON, "--steps", "2", "--resume", str(ckpt))
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    if case == "flipped":
+        proc = _python(LLM, *COMMON, "--steps", "2", "--resume", str(ckpt))
+        rc, err = proc.returncode, proc.stderr
+    else:
+        rc, err = _in_process([*COMMON, "--steps", "2", "--resume", str(ckpt)], monkeypatch, capsys)
+    assert rc == 2, err[-2000:]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err[-2000:]
 
 
-def test_resume_with_another_model_is_one_line(saved: Path) -> None:
-    proc = _python(LLM, "--model", "small", "--steps", "2", "--resume", str(saved))
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [line for line in proc.stderr.strip().splitlines() if "saved for another model" in line]
+def test_resume_with_another_model_is_one_line(saved: Path, monkeypatch, capsys) -> None:
+    rc, err = _in_process(["--model", "small", "--steps", "2", "--resume", str(saved)], monkeypatch, capsys)
+    assert rc == 2
+    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if "saved for another model" in line]
 
 
 def test_resume_of_the_own_save_directory_before_any_save_starts_fresh(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     (tmp_path / "ckpt").mkdir()
     (ckpt / ".step_00000001.partial").mkdir()  # a first save that was killed
-    proc = _python(LLM, *COMMON, "--steps", "1", "--save", str(ckpt), "--resume", str(ckpt))
+    proc = _python(LLM, *COMMON, "--steps", "1", "--save", str(ckpt), "--resume", str(ckpt), forked=True)
     _ok(proc)
     assert "no complete checkpoint there yet" in proc.stderr
     assert (ckpt / "latest").read_text().strip() == "step_00000001" and not list(ckpt.glob(".step_*"))
@@ -485,18 +515,18 @@ def test_help_prints_once_under_torchrun() -> None:
 def test_run_file_with_command_line_override_and_replay(tmp_path: Path) -> None:
     run_file, first, again = tmp_path / "run.toml", tmp_path / "first.jsonl", tmp_path / "again.jsonl"
     run_file.write_text(f'seq = 16\nmbs = 4\nseed = 1\ndevice = "cpu"\nsteps = 3\nmetrics = "{first}"\n')
-    _ok(_python(LLM, "--config", str(run_file), "--steps", "2"))
+    _ok(_python(LLM, "--config", str(run_file), "--steps", "2", forked=True))
     assert [_strict(x)["step"] for x in first.read_text().splitlines()] == [1, 2]
     effective = first.with_suffix(".toml")
     assert "steps = 2" in effective.read_text()
-    _ok(_python(LLM, "--config", str(effective), "--metrics", str(again)))
+    _ok(_python(LLM, "--config", str(effective), "--metrics", str(again), forked=True))
     assert _losses(again) == _losses(first)
 
 
 def test_tensorboard_events_beside_the_metrics(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     tb = tmp_path / "tb"
-    _ok(_python(LLM, *COMMON, "--steps", "2", "--tensorboard", str(tb)))
+    _ok(_python(LLM, *COMMON, "--steps", "2", "--tensorboard", str(tb), forked=True))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(tb))
@@ -510,7 +540,7 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path: Path) -> None:
     pytest.importorskip("wandb")
     env = {**_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
            **{k: str(tmp_path) for k in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}}
-    proc = subprocess.run([sys.executable, LLM, *COMMON, "--steps", "2", "--wandb", "braid-test"], env=env,
+    proc = subprocess.run([str(shared_bin() / "python"), LLM, *COMMON, "--steps", "2", "--wandb", "braid-test"], env=env,
                           capture_output=True, text=True, timeout=180, cwd=tmp_path)
     _ok(proc)
     (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")

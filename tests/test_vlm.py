@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from conftest import GPU_RUN_S, GPU_TEST_S
-from distributed_utils import DistPool
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "examples"))
 
@@ -139,10 +138,8 @@ def test_single_rank_chunks_equal_reference(schedule: str, m: int, kind: str) ->
 
 
 @pytest.fixture(scope="module")
-def pool2():
-    pool = DistPool(2, timeout_s=60)
-    yield pool
-    pool.close()
+def pool2(pools):
+    return pools(2)
 
 
 def test_tp2_and_pp2_equal_reference(pool2) -> None:
