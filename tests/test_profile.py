@@ -69,7 +69,10 @@ def test_cpu_profile_is_a_cost_file_for_any_placement() -> None:
     for stage in range(4):
         entry = doc["chunks"][str(stage)]
         assert entry["activation_bytes"] == pytest.approx(_forward_live_bytes(cfg, stage), rel=1e-9)
-        assert 0 < entry["w_residual_bytes"] <= entry["activation_bytes"]
+        # what B leaves for W: a subset of the forward's bytes, plus the SwiGLU product B remade for the
+        # down-projection's weight gradient (braid.tp.swiglu_down; fp32, one per layer)
+        product = cfg.seq * cfg.micro_batch_size * cfg.model.ffn * 4 * cfg.layers_per_stage[stage]
+        assert 0 < entry["w_residual_bytes"] <= entry["activation_bytes"] + product
     # stage 1 has two layers: its forward keeps more than stage 2's one layer
     assert doc["chunks"]["1"]["activation_bytes"] > doc["chunks"]["2"]["activation_bytes"]
 
