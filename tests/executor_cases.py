@@ -239,7 +239,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
         steps_data = [tuple([t.to(dev) for t in x] for x in _data(cfg, m, seed=s + 10 * c.dp)) for s in range(2)]
         if topo.dp > 1:
             raise AssertionError("cases use dp=1")
-        ref = _reference_of(model, steps_data, (cfg.layers, m, dtype, str(dev), c.dp))
+        ref = _reference_of(model, steps_data, ("qwen2", cfg.layers, m, dtype, str(dev), c.dp))
         program = compile_plan(plan)[c.pp]
         chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, seq_shard=sharded)
         for ch in chunks.values():
