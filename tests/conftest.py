@@ -15,6 +15,8 @@ def _session_pools():
     2-core CI machine)."""
     made: dict = {}
     yield made
+    for p in made.values():  # every pool's ranks end at once, then each is waited for
+        p.stop()
     for p in made.values():
         p.close()
 
@@ -44,7 +46,7 @@ def pools(_session_pools):
             except AssertionError:  # a rank that cannot reset: the next module gets fresh ranks
                 held = None
             if held is None or len(set(held)) > 1:  # ranks that disagree on their groups: fresh ranks next
-                pool.close()
+                pool.kill()  # (a clean close would wait on groups only some of them hold)
 
 
 # Per-test limit of the GPU tests that run in ``gpu_pools`` (seconds, the pool's own answer

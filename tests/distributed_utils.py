@@ -193,11 +193,24 @@ class DistPool:
                 os.kill(self.procs[r].pid, signal.SIGUSR1)
         time.sleep(2.0)
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Ask every live rank to end (close it to wait for them): pools stopped together end together."""
         self.closed = True
         for q, p in zip(self.tasks, self.procs):
             if p.is_alive():
                 q.put(None)
+
+    def kill(self) -> None:
+        """End the ranks at once, without their clean-up: for ranks whose state is of no further use."""
+        self.closed = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join()
+
+    def close(self) -> None:
+        self.stop()
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():

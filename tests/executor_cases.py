@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,21 @@ class Reference:
                                          scale=pscale, amplify=amp, cap=cap)
 
 
+# The single-process reference depends only on the model (its layer count; seed, dtype and device fixed by the
+# case) and the data (m, the replica's seeds): the schedules of one layout and m share it. Computed once per
+# rank process and key (a pure function of those inputs), instead of once per schedule.
+_REFERENCES: dict[tuple, Reference] = {}
+
+
+def _reference_of(model, data_steps, key: tuple) -> Reference:
+    """:meth:`Reference.run` of ``model`` on ``data_steps``, computed once per ``key`` (what they are made from);
+    the returned reference holds ``model`` itself as its initial model."""
+    hit = _REFERENCES.get(key)
+    if hit is None:
+        hit = _REFERENCES[key] = Reference.run(copy.deepcopy(model), data_steps)
+    return dataclasses.replace(hit, model=model)
+
+
 def _as_model(model, tensors: dict):
     """A copy of ``model`` whose parameters hold ``tensors`` (to shard reference grads like the weights)."""
     out = copy.deepcopy(model)
@@ -223,7 +239,7 @@ def equivalence(ctx, pp: int, tp: int, schedules_ms: list[tuple[str, int]],
         steps_data = [tuple([t.to(dev) for t in x] for x in _data(cfg, m, seed=s + 10 * c.dp)) for s in range(2)]
         if topo.dp > 1:
             raise AssertionError("cases use dp=1")
-        ref = Reference.run(model, steps_data)
+        ref = _reference_of(model, steps_data, ("qwen2", cfg.layers, m, dtype, str(dev), c.dp))
         program = compile_plan(plan)[c.pp]
         chunks = build_rank_chunks(model, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, seq_shard=sharded)
         for ch in chunks.values():

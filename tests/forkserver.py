@@ -33,7 +33,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.ela
            "numpy")
 
 SHIM = r'''#!{python} -S
-import array, json, os, signal, socket, sys
+import json, os, signal, socket, sys
 
 REAL, SOCK, KIND = {python!r}, {sock!r}, {kind!r}
 
@@ -235,8 +235,25 @@ def _run_child(req: dict, fds: list[int], shim: str) -> None:
         os._exit(code)
 
 
-def _serve(path: str, shim: str) -> None:
+def _receive(conn: socket.socket) -> tuple[dict | None, list[int]]:
+    """A caller's request (8 bytes of length, then JSON) and the descriptors sent with it; None if cut short."""
     import json
+
+    head, fds, _, _ = socket.recv_fds(conn, 8, 1024)
+    while head and len(head) < 8:
+        more = conn.recv(8 - len(head))
+        head = head + more if more else b""
+    size = int.from_bytes(head, "big") if head else 0
+    body = b""
+    while head and len(body) < size:
+        more = conn.recv(size - len(body))
+        if not more:
+            return None, fds
+        body += more
+    return (json.loads(body) if head else None), fds
+
+
+def _serve(path: str, shim: str) -> None:
     import select
     import signal
 
@@ -260,12 +277,12 @@ def _serve(path: str, shim: str) -> None:
             for conn in ready:
                 if conn is listener:
                     conn, _ = listener.accept()
-                    head, fds, _, _ = socket.recv_fds(conn, 8, 1024)
-                    size = int.from_bytes(head, "big")
-                    body = b""
-                    while len(body) < size:
-                        body += conn.recv(size - len(body))
-                    req = json.loads(body)
+                    req, fds = _receive(conn)
+                    if req is None:  # the caller went away mid-request
+                        for fd in fds:
+                            os.close(fd)
+                        conn.close()
+                        continue
                     pid = os.fork()
                     if pid == 0:
                         listener.close()

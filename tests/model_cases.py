@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_cases import EPS, LR, MBS, SEQ, Reference, _data, run_dtype
+from executor_cases import EPS, LR, MBS, SEQ, _data, _reference_of, run_dtype
 
 CFG_KW = dict(vocab_size=64, hidden=32, heads=4, kv_heads=2, ffn=64)
 FLOAT32_FAMILIES = {"mcore_gpt"}
@@ -44,7 +44,7 @@ def family_equivalence(ctx, family: str, tie: bool, pp: int, tp: int, schedules_
         cfg = fam.config_cls(layers=sum(layers), tie_embeddings=tie, **CFG_KW)
         model = fam.model_cls(cfg).init_weights(seed=7).to(dtype)
         steps_data = [tuple(list(x) for x in _data(cfg, m, seed=s)) for s in range(2)]
-        ref = Reference.run(model, steps_data)
+        ref = _reference_of(model, steps_data, (family, tie, cfg.layers, m, dtype))  # once per model, m and data
         src = meta_model(fam.model_cls, cfg, seed=7, dtype=dtype) if meta else model
         chunks = build_rank_chunks(src, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
         shard = lambda whole: build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp)  # noqa: E731

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from executor_cases import EPS, LR, MBS, SEQ, Reference, _data, run_dtype
+from executor_cases import EPS, LR, MBS, SEQ, _data, _reference_of, run_dtype
 from braid.core.ir import Braided
 
 # heads x head_dim != hidden; layer 1 dense (mlp_only_layers), the others mixtures of 4 experts, top-2
@@ -79,7 +79,10 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         model = Qwen3MoeModel(cfg).to(dev).init_weights(seed=7, std=init_std).to(dtype)
         per_rank = [[tuple([t.to(dev) for t in x] for x in _data(cfg, m, seed=s + 10 * r)) for r in range(topo.dp)]
                     for s in range(2)]
-        ref = Reference.run(model, [tuple(sum((d[i] for d in step), []) for i in (0, 1)) for step in per_rank])
+        # the reference is the same for every schedule of one model, m and data (computed once per rank process)
+        ref = _reference_of(model, [tuple(sum((d[i] for d in step), []) for i in (0, 1)) for step in per_rank],
+                            ("qwen3_moe", repr(sorted((CFG_KW if cfg_kw is None else cfg_kw).items())), cfg.layers, init_std,
+                             m, dtype, str(dev), topo.dp))
 
         def shard(whole, with_groups=None):
             chunks = build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)

@@ -139,6 +139,8 @@ def test_cuda_graph_flag_bad_input_is_one_line_exit_2(tmp_path, monkeypatch, cap
     script = None if module else str(ROOT / argv[0])
     monkeypatch.setattr(sys, "argv", [script or module, *argv[2 if module else 1:]])
     capsys.readouterr()
+    if module:  # run as a new interpreter would: not the copy other tests imported (runpy would warn about it)
+        monkeypatch.delitem(sys.modules, module, raising=False)
     try:
         if module:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
