@@ -83,6 +83,7 @@ class RankContext:
 
 
 SHARED_POOL = "attention-group-pool"  # RankContext.groups key of the 2D-Attention GroupPool
+DEAD_GRACE_S = 2.0  # after a rank died: how long answers its live peers already sent may take to arrive
 
 
 def reset_rank(ctx: RankContext) -> int:
@@ -157,6 +158,18 @@ class DistPool:
         for p in self.procs:
             p.start()
 
+    def _drain(self, waiting: set[int], grace_s: float) -> dict[int, tuple[bool, Any]]:
+        """Answers of the ranks in ``waiting`` that arrive within ``grace_s``."""
+        out: dict[int, tuple[bool, Any]] = {}
+        end = time.monotonic() + grace_s
+        while waiting - set(out) and time.monotonic() < end:
+            try:
+                rank, ok, val = self.results.get(timeout=max(0.0, min(0.2, end - time.monotonic())))
+            except queue.Empty:
+                continue
+            out[rank] = (ok, val)
+        return out
+
     def run(self, fn: Callable, *args: Any, timeout_s: float = 120.0) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every rank; returns results by rank, raises on any failure.
 
@@ -171,6 +184,8 @@ class DistPool:
                 rank, ok, val = self.results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
+                if dead:  # answers the live ranks already sent (a busy host can delay them past the poll) still count
+                    got.update(self._drain(set(range(self.world_size)) - set(got) - set(dead), DEAD_GRACE_S))
                 if dead or time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - set(got))
                     self._dump_stacks(missing)
