@@ -1,8 +1,9 @@
 """The example training loop under faults, layout changes and bad input, with real processes (gloo, CPU).
 
-Runs that check what training computes or reports (resharding, non-finite losses, run files, metrics) start
-their processes through the session's fork server (``forkserver.py``); kills, signals, file size limits,
-plain-rank start-ups, torchrun's summary and ``--help`` run in new interpreters.
+Runs that check what training computes or reports (resharding, non-finite losses, run files, metrics, and the
+reference and resumed runs of the kill tests) start their processes through the session's fork server
+(``forkserver.py``); the killed runs, signals, file size limits, plain-rank start-ups, torchrun's summary and
+``--help`` run in new interpreters.
 
 * killed with SIGKILL at random moments and during saves, then resumed from its
   directory, a run continues where its last complete save stopped and ends with the
@@ -125,7 +126,7 @@ def test_single_process_killed_at_random_moments_and_during_saves_resumes_exactl
 
     steps = 10
     ref = tmp_path / "ref.jsonl"
-    _ok(_python(LLM, *COMMON, "--steps", str(steps), "--metrics", str(ref)))
+    _ok(_python(LLM, *COMMON, "--steps", str(steps), "--metrics", str(ref), forked=True))  # the reference: forked
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     # One command starts and restarts the run: --resume names the run's own --save directory.
     base = [LLM, *COMMON, "--steps", str(steps), "--save", str(ckpt), "--save-every", "1", "--metrics", str(metrics),
@@ -144,7 +145,7 @@ def test_single_process_killed_at_random_moments_and_during_saves_resumes_exactl
             assert checkpoint.verify(folder) == [], attempt
             saved = checkpoint.read_layout(folder)["step"]
     assert kills >= 3 and saved > 0  # really interrupted, several times, saves included
-    final = _python(*base)
+    final = _python(*base, forked=True)  # the resumed run: forked (its launch is not what is killed)
     _ok(final)
     assert f"at step {saved} " in final.stderr  # continued where the last complete save stopped
     assert _losses(metrics) == _losses(ref)  # same layout, same arithmetic: exact
@@ -169,14 +170,14 @@ def _children(pid: int) -> list[int]:
 def test_torchrun_worker_killed_during_a_save_resumes_where_the_last_save_stopped(tmp_path: Path) -> None:
     steps = 5
     ref = tmp_path / "ref.jsonl"
-    _ok(_python(LLM, *COMMON, "--steps", str(steps), "--metrics", str(ref)))
+    _ok(_python(LLM, *COMMON, "--steps", str(steps), "--metrics", str(ref), forked=True))  # the reference: forked
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     args = [LLM, *COMMON, "--pp", "2", "--schedule", "1f1b", "--steps", str(steps), "--save", str(ckpt), "--save-every", "1",
             "--metrics", str(metrics)]
     proc = _start(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", *args])
     assert _kill_after(proc, metrics, ckpt, 2, True, 0, pids=lambda: _children(proc.pid))  # during step 2's save
     assert proc.returncode != 0
-    resumed = _torchrun(2, *args, "--resume", str(ckpt))
+    resumed = _torchrun(2, *args, "--resume", str(ckpt), forked=True)
     _ok(resumed)
     assert "at step 1 " in resumed.stderr
     assert _close(_losses(metrics), _losses(ref), RESHARD_RTOL), (_losses(metrics), _losses(ref))
@@ -481,7 +482,7 @@ def test_damaged_checkpoint_is_one_line_exit_2(saved: Path, tmp_path: Path, case
     damage, message = DAMAGED[case]
     damage(ckpt / (ckpt / "latest").read_text().strip())
     if case == "flipped":
-        proc = _python(LLM, *COMMON, "--steps", "2", "--resume", str(ckpt))
+        proc = _python(LLM, *COMMON, "--steps", "2", "--resume", str(ckpt), forked=True)
         rc, err = proc.returncode, proc.stderr
     else:
         rc, err = _in_process([*COMMON, "--steps", "2", "--resume", str(ckpt)], monkeypatch, capsys)
