@@ -30,8 +30,17 @@ from torch import nn
 INSTALL_HINT = "megatron-core is not installed: pip install -e '.[megatron]' (megatron-core==0.16.1)"
 
 
+# megatron-core's modules warn as they are imported that Transformer Engine and Apex are missing and that they
+# fall back to torch: what the bench's notes already say of its rows (braid.measure.peers), repeated per rank.
+_FALLBACK_NOTICE = r"(Transformer Engine and Apex are|Apex is) not installed"
+
+
 def require() -> Any:
-    """The ``megatron.core`` module, or one ``ModuleNotFoundError`` saying how to install it."""
+    """The ``megatron.core`` module, or one ``ModuleNotFoundError`` saying how to install it; its import-time
+    notices of the missing Transformer Engine and Apex are not printed (:data:`_FALLBACK_NOTICE`)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=_FALLBACK_NOTICE, category=UserWarning, module=r"megatron\.")
     try:
         import megatron.core as mc
     except ImportError as e:
@@ -124,7 +133,8 @@ def transformer_config(cfg: Any, *, tp: int = 1, pp: int = 1, vp: int | None = N
         # gloo as on NCCL). Overlapped on eager CUDA; a graphed step and gloo wait for each
         # transfer where it is issued.
         batch_p2p_comm=False, overlap_p2p_comm=not cpu and not graphed,
-        **({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"} if graphed else {}),
+        # eager: no scope (the default, "full", is deprecated and warns)
+        **({"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"} if graphed else {"cuda_graph_scope": []}),
         **(extra or {}),
     )
 
