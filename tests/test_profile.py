@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from braid.core.braiding import OpKind, unit_tasks
+from braid.core.braiding import OpKind, Unit, unit_tasks
 from braid.cost.costs import Layout, costs_from_dict
 from braid.models.qwen2 import Qwen2Config
 from braid.core.partition import chunk_specs
@@ -93,3 +93,26 @@ def test_the_device_hold_before_a_phase_stays_bounded_when_the_phase_waits_on_th
     assert max(holds) < 3 * work
     assert issue_time(0.004, hold_for(0.003), cuda=True) == 0.004  # issued ahead of the device: as measured
     assert issue_time(0.2, 0.1, cuda=False) == 0.2  # CPU: no hold
+
+
+def test_a_units_negative_forward_figure_keeps_the_chunks_total() -> None:
+    # Under sequence sharding a unit's forward frees the gathered input its predecessor's follow made (counted
+    # there): its allocator delta is negative. The chunk's activation total is the sum of the deltas, spread over
+    # the units whose figures are not negative; read as 0, the freed buffer would be counted twice.
+    from braid.core.braiding import ChunkSpec
+    from braid.measure.units import _unit_costs
+
+    mib = 2**20
+    fwd = {"embed": 84 * mib, "pre_attn": -20 * mib, "attn": 100 * mib, "pre_mlp": 90 * mib, "mlp": 70 * mib}
+    bwd = {"embed": -84 * mib, "pre_attn": -10 * mib, "attn": -60 * mib, "pre_mlp": -70 * mib, "mlp": -70 * mib}
+    spec = ChunkSpec(layers=2, embed=True)
+    mem = [[ph, u, layer, b] for layer in (0, 1) for ph, d in (("F", fwd), ("B", bwd)) for u, b in d.items()
+           if u != "embed" or layer == 0]
+    times = [[ph, u, layer, 1e-3] for ph, u, layer, _ in mem]
+    got = _unit_costs([{"times": times, "mem": mem, "work": []}], spec, ar_s=0.0)
+    count = {"embed": 1, "pre_attn": 2, "attn": 2, "pre_mlp": 2, "mlp": 2}
+    total = sum(got[Unit(u)].act * n for u, n in count.items())
+    assert total == pytest.approx(84 * mib + 2 * (-20 + 100 + 90 + 70) * mib)
+    assert got[Unit.PRE_ATTN].act == 0.0 and all(c.act >= 0 for c in got.values())
+    kept = sum(got[Unit(u)].w_res * n for u, n in count.items())  # what the backward leaves for W: the same rule
+    assert kept == pytest.approx(2 * (-30 + 40 + 20 + 0) * mib)

@@ -429,6 +429,15 @@ def measure_rank(d, pc: ProfileConfig, groups, chunks: dict | None = None, comm=
 # ----------------------------------------------------------------------------------------
 # From measurements to a cost model
 # ----------------------------------------------------------------------------------------
+def _spread(per_unit: dict[str, float], count: dict[str, int]) -> dict[str, float]:
+    """Per unit, its share of the chunk total ``sum(per_unit[u] * count[u])`` (at least 0), in proportion to its
+    non-negative figure: the total is kept where a unit's own figure went below zero."""
+    total = max(0.0, sum(v * count[u] for u, v in per_unit.items()))
+    pos = {u: max(0.0, v) for u, v in per_unit.items()}
+    norm = sum(v * count[u] for u, v in pos.items())
+    return {u: (v * total / norm if norm > 0 else 0.0) for u, v in pos.items()}
+
+
 def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float, ar_vision_s: float | None = None,
                 a2a: tuple[float, float] = (0.0, 0.0)) -> dict[Unit, UnitCost]:
     """Average the per-instance medians (over layers and TP ranks) into one cost per unit kind.
@@ -467,14 +476,12 @@ def _unit_costs(entries: list[dict[str, Any]], spec: ChunkSpec, ar_s: float, ar_
     units = sorted({u for _, u in t}, key=[x.value for x in Unit].index)
     per_chunk = Counter(u.value for u, _ in spec.layer_units())  # half layers count their half
     count = {u: (1 if Unit(u) in (Unit.EMBED, Unit.HEAD, Unit.MERGE) else per_chunk[u]) for u in units}
-    act = {u: max(0.0, mean(m, ("F", u))) for u in units}
-    kept = {u: mean(m, ("F", u)) + mean(m, ("B", u)) for u in units}
-    # Boxes freed one unit late (norm backward at the start of the next unit) can make a
-    # unit's own figure negative: keep the chunk total, spread over the non-negative ones.
-    total_kept = max(0.0, sum(kept[u] * count[u] for u in units))
-    pos = {u: max(0.0, kept[u]) for u in units}
-    norm = sum(pos[u] * count[u] for u in units)
-    w_res = {u: (pos[u] * total_kept / norm if norm > 0 else 0.0) for u in units}
+    # A unit's own figure can be negative: boxes freed one unit late (norm backward at the start of the
+    # next unit); under sequence sharding a unit's forward frees the gathered input its predecessor's
+    # follow made (counted there). Keep each chunk total, spread over the non-negative figures: a
+    # negative one read as 0 would count what it freed twice.
+    act = _spread({u: mean(m, ("F", u)) for u in units}, count)
+    w_res = _spread({u: mean(m, ("F", u)) + mean(m, ("B", u)) for u in units}, count)
     out = {}
     for u in units:
         unit = Unit(u)
