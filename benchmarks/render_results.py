@@ -29,7 +29,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = ("README.md", "docs/bench.md", "docs/bench_runs.md", "docs/costs.md", "docs/training.md")
+DOCS = ("README.md", "docs/bench.md", "docs/bench_runs.md", "docs/costs.md", "docs/results.md", "docs/results_peers.md",
+        "docs/results_runtime.md", "docs/training.md")
 BLOCK = re.compile(r"(<!-- results: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
 
 

@@ -42,7 +42,7 @@ def test_every_block_is_in_a_document_once(render_results) -> None:
 
 def test_a_figure_edited_by_hand_is_caught(render_results) -> None:
     """A block's figure changed by hand (85.72 -> 85.73 ms) or a row dropped is stale; the render restores it."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "results.md").read_text()
     block = next(m for m in render_results.BLOCK.finditer(text) if m["name"] == "braided-overlap")
     assert "| 85.72 ms |" in block["body"]
     for edited in (text.replace("| 85.72 ms |", "| 85.73 ms |", 1),
