@@ -189,7 +189,7 @@ class DistPool:
                 if dead or time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - set(got))
                     self._dump_stacks(missing)
-                    self.close()
+                    self.kill()  # a rank still stuck (or waiting on a dead peer) would hold a clean close for its join timeout
                     why = f"rank processes died (exit codes {dead})" if dead else f"no answer within {timeout_s} s"
                     # A rank that failed first often leaves its peers waiting for it: say what it raised.
                     errors = "".join(f"\n--- rank {r} failed first ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok)
