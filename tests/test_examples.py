@@ -43,7 +43,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _python(*args: str, timeout: float = 120, forked: bool = False) -> subprocess.CompletedProcess:
+def _python(*args: str, timeout: float = 180, forked: bool = False) -> subprocess.CompletedProcess:
     """``python ARGS`` in the checkout. ``forked``: a process forked from the session's fork server
     (``forkserver.py``: the same arguments, environment, output and exit code, without an interpreter
     start-up), for runs whose launch is not what the test checks."""
@@ -51,7 +51,7 @@ def _python(*args: str, timeout: float = 120, forked: bool = False) -> subproces
     return subprocess.run([exe, *args], env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def _torchrun(n: int, *args: str, timeout: float = 180, forked: bool = False) -> subprocess.CompletedProcess:
+def _torchrun(n: int, *args: str, timeout: float = 240, forked: bool = False) -> subprocess.CompletedProcess:
     """``torchrun`` on ``n`` local ranks; ``forked``: the agent and its workers forked from the fork server."""
     if forked:
         return subprocess.run([str(shared_bin() / "torchrun"), "--nproc-per-node", str(n), "--standalone", *args], env=_env(),

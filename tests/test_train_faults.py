@@ -34,38 +34,13 @@ from pathlib import Path
 import pytest
 
 from forkserver import shared_bin
+from test_examples import _env, _ok, _python, _torchrun  # launches: forked or real interpreters
 
 ROOT = Path(__file__).resolve().parent.parent
 LLM = str(ROOT / "examples" / "qwen2.py")
 VLM = str(ROOT / "examples" / "qwen2_vl.py")
 COMMON = ["--seq", "16", "--mbs", "4", "--seed", "1", "--device", "cpu"]
 RESHARD_RTOL = 1e-5  # fp32; another TP/PP split sums the same terms in another order
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    return env
-
-
-def _python(*args: str, timeout: float = 180, forked: bool = False) -> subprocess.CompletedProcess:
-    """``python ARGS``; ``forked``: forked from the session's fork server (``forkserver.py``), for runs whose
-    launch is not what the test checks (the kills, signals, limits and torchrun summaries below use real
-    interpreters)."""
-    exe = str(shared_bin() / "python") if forked else sys.executable
-    return subprocess.run([exe, *args], env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
-def _torchrun(n: int, *args: str, timeout: float = 240, forked: bool = False) -> subprocess.CompletedProcess:
-    if forked:
-        return subprocess.run([str(shared_bin() / "torchrun"), "--nproc-per-node", str(n), "--standalone", *args], env=_env(),
-                              capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return _python("-m", "torch.distributed.run", "--nproc-per-node", str(n), "--standalone", *args, timeout=timeout)
-
-
-def _ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 def _strict(line: str) -> dict:
