@@ -439,7 +439,8 @@ def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
 
 def seq_shard_w_stash(ctx, shard: bool) -> tuple[list, list, list]:
     """One layer at tp=2 (float64), forward then activation backward unit by unit (weight gradients split
-    off): the shapes of the column-parallel linears' stashed inputs after B, what the chunk still holds
+    off): the shapes of the column-parallel linears' stashed inputs and the row-parallel ones' stashed output
+    gradients after B, what the chunk still holds
     (:meth:`pending_work`) after every W, and the weight gradients."""
     from braid.core.braiding import AR_BACKWARD, AR_FORWARD, LAYER_UNITS, ChunkSpec, Comm, Phase, UnitTask
     from braid.core.topology import Topology
@@ -471,8 +472,8 @@ def seq_shard_w_stash(ctx, shard: bool) -> tuple[list, list, list]:
         out = ch.run(0, UnitTask(Phase.B, unit, 0, Comm.AR if unit in AR_BACKWARD else None))
         if out is not None:
             reduce_now(out, groups.tp)
-    stashed = sorted(tuple(x.shape) for unit in LAYER_UNITS for m in ch._deferred(unit, 0)
-                     for x in m.stashed_inputs(0) if unit.value.startswith("pre_"))
+    stashed = sorted(tuple(x.shape) for unit in LAYER_UNITS for m in ch._deferred(unit, 0)  # the whole-sequence slots
+                     for x in (m.stashed_tensors(0)[::2] if unit.value.startswith("pre_") else m.stashed_tensors(0)[1::2]))
     held = []
     for unit in reversed(LAYER_UNITS):
         ch.run(0, UnitTask(Phase.W, unit, 0))

@@ -187,7 +187,8 @@ def test_sequence_parallel_matches_reference_and_saves_activations(pools) -> Non
 def test_a_split_backward_stashes_the_ranks_tokens_and_w_gathers_them(pools) -> None:
     # Under sequence sharding the column-parallel linears' input gradient does not read their input: B
     # stashes the rank's s/t tokens for W (not the gathered sequence, Megatron's choice too), W gathers
-    # them, and the weight gradients are those of the unsharded layer.
+    # them, and the weight gradients are those of the unsharded layer. So for the row-parallel linears'
+    # output gradient (the same on every TP rank): B stashes the rank's tokens of it, W gathers them.
     pool = pools(2)
     whole = pool.run(cases.seq_shard_w_stash, False, timeout_s=60)
     shard = pool.run(cases.seq_shard_w_stash, True, timeout_s=60)

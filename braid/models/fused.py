@@ -68,7 +68,8 @@ class FusedOps:
         the GEMM during that call): no weight gradient is stashed and the op's W tasks have
         nothing to do. Call between steps. A micro-batch marked joint whose backward is
         split after all (a B, then a W) gets the right gradients, but its W then finds no
-        stash: mark exactly the ``BW`` ops.
+        stash: mark exactly the ``BW`` ops. Under sequence sharding (not fused) they keep their
+        row-parallel output gradients whole (:meth:`~braid.models.seq_shard_ops.SeqShardOps._shard_grad_stash`).
         """
         if self._ops or self._bwd:
             raise ChunkStateError("joint micro-batches changed with a micro-batch in flight")

@@ -24,6 +24,11 @@ Where the unit cuts are (Korthikanti et al. Sec. 4.2.2, operators g and g-bar):
   holds ``s/t`` tokens until W, not the whole sequence (Megatron-LM gathers in its weight
   gradient too). The LM head's input is saved whole: nothing runs before its backward for a
   re-gather to hide behind.
+* A row-parallel linear's output gradient (out-proj, down-proj) is the gathered gradient of its
+  unit's output, the same on every TP rank. Where the W is split off (a ``B`` op, not a ``BW``:
+  :attr:`joint`), the stash keeps the rank's tokens of it (:meth:`_shard_grad_stash`) and W gathers
+  it as it gathers an input, started as the W before it begins (:meth:`prefetch_stashed`). A full
+  backward keeps it whole: its W comes right after the B, with nothing to gather beside.
 * RMSNorm weights see only the rank's tokens: their gradients are shares, summed over TP at
   the end of the step (:meth:`sum_seq_grads`).
 """
@@ -36,12 +41,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from braid.core.braiding import Phase, Unit, UnitTask, gather_head
+from braid.core.braiding import Phase, Unit, UnitTask, gather_head, unit_tasks
+from braid.core.ir import OpKind
 from braid.models.chunk_parts import ChunkStateError, _Backward, _Box, _Piece
 from braid.tp.layers import accumulate_grad
 from braid.tp.seq_shard import Scatter, gather_start, gathered_view, scatter_request
 
 _PRE_OF = {Unit.ATTN: Unit.PRE_ATTN, Unit.MLP: Unit.PRE_MLP}  # the backward unit that follows (same layer)
+_ROW_END = (Unit.ATTN, Unit.MLP)  # the units that end with a row-parallel linear (its output: the unit's)
 
 
 def gather_through(chunks: Any, comm: Any) -> None:
@@ -59,6 +66,7 @@ class SeqShardOps:
 
     seq_shard: bool
     tp_group: Any
+    joint: frozenset[int]  # micro-batches whose backward is a BW op (each unit's W right after its B)
 
     def _init_seq_shard(self, on: bool) -> None:
         self.seq_shard = on and self.tp_group is not None and dist.get_world_size(self.tp_group) > 1
@@ -77,6 +85,7 @@ class SeqShardOps:
         # the same memory) -> [tokens, None | (buffer, work) | gathered]
         self._defer_gathers = False
         self._stashed_local: dict[int, list] = {}
+        self._w_next: dict[tuple[Unit, int], tuple[Unit, int]] | None = None  # a W unit -> the W unit after it
 
     # -- reductions and gathers -----------------------------------------------------------
     def _reduction(self, mb: int, out: torch.Tensor) -> torch.Tensor | Scatter:
@@ -216,20 +225,27 @@ class SeqShardOps:
         """The records of the rank's tokens stashed for the W of (``mb``, ``unit``, ``layer``), once each."""
         seen: dict[int, list] = {}
         for mod in self._deferred(unit, layer):
-            for x in mod.stashed_inputs(mb):
+            for x in mod.stashed_tensors(mb):
                 rec = self._stashed_local.get(x.data_ptr())
                 if rec is not None:
                     seen[x.data_ptr()] = rec
         return list(seen.values())
 
+    def _next_w(self, unit: Unit, layer: int) -> tuple[Unit, int] | None:
+        """The W unit task that follows (``unit``, ``layer``) in a W op (:func:`braid.core.braiding.unit_tasks`)."""
+        if self._w_next is None:
+            order = [(t.unit, t.layer) for t in unit_tasks(OpKind.W, self.spec)]
+            self._w_next = dict(zip(order, order[1:]))
+        return self._w_next.get((unit, layer))
+
     def prefetch_stashed(self, mb: int, unit: Unit, layer: int) -> None:
-        """As the W of ``unit`` starts, start gathering the stashed tokens of the W after it (its
-        pre-unit in the same layer), so the gather runs beside this W's compute -- from the pre-unit's
-        saved tokens where its B is still to come (then they are stashed with the gather in flight)."""
-        pre = _PRE_OF.get(unit)
-        if pre is None:
+        """As the W of ``unit`` starts, start gathering the stashed tokens of the W after it, so the gather
+        runs beside this W's compute: a pre-unit's input (from its saved tokens where its B is still to come:
+        then they are stashed with the gather in flight) or a row-parallel linear's output gradient."""
+        nxt = self._next_w(unit, layer)
+        if nxt is None:
             return
-        box = self._boxes.get((mb, pre, layer))
+        box = self._boxes.get((mb, *nxt)) if _PRE_OF.get(unit) is nxt[0] else None
         if box is not None:  # its B has not run yet (a full backward: each unit's W follows its B): the saved tokens
             for i, held in box.gathered.items():
                 local = box.tensors[i]
@@ -238,9 +254,29 @@ class SeqShardOps:
                     if rec[1] is None:
                         rec[1] = self._gather_start(local)
             return
-        for rec in self._stashed_of(mb, pre, layer):
+        for rec in self._stashed_of(mb, *nxt):
             if rec[1] is None:
                 rec[1] = self._gather_start(rec[0])
+
+    def _shard_grad_stash(self, mb: int, unit: Unit, layer: int, whole: torch.Tensor) -> None:
+        """After the split-off activation backward of an ``attn``/``mlp`` unit (``mb`` not :attr:`joint`):
+        its row-parallel linears' stashed output gradients, ``whole`` over the sequence and the same on every
+        TP rank (the unit's output gradient through the fused residual), kept as the rank's tokens (a copy:
+        ``s/t`` of the bytes until W) and gathered again by their W (:meth:`gather_stashed`)."""
+        if unit not in _ROW_END or mb in self.joint:
+            return
+        t, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+        n = whole.shape[1] // t
+
+        def local(g: torch.Tensor) -> torch.Tensor:
+            if g.shape != whole.shape:  # already the rank's tokens
+                return g
+            mine = g.narrow(1, rank * n, n).clone(memory_format=torch.contiguous_format)  # not a view: frees g
+            self._stashed_local[mine.data_ptr()] = [mine, None]
+            return mine
+
+        for mod in self._deferred(unit, layer):
+            mod.map_stash(mb, grad=local)
 
     def gather_stashed(self, mb: int, unit: Unit, layer: int) -> None:
         """Before the W of (``mb``, ``unit``, ``layer``): its modules' stashed tokens replaced by the whole
@@ -261,7 +297,7 @@ class SeqShardOps:
             return x if rec is None else rec[1]
 
         for mod in self._deferred(unit, layer):
-            mod.map_stashed_inputs(mb, whole)
+            mod.map_stash(mb, inp=whole, grad=whole)
         for rec in recs:
             del self._stashed_local[rec[0].data_ptr()]
 

@@ -162,11 +162,11 @@ class Executor:
         offloads = any(isinstance(ins, (Offload, Reload)) for ins in program.instructions)
         cut = "the program offloads activations" if offloads else None
         self.fused = {c: ch.choose_fused(cut) for c, ch in chunks.items()}
-        # A fused chunk runs a BW op's backward as one loss.backward()-like call (set_joint;
-        # set again at every step: chunks may be shared with an executor of another program).
+        # A BW op's micro-batches (set_joint, again every step: chunks may be shared with another program's
+        # executor): a fused chunk runs their backward as one loss.backward()-like call, a sequence-sharded one
+        # stashes their row-parallel output gradients whole (no W split off to gather them in).
         self._joint = {c: frozenset(op.mb for ins in program.instructions for op in compute_ops(ins)
-                                    if op.kind is OpKind.BW and op.chunk == c) if self.fused[c] else frozenset()
-                       for c in chunks}
+                                    if op.kind is OpKind.BW and op.chunk == c) for c in chunks}
         self._by_shape: dict[tuple, tuple[tuple[int, UnitTask], ...]] = {}
         self._bound: dict[tuple[int, bool], tuple[tuple[_Bound, ...], dict[str, int]]] = {}
         # Where an all-reduce stays in flight beside the next compute instruction's first unit task.

@@ -103,16 +103,18 @@ class DeferredWeightGrad(nn.Module):
     def has_stash(self, key: Hashable) -> bool:
         return key in self._stash
 
-    def stashed_inputs(self, key: Hashable) -> list[torch.Tensor]:
-        """The inputs stashed under ``key`` (none if nothing is)."""
-        return [item[0] for item in self._stash.get(key, ())]
+    def stashed_tensors(self, key: Hashable) -> list[torch.Tensor]:
+        """The inputs and output gradients stashed under ``key`` (none if nothing is)."""
+        return [t for item in self._stash.get(key, ()) for t in item]
 
-    def map_stashed_inputs(self, key: Hashable, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace each input stashed under ``key`` by ``fn(input)``: a sequence-sharded chunk stashes the
-        rank's tokens of a gathered input and gathers them in W (:mod:`braid.models.seq_shard_ops`)."""
+    def map_stash(self, key: Hashable, inp: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  grad: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Replace each input stashed under ``key`` by ``inp(input)`` and each output gradient by
+        ``grad(grad_output)`` (either left alone where None): a sequence-sharded chunk stashes the rank's
+        tokens of a whole-sequence tensor and gathers them in W (:mod:`braid.models.seq_shard_ops`)."""
         items = self._stash.get(key)
         if items:
-            self._stash[key] = [(fn(item[0]), *item[1:]) for item in items]
+            self._stash[key] = [(inp(a) if inp else a, grad(b) if grad else b) for a, b in items]
 
     def stash_bytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for v in self._stash.values() for a, b in v)
