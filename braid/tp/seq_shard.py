@@ -87,10 +87,31 @@ def reduce_now(req: torch.Tensor | Scatter, group: Any) -> None:
         dist.all_reduce(req, group=group)
 
 
+class _AddShardResidual(torch.autograd.Function):
+    """``out`` with ``residual`` added into the rank's tokens, in place; its backward hands the output
+    gradient on as it is (autograd's own in-place add on a slice would copy the whole of it first)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, residual: torch.Tensor, rank: int) -> torch.Tensor:
+        n = residual.shape[1]
+        out.narrow(1, rank * n, n).add_(residual)
+        ctx.mark_dirty(out)
+        ctx.span = (rank * n, n)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start, n = ctx.span
+        return grad, grad.narrow(1, start, n) if ctx.needs_input_grad[1] else None, None
+
+
 def add_shard_residual(out: torch.Tensor, residual: torch.Tensor, rank: int) -> torch.Tensor:
     """The fused residual under sequence sharding: ``residual`` (b, s/t, h), this rank's tokens of
     the layer input, added once into its own tokens of ``out`` (b, s, h, partial over TP), so
-    that the reduce-scatter's sum holds it exactly once (in place: no second (b, s, h) tensor)."""
+    that the reduce-scatter's sum holds it exactly once (in place: no second (b, s, h) tensor, and
+    the backward passes the gathered output gradient through without a copy)."""
+    if torch.is_grad_enabled() and (out.requires_grad or residual.requires_grad):
+        return _AddShardResidual.apply(out, residual, rank)
     n = residual.shape[1]
     out.narrow(1, rank * n, n).add_(residual)
     return out
