@@ -337,10 +337,12 @@ def gather_head(task: UnitTask) -> bool:
 
 
 def next_of_op(tasks: Sequence[tuple[int, UnitTask]], k: int) -> UnitTask | None:
-    """The unit task of step ``k``'s member after it, when step ``k`` starts a reduction (its head
-    then runs as that reduction ends, under sequence sharding); None otherwise. ``tasks``: (member, task)."""
+    """The F or B unit task of step ``k``'s member after it, when step ``k`` starts a reduction (its head
+    then runs as that reduction ends, under sequence sharding); None otherwise. ``tasks``: (member, task).
+    A full backward's W tasks in between (they wait for nothing) are passed over: the head runs beside them,
+    on the stream that ran its forward's head (a CUDA graph capture reuses the reduction's buffer then)."""
     member, task = tasks[k]
-    return next((t for m, t in tasks[k + 1:] if m == member), None) if task.ar else None
+    return next((t for m, t in tasks[k + 1:] if m == member and t.phase is not Phase.W), None) if task.ar else None
 
 
 def early_heads(tasks: Sequence[tuple[int, UnitTask]]) -> tuple[int, ...]:
