@@ -36,7 +36,7 @@ from braid.cost.device_memory import MEMORY_MARGIN
 from braid.planner.search import MAX_SIMULATIONS, MICRO_BATCH_SIZES, Evaluation, Problem, SearchResult, layouts, search
 from braid.simulate import resolve_model
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER, OPTIMIZERS, describe
-from braid.io.cli import MAX_MBS, check_outputs
+from braid.io.cli import MAX_MBS, check_outputs, resolve_seq_shard
 
 MAX_GPUS = 1 << 20  # beyond any cluster: the job costs and torchrun lines of more are meaningless
 
@@ -67,10 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS,
                     help="; ".join(f"{m}: {describe(m)}" for m in OPTIMIZERS)
                          + " -- the examples' --optimizer; bytes per parameter: docs/training.md")
-    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
-                    help="rank the layouts with sequence parallelism inside TP where it runs (tp > 1, no --cp, a "
-                         "decoder LM; the examples' flag of that name) or without it (default: without, as the "
-                         "examples run)")
+    ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                    help="rank the layouts with sequence parallelism inside TP where the examples turn it on (tp > 1, no "
+                         "--cp, a dense decoder LM; the examples' flag of that name) or without it (default: with it, as "
+                         "the examples run)")
     ap.add_argument("--ep", default="auto", metavar="E|auto",
                     help="a mixture-of-experts model's expert-parallel degree: auto (default) searches every power of "
                          "two that divides a layout's data-parallel ranks and, times tp, the experts; a number fixes it "
@@ -114,8 +114,8 @@ def torchrun_command(prob: Problem, ev: Evaluation) -> str:
         args += ["--ep", str(p.ep)]
     if p.recompute:
         args += ["--recompute", "full"]
-    if p.seq_shard:  # the example's default is off
-        args += ["--sequence-parallel"]
+    if p.seq_shard != resolve_seq_shard(None, p.tp, seq=mdl.seq, cp=p.cp, vision=vision, moe=bool(mdl.experts)):
+        args += ["--sequence-parallel" if p.seq_shard else "--no-sequence-parallel"]  # not the example's default
     if p.cp > 1:
         args += ["--cp", str(p.cp), "--hp", str(p.hp), "--placement", p.sp_placement]
         if p.ring:

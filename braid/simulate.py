@@ -422,9 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(err))
     if args.hardware not in HARDWARE:
         ap.error(f"unknown hardware {args.hardware!r}; valid names: {', '.join(HARDWARE)}")
+    notes: list[str] = []  # printed once the input is known good (bad input stays one line)
     try:  # the model, hardware and tp on their own (one stage; an MLLM's ViT has its own), before any schedule
         model = model_from_args(args)
-        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=model.seq, vision=model.vit is not None)
+        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=model.seq, vision=model.vit is not None,
+                                                   moe=bool(model.experts), note=notes.append)
         if args.moe_imbalance != 1.0 and not model.experts:
             raise ValueError(f"--moe-imbalance {args.moe_imbalance} weighs a mixture of experts; {model.name!r} is dense")
         check_moe(model, args.tp, args.ep)
@@ -493,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_from_args(args)
     except ValueError as err:
         ap.error(str(err))
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
     from braid.io.progress import Progress
 
     bar = Progress(len(chosen) + len(plans), "simulate", enabled=sys.stderr.isatty())  # a terminal only: a log keeps bad input one line

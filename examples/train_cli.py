@@ -323,9 +323,6 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         raise UsageError(f"{torch_names[0]} runs tp x pp layouts only: use --dp 1 --cp 1 (world size = tp * pp)")
     try:
         sp = sp_config(task, args)
-        # braid's schedules (the baselines run their own TP): on at tp > 1 unless --cp > 1 or a VLM, which it does not cover
-        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=args.seq, cp=args.cp,
-                                                   vision=task.vision)
         topo = Topology(world, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
         opts = {}
         if args.offload_alpha is not None:
@@ -369,6 +366,12 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
                                  "use --last-stage-lighter 0 and a layer count divisible by 2 * pp")
         check_training_flags(task, args, model_vocab=model.cfg.lm.vocab_size if task.vision else model.cfg.vocab_size)
         check_expert_parallel(args, model, torch_names)
+        # braid's schedules (the baselines run their own TP): on at tp > 1 unless --cp > 1, a VLM or an MoE model's
+        # eager step; the report's first line says why where it is off (seq_shard_note)
+        args.seq_shard_note = None
+        args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=args.seq, cp=args.cp,
+                                                   vision=task.vision, moe=getattr(model.cfg, "experts", None) is not None,
+                                                   note=lambda s: setattr(args, "seq_shard_note", s))
         if sp is not None:
             sp.check_model(heads=model.cfg.heads, kv_heads=model.cfg.kv_heads, tp=args.tp, seq_len=task.seq_len(model, args))
         # the data are read (and --data tokenised) here, on every rank before any process group: a bad file is

@@ -97,7 +97,8 @@ def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     lines = [f"# {task.prog} {f'--hf {args.hf}' if args.hf else f'--model {args.model}'}: tp={args.tp}{' (sequence-parallel)' if args.sequence_parallel else ''} pp={args.pp} "
              f"dp={args.dp} m={args.mbs} micro-batch {args.micro_batch_size} x {seq} tokens, {args.steps} steps on {setup.world} x {where} "
-             f"({str(dtype).replace('torch.', '')}); step time = median after the first step"]
+             f"({str(dtype).replace('torch.', '')}); step time = median after the first step"
+             + (f"; {args.seq_shard_note}" if getattr(args, "seq_shard_note", None) else "")]
     head = f"{'schedule':<18} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'last loss':>10}"
     if ref is not None:
         head += f" {'max rel diff':>13} {'norm diff':>10}"

@@ -41,7 +41,7 @@ def a2a_beside_partner(program, chunks, trace) -> int:
 
 def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], cfg_kw: dict | None = None,
                    init_std: float = 0.2, tp: int = 1, compiled: bool = False, dispatch: str = "splits",
-                   ep_backend: str = "nccl") -> list[str]:
+                   ep_backend: str = "nccl", seq_shard: bool = False) -> list[str]:
     """Two AdamW steps of each (schedule, m) of a Qwen3-MoE model on ``pp`` pipeline ranks x ``dp``
     data-parallel ranks (the rest of the world over ``tp``), experts sharded over ``ep`` of them, against the
     single-process model trained on every DP rank's micro-batches: the step's mean loss, every
@@ -50,7 +50,8 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
     error). ``cfg_kw``: the model's shape instead of :data:`CFG_KW`; ``init_std``: its weights' spread;
     ``compiled``: the distributed model's units call the compiled unit functions (:mod:`braid.runtime.compiled`);
     ``dispatch``: how the rows cross ranks (``--moe-dispatch``: splits or padded); ``ep_backend``: the EP
-    group's exchanges (``--ep-backend``; ``nccl-ce`` must then have run every exchange through its staging)."""
+    group's exchanges (``--ep-backend``; ``nccl-ce`` must then have run every exchange through its staging);
+    ``seq_shard``: sequence parallelism inside TP (:mod:`braid.tp.seq_shard`; tp > 1)."""
     from braid import schedules
     from braid.core.compiler import compile_plan
     from braid.core.partition import split_layers
@@ -85,12 +86,13 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
                              m, dtype, str(dev), topo.dp))
 
         def shard(whole, with_groups=None):
-            chunks = build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp)
+            chunks = build_rank_chunks(whole, plan, c.pp, layers, tp_rank=c.tp, tp_size=tp, tp_group=groups.tp, seq_shard=seq_shard)
             shard_experts(chunks.values(), experts.ep_rank, ep, with_groups, dispatch)
             return chunks
 
         where = f"qwen3_moe {name} pp={pp} tp={tp} dp={topo.dp} ep={ep} {dispatch} m={m} rank={ctx.rank}"
         chunks = shard(model, experts)
+        assert all(ch.seq_shard == (seq_shard and tp > 1) for ch in chunks.values()), where
         host_free = tp == 1 and dispatch == "padded"  # (the harness gives ep=1 a dispatcher too: a group of one)
         assert all(ch.moe_host_free() == host_free for ch in chunks.values() if ch.spec.moe), where
         if compiled:
@@ -100,7 +102,7 @@ def ep_equivalence(ctx, pp: int, ep: int, schedules_ms: list[tuple[str, int]], c
         params = [p for ch in chunks.values() for p in ch.parameters()]
         opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
         ex = Executor.from_groups(plan, compile_plan(plan)[c.pp], chunks, groups, ctx.dist.abort,
-                                  act_shape=(MBS, SEQ, cfg.hidden), dtype=dtype, device=dev)
+                                  act_shape=(MBS, SEQ // tp if seq_shard else SEQ, cfg.hidden), dtype=dtype, device=dev)
         for step, data in enumerate(per_rank):
             opt.zero_grad(set_to_none=True)
             res = ex.run(*data[c.dp])

@@ -53,7 +53,8 @@ GPU_ONLY = {"graph_smoke.py": "needs 2 CUDA devices",
             "bench_attention_layout.py": "needs a CUDA device",
             "bench_memory_terms.py": "needs CUDA devices",
             "plan_fits.py": "needs 2 CUDA devices",
-            "bench_p2p_capture.py": "needs 2 CUDA devices"}  # the one line it refuses with on CPU
+            "bench_p2p_capture.py": "needs 2 CUDA devices",
+            "probe_capture_stream_reuse.py": "needs a CUDA device"}  # the one line it refuses with on CPU
 HELPERS = {"_spawn.py"}  # imported by the scripts, not run
 
 

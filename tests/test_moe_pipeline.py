@@ -46,3 +46,15 @@ def test_compiled_units_with_expert_parallelism(pools) -> None:
     want = ["1f1b m=3", "braided_v m=5"]
     assert pools(2).run(cases.ep_equivalence, 1, 2, [("1f1b", 3), ("braided_v", 5)], None, 0.2, 1, True,
                         timeout_s=300) == [want] * 2
+
+
+@pytest.mark.slow
+def test_sequence_parallelism_with_an_moe_model(pools) -> None:
+    # sequence parallelism inside TP (braid.tp.seq_shard) around the MoE layers -- the router and the
+    # experts read the gathered sequence, the combine's output is reduce-scattered -- at pp=2 x tp=2
+    # (m not a multiple of p) and tp=2 x (dp=2, ep=2), equal to the single-process model
+    want = ["braided_v m=5", "zb_v m=4", "1f1b_i m=4"]
+    assert pools(4).run(cases.ep_equivalence, 2, 1, [("braided_v", 5), ("zb_v", 4), ("1f1b_i", 4)], None, 0.2, 2,
+                        False, "splits", "nccl", True, timeout_s=300) == [want] * 4
+    assert pools(4).run(cases.ep_equivalence, 1, 2, [("braided_v", 3)], None, 0.2, 2, False, "splits",
+                        "nccl", True, timeout_s=300) == [["braided_v m=3"]] * 4

@@ -27,11 +27,17 @@ def test_gathered_view_and_the_shard_residual_follow_the_sequence_layout() -> No
     assert torch.equal(out[:, 4:6], shards[2]) and out[:, :4].abs().sum() == 0 and out[:, 6:].abs().sum() == 0
 
 
-def test_the_flag_is_opt_in_at_tp_above_1_and_refuses_what_it_does_not_cover() -> None:
-    assert not resolve_seq_shard(None, 2) and resolve_seq_shard(True, 2) and not resolve_seq_shard(True, 1)  # opt-in
-    assert not resolve_seq_shard(None, 2, cp=2) and not resolve_seq_shard(None, 2, vision=True)
-    assert not resolve_seq_shard(False, 8)
-    assert resolve_seq_shard(True, 2, seq=4096) and not resolve_seq_shard(None, 2, seq=4096)
+def test_the_flag_is_on_at_tp_above_1_where_it_runs_and_refuses_what_it_does_not_cover() -> None:
+    assert resolve_seq_shard(None, 2) and resolve_seq_shard(True, 2) and not resolve_seq_shard(True, 1)  # on by default
+    assert not resolve_seq_shard(None, 1) and not resolve_seq_shard(False, 8)
+    assert resolve_seq_shard(True, 2, seq=4096) and resolve_seq_shard(None, 2, seq=4096)
+    notes: list[str] = []
+    # off by default where it does not run, or an MoE model's eager step would pay for it, saying why in one line
+    for kw, word in (({"cp": 2}, "--cp"), ({"vision": True}, "vision"), ({"seq": 4095}, "4095"), ({"moe": True}, "MoE")):
+        assert not resolve_seq_shard(None, 2, note=notes.append, **kw), kw
+        assert len(notes) == 1 and word in notes[0] and "\n" not in notes[0], (kw, notes)
+        notes.clear()
+    assert resolve_seq_shard(True, 2, moe=True)  # asked for: an MoE model runs it (tests/test_moe_pipeline.py)
     with pytest.raises(SeqShardError, match="4095 is not divisible by tp=2"):
         resolve_seq_shard(True, 2, seq=4095)
     for kw, word in (({"cp": 2}, "--cp"), ({"vision": True}, "vision")):

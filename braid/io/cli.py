@@ -140,8 +140,7 @@ class SeqShardError(ValueError):
 def check_seq(seq: int, tp: int) -> None:
     """Refuse a sequence length that ``tp`` ranks cannot split evenly."""
     if tp > 1 and seq % tp:
-        raise SeqShardError(f"--sequence-parallel: sequence length {seq} is not divisible by tp={tp}; "
-                            "pick a --seq divisible by tp or use --no-sequence-parallel")
+        raise SeqShardError(seq_shard_refusal(tp, seq=seq)[1])
 
 
 def local_seq(seq: int, tp: int, on: bool) -> int:
@@ -154,9 +153,10 @@ def local_seq(seq: int, tp: int, on: bool) -> int:
 
 SEQ_SHARD_HELP = ("sequence parallelism inside tensor parallelism (Megatron's; not --cp): reduce-scatter and all-gather "
                   "over the sequence where TP all-reduces, norms and residual on s/t tokens, a layer's activations "
-                  "34/t instead of 10 + 24/t bytes per s*b*h. Default: off (opt in at --tp > 1; it does not cover --cp > 1, "
-                  "a vision-language model or a sequence --tp does not divide; on 2 H100s its step is level with the unsharded "
-                  "one, its activation peak 0.87-0.90x)")
+                  "34/t instead of 10 + 24/t bytes per s*b*h. Default: on at --tp > 1 where it runs (a decoder LM, --cp 1, "
+                  "a sequence --tp divides; elsewhere off, and the run says why). On 2 H200s at tp=2 its graphed step is "
+                  "level with or faster than the unsharded one and its activation peak 0.83-0.87x; an eager step "
+                  "(--cuda-graph none) is host-bound and slower with it")
 
 
 def add_seq_shard_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -164,23 +164,49 @@ def add_seq_shard_arg(ap: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
     ap.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None, help=SEQ_SHARD_HELP)
 
 
-def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp: int = 1, vision: bool = False) -> bool:
-    """Whether a run shards the sequence over TP (:mod:`braid.tp.seq_shard`): ``flag``; None (not asked
-    for) is off -- it matches the single-process model (gloo and NCCL, eager and graphed), and on 2 H100s
-    its step is level with the unsharded one, but its activation peak is 0.87-0.90x of it, short of the
-    formula's 0.77x (benchmarks/results/sp_tp2_pp1_h100_8l_ce_r5.txt; the SwiGLU intermediate it does not
-    shard holds half the peak: sp_tp2_pp1_h100_4l_memory_snapshot.txt). No effect at tp=1. ``True`` where it cannot run (``cp > 1``,
-    ``vision``, a ``seq`` that ``tp`` does not divide) raises :class:`~braid.tp.seq_shard.SeqShardError`,
-    a one-line refusal."""
-    if flag is None:
+def seq_shard_refusal(tp: int, *, seq: int | None = None, cp: int = 1, vision: bool = False) -> tuple[str, str] | None:
+    """Why sequence parallelism inside TP does not run at this layout -- (the reason, the one-line refusal
+    of ``--sequence-parallel``) -- or None where it does (or tp = 1, where it has no effect)."""
+    if tp == 1:
+        return None
+    if cp > 1:
+        return "--cp > 1 shards the sequence over its own group (2D-Attention)", NO_SEQ_SHARD_WITH_CP
+    if vision:
+        return "the vision tower and its merger keep whole sequences under TP", NO_SEQ_SHARD_VISION
+    if seq is not None and seq % tp:
+        return (f"sequence length {seq} is not divisible by tp={tp}",
+                f"--sequence-parallel: sequence length {seq} is not divisible by tp={tp}; "
+                "pick a --seq divisible by tp or use --no-sequence-parallel")
+    return None
+
+
+# An MoE model at tp > 1 steps eagerly (its routing counts are read on the host: braid.runtime.graphs), and an
+# eager step is host-bound: sequence parallelism's added launches (a reduce-scatter, the norm on the rank's
+# tokens, an all-gather where one all-reduce was) made a dense one 1.4x slower (sp_tp2_pp1_h100_eager_host.txt).
+MOE_SEQ_SHARD_EAGER = "an MoE model at tp > 1 steps eagerly (host-bound), where its added launches cost more than it saves"
+
+
+def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp: int = 1, vision: bool = False,
+                      moe: bool = False, note: Callable[[str], None] | None = None) -> bool:
+    """Whether a run shards the sequence over TP (:mod:`braid.tp.seq_shard`). None (not asked for) is on at
+    ``tp > 1`` where it runs, and off where it does not (``cp > 1``, ``vision``, a ``seq`` that ``tp`` does
+    not divide) or an MoE model's eager step would pay for it (:data:`MOE_SEQ_SHARD_EAGER`), the reason passed
+    to ``note`` in one line. It matches the single-process model (gloo and NCCL, eager and graphed, dense and
+    MoE); on 2 H200s at tp=2 a graphed step with it is level with or faster than without, its activation peak
+    0.83-0.87x (docs/results.md). ``True`` where it cannot run raises :class:`SeqShardError`, a one-line
+    refusal; ``False`` is off."""
+    if flag is False or tp == 1:
         return False
-    if flag and tp > 1 and cp > 1:
-        raise SeqShardError(NO_SEQ_SHARD_WITH_CP)
-    if flag and tp > 1 and vision:
-        raise SeqShardError(NO_SEQ_SHARD_VISION)
-    if flag and seq is not None:
-        check_seq(seq, tp)
-    return flag and tp > 1
+    why = seq_shard_refusal(tp, seq=seq, cp=cp, vision=vision)
+    if why is None and moe and flag is None:
+        why = (MOE_SEQ_SHARD_EAGER, "")
+    if why is None:
+        return True
+    if flag:
+        raise SeqShardError(why[1])
+    if note is not None:
+        note(f"sequence parallelism inside TP off: {why[0]}")
+    return False
 
 
 # --moe-dispatch: braid.runtime.expert_parallel's AllToAllDispatch, PaddedAllToAllDispatch

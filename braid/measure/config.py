@@ -365,7 +365,8 @@ def config_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, plac
         return ProfileConfig(model, tuple(lps), seq, args.micro_batch_size, args.tp, args.pp, args.chunks,
                              placement if args.chunks == 2 else "loop", args.dtype or ("bfloat16" if device == "cuda" else "float32"),
                              device, args.iters, 1, peak, resolve_compile(args.compile, device), args.tp_backend,
-                             resolve_seq_shard(args.sequence_parallel, args.tp, seq=seq, vision=vision is not None),
+                             resolve_seq_shard(args.sequence_parallel, args.tp, seq=seq, vision=vision is not None,
+                                               moe=bool(getattr(cfg, "experts", 0))),
                              vision=vision, ep=args.ep, moe_dispatch=args.moe_dispatch, tp_max_ctas=args.tp_max_ctas,
                              ep_max_ctas=args.ep_max_ctas, ep_backend=args.ep_backend)
     except ValueError as err:

@@ -55,7 +55,7 @@ from braid.cost.catalog import ModelConfig
 from braid.cost.device_memory import planned_device_bytes
 from braid.core.capture import captured_by_default
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER
-from braid.io.cli import MAX_MBS, MAX_PM
+from braid.io.cli import MAX_MBS, MAX_PM, resolve_seq_shard
 
 MICRO_BATCH_SIZES = (1, 2, 4)
 MAX_SIMULATIONS = 500  # a search's default budget: a count, so its answer is the same on any machine
@@ -117,7 +117,7 @@ class Problem:
     global_batch: int
     memory_bytes: float
     optimizer: str = DEFAULT_OPTIMIZER  # a braid.cost.optimizer_modes mode
-    seq_shard: bool = True  # sequence parallelism inside TP where it runs (tp > 1, cp = 1, a decoder LM)
+    seq_shard: bool = True  # sequence parallelism inside TP where the examples turn it on (braid.io.cli.resolve_seq_shard)
     ep: int | None = 1  # an MoE model's expert-parallel degree: given, layouts whose dp it divides (cp = 1) keep it;
     # None, searched: every power of two dividing a layout's dp whose experts split over tp x ep (:func:`expert_degrees`)
     moe_imbalance: float = 1.0  # the busiest expert rank's routed tokens over the mean (braid.cost.moe_costs)
@@ -176,7 +176,8 @@ def layouts(prob: Problem) -> Iterator[Parallel]:
                     for ep in expert_degrees(prob, tp, dp) if cp == 1 else [1]:  # experts beside cp > 1: not run
                         for mbs in MICRO_BATCH_SIZES:
                             if (prob.global_batch // dp) % mbs == 0:
-                                shard = prob.seq_shard and tp > 1 and cp == 1 and mdl.vit is None and mdl.seq % tp == 0
+                                shard = prob.seq_shard and resolve_seq_shard(None, tp, seq=mdl.seq, cp=cp, vision=mdl.vit is not None,
+                                                                             moe=bool(mdl.experts))
                                 yield Parallel(tp, pp, dp, cp, sp[0], sp[1], sp[2], mbs, False, prob.optimizer,  # type: ignore[arg-type]
                                                seq_shard=shard, ep=ep, moe_imbalance=prob.moe_imbalance)
 
