@@ -367,7 +367,7 @@ def prepare(task: Task, argv: Sequence[str] | None) -> Setup:
         check_training_flags(task, args, model_vocab=model.cfg.lm.vocab_size if task.vision else model.cfg.vocab_size)
         check_expert_parallel(args, model, torch_names)
         # braid's schedules (the baselines run their own TP): on at tp > 1 unless --cp > 1, a VLM or an MoE model's
-        # eager step; the report's first line says why where it is off (seq_shard_note)
+        # eager step; the layout line says why where it is off (seq_shard_note, train_report.seq_shard_words)
         args.seq_shard_note = None
         args.sequence_parallel = resolve_seq_shard(args.sequence_parallel, args.tp, seq=args.seq, cp=args.cp,
                                                    vision=task.vision, moe=getattr(model.cfg, "experts", None) is not None,

@@ -95,10 +95,9 @@ def format_comparison(task: Task, setup: Setup, stats: dict[str, RunStats], ref:
     flops = task.flops_per_sample(setup.model, args)
     peak = peak_flops(args, device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    lines = [f"# {task.prog} {f'--hf {args.hf}' if args.hf else f'--model {args.model}'}: tp={args.tp}{' (sequence-parallel)' if args.sequence_parallel else ''} pp={args.pp} "
+    lines = [f"# {task.prog} {f'--hf {args.hf}' if args.hf else f'--model {args.model}'}: tp={args.tp}{seq_shard_words(args)} pp={args.pp} "
              f"dp={args.dp} m={args.mbs} micro-batch {args.micro_batch_size} x {seq} tokens, {args.steps} steps on {setup.world} x {where} "
-             f"({str(dtype).replace('torch.', '')}); step time = median after the first step"
-             + (f"; {args.seq_shard_note}" if getattr(args, "seq_shard_note", None) else "")]
+             f"({str(dtype).replace('torch.', '')}); step time = median after the first step"]
     head = f"{'schedule':<18} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'last loss':>10}"
     if ref is not None:
         head += f" {'max rel diff':>13} {'norm diff':>10}"
@@ -229,6 +228,14 @@ def _finite_or_none(v: Any) -> Any:
     return v
 
 
+def seq_shard_words(args: Any) -> str:
+    """After ``tp=N``: " (sequence-parallel)", or at tp > 1 why it is off (``args.seq_shard_note``, train_cli), or nothing."""
+    if args.sequence_parallel:
+        return " (sequence-parallel)"
+    note = getattr(args, "seq_shard_note", None)
+    return f" ({note})" if note else ""
+
+
 def banner(task: Task, setup: Setup, run_name: str, counts: list[int], state_bytes: list[int], dtype: torch.dtype) -> str:
     """The start-up lines of rank 0: model, layout, parameters and model-state memory per rank."""
     a, topo = setup.args, setup.topo
@@ -236,7 +243,7 @@ def banner(task: Task, setup: Setup, run_name: str, counts: list[int], state_byt
     run = next(r for r in setup.runs if r.name == run_name)
     where = "cpu" if pick_device(a).type == "cpu" else torch.cuda.get_device_name(pick_device(a))
     lines = [f"{task.prog} --model {a.model}: {total:,} parameters, {str(dtype).replace('torch.', '')} on {setup.world} x {where}",
-             f"layout tp={topo.tp} pp={topo.pp} dp={topo.dp} cp={topo.cp}, schedule {run_name}: {len(run.stage_layers)} "
+             f"layout tp={topo.tp}{seq_shard_words(a)} pp={topo.pp} dp={topo.dp} cp={topo.cp}, schedule {run_name}: {len(run.stage_layers)} "
              f"virtual stages of {list(run.stage_layers)} layers; {a.mbs} micro-batches of {a.micro_batch_size} per replica",
              "rank  parameters  model state MiB (weights, gradients, optimizer; activations not included)"]
     lines += [f"{r:>4}  {n:>10,}  {b / 2**20:>14,.1f}" for r, (n, b) in enumerate(zip(counts, state_bytes))]
