@@ -437,11 +437,12 @@ def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
     return kept, {u.value: units[u].act for u in LAYER_UNITS}
 
 
-def seq_shard_w_stash(ctx, shard: bool) -> tuple[list, list, list]:
+def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list, list]:
     """One layer at tp=2 (float64), forward then activation backward unit by unit (weight gradients split
     off): the shapes of the column-parallel linears' stashed inputs and the row-parallel ones' stashed output
     gradients after B, what the chunk still holds
-    (:meth:`pending_work`) after every W, and the weight gradients."""
+    (:meth:`pending_work`) after every W, and the weight gradients. ``joint``: the micro-batch marked as a
+    full backward's (``set_joint``: its W comes right after its B)."""
     from braid.core.braiding import AR_BACKWARD, AR_FORWARD, LAYER_UNITS, ChunkSpec, Comm, Phase, UnitTask
     from braid.core.topology import Topology
     from braid.models.build import build_chunk
@@ -456,6 +457,7 @@ def seq_shard_w_stash(ctx, shard: bool) -> tuple[list, list, list]:
                      seq_shard=shard)
     toks, labs = _data(cfg, 1, 0)
     ch.set_batch(toks, labs)
+    ch.set_joint({0} if joint else set())
     torch.manual_seed(1)
     x, g = (torch.randn(b, s, cfg.hidden, dtype=torch.float64) for _ in range(2))
     rank = groups.coords.tp
@@ -472,8 +474,11 @@ def seq_shard_w_stash(ctx, shard: bool) -> tuple[list, list, list]:
         out = ch.run(0, UnitTask(Phase.B, unit, 0, Comm.AR if unit in AR_BACKWARD else None))
         if out is not None:
             reduce_now(out, groups.tp)
-    stashed = sorted(tuple(x.shape) for unit in LAYER_UNITS for m in ch._deferred(unit, 0)  # the whole-sequence slots
-                     for x in (m.stashed_tensors(0)[::2] if unit.value.startswith("pre_") else m.stashed_tensors(0)[1::2]))
+    # the whole-sequence slots: the column-parallel linears' inputs, the row-parallel ones' output gradients
+    stashed = (sorted(tuple(x.shape) for u in LAYER_UNITS if u.value.startswith("pre_") for m in ch._deferred(u, 0)
+                      for x in m.stashed_tensors(0)[::2]),
+               sorted(tuple(x.shape) for u in LAYER_UNITS if not u.value.startswith("pre_") for m in ch._deferred(u, 0)
+                      for x in m.stashed_tensors(0)[1::2]))
     held = []
     for unit in reversed(LAYER_UNITS):
         ch.run(0, UnitTask(Phase.W, unit, 0))

@@ -192,15 +192,26 @@ def test_a_split_backward_stashes_the_ranks_tokens_and_w_gathers_them(pools) -> 
     pool = pools(2)
     whole = pool.run(cases.seq_shard_w_stash, False, timeout_s=60)
     shard = pool.run(cases.seq_shard_w_stash, True, timeout_s=60)
+
+    def halved(a: list, b: list) -> bool:  # (b, s, h) without sharding, (b, s/2, h) with it
+        return len(a) == len(b) > 0 and all(x[:1] + x[2:] == y[:1] + y[2:] and x[1] == 2 * y[1] for x, y in zip(a, b))
+
     for rank, ((st0, held0, g0), (st1, held1, g1)) in enumerate(zip(whole, shard)):
-        assert st0 and len(st0) == len(st1), (rank, st0, st1)
-        for a, b in zip(st0, st1):  # (b, s, h) without sharding, (b, s/2, h) with it
-            assert a[:1] + a[2:] == b[:1] + b[2:] and a[1] == 2 * b[1], (rank, st0, st1)
+        assert halved(st0[0], st1[0]) and halved(st0[1], st1[1]), (rank, st0, st1)
         assert held1[-1] == [] and held0[-1] == [], (rank, held0, held1)
         assert [n for n, _ in g0] == [n for n, _ in g1], rank
         scale = max(float(a.abs().max()) for _, a in g0)
         for (n, a), (_, b) in zip(g0, g1):  # float64 sums in another order (norms on the rank's tokens)
             assert_matches_reference(b, a, what=f"rank {rank} sharded {n}.grad", scale=scale)
+    # a full backward's micro-batch (W right after B, nothing to gather beside) keeps the output gradients whole;
+    # the inputs are still the rank's tokens, and the weight gradients the same
+    joint = pool.run(cases.seq_shard_w_stash, True, True, timeout_s=60)
+    for rank, ((st0, _, g0), (stj, heldj, gj)) in enumerate(zip(whole, joint)):
+        assert halved(st0[0], stj[0]) and stj[1] == st0[1], (rank, st0, stj)
+        assert heldj[-1] == [], (rank, heldj)
+        scale = max(float(a.abs().max()) for _, a in g0)
+        for (n, a), (_, b) in zip(g0, gj):
+            assert_matches_reference(b, a, what=f"rank {rank} joint {n}.grad", scale=scale)
 
 
 def test_separate_linears_of_one_gathered_input_share_its_gather(pools) -> None:
