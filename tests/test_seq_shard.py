@@ -63,6 +63,9 @@ def test_costs_price_34_over_t_bytes_and_a_reduce_scatter_then_all_gather() -> N
         assert on[Unit.PRE_MLP].ar_b == pytest.approx(off[Unit.PRE_MLP].ar_b + hw.ar_latency_s)
         for u in LAYER:
             assert (on[u].f, on[u].b, on[u].w) == (off[u].f, off[u].b, off[u].w)
+            # a split B's stash: each unit's one whole-sequence tensor (a pre unit's input, an attn/mlp unit's
+            # output gradient; 2 s*b*h bytes) is the rank's tokens
+            assert on[u].w_res == pytest.approx(off[u].w_res - 2 * sbh * (1 - 1 / t))
         run_off = analytic_costs(model, hw, lay, activations="runtime").chunks[(0, 1)].units
         run_on = analytic_costs(model, hw, lay, activations="runtime", seq_shard=True).chunks[(0, 1)].units
         assert run_on[Unit.PRE_ATTN].act < run_off[Unit.PRE_ATTN].act and run_on[Unit.ATTN].act == run_off[Unit.ATTN].act

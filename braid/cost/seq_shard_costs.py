@@ -41,7 +41,10 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     all-gather (the simulator starts it as :func:`braid.core.braiding.early_heads` says).
     Not charged: the one reduce-scatter a chunk's last unit has no gather after (it is part of
     its ``ar_f``) and the re-gather of the column-parallel linears' saved input in their W,
-    which runs beside the row-parallel unit's W before it. Saved bytes: both parts of Korthikanti's
+    which runs beside the row-parallel unit's W before it. A dense layer's split B stashes the rank's tokens of
+    each whole-sequence tensor its W reads (``w_res``: the column-parallel linears' input, the row-parallel ones'
+    output gradient; :mod:`braid.models.seq_shard_ops`; a full backward keeps the gradient whole, but frees its
+    stash at once). Saved bytes: both parts of Korthikanti's
     per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
     gathered linear inputs' bytes over ``t`` (:func:`braid.cost.runtime_act.runtime_act`); the
     head's norm over ``t``, its input (saved whole, :mod:`braid.models.seq_shard_ops`) and logits unchanged.
@@ -50,12 +53,15 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     gather = _half_ring_time(nbytes, t, hw)
     chain = 2 * gather  # reduce-scatter, then the next unit's all-gather
     sbh = nbytes / 2
+    dense = Unit.EXPERTS not in lm
     out = {}
     for u, c in lm.items():
         if u is Unit.EXPERTS:  # an MoE layer's experts: no TP collective, every routed row (not sequence-sharded)
             out[u] = c
             continue
         c = replace(c, ar_b=chain) if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else replace(c, ar_f=chain)
+        if dense:  # a split B's whole-sequence stash -- a pre unit's input, an attn/mlp unit's output gradient -- is the rank's tokens
+            c = replace(c, w_res=c.w_res - nbytes + nbytes / t)
         c = replace(c, ag_f=gather if u in GATHER_HEAD_F else 0.0, ag_b=gather if u in GATHER_HEAD_B else 0.0)
         if runtime:
             whole = tokens * (4 * h + d * h + 4) + tokens * d * h if u in (Unit.PRE_ATTN, Unit.PRE_MLP) else 0.0
