@@ -20,7 +20,7 @@ from braid.planner.braid_tune import count_blocks
 from braid.measure.calibrate import busy_by_chunk, busy_by_phase, calibrate, probe_fit, probe_mbs, probe_plan
 from braid.measure.config import BenchConfig, ProfileConfig, build_chunks
 from braid.measure.experts import count_routes, graph_reason, job_groups
-from braid.io.cli import MOE_SEQ_SHARD_EAGER, seq_shard_refusal
+from braid.io.cli import resolve_seq_shard
 from braid.io.progress import Progress
 from braid.measure.launch import launch
 from braid.measure.report import slowest_rank_steps, summarize
@@ -410,10 +410,9 @@ def _bench_job(d, bc: BenchConfig) -> dict[str, Any] | None:
     raw = raw_doc if raw_doc is not doc else None
     if graph_reason(pc):
         notes.append(f"CUDA graphs off for braid's rows: {graph_reason(pc)}")
-    if pc.tp > 1 and not pc.seq_shard:
-        why = seq_shard_refusal(pc.tp, seq=pc.seq, vision=pc.vision is not None)
-        moe = getattr(pc.model, "experts", 0)
-        notes.append("sequence parallelism inside TP off: " + (why[0] if why else MOE_SEQ_SHARD_EAGER if moe else "--no-sequence-parallel"))
+    if pc.tp > 1 and not pc.seq_shard and resolve_seq_shard(None, pc.tp, seq=pc.seq, vision=pc.vision is not None,
+                                                             moe=bool(getattr(pc.model, "experts", 0)), note=notes.append):
+        notes.append("sequence parallelism inside TP off: --no-sequence-parallel")  # the default would run it
     if pc.tp > 1:
         ctas = max_ctas_for(pc.tp_max_ctas, pc.tp) if comm.backend == "nccl-capped" else None
         notes.append(f"TP all-reduce backend: {comm.backend}" + (f", {ctas} thread blocks" if ctas else "")

@@ -93,10 +93,9 @@ class _AddShardResidual(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, residual: torch.Tensor, rank: int) -> torch.Tensor:
-        n = residual.shape[1]
-        out.narrow(1, rank * n, n).add_(residual)
+        add_shard_residual(out, residual, rank)  # (grad mode is off in here: the plain in-place add)
         ctx.mark_dirty(out)
-        ctx.span = (rank * n, n)
+        ctx.span = (rank * residual.shape[1], residual.shape[1])
         return out
 
     @staticmethod
