@@ -48,7 +48,7 @@ from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout,
 from braid.io.files import atomic_write_text
 from braid.cost.hardware import HARDWARE, get_hardware
 from braid.core.capture import capture_reason, captured_by_default
-from braid.cost.device_memory import planned_device_bytes
+from braid.cost.device_memory import planned_device_bytes, tp_comm_of
 from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
 from braid.cost.catalog import MODELS, ModelConfig, get_model
@@ -334,6 +334,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
         dc = dp_costs(model, costs, Cluster(hw, args.gpus_per_node), par)
         graphed = args.cuda_graph == "step" if args.cuda_graph else captured_by_default(
             tp=par.tp, ep=par.ep, moe=bool(model.experts), moe_dispatch=par.moe_dispatch)
+        backend, staging = tp_comm_of(tp=par.tp, seq_shard=bool(args.sequence_parallel), tokens=model.seq * model.micro_batch_size,
+                                      hidden=model.hidden, itemsize=model.dtype_bytes)
         with_dp = args.dp > 1 or args.optimizer is not None  # asked for: the trace gets the tail's events
         tail = dp_tail([r.end_s for r in report.ranks], ready, dc, chunks=costs.layout.v, record=record and with_dp)
         if record and with_dp:
@@ -346,7 +348,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                         "device_memory_gib": max(planned_device_bytes(
                                             name, static_bytes=dc.held_bytes(r.rank), activation_bytes=r.peak_activation_bytes,
                                             step_bytes=dc.step_temp_bytes(r.rank), graphed=graphed, tp=par.tp, pp=par.pp,
-                                            pp_rank=r.rank, dp=par.dp, cp=par.cp, placement=costs.layout.placement)
+                                            pp_rank=r.rank, dp=par.dp, cp=par.cp, placement=costs.layout.placement,
+                                            tp_backend=backend, ce_staging=staging)
                                             for r in report.ranks) / 2**30}
     if unsearched:
         notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")

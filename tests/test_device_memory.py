@@ -17,8 +17,9 @@ import pytest
 
 from braid import schedules
 from braid.core.ctas import default_max_ctas
-from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEMORY_MARGIN, nccl_bytes,
-                                      outside_allocator_bytes, pipeline_peers, planned_device_bytes, reserve_bytes)
+from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEMORY_MARGIN, ce_staging_bytes, nccl_bytes,
+                                      outside_allocator_bytes, pipeline_peers, planned_device_bytes, reserve_bytes,
+                                      tp_comm_of)
 from braid.io.trace import Event, Trace
 from braid.measure.memory_terms import above_held
 from braid.measure.device_prediction import (DTYPE_BYTES, PRE_FLAG_CTAS, captured_peak, chunk_param_bytes,
@@ -135,6 +136,33 @@ def test_a_captured_step_keeps_its_activations_beside_the_optimizers_temporaries
     cand = Candidate(Parallel(tp=2, pp=1, dp=1, micro_batch_size=1, optimizer="zero1", recompute=True), "braided_v", 16)
     costs = costs_of(prob, cand)
     assert device_memory(prob, cand, costs, 0, 2 * gib, 0.6 * gib, 0.25 * gib) == pytest.approx(graphed)
+
+
+def test_nccl_ce_holds_one_staging_set_of_the_sequence_tensor() -> None:
+    """Under sequence parallelism the TP group runs on nccl-ce, whose staging (two buffers of one micro-batch's
+    (b, s, h) tensor, registered once) the allocator holds from the first step; the group is a full NCCL group."""
+    mib = 2**20
+    assert ce_staging_bytes(4096, 3584, 2, 2) == 56 * mib  # qwen2-7b's layer at seq 4096 in bf16
+    assert ce_staging_bytes(4096, 3584, 2, 1) == 0.0
+    assert ce_staging_bytes(3, 5, 2, 4) == 2 * mib  # padded to tp, the second buffer at the next 4 KiB, one 2 MiB block
+    assert tp_comm_of(tp=2, seq_shard=False, tokens=4096, hidden=3584, itemsize=2) == ("nccl-capped", 0.0)
+    assert tp_comm_of(tp=2, seq_shard=True, tokens=4096, hidden=3584, itemsize=2) == ("nccl-ce", 56 * mib)
+    assert tp_comm_of(tp=1, seq_shard=True, tokens=4096, hidden=3584, itemsize=2) == ("nccl-capped", 0.0)
+    kw = dict(static_bytes=2.0 * 2**30, activation_bytes=0.6 * 2**30, tp=2, pp=1, pp_rank=0, graphed=True)
+    base = planned_device_bytes("1f1b_i", **kw)
+    ce = planned_device_bytes("1f1b_i", tp_backend="nccl-ce", ce_staging=56 * mib, **kw)
+    assert ce - base == pytest.approx(56 * mib + DEVICE_TERMS.group - DEVICE_TERMS.capped_group)
+    from braid.cost.cluster import Cluster, Parallel
+    from braid.cost.hardware import get_hardware
+    from braid.planner.search import Candidate, Problem, costs_of, device_memory
+    from braid.simulate import resolve_model
+
+    model = resolve_model("qwen2-small")
+    prob = Problem(model, 2, Cluster(get_hardware("h100"), 8), 16, 6.0 * 2**30)
+    cand = Candidate(Parallel(tp=2, pp=1, dp=1, micro_batch_size=1, optimizer="zero1", seq_shard=True), "1f1b_i", 16)
+    staging = ce_staging_bytes(model.seq, model.hidden, model.dtype_bytes, 2)
+    assert device_memory(prob, cand, costs_of(prob, cand), 0, kw["static_bytes"], kw["activation_bytes"]) == pytest.approx(
+        planned_device_bytes("1f1b_i", tp_backend="nccl-ce", ce_staging=staging, **kw))
 
 
 def _rows():

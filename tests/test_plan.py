@@ -471,14 +471,14 @@ def test_the_memory_margin_keeps_a_share_of_the_cap_back(tmp_path, capsys) -> No
     by default the planner keeps that share of the cap back; --memory-margin 0 plans to the cap itself."""
     from braid.plan import main as plan_main
 
-    base = ["--model", "qwen2-small", "--gpus", "2", "--hardware", "h100", "--memory", "6", "--global-batch", "16", "--top", "1"]
-    assert plan_main(base) == 2  # 6 GiB less 6.5%: nothing fits
-    assert "no configuration fits 5.6 GiB per GPU (6.0 less --memory-margin 0.065)" in capsys.readouterr().err
+    base = ["--model", "qwen2-small", "--gpus", "2", "--hardware", "h100", "--memory", "6.5", "--global-batch", "16", "--top", "1"]
+    assert plan_main(base) == 2  # 6.5 GiB less 6.5%: nothing fits
+    assert "no configuration fits 6.1 GiB per GPU (6.5 less --memory-margin 0.065)" in capsys.readouterr().err
     out = tmp_path / "plan.json"
     assert plan_main([*base, "--memory-margin", "0", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["problem"]["planned_gib"] == doc["problem"]["memory_gib"] == pytest.approx(6.0)
-    assert doc["ranked"][0]["peak_memory_gib"] <= 6.0
+    assert doc["problem"]["planned_gib"] == doc["problem"]["memory_gib"] == pytest.approx(6.5)
+    assert doc["ranked"][0]["peak_memory_gib"] <= 6.5
     for bad in ("1", "-0.1", "nan"):
         with pytest.raises(SystemExit) as err:
             plan_main([*base, "--memory-margin", bad])

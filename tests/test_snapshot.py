@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from braid.measure.snapshot import (BACKWARD, BEFORE, EXPANDABLE, GRAPH_POOL, OTHER, SEGMENT_BEFORE, STATE, attribute,
-                                    classify, format_attribution, idle_reserve, main, rank_path)
+from braid.measure.snapshot import (BACKWARD, BEFORE, BEFORE_STEP, EXPANDABLE, GRAPH_POOL, OTHER, SEGMENT_BEFORE, STATE,
+                                    attribute, by_stack, classify, format_attribution, idle_reserve, main, rank_path)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS, RUNTIME = str(ROOT / "braid" / "models"), str(ROOT / "braid" / "runtime")
@@ -211,6 +211,22 @@ def test_the_cli_prints_the_attribution_of_a_saved_snapshot(tmp_path, capsys) ->
     assert [line[47:] for line in out[4:7]] == ["weights", "CUDA graph pool", "autograd backward op (no Python frame)"]
     assert out[7].startswith("  reserve when the trace ends: 2.0 MiB") and [x[41:] for x in out[9:]] == [GRAPH_POOL, SEGMENT_BEFORE]
     assert format_attribution(attribute(_snapshot()))[1].startswith("  by kind: state 0.0 MiB (41%)")
+
+
+def test_by_stack_groups_the_peaks_blocks_by_their_call_paths_in_braid(tmp_path, capsys) -> None:
+    """The blocks live at the peak of :func:`_snapshot` by their innermost braid frames (torch's and a script's left out)."""
+    assert by_stack(_snapshot(), 2) == [
+        (1000, 1, BEFORE_STEP), (500, 1, GRAPH_POOL), (400, 1, "(no braid frame)"),
+        (300, 1, "models/qwen2.py:266 project_qkv < models/qwen2.py:262 qkv"),
+        (200, 1, "models/chunk.py:362 _loss < models/chunk.py:390 _forward"),
+        (50, 1, "runtime/p2p.py:77 recv_buffer < runtime/executor.py:300 run")]
+    assert by_stack(_snapshot(), 1, top=4)[3] == (300, 1, "models/qwen2.py:266 project_qkv")
+    f = tmp_path / "s.pickle"
+    f.write_bytes(pickle.dumps(_snapshot()))
+    assert main([str(f), "--stacks", "1", "--top", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-5] == "live at the peak by braid's innermost 1 frames (MiB, blocks):"
+    assert out[-1].endswith("1  models/qwen2.py:266 project_qkv")
 
 
 @pytest.mark.parametrize("content, fragment", [(None, "No such file"), (b"not a pickle", "not a snapshot pickle"),

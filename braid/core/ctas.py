@@ -1,10 +1,18 @@
-"""How many thread blocks (CTAs) NCCL gives the TP group's collectives under ``nccl-capped``: the runtime
-(:mod:`braid.tp.comm`, :meth:`braid.runtime.distributed.ProcessGroups.create`) sets it, the device-memory
-model (:mod:`braid.cost.device_memory`: the group's buffers grow with it) prices it. Torch-free."""
+"""Which backend runs the TP group's collectives on CUDA by default, and how many thread blocks (CTAs) NCCL
+gives them under ``nccl-capped``: the runtime (:mod:`braid.tp.comm`, :meth:`braid.runtime.distributed.ProcessGroups.create`)
+sets both, the device-memory model (:mod:`braid.cost.device_memory`: the group's buffers grow with the blocks,
+nccl-ce adds its staging) prices them. Torch-free."""
 
 from __future__ import annotations
 
 MAX_CTAS_TP2, MAX_CTAS_WIDER = 4, 16  # the defaults (default_max_ctas)
+
+
+def auto_tp_backend(seq_shard: bool, copy_engines: bool = True) -> str:
+    """What ``--tp-backend auto`` runs on CUDA: under sequence sharding ``nccl-ce`` where NCCL has its copy-engine
+    collectives (``copy_engines``: NCCL >= 2.28, :func:`braid.tp.comm.copy_engine_collectives`), else ``nccl-capped``
+    (the measurements behind it: :mod:`braid.tp.comm`'s module doc)."""
+    return "nccl-ce" if seq_shard and copy_engines else "nccl-capped"
 
 
 def default_max_ctas(tp: int) -> int:

@@ -20,6 +20,7 @@ simulator predicts. A rank holds, besides its live tensors:
   state plus its private pool, the capture's allocated peak times the schedule's pool ratio
   (``torch.cuda.graph`` empties the cache before the capture and :class:`braid.runtime.graphs.GraphedStep`
   after it, so the eager warm-up's blocks go, those still held when the capture began included).
+  Under the ``nccl-ce`` TP backend the static state includes its registered staging (:func:`ce_staging_bytes`).
 
 Every figure is one measurement of ``benchmarks/bench_memory_terms.py`` on 2 H100s (torch 2.11,
 CUDA 13.0, NCCL 2.28.9, ``NCCL_NVLS_ENABLE=0``), rank 0 of
@@ -34,11 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-from braid.core.ctas import max_ctas_for
+from braid.core.ctas import auto_tp_backend, max_ctas_for
 
 MIB = 1 << 20
 MEASURED = "benchmarks/results/memory_terms_h100x2_tp2.json"
-TpBackend = Literal["nccl-capped", "nccl", "gloo"]
+TpBackend = Literal["nccl-capped", "nccl", "nccl-ce", "gloo"]
 # the dimensions ProcessGroups.create makes a group of, in its order
 GROUP_DIMS = ("pp", "tp", "dp", "cp", "dp_cp")
 
@@ -143,6 +144,32 @@ def outside_allocator_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: in
                                        tp_backend=tp_backend, tp_max_ctas=tp_max_ctas) + terms.blas + terms.step_modules)
 
 
+def ce_staging_bytes(tokens: int, hidden: int, itemsize: int, tp: int) -> float:
+    """The ``nccl-ce`` TP backend's staging (:class:`braid.tp.ce_reduce.CEBuffers`): one registered set per size the
+    TP group reduces or gathers, made in the first step and kept, inside the allocator beside any graph pool. Every
+    unit's reduction (the partial (b, s, h) output, reduce-scattered under sequence sharding) and every sequence
+    all-gather moves ``tokens * hidden`` elements: one set, two buffers of them padded to a multiple of ``tp`` in one
+    allocation, the second at the next 4 KiB (:func:`braid.tp.ce_reduce.staging_pair`), rounded up to the 2 MiB
+    the allocator gives a large block. Measured beside it (7b-layer, seq 4096, tp=2, 2 H200s,
+    ``benchmarks/results/measurements_h200x2_tp2_sp_memory.txt``): what the allocator reserves outside a graphed
+    step's pool rose by 86 MiB over the same layout without sequence parallelism (nccl-capped), of which this
+    set is 56."""
+    if tp <= 1:
+        return 0.0
+    n = (tokens * hidden + tp - 1) // tp * tp * itemsize
+    x = -(-n // 4096) * 4096
+    return float(-(-(x + n) // (2 * MIB)) * 2 * MIB)
+
+
+def tp_comm_of(*, tp: int, seq_shard: bool, tokens: int, hidden: int, itemsize: int) -> tuple[TpBackend, float]:
+    """The TP backend a run takes by default on CUDA (:func:`braid.core.ctas.auto_tp_backend`) and the staging it
+    holds (:func:`ce_staging_bytes`); ``tokens``: one micro-batch's tokens per TP rank group."""
+    if tp <= 1:
+        return "nccl-capped", 0.0
+    backend = auto_tp_backend(seq_shard)
+    return backend, ce_staging_bytes(tokens, hidden, itemsize, tp) if backend == "nccl-ce" else 0.0
+
+
 def reserve_bytes(terms: DeviceTerms, schedule: str, *, static_bytes: float, peak_bytes: float, graphed: bool) -> float:
     """The allocator's reserve: ``peak_bytes`` is the step's allocated peak above ``static_bytes`` (the
     state held across steps); the static state plus, eager, the peak times the fragmentation, graphed, the pool."""
@@ -157,9 +184,11 @@ def device_bytes(reserve: float, outside: float) -> float:
 
 def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes: float, step_bytes: float = 0.0,
                          graphed: bool, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1, placement: str = "v",
+                         tp_backend: TpBackend = "nccl-capped", ce_staging: float = 0.0,
                          terms: DeviceTerms = DEVICE_TERMS) -> float:
     """What the planner checks against the card's memory on pipeline rank ``pp_rank``: the allocator's reserve
-    and the bytes outside it (TP all-reduces on the capped NCCL group, the CUDA default). ``static_bytes``: the
+    and the bytes outside it. ``tp_backend``: what runs the TP collectives (:func:`braid.core.ctas.auto_tp_backend`);
+    ``ce_staging``: nccl-ce's staging (:func:`ce_staging_bytes`), held from the first step. ``static_bytes``: the
     state held across steps (weights, gradients, optimizer state); ``activation_bytes``: the step's activation
     peak above it; ``step_bytes``: the optimizer step's temporaries. Eager, the allocated peak is the static
     state and the larger of the activations and the temporaries (the update runs after the last backward),
@@ -167,6 +196,7 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
     default: :func:`braid.core.capture.captured_by_default`): the graph's private pool keeps the activations'
     bytes between replays, and the optimizer step, run after the replay outside the graph, allocates its
     temporaries beside it. Its two eager warm-up steps are not priced apart."""
+    static_bytes += ce_staging
     if graphed:
         reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes + step_bytes, peak_bytes=activation_bytes,
                                 graphed=True)
@@ -174,4 +204,4 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
         reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes, peak_bytes=max(activation_bytes, step_bytes),
                                 graphed=False)
     return device_bytes(reserve, outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp,
-                                                         placement=placement))
+                                                         placement=placement, tp_backend=tp_backend))

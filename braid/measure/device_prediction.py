@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from braid.core.partition import chunk_specs
-from braid.cost.device_memory import DEVICE_TERMS, DeviceTerms, device_bytes, outside_allocator_bytes, reserve_bytes
+from braid.cost.device_memory import (DEVICE_TERMS, DeviceTerms, ce_staging_bytes, device_bytes, outside_allocator_bytes,
+                                      reserve_bytes)
 from braid.cost.step_memory import param_sizes
 from braid.io.trace import Trace
 
@@ -80,10 +81,13 @@ def predicted_device_parts(config: Mapping[str, Any], schedule: str, placement: 
     the layout. Eager, the reserve of ``peaks[pp_rank]`` (the predicted allocator peak of the step above the held
     state) beside the weights and gradients; ``graphed``, the graph's pool holds the capture's peak of activations
     and the gradients allocated by then: :func:`captured_peak` of the simulated step's ``trace`` (then ``peaks`` is
-    not read), or without a trace ``peaks`` and every gradient."""
+    not read), or without a trace ``peaks`` and every gradient. Under ``nccl-ce`` (a config with ``seq`` and
+    ``micro_batch_size``) the held state includes its staging (:func:`braid.cost.device_memory.ce_staging_bytes`)."""
     tp, pp = config["tp"], config["pp"]
     params = chunk_param_bytes(config, placement)
     backend = "nccl-capped" if config.get("tp_backend", "auto") == "auto" else config["tp_backend"]
+    staging = ce_staging_bytes(config["seq"] * config.get("micro_batch_size", 1), config["model"]["hidden"],
+                               DTYPE_BYTES[config["dtype"]], tp) if backend == "nccl-ce" else 0.0
     out = []
     for rank in range(tp * pp):
         r = rank // tp
@@ -93,7 +97,7 @@ def predicted_device_parts(config: Mapping[str, Any], schedule: str, placement: 
             held, capture = 2 * weights, peaks[r]  # the gradients held across steps
         else:  # the gradients are in the pool
             held, capture = weights, peaks[r] + weights if trace is None else captured_peak(trace, r, mine)
-        reserve = reserve_bytes(terms, schedule, static_bytes=held, peak_bytes=capture, graphed=graphed)
+        reserve = reserve_bytes(terms, schedule, static_bytes=held + staging, peak_bytes=capture, graphed=graphed)
         outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend,
                                           tp_max_ctas=config.get("tp_max_ctas", PRE_FLAG_CTAS))
         out.append((reserve, outside))

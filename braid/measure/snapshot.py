@@ -195,6 +195,32 @@ def attribute(snapshot: dict[str, Any], top: int = TOP, device: int | None = Non
     device = _device_of(snapshot, device)
     trace = snapshot["device_traces"][device]
     labels: dict[int, str] = snapshot.get("braid_labels") or {}
+    peak, peak_at, live, freed_after = _at_peak(snapshot, device)
+    groups: dict[tuple[str, str], list] = {}  # (kind, term) -> [bytes, count, unit, largest size, its frame]
+    for addr, (size, frames, pool) in live.items():
+        if addr in labels and addr not in freed_after:
+            kind, term, unit, fr = STATE, labels[addr], None, None
+        elif pool is not None and not frames:
+            kind, term, unit, fr = BEFORE, pool, None, None
+        else:
+            kind, term, unit, fr = classify(frames)
+        g = groups.setdefault((kind, term), [0, 0, unit, -1, None])
+        g[0] += size
+        g[1] += 1
+        if size > g[3]:
+            g[3], g[4] = size, fr
+    rows = [Row(kind, term, b, n, unit, _source(fr))
+            for (kind, term), (b, n, unit, _, fr) in groups.items()]
+    rows.sort(key=lambda r: (-r.bytes, r.term))
+    reserved, idle, idle_rows = idle_reserve(snapshot, top, device)
+    return Attribution(device, peak, peak_at, len(trace), rows[:top], _totals(rows, "kind"), _totals(rows, "unit"),
+                       len(trace) >= MAX_ENTRIES, reserved, idle, idle_rows)
+
+
+def _at_peak(snapshot: dict[str, Any], device: int) -> tuple[int, int, dict[int, tuple[int, list, str | None]], set[int]]:
+    """``device``'s allocated peak, the trace entry that reached it, the blocks live then (address -> size, frames,
+    pool term of a block made before the trace) and the addresses the trace frees after it."""
+    trace = snapshot["device_traces"][device]
     events = [(i, e) for i, e in enumerate(trace) if e.get("action") in ("alloc", "free_requested", "free_completed")]
     before = _live_before(snapshot["segments"], events, device)  # addr -> (size, frames, pool term)
     # pass 1: the peak
@@ -220,25 +246,24 @@ def attribute(snapshot: dict[str, Any], top: int = TOP, device: int | None = Non
             live[e["addr"]] = (e["size"], e.get("frames") or [], None)
         else:
             live.pop(e["addr"], None)
-    groups: dict[tuple[str, str], list] = {}  # (kind, term) -> [bytes, count, unit, largest size, its frame]
-    for addr, (size, frames, pool) in live.items():
-        if addr in labels and addr not in freed_after:
-            kind, term, unit, fr = STATE, labels[addr], None, None
-        elif pool is not None and not frames:
-            kind, term, unit, fr = BEFORE, pool, None, None
-        else:
-            kind, term, unit, fr = classify(frames)
-        g = groups.setdefault((kind, term), [0, 0, unit, -1, None])
+    return peak, peak_at, live, freed_after
+
+
+def by_stack(snapshot: dict[str, Any], depth: int, top: int = TOP, device: int | None = None) -> list[tuple[int, int, str]]:
+    """The blocks live at the peak grouped by the innermost ``depth`` frames of braid's code in their stacks
+    (``(bytes, blocks, frames)``, most bytes first, the ``top`` largest): which call path of one code site
+    holds what (a forward's gather against a backward's, say), where :func:`attribute` names only the site."""
+    device = _device_of(snapshot, device)
+    _, _, live, _ = _at_peak(snapshot, device)
+    groups: dict[str, list[int]] = {}
+    for size, frames, pool in live.values():
+        ours = [f"{_norm(fr['filename']).rsplit('/braid/', 1)[-1]}:{fr['line']} {fr['name']}"
+                for fr in frames if "/braid/" in _norm(fr["filename"])][:depth]
+        key = " < ".join(ours) or (pool if pool is not None and not frames else "(no braid frame)")
+        g = groups.setdefault(key, [0, 0])
         g[0] += size
         g[1] += 1
-        if size > g[3]:
-            g[3], g[4] = size, fr
-    rows = [Row(kind, term, b, n, unit, _source(fr))
-            for (kind, term), (b, n, unit, _, fr) in groups.items()]
-    rows.sort(key=lambda r: (-r.bytes, r.term))
-    reserved, idle, idle_rows = idle_reserve(snapshot, top, device)
-    return Attribution(device, peak, peak_at, len(trace), rows[:top], _totals(rows, "kind"), _totals(rows, "unit"),
-                       len(trace) >= MAX_ENTRIES, reserved, idle, idle_rows)
+    return sorted(((b, n, k) for k, (b, n) in groups.items()), key=lambda r: (-r[0], r[2]))[:top]
 
 
 def idle_reserve(snapshot: dict[str, Any], top: int = TOP, device: int | None = None) -> tuple[int, int, list[Idle]]:
@@ -447,7 +472,7 @@ def load_snapshot(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m braid.measure.snapshot FILE [--top N] [--device D]``: the attribution of a saved snapshot."""
+    """``python -m braid.measure.snapshot FILE [--top N] [--device D] [--stacks N]``: the attribution of a saved snapshot."""
     ap = Parser(prog="python -m braid.measure.snapshot",
                 description="Print where the allocated bytes at the peak of a saved CUDA memory snapshot went "
                             "(--memory-snapshot of braid.bench and the training examples, or torch's _dump_snapshot). "
@@ -455,13 +480,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("file", metavar="FILE", help="the snapshot pickle")
     ap.add_argument("--top", type=int, default=TOP, help=f"terms listed (default {TOP})")
     ap.add_argument("--device", type=int, default=None, help="device index of the trace (default: the longest trace)")
+    ap.add_argument("--stacks", type=int, default=0, metavar="N",
+                    help="also list the blocks live at the peak by the innermost N frames of braid's code in their stacks")
     args = ap.parse_args(argv)
     check_counts(ap, args, ("top",))
+    if not 0 <= args.stacks <= 64:
+        ap.error(f"--stacks {args.stacks}: 0 to 64 frames")
     try:
-        att = attribute(load_snapshot(args.file), args.top, args.device)
+        snap = load_snapshot(args.file)
+        att = attribute(snap, args.top, args.device)
     except SnapshotError as err:
         ap.error(str(err))
     print("\n".join(format_attribution(att, str(args.file))))
+    if args.stacks:
+        print(f"live at the peak by braid's innermost {args.stacks} frames (MiB, blocks):")
+        for b, n, k in by_stack(snap, args.stacks, args.top, args.device):
+            print(f"  {b / 2**20:10.1f} {n:6d}  {k}")
     return 0
 
 

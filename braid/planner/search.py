@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator
 from braid.cost.cluster import Cluster, DpCosts, Parallel, dp_costs, job_costs, reduce_time, static_bytes
 from braid.cost.costs import CostModel, Layout, model_forward_flops, model_stage_layers, stage_lighter
 from braid.cost.catalog import ModelConfig
-from braid.cost.device_memory import planned_device_bytes
+from braid.cost.device_memory import planned_device_bytes, tp_comm_of
 from braid.core.capture import captured_by_default
 from braid.cost.optimizer_modes import DEFAULT_OPTIMIZER
 from braid.io.cli import MAX_MBS, MAX_PM, resolve_seq_shard
@@ -380,11 +380,13 @@ def device_memory(prob: Problem, cand: Candidate, costs: CostModel, rank: int, h
     what the planner compares with the card's memory, for the step as the printed command runs it (a whole-step
     CUDA graph where the examples capture one). ``held``: state held across steps; ``activation``: the step's
     activation peak; ``step``: the optimizer step's temporaries."""
-    p, lay = cand.par, costs.layout
-    graphed = captured_by_default(tp=p.tp, ep=p.ep, moe=bool(prob.model.experts), moe_dispatch=p.moe_dispatch)
+    p, lay, mdl = cand.par, costs.layout, prob.model
+    graphed = captured_by_default(tp=p.tp, ep=p.ep, moe=bool(mdl.experts), moe_dispatch=p.moe_dispatch)
+    backend, staging = tp_comm_of(tp=p.tp, seq_shard=p.seq_shard, tokens=mdl.seq * mdl.micro_batch_size,
+                                  hidden=mdl.hidden, itemsize=mdl.dtype_bytes)
     return planned_device_bytes(cand.schedule, static_bytes=held, activation_bytes=activation, step_bytes=step,
                                 graphed=graphed, tp=p.tp, pp=p.pp, pp_rank=rank, dp=p.dp, cp=p.cp,
-                                placement=lay.placement)
+                                placement=lay.placement, tp_backend=backend, ce_staging=staging)
 
 
 def min_memory(prob: Problem, cand: Candidate, costs: CostModel) -> float:

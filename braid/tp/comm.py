@@ -49,7 +49,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from braid.core.ctas import max_ctas_for
+from braid.core.ctas import auto_tp_backend, max_ctas_for
 from braid.tp.ce_reduce import CEBuffers, EventWork
 from braid.tp.seq_shard import Scatter, gather_start, reduce_scatter
 
@@ -89,7 +89,7 @@ def resolve_tp_backend(name: str, device: torch.device | str, seq_shard: bool = 
     if name == "auto":
         if dev.type != "cuda":
             return "gloo"
-        return "nccl-ce" if seq_shard and copy_engine_collectives() else "nccl-capped"
+        return auto_tp_backend(seq_shard, copy_engine_collectives())
     if name not in TP_BACKENDS:
         raise TPBackendError(f"unknown TP backend {name!r}; choose one of auto, {', '.join(TP_BACKENDS)}")
     if dev.type == "cuda" and name == "gloo":
