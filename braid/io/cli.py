@@ -193,7 +193,7 @@ def resolve_seq_shard(flag: bool | None, tp: int, *, seq: int | None = None, cp:
     not divide) or an MoE model's eager step would pay for it (:data:`MOE_SEQ_SHARD_EAGER`), the reason passed
     to ``note`` in one line. It matches the single-process model (gloo and NCCL, eager and graphed, dense and
     MoE); on 2 H200s at tp=2 a graphed step with it is level with or faster than without, its activation peak
-    0.83-0.87x (benchmarks/results/sp_tp2_pp1_h200x2_r5.txt). ``True`` where it cannot run raises
+    0.84-0.87x (benchmarks/results/sp_tp2_pp1_h200x2_r5.txt). ``True`` where it cannot run raises
     :class:`SeqShardError`, a one-line refusal; ``False`` is off."""
     if flag is False or tp == 1:
         return False
