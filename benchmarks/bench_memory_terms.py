@@ -31,7 +31,8 @@ The terms (``term`` in the table and the JSON):
    ``batch_isend_irecv`` to the next rank and from the previous one on the default group, as
    ``braid.runtime.p2p`` issues them: torch opens a communicator per pair); ``nccl.layout_groups``
    (``ProcessGroups.create`` of the step's layout, every pp/tp/dp/cp/dp_cp group, and a first
-   all-reduce on its TP group). The NCCL variables of the environment, the torch and NCCL versions
+   all-reduce on its TP group); with two ranks or more and NCCL >= 2.28, the ``nccl-ce`` backend's group and
+   registered staging sets (:func:`ce_terms`). The NCCL variables of the environment, the torch and NCCL versions
    are in the JSON's ``env`` and ``versions``.
 3. cuBLAS/cuBLASLt, each the ``used`` delta (detail: the reserved and allocated deltas; the
    workspaces come from the allocator, the handles and modules do not) of a first bf16 ``mm``
@@ -267,6 +268,9 @@ def nccl_terms(args, pc, d_box: list, probes: Mapping[str, Probe], dev: torch.de
     else:
         terms.append(Term("nccl.p2p_pair", None, "one rank: no peer"))
 
+    if world > 1:
+        terms += ce_terms(pc, ranks, probes, dev, sync, outside, barrier)
+
     def layout():
         groups = ProcessGroups.create(Topology(world, pp=pc.pp, tp=pc.tp), timeout_s=args.timeout)
         if pc.tp > 1:
@@ -279,6 +283,41 @@ def nccl_terms(args, pc, d_box: list, probes: Mapping[str, Probe], dev: torch.de
     terms.append(t)
     barrier()
     d_box.extend([d, groups])
+    return terms
+
+
+def ce_terms(pc, ranks: list[int], probes: Mapping[str, Probe], dev: torch.device, sync, outside, barrier) -> list[Term]:
+    """The ``nccl-ce`` TP backend's (the default under sequence parallelism) terms, outside the allocator, each with the
+    allocator's reserved delta in its detail: ``nccl.ce_group`` (a group with the zero-CTA policy, as ``make_tp_comm``
+    makes it, and a first all-reduce), ``nccl.ce_staging`` (its first registered staging set, one micro-batch's
+    (b, s, h) tensor: ``CEBuffers.staging``, which registers the window and runs the copy-engine collectives once;
+    :func:`braid.cost.device_memory.ce_staging_bytes` is the allocator's part) and ``nccl.ce_staging_second`` (a
+    second set, half the size: what each further window costs)."""
+    import torch.distributed as dist
+
+    from braid.tp.ce_reduce import CEBuffers
+    from braid.tp.comm import copy_engine_collectives, nccl_group_options
+
+    if not copy_engine_collectives():
+        return [Term("nccl.ce_group", None, "this NCCL has no copy-engine collectives (nccl-ce needs >= 2.28)")]
+    box: list[Any] = []
+
+    def group():
+        g = dist.new_group(ranks, pg_options=nccl_group_options("nccl-ce", None))
+        dist.all_reduce(torch.ones(1024, device=dev), group=g)
+        box.append(CEBuffers(g, dev))
+
+    t, _ = measure_delta("nccl.ce_group", group, probes, value=outside, sync=sync,
+                         how="dist.new_group(all ranks, nccl-ce options: the zero-CTA policy) and a first all-reduce")
+    terms = [t]
+    n = pc.seq * pc.micro_batch_size * pc.model.hidden
+    for label, numel in (("nccl.ce_staging", n), ("nccl.ce_staging_second", n // 2)):
+        barrier()
+        t, _ = measure_delta(label, lambda k=numel: box[0].staging(k - k % len(ranks), torch.bfloat16), probes,
+                             value=outside, sync=sync,
+                             how=f"CEBuffers.staging of {numel} bf16 elements (window registered, copy-engine collectives run once)")
+        terms.append(t)
+    barrier()
     return terms
 
 
