@@ -17,7 +17,7 @@ import pytest
 
 from braid import schedules
 from braid.core.ctas import default_max_ctas
-from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEMORY_MARGIN, ce_staging_bytes, nccl_bytes,
+from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEASURED_CE, MEMORY_MARGIN, ce_staging_bytes, nccl_bytes,
                                       outside_allocator_bytes, pipeline_peers, planned_device_bytes, reserve_bytes,
                                       tp_comm_of)
 from braid.io.trace import Event, Trace
@@ -148,10 +148,16 @@ def test_nccl_ce_holds_one_staging_set_of_the_sequence_tensor() -> None:
     assert tp_comm_of(tp=2, seq_shard=False, tokens=4096, hidden=3584, itemsize=2) == ("nccl-capped", 0.0)
     assert tp_comm_of(tp=2, seq_shard=True, tokens=4096, hidden=3584, itemsize=2) == ("nccl-ce", 56 * mib)
     assert tp_comm_of(tp=1, seq_shard=True, tokens=4096, hidden=3584, itemsize=2) == ("nccl-capped", 0.0)
+    # the measured terms (2 H200s): the group as a default one, NCCL's copy-engine state once, the set in the allocator
+    for rank in json.loads((ROOT / MEASURED_CE).read_text())["ranks"]:
+        got = {t["term"]: t for t in rank["terms"]}
+        assert got["nccl.ce_group"]["value"] == DEVICE_TERMS.group and got["nccl.ce_staging"]["value"] == DEVICE_TERMS.ce_init
+        assert got["nccl.ce_staging_second"]["value"] == 0
+        assert 0 <= got["nccl.ce_staging"]["detail"]["reserved_delta"] - 56 * mib <= 2 * mib
     kw = dict(static_bytes=2.0 * 2**30, activation_bytes=0.6 * 2**30, tp=2, pp=1, pp_rank=0, graphed=True)
     base = planned_device_bytes("1f1b_i", **kw)
     ce = planned_device_bytes("1f1b_i", tp_backend="nccl-ce", ce_staging=56 * mib, **kw)
-    assert ce - base == pytest.approx(56 * mib + DEVICE_TERMS.group - DEVICE_TERMS.capped_group)
+    assert ce - base == pytest.approx(56 * mib + DEVICE_TERMS.group + DEVICE_TERMS.ce_init - DEVICE_TERMS.capped_group)
     from braid.cost.cluster import Cluster, Parallel
     from braid.cost.hardware import get_hardware
     from braid.planner.search import Candidate, Problem, costs_of, device_memory

@@ -39,6 +39,7 @@ from braid.core.ctas import auto_tp_backend, max_ctas_for
 
 MIB = 1 << 20
 MEASURED = "benchmarks/results/memory_terms_h100x2_tp2.json"
+MEASURED_CE = "benchmarks/results/memory_terms_h200x2_nccl_ce.json"
 TpBackend = Literal["nccl-capped", "nccl", "nccl-ce", "gloo"]
 # the dimensions ProcessGroups.create makes a group of, in its order
 GROUP_DIMS = ("pp", "tp", "dp", "cp", "dp_cp")
@@ -54,7 +55,9 @@ class DeviceTerms:
     ``single_group``: a group of one rank, ``(nccl.layout_groups - nccl.capped_group) / 4`` (at
     tp=2 x pp=1 the layout's groups are the capped TP group and four of one rank); ``p2p_pair``:
     ``nccl.p2p_pair``; ``blas``: ``blas.default_stream.mm`` less what it took from the allocator;
-    ``step_modules``: ``step.<first schedule>.eager.uncompiled.nonallocator``; ``fragmentation`` and
+    ``step_modules``: ``step.<first schedule>.eager.uncompiled.nonallocator``; ``ce_init``: ``nccl.ce_staging`` of
+    :data:`MEASURED_CE` (NCCL's copy-engine state, outside the allocator, once per communicator that runs them: the
+    ``nccl-ce`` TP group's, on 2 H200s, the same stack); ``fragmentation`` and
     ``pool_ratio`` per schedule: :func:`braid.measure.memory_terms.above_held` of ``step.<s>.eager``'s
     ``reserved_peak``, ``allocated_peak`` and held state (its allocated bytes after the steps; the stored file
     predates its own ``fragmentation_above_held`` term) and ``step.<s>.graphed.graph_pool``
@@ -70,6 +73,7 @@ class DeviceTerms:
     p2p_pair: float
     blas: float
     step_modules: float
+    ce_init: float = 0.0
     fragmentation: Mapping[str, float] = field(default_factory=dict)
     pool_ratio: Mapping[str, float] = field(default_factory=dict)
 
@@ -84,7 +88,7 @@ class DeviceTerms:
 H100_TORCH211 = DeviceTerms(
     context=645529600, default_group=887095296, group=509607936, capped_group=79691776, capped_ctas=4,
     single_group=(1713373184 - 79691776) / 4, p2p_pair=467664896, blas=102760448 - 33554432,
-    step_modules=10485760,
+    step_modules=10485760, ce_init=39845888,
     fragmentation={"braided_v": (9820962816 - 3186454016) / (9182153216 - 3186454016),
                    "1f1b_i": (9418309632 - 3221057024) / (8438154240 - 3221057024),
                    "zb_v": (9453961216 - 3255660032) / (8472495104 - 3255660032)},
@@ -132,7 +136,7 @@ def nccl_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: int, dp: int = 
         elif dim == "tp" and tp_backend == "nccl-capped":
             total += terms.capped_group * ctas / terms.capped_ctas
         elif not (dim == "tp" and tp_backend == "gloo"):
-            total += terms.group
+            total += terms.group + (terms.ce_init if dim == "tp" and tp_backend == "nccl-ce" else 0.0)
     return total
 
 
