@@ -227,6 +227,10 @@ def test_by_stack_groups_the_peaks_blocks_by_their_call_paths_in_braid(tmp_path,
     out = capsys.readouterr().out.splitlines()
     assert out[-5] == "live at the peak by braid's innermost 1 frames (MiB, blocks):"
     assert out[-1].endswith("1  models/qwen2.py:266 project_qkv")
+    for bad in ("-1", "65"):
+        with pytest.raises(SystemExit) as err:
+            main([str(f), "--stacks", bad])
+        assert err.value.code == 2 and f"--stacks {bad}: 0 to 64 frames" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content, fragment", [(None, "No such file"), (b"not a pickle", "not a snapshot pickle"),
