@@ -32,6 +32,15 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
+def hardware_of(device_name: str) -> str:
+    """The :mod:`braid.cost.hardware` preset a CUDA device's name names, the longest that fits (``"NVIDIA H200"`` is
+    h200, not h20); h100 where none does."""
+    from braid.cost.hardware import HARDWARE
+
+    low = device_name.lower()
+    return max((k for k in HARDWARE if k in low), key=len, default="h100")
+
+
 def job_gpus(gpus: int, environ=os.environ) -> list[str]:
     """nvidia-smi's ids of the ``gpus`` devices the job's ranks take: the first of ``CUDA_VISIBLE_DEVICES``
     (indices or UUIDs), else the first indices. nvidia-smi lists every GPU of the host, and another job
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory", type=float, default=7.0, help="the cap, GiB per GPU (plan and runs; the plan keeps "
                     "braid.plan's --memory-margin of it back)")
     ap.add_argument("--global-batch", type=int, default=16)
-    ap.add_argument("--hardware", default="h100")
+    ap.add_argument("--hardware", default=None, help="braid.plan's hardware preset (default: the one the first GPU's name names)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
     ap.add_argument("--json", default=None)
@@ -195,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan_fits.py: needs {args.gpus} CUDA devices, {torch.cuda.device_count()} visible", file=sys.stderr)
         return 2
     ids = job_gpus(args.gpus)
+    args.hardware = args.hardware or hardware_of(torch.cuda.get_device_name(0))
     from braid.plan import main as plan_main
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -113,6 +113,12 @@ def test_plan_fits_samples_only_the_jobs_gpus(monkeypatch) -> None:
         plan_fits.job_gpus(2, {"CUDA_VISIBLE_DEVICES": "3"})
 
 
+def test_plan_fits_plans_for_the_card_it_runs_on() -> None:
+    plan_fits = importlib.import_module("plan_fits")
+    assert plan_fits.hardware_of("NVIDIA H200") == "h200" and plan_fits.hardware_of("NVIDIA H20") == "h20"
+    assert plan_fits.hardware_of("NVIDIA H100 80GB HBM3") == "h100" and plan_fits.hardware_of("NVIDIA A100-SXM4-80GB") == "h100"
+
+
 def test_plan_fits_names_where_a_run_ran_out(monkeypatch) -> None:
     """A run that runs out keeps torch's OutOfMemoryError line and the braid frames above it, so the next
     look at a capped run says which allocation of which step did not fit."""
