@@ -155,7 +155,7 @@ SEQ_SHARD_HELP = ("sequence parallelism inside tensor parallelism (Megatron's; n
                   "over the sequence where TP all-reduces, norms and residual on s/t tokens, a layer's activations "
                   "34/t instead of 10 + 24/t bytes per s*b*h. Default: on at --tp > 1 where it runs (a decoder LM, --cp 1, "
                   "a sequence --tp divides; elsewhere off, and the run says why). On 2 H200s at tp=2 its graphed step is "
-                  "level with or faster than the unsharded one and its activation peak 0.83-0.87x; an eager step "
+                  "level with or faster than the unsharded one and its activation peak 0.84-0.87x; an eager step "
                   "(--cuda-graph none) is host-bound and slower with it")
 
 
