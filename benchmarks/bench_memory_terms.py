@@ -402,6 +402,8 @@ def step_case(args, pc, d, groups, model, name: str, *, compiled: bool, graphed:
     if graphed:
         mem = runner.memory()
         terms += [Term(f"{label}.graph_pool", mem.get("graph_pool_bytes"), "GraphedStep.memory(): the private pool's segments"),
+                  Term(f"{label}.graph_exec", mem.get("graph_exec_bytes"),
+                       "GraphedStep.memory(): the instantiated graph, outside the allocator"),
                   Term(f"{label}.capture_peak", mem.get("capture_peak_bytes"),
                        "GraphedStep.memory(): allocator peak of the capture above what was allocated before"),
                   Term(f"{label}.used_after_capture", peaks["used_after_each_step"][0] - base["used"],

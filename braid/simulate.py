@@ -349,7 +349,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
                                             name, static_bytes=dc.held_bytes(r.rank), activation_bytes=r.peak_activation_bytes,
                                             step_bytes=dc.step_temp_bytes(r.rank), graphed=graphed, tp=par.tp, pp=par.pp,
                                             pp_rank=r.rank, dp=par.dp, cp=par.cp, placement=costs.layout.placement,
-                                            tp_backend=backend, ce_staging=staging)
+                                            tp_backend=backend, ce_staging=staging, captured_units=args.mbs * sum(
+                                                len(costs.chunks[(r.rank, c)].instances()) for c in range(costs.layout.v)))
                                             for r in report.ranks) / 2**30}
     if unsearched:
         notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")

@@ -129,7 +129,7 @@ def _device_errors(s: dict, runs: list, what: str, trace: bool = True) -> dict[s
     for r, _, peaks, sim_trace in runs:
         placement = schedules.build(r["schedule"], lay["pp"], r["m"]).placement
         parts = predicted_device_parts(cfg, r["schedule"], placement, peaks, run_mode(s, r) == "step",
-                                       trace=sim_trace if trace else None)
+                                       trace=sim_trace if trace else None, m=r["m"])
         for g, ((reserve, outside), got) in enumerate(zip(parts, r[what])):
             p = reserve if what == "reserved_peak_bytes" else reserve + outside
             errs[f"{r['schedule']} m={r['m']} rank {g}"] = rel_err(p, got)

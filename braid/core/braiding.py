@@ -190,6 +190,13 @@ class ChunkSpec:
             out += [(u, first + self.layers) for u in LAYER_UNITS[:2]]
         return out
 
+    def instances(self) -> list[Unit]:
+        """Every unit instance of the chunk in forward order: the embedding, the layer units, the merger, the head."""
+        out = [Unit.EMBED] if self.embed else []
+        out += [u for u, _ in self.layer_units()]
+        out += [Unit.MERGE] if self.merge else []
+        return out + ([Unit.HEAD] if self.head else [])
+
 
 @dataclass(frozen=True, slots=True)
 class UnitTask:

@@ -120,10 +120,7 @@ class ChunkCosts:
 
     def instances(self) -> list[Unit]:
         """Every unit instance of the chunk (layer units repeated per layer, half layers' halves)."""
-        out = [Unit.EMBED] if self.spec.embed else []
-        out += [u for u, _ in self.spec.layer_units()]
-        out += [Unit.MERGE] if self.spec.merge else []
-        return out + ([Unit.HEAD] if self.spec.head else [])
+        return self.spec.instances()
 
     def total(self, attr: str) -> float:
         """Sum of ``attr`` (``"f"``, ``"ar_f"``, ``"act"``, ...) over the chunk's unit instances."""

@@ -20,7 +20,10 @@ simulator predicts. A rank holds, besides its live tensors:
   state plus its private pool, the capture's allocated peak times the schedule's pool ratio
   (``torch.cuda.graph`` empties the cache before the capture and :class:`braid.runtime.graphs.GraphedStep`
   after it, so the eager warm-up's blocks go, those still held when the capture began included).
-  Under the ``nccl-ce`` TP backend the static state includes its registered staging (:func:`ce_staging_bytes`).
+  Under the ``nccl-ce`` TP backend the static state includes its registered staging (:func:`ce_staging_bytes`);
+* **the instantiated graph** of a whole-step CUDA graph (:func:`graph_exec_bytes`): the driver's copy of every
+  captured node, outside the allocator and kept as long as the graph, in proportion to the unit instances the
+  step captures (its kernels; under ``nccl-ce`` also the copy-engine collectives' copy nodes).
 
 Every figure is one measurement of ``benchmarks/bench_memory_terms.py`` on 2 H100s (torch 2.11,
 CUDA 13.0, NCCL 2.28.9, ``NCCL_NVLS_ENABLE=0``), rank 0 of
@@ -40,6 +43,7 @@ from braid.core.ctas import auto_tp_backend, max_ctas_for
 MIB = 1 << 20
 MEASURED = "benchmarks/results/memory_terms_h100x2_tp2.json"
 MEASURED_CE = "benchmarks/results/memory_terms_h200x2_nccl_ce.json"
+MEASURED_GRAPH = "benchmarks/results/graph_exec_h200x2.txt"
 TpBackend = Literal["nccl-capped", "nccl", "nccl-ce", "gloo"]
 # the dimensions ProcessGroups.create makes a group of, in its order
 GROUP_DIMS = ("pp", "tp", "dp", "cp", "dp_cp")
@@ -57,7 +61,10 @@ class DeviceTerms:
     ``nccl.p2p_pair``; ``blas``: ``blas.default_stream.mm`` less what it took from the allocator;
     ``step_modules``: ``step.<first schedule>.eager.uncompiled.nonallocator``; ``ce_init``: ``nccl.ce_staging`` of
     :data:`MEASURED_CE` (NCCL's copy-engine state, outside the allocator, once per communicator that runs them: the
-    ``nccl-ce`` TP group's, on 2 H200s, the same stack); ``fragmentation`` and
+    ``nccl-ce`` TP group's, on 2 H200s, the same stack); ``graph_unit``: an instantiated whole-step graph's bytes
+    outside the allocator per unit instance and micro-batch it captures, and ``graph_ce_unit`` the more under
+    ``nccl-ce`` (:data:`MEASURED_GRAPH`: the examples' graphed step on 2 H200s, GraphedStep's capture line, full
+    recomputation, which captures a layer's forward kernels twice); ``fragmentation`` and
     ``pool_ratio`` per schedule: :func:`braid.measure.memory_terms.above_held` of ``step.<s>.eager``'s
     ``reserved_peak``, ``allocated_peak`` and held state (its allocated bytes after the steps; the stored file
     predates its own ``fragmentation_above_held`` term) and ``step.<s>.graphed.graph_pool``
@@ -74,6 +81,8 @@ class DeviceTerms:
     blas: float
     step_modules: float
     ce_init: float = 0.0
+    graph_unit: float = 0.0
+    graph_ce_unit: float = 0.0
     fragmentation: Mapping[str, float] = field(default_factory=dict)
     pool_ratio: Mapping[str, float] = field(default_factory=dict)
 
@@ -88,7 +97,7 @@ class DeviceTerms:
 H100_TORCH211 = DeviceTerms(
     context=645529600, default_group=887095296, group=509607936, capped_group=79691776, capped_ctas=4,
     single_group=(1713373184 - 79691776) / 4, p2p_pair=467664896, blas=102760448 - 33554432,
-    step_modules=10485760, ce_init=39845888,
+    step_modules=10485760, ce_init=39845888, graph_unit=106 * MIB / 528, graph_ce_unit=(370 - 106) * MIB / 528,
     fragmentation={"braided_v": (9820962816 - 3186454016) / (9182153216 - 3186454016),
                    "1f1b_i": (9418309632 - 3221057024) / (8438154240 - 3221057024),
                    "zb_v": (9453961216 - 3255660032) / (8472495104 - 3255660032)},
@@ -148,6 +157,13 @@ def outside_allocator_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: in
                                        tp_backend=tp_backend, tp_max_ctas=tp_max_ctas) + terms.blas + terms.step_modules)
 
 
+def graph_exec_bytes(terms: DeviceTerms, *, captured_units: float, tp_backend: TpBackend = "nccl-capped") -> float:
+    """The instantiated whole-step CUDA graph of a rank: ``captured_units``, the unit instances on the rank times
+    the micro-batches the step runs (each captured as its tasks' kernels), at :attr:`DeviceTerms.graph_unit` each;
+    under ``nccl-ce`` the TP collectives are copy nodes, :attr:`DeviceTerms.graph_ce_unit` more."""
+    return captured_units * (terms.graph_unit + (terms.graph_ce_unit if tp_backend == "nccl-ce" else 0.0))
+
+
 def ce_staging_bytes(tokens: int, hidden: int, itemsize: int, tp: int) -> float:
     """The ``nccl-ce`` TP backend's staging (:class:`braid.tp.ce_reduce.CEBuffers`): one registered set per size the
     TP group reduces or gathers, made in the first step and kept, inside the allocator beside any graph pool. Every
@@ -188,7 +204,7 @@ def device_bytes(reserve: float, outside: float) -> float:
 
 def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes: float, step_bytes: float = 0.0,
                          graphed: bool, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1, placement: str = "v",
-                         tp_backend: TpBackend = "nccl-capped", ce_staging: float = 0.0,
+                         tp_backend: TpBackend = "nccl-capped", ce_staging: float = 0.0, captured_units: float = 0.0,
                          terms: DeviceTerms = DEVICE_TERMS) -> float:
     """What the planner checks against the card's memory on pipeline rank ``pp_rank``: the allocator's reserve
     and the bytes outside it. ``tp_backend``: what runs the TP collectives (:func:`braid.core.ctas.auto_tp_backend`);
@@ -199,7 +215,8 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
     the part above the state times the schedule's fragmentation. ``graphed`` (a whole-step CUDA graph, what the examples run on CUDA by
     default: :func:`braid.core.capture.captured_by_default`): the graph's private pool keeps the activations'
     bytes between replays, and the optimizer step, run after the replay outside the graph, allocates its
-    temporaries beside it. Its two eager warm-up steps are not priced apart."""
+    temporaries beside it, and the instantiated graph holds ``captured_units`` (:func:`graph_exec_bytes`). Its two
+    eager warm-up steps are not priced apart."""
     static_bytes += ce_staging
     if graphed:
         reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes + step_bytes, peak_bytes=activation_bytes,
@@ -207,5 +224,8 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
     else:
         reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes, peak_bytes=max(activation_bytes, step_bytes),
                                 graphed=False)
-    return device_bytes(reserve, outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp,
-                                                         placement=placement, tp_backend=tp_backend))
+    outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp, placement=placement,
+                                      tp_backend=tp_backend)
+    if graphed:
+        outside += graph_exec_bytes(terms, captured_units=captured_units, tp_backend=tp_backend)
+    return device_bytes(reserve, outside)

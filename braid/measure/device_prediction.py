@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from braid.core.partition import chunk_specs
-from braid.cost.device_memory import (DEVICE_TERMS, DeviceTerms, ce_staging_bytes, device_bytes, outside_allocator_bytes,
-                                      reserve_bytes)
+from braid.cost.device_memory import (DEVICE_TERMS, DeviceTerms, ce_staging_bytes, device_bytes, graph_exec_bytes,
+                                      outside_allocator_bytes, reserve_bytes)
 from braid.cost.step_memory import param_sizes
 from braid.io.trace import Trace
 
@@ -76,15 +76,20 @@ PRE_FLAG_CTAS = 4  # a report without ``tp_max_ctas`` in its config predates the
 
 def predicted_device_parts(config: Mapping[str, Any], schedule: str, placement: str, peaks: Sequence[float],
                            graphed: bool, terms: DeviceTerms = DEVICE_TERMS,
-                           trace: Trace | None = None) -> list[tuple[float, float]]:
+                           trace: Trace | None = None, m: int = 0) -> list[tuple[float, float]]:
     """Per global rank (``pp_rank * tp + tp_rank``): the allocator's reserve and the bytes outside the allocator of
     the layout. Eager, the reserve of ``peaks[pp_rank]`` (the predicted allocator peak of the step above the held
     state) beside the weights and gradients; ``graphed``, the graph's pool holds the capture's peak of activations
     and the gradients allocated by then: :func:`captured_peak` of the simulated step's ``trace`` (then ``peaks`` is
     not read), or without a trace ``peaks`` and every gradient. Under ``nccl-ce`` (a config with ``seq`` and
-    ``micro_batch_size``) the held state includes its staging (:func:`braid.cost.device_memory.ce_staging_bytes`)."""
+    ``micro_batch_size``) the held state includes its staging (:func:`braid.cost.device_memory.ce_staging_bytes`).
+    ``m``: the step's micro-batches, whose unit instances a graphed step's instantiated graph holds outside the
+    allocator (:func:`braid.cost.device_memory.graph_exec_bytes`; 0: not priced)."""
     tp, pp = config["tp"], config["pp"]
     params = chunk_param_bytes(config, placement)
+    units: dict[int, int] = {}  # pipeline rank -> the unit instances of its chunks
+    for (q, _), spec in chunk_specs(tuple(config["layers_per_stage"]), pp, placement).items():
+        units[q] = units.get(q, 0) + len(spec.instances())
     backend = "nccl-capped" if config.get("tp_backend", "auto") == "auto" else config["tp_backend"]
     staging = ce_staging_bytes(config["seq"] * config.get("micro_batch_size", 1), config["model"]["hidden"],
                                DTYPE_BYTES[config["dtype"]], tp) if backend == "nccl-ce" else 0.0
@@ -100,12 +105,15 @@ def predicted_device_parts(config: Mapping[str, Any], schedule: str, placement: 
         reserve = reserve_bytes(terms, schedule, static_bytes=held + staging, peak_bytes=capture, graphed=graphed)
         outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend,
                                           tp_max_ctas=config.get("tp_max_ctas", PRE_FLAG_CTAS))
+        if graphed:
+            outside += graph_exec_bytes(terms, captured_units=m * units.get(r, 0), tp_backend=backend)
         out.append((reserve, outside))
     return out
 
 
 def predicted_device_used(config: Mapping[str, Any], schedule: str, placement: str, peaks: Sequence[float],
-                          graphed: bool, terms: DeviceTerms = DEVICE_TERMS, trace: Trace | None = None) -> list[float]:
+                          graphed: bool, terms: DeviceTerms = DEVICE_TERMS, trace: Trace | None = None,
+                          m: int = 0) -> list[float]:
     """Per global rank, the device memory in use: :func:`predicted_device_parts` added up."""
     return [device_bytes(reserve, outside)
-            for reserve, outside in predicted_device_parts(config, schedule, placement, peaks, graphed, terms, trace)]
+            for reserve, outside in predicted_device_parts(config, schedule, placement, peaks, graphed, terms, trace, m)]

@@ -123,7 +123,7 @@ def _predicted_used(pc, schedule: str, m: int, peaks: list[float], mode: str | N
     from braid import schedules
 
     return predicted_device_used(cfg, schedule, schedules.build(schedule, pc.pp, m).placement, peaks, mode == "step",
-                                 trace=trace)
+                                 trace=trace, m=m)
 
 
 def _chunk_busy(ranks: list[dict[str, Any]]) -> dict[str, float] | None:

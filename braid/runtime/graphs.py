@@ -323,6 +323,7 @@ class GraphedStep:
         self.grad_bytes: int | None = None  # of which the gradients the capture allocated (they stay: the replays write them)
         self.pool_bytes: int | None = None  # device memory the graph's private pool holds
         self.cached_outside_bytes: int | None = None  # segments outside the pool cached with nothing in them, after the capture
+        self.exec_bytes: int | None = None  # device memory the instantiated graph holds outside the allocator
         self.capture_s: float | None = None
 
     @property
@@ -412,6 +413,7 @@ class GraphedStep:
         _barrier(dev)
         self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        free0, reserved0 = torch.cuda.mem_get_info(dev)[0], torch.cuda.memory_reserved(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
@@ -441,6 +443,8 @@ class GraphedStep:
         self._grads = [(p, p.grad) for p in params if p.grad is not None]
         self.grad_bytes = sum(g.numel() * g.element_size() for _, g in self._grads if id(g) not in kept)
         torch.cuda.synchronize(dev)
+        # The instantiated graph: device memory the capture took that the allocator did not (its pool did).
+        self.exec_bytes = (free0 - torch.cuda.mem_get_info(dev)[0]) - (torch.cuda.memory_reserved(dev) - reserved0)
         _barrier(dev)
         # What was still live when the capture began (torch.cuda.graph empties the cache then) and is freed while
         # capturing goes back to the ordinary pool, whose segments would stay cached beside the graph's: 0.2-1.4 GiB a
@@ -453,7 +457,8 @@ class GraphedStep:
         self.events.append(f"step {self.steps}: capture of {sum(self._counts.get(k, 0) for k in ('F', 'B', 'W'))} unit tasks, "
                            f"{self._counts.get('AR', 0)} all-reduces, {self._counts.get('P2P', 0)} P2P, "
                            f"{self._counts.get('chained', 0)} chained runs, {self._counts.get('OFFLOAD', 0)} offloads, "
-                           f"{len(self._grads)} gradients in {self.capture_s:.2f} s; pool {pool_mib} MiB")
+                           f"{len(self._grads)} gradients in {self.capture_s:.2f} s; pool {pool_mib} MiB; "
+                           f"graph {self.exec_bytes / 2**20:.1f} MiB outside the allocator")
         log.info("rank %d: %s", ex.rank, self.events[-1])
 
     def _copy_in(self, tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> None:
@@ -504,9 +509,11 @@ class GraphedStep:
         """Device memory of the graph: the allocator's peak during capture (above what was allocated before),
         the gradients among it (allocated by the captured backward, where an eager step's are there before it
         starts), the bytes its private pool holds, and those cached outside it with nothing in use right after the
-        capture (0 where torch reports segments: the capture ends by returning them)."""
+        capture (0 where torch reports segments: the capture ends by returning them), and what the instantiated
+        graph holds outside the allocator (:func:`braid.cost.device_memory.graph_exec_bytes` prices it)."""
         return {"capture_peak_bytes": self.capture_peak_bytes, "captured_grad_bytes": self.grad_bytes,
-                "graph_pool_bytes": self.pool_bytes, "cached_outside_bytes": self.cached_outside_bytes}
+                "graph_pool_bytes": self.pool_bytes, "cached_outside_bytes": self.cached_outside_bytes,
+                "graph_exec_bytes": self.exec_bytes}
 
 
 def step_runner(ex: Executor, mode: str | None = None, *, warmup: int = WARMUP_STEPS) -> GraphedStep | EagerStep:
