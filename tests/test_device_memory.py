@@ -17,7 +17,8 @@ import pytest
 
 from braid import schedules
 from braid.core.ctas import default_max_ctas
-from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEASURED_CE, MEMORY_MARGIN, ce_staging_bytes, nccl_bytes,
+from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEASURED_CE, MEMORY_MARGIN, ce_staging_bytes, graph_exec_bytes,
+                                      nccl_bytes,
                                       outside_allocator_bytes, pipeline_peers, planned_device_bytes, reserve_bytes,
                                       tp_comm_of)
 from braid.io.trace import Event, Trace
@@ -138,7 +139,7 @@ def test_a_captured_step_keeps_its_activations_beside_the_optimizers_temporaries
     # the planner's graph also holds its instantiated nodes: 16 micro-batches of 66 unit instances (16 layers of 4, the
     # embedding, the head)
     assert device_memory(prob, cand, costs, 0, 2 * gib, 0.6 * gib, 0.25 * gib) == pytest.approx(
-        graphed + graph_exec_bytes(DEVICE_TERMS, captured_units=16 * 66))
+        graphed + graph_exec_bytes(DEVICE_TERMS, captured_units=16 * 66, tp=2))
 
 
 def test_nccl_ce_holds_one_staging_set_of_the_sequence_tensor() -> None:

@@ -62,9 +62,10 @@ class DeviceTerms:
     ``step_modules``: ``step.<first schedule>.eager.uncompiled.nonallocator``; ``ce_init``: ``nccl.ce_staging`` of
     :data:`MEASURED_CE` (NCCL's copy-engine state, outside the allocator, once per communicator that runs them: the
     ``nccl-ce`` TP group's, on 2 H200s, the same stack); ``graph_unit``: an instantiated whole-step graph's bytes
-    outside the allocator per unit instance and micro-batch it captures, and ``graph_ce_unit`` the more under
-    ``nccl-ce`` (:data:`MEASURED_GRAPH`: the examples' graphed step on 2 H200s, GraphedStep's capture line, full
-    recomputation, which captures a layer's forward kernels twice); ``fragmentation`` and
+    outside the allocator per unit instance and micro-batch it captures (its kernels), ``graph_collective`` and
+    ``graph_ce_collective`` the more per unit at tp > 1, whose TP reduction is captured as NCCL's kernels or, under
+    ``nccl-ce``, as copy nodes (:data:`MEASURED_GRAPH`: the examples' graphed steps on 2 H200s, GraphedStep's capture
+    line, full recomputation, which captures a layer's forward kernels twice); ``fragmentation`` and
     ``pool_ratio`` per schedule: :func:`braid.measure.memory_terms.above_held` of ``step.<s>.eager``'s
     ``reserved_peak``, ``allocated_peak`` and held state (its allocated bytes after the steps; the stored file
     predates its own ``fragmentation_above_held`` term) and ``step.<s>.graphed.graph_pool``
@@ -82,7 +83,8 @@ class DeviceTerms:
     step_modules: float
     ce_init: float = 0.0
     graph_unit: float = 0.0
-    graph_ce_unit: float = 0.0
+    graph_collective: float = 0.0
+    graph_ce_collective: float = 0.0
     fragmentation: Mapping[str, float] = field(default_factory=dict)
     pool_ratio: Mapping[str, float] = field(default_factory=dict)
 
@@ -97,7 +99,11 @@ class DeviceTerms:
 H100_TORCH211 = DeviceTerms(
     context=645529600, default_group=887095296, group=509607936, capped_group=79691776, capped_ctas=4,
     single_group=(1713373184 - 79691776) / 4, p2p_pair=467664896, blas=102760448 - 33554432,
-    step_modules=10485760, ce_init=39845888, graph_unit=106 * MIB / 528, graph_ce_unit=(370 - 106) * MIB / 528,
+    step_modules=10485760, ce_init=39845888,
+    # MEASURED_GRAPH: tp=1 x pp=2 rank 0, 16 micro-batches of 37 unit instances, 34 MiB; tp=2 x pp=1, 8 of 66, 106 MiB
+    # under nccl-capped and 370 MiB under nccl-ce
+    graph_unit=34 * MIB / 592, graph_collective=(106 * MIB - 528 * (34 * MIB / 592)) / 528,
+    graph_ce_collective=(370 * MIB - 528 * (34 * MIB / 592)) / 528,
     fragmentation={"braided_v": (9820962816 - 3186454016) / (9182153216 - 3186454016),
                    "1f1b_i": (9418309632 - 3221057024) / (8438154240 - 3221057024),
                    "zb_v": (9453961216 - 3255660032) / (8472495104 - 3255660032)},
@@ -157,11 +163,16 @@ def outside_allocator_bytes(terms: DeviceTerms, *, tp: int, pp: int, pp_rank: in
                                        tp_backend=tp_backend, tp_max_ctas=tp_max_ctas) + terms.blas + terms.step_modules)
 
 
-def graph_exec_bytes(terms: DeviceTerms, *, captured_units: float, tp_backend: TpBackend = "nccl-capped") -> float:
+def graph_exec_bytes(terms: DeviceTerms, *, captured_units: float, tp: int = 1,
+                     tp_backend: TpBackend = "nccl-capped") -> float:
     """The instantiated whole-step CUDA graph of a rank: ``captured_units``, the unit instances on the rank times
     the micro-batches the step runs (each captured as its tasks' kernels), at :attr:`DeviceTerms.graph_unit` each;
-    under ``nccl-ce`` the TP collectives are copy nodes, :attr:`DeviceTerms.graph_ce_unit` more."""
-    return captured_units * (terms.graph_unit + (terms.graph_ce_unit if tp_backend == "nccl-ce" else 0.0))
+    at ``tp`` > 1 each unit's TP reduction (a layer unit reduces once, forward or backward) adds its captured
+    collective: NCCL's kernels, or under ``nccl-ce`` copy nodes."""
+    per = terms.graph_unit
+    if tp > 1:
+        per += terms.graph_ce_collective if tp_backend == "nccl-ce" else terms.graph_collective
+    return captured_units * per
 
 
 def ce_staging_bytes(tokens: int, hidden: int, itemsize: int, tp: int) -> float:
@@ -227,5 +238,5 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
     outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp, placement=placement,
                                       tp_backend=tp_backend)
     if graphed:
-        outside += graph_exec_bytes(terms, captured_units=captured_units, tp_backend=tp_backend)
+        outside += graph_exec_bytes(terms, captured_units=captured_units, tp=tp, tp_backend=tp_backend)
     return device_bytes(reserve, outside)

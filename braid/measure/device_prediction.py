@@ -106,7 +106,7 @@ def predicted_device_parts(config: Mapping[str, Any], schedule: str, placement: 
         outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend,
                                           tp_max_ctas=config.get("tp_max_ctas", PRE_FLAG_CTAS))
         if graphed:
-            outside += graph_exec_bytes(terms, captured_units=m * units.get(r, 0), tp_backend=backend)
+            outside += graph_exec_bytes(terms, captured_units=m * units.get(r, 0), tp=tp, tp_backend=backend)
         out.append((reserve, outside))
     return out
 
