@@ -171,8 +171,14 @@ def test_nccl_ce_holds_one_staging_set_of_the_sequence_tensor() -> None:
     prob = Problem(model, 2, Cluster(get_hardware("h100"), 8), 16, 6.0 * 2**30)
     cand = Candidate(Parallel(tp=2, pp=1, dp=1, micro_batch_size=1, optimizer="zero1", seq_shard=True), "1f1b_i", 16)
     staging = ce_staging_bytes(model.seq, model.hidden, model.dtype_bytes, 2)
-    assert device_memory(prob, cand, costs_of(prob, cand), 0, kw["static_bytes"], kw["activation_bytes"]) == pytest.approx(
-        planned_device_bytes("1f1b_i", tp_backend="nccl-ce", ce_staging=staging, **kw))
+    costs = costs_of(prob, cand)
+    units = 16 * sum(len(costs.chunks[(0, c)].instances()) for c in range(costs.layout.v))
+    assert device_memory(prob, cand, costs, 0, kw["static_bytes"], kw["activation_bytes"]) == pytest.approx(
+        planned_device_bytes("1f1b_i", tp_backend="nccl-ce", ce_staging=staging, captured_units=units, **kw))
+    # its graph holds each unit's reduction as copy nodes
+    assert graph_exec_bytes(DEVICE_TERMS, captured_units=units, tp=2, tp_backend="nccl-ce") - graph_exec_bytes(
+        DEVICE_TERMS, captured_units=units, tp=2) == pytest.approx(units * (DEVICE_TERMS.graph_ce_collective
+                                                                             - DEVICE_TERMS.graph_collective))
 
 
 def _rows():

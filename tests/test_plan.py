@@ -454,11 +454,11 @@ def test_the_faster_layouts_the_cap_took_away_are_simulated_and_shown(tmp_path, 
     from braid.plan import main as plan_main
 
     out = tmp_path / "plan.json"
-    assert plan_main(["--model", "qwen2-small", "--gpus", "2", "--hardware", "h100", "--memory", "7", "--global-batch", "16",
-                      "--top", "3", "--json", str(out)]) == 0
+    assert plan_main(["--model", "qwen2-small", "--gpus", "2", "--hardware", "h100", "--memory", "7.75", "--global-batch",
+                      "16", "--top", "3", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     pick, over, planned = doc["ranked"][0], doc["over_cap"], doc["problem"]["planned_gib"]
-    assert planned == pytest.approx(7.0 * (1 - MEMORY_MARGIN)) and doc["problem"]["memory_gib"] == 7.0
+    assert planned == pytest.approx(7.75 * (1 - MEMORY_MARGIN)) and doc["problem"]["memory_gib"] == 7.75
     assert pick["peak_memory_gib"] <= planned and over
     assert all(o["peak_memory_gib"] > planned and o["step_s"] < pick["step_s"] for o in over)
     assert [o["step_s"] for o in over] == sorted(o["step_s"] for o in over)
@@ -471,14 +471,14 @@ def test_the_memory_margin_keeps_a_share_of_the_cap_back(tmp_path, capsys) -> No
     by default the planner keeps that share of the cap back; --memory-margin 0 plans to the cap itself."""
     from braid.plan import main as plan_main
 
-    base = ["--model", "qwen2-small", "--gpus", "2", "--hardware", "h100", "--memory", "6.5", "--global-batch", "16", "--top", "1"]
-    assert plan_main(base) == 2  # 6.5 GiB less 6.5%: nothing fits
-    assert "no configuration fits 6.1 GiB per GPU (6.5 less --memory-margin 0.065)" in capsys.readouterr().err
+    base = ["--model", "qwen2-small", "--gpus", "2", "--hardware", "h100", "--memory", "7", "--global-batch", "16", "--top", "1"]
+    assert plan_main(base) == 2  # 7 GiB less 6.5%: nothing fits
+    assert "no configuration fits 6.5 GiB per GPU (7.0 less --memory-margin 0.065)" in capsys.readouterr().err
     out = tmp_path / "plan.json"
     assert plan_main([*base, "--memory-margin", "0", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["problem"]["planned_gib"] == doc["problem"]["memory_gib"] == pytest.approx(6.5)
-    assert doc["ranked"][0]["peak_memory_gib"] <= 6.5
+    assert doc["problem"]["planned_gib"] == doc["problem"]["memory_gib"] == pytest.approx(7.0)
+    assert doc["ranked"][0]["peak_memory_gib"] <= 7.0
     for bad in ("1", "-0.1", "nan"):
         with pytest.raises(SystemExit) as err:
             plan_main([*base, "--memory-margin", bad])
