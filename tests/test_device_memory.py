@@ -17,10 +17,9 @@ import pytest
 
 from braid import schedules
 from braid.core.ctas import default_max_ctas
-from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEASURED_CE, MEMORY_MARGIN, ce_staging_bytes, graph_exec_bytes,
-                                      nccl_bytes,
-                                      outside_allocator_bytes, pipeline_peers, planned_device_bytes, reserve_bytes,
-                                      tp_comm_of)
+from braid.cost.device_memory import (DEVICE_TERMS, H100_TORCH211, MEASURED, MEASURED_CE, MEASURED_GRAPH, MEMORY_MARGIN,
+                                      ce_staging_bytes, graph_exec_bytes, nccl_bytes, outside_allocator_bytes, pipeline_peers,
+                                      planned_device_bytes, reserve_bytes, tp_comm_of)
 from braid.io.trace import Event, Trace
 from braid.measure.memory_terms import above_held
 from braid.measure.device_prediction import (DTYPE_BYTES, PRE_FLAG_CTAS, captured_peak, chunk_param_bytes,
@@ -294,3 +293,46 @@ def test_a_bench_row_starts_without_the_cublas_workspaces_of_earlier_rows(monkey
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: calls.append("clear_workspaces"), raising=False)
     runs.release_earlier_rows(torch.device("cuda", 0))
     assert calls == ["sync", "clear_workspaces", "empty_cache"]
+
+
+def _graph_lines() -> list[tuple[str, int, float]]:
+    """(the command's section, unit tasks, MiB outside the allocator) of each capture line of MEASURED_GRAPH."""
+    import re
+
+    out, section = [], ""
+    for line in (ROOT / MEASURED_GRAPH).read_text().splitlines():
+        if line.startswith("## "):
+            section = line
+        got = re.search(r"capture of (\d+) unit tasks.*; graph ([\d.]+) MiB outside the allocator", line)
+        if got:
+            out.append((section, int(got[1]), float(got[2])))
+    return out
+
+
+def test_the_instantiated_graph_is_priced_per_captured_unit_from_its_measurement() -> None:
+    """A whole-step CUDA graph's nodes live outside the allocator (2 H200s: 34 MiB for 592 captured unit instances at
+    tp=1, 106 MiB for 528 at tp=2 on NCCL's kernels, 370 MiB on nccl-ce's copy nodes): the constants are those lines,
+    and the other captures of the file (twice the micro-batches, the other pipeline rank) are predicted within the
+    2 MiB the device reports in."""
+    lines = _graph_lines()
+    mib = 2**20
+
+    def pick(tp_flags: str, tasks: int, sp: bool | None = None) -> float:
+        got = {m for s, t, m in lines if tp_flags in s and t == tasks
+               and (sp is None or ("--no-sequence-parallel" not in s) == sp)}
+        assert len(got) == 1, (tp_flags, tasks, got)  # the ranks of one run agree
+        return got.pop() * mib
+
+    pp2, capped, ce = pick("--tp 1 --pp 2", 1776), pick("--tp 2", 1584, sp=False), pick("--tp 2", 1584, sp=True)
+    assert DEVICE_TERMS.graph_unit == pytest.approx(pp2 / (1776 / 3))
+    assert DEVICE_TERMS.graph_collective == pytest.approx(capped / 528 - DEVICE_TERMS.graph_unit)
+    assert DEVICE_TERMS.graph_ce_collective == pytest.approx(ce / 528 - DEVICE_TERMS.graph_unit)
+    # the captures the constants were not taken from
+    assert abs(graph_exec_bytes(DEVICE_TERMS, captured_units=16 * 29) - pick("--tp 1 --pp 2", 1392)) <= 2 * mib
+    assert abs(graph_exec_bytes(DEVICE_TERMS, captured_units=16 * 66, tp=2) - pick("--tp 2", 3168, sp=False)) <= 2 * mib
+    # an eager step holds no graph; the planner prices the graph only where it captures one
+    kw = dict(static_bytes=2.0 * 2**30, activation_bytes=0.6 * 2**30, tp=2, pp=1, pp_rank=0, captured_units=528)
+    assert planned_device_bytes("braided_v", graphed=False, **kw) == planned_device_bytes(
+        "braided_v", graphed=False, **{**kw, "captured_units": 0})
+    assert planned_device_bytes("braided_v", graphed=True, **kw) - planned_device_bytes(
+        "braided_v", graphed=True, **{**kw, "captured_units": 0}) == pytest.approx(capped)
