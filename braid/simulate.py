@@ -48,7 +48,7 @@ from braid.cost.costs import (RECOMPUTE_MODES, CostFileError, CostModel, Layout,
 from braid.io.files import atomic_write_text
 from braid.cost.hardware import HARDWARE, get_hardware
 from braid.core.capture import capture_reason, captured_by_default
-from braid.cost.device_memory import planned_device_bytes, tp_comm_of
+from braid.cost.device_memory import planned_device_bytes, planned_outside_bytes, tp_comm_of
 from braid.core.ir import Plan, ScheduleConfig
 from braid.core.offload import OFFLOAD_OPTIONS
 from braid.cost.catalog import MODELS, ModelConfig, get_model
@@ -341,17 +341,19 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
         if record and with_dp:
             traces[-1].events.extend(tail.events)
         dp_rows.append((name, report, tail, dc))
+        where = [dict(graphed=graphed, tp=par.tp, pp=par.pp, pp_rank=r.rank, dp=par.dp, cp=par.cp, tp_backend=backend,
+                      placement=costs.layout.placement, captured_units=args.mbs * sum(
+                          len(costs.chunks[(r.rank, c)].instances()) for c in range(costs.layout.v))) for r in report.ranks]
         doc["schedules"][name]["dp"] = {**tail.to_dict(), "static_bytes": list(dc.static_bytes),
                                         "peak_memory_gib": max(dc.peak_bytes(r.rank, r.peak_activation_bytes)
                                                                for r in report.ranks) / 2**30,
-                                        # what the planner checks against the card (braid.cost.device_memory)
+                                        # what the planner checks against the card (braid.cost.device_memory), and its
+                                        # part outside the allocator
                                         "device_memory_gib": max(planned_device_bytes(
                                             name, static_bytes=dc.held_bytes(r.rank), activation_bytes=r.peak_activation_bytes,
-                                            step_bytes=dc.step_temp_bytes(r.rank), graphed=graphed, tp=par.tp, pp=par.pp,
-                                            pp_rank=r.rank, dp=par.dp, cp=par.cp, placement=costs.layout.placement,
-                                            tp_backend=backend, ce_staging=staging, captured_units=args.mbs * sum(
-                                                len(costs.chunks[(r.rank, c)].instances()) for c in range(costs.layout.v)))
-                                            for r in report.ranks) / 2**30}
+                                            step_bytes=dc.step_temp_bytes(r.rank), ce_staging=staging, **w)
+                                            for r, w in zip(report.ranks, where)) / 2**30,
+                                        "device_outside_gib": max(planned_outside_bytes(**w) for w in where) / 2**30}
     if unsearched:
         notes.append(f"{', '.join(unsearched)}: auto {UNSEARCHED}")
     if getattr(args, "last_stage_lighter", None) is not None and cost_of:
@@ -562,10 +564,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def device_memory_gib(argv: Sequence[str]) -> dict[str, float]:
+def device_memory_gib(argv: Sequence[str], key: str = "device_memory_gib") -> dict[str, float]:
     """Per schedule of ``argv`` (a ``python -m braid.simulate`` command line), the most device memory one GPU
     is predicted to use, GiB: ``--json``'s ``schedules[name].dp.device_memory_gib``, what the planner checks
-    against the card. Empty where braid.simulate refuses the command line or runs no schedule; prints nothing."""
+    against the card (``key="device_outside_gib"``: the most of it outside the caching allocator). Empty where
+    braid.simulate refuses the command line or runs no schedule; prints nothing."""
     import contextlib
     import io
     import tempfile
@@ -581,7 +584,7 @@ def device_memory_gib(argv: Sequence[str]) -> dict[str, float]:
         if code != 0 or not Path(out).exists():
             return {}
         doc = json.loads(Path(out).read_text())
-    return {n: float(s["dp"]["device_memory_gib"]) for n, s in doc["schedules"].items()}
+    return {n: float(s["dp"][key]) for n, s in doc["schedules"].items()}
 
 
 if __name__ == "__main__":

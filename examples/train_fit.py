@@ -21,8 +21,8 @@ Checked for CUDA runs of braid's schedules on a catalog preset that ``braid.simu
 the planner and the check above compare with a card. CUDA, NCCL and cuBLAS hold their part outside the
 caching allocator, where no cap reaches; so each process's allocator is held
 (``torch.cuda.set_per_process_memory_fraction``, set before anything is allocated) to the cap less what
-``braid.cost.device_memory`` predicts outside it for this rank's layout (:func:`allocator_share`), and the
-check compares with the cap instead of the card -- how a planner's pick is shown to fit, and a faster
+``braid.cost.device_memory`` predicts outside it for this run (:func:`allocator_share`: its TP backend and its
+whole-step graph included), and the check compares with the cap instead of the card -- how a planner's pick is shown to fit, and a faster
 layout over the cap shown not to (``benchmarks/plan_fits.py``, which samples what the device holds).
 """
 
@@ -115,16 +115,21 @@ def add_fit_args(group: argparse._ArgumentGroup) -> None:
                        help="a smaller card: device memory in use held to GiB (the allocator gets GiB less what CUDA and NCCL hold outside it)")
 
 
-def allocator_share(cap: float, args: argparse.Namespace, rank: int) -> float:
+def allocator_share(cap: float, args: argparse.Namespace, rank: int, argv: Sequence[str] | None = None) -> float:
     """The caching allocator's bytes under a ``cap`` GiB of device memory in use: the cap less what
-    :func:`braid.cost.device_memory.outside_allocator_bytes` predicts for this rank's layout (its pipeline
-    rank's peers included); ``ValueError`` where nothing is left."""
+    :mod:`braid.cost.device_memory` predicts outside it. ``argv``: the run's ``braid.simulate`` command line
+    with its schedules (a catalog preset), whose most outside the allocator over ranks and schedules counts the
+    run's TP backend (nccl-ce under sequence parallelism) and its instantiated whole-step graph; else (or where
+    braid.simulate refuses it) this rank's layout by :func:`braid.cost.device_memory.outside_allocator_bytes`
+    (its pipeline rank's peers included). ``ValueError`` where nothing is left."""
     from braid.core.topology import Topology
     from braid.cost.device_memory import DEVICE_TERMS, outside_allocator_bytes
+    from braid.simulate import device_memory_gib
 
+    got = device_memory_gib(argv, key="device_outside_gib") if argv else {}
     topo = Topology(args.tp * args.pp * args.dp * args.cp, pp=args.pp, dp=args.dp, tp=args.tp, cp=args.cp)
-    outside = outside_allocator_bytes(DEVICE_TERMS, tp=args.tp, pp=args.pp, pp_rank=topo.coords(rank).pp,
-                                      dp=args.dp, cp=args.cp)
+    outside = max(got.values()) * 2**30 if got else outside_allocator_bytes(
+        DEVICE_TERMS, tp=args.tp, pp=args.pp, pp_rank=topo.coords(rank).pp, dp=args.dp, cp=args.cp)
     share = cap * 2**30 - outside
     if share <= 0:
         raise ValueError(f"--memory-cap {cap:g}: CUDA, NCCL and cuBLAS are predicted to hold {outside / 2**30:.2f} GiB "
@@ -155,17 +160,20 @@ def check_fits(args: argparse.Namespace, vision: bool, schedules: Sequence[str],
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count()) if cuda else 0
     cap = getattr(args, "memory_cap", None)
+    name = catalog_name(args, vision)
+    modelled = not (args.hf or args.cp > 1 or name is None or not schedules or getattr(args, "image_size", None) is not None
+                    or getattr(args, "image_sizes", None) is not None)
+    argv = simulate_argv(args, name, seq_len) if modelled else None
     if cap is not None:
         try:
-            apply_cap(cap, cuda, local, allocator_share(cap, args, rank) if cuda else None)
+            runs = argv and [*argv, *(x for s in schedules for x in ("--schedule", s))]
+            apply_cap(cap, cuda, local, allocator_share(cap, args, rank, runs) if cuda else None)
         except ValueError as err:
             return str(err)
-    name = catalog_name(args, vision)
-    if (not cuda or args.skip_memory_check or args.hf or args.cp > 1 or name is None or not schedules
-            or getattr(args, "image_size", None) is not None or getattr(args, "image_sizes", None) is not None):
+    if not cuda or args.skip_memory_check or argv is None:
         return None
     card = cap * 2**30 if cap is not None else torch.cuda.get_device_properties(local).total_memory
-    refusal, warning = verdict(simulate_argv(args, name, seq_len), schedules, card, cap is not None)
+    refusal, warning = verdict(argv, schedules, card, cap is not None)
     if warning and rank == 0:
         print(warning, flush=True)
     return refusal

@@ -121,3 +121,26 @@ def test_a_memory_cap_leaves_the_allocator_what_cuda_and_nccl_do_not_hold(train_
     assert first - middle == pytest.approx(DEVICE_TERMS.p2p_pair)  # one more P2P connection, nothing else
     with pytest.raises(ValueError, match=r"^--memory-cap 1: CUDA, NCCL and cuBLAS are predicted to hold [\d.]+ GiB"):
         train_fit.allocator_share(1.0, _args(tp=2, pp=2, dp=2), 0)
+
+
+def test_a_memory_cap_leaves_out_what_the_run_itself_holds_outside_the_allocator(train_fit) -> None:
+    """Given the run's braid.simulate command line, the allocator's share is the cap less that run's most outside
+    the allocator: under sequence parallelism the copy-engine TP group, and a whole-step CUDA graph's instantiated
+    nodes, which a capped-group layout estimate leaves out (2 H200s: 4357 MiB outside at the capped pick's SP m=16
+    run, benchmarks/results/graph_exec_h200x2.txt's diagnostic, against 3169 MiB without SP)."""
+    from braid.cost.device_memory import DEVICE_TERMS, outside_allocator_bytes
+
+    args = _args(model="small", tp=2, pp=1, mbs=16, micro_batch_size=1, optimizer="zero1", recompute="full")
+    name = train_fit.catalog_name(args, vision=False)
+    runs = {sp: [*train_fit.simulate_argv(_args(**{**vars(args), "sequence_parallel": sp}), name, 4096),
+                 "--schedule", "braided_v"] for sp in (True, False)}
+    plain = train_fit.allocator_share(8.0, args, 0)
+    assert plain == 8.0 * GIB - outside_allocator_bytes(DEVICE_TERMS, tp=2, pp=1, pp_rank=0)
+    sp, no_sp = (train_fit.allocator_share(8.0, args, 0, runs[x]) for x in (True, False))
+    outside = {x: device_memory_gib(runs[x], key="device_outside_gib")["braided_v"] * GIB for x in runs}
+    assert sp == 8.0 * GIB - outside[True] and no_sp == 8.0 * GIB - outside[False]
+    assert sp < no_sp < plain  # the copy-engine group and its copy nodes; the graph either way
+    graph = outside[False] - outside_allocator_bytes(DEVICE_TERMS, tp=2, pp=1, pp_rank=0)
+    assert graph == pytest.approx(16 * 66 * (DEVICE_TERMS.graph_unit + DEVICE_TERMS.graph_collective))
+    # a command line braid.simulate refuses falls back to the layout's estimate
+    assert train_fit.allocator_share(8.0, args, 0, ["--tp", "0"]) == plain

@@ -235,8 +235,19 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
     else:
         reserve = reserve_bytes(terms, schedule, static_bytes=static_bytes, peak_bytes=max(activation_bytes, step_bytes),
                                 graphed=False)
+    return device_bytes(reserve, planned_outside_bytes(graphed=graphed, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp,
+                                                       placement=placement, tp_backend=tp_backend,
+                                                       captured_units=captured_units, terms=terms))
+
+
+def planned_outside_bytes(*, graphed: bool, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1, placement: str = "v",
+                          tp_backend: TpBackend = "nccl-capped", captured_units: float = 0.0,
+                          terms: DeviceTerms = DEVICE_TERMS) -> float:
+    """The part of :func:`planned_device_bytes` outside the allocator: :func:`outside_allocator_bytes` and, for a
+    whole-step CUDA graph, the instantiated graph (:func:`graph_exec_bytes`) -- what a ``--memory-cap`` leaves the
+    allocator less (``examples/train_fit.py``)."""
     outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp, placement=placement,
                                       tp_backend=tp_backend)
     if graphed:
         outside += graph_exec_bytes(terms, captured_units=captured_units, tp=tp, tp_backend=tp_backend)
-    return device_bytes(reserve, outside)
+    return outside
