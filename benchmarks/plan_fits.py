@@ -4,14 +4,16 @@ Runs ``braid.plan`` for a job on this machine's GPUs under a memory cap (``--mem
 trains its pick and the fastest configuration predicted over the cap itself (from the plan's ``over_cap`` list,
 shown under "faster, over the planned memory": the plan keeps ``--memory-margin`` of the cap back) with the
 example scripts under the cap (``--memory-cap``: device memory in
-use, the allocator held to the cap less what CUDA and NCCL hold outside it, :mod:`examples.train_fit`),
+use, the allocator held to the cap less what CUDA, NCCL and the run's CUDA graph hold outside it, :mod:`examples.train_fit`),
 while ``nvidia-smi`` samples what the job's GPUs have in use (only those: a job on the host's other GPUs
 is not this one's).
 Per configuration: predicted device memory in use (the planner's figure), the most in use measured,
 the example's allocator peak, and whether it ran out::
 
     PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python benchmarks/plan_fits.py \\
-        --model qwen2-small --gpus 2 --memory 7 --global-batch 16 --steps 6
+        --model qwen2-small --gpus 2 --memory 7.75 --global-batch 16 --steps 6
+
+(``benchmarks/results/plan_fits_h200x2_cap7.75.txt``: at 7 GiB nothing fits once the instantiated graph is priced.)
 """
 
 from __future__ import annotations
