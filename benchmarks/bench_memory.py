@@ -129,9 +129,8 @@ def predicted(args: argparse.Namespace, plan, mode: str, recompute: str,
                                                      activation_bytes=r.peak_activation_bytes, step_bytes=step,
                                                      graphed=getattr(args, "cuda_graph", "none") == "step",
                                                      tp=args.tp, pp=args.pp, pp_rank=r.rank, dp=args.dp,
-                                                     placement=plan.placement, captured_units=args.mbs * sum(
-                                                         len(costs.chunks[(r.rank, c)].instances())
-                                                         for c in range(plan.v))))
+                                                     placement=plan.placement,
+                                                     captured_units=args.mbs * costs.units_on(r.rank)))
     return out
 
 

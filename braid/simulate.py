@@ -342,8 +342,8 @@ def run(args: argparse.Namespace, schedule_names: Sequence[str], plans: Sequence
             traces[-1].events.extend(tail.events)
         dp_rows.append((name, report, tail, dc))
         where = [dict(graphed=graphed, tp=par.tp, pp=par.pp, pp_rank=r.rank, dp=par.dp, cp=par.cp, tp_backend=backend,
-                      placement=costs.layout.placement, captured_units=args.mbs * sum(
-                          len(costs.chunks[(r.rank, c)].instances()) for c in range(costs.layout.v))) for r in report.ranks]
+                      placement=costs.layout.placement, captured_units=args.mbs * costs.units_on(r.rank))
+                 for r in report.ranks]
         doc["schedules"][name]["dp"] = {**tail.to_dict(), "static_bytes": list(dc.static_bytes),
                                         "peak_memory_gib": max(dc.peak_bytes(r.rank, r.peak_activation_bytes)
                                                                for r in report.ranks) / 2**30,

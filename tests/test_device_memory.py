@@ -171,7 +171,7 @@ def test_nccl_ce_holds_one_staging_set_of_the_sequence_tensor() -> None:
     cand = Candidate(Parallel(tp=2, pp=1, dp=1, micro_batch_size=1, optimizer="zero1", seq_shard=True), "1f1b_i", 16)
     staging = ce_staging_bytes(model.seq, model.hidden, model.dtype_bytes, 2)
     costs = costs_of(prob, cand)
-    units = 16 * sum(len(costs.chunks[(0, c)].instances()) for c in range(costs.layout.v))
+    units = 16 * costs.units_on(0)
     assert device_memory(prob, cand, costs, 0, kw["static_bytes"], kw["activation_bytes"]) == pytest.approx(
         planned_device_bytes("1f1b_i", tp_backend="nccl-ce", ce_staging=staging, captured_units=units, **kw))
     # its graph holds each unit's reduction as copy nodes

@@ -189,6 +189,10 @@ class CostModel:
         """``chunk -> ChunkSpec`` for one rank, as :func:`braid.core.braiding.steps` wants it."""
         return lambda chunk: self.chunks[(rank, chunk)].spec
 
+    def units_on(self, rank: int) -> int:
+        """Unit instances of one rank's chunks: what a micro-batch's whole-step graph captures there."""
+        return sum(len(self.chunks[(rank, c)].instances()) for c in range(self.layout.v))
+
 
 # ----------------------------------------------------------------------------------------
 # Analytic model

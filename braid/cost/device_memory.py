@@ -241,13 +241,13 @@ def planned_device_bytes(schedule: str, *, static_bytes: float, activation_bytes
 
 
 def planned_outside_bytes(*, graphed: bool, tp: int, pp: int, pp_rank: int, dp: int = 1, cp: int = 1, placement: str = "v",
-                          tp_backend: TpBackend = "nccl-capped", captured_units: float = 0.0,
-                          terms: DeviceTerms = DEVICE_TERMS) -> float:
+                          tp_backend: TpBackend = "nccl-capped", tp_max_ctas: int | None = None,
+                          captured_units: float = 0.0, terms: DeviceTerms = DEVICE_TERMS) -> float:
     """The part of :func:`planned_device_bytes` outside the allocator: :func:`outside_allocator_bytes` and, for a
     whole-step CUDA graph, the instantiated graph (:func:`graph_exec_bytes`) -- what a ``--memory-cap`` leaves the
     allocator less (``examples/train_fit.py``)."""
     outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, cp=cp, placement=placement,
-                                      tp_backend=tp_backend)
+                                      tp_backend=tp_backend, tp_max_ctas=tp_max_ctas)
     if graphed:
         outside += graph_exec_bytes(terms, captured_units=captured_units, tp=tp, tp_backend=tp_backend)
     return outside

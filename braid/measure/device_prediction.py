@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from braid.core.partition import chunk_specs
-from braid.cost.device_memory import (DEVICE_TERMS, DeviceTerms, ce_staging_bytes, device_bytes, graph_exec_bytes,
-                                      outside_allocator_bytes, reserve_bytes)
+from braid.cost.device_memory import (DEVICE_TERMS, DeviceTerms, ce_staging_bytes, device_bytes, planned_outside_bytes,
+                                      reserve_bytes)
 from braid.cost.step_memory import param_sizes
 from braid.io.trace import Trace
 
@@ -103,10 +103,9 @@ def predicted_device_parts(config: Mapping[str, Any], schedule: str, placement: 
         else:  # the gradients are in the pool
             held, capture = weights, peaks[r] + weights if trace is None else captured_peak(trace, r, mine)
         reserve = reserve_bytes(terms, schedule, static_bytes=held + staging, peak_bytes=capture, graphed=graphed)
-        outside = outside_allocator_bytes(terms, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend,
-                                          tp_max_ctas=config.get("tp_max_ctas", PRE_FLAG_CTAS))
-        if graphed:
-            outside += graph_exec_bytes(terms, captured_units=m * units.get(r, 0), tp=tp, tp_backend=backend)
+        outside = planned_outside_bytes(graphed=graphed, tp=tp, pp=pp, pp_rank=r, placement=placement, tp_backend=backend,
+                                        tp_max_ctas=config.get("tp_max_ctas", PRE_FLAG_CTAS),
+                                        captured_units=m * units.get(r, 0), terms=terms)
         out.append((reserve, outside))
     return out
 

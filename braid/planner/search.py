@@ -384,10 +384,10 @@ def device_memory(prob: Problem, cand: Candidate, costs: CostModel, rank: int, h
     graphed = captured_by_default(tp=p.tp, ep=p.ep, moe=bool(mdl.experts), moe_dispatch=p.moe_dispatch)
     backend, staging = tp_comm_of(tp=p.tp, seq_shard=p.seq_shard, tokens=mdl.seq * mdl.micro_batch_size,
                                   hidden=mdl.hidden, itemsize=mdl.dtype_bytes)
-    units = cand.m * sum(len(costs.chunks[(rank, c)].instances()) for c in range(lay.v))
     return planned_device_bytes(cand.schedule, static_bytes=held, activation_bytes=activation, step_bytes=step,
                                 graphed=graphed, tp=p.tp, pp=p.pp, pp_rank=rank, dp=p.dp, cp=p.cp,
-                                placement=lay.placement, tp_backend=backend, ce_staging=staging, captured_units=units)
+                                placement=lay.placement, tp_backend=backend, ce_staging=staging,
+                                captured_units=cand.m * costs.units_on(rank))
 
 
 def min_memory(prob: Problem, cand: Candidate, costs: CostModel) -> float:
