@@ -226,7 +226,8 @@ def test_a_bf16_w_task_accumulates_in_fp32_without_a_temporary(group: bool) -> N
 def test_swiglu_down_keeps_gate_and_up_and_computes_the_unfused_mlp(joined: bool, split: bool) -> None:
     """``braid.tp.swiglu_down``: loss, the gradients of gate and up and the down-projection's weight gradient
     equal the unfused ``down(silu(gate) * up)`` bitwise (eager: autograd's own formulas), with the weight
-    gradient computed at once or stashed for a W task; its backward keeps gate and up, not their product."""
+    gradient computed at once or stashed for a W task; its backward keeps gate and up, not their product, and
+    writes their gradients into their memory."""
     from braid.models.qwen2 import EAGER
     from braid.tp.swiglu_down import swiglu_down
 
@@ -252,8 +253,12 @@ def test_swiglu_down_keeps_gate_and_up_and_computes_the_unfused_mlp(joined: bool
         y1 = swiglu_down(down, fwd, bwd, *acts1)
     assert sum(t.numel() for t in saved) == b * s * 2 * f  # gate and up; no product
     assert torch.equal(y1, y0)
+    written: list[int] = []  # where the gradients of gate and up are: in their own memory (swiglu_grad works in place)
+    for a in acts1:
+        a.register_hook(lambda g: written.append(g.data_ptr()))
     with split_weight_grads([down], "mb") if split else nullcontext():
         ((y1 - target) ** 2).sum().backward()
+    assert sorted(written) == sorted(a.data_ptr() for a in acts1)
     assert torch.equal(x1.grad, x0.grad)
     if split:
         assert down.weight.grad is None and down.has_stash("mb")

@@ -8,7 +8,9 @@ kernel that computes SwiGLU's gradient (``bwd`` returns the inputs' gradients an
 then hands the product to the down-projection's weight gradient -- computed at once, or stashed
 for a later W task (:class:`braid.tp.layers.DeferredWeightGrad`), where it is what an unfused
 MLP stashes too. The bytes an MLP keeps from forward to backward drop from three ``ffn/t``
-tensors to two; what a split backward keeps until W is unchanged.
+tensors to two; what a split backward keeps until W is unchanged. ``bwd`` writes gate's and up's
+gradients into their own memory (:func:`braid.models.qwen2.swiglu_grad`): the backward allocates
+the product alone, not three ``ffn/t`` tensors beside the two it is about to free.
 
 The values are those of the unfused MLP: the forward's product and the backward's come from
 the same operators on the same inputs, and the eager ``bwd`` applies autograd's own formulas
@@ -50,7 +52,8 @@ def swiglu_down(down: _ParallelLinear, fwd: Callable[..., torch.Tensor], bwd: Ca
     """``down(fwd(*acts))`` whose backward keeps only ``acts``.
 
     ``fwd``: the SwiGLU product of ``acts`` (gate and up, or the joined projection); ``bwd(*acts,
-    grad_product)``: the gradients of ``acts`` and the product itself, recomputed. Outside autograd
+    grad_product)``: the gradients of ``acts`` (it may write them into ``acts``: nothing reads them after it)
+    and the product itself, recomputed. Outside autograd
     (no grad, or inputs that need none) it is the plain composition.
     """
     if not torch.is_grad_enabled() or not any(a.requires_grad for a in acts):
