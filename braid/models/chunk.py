@@ -492,7 +492,7 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
                 return None
             st.grads = grad(pieces[0].outputs, pieces[0].inputs, (gf,))
             if self.seq_shard:
-                self._shard_grad_stash(mb, unit, layer, gf)
+                self._shard_grad_stash(mb, unit, layer, gf, g)
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             self._boxes.pop(key, None)
             return None

@@ -258,22 +258,18 @@ class SeqShardOps:
             if rec[1] is None:
                 rec[1] = self._gather_start(rec[0])
 
-    def _shard_grad_stash(self, mb: int, unit: Unit, layer: int, whole: torch.Tensor) -> None:
+    def _shard_grad_stash(self, mb: int, unit: Unit, layer: int, whole: torch.Tensor, mine: torch.Tensor) -> None:
         """After the split-off activation backward of an ``attn``/``mlp`` unit (``mb`` not :attr:`joint`):
         its row-parallel linears' stashed output gradients, ``whole`` over the sequence and the same on every
-        TP rank (the unit's output gradient through the fused residual), kept as the rank's tokens (a copy:
-        ``s/t`` of the bytes until W) and gathered again by their W (:meth:`gather_stashed`)."""
+        TP rank (the unit's output gradient through the fused residual), kept as the rank's tokens -- ``mine``,
+        the tensor ``whole`` was gathered from, which is the residual's gradient too and which nothing writes
+        into: ``s/t`` of the bytes until W and no copy -- and gathered again by their W (:meth:`gather_stashed`)."""
         if unit not in _ROW_END or mb in self.joint:
             return
-        t, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
-        n = whole.shape[1] // t
+        self._stashed_local.setdefault(mine.data_ptr(), [mine, None])
 
         def local(g: torch.Tensor) -> torch.Tensor:
-            if g.shape != whole.shape:  # already the rank's tokens
-                return g
-            mine = g.narrow(1, rank * n, n).clone(memory_format=torch.contiguous_format)  # not a view: frees g
-            self._stashed_local[mine.data_ptr()] = [mine, None]
-            return mine
+            return g if g.shape != whole.shape else mine  # (already the rank's tokens: as it is)
 
         for mod in self._deferred(unit, layer):
             mod.map_stash(mb, grad=local)
