@@ -47,7 +47,9 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
     stash at once). Saved bytes: both parts of Korthikanti's
     per-unit coefficients over ``t`` (34/t per layer), or with ``runtime`` the norms' and the
     gathered linear inputs' bytes over ``t`` (:func:`braid.cost.runtime_act.runtime_act`); the
-    head's norm over ``t``, its input (saved whole, :mod:`braid.models.seq_shard_ops`) and logits unchanged.
+    head's norm and its input -- kept as the rank's tokens and gathered again in its W, as a column-parallel
+    linear's (:mod:`braid.models.seq_shard_ops`) -- over ``t``, its logits unchanged; a split B's stash of that
+    input is the rank's tokens too (``w_res``).
     """
     nbytes = tokens * h * d
     gather = _half_ring_time(nbytes, t, hw)
@@ -69,7 +71,7 @@ def seq_shard_units(lm: Mapping[Unit, Any], head: Any, embed: Any, tokens: int, 
         else:
             c = replace(c, act=sbh * sum(KORTHIKANTI_ACT[u]) / t)
         out[u] = c
-    whole = tokens * (4 * h + d * h + 4) if runtime else 2 * sbh  # the norm's saved bytes; the LM head's input stays whole
-    head = replace(head, ar_b=chain, act=head.act - whole + whole / t, ag_f=gather)
+    whole = tokens * (4 * h + d * h + 4) + nbytes if runtime else 4 * sbh  # the norm's saved bytes and the head's input
+    head = replace(head, ar_b=chain, act=head.act - whole + whole / t, w_res=head.w_res - nbytes + nbytes / t, ag_f=gather)
     embed = replace(embed, ar_f=chain, ag_b=gather)
     return out, head, embed

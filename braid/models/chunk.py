@@ -436,7 +436,11 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         for p, g in zip(piece.params, dps):
             self._norm_grad(p, g)
         self._boxes.pop(box_key, None)
-        return dx if residual is None else dx + residual
+        if residual is None:
+            return dx
+        if dx.dtype == residual.dtype and dx.shape == residual.shape:
+            return dx.add_(residual)  # the norm's input gradient is ours: no second tensor beside it (nor in ``keep``)
+        return dx + residual
 
     def _take(self, mb: int, unit: Unit, layer: int) -> list[_Piece]:
         try:
@@ -473,7 +477,11 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         with split_weight_grads(self._deferred(unit, layer), mb):
             if unit is Unit.HEAD:
                 (hl,) = pieces[1].inputs
-                (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))  # the loss: implicit ones
+                self._defer_gathers = self.seq_shard  # a split head's saved input: stashed as the rank's tokens
+                try:
+                    (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))  # the loss: implicit ones
+                finally:
+                    self._defer_gathers = False
                 return self._pend(st, pieces[0], dh, None, key)  # partial over TP: reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
                 (hl,) = pieces[1].inputs

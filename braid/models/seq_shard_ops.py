@@ -22,8 +22,9 @@ Where the unit cuts are (Korthikanti et al. Sec. 4.2.2, operators g and g-bar):
   again (:meth:`gather_stashed`): started as the W of the row-parallel unit before it begins
   (:meth:`prefetch_stashed`), so it runs beside that unit's compute. A split B's stash then
   holds ``s/t`` tokens until W, not the whole sequence (Megatron-LM gathers in its weight
-  gradient too). The LM head's input is saved whole: nothing runs before its backward for a
-  re-gather to hide behind.
+  gradient too). The LM head's input is saved so too: its W is its op's first, with no W before
+  it to gather beside, so it gathers its input as it starts (one ``s*h`` all-gather; a joint
+  backward's W comes right after its B).
 * A row-parallel linear's output gradient (out-proj, down-proj) is the gathered gradient of its
   unit's output, the same on every TP rank. Where the W is split off (a ``B`` op, not a ``BW``:
   :attr:`joint`), the stash keeps the rank's tokens of it (:meth:`_shard_grad_stash`) and W gathers
@@ -136,10 +137,8 @@ class SeqShardOps:
             norm = self.norm if unit is Unit.HEAD else self._layer_seq[layer].unit_norm(unit)
             h = norm(x)  # (b, s/t, h) under seq_shard
             full = self._gathered(h)  # (b, s, h)
-        # A linear that saves this tensor keeps the local tokens instead (_saving) -- but the head's: its backward
-        # comes right after its forward in every schedule's last stage, and a re-gather there had nothing to
-        # run beside (measured: B head 2.0 ms with it, 0.9 ms unsharded, 7b-layer at tp=2).
-        if self.seq_shard and unit is not Unit.HEAD:
+        # A linear that saves this tensor keeps the local tokens instead (_saving), the LM head's too
+        if self.seq_shard:
             self._gather = (full, h.detach())
         return x, h, norm, full
 
