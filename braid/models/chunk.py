@@ -477,11 +477,12 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         with split_weight_grads(self._deferred(unit, layer), mb):
             if unit is Unit.HEAD:
                 (hl,) = pieces[1].inputs
-                self._defer_gathers = self.seq_shard  # a split head's saved input: stashed as the rank's tokens
+                self._defer_gathers = self.seq_shard  # the head's saved input: stashed as the rank's tokens
                 try:
                     (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))  # the loss: implicit ones
                 finally:
                     self._defer_gathers = False
+                self._drop_stashed_slots(key)
                 return self._pend(st, pieces[0], dh, None, key)  # partial over TP: reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
                 (hl,) = pieces[1].inputs
@@ -490,6 +491,7 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
                     (dh,) = grad(pieces[1].outputs, (hl,), st.grads)
                 finally:
                     self._defer_gathers = False
+                self._drop_stashed_slots(key)
                 req = self._pend(st, pieces[0], dh, st.residual, key)
                 st.grads, st.residual = (), None
                 return req

@@ -220,6 +220,15 @@ class SeqShardOps:
         box.gathered[i] = full
         return full
 
+    def _drop_stashed_slots(self, key: tuple) -> None:
+        """After the activation backward of ``key`` stashed its gathered slots' tokens for W: its box lets them go.
+        The box stays until the norm's backward (the next unit's head), which does not read them; a W that came
+        first (a full backward's) would otherwise gather the whole sequence beside a second hold of its tokens."""
+        box = self._boxes.get(key)
+        if box is not None and self.seq_shard:
+            for i in box.gathered:
+                box.tensors[i] = None
+
     def _stashed_of(self, mb: int, unit: Unit, layer: int) -> list[list]:
         """The records of the rank's tokens stashed for the W of (``mb``, ``unit``, ``layer``), once each."""
         seen: dict[int, list] = {}
