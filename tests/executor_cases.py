@@ -404,9 +404,9 @@ def record_modes(ctx, tp: int) -> dict:
 
 
 def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
-    """One layer's forward at tp=2 (fp32), unit by unit: the bytes each unit keeps (``live_bytes``) and what
-    ``analytic_costs(..., activations="runtime")`` charges it, with or without sequence sharding."""
-    from braid.core.braiding import LAYER_UNITS, AR_FORWARD, ChunkSpec, Comm, Phase, UnitTask
+    """One layer's and the LM head's forward at tp=2 (fp32), unit by unit: the bytes each unit keeps (``live_bytes``)
+    and what ``analytic_costs(..., activations="runtime")`` charges it, with or without sequence sharding."""
+    from braid.core.braiding import LAYER_UNITS, AR_FORWARD, ChunkSpec, Comm, Phase, Unit, UnitTask
     from braid.cost.catalog import ModelConfig
     from braid.cost.costs import Layout, analytic_costs
     from braid.cost.hardware import get_hardware
@@ -419,29 +419,30 @@ def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
     b, s, t = MBS, SEQ, 2
     cfg = Qwen2Config(layers=1, **CFG_KW)
     torch.manual_seed(0)
-    ch = build_chunk(Qwen2Model(cfg), ChunkSpec(1), 0, tp_rank=groups.coords.tp, tp_size=t, tp_group=groups.tp, seq_shard=shard)
+    ch = build_chunk(Qwen2Model(cfg), ChunkSpec(1, head=True), 0, tp_rank=groups.coords.tp, tp_size=t, tp_group=groups.tp, seq_shard=shard)
     toks, labs = _data(cfg, 1, 0)
     ch.set_batch(toks, labs)
     ch.set_input(0, torch.randn(b, s // t if shard else s, cfg.hidden))
     kept = {}
-    for unit in LAYER_UNITS:
+    for unit, layer in [(u, 0) for u in LAYER_UNITS] + [(Unit.HEAD, -1)]:
         before = ch.live_bytes()
-        out = ch.run(0, UnitTask(Phase.F, unit, 0, Comm.AR if unit in AR_FORWARD else None))
+        out = ch.run(0, UnitTask(Phase.F, unit, layer, Comm.AR if unit in AR_FORWARD else None))
         if out is not None:
             reduce_now(out, groups.tp)
         kept[unit.value] = ch.live_bytes() - before
     model = ModelConfig("t", layers=2, hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads, ffn=cfg.ffn, vocab=cfg.vocab_size,
                         seq=s, micro_batch_size=b, dtype_bytes=4)
     units = analytic_costs(model, get_hardware("h200"), Layout(t, 2, 1, "loop"), activations="runtime",
-                           seq_shard=shard).chunks[(0, 0)].units
-    return kept, {u.value: units[u].act for u in LAYER_UNITS}
+                           seq_shard=shard).chunks
+    return kept, {**{u.value: units[(0, 0)].units[u].act for u in LAYER_UNITS}, "head": units[(1, 0)].units[Unit.HEAD].act}
 
 
-def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list, list]:
+def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list, list, tuple]:
     """One layer at tp=2 (float64), forward then activation backward unit by unit (weight gradients split
     off): the shapes of the column-parallel linears' stashed inputs and the row-parallel ones' stashed output
     gradients after B, what the chunk still holds
-    (:meth:`pending_work`) after every W, and the weight gradients. ``joint``: the micro-batch marked as a
+    (:meth:`pending_work`) after every W, the weight gradients, and the saved-tensor boxes left after the
+    B's with the shapes of the gathered slots they still hold. ``joint``: the micro-batch marked as a
     full backward's (``set_joint``: its W comes right after its B)."""
     from braid.core.braiding import AR_BACKWARD, AR_FORWARD, LAYER_UNITS, ChunkSpec, Comm, Phase, UnitTask
     from braid.core.topology import Topology
@@ -474,6 +475,8 @@ def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list
         out = ch.run(0, UnitTask(Phase.B, unit, 0, Comm.AR if unit in AR_BACKWARD else None))
         if out is not None:
             reduce_now(out, groups.tp)
+    # after their activation backward the boxes hold none of the rank's tokens they stashed for W (the stash does)
+    boxed = [tuple(box.tensors[i].shape) for box in ch._boxes.values() for i in box.gathered if box.tensors[i] is not None]
     # the whole-sequence slots: the column-parallel linears' inputs, the row-parallel ones' output gradients
     stashed = (sorted(tuple(x.shape) for u in LAYER_UNITS if u.value.startswith("pre_") for m in ch._deferred(u, 0)
                       for x in m.stashed_tensors(0)[::2]),
@@ -484,7 +487,7 @@ def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list
         ch.run(0, UnitTask(Phase.W, unit, 0))
         held.append(sorted(w for w in ch.pending_work() if w.startswith(("stash", "stashed"))))
     grads = [(n, p.grad.clone()) for n, p in ch.named_parameters() if p.grad is not None and p.dim() == 2]
-    return stashed, held, grads
+    return stashed, held, grads, (len(ch._boxes), boxed)
 
 
 def seq_shard_gathers(ctx, grouped: bool) -> tuple[int, list]:

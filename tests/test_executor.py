@@ -176,7 +176,7 @@ def test_sequence_parallel_matches_reference_and_saves_activations(pools) -> Non
             if recompute == "none" and rank == 0:
                 assert c["peak_bytes"] < plain[0][2]["peak_bytes"], (c["peak_bytes"], plain[0][2]["peak_bytes"])
     # What sharding saves per unit is what the cost model's runtime count takes off (the norms' and the
-    # column-parallel inputs' bytes over t; the attention and MLP cores keep theirs).
+    # column-parallel inputs' bytes over t, the LM head's input too; the attention and MLP cores keep theirs).
     (kept0, model0), _ = pool.run(cases.seq_shard_saved_bytes, False, timeout_s=60)
     (kept1, model1), _ = pool.run(cases.seq_shard_saved_bytes, True, timeout_s=60)
     for unit in kept0:
@@ -196,8 +196,9 @@ def test_a_split_backward_stashes_the_ranks_tokens_and_w_gathers_them(pools) -> 
     def halved(a: list, b: list) -> bool:  # (b, s, h) without sharding, (b, s/2, h) with it
         return len(a) == len(b) > 0 and all(x[:1] + x[2:] == y[:1] + y[2:] and x[1] == 2 * y[1] for x, y in zip(a, b))
 
-    for rank, ((st0, held0, g0), (st1, held1, g1)) in enumerate(zip(whole, shard)):
+    for rank, ((st0, held0, g0, _), (st1, held1, g1, (boxes, boxed))) in enumerate(zip(whole, shard)):
         assert halved(st0[0], st1[0]) and halved(st0[1], st1[1]), (rank, st0, st1)
+        assert boxes > 0 and boxed == [], (rank, boxes, boxed)  # a box left (the last norm's) holds no stashed tokens
         assert held1[-1] == [] and held0[-1] == [], (rank, held0, held1)
         assert [n for n, _ in g0] == [n for n, _ in g1], rank
         scale = max(float(a.abs().max()) for _, a in g0)
@@ -206,7 +207,7 @@ def test_a_split_backward_stashes_the_ranks_tokens_and_w_gathers_them(pools) -> 
     # a full backward's micro-batch (W right after B, nothing to gather beside) keeps the output gradients whole;
     # the inputs are still the rank's tokens, and the weight gradients the same
     joint = pool.run(cases.seq_shard_w_stash, True, True, timeout_s=60)
-    for rank, ((st0, _, g0), (stj, heldj, gj)) in enumerate(zip(whole, joint)):
+    for rank, ((st0, _, g0, _), (stj, heldj, gj, _)) in enumerate(zip(whole, joint)):
         assert halved(st0[0], stj[0]) and stj[1] == st0[1], (rank, st0, stj)
         assert heldj[-1] == [], (rank, heldj)
         scale = max(float(a.abs().max()) for _, a in g0)
