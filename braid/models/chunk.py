@@ -477,21 +477,13 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         with split_weight_grads(self._deferred(unit, layer), mb):
             if unit is Unit.HEAD:
                 (hl,) = pieces[1].inputs
-                self._defer_gathers = self.seq_shard  # the head's saved input: stashed as the rank's tokens
-                try:
+                with self._stashing_for_w(key):  # the head's saved input: stashed as the rank's tokens
                     (dh,) = torch.autograd.grad(pieces[1].outputs, (hl,))  # the loss: implicit ones
-                finally:
-                    self._defer_gathers = False
-                self._drop_stashed_slots(key)
                 return self._pend(st, pieces[0], dh, None, key)  # partial over TP: reduced (operator f)
             if unit in (Unit.PRE_ATTN, Unit.PRE_MLP):
                 (hl,) = pieces[1].inputs
-                self._defer_gathers = self.seq_shard  # the linears' saved input: stashed as the rank's tokens
-                try:
+                with self._stashing_for_w(key):  # the linears' saved input: stashed as the rank's tokens
                     (dh,) = grad(pieces[1].outputs, (hl,), st.grads)
-                finally:
-                    self._defer_gathers = False
-                self._drop_stashed_slots(key)
                 req = self._pend(st, pieces[0], dh, st.residual, key)
                 st.grads, st.residual = (), None
                 return req

@@ -199,7 +199,8 @@ def swiglu_grad(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor) -> tup
 
 def swiglu_joined_grad(gate_up: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`swiglu_grad` of a joined gate/up projection: its gradient (b, s, 2 ffn/t), written into
-    ``gate_up`` itself once both halves are computed (gate's half is read by up's gradient), and the product."""
+    ``gate_up`` itself once both halves are computed (gate's half is read by up's gradient), and the product.
+    Not :func:`swiglu_grad` on the two halves: its ``out=`` into a strided half stops ``torch.compile``'s graph."""
     pair = gate_up.unflatten(-1, (2, -1))
     gate, up = pair.unbind(-2)
     silu = F.silu(gate)

@@ -36,7 +36,8 @@ Where the unit cuts are (Korthikanti et al. Sec. 4.2.2, operators g and g-bar):
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -220,14 +221,20 @@ class SeqShardOps:
         box.gathered[i] = full
         return full
 
-    def _drop_stashed_slots(self, key: tuple) -> None:
-        """After the activation backward of ``key`` stashed its gathered slots' tokens for W: its box lets them go.
-        The box stays until the norm's backward (the next unit's head), which does not read them; a W that came
+    @contextmanager
+    def _stashing_for_w(self, key: tuple) -> Iterator[None]:
+        """Around the activation backward of ``key`` (a pre unit's or the LM head's): under ``seq_shard`` its linears'
+        saved inputs unpack to the rank's tokens, stashed for W (:meth:`_unpack_gathered`); after it the box lets them
+        go. The box stays until the norm's backward (the next unit's head), which does not read them; a W that came
         first (a full backward's) would otherwise gather the whole sequence beside a second hold of its tokens."""
+        self._defer_gathers = self.seq_shard
+        try:
+            yield
+        finally:
+            self._defer_gathers = False
         box = self._boxes.get(key)
-        if box is not None and self.seq_shard:
-            for i in box.gathered:
-                box.tensors[i] = None
+        for i in box.gathered if box is not None else ():
+            box.tensors[i] = None
 
     def _stashed_of(self, mb: int, unit: Unit, layer: int) -> list[list]:
         """The records of the rank's tokens stashed for the W of (``mb``, ``unit``, ``layer``), once each."""
