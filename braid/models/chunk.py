@@ -423,11 +423,13 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         self._saved[key] = [_Piece(tuple(edge(t) for t in leaves), (edge(out),))]
         return self._reduction(mb, out)
 
-    def _finish(self, mb: int, st: _Backward, keep: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _finish(self, mb: int, st: _Backward, keep: list[torch.Tensor] | None = None,
+                into: torch.Tensor | None = None) -> torch.Tensor:
         """Norm backward of the reduced gradient left by the previous unit, plus the +1 residual. ``keep``
         (run ahead on a side stream, :meth:`follow`) gets what it made: autograd runs the norm's backward
         on its forward's stream, maybe the caller's, so they are held until the caller's stream waits for
-        the side stream (held rather than marked with record_stream, which a CUDA-graph capture does not reuse)."""
+        the side stream (held rather than marked with record_stream, which a CUDA-graph capture does not reuse).
+        ``into``: where to write the sum when the residual matches (an all-gather's slot: :meth:`_finish_gathering`)."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
@@ -439,6 +441,8 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         if residual is None:
             return dx
         if dx.dtype == residual.dtype and dx.shape == residual.shape:
+            if into is not None and into.dtype == dx.dtype and into.shape == dx.shape:
+                return torch.add(dx, residual, out=into)
             return dx.add_(residual)  # the norm's input gradient is ours: no second tensor beside it (nor in ``keep``)
         return dx + residual
 
@@ -494,7 +498,7 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
                 return None
             st.grads = grad(pieces[0].outputs, pieces[0].inputs, (gf,))
             if self.seq_shard:
-                self._shard_grad_stash(mb, unit, layer, gf, g)
+                g = self._shard_grad_stash(mb, unit, layer, gf, g)
             st.residual = g  # d out / d x through the fused residual: the explicit +1
             self._boxes.pop(key, None)
             return None

@@ -47,7 +47,7 @@ from braid.core.braiding import Phase, Unit, UnitTask, gather_head, unit_tasks
 from braid.core.ir import OpKind
 from braid.models.chunk_parts import ChunkStateError, _Backward, _Box, _Piece
 from braid.tp.layers import accumulate_grad
-from braid.tp.seq_shard import Scatter, gather_start, gathered_view, scatter_request
+from braid.tp.seq_shard import Scatter, gather_buffer, gather_start, gathered_view, scatter_request
 
 _PRE_OF = {Unit.ATTN: Unit.PRE_ATTN, Unit.MLP: Unit.PRE_MLP}  # the backward unit that follows (same layer)
 _ROW_END = (Unit.ATTN, Unit.MLP)  # the units that end with a row-parallel linear (its output: the unit's)
@@ -76,7 +76,7 @@ class SeqShardOps:
         # How the all-gathers start (local -> (buffer, work)): the executor sets its TP backend's
         # (TPComm.gather_start: the communicator of the reduce-scatters, the copy engines under nccl-ce);
         # unset, the TP group's collective
-        self.seq_gather_start: Callable[[torch.Tensor], tuple[torch.Tensor, Any]] | None = None
+        self.seq_gather_start: Callable[..., tuple[torch.Tensor, Any]] | None = None
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None  # (gathered, local) of the unit running
         # micro-batch -> the head :meth:`follow` ran of its next forward / backward unit (apart: a
         # backward under full recomputation re-runs forward units between a follow and its unit)
@@ -109,11 +109,26 @@ class SeqShardOps:
         st.pending = (piece, req.out if self.seq_shard else dh, residual, key)
         return req
 
-    def _gather_start(self, local: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Start the all-gather of ``local`` (b, s/t, h): its buffer and work (:attr:`seq_gather_start`)."""
+    def _gather_start(self, local: torch.Tensor, buf: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        """Start the all-gather of ``local`` (b, s/t, h): its buffer (``buf`` if given) and work (:attr:`seq_gather_start`)."""
         if self.seq_gather_start is not None:
-            return self.seq_gather_start(local)
-        return gather_start(local, self.tp_group)
+            return self.seq_gather_start(local, buf)
+        return gather_start(local, self.tp_group, buf)
+
+    def _finish_gathering(self, mb: int, st: _Backward, keep: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """:meth:`_finish`, then the all-gather of its result started: (the rank's tokens, the buffer, the work).
+        Where the residual is added (b == 1: the gathered view is the buffer itself), the sum is written into the
+        rank's own slot of the buffer and gathered in place, so the rank's tokens are no second tensor beside the
+        whole sequence while the unit's backward runs; a split B's stash copies them out after it
+        (:meth:`_shard_grad_stash`)."""
+        residual = st.pending[2]
+        buf = gather_buffer(residual, self.tp_group) if residual is not None and residual.shape[0] == 1 else None
+        slot = None if buf is None else buf[dist.get_rank(self.tp_group)]
+        g = self._finish(mb, st, keep, into=slot)
+        if slot is not None and g.data_ptr() != slot.data_ptr():  # (not written there: a dtype or shape apart)
+            buf = None
+        buf, work = self._gather_start(g, buf)
+        return g, buf, work
 
     def _all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """The whole sequence (b, s, h) of every rank's ``local``, blocking (inside a unit)."""
@@ -151,8 +166,15 @@ class SeqShardOps:
         if ahead is not None:
             g, buf = ahead
             return g, gathered_view(buf)
-        g = self._finish(mb, st) if st.pending is not None else self._grad_out.pop(mb)
-        return g, self._gathered(g)
+        if st.pending is None:
+            g = self._grad_out.pop(mb)
+            return g, self._gathered(g)
+        if not self.seq_shard:
+            g = self._finish(mb, st)
+            return g, g
+        g, buf, work = self._finish_gathering(mb, st)
+        work.wait()
+        return g, gathered_view(buf)
 
     # -- the executor's side: a unit's head run as the reduction before it ends --------------
     def follows(self, task: UnitTask) -> bool:
@@ -180,8 +202,7 @@ class SeqShardOps:
         read = [t for t in st.pending[1:3] if t is not None]
         box = self._boxes.get(st.pending[3])  # the norm's saved tensors, freed by _finish: maybe made on the caller's stream
         read += [t for t in box.tensors if isinstance(t, torch.Tensor)] if box is not None else []
-        g = self._finish(mb, st, read)
-        buf, work = self._gather_start(g)
+        g, buf, work = self._finish_gathering(mb, st, read)
         self._ahead_b[mb] = (g, buf)
         shares = [t for _, t in self._seq_grads.values()]  # the norm backward's weight-gradient shares (sum_seq_grads)
         return work, [*read, g, buf, *shares]
@@ -273,14 +294,18 @@ class SeqShardOps:
             if rec[1] is None:
                 rec[1] = self._gather_start(rec[0])
 
-    def _shard_grad_stash(self, mb: int, unit: Unit, layer: int, whole: torch.Tensor, mine: torch.Tensor) -> None:
+    def _shard_grad_stash(self, mb: int, unit: Unit, layer: int, whole: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
         """After the split-off activation backward of an ``attn``/``mlp`` unit (``mb`` not :attr:`joint`):
         its row-parallel linears' stashed output gradients, ``whole`` over the sequence and the same on every
         TP rank (the unit's output gradient through the fused residual), kept as the rank's tokens -- ``mine``,
         the tensor ``whole`` was gathered from, which is the residual's gradient too and which nothing writes
-        into: ``s/t`` of the bytes until W and no copy -- and gathered again by their W (:meth:`gather_stashed`)."""
+        into: ``s/t`` of the bytes until W -- and gathered again by their W (:meth:`gather_stashed`). Returns
+        the rank's tokens to keep (the residual's gradient): ``mine``, or where ``mine`` is a slot of the
+        gather's buffer (:meth:`_finish_gathering`) a copy, so the whole sequence goes now rather than at W."""
         if unit not in _ROW_END or mb in self.joint:
-            return
+            return mine
+        if mine._base is not None:
+            mine = mine.clone()
         self._stashed_local.setdefault(mine.data_ptr(), [mine, None])
 
         def local(g: torch.Tensor) -> torch.Tensor:
@@ -288,6 +313,7 @@ class SeqShardOps:
 
         for mod in self._deferred(unit, layer):
             mod.map_stash(mb, grad=local)
+        return mine
 
     def gather_stashed(self, mb: int, unit: Unit, layer: int) -> None:
         """Before the W of (``mb``, ``unit``, ``layer``): its modules' stashed tokens replaced by the whole

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from braid.core.ctas import auto_tp_backend, max_ctas_for
 from braid.tp.ce_reduce import CEBuffers, EventWork
-from braid.tp.seq_shard import Scatter, gather_start, reduce_scatter
+from braid.tp.seq_shard import Scatter, gather_buffer, gather_start, reduce_scatter
 
 TPBackend = Literal["nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo"]
 TP_BACKENDS: tuple[str, ...] = ("nccl-capped", "nccl", "nccl-zero-cta", "nccl-ce", "symm-mem", "gloo")
@@ -201,13 +201,13 @@ class TPComm:
             return reduce_scatter(t, self.group)
         return self.all_reduce(t)
 
-    def gather_start(self, local: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def gather_start(self, local: torch.Tensor, buf: torch.Tensor | None = None) -> tuple[torch.Tensor, object]:
         """Sequence sharding's all-gather of every rank's tokens ``local`` (b, s/t, h), started: its buffer
         (t, b, s/t, h) and work, as :func:`braid.tp.seq_shard.gather_start`; under ``nccl-ce`` through the
         group's staging on the copy engines, else the group's collective."""
         if self.backend != "nccl-ce":
-            return gather_start(local, self.group)
-        buf = local.new_empty((dist.get_world_size(self.group), *local.shape))
+            return gather_start(local, self.group, buf)
+        buf = gather_buffer(local, self.group) if buf is None else buf
         return buf, self._ce_buffers(local.device).all_gather(buf.view(-1), local.contiguous())
 
     def all_reduce(self, t: torch.Tensor):

@@ -65,11 +65,17 @@ def reduce_scatter(req: Scatter, group: Any, async_op: bool = True) -> Any:
     return reduce_scatter_into(req.out.view(-1), req.src.view(-1), group, async_op)
 
 
-def gather_start(local: torch.Tensor, group: Any) -> tuple[torch.Tensor, Any]:
+def gather_buffer(like: torch.Tensor, group: Any) -> torch.Tensor:
+    """An empty all-gather buffer (t, b, s/t, h) for every rank's tokens shaped as ``like`` (b, s/t, h)."""
+    return like.new_empty((dist.get_world_size(group), *like.shape))
+
+
+def gather_start(local: torch.Tensor, group: Any, buf: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
     """Start the all-gather of every rank's tokens ``local`` (b, s/t, h): returns its buffer
-    (t, b, s/t, h) and the work; :func:`gathered_view` reads the buffer once the work has ended."""
-    t = dist.get_world_size(group)
-    buf = local.new_empty((t, *local.shape))
+    (t, b, s/t, h; ``buf`` if given, made by :func:`gather_buffer`) and the work; :func:`gathered_view`
+    reads the buffer once the work has ended. ``local`` may be ``buf``'s own slot (``buf[rank]``): the
+    gather then runs in place, with no second copy of the rank's tokens."""
+    buf = gather_buffer(local, group) if buf is None else buf
     return buf, all_gather_into(buf.view(-1), local.contiguous().view(-1), group)
 
 
