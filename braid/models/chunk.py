@@ -429,22 +429,30 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         (run ahead on a side stream, :meth:`follow`) gets what it made: autograd runs the norm's backward
         on its forward's stream, maybe the caller's, so they are held until the caller's stream waits for
         the side stream (held rather than marked with record_stream, which a CUDA-graph capture does not reuse).
-        ``into``: where to write the sum when the residual matches (an all-gather's slot: :meth:`_finish_gathering`)."""
+        ``into``: where to write the sum when the residual matches (an all-gather's slot: :meth:`_finish_gathering`);
+        the norm's input gradient is then dead, and not held where it was made on this stream (:meth:`_norm_ran_here`)."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
+        here = self._norm_ran_here(box_key)
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
         if keep is not None:
-            keep += [dx, *dps]
+            keep += dps
         for p, g in zip(piece.params, dps):
             self._norm_grad(p, g)
         self._boxes.pop(box_key, None)
         if residual is None:
-            return dx
-        if dx.dtype == residual.dtype and dx.shape == residual.shape:
-            if into is not None and into.dtype == dx.dtype and into.shape == dx.shape:
-                return torch.add(dx, residual, out=into)
-            return dx.add_(residual)  # the norm's input gradient is ours: no second tensor beside it (nor in ``keep``)
-        return dx + residual
+            out = dx
+        elif dx.dtype != residual.dtype or dx.shape != residual.shape:
+            out = dx + residual
+        elif into is not None and into.dtype == dx.dtype and into.shape == dx.shape:
+            out = torch.add(dx, residual, out=into)
+            if here:
+                return out
+        else:
+            out = dx.add_(residual)  # the norm's input gradient is ours: no second tensor beside it
+        if keep is not None:
+            keep.append(dx)
+        return out
 
     def _take(self, mb: int, unit: Unit, layer: int) -> list[_Piece]:
         try:

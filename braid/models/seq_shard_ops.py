@@ -87,6 +87,8 @@ class SeqShardOps:
         # the same memory) -> [tokens, None | (buffer, work) | gathered]
         self._defer_gathers = False
         self._stashed_local: dict[int, list] = {}
+        # (mb, unit, layer) of a pre unit -> the CUDA stream its norm ran on in :meth:`follow` (its backward runs there too)
+        self._norm_streams: dict[tuple, Any] = {}
         self._w_next: dict[tuple[Unit, int], tuple[Unit, int]] | None = None  # a W unit -> the W unit after it
 
     # -- reductions and gathers -----------------------------------------------------------
@@ -114,6 +116,12 @@ class SeqShardOps:
         if self.seq_gather_start is not None:
             return self.seq_gather_start(local, buf)
         return gather_start(local, self.tp_group, buf)
+
+    def _norm_ran_here(self, key: tuple) -> bool:
+        """Whether the norm of pre unit ``key`` ran (in :meth:`follow`) on the current CUDA stream, where autograd
+        then runs its backward too: a tensor that backward makes is freed on the stream it was made on, safely."""
+        ran = self._norm_streams.pop(key, None)
+        return ran is not None and ran == torch.cuda.current_stream(ran.device)
 
     def _finish_gathering(self, mb: int, st: _Backward, keep: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """:meth:`_finish`, then the all-gather of its result started: (the rank's tokens, the buffer, the work).
@@ -195,6 +203,8 @@ class SeqShardOps:
             norm = self.norm if task.unit is Unit.HEAD else self._layer_seq[task.layer].unit_norm(task.unit)
             with self._saving(mb, task.unit, task.layer):
                 h = norm(x)
+            if h.is_cuda:
+                self._norm_streams[(mb, task.unit, task.layer)] = torch.cuda.current_stream(h.device)
             buf, work = self._gather_start(h.detach())
             self._ahead_f[mb] = (x, h, norm, buf)
             return work, [state[0], h, buf]
