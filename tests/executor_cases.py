@@ -18,10 +18,10 @@ LR = 1e-2
 EPS = 1e-4
 
 
-def _data(cfg, m: int, seed: int):
+def _data(cfg, m: int, seed: int, mbs: int = MBS):
     g = torch.Generator().manual_seed(seed)
-    toks = [torch.randint(0, cfg.vocab_size, (MBS, SEQ), generator=g) for _ in range(m)]
-    labs = [torch.randint(0, cfg.vocab_size, (MBS, SEQ), generator=g) for _ in range(m)]
+    toks = [torch.randint(0, cfg.vocab_size, (mbs, SEQ), generator=g) for _ in range(m)]
+    labs = [torch.randint(0, cfg.vocab_size, (mbs, SEQ), generator=g) for _ in range(m)]
     return toks, labs
 
 
@@ -437,12 +437,13 @@ def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
     return kept, {**{u.value: units[(0, 0)].units[u].act for u in LAYER_UNITS}, "head": units[(1, 0)].units[Unit.HEAD].act}
 
 
-def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list, list, tuple]:
+def seq_shard_w_stash(ctx, shard: bool, joint: bool = False, mbs: int = MBS) -> tuple[list, list, list, tuple, list]:
     """One layer at tp=2 (float64), forward then activation backward unit by unit (weight gradients split
     off): the shapes of the column-parallel linears' stashed inputs and the row-parallel ones' stashed output
     gradients after B, what the chunk still holds
     (:meth:`pending_work`) after every W, the weight gradients, and the saved-tensor boxes left after the
-    B's with the shapes of the gathered slots they still hold. ``joint``: the micro-batch marked as a
+    B's with the shapes of the gathered slots they still hold, and per attn/mlp B whether the residual's gradient it
+    keeps is a slot of a larger buffer (the all-gather's: :meth:`_finish_gathering`). ``joint``: the micro-batch marked as a
     full backward's (``set_joint``: its W comes right after its B)."""
     from braid.core.braiding import AR_BACKWARD, AR_FORWARD, LAYER_UNITS, ChunkSpec, Comm, Phase, UnitTask
     from braid.core.topology import Topology
@@ -451,18 +452,18 @@ def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list
     from braid.tp.seq_shard import reduce_now
 
     groups = ctx.process_groups(Topology(ctx.world_size, pp=1, tp=2))
-    b, s, t = MBS, SEQ, 2
+    b, s, t = mbs, SEQ, 2
     cfg = Qwen2Config(layers=1, **CFG_KW)
     torch.manual_seed(0)
     ch = build_chunk(Qwen2Model(cfg).double(), ChunkSpec(1), 0, tp_rank=groups.coords.tp, tp_size=t, tp_group=groups.tp,
                      seq_shard=shard)
-    toks, labs = _data(cfg, 1, 0)
+    toks, labs = _data(cfg, 1, 0, mbs)
     ch.set_batch(toks, labs)
     ch.set_joint({0} if joint else set())
     torch.manual_seed(1)
     x, g = (torch.randn(b, s, cfg.hidden, dtype=torch.float64) for _ in range(2))
     rank = groups.coords.tp
-    part = (lambda v: v.chunk(t, dim=1)[rank].contiguous()) if shard else (lambda v: v)
+    part = (lambda v: v.chunk(t, dim=1)[rank].clone()) if shard else (lambda v: v)  # (a tensor of its own)
     ch.set_input(0, part(x))
     for unit in LAYER_UNITS:
         out = ch.run(0, UnitTask(Phase.F, unit, 0, Comm.AR if unit in AR_FORWARD else None))
@@ -471,10 +472,14 @@ def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list
     ch.end_forward(0)
     ch.pop_output(0)
     ch.set_output_grad(0, part(g))
+    slots = []
     for unit in reversed(LAYER_UNITS):
         out = ch.run(0, UnitTask(Phase.B, unit, 0, Comm.AR if unit in AR_BACKWARD else None))
         if out is not None:
             reduce_now(out, groups.tp)
+        if not unit.value.startswith("pre_"):
+            res = ch._bwd[0].residual
+            slots.append((unit.value, res.untyped_storage().nbytes() > res.numel() * res.element_size()))
     # after their activation backward the boxes hold none of the rank's tokens they stashed for W (the stash does)
     boxed = [tuple(box.tensors[i].shape) for box in ch._boxes.values() for i in box.gathered if box.tensors[i] is not None]
     # the whole-sequence slots: the column-parallel linears' inputs, the row-parallel ones' output gradients
@@ -487,7 +492,7 @@ def seq_shard_w_stash(ctx, shard: bool, joint: bool = False) -> tuple[list, list
         ch.run(0, UnitTask(Phase.W, unit, 0))
         held.append(sorted(w for w in ch.pending_work() if w.startswith(("stash", "stashed"))))
     grads = [(n, p.grad.clone()) for n, p in ch.named_parameters() if p.grad is not None and p.dim() == 2]
-    return stashed, held, grads, (len(ch._boxes), boxed)
+    return stashed, held, grads, (len(ch._boxes), boxed), slots
 
 
 def seq_shard_gathers(ctx, grouped: bool) -> tuple[int, list]:

@@ -196,7 +196,7 @@ def test_a_split_backward_stashes_the_ranks_tokens_and_w_gathers_them(pools) -> 
     def halved(a: list, b: list) -> bool:  # (b, s, h) without sharding, (b, s/2, h) with it
         return len(a) == len(b) > 0 and all(x[:1] + x[2:] == y[:1] + y[2:] and x[1] == 2 * y[1] for x, y in zip(a, b))
 
-    for rank, ((st0, held0, g0, _), (st1, held1, g1, (boxes, boxed))) in enumerate(zip(whole, shard)):
+    for rank, ((st0, held0, g0, _, _), (st1, held1, g1, (boxes, boxed), _)) in enumerate(zip(whole, shard)):
         assert halved(st0[0], st1[0]) and halved(st0[1], st1[1]), (rank, st0, st1)
         assert boxes > 0 and boxed == [], (rank, boxes, boxed)  # a box left (the last norm's) holds no stashed tokens
         assert held1[-1] == [] and held0[-1] == [], (rank, held0, held1)
@@ -207,12 +207,26 @@ def test_a_split_backward_stashes_the_ranks_tokens_and_w_gathers_them(pools) -> 
     # a full backward's micro-batch (W right after B, nothing to gather beside) keeps the output gradients whole;
     # the inputs are still the rank's tokens, and the weight gradients the same
     joint = pool.run(cases.seq_shard_w_stash, True, True, timeout_s=60)
-    for rank, ((st0, _, g0, _), (stj, heldj, gj, _)) in enumerate(zip(whole, joint)):
+    for rank, ((st0, _, g0, _, _), (stj, heldj, gj, _, _)) in enumerate(zip(whole, joint)):
         assert halved(st0[0], stj[0]) and stj[1] == st0[1], (rank, st0, stj)
         assert heldj[-1] == [], (rank, heldj)
         scale = max(float(a.abs().max()) for _, a in g0)
         for (n, a), (_, b) in zip(g0, gj):
             assert_matches_reference(b, a, what=f"rank {rank} joint {n}.grad", scale=scale)
+    # At one sample per micro-batch the gathered sequence is its buffer itself, and the attention unit's gradient
+    # of the residual (its norm backward plus the residual) is summed into the rank's own slot of it: no second
+    # tensor of the rank's tokens beside the whole while the unit's backward runs. A full backward keeps it there
+    # (its W holds the whole anyway); a split B copies it out, so its stash holds s/t tokens until W, not the
+    # buffer. The MLP's is the received gradient, gathered apart. Weight gradients as without sharding.
+    for joint in (False, True):
+        one = pool.run(cases.seq_shard_w_stash, False, joint, 1, timeout_s=60)
+        got = pool.run(cases.seq_shard_w_stash, True, joint, 1, timeout_s=60)
+        for rank, ((*_, g0, _, slots0), (*_, g1, _, slots1)) in enumerate(zip(one, got)):
+            assert slots0 == [("mlp", False), ("attn", False)], (rank, slots0)
+            assert slots1 == [("mlp", False), ("attn", joint)], (rank, joint, slots1)
+            scale = max(float(a.abs().max()) for _, a in g0)
+            for (n, a), (_, b) in zip(g0, g1):
+                assert_matches_reference(b, a, what=f"rank {rank} b=1 joint={joint} {n}.grad", scale=scale)
 
 
 def test_separate_linears_of_one_gathered_input_share_its_gather(pools) -> None:
