@@ -429,24 +429,29 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         (run ahead on a side stream, :meth:`follow`) gets what it made: autograd runs the norm's backward
         on its forward's stream, maybe the caller's, so they are held until the caller's stream waits for
         the side stream (held rather than marked with record_stream, which a CUDA-graph capture does not reuse).
-        ``into``: where to write the sum when the residual matches (an all-gather's slot: :meth:`_finish_gathering`);
-        the norm's input gradient is then dead, and not held where it was made on this stream (:meth:`_norm_ran_here`)."""
+        ``into`` (an all-gather's slot, :meth:`_finish_gathering`): where to write the result, of the norm's input
+        gradient's shape and dtype. The sum with the residual is written there at no cost; without a residual
+        (the LM head's norm) the gradient is copied there only where it then goes (``keep`` None, or the norm
+        ran on this stream: :meth:`_norm_ran_here`), so the copy always frees a tensor."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
-        here = self._norm_ran_here(box_key)
+        free = keep is None or self._norm_ran_here(box_key)
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
         if keep is not None:
             keep += dps
         for p, g in zip(piece.params, dps):
             self._norm_grad(p, g)
         self._boxes.pop(box_key, None)
+        fits = into is not None and into.dtype == dx.dtype and into.shape == dx.shape
         if residual is None:
+            if fits and free:
+                return into.copy_(dx)
             out = dx
         elif dx.dtype != residual.dtype or dx.shape != residual.shape:
             out = dx + residual
-        elif into is not None and into.dtype == dx.dtype and into.shape == dx.shape:
+        elif fits:
             out = torch.add(dx, residual, out=into)
-            if here:
+            if free:
                 return out
         else:
             out = dx.add_(residual)  # the norm's input gradient is ours: no second tensor beside it

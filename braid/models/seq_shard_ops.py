@@ -125,12 +125,12 @@ class SeqShardOps:
 
     def _finish_gathering(self, mb: int, st: _Backward, keep: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """:meth:`_finish`, then the all-gather of its result started: (the rank's tokens, the buffer, the work).
-        Where the residual is added (b == 1: the gathered view is the buffer itself), the sum is written into the
-        rank's own slot of the buffer and gathered in place, so the rank's tokens are no second tensor beside the
-        whole sequence while the unit's backward runs; a split B's stash copies them out after it
-        (:meth:`_shard_grad_stash`)."""
-        residual = st.pending[2]
-        buf = gather_buffer(residual, self.tp_group) if residual is not None and residual.shape[0] == 1 else None
+        At one sample per micro-batch (the gathered view is the buffer itself) the result is written into the
+        rank's own slot of the buffer and gathered in place (:meth:`_finish` says when), so the rank's tokens are
+        no second tensor beside the whole sequence while the unit's backward runs; a split B's stash copies them
+        out after it (:meth:`_shard_grad_stash`)."""
+        dh = st.pending[1]
+        buf = gather_buffer(dh, self.tp_group) if dh.shape[0] == 1 else None
         slot = None if buf is None else buf[dist.get_rank(self.tp_group)]
         g = self._finish(mb, st, keep, into=slot)
         if slot is not None and g.data_ptr() != slot.data_ptr():  # (not written there: a dtype or shape apart)
