@@ -437,15 +437,16 @@ def seq_shard_saved_bytes(ctx, shard: bool) -> tuple[dict, dict]:
     return kept, {**{u.value: units[(0, 0)].units[u].act for u in LAYER_UNITS}, "head": units[(1, 0)].units[Unit.HEAD].act}
 
 
-def seq_shard_w_stash(ctx, shard: bool, joint: bool = False, mbs: int = MBS) -> tuple[list, list, list, tuple, list]:
+def seq_shard_w_stash(ctx, shard: bool, joint: bool = False, mbs: int = MBS, head: bool = False) -> tuple[list, list, list, tuple, list]:
     """One layer at tp=2 (float64), forward then activation backward unit by unit (weight gradients split
     off): the shapes of the column-parallel linears' stashed inputs and the row-parallel ones' stashed output
     gradients after B, what the chunk still holds
     (:meth:`pending_work`) after every W, the weight gradients, and the saved-tensor boxes left after the
     B's with the shapes of the gathered slots they still hold, and per attn/mlp B whether the residual's gradient it
     keeps is a slot of a larger buffer (the all-gather's: :meth:`_finish_gathering`). ``joint``: the micro-batch marked as a
-    full backward's (``set_joint``: its W comes right after its B)."""
-    from braid.core.braiding import AR_BACKWARD, AR_FORWARD, LAYER_UNITS, ChunkSpec, Comm, Phase, UnitTask
+    full backward's (``set_joint``: its W comes right after its B). ``head``: the chunk ends with the LM head, whose
+    loss gives the output gradient."""
+    from braid.core.braiding import AR_BACKWARD, AR_FORWARD, LAYER_UNITS, ChunkSpec, Comm, Phase, Unit, UnitTask
     from braid.core.topology import Topology
     from braid.models.build import build_chunk
     from braid.models.qwen2 import Qwen2Config, Qwen2Model
@@ -455,7 +456,7 @@ def seq_shard_w_stash(ctx, shard: bool, joint: bool = False, mbs: int = MBS) -> 
     b, s, t = mbs, SEQ, 2
     cfg = Qwen2Config(layers=1, **CFG_KW)
     torch.manual_seed(0)
-    ch = build_chunk(Qwen2Model(cfg).double(), ChunkSpec(1), 0, tp_rank=groups.coords.tp, tp_size=t, tp_group=groups.tp,
+    ch = build_chunk(Qwen2Model(cfg).double(), ChunkSpec(1, head=head), 0, tp_rank=groups.coords.tp, tp_size=t, tp_group=groups.tp,
                      seq_shard=shard)
     toks, labs = _data(cfg, 1, 0, mbs)
     ch.set_batch(toks, labs)
@@ -465,19 +466,21 @@ def seq_shard_w_stash(ctx, shard: bool, joint: bool = False, mbs: int = MBS) -> 
     rank = groups.coords.tp
     part = (lambda v: v.chunk(t, dim=1)[rank].clone()) if shard else (lambda v: v)  # (a tensor of its own)
     ch.set_input(0, part(x))
-    for unit in LAYER_UNITS:
-        out = ch.run(0, UnitTask(Phase.F, unit, 0, Comm.AR if unit in AR_FORWARD else None))
+    tasks = [(u, 0) for u in LAYER_UNITS] + ([(Unit.HEAD, -1)] if head else [])
+    for unit, layer in tasks:
+        out = ch.run(0, UnitTask(Phase.F, unit, layer, Comm.AR if unit in AR_FORWARD else None))
         if out is not None:
             reduce_now(out, groups.tp)
     ch.end_forward(0)
-    ch.pop_output(0)
-    ch.set_output_grad(0, part(g))
+    if not head:
+        ch.pop_output(0)
+        ch.set_output_grad(0, part(g))
     slots = []
-    for unit in reversed(LAYER_UNITS):
-        out = ch.run(0, UnitTask(Phase.B, unit, 0, Comm.AR if unit in AR_BACKWARD else None))
+    for unit, layer in reversed(tasks):
+        out = ch.run(0, UnitTask(Phase.B, unit, layer, Comm.AR if unit in AR_BACKWARD else None))
         if out is not None:
             reduce_now(out, groups.tp)
-        if not unit.value.startswith("pre_"):
+        if unit in (Unit.ATTN, Unit.MLP):
             res = ch._bwd[0].residual
             slots.append((unit.value, res.untyped_storage().nbytes() > res.numel() * res.element_size()))
     # after their activation backward the boxes hold none of the rank's tokens they stashed for W (the stash does)
@@ -488,8 +491,8 @@ def seq_shard_w_stash(ctx, shard: bool, joint: bool = False, mbs: int = MBS) -> 
                sorted(tuple(x.shape) for u in LAYER_UNITS if not u.value.startswith("pre_") for m in ch._deferred(u, 0)
                       for x in m.stashed_tensors(0)[1::2]))
     held = []
-    for unit in reversed(LAYER_UNITS):
-        ch.run(0, UnitTask(Phase.W, unit, 0))
+    for unit, layer in reversed(tasks):
+        ch.run(0, UnitTask(Phase.W, unit, layer))
         held.append(sorted(w for w in ch.pending_work() if w.startswith(("stash", "stashed"))))
     grads = [(n, p.grad.clone()) for n, p in ch.named_parameters() if p.grad is not None and p.dim() == 2]
     return stashed, held, grads, (len(ch._boxes), boxed), slots

@@ -218,15 +218,16 @@ def test_a_split_backward_stashes_the_ranks_tokens_and_w_gathers_them(pools) -> 
     # tensor of the rank's tokens beside the whole while the unit's backward runs. A full backward keeps it there
     # (its W holds the whole anyway); a split B copies it out, so its stash holds s/t tokens until W, not the
     # buffer. The MLP's is the received gradient, gathered apart. Weight gradients as without sharding.
-    for joint in (False, True):
-        one = pool.run(cases.seq_shard_w_stash, False, joint, 1, timeout_s=60)
-        got = pool.run(cases.seq_shard_w_stash, True, joint, 1, timeout_s=60)
+    # Below the LM head the MLP's is the head's norm backward, copied into its slot (one copy per micro-batch).
+    for joint, head in [(False, False), (True, False), (False, True), (True, True)]:
+        one = pool.run(cases.seq_shard_w_stash, False, joint, 1, head, timeout_s=60)
+        got = pool.run(cases.seq_shard_w_stash, True, joint, 1, head, timeout_s=60)
         for rank, ((*_, g0, _, slots0), (*_, g1, _, slots1)) in enumerate(zip(one, got)):
             assert slots0 == [("mlp", False), ("attn", False)], (rank, slots0)
-            assert slots1 == [("mlp", False), ("attn", joint)], (rank, joint, slots1)
+            assert slots1 == [("mlp", joint and head), ("attn", joint)], (rank, joint, head, slots1)
             scale = max(float(a.abs().max()) for _, a in g0)
             for (n, a), (_, b) in zip(g0, g1):
-                assert_matches_reference(b, a, what=f"rank {rank} b=1 joint={joint} {n}.grad", scale=scale)
+                assert_matches_reference(b, a, what=f"rank {rank} b=1 joint={joint} head={head} {n}.grad", scale=scale)
 
 
 def test_separate_linears_of_one_gathered_input_share_its_gather(pools) -> None:
