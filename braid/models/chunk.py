@@ -435,7 +435,8 @@ class ModelChunk(FusedOps, SeqShardOps, MoeOps, nn.Module):
         ran on this stream: :meth:`_norm_ran_here`), so the copy always frees a tensor."""
         piece, dh, residual, box_key = st.pending
         st.pending = None
-        free = keep is None or self._norm_ran_here(box_key)
+        here = self._norm_ran_here(box_key)  # (always asked: it forgets the stream it was told)
+        free = keep is None or here
         dx, *dps = grad(piece.outputs, piece.inputs + piece.params, (dh,))
         if keep is not None:
             keep += dps
